@@ -1,0 +1,142 @@
+//! hocus-agent: a root daemon that watches jobs on network filesystems with eBPF and
+//! keeps their working-set profile, and the commands that talk to it.
+
+mod access;
+mod commands;
+mod control;
+mod daemon;
+mod mounts;
+mod observe;
+mod profile;
+mod show;
+mod store;
+mod syscalls;
+mod tracefs;
+mod tracer;
+
+use std::{path::PathBuf, process::ExitCode, time::Duration};
+
+use clap::{Args, Parser, Subcommand};
+
+/// Observe what jobs do on network filesystems (NFS, Lustre, GPFS, sshfs ...) and keep
+/// their working-set profile: hot files in first-touch order, failed lookups, writes.
+///
+/// Without a command, runs the daemon in the foreground (as root). It needs no change to
+/// anyone's code: eBPF tracepoints see every process's opens, failed lookups, reads and
+/// writes on the watched trees.
+#[derive(Parser, Debug)]
+#[command(name = "hocus-agent", version, propagate_version = true)]
+#[command(after_help = "Examples:
+  sudo hocus-agent --watch /home              watch /home, keep the profile in /var/lib/hocus
+  hocus-agent profile show                    the hottest files and trees, at a glance
+  hocus-agent profile export --out job.json   save the profile for the next job or node
+  sudo hocus-agent profile import job.json    merge a profile exported elsewhere")]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+
+    #[command(flatten)]
+    daemon: DaemonArgs,
+
+    /// The daemon's control socket.
+    #[arg(long, global = true, value_name = "PATH", default_value = control::DEFAULT_SOCKET)]
+    socket: PathBuf,
+
+    /// Where the daemon keeps its profile (used directly when no daemon runs).
+    #[arg(long, global = true, value_name = "DIR", default_value = store::DEFAULT_STATE_DIR)]
+    state_dir: PathBuf,
+}
+
+#[derive(Args, Debug)]
+struct DaemonArgs {
+    /// A tree to watch (repeatable, at most 8). Default: every network filesystem mount.
+    #[arg(long, value_name = "PATH")]
+    watch: Vec<PathBuf>,
+
+    /// How often the profile is written to the state directory.
+    #[arg(long, value_name = "SECONDS", default_value_t = 10)]
+    save_interval: u64,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Export, show or import working-set profiles.
+    #[command(subcommand)]
+    Profile(ProfileCommand),
+    /// What the daemon watches, what it has seen, and whatever it could not deliver.
+    Status {
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum ProfileCommand {
+    /// Write the profile as JSON (docs/profile-format.md), to stdout or a file. Ordinary
+    /// users get only the entries of files they can read.
+    Export {
+        /// Only entries under this directory.
+        #[arg(long, value_name = "PATH")]
+        root: Option<PathBuf>,
+        /// Write here (atomically) instead of to stdout.
+        #[arg(long, value_name = "FILE")]
+        out: Option<PathBuf>,
+    },
+    /// Print the hottest files and trees, the failed lookups and the totals.
+    Show {
+        /// Only entries under this directory.
+        #[arg(long, value_name = "PATH")]
+        root: Option<PathBuf>,
+        /// Show an exported profile file instead of the daemon's.
+        #[arg(long, value_name = "FILE")]
+        file: Option<PathBuf>,
+        /// Rows per table.
+        #[arg(long, default_value_t = 15)]
+        top: usize,
+    },
+    /// Merge an exported profile into the daemon's (or, as root without a daemon, into
+    /// the state directory's).
+    Import {
+        /// The exported profile.
+        file: PathBuf,
+    },
+}
+
+fn main() -> ExitCode {
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info"))
+        .format_target(false)
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        None => daemon::run(daemon::Options {
+            watch: cli.daemon.watch,
+            state_dir: cli.state_dir,
+            socket: cli.socket,
+            save_interval: Duration::from_secs(cli.daemon.save_interval.max(1)),
+        }),
+        Some(command) => {
+            let ctx = commands::Context {
+                socket: cli.socket,
+                state_dir: cli.state_dir,
+            };
+            match command {
+                Command::Status { json } => commands::status(&ctx, json),
+                Command::Profile(ProfileCommand::Export { root, out }) => {
+                    commands::export(&ctx, root, out)
+                }
+                Command::Profile(ProfileCommand::Show { root, file, top }) => {
+                    commands::show(&ctx, root, file, top)
+                }
+                Command::Profile(ProfileCommand::Import { file }) => commands::import(&ctx, &file),
+            }
+        }
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("hocus-agent: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,259 @@
+//! Tables a person reads at a glance: the profile's totals, hottest files and trees, and
+//! failed lookups; the daemon's status.
+
+use std::{collections::HashMap, fmt::Write};
+
+use crate::{control::Status, profile::Profile};
+
+pub fn render(p: &Profile, top: usize) -> String {
+    let mut out = String::new();
+    let opens: u64 = p.files.iter().map(|f| f.opens).sum();
+    let read: u64 = p.files.iter().map(|f| f.bytes_read).sum();
+    let size: u64 = p.files.iter().map(|f| f.size).sum();
+    let lookups: u64 = p.missing.iter().map(|m| m.lookups).sum();
+    let written = p.files.iter().filter(|f| f.written).count();
+    let mutated = p.dirs.iter().filter(|d| d.mutated).count();
+    let _ = writeln!(
+        out,
+        "{} files ({}), {} opens, {} read; {} missing names, {} failed lookups; {} files written, {} directories changed",
+        p.files.len(),
+        bytes(size),
+        opens,
+        bytes(read),
+        p.missing.len(),
+        lookups,
+        written,
+        mutated
+    );
+
+    let mut files: Vec<_> = p.files.iter().collect();
+    files.sort_by(|a, b| (b.opens, b.bytes_read).cmp(&(a.opens, a.bytes_read)));
+    table(
+        &mut out,
+        "Hottest files",
+        &["OPENS", "READ", "SIZE", "USERS", "WRITTEN", "PATH"],
+        files.iter().take(top).map(|f| {
+            vec![
+                f.opens.to_string(),
+                bytes(f.bytes_read),
+                bytes(f.size),
+                f.users.to_string(),
+                if f.written { "yes" } else { "" }.to_owned(),
+                f.path.clone(),
+            ]
+        }),
+    );
+
+    // Trees: every ancestor directory of a file gets its opens and bytes.
+    let mut trees: HashMap<&str, (u64, u64, u64)> = HashMap::new();
+    for f in &p.files {
+        let mut path = f.path.as_str();
+        while let Some(i) = path.rfind('/').filter(|i| *i > 0) {
+            path = &path[..i];
+            let t = trees.entry(path).or_default();
+            t.0 += f.opens;
+            t.1 += f.bytes_read;
+            t.2 += 1;
+        }
+    }
+    // A tree that holds exactly what its only child holds says nothing new.
+    let mut trees: Vec<_> = trees
+        .iter()
+        .filter(|(path, t)| {
+            !trees
+                .iter()
+                .any(|(other, o)| o == *t && other.len() > path.len() && other.starts_with(*path))
+        })
+        .collect();
+    trees.sort_by(|a, b| (b.1.0, b.0).cmp(&(a.1.0, a.0)).then(a.0.cmp(b.0)));
+    table(
+        &mut out,
+        "Hottest trees",
+        &["OPENS", "READ", "FILES", "TREE"],
+        trees.iter().take(top).map(|(path, t)| {
+            vec![
+                t.0.to_string(),
+                bytes(t.1),
+                t.2.to_string(),
+                format!("{path}/"),
+            ]
+        }),
+    );
+
+    let mut by_dir: HashMap<&str, (u64, u64)> = HashMap::new();
+    for m in &p.missing {
+        let dir = m
+            .path
+            .rsplit_once('/')
+            .map_or("/", |(d, _)| if d.is_empty() { "/" } else { d });
+        let e = by_dir.entry(dir).or_default();
+        e.0 += 1;
+        e.1 += m.lookups;
+    }
+    let mut by_dir: Vec<_> = by_dir.into_iter().collect();
+    by_dir.sort_by(|a, b| b.1.1.cmp(&a.1.1).then(a.0.cmp(b.0)));
+    table(
+        &mut out,
+        "Failed lookups by directory",
+        &["LOOKUPS", "NAMES", "DIRECTORY"],
+        by_dir.iter().take(top).map(|(d, (names, lookups))| {
+            vec![lookups.to_string(), names.to_string(), (*d).to_owned()]
+        }),
+    );
+    let mut missing: Vec<_> = p.missing.iter().collect();
+    missing.sort_by(|a, b| b.lookups.cmp(&a.lookups).then(a.path.cmp(&b.path)));
+    table(
+        &mut out,
+        "Most probed missing names",
+        &["LOOKUPS", "PATH"],
+        missing
+            .iter()
+            .take(top)
+            .map(|m| vec![m.lookups.to_string(), m.path.clone()]),
+    );
+    out
+}
+
+pub fn render_status(s: &Status) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "hocus-agent pid {}, up {}s, profile in {}",
+        s.pid,
+        s.uptime_secs,
+        s.state_dir.display()
+    );
+    for w in &s.watched {
+        let _ = writeln!(
+            out,
+            "watching {} ({}{})",
+            w.path.display(),
+            w.fs_type,
+            if w.network {
+                ""
+            } else {
+                ", not a network filesystem"
+            }
+        );
+    }
+    let _ = writeln!(
+        out,
+        "profile: {} files, {} missing names, {} directories",
+        s.files, s.missing, s.dirs
+    );
+    let t = &s.tally;
+    let _ = writeln!(
+        out,
+        "seen: {} events: {} opens, {} failed lookups, {} mutations, {} closes",
+        t.events, t.opens, t.failed_lookups, t.mutations, t.closes
+    );
+    let _ = writeln!(
+        out,
+        "not placed: {} outside the watched trees after normalizing, {} unresolved relative paths, {} paths too long",
+        t.outside_watched, t.unresolved, t.truncated
+    );
+    let kernel: Vec<String> = s.kernel.iter().map(|(n, v)| format!("{n} {v}")).collect();
+    let _ = writeln!(out, "kernel: {}", kernel.join(", "));
+    if !s.not_traced.is_empty() {
+        let _ = writeln!(
+            out,
+            "not traced on this kernel: {}",
+            s.not_traced.join(", ")
+        );
+    }
+    if let Some(e) = &s.last_save_error {
+        let _ = writeln!(out, "SAVING FAILS: {e}");
+    }
+    out
+}
+
+fn table(out: &mut String, title: &str, headers: &[&str], rows: impl Iterator<Item = Vec<String>>) {
+    let rows: Vec<Vec<String>> = rows.collect();
+    if rows.is_empty() {
+        return;
+    }
+    let mut widths: Vec<usize> = headers.iter().map(|h| h.len()).collect();
+    for row in &rows {
+        for (w, cell) in widths.iter_mut().zip(row) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    let _ = writeln!(out, "\n{title}");
+    let line = |cells: Vec<String>| {
+        let last = cells.len() - 1;
+        cells
+            .into_iter()
+            .enumerate()
+            .map(|(i, c)| {
+                if i == last {
+                    c // the path, left-aligned and never padded
+                } else {
+                    format!("{c:>w$}", w = widths[i])
+                }
+            })
+            .collect::<Vec<_>>()
+            .join("  ")
+    };
+    let _ = writeln!(
+        out,
+        "{}",
+        line(headers.iter().map(|h| (*h).to_owned()).collect())
+    );
+    for row in rows {
+        let _ = writeln!(out, "{}", line(row));
+    }
+}
+
+fn bytes(n: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = n as f64;
+    let mut unit = 0;
+    while v >= 1024.0 && unit < UNITS.len() - 1 {
+        v /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{n} B")
+    } else {
+        format!("{v:.1} {}", UNITS[unit])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::profile::WorkingSet;
+
+    #[test]
+    fn shows_totals_hot_files_trees_and_missing() {
+        let mut ws = WorkingSet::new(0);
+        for _ in 0..3 {
+            ws.open("/net/env/lib/numpy/core.py", 1, 1);
+        }
+        ws.open("/net/env/lib/scipy/x.py", 1, 2);
+        ws.add_bytes_read("/net/env/lib/numpy/core.py", 3 << 20);
+        ws.missing("/net/env/lib/numpy/nope.py", 1);
+        ws.missing("/net/env/lib/numpy/nope.py", 1);
+        let text = render(&ws.to_profile(), 10);
+        assert!(text.starts_with("2 files"), "{text}");
+        assert!(
+            text.contains("4 opens, 3.0 MiB read; 1 missing names, 2 failed lookups"),
+            "{text}"
+        );
+        assert!(text.contains("/net/env/lib/numpy/core.py"), "{text}");
+        // the chain /net, /net/env collapses into the deepest tree holding the same
+        assert!(
+            text.contains("      4  3.0 MiB      2  /net/env/lib/"),
+            "{text}"
+        );
+        assert!(!text.contains(" /net/env/\n"), "{text}");
+        assert!(text.contains("2      1  /net/env/lib/numpy"), "{text}");
+    }
+
+    #[test]
+    fn formats_bytes() {
+        assert_eq!(bytes(12), "12 B");
+        assert_eq!(bytes(1536), "1.5 KiB");
+        assert_eq!(bytes(5 << 30), "5.0 GiB");
+    }
+}

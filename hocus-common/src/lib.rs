@@ -1,0 +1,251 @@
+//! The contract between hocus's eBPF programs and its agent: map keys and values, the
+//! event record, and the constants both sides agree on. Everything is `#[repr(C)]` and
+//! plain data, so the same bytes mean the same thing on both sides.
+#![no_std]
+
+/// Longest path the kernel side copies; longer paths arrive truncated and flagged.
+pub const MAX_PATH: usize = 512;
+/// Longest watched prefix.
+pub const MAX_PREFIX: usize = 256;
+/// Words of a watched prefix.
+pub const PREFIX_WORDS: usize = MAX_PREFIX / 8;
+/// How many trees can be watched.
+pub const MAX_TREES: usize = 8;
+/// Entries of the kernel's prefix table: the trees, then every directory above them.
+pub const MAX_WATCHED: u32 = 64;
+/// Size of the syscall-number-indexed layout table.
+pub const MAX_SYSCALL_NR: u32 = 512;
+/// `AT_FDCWD`, the "relative to the working directory" descriptor.
+pub const AT_FDCWD: i32 = -100;
+/// A field a syscall does not have.
+pub const NO_FIELD: u16 = u16::MAX;
+/// Size of the kernel's event ring buffer.
+pub const RING_BYTES: u32 = 16 << 20;
+/// Entries in the table of open watched files.
+pub const MAX_OPEN_FILES: u32 = 65536;
+/// Processes whose working directory the kernel side remembers.
+pub const MAX_PROCESSES: u32 = 65536;
+
+/// What a traced syscall means for the profile.
+pub mod op {
+    pub const NONE: u8 = 0;
+    /// open, openat, openat2, creat: success opens a file, ENOENT is a failed lookup.
+    pub const OPEN: u8 = 1;
+    /// stat and access family: only ENOENT matters (a failed lookup).
+    pub const LOOKUP: u8 = 2;
+    pub const UNLINK: u8 = 3;
+    pub const RMDIR: u8 = 4;
+    pub const MKDIR: u8 = 5;
+    /// rename family: two paths.
+    pub const RENAME: u8 = 6;
+    pub const TRUNCATE: u8 = 7;
+    /// read family on a descriptor: bytes are added up in the kernel.
+    pub const READ: u8 = 8;
+    /// write family on a descriptor: marks the open file written.
+    pub const WRITE: u8 = 9;
+    pub const FTRUNCATE: u8 = 10;
+    pub const CLOSE: u8 = 11;
+    /// chdir: the working directory changes to a path.
+    pub const CHDIR: u8 = 12;
+    /// fchdir: the working directory changes to an open directory.
+    pub const FCHDIR: u8 = 13;
+}
+
+/// Where a process's working directory is, relative to the watched trees.
+pub mod cwd {
+    /// Neither in nor above a watched tree: relative paths from here are not watched.
+    pub const UNRELATED: u8 = 0;
+    /// Inside a watched tree.
+    pub const INSIDE: u8 = 1;
+    /// Above a watched tree (e.g. its parent): relative paths may lead into it.
+    pub const ABOVE: u8 = 2;
+}
+
+/// Where an open syscall keeps its flags.
+pub mod flags_from {
+    pub const NONE: u8 = 0;
+    /// A plain syscall argument.
+    pub const ARG: u8 = 1;
+    /// The first u64 of the `struct open_how` the argument points to (openat2).
+    pub const OPEN_HOW: u8 = 2;
+    /// `creat(2)`: always `O_CREAT | O_WRONLY | O_TRUNC`.
+    pub const CREAT: u8 = 3;
+}
+
+/// Where a syscall's arguments sit in its `sys_enter_*` tracepoint record, read from
+/// tracefs at start-up. Indexed by syscall number.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SyscallLayout {
+    pub op: u8,
+    pub flags_from: u8,
+    pub dfd: u16,
+    pub path: u16,
+    pub dfd2: u16,
+    pub path2: u16,
+    pub flags: u16,
+    pub fd: u16,
+    pub _pad: u16,
+}
+
+/// An entry of the kernel's prefix table: a watched tree (a path matches it when it
+/// continues it with `/` or ends there) or a directory above one (matched exactly).
+/// The path is stored as little-endian words with masks over its bytes, so that the
+/// kernel compares eight bytes at a time in a loop whose bound does not depend on the
+/// data (the verifier cannot prune loops bounded by a path's length).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct Watched {
+    /// Bytes in the path, without a trailing slash; 0 ends the table.
+    pub len: u32,
+    /// `TREE` or `ABOVE`.
+    pub kind: u32,
+    pub words: [u64; PREFIX_WORDS],
+    pub masks: [u64; PREFIX_WORDS],
+}
+
+impl Watched {
+    pub const TREE: u32 = 0;
+    pub const ABOVE: u32 = 1;
+
+    /// The entry for `path` (no trailing slash, shorter than `MAX_PREFIX`).
+    pub fn new(path: &[u8], kind: u32) -> Option<Self> {
+        if path.len() >= MAX_PREFIX || path.is_empty() {
+            return None;
+        }
+        let mut w = Self {
+            len: path.len() as u32,
+            kind,
+            words: [0; PREFIX_WORDS],
+            masks: [0; PREFIX_WORDS],
+        };
+        for (i, b) in path.iter().enumerate() {
+            w.words[i / 8] |= u64::from(*b) << (8 * (i % 8));
+            w.masks[i / 8] |= 0xff << (8 * (i % 8));
+        }
+        Some(w)
+    }
+}
+
+/// A syscall between its enter and its exit, keyed by thread.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub struct Pending {
+    pub op: u8,
+    pub _pad: [u8; 3],
+    pub open_flags: u32,
+    /// Directory descriptor of `path`, or the descriptor a read uses.
+    pub dfd: i32,
+    pub dfd2: i32,
+    pub path: u64,
+    pub path2: u64,
+}
+
+/// A descriptor of a process.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct FdKey {
+    pub tgid: u32,
+    pub fd: u32,
+}
+
+/// A watched file some process has open, with what it has read so far.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct OpenFile {
+    pub file_id: u64,
+    pub bytes_read: u64,
+    pub written: u32,
+    pub _pad: u32,
+}
+
+/// Scratch space for one path; 8-byte aligned so it can be read a word at a time.
+#[repr(C, align(8))]
+pub struct PathBuf {
+    pub bytes: [u8; MAX_PATH],
+}
+
+/// Kinds of event in the ring buffer.
+pub mod kind {
+    pub const OPEN: u8 = 1;
+    pub const MISSING: u8 = 2;
+    pub const CLOSE: u8 = 3;
+    pub const WRITE: u8 = 4;
+    pub const TRUNCATE: u8 = 5;
+    pub const UNLINK: u8 = 6;
+    pub const RMDIR: u8 = 7;
+    pub const MKDIR: u8 = 8;
+    pub const RENAME_FROM: u8 = 9;
+    pub const RENAME_TO: u8 = 10;
+    /// The working directory of a process in or above a watched tree changed.
+    pub const CHDIR: u8 = 11;
+    /// A process in or above a watched tree forked: `file_id` is the child's pid.
+    pub const FORK: u8 = 12;
+}
+
+/// Event flags.
+pub mod ev {
+    /// The path was longer than `MAX_PATH` and was cut.
+    pub const PATH_TRUNCATED: u32 = 1;
+    /// The path is relative to the process's working directory.
+    pub const RELATIVE_TO_CWD: u32 = 2;
+    /// ... and the kernel does not know where that directory is: the agent resolves it
+    /// and answers in `CWD`.
+    pub const CWD_UNKNOWN: u32 = 4;
+    /// The path is relative to an open watched directory, `Event::dir_id`.
+    pub const RELATIVE_TO_DIR: u32 = 8;
+}
+
+/// One thing that happened on a watched path.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct Event {
+    pub kind: u8,
+    pub _pad: [u8; 3],
+    pub flags: u32,
+    pub tgid: u32,
+    pub uid: u32,
+    /// `bpf_ktime_get_ns()` at the event.
+    pub time_ns: u64,
+    /// The open file this is about (open, close, write, truncate through a descriptor).
+    pub file_id: u64,
+    /// The open directory a relative path starts from (`ev::RELATIVE_TO_DIR`).
+    pub dir_id: u64,
+    /// Bytes read through the descriptor (close).
+    pub bytes: u64,
+    pub open_flags: u32,
+    pub path_len: u32,
+    pub comm: [u8; 16],
+    pub path: [u8; MAX_PATH],
+}
+
+/// Per-CPU counters the kernel side keeps; whatever could not be delivered is counted.
+pub mod counter {
+    pub const EVENTS_SENT: u32 = 0;
+    pub const LOST_RING_FULL: u32 = 1;
+    pub const LOST_OPEN_FILES_FULL: u32 = 2;
+    pub const LOST_PENDING_FULL: u32 = 3;
+    pub const PATH_UNREADABLE: u32 = 4;
+    pub const PATH_TRUNCATED: u32 = 5;
+    pub const COUNT: u32 = 6;
+    /// Metric-style names, by index.
+    pub const NAMES: [&str; COUNT as usize] = [
+        "events_sent",
+        "lost_ring_buffer_full",
+        "lost_open_files_map_full",
+        "lost_pending_map_full",
+        "path_unreadable",
+        "path_truncated",
+    ];
+}
+
+#[cfg(feature = "user")]
+mod user {
+    use super::*;
+
+    // SAFETY: all of these are repr(C) plain data without padding holes that carry meaning.
+    unsafe impl aya::Pod for SyscallLayout {}
+    unsafe impl aya::Pod for Watched {}
+    unsafe impl aya::Pod for FdKey {}
+    unsafe impl aya::Pod for OpenFile {}
+}
