@@ -243,7 +243,7 @@ mod tests {
         assert!(text.contains("/net/env/lib/numpy/core.py"), "{text}");
         // the chain /net, /net/env collapses into the deepest tree holding the same
         assert!(
-            text.contains("      4  3.0 MiB      2  /net/env/lib/"),
+            text.contains("\n    4  3.0 MiB      2  /net/env/lib/\n"),
             "{text}"
         );
         assert!(!text.contains(" /net/env/\n"), "{text}");

@@ -1,1 +1,416 @@
+//! Fixtures for hocus's integration tests: a real network mount (sshfs over loopback,
+//! with its own sshd) and a running hocus-agent. Both are torn down on drop, also when a
+//! test panics. Tests run as root; they fail, never skip, when something is missing.
 
+use std::{
+    fs,
+    io::Read,
+    net::TcpListener,
+    os::unix::{fs::PermissionsExt, net::UnixStream},
+    path::{Path, PathBuf},
+    process::{Child, Command, Output, Stdio},
+    thread,
+    time::{Duration, Instant},
+};
+
+use serde_json::Value;
+
+/// Panics unless we are root: the tests load eBPF programs and mount filesystems.
+pub fn require_root() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        panic!(
+            "the integration tests need root (real eBPF programs, real mounts): sudo -E cargo xtask test"
+        );
+    }
+}
+
+fn run(cmd: &mut Command) -> Output {
+    let out = cmd
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e} (cargo xtask setup installs it)"));
+    if !out.status.success() {
+        panic!(
+            "{cmd:?} failed ({}):\n{}{}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    out
+}
+
+/// An sshfs mount of a local directory over SFTP on 127.0.0.1: `server` is the exported
+/// directory (the server's view), `mount` the network filesystem (the client's view).
+pub struct NetworkMount {
+    dir: tempfile::TempDir,
+    pub server: PathBuf,
+    pub mount: PathBuf,
+    sshd: Child,
+}
+
+impl NetworkMount {
+    pub fn new() -> Self {
+        require_root();
+        let dir = tempfile::Builder::new()
+            .prefix("hocus-net-")
+            .tempdir()
+            .expect("temporary directory");
+        // Ordinary users in the tests must be able to reach the mount.
+        fs::set_permissions(dir.path(), fs::Permissions::from_mode(0o755)).unwrap();
+        let root = dir.path().to_owned();
+        let server = root.join("export");
+        let mount = root.join("net");
+        fs::create_dir_all(&server).unwrap();
+        fs::set_permissions(&server, fs::Permissions::from_mode(0o755)).unwrap();
+        fs::create_dir_all(&mount).unwrap();
+        fs::create_dir_all("/run/sshd").unwrap();
+
+        for key in ["host_key", "client_key"] {
+            run(Command::new("ssh-keygen")
+                .args(["-q", "-t", "ed25519", "-N", "", "-f"])
+                .arg(root.join(key)));
+        }
+        fs::copy(root.join("client_key.pub"), root.join("authorized_keys")).unwrap();
+        let port = free_port();
+        let config = root.join("sshd_config");
+        fs::write(
+            &config,
+            format!(
+                "Port {port}\nListenAddress 127.0.0.1\nHostKey {root}/host_key\n\
+                 PermitRootLogin prohibit-password\nAuthorizedKeysFile {root}/authorized_keys\n\
+                 StrictModes no\nPasswordAuthentication no\nKbdInteractiveAuthentication no\n\
+                 UsePAM no\nSubsystem sftp internal-sftp\nPidFile {root}/sshd.pid\n",
+                root = root.display()
+            ),
+        )
+        .unwrap();
+        let sshd = Command::new("/usr/sbin/sshd")
+            .args(["-D", "-e", "-f"])
+            .arg(&config)
+            .stdout(Stdio::null())
+            .stderr(fs::File::create(root.join("sshd.log")).unwrap())
+            .spawn()
+            .expect("starting /usr/sbin/sshd (cargo xtask setup installs openssh-server)");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(
+                Instant::now() < deadline,
+                "sshd did not start: {}",
+                fs::read_to_string(root.join("sshd.log")).unwrap_or_default()
+            );
+            thread::sleep(Duration::from_millis(50));
+        }
+        let mut this = Self {
+            dir,
+            server,
+            mount,
+            sshd,
+        };
+        run(Command::new("sshfs")
+            .args(["-p", &port.to_string(), "-o"])
+            .arg(format!(
+                "IdentityFile={}/client_key,StrictHostKeyChecking=no,UserKnownHostsFile=/dev/null,allow_other,default_permissions,BatchMode=yes",
+                root.display()
+            ))
+            .arg(format!("root@127.0.0.1:{}", this.server.display()))
+            .arg(&this.mount));
+        let mounts = fs::read_to_string("/proc/self/mountinfo").unwrap();
+        assert!(
+            mounts.contains(&format!(" {} ", this.mount.display())),
+            "sshfs reported success but {} is not mounted",
+            this.mount.display()
+        );
+        this.mount = fs::canonicalize(&this.mount).unwrap();
+        this
+    }
+
+    /// A path on the network mount.
+    pub fn path(&self, rel: &str) -> PathBuf {
+        self.mount.join(rel)
+    }
+
+    /// The same path on the server side (changes made behind the client's back).
+    pub fn server_path(&self, rel: &str) -> PathBuf {
+        self.server.join(rel)
+    }
+
+    /// Creates a file on the server side with the given content.
+    pub fn put(&self, rel: &str, content: &[u8]) -> PathBuf {
+        let path = self.server_path(rel);
+        fs::create_dir_all(path.parent().unwrap()).unwrap();
+        fs::write(&path, content).unwrap();
+        self.path(rel)
+    }
+
+    pub fn root(&self) -> &Path {
+        self.dir.path()
+    }
+}
+
+impl Drop for NetworkMount {
+    fn drop(&mut self) {
+        // Lazy unmount: a test may have left a process with a file open on it.
+        let _ = Command::new("fusermount3")
+            .arg("-uz")
+            .arg(&self.mount)
+            .status();
+        let _ = Command::new("umount")
+            .arg("-l")
+            .arg(&self.mount)
+            .stderr(Stdio::null())
+            .status();
+        let _ = self.sshd.kill();
+        let _ = self.sshd.wait();
+    }
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// The hocus-agent binary under test (built by `cargo xtask test`).
+pub fn agent_bin() -> PathBuf {
+    if let Some(p) = std::env::var_os("HOCUS_AGENT_BIN") {
+        return PathBuf::from(p);
+    }
+    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/debug/hocus-agent");
+    assert!(
+        p.exists(),
+        "no hocus-agent binary at {}: run the tests with cargo xtask test",
+        p.display()
+    );
+    p
+}
+
+/// A running hocus-agent daemon with its own state directory and control socket.
+pub struct Agent {
+    pub dir: tempfile::TempDir,
+    pub state_dir: PathBuf,
+    pub socket: PathBuf,
+    child: Option<Child>,
+    log: PathBuf,
+}
+
+impl Agent {
+    /// Starts the daemon with `args` (e.g. `["--watch", path]`) and waits until it answers.
+    pub fn start(args: &[&str]) -> Self {
+        let dir = tempfile::Builder::new()
+            .prefix("hocus-agent-")
+            .tempdir()
+            .unwrap();
+        // Ordinary users in the tests must reach the control socket.
+        fs::set_permissions(dir.path(), fs::Permissions::from_mode(0o755)).unwrap();
+        let state_dir = dir.path().join("state");
+        Self::start_with_state(dir, state_dir, args)
+    }
+
+    /// Starts a daemon on an existing state directory (a restart).
+    pub fn start_with_state(dir: tempfile::TempDir, state_dir: PathBuf, args: &[&str]) -> Self {
+        require_root();
+        let socket = dir.path().join("agent.sock");
+        let log = unique(dir.path().join("agent.log"));
+        let child = Command::new(agent_bin())
+            .args(args)
+            .arg("--state-dir")
+            .arg(&state_dir)
+            .arg("--socket")
+            .arg(&socket)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(fs::File::create(&log).unwrap())
+            .spawn()
+            .expect("starting hocus-agent");
+        let mut agent = Self {
+            dir,
+            state_dir,
+            socket,
+            child: Some(child),
+            log,
+        };
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while UnixStream::connect(&agent.socket).is_err() {
+            if let Ok(Some(status)) = agent.child.as_mut().unwrap().try_wait() {
+                panic!(
+                    "hocus-agent exited ({status}) before it was ready:\n{}",
+                    agent.log()
+                );
+            }
+            assert!(
+                Instant::now() < deadline,
+                "hocus-agent was not ready within 60 s:\n{}",
+                agent.log()
+            );
+            thread::sleep(Duration::from_millis(50));
+        }
+        agent
+    }
+
+    pub fn log(&self) -> String {
+        fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("running").id()
+    }
+
+    pub fn is_running(&mut self) -> bool {
+        matches!(self.child.as_mut().map(|c| c.try_wait()), Some(Ok(None)))
+    }
+
+    /// A CLI command against this daemon (`hocus-agent --socket .. --state-dir .. ARGS`).
+    pub fn cli(&self, args: &[&str]) -> Command {
+        let mut cmd = Command::new(agent_bin());
+        cmd.arg("--socket")
+            .arg(&self.socket)
+            .arg("--state-dir")
+            .arg(&self.state_dir)
+            .args(args);
+        cmd
+    }
+
+    /// `profile export` as root, parsed.
+    pub fn export(&self) -> Value {
+        let out = run(&mut self.cli(&["profile", "export"]));
+        serde_json::from_slice(&out.stdout).expect("export prints JSON")
+    }
+
+    /// `status --json`, parsed.
+    pub fn status(&self) -> Value {
+        let out = run(&mut self.cli(&["status", "--json"]));
+        serde_json::from_slice(&out.stdout).expect("status prints JSON")
+    }
+
+    /// A kernel counter from `status`.
+    pub fn kernel_counter(&self, name: &str) -> u64 {
+        let status = self.status();
+        status["kernel"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|pair| pair[0] == name)
+            .unwrap_or_else(|| panic!("no kernel counter {name} in {status}"))[1]
+            .as_u64()
+            .unwrap()
+    }
+
+    /// Stops the daemon with SIGTERM and returns its log; it must exit cleanly.
+    pub fn stop(&mut self) -> String {
+        let mut child = self.child.take().expect("running");
+        // SAFETY: plain kill(2) on our child.
+        unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                assert!(
+                    status.success(),
+                    "hocus-agent exited with {status}:\n{}",
+                    self.log()
+                );
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "hocus-agent did not stop on SIGTERM:\n{}",
+                self.log()
+            );
+            thread::sleep(Duration::from_millis(50));
+        }
+        self.log()
+    }
+
+    /// Stops the daemon and hands back its directory and state directory for a restart.
+    pub fn stop_for_restart(mut self) -> (tempfile::TempDir, PathBuf) {
+        self.stop();
+        let dir = tempfile::Builder::new()
+            .prefix("hocus-agent-")
+            .tempdir()
+            .unwrap();
+        let dir = std::mem::replace(&mut self.dir, dir);
+        (dir, self.state_dir.clone())
+    }
+}
+
+fn unique(p: PathBuf) -> PathBuf {
+    let mut n = 0;
+    let mut candidate = p.clone();
+    while candidate.exists() {
+        n += 1;
+        candidate = p.with_extension(format!("{n}.log"));
+    }
+    candidate
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+            if thread::panicking() {
+                eprintln!("--- hocus-agent log ---\n{}", self.log());
+            }
+        }
+    }
+}
+
+/// The file entry for `path` in an exported profile.
+pub fn file_entry<'a>(profile: &'a Value, path: &Path) -> Option<&'a Value> {
+    let path = path.to_str().unwrap();
+    profile["files"]
+        .as_array()?
+        .iter()
+        .find(|f| f["path"] == path)
+}
+
+/// The lookup count of `path` in an exported profile's missing names.
+pub fn missing_lookups(profile: &Value, path: &Path) -> Option<u64> {
+    let path = path.to_str().unwrap();
+    profile["missing"]
+        .as_array()?
+        .iter()
+        .find(|m| m["path"] == path)
+        .map(|m| m["lookups"].as_u64().unwrap())
+}
+
+/// Reads a whole file, returning its length.
+pub fn read_all(path: &Path) -> usize {
+    let mut buf = Vec::new();
+    fs::File::open(path)
+        .unwrap_or_else(|e| panic!("opening {}: {e}", path.display()))
+        .read_to_end(&mut buf)
+        .unwrap();
+    buf.len()
+}
+
+/// An unprivileged user for the tests (created once): (uid, gid).
+pub fn test_user() -> (u32, u32) {
+    const NAME: &str = "hocus-test";
+    let id = |flag: &str| -> Option<u32> {
+        let out = Command::new("id").args([flag, NAME]).output().ok()?;
+        out.status
+            .success()
+            .then(|| String::from_utf8_lossy(&out.stdout).trim().parse().ok())?
+    };
+    if id("-u").is_none() {
+        let out = Command::new("useradd")
+            .args([
+                "--system",
+                "--no-create-home",
+                "--shell",
+                "/usr/sbin/nologin",
+                NAME,
+            ])
+            .output()
+            .expect("useradd (package passwd)");
+        assert!(
+            out.status.success() || id("-u").is_some(),
+            "useradd {NAME} failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    (id("-u").unwrap(), id("-g").unwrap())
+}

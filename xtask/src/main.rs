@@ -1,1 +1,153 @@
-fn main() {}
+//! `cargo xtask`: set up a machine, build, run and test hocus.
+
+mod setup;
+
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+use anyhow::{Context, Result, bail};
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "cargo xtask", about = "hocus developer workflows")]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Install what this machine lacks to build and test hocus (Debian packages,
+    /// bpf-linker, the `bpf` rustup toolchain). Idempotent; needs root.
+    Setup,
+    /// Build hocus-agent (with its eBPF programs embedded).
+    Build {
+        #[arg(long)]
+        release: bool,
+    },
+    /// Build and run hocus-agent as root, e.g. `cargo xtask run -- --watch /home`.
+    Run {
+        #[arg(long)]
+        release: bool,
+        /// Arguments for hocus-agent.
+        #[arg(last = true)]
+        args: Vec<String>,
+    },
+    /// Build and run the unit tests and the root integration tests (real eBPF, a real
+    /// sshfs mount over loopback).
+    Test {
+        /// Only integration tests whose name contains this.
+        filter: Option<String>,
+    },
+}
+
+fn main() {
+    if let Err(e) = run(Cli::parse()) {
+        eprintln!("xtask: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
+    match cli.command {
+        Cmd::Setup => setup::run(),
+        Cmd::Build { release } => build(release).map(drop),
+        Cmd::Run { release, args } => {
+            let agent = build(release)?;
+            let mut cmd = as_root(&agent);
+            cmd.args(&args);
+            // exec, so that Ctrl-C and the exit status are the agent's own
+            let err = std::os::unix::process::CommandExt::exec(&mut cmd);
+            Err(err).context("starting hocus-agent")
+        }
+        Cmd::Test { filter } => test(filter),
+    }
+}
+
+fn workspace() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives in the workspace")
+        .to_owned()
+}
+
+fn cargo() -> Command {
+    let mut cmd = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    cmd.current_dir(workspace());
+    cmd
+}
+
+fn status(cmd: &mut Command) -> Result<()> {
+    let status = cmd.status().with_context(|| format!("running {cmd:?}"))?;
+    if !status.success() {
+        bail!("{cmd:?} failed ({status})");
+    }
+    Ok(())
+}
+
+/// Builds hocus-agent, setting the machine up first if it lacks anything.
+fn build(release: bool) -> Result<PathBuf> {
+    setup::ensure()?;
+    let mut cmd = cargo();
+    cmd.args(["build", "--package", "hocus-agent"]);
+    if release {
+        cmd.arg("--release");
+    }
+    status(&mut cmd)?;
+    Ok(target_dir()
+        .join(if release { "release" } else { "debug" })
+        .join("hocus-agent"))
+}
+
+fn target_dir() -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace().join("target"))
+}
+
+pub fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() == 0 }
+}
+
+/// `program` as root: directly when we are root, else through `sudo -E`.
+fn as_root(program: &Path) -> Command {
+    if is_root() {
+        Command::new(program)
+    } else {
+        let mut cmd = Command::new("sudo");
+        cmd.arg("-E").arg(program);
+        cmd
+    }
+}
+
+fn test(filter: Option<String>) -> Result<()> {
+    let agent = build(false)?;
+    println!("== unit tests");
+    status(cargo().args([
+        "test",
+        "--package",
+        "hocus-common",
+        "--package",
+        "hocus-agent",
+        "--package",
+        "xtask",
+    ]))?;
+
+    println!("== integration tests (root: real eBPF programs, a real sshfs mount)");
+    if !is_root() {
+        bail!(
+            "the integration tests load eBPF programs and mount filesystems: run them as root (sudo -E cargo xtask test)"
+        );
+    }
+    let mut cmd = cargo();
+    cmd.args(["test", "--package", "hocus-tests", "--"])
+        .args(["--test-threads", "1"])
+        .env("HOCUS_AGENT_BIN", &agent);
+    if let Some(f) = filter {
+        cmd.arg(f);
+    }
+    status(&mut cmd)
+}

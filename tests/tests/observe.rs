@@ -1,0 +1,280 @@
+//! Observation on a real network mount: a known workload must give exactly the expected
+//! profile, and nothing outside the watched tree may appear in it.
+
+use std::{
+    fs,
+    os::unix::{fs::PermissionsExt, process::CommandExt},
+    path::Path,
+    process::Command,
+};
+
+use hocus_tests::{Agent, NetworkMount, file_entry, missing_lookups, read_all};
+use serde_json::Value;
+
+fn sh(script: &str) {
+    let status = Command::new("sh").arg("-c").arg(script).status().unwrap();
+    assert!(status.success(), "sh -c {script:?} failed");
+}
+
+fn all_paths(p: &Value) -> Vec<String> {
+    ["files", "missing", "dirs"]
+        .iter()
+        .flat_map(|k| p[k].as_array().cloned().unwrap_or_default())
+        .map(|e| e["path"].as_str().unwrap().to_owned())
+        .collect()
+}
+
+#[test]
+fn known_workload_gives_exactly_the_expected_profile() {
+    let net = NetworkMount::new();
+    let big = net.put("data/big.bin", &vec![7u8; 100_000]);
+    let small = net.put("env/small.txt", b"0123456789");
+    fs::create_dir_all(net.server_path("out")).unwrap();
+    let agent = Agent::start(&["--watch", net.mount.to_str().unwrap()]);
+
+    // Reads of known files.
+    for _ in 0..3 {
+        assert_eq!(read_all(&big), 100_000);
+    }
+    assert_eq!(read_all(&small), 10);
+    // Probes of names that do not exist: stat (statx) and open.
+    for _ in 0..5 {
+        assert!(fs::metadata(net.path("env/nope.py")).is_err());
+    }
+    for _ in 0..2 {
+        assert!(fs::File::open(net.path("env/missing.so")).is_err());
+    }
+    // A short-lived process working relative to a directory on the mount.
+    sh(&format!(
+        "cd '{}' && cat small.txt > /dev/null && test ! -e ghost.py",
+        net.path("env").display()
+    ));
+    // A write.
+    fs::write(net.path("out/result.txt"), b"hello").unwrap();
+    // Activity outside the watched tree.
+    let local = tempfile::tempdir().unwrap();
+    fs::write(local.path().join("local.txt"), b"local").unwrap();
+    assert_eq!(read_all(&local.path().join("local.txt")), 5);
+    assert!(fs::metadata(local.path().join("nope.py")).is_err());
+    assert!(fs::metadata(net.root().join("beside-the-mount")).is_err());
+
+    let p = agent.export();
+    assert_eq!(p["version"], 1, "{p:#}");
+    let f = file_entry(&p, &big).unwrap_or_else(|| panic!("{} missing from {p:#}", big.display()));
+    assert_eq!(
+        (f["opens"].as_u64(), f["bytes_read"].as_u64()),
+        (Some(3), Some(300_000)),
+        "{f}"
+    );
+    assert_eq!(
+        (f["size"].as_u64(), f["written"].as_bool()),
+        (Some(100_000), Some(false)),
+        "{f}"
+    );
+    assert_eq!(f["uids"], serde_json::json!([0]), "{f}");
+    let s = file_entry(&p, &small).unwrap();
+    assert_eq!(
+        (s["opens"].as_u64(), s["bytes_read"].as_u64()),
+        (Some(2), Some(20)),
+        "{s}"
+    );
+    assert_eq!(
+        missing_lookups(&p, &net.path("env/nope.py")),
+        Some(5),
+        "{p:#}"
+    );
+    assert_eq!(
+        missing_lookups(&p, &net.path("env/missing.so")),
+        Some(2),
+        "{p:#}"
+    );
+    assert_eq!(
+        missing_lookups(&p, &net.path("env/ghost.py")),
+        Some(1),
+        "{p:#}"
+    );
+    let r = file_entry(&p, &net.path("out/result.txt")).unwrap();
+    assert_eq!(
+        (r["written"].as_bool(), r["size"].as_u64()),
+        (Some(true), Some(5)),
+        "{r}"
+    );
+
+    // Exactly these entries, all inside the watched tree.
+    let mut files: Vec<_> = p["files"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| f["path"].as_str().unwrap())
+        .collect();
+    files.sort();
+    let mut expected =
+        [&big, &small, &net.path("out/result.txt")].map(|p| p.to_str().unwrap().to_owned());
+    expected.sort();
+    assert_eq!(files, expected);
+    assert_eq!(p["missing"].as_array().unwrap().len(), 3, "{p:#}");
+    for path in all_paths(&p) {
+        assert!(
+            Path::new(&path).starts_with(&net.mount),
+            "{path} is outside the watched tree"
+        );
+    }
+    // First-touch order: the prefetch order.
+    let order: Vec<_> = p["files"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| f["path"].as_str().unwrap())
+        .collect();
+    assert_eq!(order[0], big.to_str().unwrap());
+    assert_eq!(order[2], net.path("out/result.txt").to_str().unwrap());
+}
+
+#[test]
+fn mutations_mark_files_and_directories_mutable() {
+    let net = NetworkMount::new();
+    net.put("cache/entry-1", b"compiled");
+    net.put("cache/old", b"stale");
+    net.put("cache/trunc", b"0123456789");
+    net.put("ro/module.py", b"X = 1");
+    let agent = Agent::start(&["--watch", net.mount.to_str().unwrap()]);
+
+    read_all(&net.path("ro/module.py"));
+    read_all(&net.path("cache/entry-1"));
+    fs::write(net.path("cache/tmp-123"), b"new entry").unwrap();
+    fs::rename(net.path("cache/tmp-123"), net.path("cache/entry-2")).unwrap();
+    fs::remove_file(net.path("cache/old")).unwrap();
+    fs::create_dir(net.path("cache/sub")).unwrap();
+    fs::File::options()
+        .write(true)
+        .open(net.path("cache/trunc"))
+        .unwrap()
+        .set_len(3)
+        .unwrap();
+
+    let p = agent.export();
+    let written =
+        |rel: &str| file_entry(&p, &net.path(rel)).map(|f| f["written"].as_bool().unwrap());
+    assert_eq!(written("ro/module.py"), Some(false), "{p:#}");
+    assert_eq!(written("cache/entry-1"), Some(false), "{p:#}");
+    assert_eq!(written("cache/tmp-123"), Some(true), "{p:#}");
+    assert_eq!(written("cache/entry-2"), Some(true), "{p:#}");
+    assert_eq!(written("cache/old"), Some(true), "{p:#}");
+    assert_eq!(written("cache/trunc"), Some(true), "{p:#}");
+    let mutated = |rel: &str| {
+        p["dirs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|d| d["path"] == net.path(rel).to_str().unwrap())
+            .map(|d| d["mutated"].as_bool().unwrap())
+    };
+    assert_eq!(mutated("cache"), Some(true), "{p:#}");
+    assert_eq!(mutated("cache/sub"), Some(true), "{p:#}");
+    assert_eq!(mutated("ro"), None, "{p:#}");
+}
+
+#[test]
+fn watches_every_network_mount_when_none_is_named() {
+    let net = NetworkMount::new();
+    let agent = Agent::start(&[]);
+    let status = agent.status();
+    let watched = status["watched"].as_array().unwrap();
+    let ours = watched
+        .iter()
+        .find(|w| w["path"] == net.mount.to_str().unwrap())
+        .unwrap_or_else(|| panic!("{} not watched: {status:#}", net.mount.display()));
+    assert_eq!(ours["fs_type"], "fuse.sshfs");
+    assert_eq!(ours["network"], true);
+    assert!(
+        watched.iter().all(|w| w["network"] == true),
+        "only network filesystems are watched by default: {status:#}"
+    );
+    assert!(
+        agent
+            .log()
+            .contains(&format!("watching {} (fuse.sshfs)", net.mount.display()))
+    );
+}
+
+#[test]
+fn refuses_to_watch_what_does_not_exist() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(hocus_tests::agent_bin())
+        .args(["--watch", "/no/such/dir", "--state-dir"])
+        .arg(dir.path().join("state"))
+        .arg("--socket")
+        .arg(dir.path().join("s.sock"))
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("cannot watch /no/such/dir"), "{err}");
+}
+
+#[test]
+fn an_ordinary_user_sees_only_what_they_can_read() {
+    let net = NetworkMount::new();
+    let public = net.put("shared/public.py", b"print('hi')");
+    let private = net.put("shared/private.key", b"secret");
+    fs::set_permissions(
+        net.server_path("shared/private.key"),
+        fs::Permissions::from_mode(0o600),
+    )
+    .unwrap();
+    fs::create_dir_all(net.server_path("locked")).unwrap();
+    net.put("locked/inner.txt", b"x");
+    fs::set_permissions(net.server_path("locked"), fs::Permissions::from_mode(0o700)).unwrap();
+    let agent = Agent::start(&["--watch", net.mount.to_str().unwrap()]);
+    // root reads everything and probes a name in the locked directory
+    read_all(&public);
+    read_all(&private);
+    read_all(&net.path("locked/inner.txt"));
+    assert!(fs::metadata(net.path("locked/ghost")).is_err());
+    assert!(fs::metadata(net.path("shared/ghost")).is_err());
+
+    let (uid, gid) = hocus_tests::test_user();
+    let out = agent
+        .cli(&["profile", "export"])
+        .uid(uid)
+        .gid(gid)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let p: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(file_entry(&p, &public).is_some(), "{p:#}");
+    assert!(
+        file_entry(&p, &private).is_none(),
+        "a 0600 file of root leaked: {p:#}"
+    );
+    assert!(
+        file_entry(&p, &net.path("locked/inner.txt")).is_none(),
+        "{p:#}"
+    );
+    assert_eq!(
+        missing_lookups(&p, &net.path("shared/ghost")),
+        Some(1),
+        "{p:#}"
+    );
+    assert_eq!(
+        missing_lookups(&p, &net.path("locked/ghost")),
+        None,
+        "{p:#}"
+    );
+    let f = file_entry(&p, &public).unwrap();
+    assert_eq!(
+        f["uids"],
+        serde_json::json!([]),
+        "root's uid is not the user's to see: {f}"
+    );
+    assert_eq!(f["users"], 1);
+
+    // root sees everything
+    let all = agent.export();
+    assert!(file_entry(&all, &private).is_some());
+    assert!(file_entry(&all, &net.path("locked/inner.txt")).is_some());
+}
