@@ -227,7 +227,11 @@ pub mod counter {
     pub const LOST_PENDING_FULL: u32 = 3;
     pub const PATH_UNREADABLE: u32 = 4;
     pub const PATH_TRUNCATED: u32 = 5;
-    pub const COUNT: u32 = 6;
+    /// Of `LOST_RING_FULL`: open events (the profile misses those opens).
+    pub const LOST_OPENS: u32 = 6;
+    /// Of `LOST_RING_FULL`: failed lookups.
+    pub const LOST_FAILED_LOOKUPS: u32 = 7;
+    pub const COUNT: u32 = 8;
     /// Metric-style names, by index.
     pub const NAMES: [&str; COUNT as usize] = [
         "events_sent",
@@ -236,6 +240,8 @@ pub mod counter {
         "lost_pending_map_full",
         "path_unreadable",
         "path_truncated",
+        "lost_open_events",
+        "lost_failed_lookup_events",
     ];
 }
 

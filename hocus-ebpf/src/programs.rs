@@ -599,6 +599,11 @@ struct Header {
 fn emit(h: &Header, m: &Match, slot: u32) {
     let Some(mut entry) = EVENTS.reserve::<Event>(0) else {
         count(counter::LOST_RING_FULL);
+        match h.kind {
+            kind::OPEN => count(counter::LOST_OPENS),
+            kind::MISSING => count(counter::LOST_FAILED_LOOKUPS),
+            _ => {}
+        }
         return;
     };
     let e = entry.as_mut_ptr();

@@ -1,0 +1,203 @@
+//! The profile outlives the daemon; bad profile files get clear errors and are never
+//! overwritten; exported profiles import elsewhere.
+
+use std::fs;
+
+use hocus_tests::{Agent, NetworkMount, file_entry, missing_lookups, read_all};
+
+#[test]
+fn the_profile_survives_a_restart_and_keeps_growing() {
+    let net = NetworkMount::new();
+    let file = net.put("lib/mod.py", b"A = 1\n");
+    let agent = Agent::start(&["--watch", net.mount.to_str().unwrap()]);
+    read_all(&file);
+    assert!(fs::metadata(net.path("lib/gone.py")).is_err());
+    let first = agent.export();
+    let (dir, state_dir) = agent.stop_for_restart();
+    assert!(state_dir.join("profile.json").exists());
+
+    let agent = Agent::start_with_state(dir, state_dir, &["--watch", net.mount.to_str().unwrap()]);
+    assert!(
+        agent.log().contains("continuing the profile"),
+        "{}",
+        agent.log()
+    );
+    read_all(&file);
+    assert!(fs::metadata(net.path("lib/gone.py")).is_err());
+    let second = agent.export();
+    assert_eq!(
+        file_entry(&second, &file).unwrap()["opens"],
+        2,
+        "{second:#}"
+    );
+    assert_eq!(missing_lookups(&second, &net.path("lib/gone.py")), Some(2));
+    assert_eq!(
+        second["started_unix_ns"], first["started_unix_ns"],
+        "the same profile goes on"
+    );
+    // first touch stays that of the first run
+    assert_eq!(
+        file_entry(&second, &file).unwrap()["first_touch_ns"],
+        file_entry(&first, &file).unwrap()["first_touch_ns"]
+    );
+}
+
+#[test]
+fn a_corrupt_profile_is_set_aside_not_overwritten_and_the_daemon_starts() {
+    let net = NetworkMount::new();
+    let dir = tempfile::tempdir().unwrap();
+    let state_dir = dir.path().join("state");
+    fs::create_dir_all(&state_dir).unwrap();
+    let garbage = b"{\"version\": 1, \"files\": [{\"path\": \"/x\", \"si";
+    fs::write(state_dir.join("profile.json"), garbage).unwrap();
+
+    let mut agent = Agent::start_with_state(
+        dir,
+        state_dir.clone(),
+        &["--watch", net.mount.to_str().unwrap()],
+    );
+    let log = agent.log();
+    assert!(
+        log.contains(&format!("{}/profile.json", state_dir.display())),
+        "{log}"
+    );
+    assert!(
+        log.contains("is not a hocus profile or is truncated"),
+        "{log}"
+    );
+    let aside: Vec<_> = fs::read_dir(&state_dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| {
+            p.file_name()
+                .unwrap()
+                .to_string_lossy()
+                .starts_with("profile.json.bad-")
+        })
+        .collect();
+    assert_eq!(aside.len(), 1, "{log}");
+    assert_eq!(
+        fs::read(&aside[0]).unwrap(),
+        garbage,
+        "the bad file is kept byte for byte"
+    );
+    read_all(&net.put("a.py", b"1"));
+    assert_eq!(agent.export()["files"].as_array().unwrap().len(), 1);
+    agent.stop();
+    assert_eq!(fs::read(&aside[0]).unwrap(), garbage);
+}
+
+#[test]
+fn bad_files_given_to_the_cli_get_errors_that_name_them() {
+    let net = NetworkMount::new();
+    let agent = Agent::start(&["--watch", net.mount.to_str().unwrap()]);
+    let dir = tempfile::tempdir().unwrap();
+    let cases: [(&str, &[u8], &str); 4] = [
+        (
+            "truncated.json",
+            b"{\"version\": 1, \"files\": [",
+            "is not a hocus profile or is truncated",
+        ),
+        (
+            "newer.json",
+            b"{\"version\": 99, \"files\": []}",
+            "written by a newer hocus",
+        ),
+        (
+            "not-json.json",
+            b"\x7fELF\x02\x01",
+            "is not a hocus profile",
+        ),
+        ("missing.json", b"", "does not exist"),
+    ];
+    for (name, content, message) in cases {
+        let path = dir.path().join(name);
+        if !content.is_empty() {
+            fs::write(&path, content).unwrap();
+        }
+        for args in [
+            vec!["profile", "import", path.to_str().unwrap()],
+            vec!["profile", "show", "--file", path.to_str().unwrap()],
+        ] {
+            let out = agent.cli(&args).output().unwrap();
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert!(!out.status.success(), "{args:?} succeeded");
+            assert!(err.contains(message), "{args:?}: {err}");
+            assert!(
+                err.contains(path.to_str().unwrap()),
+                "{args:?} does not name the file: {err}"
+            );
+        }
+        if !content.is_empty() {
+            assert_eq!(fs::read(&path).unwrap(), content, "{name} was changed");
+        }
+    }
+    // The daemon's profile is untouched by the failed imports.
+    assert!(agent.export()["files"].as_array().unwrap().is_empty());
+}
+
+#[test]
+fn an_exported_profile_imports_into_another_daemon() {
+    let net = NetworkMount::new();
+    let file = net.put("env/site.py", b"import os\n");
+    let agent = Agent::start(&["--watch", net.mount.to_str().unwrap()]);
+    read_all(&file);
+    assert!(fs::metadata(net.path("env/missing.so")).is_err());
+    let out_dir = tempfile::tempdir().unwrap();
+    let exported = out_dir.path().join("job.json");
+    let out = agent
+        .cli(&[
+            "profile",
+            "export",
+            "--root",
+            net.path("env").to_str().unwrap(),
+            "--out",
+            exported.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    drop(agent);
+
+    // A second node (a second daemon) merges it twice: counts add up.
+    let other = Agent::start(&["--watch", net.mount.to_str().unwrap()]);
+    for _ in 0..2 {
+        let out = other
+            .cli(&["profile", "import", exported.to_str().unwrap()])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let p = other.export();
+    assert_eq!(file_entry(&p, &file).unwrap()["opens"], 2, "{p:#}");
+    assert_eq!(missing_lookups(&p, &net.path("env/missing.so")), Some(2));
+
+    // And without a daemon, root imports straight into a state directory.
+    let (_keep, state_dir) = other.stop_for_restart();
+    let out = std::process::Command::new(hocus_tests::agent_bin())
+        .args([
+            "--socket",
+            "/nonexistent/agent.sock",
+            "--state-dir",
+            state_dir.to_str().unwrap(),
+        ])
+        .args(["profile", "import", exported.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let saved: serde_json::Value =
+        serde_json::from_slice(&fs::read(state_dir.join("profile.json")).unwrap()).unwrap();
+    assert_eq!(file_entry(&saved, &file).unwrap()["opens"], 3);
+}
