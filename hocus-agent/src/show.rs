@@ -27,7 +27,7 @@ pub fn render(p: &Profile, top: usize) -> String {
     );
 
     let mut files: Vec<_> = p.files.iter().collect();
-    files.sort_by(|a, b| (b.opens, b.bytes_read).cmp(&(a.opens, a.bytes_read)));
+    files.sort_by_key(|f| std::cmp::Reverse((f.opens, f.bytes_read)));
     table(
         &mut out,
         "Hottest files",

@@ -59,7 +59,7 @@ impl Format {
     }
 
     /// Parses the text of a format file: lines such as
-    /// `field:const char * filename;	offset:24;	size:8;	signed:0;`.
+    /// `field:const char * filename; offset:24; size:8; signed:0;` (tab-separated).
     pub fn parse(text: &str) -> Result<Self> {
         let mut fields = HashMap::new();
         for line in text.lines() {

@@ -50,7 +50,8 @@ pub struct NetworkMount {
 }
 
 impl NetworkMount {
-    pub fn new() -> Self {
+    /// Starts an sshd on a free loopback port and mounts its export with sshfs.
+    pub fn start() -> Self {
         require_root();
         let dir = tempfile::Builder::new()
             .prefix("hocus-net-")

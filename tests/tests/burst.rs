@@ -54,7 +54,7 @@ fn check_accounting(agent: &Agent, file: &Path, missing: &Path, opens: u64, look
 
 #[test]
 fn a_burst_of_200k_opens_on_the_network_mount() {
-    let net = NetworkMount::new();
+    let net = NetworkMount::start();
     let file = net.put("hot.py", b"x = 1\n");
     let missing = net.path("nope.py");
     let mut agent = Agent::start(&["--watch", net.mount.to_str().unwrap()]);

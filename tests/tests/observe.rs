@@ -26,7 +26,7 @@ fn all_paths(p: &Value) -> Vec<String> {
 
 #[test]
 fn known_workload_gives_exactly_the_expected_profile() {
-    let net = NetworkMount::new();
+    let net = NetworkMount::start();
     let big = net.put("data/big.bin", &vec![7u8; 100_000]);
     let small = net.put("env/small.txt", b"0123456789");
     fs::create_dir_all(net.server_path("out")).unwrap();
@@ -132,7 +132,7 @@ fn known_workload_gives_exactly_the_expected_profile() {
 
 #[test]
 fn mutations_mark_files_and_directories_mutable() {
-    let net = NetworkMount::new();
+    let net = NetworkMount::start();
     net.put("cache/entry-1", b"compiled");
     net.put("cache/old", b"stale");
     net.put("cache/trunc", b"0123456789");
@@ -176,7 +176,7 @@ fn mutations_mark_files_and_directories_mutable() {
 
 #[test]
 fn watches_every_network_mount_when_none_is_named() {
-    let net = NetworkMount::new();
+    let net = NetworkMount::start();
     let agent = Agent::start(&[]);
     let status = agent.status();
     let watched = status["watched"].as_array().unwrap();
@@ -214,7 +214,7 @@ fn refuses_to_watch_what_does_not_exist() {
 
 #[test]
 fn an_ordinary_user_sees_only_what_they_can_read() {
-    let net = NetworkMount::new();
+    let net = NetworkMount::start();
     let public = net.put("shared/public.py", b"print('hi')");
     let private = net.put("shared/private.key", b"secret");
     fs::set_permissions(

@@ -7,7 +7,7 @@ use hocus_tests::{Agent, NetworkMount, file_entry, missing_lookups, read_all};
 
 #[test]
 fn the_profile_survives_a_restart_and_keeps_growing() {
-    let net = NetworkMount::new();
+    let net = NetworkMount::start();
     let file = net.put("lib/mod.py", b"A = 1\n");
     let agent = Agent::start(&["--watch", net.mount.to_str().unwrap()]);
     read_all(&file);
@@ -44,7 +44,7 @@ fn the_profile_survives_a_restart_and_keeps_growing() {
 
 #[test]
 fn a_corrupt_profile_is_set_aside_not_overwritten_and_the_daemon_starts() {
-    let net = NetworkMount::new();
+    let net = NetworkMount::start();
     let dir = tempfile::tempdir().unwrap();
     let state_dir = dir.path().join("state");
     fs::create_dir_all(&state_dir).unwrap();
@@ -89,7 +89,7 @@ fn a_corrupt_profile_is_set_aside_not_overwritten_and_the_daemon_starts() {
 
 #[test]
 fn bad_files_given_to_the_cli_get_errors_that_name_them() {
-    let net = NetworkMount::new();
+    let net = NetworkMount::start();
     let agent = Agent::start(&["--watch", net.mount.to_str().unwrap()]);
     let dir = tempfile::tempdir().unwrap();
     let cases: [(&str, &[u8], &str); 4] = [
@@ -138,7 +138,7 @@ fn bad_files_given_to_the_cli_get_errors_that_name_them() {
 
 #[test]
 fn an_exported_profile_imports_into_another_daemon() {
-    let net = NetworkMount::new();
+    let net = NetworkMount::start();
     let file = net.put("env/site.py", b"import os\n");
     let agent = Agent::start(&["--watch", net.mount.to_str().unwrap()]);
     read_all(&file);

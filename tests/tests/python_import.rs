@@ -7,7 +7,7 @@ use hocus_tests::{Agent, NetworkMount, file_entry, missing_lookups};
 
 #[test]
 fn a_python_import_from_the_mount_is_profiled() {
-    let net = NetworkMount::new();
+    let net = NetworkMount::start();
     net.put("env/lib/mypkg/__init__.py", b"from . import core, util\n");
     net.put("env/lib/mypkg/core.py", b"VALUE = 41\n");
     net.put(

@@ -44,6 +44,18 @@ enum Cmd {
 }
 
 fn main() {
+    // `cargo install` puts bpf-linker in ~/.cargo/bin, which the eBPF build must find.
+    if let Some(home) = std::env::var_os("HOME") {
+        let bin = Path::new(&home).join(".cargo/bin");
+        let path = std::env::var_os("PATH").unwrap_or_default();
+        let mut dirs: Vec<PathBuf> = std::env::split_paths(&path).collect();
+        if !dirs.contains(&bin) {
+            dirs.push(bin);
+            let joined = std::env::join_paths(dirs).expect("PATH entries are valid");
+            // SAFETY: single-threaded at this point.
+            unsafe { std::env::set_var("PATH", joined) };
+        }
+    }
     if let Err(e) = run(Cli::parse()) {
         eprintln!("xtask: {e:#}");
         std::process::exit(1);
