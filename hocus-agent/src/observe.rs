@@ -58,6 +58,8 @@ pub struct Observer {
     open: HashMap<u64, OpenInfo>,
     /// Bytes of each open file already added to the working set.
     bytes_counted: HashMap<u64, u64>,
+    /// Open files the kernel did not have at the last sweep.
+    missing_from_kernel: HashSet<u64>,
     /// Working directories of processes in or above a watched tree.
     cwds: HashMap<u32, PathBuf>,
     /// Places (`hocus_common::cwd`) for the kernel's `CWD` map, to be written by the caller.
@@ -74,6 +76,7 @@ impl Observer {
             clock_offset_ns: monotonic_to_unix_offset(),
             open: HashMap::new(),
             bytes_counted: HashMap::new(),
+            missing_from_kernel: HashSet::new(),
             cwds: HashMap::new(),
             cwd_places: Vec::new(),
             to_stat: HashSet::new(),
@@ -180,8 +183,10 @@ impl Observer {
     /// processes that exited without closing them. Returns the kernel entries to forget.
     pub fn sweep(&mut self, open_files: &[(FdKey, OpenFile)], ws: &mut WorkingSet) -> Vec<FdKey> {
         let mut gone = Vec::new();
-        let mut alive_ids = HashSet::new();
+        let mut in_kernel = HashSet::new();
+        let mut alive: HashMap<u32, bool> = HashMap::new();
         for (key, file) in open_files {
+            in_kernel.insert(file.file_id);
             let Some(info) = self.open.get(&file.file_id) else {
                 continue; // its open event is still on its way
             };
@@ -190,26 +195,45 @@ impl Observer {
                 ws.add_bytes_read(&info.path, file.bytes_read - *counted);
                 *counted = file.bytes_read;
             }
-            if Path::new(&format!("/proc/{}", key.tgid)).exists() {
-                alive_ids.insert(file.file_id);
-            } else {
+            let is_alive = *alive
+                .entry(key.tgid)
+                .or_insert_with(|| Path::new(&format!("/proc/{}", key.tgid)).exists());
+            if !is_alive {
                 gone.push(*key);
+                self.close(file.file_id);
             }
         }
-        for key in &gone {
-            if let Some((_, f)) = open_files.iter().find(|(k, _)| k == key) {
-                if let Some(info) = self.open.remove(&f.file_id) {
-                    if info.written {
-                        self.to_stat.insert(info.path);
-                    }
-                }
-                self.bytes_counted.remove(&f.file_id);
-            }
+        // Files the kernel no longer has whose close event was lost (or whose kernel entry
+        // could not be made). Each sweep follows a full drain, so an entry missing twice
+        // in a row is not a close still on its way.
+        let missing: HashSet<u64> = self
+            .open
+            .keys()
+            .copied()
+            .filter(|id| !in_kernel.contains(id))
+            .collect();
+        let lost: Vec<u64> = missing
+            .intersection(&self.missing_from_kernel)
+            .copied()
+            .collect();
+        for id in lost {
+            self.close(id);
         }
+        self.missing_from_kernel = missing;
         // Processes that exited also leave their working directories behind.
         self.cwds
             .retain(|tgid, _| Path::new(&format!("/proc/{tgid}")).exists());
         gone
+    }
+
+    /// Forgets an open file whose close will not be reported.
+    fn close(&mut self, file_id: u64) {
+        if let Some(info) = self.open.remove(&file_id) {
+            if info.written {
+                self.to_stat.insert(info.path);
+            }
+        }
+        self.bytes_counted.remove(&file_id);
     }
 
     /// The normalized, watched, absolute path of an event, or None (counted).
@@ -435,6 +459,39 @@ mod tests {
         assert_eq!(p.files[0].path, "/mnt/net/b.py");
         assert_eq!((p.files[0].opens, p.files[0].bytes_read), (1, 250));
         assert!(o.to_stat.contains("/mnt/net/b.py"));
+    }
+
+    #[test]
+    fn forgets_files_whose_close_was_lost() {
+        let (mut o, mut ws) = (observer(), WorkingSet::new(0));
+        o.handle(&event(kind::OPEN, "/mnt/net/a.py"), &mut ws);
+        // The kernel no longer has it (closed, close event lost): forgotten at the
+        // second sweep that misses it, not the first.
+        o.sweep(&[], &mut ws);
+        assert_eq!(o.open.len(), 1);
+        o.sweep(&[], &mut ws);
+        assert!(o.open.is_empty());
+        // An open file the kernel still has is kept.
+        o.handle(&event(kind::OPEN, "/mnt/net/b.py"), &mut ws);
+        let key = FdKey {
+            tgid: std::process::id(),
+            fd: 3,
+        };
+        let file = OpenFile {
+            file_id: 7,
+            ..Default::default()
+        };
+        for _ in 0..3 {
+            assert!(o.sweep(&[(key, file)], &mut ws).is_empty());
+        }
+        assert_eq!(o.open.len(), 1);
+        // A process that is gone: its files are closed and the kernel entry forgotten.
+        let dead = FdKey {
+            tgid: u32::MAX - 1,
+            fd: 3,
+        };
+        assert_eq!(o.sweep(&[(dead, file)], &mut ws), vec![dead]);
+        assert!(o.open.is_empty());
     }
 
     #[test]
