@@ -173,24 +173,30 @@ impl WorkingSet {
 
     /// Records an open of a file; returns true when the file is new to the profile.
     pub fn open(&mut self, path: &str, uid: u32, at_unix_ns: u64) -> bool {
+        let new = !self.files.contains_key(path);
+        let f = self.touch(path, at_unix_ns);
+        f.entry.opens += 1;
+        f.uids.insert(uid);
+        new
+    }
+
+    /// The entry of `path`, created at its first touch, with `at` recorded as a touch.
+    fn touch(&mut self, path: &str, at_unix_ns: u64) -> &mut FileState {
         let at = self.offset(at_unix_ns);
-        let mut new = false;
-        let f = self.files.entry(path.to_owned()).or_insert_with(|| {
-            new = true;
-            FileState {
+        let f = self
+            .files
+            .entry(path.to_owned())
+            .or_insert_with(|| FileState {
                 entry: FileEntry {
                     path: path.to_owned(),
                     first_touch_ns: at,
                     ..Default::default()
                 },
                 uids: BTreeSet::new(),
-            }
-        });
-        f.entry.opens += 1;
+            });
         f.entry.first_touch_ns = f.entry.first_touch_ns.min(at);
         f.entry.last_touch_ns = f.entry.last_touch_ns.max(at);
-        f.uids.insert(uid);
-        new
+        f
     }
 
     pub fn set_attributes(&mut self, path: &str, a: Attributes) {
@@ -208,20 +214,7 @@ impl WorkingSet {
 
     /// A file was written, truncated, renamed or unlinked.
     pub fn mark_written(&mut self, path: &str, at_unix_ns: u64) {
-        let at = self.offset(at_unix_ns);
-        let f = self
-            .files
-            .entry(path.to_owned())
-            .or_insert_with(|| FileState {
-                entry: FileEntry {
-                    path: path.to_owned(),
-                    first_touch_ns: at,
-                    ..Default::default()
-                },
-                uids: BTreeSet::new(),
-            });
-        f.entry.written = true;
-        f.entry.last_touch_ns = f.entry.last_touch_ns.max(at);
+        self.touch(path, at_unix_ns).entry.written = true;
     }
 
     pub fn missing(&mut self, path: &str, at_unix_ns: u64) {

@@ -149,11 +149,17 @@ pub fn path_exit(ctx: TracePointContext) -> u32 {
     0
 }
 
-fn try_path_exit(ctx: &TracePointContext) -> Option<()> {
-    let (pid_tgid, tgid) = current()?;
+/// Takes the thread's syscall in flight, stashed at its enter.
+fn take_pending(pid_tgid: u64) -> Option<Pending> {
     // SAFETY: copied out before the entry is removed.
     let p = unsafe { *PENDING.get(&pid_tgid)? };
     let _ = PENDING.remove(&pid_tgid);
+    Some(p)
+}
+
+fn try_path_exit(ctx: &TracePointContext) -> Option<()> {
+    let (pid_tgid, tgid) = current()?;
+    let p = take_pending(pid_tgid)?;
     let ret = ret(ctx);
     match p.op {
         op::OPEN if ret >= 0 => {
@@ -329,12 +335,10 @@ pub fn fd_exit(ctx: TracePointContext) -> u32 {
 
 fn try_fd_exit(ctx: &TracePointContext) -> Option<()> {
     let (pid_tgid, tgid) = current()?;
-    // SAFETY: copied out before the entry is removed.
-    let p = unsafe { *PENDING.get(&pid_tgid)? };
+    let p = take_pending(pid_tgid)?;
     if p.op != op::READ {
         return None;
     }
-    let _ = PENDING.remove(&pid_tgid);
     let ret = ret(ctx);
     if ret > 0 {
         let key = FdKey {
