@@ -2,11 +2,16 @@
 //! keeps their working-set profile, and the commands that talk to it.
 
 mod access;
+mod budget;
+mod cache;
 mod commands;
 mod control;
+mod copy;
 mod daemon;
 mod mounts;
 mod observe;
+mod pins;
+mod placement;
 mod profile;
 mod show;
 mod store;

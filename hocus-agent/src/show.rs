@@ -3,7 +3,7 @@
 
 use std::{collections::HashMap, fmt::Write};
 
-use crate::{control::Status, profile::Profile};
+use crate::{budget::human as bytes, control::Status, profile::Profile};
 
 pub fn render(p: &Profile, top: usize) -> String {
     let mut out = String::new();
@@ -204,21 +204,6 @@ fn table(out: &mut String, title: &str, headers: &[&str], rows: impl Iterator<It
     }
 }
 
-fn bytes(n: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = n as f64;
-    let mut unit = 0;
-    while v >= 1024.0 && unit < UNITS.len() - 1 {
-        v /= 1024.0;
-        unit += 1;
-    }
-    if unit == 0 {
-        format!("{n} B")
-    } else {
-        format!("{v:.1} {}", UNITS[unit])
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -248,12 +233,5 @@ mod tests {
         );
         assert!(!text.contains(" /net/env/\n"), "{text}");
         assert!(text.contains("2      1  /net/env/lib/numpy"), "{text}");
-    }
-
-    #[test]
-    fn formats_bytes() {
-        assert_eq!(bytes(12), "12 B");
-        assert_eq!(bytes(1536), "1.5 KiB");
-        assert_eq!(bytes(5 << 30), "5.0 GiB");
     }
 }

@@ -1,0 +1,144 @@
+//! Budgets: sizes as people write them (`512M`, `10G`, `10%`), and the defaults the
+//! machine suggests.
+
+use std::{fs, path::Path, str::FromStr};
+
+use anyhow::{Context, Result};
+
+/// A size in bytes, or a share of something (RAM: MemTotal).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Size {
+    Bytes(u64),
+    Percent(f64),
+}
+
+impl FromStr for Size {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let t = s.trim();
+        if let Some(p) = t.strip_suffix('%') {
+            let v: f64 = p
+                .trim()
+                .parse()
+                .map_err(|_| format!("{s:?} is not a percentage"))?;
+            if !(0.0..=100.0).contains(&v) {
+                return Err(format!("{s:?}: a percentage is between 0 and 100"));
+            }
+            return Ok(Size::Percent(v));
+        }
+        let upper = t.to_ascii_uppercase();
+        let digits = upper.trim_end_matches(|c: char| c.is_ascii_alphabetic());
+        let unit = upper[digits.len()..]
+            .trim_end_matches("IB")
+            .trim_end_matches('B');
+        let factor: u64 = match unit {
+            "" => 1,
+            "K" => 1 << 10,
+            "M" => 1 << 20,
+            "G" => 1 << 30,
+            "T" => 1 << 40,
+            _ => return Err(format!("{s:?}: unknown unit (use K, M, G, T or %)")),
+        };
+        let v: f64 = digits
+            .trim()
+            .parse()
+            .map_err(|_| format!("{s:?} is not a size (e.g. 512M, 10G, 10%)"))?;
+        if v < 0.0 {
+            return Err(format!("{s:?}: a size is not negative"));
+        }
+        Ok(Size::Bytes((v * factor as f64) as u64))
+    }
+}
+
+impl Size {
+    /// Bytes, a percentage being of `whole`.
+    pub fn of(self, whole: u64) -> u64 {
+        match self {
+            Size::Bytes(b) => b,
+            Size::Percent(p) => (whole as f64 * p / 100.0) as u64,
+        }
+    }
+}
+
+/// MemTotal from /proc/meminfo.
+pub fn mem_total() -> Result<u64> {
+    let text = fs::read_to_string("/proc/meminfo").context("reading /proc/meminfo")?;
+    let kib: u64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .context("no MemTotal in /proc/meminfo")?;
+    Ok(kib * 1024)
+}
+
+/// Free and total bytes of the filesystem holding `path`.
+pub fn fs_space(path: &Path) -> Result<(u64, u64)> {
+    let s =
+        nix::sys::statvfs::statvfs(path).with_context(|| format!("statvfs {}", path.display()))?;
+    let frsize = s.fragment_size() as u64;
+    Ok((
+        s.blocks_available() as u64 * frsize,
+        s.blocks() as u64 * frsize,
+    ))
+}
+
+/// The SSD budget when none is given: half of the free space, leaving at least a reserve
+/// of 5% of the filesystem (or 1 GiB, whichever is smaller) free for everybody else.
+pub fn default_ssd_budget(free: u64, total: u64) -> u64 {
+    let reserve = (total / 20).min(1 << 30);
+    (free / 2).min(free.saturating_sub(reserve))
+}
+
+/// Formats bytes for people.
+pub fn human(n: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = n as f64;
+    let mut unit = 0;
+    while v >= 1024.0 && unit < UNITS.len() - 1 {
+        v /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{n} B")
+    } else {
+        format!("{v:.1} {}", UNITS[unit])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_sizes_as_people_write_them() {
+        assert_eq!("512M".parse(), Ok(Size::Bytes(512 << 20)));
+        assert_eq!("10G".parse(), Ok(Size::Bytes(10 << 30)));
+        assert_eq!("10GiB".parse(), Ok(Size::Bytes(10 << 30)));
+        assert_eq!("1.5k".parse(), Ok(Size::Bytes(1536)));
+        assert_eq!("4096".parse(), Ok(Size::Bytes(4096)));
+        assert_eq!("10%".parse(), Ok(Size::Percent(10.0)));
+        assert!("10X".parse::<Size>().is_err());
+        assert!("ten".parse::<Size>().is_err());
+        assert!("150%".parse::<Size>().is_err());
+        assert_eq!(Size::Percent(10.0).of(1000), 100);
+        assert_eq!(Size::Bytes(7).of(1000), 7);
+    }
+
+    #[test]
+    fn the_default_ssd_budget_leaves_a_reserve() {
+        let g = 1u64 << 30;
+        assert_eq!(default_ssd_budget(100 * g, 200 * g), 50 * g);
+        // nearly full: the reserve wins over half the free space
+        assert_eq!(default_ssd_budget(g, 200 * g), 0);
+        assert_eq!(default_ssd_budget(3 * g, 10 * g), 3 * g / 2);
+    }
+
+    #[test]
+    fn formats_bytes() {
+        assert_eq!(human(12), "12 B");
+        assert_eq!(human(1536), "1.5 KiB");
+        assert_eq!(human(5 << 30), "5.0 GiB");
+    }
+}

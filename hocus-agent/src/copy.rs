@@ -1,0 +1,427 @@
+//! Copying one network file into the local cache, safely:
+//!
+//! - the source is opened beneath its watched tree without following any symlink
+//!   (openat2 with RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS), so a symlink swapped in
+//!   cannot make hocus copy a file from outside the tree;
+//! - it is opened with the credentials of a user seen reading it: root is squashed on
+//!   most NFS exports and must not read more than users can;
+//! - the data goes to a temporary file that is fsynced and renamed into place, so a
+//!   crash never leaves a half-written copy under its final name;
+//! - a source that changed during the copy (size, mtime, ctime or inode) is discarded;
+//! - owner, group, mode, POSIX ACLs, user xattrs, atime and mtime (ns) are kept.
+
+use std::{
+    ffi::CString,
+    fs::{self, File},
+    io,
+    os::{
+        fd::{AsRawFd, FromRawFd, OwnedFd},
+        unix::{ffi::OsStrExt, fs::MetadataExt},
+    },
+    path::{Path, PathBuf},
+};
+
+use serde::{Deserialize, Serialize};
+
+/// What identifies a version of a file: a copy is valid while these are unchanged.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Identity {
+    pub size: u64,
+    pub mtime_ns: i64,
+    pub ctime_ns: i64,
+    pub ino: u64,
+}
+
+impl Identity {
+    pub fn of(m: &fs::Metadata) -> Self {
+        Self {
+            size: m.size(),
+            mtime_ns: m.mtime() * 1_000_000_000 + m.mtime_nsec(),
+            ctime_ns: m.ctime() * 1_000_000_000 + m.ctime_nsec(),
+            ino: m.ino(),
+        }
+    }
+}
+
+/// Whose credentials open the source.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reader {
+    pub uid: u32,
+    pub gid: u32,
+    pub groups: Vec<u32>,
+}
+
+impl Reader {
+    /// The user `uid` with their primary and supplementary groups.
+    pub fn lookup(uid: u32) -> Option<Self> {
+        let user = nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(uid)).ok()??;
+        let name = CString::new(user.name).ok()?;
+        let groups = nix::unistd::getgrouplist(&name, user.gid)
+            .map(|g| g.into_iter().map(|g| g.as_raw()).collect())
+            .unwrap_or_else(|_| vec![user.gid.as_raw()]);
+        Some(Self {
+            uid,
+            gid: user.gid.as_raw(),
+            groups,
+        })
+    }
+
+    pub fn root() -> Self {
+        Self {
+            uid: 0,
+            gid: 0,
+            groups: vec![0],
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum CopyError {
+    #[error("it changed while being copied")]
+    Changed,
+    #[error("the cache filesystem is full")]
+    NoSpace,
+    #[error("refused: {0}")]
+    Unsafe(String),
+    #[error("reading it failed: {0}")]
+    Source(io::Error),
+    #[error("writing the copy failed: {0}")]
+    Local(io::Error),
+}
+
+fn local(e: io::Error) -> CopyError {
+    if e.raw_os_error() == Some(libc::ENOSPC) || e.raw_os_error() == Some(libc::EDQUOT) {
+        CopyError::NoSpace
+    } else {
+        CopyError::Local(e)
+    }
+}
+
+/// Copies `source` (inside the watched `tree`) to `dest`, going through a temporary file
+/// in `tmp_dir` (on the same filesystem as `dest`). Runs on the calling thread, whose
+/// filesystem identity it changes for the open and restores afterwards.
+pub fn copy(
+    tree: &Path,
+    source: &Path,
+    reader: &Reader,
+    tmp_dir: &Path,
+    dest: &Path,
+) -> Result<Identity, CopyError> {
+    let rel = source.strip_prefix(tree).map_err(|_| {
+        CopyError::Unsafe(format!(
+            "{} is not inside {}",
+            source.display(),
+            tree.display()
+        ))
+    })?;
+    let tree_fd = open_path(tree).map_err(CopyError::Source)?;
+    let src = {
+        let _as_reader = AsReader::take(reader).map_err(CopyError::Source)?;
+        open_beneath(&tree_fd, rel, libc::O_RDONLY)?
+    };
+    let src = File::from(src);
+    let before = src.metadata().map_err(CopyError::Source)?;
+    if !before.is_file() {
+        return Err(CopyError::Unsafe(format!(
+            "{} is not a regular file",
+            source.display()
+        )));
+    }
+    let tmp = tmp_dir.join(format!("copy-{}-{:x}", std::process::id(), rand_u64()));
+    let result = (|| {
+        let mut out = fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&tmp)
+            .map_err(local)?;
+        let copied = io::copy(&mut (&src), &mut out).map_err(|e| match e.raw_os_error() {
+            Some(libc::ENOSPC) | Some(libc::EDQUOT) => CopyError::NoSpace,
+            _ => CopyError::Source(e),
+        })?;
+        // Changed while we read? Look at the open file and at the name again.
+        let after = src.metadata().map_err(CopyError::Source)?;
+        let by_name = {
+            let fd = open_beneath(&tree_fd, rel, libc::O_PATH)?;
+            File::from(fd).metadata().map_err(CopyError::Source)?
+        };
+        let id = Identity::of(&before);
+        if copied != before.size() || Identity::of(&after) != id || Identity::of(&by_name) != id {
+            return Err(CopyError::Changed);
+        }
+        copy_xattrs(&src, &out);
+        fchown(&out, before.uid(), before.gid()).map_err(local)?;
+        // chown clears set-id bits: the mode comes after it.
+        fchmod(&out, before.mode() & 0o7777).map_err(local)?;
+        out.sync_all().map_err(local)?;
+        set_times(&out, &before).map_err(local)?;
+        if let Some(parent) = dest.parent() {
+            fs::create_dir_all(parent).map_err(local)?;
+        }
+        fs::rename(&tmp, dest).map_err(local)?;
+        if let Some(parent) = dest.parent() {
+            let _ = File::open(parent).and_then(|d| d.sync_all());
+        }
+        Ok(id)
+    })();
+    if result.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    result
+}
+
+/// Opens a directory as an O_PATH descriptor (the anchor for openat2).
+fn open_path(dir: &Path) -> io::Result<OwnedFd> {
+    let c = CString::new(dir.as_os_str().as_bytes())
+        .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    // SAFETY: valid C string; the descriptor is owned on success.
+    let fd = unsafe {
+        libc::open(
+            c.as_ptr(),
+            libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC,
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: fd is a new descriptor we own.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// openat2 beneath `dir` without following symlinks or magic links on any component.
+pub fn open_beneath(dir: &OwnedFd, rel: &Path, flags: libc::c_int) -> Result<OwnedFd, CopyError> {
+    let c = CString::new(rel.as_os_str().as_bytes())
+        .map_err(|_| CopyError::Unsafe("a NUL byte in the path".into()))?;
+    // struct open_how (linux/openat2.h); libc's is non-exhaustive.
+    #[repr(C)]
+    struct OpenHow {
+        flags: u64,
+        mode: u64,
+        resolve: u64,
+    }
+    let how = OpenHow {
+        flags: (flags | libc::O_CLOEXEC | libc::O_NOFOLLOW) as u64,
+        mode: 0,
+        resolve: libc::RESOLVE_BENEATH | libc::RESOLVE_NO_SYMLINKS | libc::RESOLVE_NO_MAGICLINKS,
+    };
+    // SAFETY: valid pointers for the duration of the call.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_openat2,
+            dir.as_raw_fd(),
+            c.as_ptr(),
+            &how as *const OpenHow,
+            size_of::<OpenHow>(),
+        )
+    };
+    if fd < 0 {
+        let e = io::Error::last_os_error();
+        return Err(match e.raw_os_error() {
+            Some(libc::ELOOP) | Some(libc::EXDEV) => CopyError::Unsafe(format!(
+                "{} goes through a symlink or leaves the watched tree",
+                rel.display()
+            )),
+            _ => CopyError::Source(e),
+        });
+    }
+    // SAFETY: fd is a new descriptor we own.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// This thread's filesystem identity as `reader` until dropped. Raw syscalls: glibc's
+/// wrappers would change every thread of the daemon.
+struct AsReader {
+    was_root: bool,
+}
+
+impl AsReader {
+    fn take(r: &Reader) -> io::Result<Self> {
+        if r.uid == 0 {
+            return Ok(Self { was_root: false });
+        }
+        // SAFETY: credential syscalls on this thread only, with valid pointers.
+        unsafe {
+            if libc::syscall(libc::SYS_setgroups, r.groups.len(), r.groups.as_ptr()) != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            libc::syscall(libc::SYS_setfsgid, r.gid);
+            libc::syscall(libc::SYS_setfsuid, r.uid);
+            if libc::syscall(libc::SYS_setfsuid, u32::MAX) as u32 != r.uid {
+                return Err(io::Error::other(format!(
+                    "could not take the identity of uid {}",
+                    r.uid
+                )));
+            }
+        }
+        Ok(Self { was_root: true })
+    }
+}
+
+impl Drop for AsReader {
+    fn drop(&mut self) {
+        if self.was_root {
+            // SAFETY: as above; back to root, which restores the filesystem capabilities.
+            unsafe {
+                libc::syscall(libc::SYS_setfsuid, 0);
+                libc::syscall(libc::SYS_setfsgid, 0);
+                let none: [u32; 0] = [];
+                libc::syscall(libc::SYS_setgroups, 0, none.as_ptr());
+            }
+        }
+    }
+}
+
+fn fchown(f: &File, uid: u32, gid: u32) -> io::Result<()> {
+    // SAFETY: plain syscall on an open descriptor.
+    if unsafe { libc::fchown(f.as_raw_fd(), uid, gid) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+fn fchmod(f: &File, mode: u32) -> io::Result<()> {
+    // SAFETY: plain syscall on an open descriptor.
+    if unsafe { libc::fchmod(f.as_raw_fd(), mode) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+fn set_times(f: &File, m: &fs::Metadata) -> io::Result<()> {
+    let times = [
+        libc::timespec {
+            tv_sec: m.atime(),
+            tv_nsec: m.atime_nsec(),
+        },
+        libc::timespec {
+            tv_sec: m.mtime(),
+            tv_nsec: m.mtime_nsec(),
+        },
+    ];
+    // SAFETY: valid pointer to two timespecs.
+    if unsafe { libc::futimens(f.as_raw_fd(), times.as_ptr()) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Copies user xattrs and the POSIX ACL. Filesystems without xattrs (sshfs) have none.
+fn copy_xattrs(src: &File, dst: &File) {
+    let mut names = vec![0u8; 64 << 10];
+    // SAFETY: buffer of the given size.
+    let n = unsafe { libc::flistxattr(src.as_raw_fd(), names.as_mut_ptr().cast(), names.len()) };
+    if n <= 0 {
+        return;
+    }
+    for name in names[..n as usize]
+        .split(|b| *b == 0)
+        .filter(|n| !n.is_empty())
+    {
+        if !(name.starts_with(b"user.") || name == b"system.posix_acl_access") {
+            continue;
+        }
+        let Ok(cname) = CString::new(name) else {
+            continue;
+        };
+        let mut value = vec![0u8; 64 << 10];
+        // SAFETY: buffers of the given sizes, NUL-terminated name.
+        unsafe {
+            let len = libc::fgetxattr(
+                src.as_raw_fd(),
+                cname.as_ptr(),
+                value.as_mut_ptr().cast(),
+                value.len(),
+            );
+            if len >= 0 {
+                libc::fsetxattr(
+                    dst.as_raw_fd(),
+                    cname.as_ptr(),
+                    value.as_ptr().cast(),
+                    len as usize,
+                    0,
+                );
+            }
+        }
+    }
+}
+
+fn rand_u64() -> u64 {
+    let mut b = [0u8; 8];
+    if File::open("/dev/urandom")
+        .and_then(|mut f| io::Read::read_exact(&mut f, &mut b))
+        .is_err()
+    {
+        return std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_nanos() as u64;
+    }
+    u64::from_ne_bytes(b)
+}
+
+/// Where the copy of `source` lives under the cache's file tree.
+pub fn local_path(files_root: &Path, source: &str) -> PathBuf {
+    files_root.join(source.trim_start_matches('/'))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::{PermissionsExt, symlink};
+
+    #[test]
+    fn copies_content_mode_and_times_and_refuses_symlinks() {
+        let dir = tempfile::tempdir().unwrap();
+        let tree = dir.path().join("tree");
+        let tmp = dir.path().join("tmp");
+        fs::create_dir_all(tree.join("sub")).unwrap();
+        fs::create_dir_all(&tmp).unwrap();
+        let src = tree.join("sub/a.py");
+        fs::write(&src, b"print(1)\n").unwrap();
+        fs::set_permissions(&src, fs::Permissions::from_mode(0o640)).unwrap();
+        let t = libc::timespec {
+            tv_sec: 1_600_000_000,
+            tv_nsec: 123_456_789,
+        };
+        let c = CString::new(src.as_os_str().as_bytes()).unwrap();
+        // SAFETY: valid pointers.
+        unsafe { libc::utimensat(libc::AT_FDCWD, c.as_ptr(), [t, t].as_ptr(), 0) };
+
+        let dest = dir.path().join("cache/sub/a.py");
+        let id = copy(&tree, &src, &Reader::root(), &tmp, &dest).unwrap();
+        assert_eq!(fs::read(&dest).unwrap(), b"print(1)\n");
+        let m = fs::metadata(&dest).unwrap();
+        assert_eq!(m.mode() & 0o7777, 0o640);
+        assert_eq!((m.mtime(), m.mtime_nsec()), (1_600_000_000, 123_456_789));
+        assert_eq!(id.size, 9);
+        assert_eq!(
+            fs::read_dir(&tmp).unwrap().count(),
+            0,
+            "no temporary file is left"
+        );
+
+        // A symlinked directory inside the tree pointing outside it.
+        let outside = dir.path().join("secret");
+        fs::write(&outside, b"secret").unwrap();
+        symlink(dir.path(), tree.join("link")).unwrap();
+        let err = copy(
+            &tree,
+            &tree.join("link/secret"),
+            &Reader::root(),
+            &tmp,
+            &dir.path().join("x"),
+        )
+        .unwrap_err();
+        assert!(matches!(err, CopyError::Unsafe(_)), "{err}");
+        // and a path that is not in the tree at all
+        let err = copy(
+            &tree,
+            &outside,
+            &Reader::root(),
+            &tmp,
+            &dir.path().join("y"),
+        )
+        .unwrap_err();
+        assert!(matches!(err, CopyError::Unsafe(_)), "{err}");
+        assert!(!dir.path().join("x").exists() && !dir.path().join("y").exists());
+    }
+}
