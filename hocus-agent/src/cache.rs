@@ -132,10 +132,6 @@ impl Cache {
         Ok((cache, repairs))
     }
 
-    pub fn root(&self) -> &Path {
-        &self.root
-    }
-
     pub fn tmp_dir(&self) -> &Path {
         &self.tmp
     }

@@ -1,14 +1,16 @@
 //! The client commands: ask the running daemon, or read the state directory when none runs.
 
 use std::{
-    io::Write,
+    io::{IsTerminal, Write},
     path::{Path, PathBuf},
 };
 
 use anyhow::{Result, bail};
 
 use crate::{
+    budget::human,
     control::{self, ClientError, Request, Response},
+    keeper::Progress,
     profile::{Profile, WorkingSet},
     show,
     store::{self, ReadError, StateDir},
@@ -93,7 +95,7 @@ pub fn show(ctx: &Context, root: Option<PathBuf>, file: Option<PathBuf>, top: us
     Ok(())
 }
 
-fn read_exported(path: &Path) -> Result<Profile> {
+pub fn read_exported(path: &Path) -> Result<Profile> {
     match store::read_profile(path, "export it again with `hocus-agent profile export`") {
         Ok(p) => Ok(p),
         Err(ReadError::Missing) => bail!("{} does not exist", path.display()),
@@ -154,4 +156,70 @@ pub fn status(ctx: &Context, json: bool) -> Result<()> {
         print!("{}", show::render_status(&status));
     }
     Ok(())
+}
+
+pub fn prefetch(ctx: &Context, file: &Path) -> Result<()> {
+    let profile = read_exported(file)?;
+    let tty = std::io::stderr().is_terminal();
+    let mut last: Option<Progress> = None;
+    let mut refused = None;
+    let result =
+        control::call_streaming(&ctx.socket, &Request::Prefetch { profile }, |r| match r {
+            Response::Progress(p) => {
+                if tty {
+                    eprint!("\r{}", bar(&p));
+                }
+                last = Some(p);
+            }
+            Response::Error { message } => refused = Some(message),
+            _ => {}
+        });
+    if tty && last.is_some() {
+        eprintln!();
+    }
+    match result {
+        Err(ClientError::NoDaemon(socket)) => bail!(
+            "no hocus-agent daemon is running (nothing at {}): prefetching needs it, since it holds the copies and pins; start it with sudo hocus-agent --watch PATH",
+            socket.display()
+        ),
+        Err(ClientError::Other(e)) => return Err(e),
+        Ok(()) => {}
+    }
+    if let Some(message) = refused {
+        bail!("the daemon refused: {message}");
+    }
+    let Some(p) = last.filter(|p| p.finished) else {
+        bail!("the daemon stopped before the prefetch finished");
+    };
+    println!(
+        "prefetched {} files ({}) into the SSD cache{}; {} files ({}) pinned in RAM",
+        p.files_done - p.failed,
+        human(p.bytes_done),
+        if p.failed > 0 {
+            format!(", {} not cached (the daemon's log says why)", p.failed)
+        } else {
+            String::new()
+        },
+        p.pinned_files,
+        human(p.pinned_bytes)
+    );
+    Ok(())
+}
+
+fn bar(p: &Progress) -> String {
+    const WIDTH: usize = 30;
+    let done = if p.bytes_total > 0 {
+        (p.bytes_done as f64 / p.bytes_total as f64 * WIDTH as f64) as usize
+    } else {
+        WIDTH
+    };
+    format!(
+        "[{}{}] {}/{} files, {} / {}",
+        "#".repeat(done.min(WIDTH)),
+        " ".repeat(WIDTH - done.min(WIDTH)),
+        p.files_done,
+        p.files_total,
+        human(p.bytes_done),
+        human(p.bytes_total)
+    )
 }

@@ -13,12 +13,17 @@ use std::{
 use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
 use tokio::{
-    io::{AsyncBufReadExt, AsyncWriteExt, BufReader as AsyncBufReader},
+    io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader as AsyncBufReader},
     net::UnixListener,
-    sync::{mpsc, oneshot},
+    sync::mpsc,
 };
 
-use crate::{access::Caller, observe::Tally, profile::Profile};
+use crate::{
+    access::Caller,
+    keeper::{KeeperStatus, Progress},
+    observe::Tally,
+    profile::Profile,
+};
 
 pub const DEFAULT_SOCKET: &str = "/run/hocus/agent.sock";
 /// Requests carry whole profiles; bound them so a client cannot exhaust the daemon.
@@ -28,8 +33,16 @@ const MAX_REQUEST_BYTES: u64 = 512 << 20;
 #[serde(tag = "request", rename_all = "snake_case")]
 pub enum Request {
     Status,
-    Export { root: Option<PathBuf> },
-    Import { profile: Profile },
+    Export {
+        root: Option<PathBuf>,
+    },
+    Import {
+        profile: Profile,
+    },
+    /// Merge the profile and warm the cache from it now, reporting progress.
+    Prefetch {
+        profile: Profile,
+    },
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -38,6 +51,7 @@ pub enum Response {
     Status(Box<Status>),
     Profile(Profile),
     Imported { files: usize, missing: usize },
+    Progress(Progress),
     Error { message: String },
 }
 
@@ -62,13 +76,15 @@ pub struct Status {
     pub kernel: Vec<(String, u64)>,
     pub last_save_error: Option<String>,
     pub not_traced: Vec<String>,
+    pub cache: Option<KeeperStatus>,
 }
 
-/// A request with its caller, waiting for the daemon's answer.
+/// A request with its caller, waiting for the daemon's answer: one response, or several
+/// (progress) until the sender is dropped.
 pub struct Call {
     pub caller: Caller,
     pub request: Request,
-    pub reply: oneshot::Sender<Response>,
+    pub reply: mpsc::UnboundedSender<Response>,
 }
 
 /// Binds the socket (replacing a stale one) and forwards calls into `calls`.
@@ -111,30 +127,36 @@ async fn answer(stream: tokio::net::UnixStream, calls: mpsc::Sender<Call>) -> Re
     AsyncBufReader::new(read.take(MAX_REQUEST_BYTES))
         .read_line(&mut line)
         .await?;
-    let response = match serde_json::from_str::<Request>(&line) {
-        Err(e) => Response::Error {
-            message: format!("malformed request: {e}"),
-        },
-        Ok(request) => {
-            let (reply, answer) = oneshot::channel();
-            calls
-                .send(Call {
-                    caller,
-                    request,
-                    reply,
-                })
-                .await
-                .context("the daemon is shutting down")?;
-            answer.await.context("the daemon dropped the request")?
+    let request = match serde_json::from_str::<Request>(&line) {
+        Ok(request) => request,
+        Err(e) => {
+            let response = Response::Error {
+                message: format!("malformed request: {e}"),
+            };
+            return send(&mut write, &response).await;
         }
     };
-    let mut out = serde_json::to_vec(&response)?;
+    let (reply, mut answers) = mpsc::unbounded_channel();
+    calls
+        .send(Call {
+            caller,
+            request,
+            reply,
+        })
+        .await
+        .context("the daemon is shutting down")?;
+    while let Some(response) = answers.recv().await {
+        send(&mut write, &response).await?;
+    }
+    Ok(())
+}
+
+async fn send(write: &mut tokio::net::unix::OwnedWriteHalf, response: &Response) -> Result<()> {
+    let mut out = serde_json::to_vec(response)?;
     out.push(b'\n');
     write.write_all(&out).await?;
     Ok(())
 }
-
-use tokio::io::AsyncReadExt as _;
 
 /// Why the CLI could not reach a daemon.
 #[derive(Debug, thiserror::Error)]
@@ -145,8 +167,19 @@ pub enum ClientError {
     Other(#[from] anyhow::Error),
 }
 
-/// Sends one request to the daemon and waits for its answer.
+/// Sends one request to the daemon and waits for its (last) answer.
 pub fn call(socket: &Path, request: &Request) -> Result<Response, ClientError> {
+    let mut last = None;
+    call_streaming(socket, request, |r| last = Some(r))?;
+    last.ok_or_else(|| anyhow::anyhow!("the daemon closed the connection without answering").into())
+}
+
+/// Sends one request and passes every answer line to `each` until the daemon is done.
+pub fn call_streaming(
+    socket: &Path,
+    request: &Request,
+    mut each: impl FnMut(Response),
+) -> Result<(), ClientError> {
     let mut stream = match UnixStream::connect(socket) {
         Ok(s) => s,
         Err(e)
@@ -172,11 +205,12 @@ pub fn call(socket: &Path, request: &Request) -> Result<Response, ClientError> {
     let mut out = serde_json::to_vec(request).map_err(|e| ClientError::Other(e.into()))?;
     out.push(b'\n');
     stream.write_all(&out).map_err(io)?;
-    let mut line = String::new();
-    BufReader::new(stream).read_line(&mut line).map_err(io)?;
-    if line.is_empty() {
-        return Err(anyhow::anyhow!("the daemon closed the connection without answering").into());
+    for line in BufReader::new(stream).lines() {
+        let line = line.map_err(io)?;
+        let response = serde_json::from_str(&line).map_err(|e| {
+            ClientError::Other(anyhow::anyhow!("unreadable answer from the daemon: {e}"))
+        })?;
+        each(response);
     }
-    serde_json::from_str(&line)
-        .map_err(|e| ClientError::Other(anyhow::anyhow!("unreadable answer from the daemon: {e}")))
+    Ok(())
 }

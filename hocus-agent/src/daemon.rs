@@ -17,11 +17,12 @@ use tokio::{
 };
 
 use crate::{
-    access,
+    access::{self, Caller},
     control::{self, Call, Request, Response, Status, WatchedMount},
+    keeper::{self, KeeperStatus, Order},
     mounts,
     observe::{Observer, Watch},
-    profile::{Attributes, WorkingSet},
+    profile::{Attributes, Profile, WorkingSet},
     store::StateDir,
     tracer::{Counters, Tracer},
 };
@@ -31,12 +32,17 @@ pub struct Options {
     pub state_dir: PathBuf,
     pub socket: PathBuf,
     pub save_interval: Duration,
+    /// The cache and its budgets (taken by the keeper at start; `trees` is filled in
+    /// from the watched trees).
+    pub cache: Option<keeper::Config>,
 }
 
 /// How often the ring buffer is read when the kernel does not wake us (it does so only
 /// once a large batch is waiting).
 const POLL_INTERVAL: Duration = Duration::from_millis(20);
 const SWEEP_INTERVAL: Duration = Duration::from_secs(1);
+/// How often a changed working set is placed again.
+const PLACE_INTERVAL: Duration = Duration::from_secs(2);
 
 pub fn run(opts: Options) -> Result<()> {
     if !nix::unistd::geteuid().is_root() {
@@ -65,10 +71,14 @@ struct Daemon {
     /// Stats asked for and not answered yet.
     stats_pending: usize,
     reported_loss: u64,
+    keeper: std_mpsc::Sender<Order>,
+    keeper_thread: Option<std::thread::JoinHandle<()>>,
+    /// The working set changed since it was last placed.
+    to_place: bool,
 }
 
 impl Daemon {
-    fn start(opts: Options) -> Result<Self> {
+    fn start(mut opts: Options) -> Result<Self> {
         let mount_table = mounts::read()?;
         let given = if opts.watch.is_empty() {
             let found = mounts::default_watches(&mount_table);
@@ -143,6 +153,9 @@ impl Daemon {
                 tracer.skipped.join(", ")
             );
         }
+        let mut cache = opts.cache.take().expect("the cache is configured once");
+        cache.trees = watches.iter().map(|w| w.path.clone()).collect();
+        let (keeper, keeper_thread) = keeper::start(cache)?;
         let (stat_requests, stat_results) = spawn_stat_worker();
         let mut observer = Observer::new(watches);
         // Processes that started before us: where are their working directories?
@@ -168,6 +181,9 @@ impl Daemon {
             stat_results,
             stats_pending: 0,
             reported_loss: 0,
+            keeper,
+            keeper_thread: Some(keeper_thread),
+            to_place: true,
         })
     }
 
@@ -182,6 +198,7 @@ impl Daemon {
         let mut poll = tokio::time::interval(POLL_INTERVAL);
         let mut sweep = tokio::time::interval(SWEEP_INTERVAL);
         let mut save = tokio::time::interval(self.opts.save_interval);
+        let mut place = tokio::time::interval(PLACE_INTERVAL);
         let mut term = tokio::signal::unix::signal(SignalKind::terminate())?;
         let mut int = tokio::signal::unix::signal(SignalKind::interrupt())?;
         loop {
@@ -194,6 +211,7 @@ impl Daemon {
                 _ = poll.tick() => self.drain(),
                 _ = sweep.tick() => self.sweep(),
                 _ = save.tick() => self.save(),
+                _ = place.tick() => self.place(),
                 Some(result) = self.stat_results.recv() => self.stat_done(result),
                 Some(call) = calls.recv() => self.answer(call).await,
                 _ = term.recv() => break,
@@ -207,6 +225,10 @@ impl Daemon {
         self.sweep();
         self.dirty = true;
         self.save();
+        let _ = self.keeper.send(Order::Stop);
+        if let Some(t) = self.keeper_thread.take() {
+            let _ = t.join();
+        }
         match self.last_save_error {
             Some(e) => bail!("the profile could not be saved: {e}"),
             None => Ok(()),
@@ -223,6 +245,13 @@ impl Daemon {
         let n = tracer.get_mut().drain(|e| observer.handle(e, ws));
         if n > 0 {
             self.dirty = true;
+            self.to_place = true;
+        }
+        for (path, bytes) in self.observer.reads.drain(..) {
+            let _ = self.keeper.send(Order::Read(path, bytes));
+        }
+        for path in self.observer.changed.drain(..) {
+            let _ = self.keeper.send(Order::Invalidate(path));
         }
         for (tgid, place) in self.observer.cwd_places.drain(..) {
             self.tracer.get_mut().set_cwd(tgid, place);
@@ -254,6 +283,12 @@ impl Daemon {
                     break;
                 }
             }
+        }
+    }
+
+    fn place(&mut self) {
+        if std::mem::take(&mut self.to_place) {
+            let _ = self.keeper.send(Order::Place(self.ws.to_profile().files));
         }
     }
 
@@ -316,50 +351,55 @@ impl Daemon {
                 if let Some(root) = root {
                     profile.retain_under(&root);
                 }
-                // Permission checks may touch the network: keep them off this thread.
-                let checked = tokio::task::spawn_blocking(move || {
-                    access::filter_for(&mut profile, &caller).map(|()| profile)
-                })
-                .await;
-                match checked {
-                    Ok(Ok(p)) => Response::Profile(p),
-                    Ok(Err(e)) => Response::Error {
-                        message: format!("{e:#}"),
-                    },
-                    Err(e) => Response::Error {
-                        message: e.to_string(),
-                    },
+                match checked_for(profile, &caller).await {
+                    Ok(p) => Response::Profile(p),
+                    Err(message) => Response::Error { message },
                 }
             }
-            Request::Import { mut profile } => {
-                if !caller.is_root() {
-                    // An ordinary user vouches only for what they can read, as themselves.
-                    let c = caller.clone();
-                    profile = match tokio::task::spawn_blocking(move || {
-                        access::filter_for(&mut profile, &c).map(|()| profile)
-                    })
-                    .await
-                    {
-                        Ok(Ok(p)) => p,
-                        _ => {
-                            let _ = reply.send(Response::Error {
-                                message: "checking the profile's entries failed".into(),
-                            });
-                            return;
-                        }
-                    };
-                    for f in &mut profile.files {
-                        f.uids = vec![caller.uid];
-                    }
+            Request::Import { profile } => match self.merge(profile, &caller).await {
+                Ok((files, missing)) => Response::Imported { files, missing },
+                Err(message) => Response::Error { message },
+            },
+            Request::Prefetch { profile } => {
+                if let Err(message) = self.merge(profile, &caller).await {
+                    let _ = reply.send(Response::Error { message });
+                    return;
                 }
-                let (files, missing) = (profile.files.len(), profile.missing.len());
-                self.ws.merge(profile);
-                self.dirty = true;
-                self.save();
-                Response::Imported { files, missing }
+                self.to_place = false;
+                let (tx, rx) = std_mpsc::channel();
+                let _ = self
+                    .keeper
+                    .send(Order::Prefetch(self.ws.to_profile().files, tx));
+                // Progress arrives from the keeper's thread until it is done.
+                tokio::task::spawn_blocking(move || {
+                    for progress in rx {
+                        let finished = progress.finished;
+                        if reply.send(Response::Progress(progress)).is_err() || finished {
+                            break;
+                        }
+                    }
+                });
+                return;
             }
         };
         let _ = reply.send(response);
+    }
+
+    /// Merges an imported profile. An ordinary user vouches only for what they can read,
+    /// and as themselves.
+    async fn merge(&mut self, profile: Profile, caller: &Caller) -> Result<(usize, usize), String> {
+        let mut profile = checked_for(profile, caller).await?;
+        if !caller.is_root() {
+            for f in &mut profile.files {
+                f.uids = vec![caller.uid];
+            }
+        }
+        let counts = (profile.files.len(), profile.missing.len());
+        self.ws.merge(profile);
+        self.dirty = true;
+        self.to_place = true;
+        self.save();
+        Ok(counts)
     }
 
     fn status(&self) -> Status {
@@ -388,7 +428,29 @@ impl Daemon {
             kernel,
             last_save_error: self.last_save_error.clone(),
             not_traced: self.tracer.get_ref().skipped.clone(),
+            cache: self.keeper_status(),
         }
+    }
+
+    fn keeper_status(&self) -> Option<KeeperStatus> {
+        let (tx, rx) = std_mpsc::channel();
+        self.keeper.send(Order::Status(tx)).ok()?;
+        rx.recv_timeout(Duration::from_secs(5)).ok()
+    }
+}
+
+/// The profile as `caller` may see it (permission checks may touch the network: they
+/// run off the event loop's thread).
+async fn checked_for(mut profile: Profile, caller: &Caller) -> Result<Profile, String> {
+    let caller = caller.clone();
+    match tokio::task::spawn_blocking(move || {
+        access::filter_for(&mut profile, &caller).map(|()| profile)
+    })
+    .await
+    {
+        Ok(Ok(p)) => Ok(p),
+        Ok(Err(e)) => Err(format!("{e:#}")),
+        Err(e) => Err(e.to_string()),
     }
 }
 

@@ -8,10 +8,12 @@ mod commands;
 mod control;
 mod copy;
 mod daemon;
+mod keeper;
 mod mounts;
 mod observe;
 mod pins;
 mod placement;
+mod plan;
 mod profile;
 mod show;
 mod store;
@@ -61,6 +63,82 @@ struct DaemonArgs {
     /// How often the profile is written to the state directory.
     #[arg(long, value_name = "SECONDS", default_value_t = 10)]
     save_interval: u64,
+
+    #[command(flatten)]
+    cache: CacheArgs,
+}
+
+/// Where hot files are copied and pinned, and within which budgets.
+#[derive(Args, Debug, Clone)]
+struct CacheArgs {
+    /// The local cache directory (on SSD); made root-only (0700).
+    #[arg(long, value_name = "DIR", default_value = cache::DEFAULT_CACHE_DIR)]
+    cache_dir: PathBuf,
+
+    /// Bytes of copies to hold on SSD (e.g. 50G). Default: half the free space of the
+    /// cache filesystem, leaving a reserve.
+    #[arg(long, value_name = "SIZE")]
+    ssd_budget: Option<budget::Size>,
+
+    /// Bytes of copies to pin in RAM (e.g. 4G or 10%).
+    #[arg(long, value_name = "SIZE|PCT", default_value = "10%")]
+    ram_budget: budget::Size,
+
+    /// Only cache files with these endings (e.g. .py,.pyc,.so). Default: every file.
+    #[arg(long, value_name = "LIST")]
+    include_ext: Option<String>,
+
+    /// Never cache files under this path (repeatable).
+    #[arg(long, value_name = "PATH")]
+    exclude: Vec<PathBuf>,
+
+    /// How often copies are checked against the network file (size, mtime, ctime, inode).
+    #[arg(long, value_name = "SECONDS", default_value_t = 30)]
+    revalidate: u64,
+
+    /// Copies made at once.
+    #[arg(long, value_name = "N", default_value_t = 4)]
+    copy_workers: usize,
+}
+
+impl CacheArgs {
+    fn filters(&self) -> placement::Filters {
+        placement::Filters {
+            include_ext: self
+                .include_ext
+                .as_deref()
+                .map(placement::Filters::parse_extensions)
+                .unwrap_or_default(),
+            exclude: self.exclude.clone(),
+        }
+    }
+
+    /// Budgets in bytes: the SSD's from the cache filesystem, the RAM's from MemTotal.
+    fn budgets(&self) -> anyhow::Result<(u64, u64)> {
+        let mut probe = self.cache_dir.as_path();
+        while !probe.exists() {
+            probe = probe.parent().unwrap_or(std::path::Path::new("/"));
+        }
+        let (free, total) = budget::fs_space(probe)?;
+        let ssd = match self.ssd_budget {
+            Some(size) => size.of(total),
+            None => budget::default_ssd_budget(free, total),
+        };
+        Ok((ssd, self.ram_budget.of(budget::mem_total()?)))
+    }
+
+    fn config(&self) -> anyhow::Result<keeper::Config> {
+        let (ssd_budget, ram_budget) = self.budgets()?;
+        Ok(keeper::Config {
+            cache_dir: self.cache_dir.clone(),
+            ssd_budget,
+            ram_budget,
+            filters: self.filters(),
+            revalidate: Duration::from_secs(self.revalidate.max(1)),
+            trees: Vec::new(),
+            copy_workers: self.copy_workers,
+        })
+    }
 }
 
 #[derive(Subcommand, Debug)]
@@ -68,6 +146,26 @@ enum Command {
     /// Export, show or import working-set profiles.
     #[command(subcommand)]
     Profile(ProfileCommand),
+    /// Warm the daemon's SSD cache and RAM pins from an exported profile, before a job
+    /// starts (the pins outlive this command).
+    Prefetch {
+        /// The exported profile.
+        #[arg(long, value_name = "FILE")]
+        profile: PathBuf,
+    },
+    /// Print the placement the daemon would choose for a profile, and the read time and
+    /// memory of its workload before and after, from costs measured on the mount. Copies
+    /// nothing.
+    Plan {
+        /// The exported profile.
+        #[arg(long, value_name = "FILE")]
+        profile: PathBuf,
+        /// Print CSV (one line per file) instead of a table.
+        #[arg(long)]
+        csv: bool,
+        #[command(flatten)]
+        cache: CacheArgs,
+    },
     /// What the daemon watches, what it has seen, and whatever it could not deliver.
     Status {
         /// Print JSON instead of a table.
@@ -114,11 +212,14 @@ fn main() -> ExitCode {
         .init();
     let cli = Cli::parse();
     let result = match cli.command {
-        None => daemon::run(daemon::Options {
-            watch: cli.daemon.watch,
-            state_dir: cli.state_dir,
-            socket: cli.socket,
-            save_interval: Duration::from_secs(cli.daemon.save_interval.max(1)),
+        None => cli.daemon.cache.config().and_then(|cache| {
+            daemon::run(daemon::Options {
+                watch: cli.daemon.watch,
+                state_dir: cli.state_dir,
+                socket: cli.socket,
+                save_interval: Duration::from_secs(cli.daemon.save_interval.max(1)),
+                cache: Some(cache),
+            })
         }),
         Some(command) => {
             let ctx = commands::Context {
@@ -134,6 +235,14 @@ fn main() -> ExitCode {
                     commands::show(&ctx, root, file, top)
                 }
                 Command::Profile(ProfileCommand::Import { file }) => commands::import(&ctx, &file),
+                Command::Prefetch { profile } => commands::prefetch(&ctx, &profile),
+                Command::Plan {
+                    profile,
+                    csv,
+                    cache,
+                } => cache
+                    .config()
+                    .and_then(|config| plan::run(&profile, &config, csv)),
             }
         }
     };

@@ -66,6 +66,10 @@ pub struct Observer {
     pub cwd_places: Vec<(u32, u8)>,
     /// Files whose size and mtime should be (re)read.
     pub to_stat: HashSet<String>,
+    /// Bytes jobs read, by file, since last drained.
+    pub reads: Vec<(String, u64)>,
+    /// Files seen written, truncated, renamed or unlinked since last drained.
+    pub changed: Vec<String>,
     pub tally: Tally,
 }
 
@@ -80,6 +84,8 @@ impl Observer {
             cwds: HashMap::new(),
             cwd_places: Vec::new(),
             to_stat: HashSet::new(),
+            reads: Vec::new(),
+            changed: Vec::new(),
             tally: Tally::default(),
         }
     }
@@ -97,7 +103,11 @@ impl Observer {
                 if let Some(info) = self.open.remove(&e.file_id) {
                     let counted = self.bytes_counted.remove(&e.file_id).unwrap_or(0);
                     if !info.is_dir {
-                        ws.add_bytes_read(&info.path, e.bytes.saturating_sub(counted));
+                        let bytes = e.bytes.saturating_sub(counted);
+                        ws.add_bytes_read(&info.path, bytes);
+                        if bytes > 0 {
+                            self.reads.push((info.path.clone(), bytes));
+                        }
                         if info.written {
                             self.to_stat.insert(info.path);
                         }
@@ -117,6 +127,7 @@ impl Observer {
                 if let Some(info) = self.open.get_mut(&e.file_id) {
                     info.written = true;
                     ws.mark_written(&info.path, at);
+                    self.changed.push(info.path.clone());
                 }
                 return;
             }
@@ -146,6 +157,7 @@ impl Observer {
                 }
                 if truncates || creates {
                     ws.mark_written(&path, at);
+                    self.changed.push(path.clone());
                 }
                 if creates {
                     ws.dir_mutated(parent(&path));
@@ -171,6 +183,7 @@ impl Observer {
             kind::UNLINK | kind::RENAME_FROM | kind::RENAME_TO | kind::TRUNCATE => {
                 self.tally.mutations += 1;
                 ws.mark_written(&path, at);
+                self.changed.push(path.clone());
                 if e.kind != kind::TRUNCATE {
                     ws.dir_mutated(parent(&path));
                 }
@@ -193,6 +206,8 @@ impl Observer {
             let counted = self.bytes_counted.entry(file.file_id).or_insert(0);
             if !info.is_dir && file.bytes_read > *counted {
                 ws.add_bytes_read(&info.path, file.bytes_read - *counted);
+                self.reads
+                    .push((info.path.clone(), file.bytes_read - *counted));
                 *counted = file.bytes_read;
             }
             let is_alive = *alive

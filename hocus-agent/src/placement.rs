@@ -67,6 +67,7 @@ pub struct Placement {
 }
 
 impl Placement {
+    #[cfg(test)]
     pub fn pinned(&self) -> impl Iterator<Item = &Choice> {
         self.files.iter().filter(|c| c.pinned)
     }

@@ -161,6 +161,37 @@ pub fn render_status(s: &Status) -> String {
             s.not_traced.join(", ")
         );
     }
+    if let Some(c) = &s.cache {
+        let _ = writeln!(
+            out,
+            "cache {}: {} files ({}) of SSD budget {}; {} pinned ({}) of RAM budget {}; {} copying",
+            c.cache_dir.display(),
+            c.cached_files,
+            bytes(c.cached_bytes),
+            bytes(c.ssd_budget),
+            c.pinned_files,
+            bytes(c.pinned_bytes),
+            bytes(c.ram_budget),
+            c.copying
+        );
+        let _ = writeln!(
+            out,
+            "reads: {} of files pinned, {} of files on SSD, {} of others; {} copies, {} failed, {} changed while copied, {} invalidated, cache full {} times{}",
+            bytes(c.read_pinned),
+            bytes(c.read_ssd),
+            bytes(c.read_network),
+            c.copies,
+            c.copy_failures,
+            c.changed_during_copy,
+            c.invalidations,
+            c.cache_full_events,
+            if c.limited_by_map_count {
+                "; pinning is limited by vm.max_map_count"
+            } else {
+                ""
+            }
+        );
+    }
     if let Some(e) = &s.last_save_error {
         let _ = writeln!(out, "SAVING FAILS: {e}");
     }
