@@ -487,8 +487,9 @@ impl Keeper {
         for (i, w) in self.prefetches.iter_mut().enumerate() {
             if w.remaining.remove(source) {
                 w.progress.files_done += 1;
-                w.progress.bytes_done += size;
-                if !ok {
+                if ok {
+                    w.progress.bytes_done += size;
+                } else {
                     w.progress.failed += 1;
                 }
                 if w.remaining.is_empty() {

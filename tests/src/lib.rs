@@ -111,7 +111,9 @@ impl NetworkMount {
         run(Command::new("sshfs")
             .args(["-p", &port.to_string(), "-o"])
             .arg(format!(
-                "IdentityFile={}/client_key,StrictHostKeyChecking=no,UserKnownHostsFile=/dev/null,allow_other,default_permissions,BatchMode=yes",
+                // dcache_timeout=1: changes made on the server show within a second, as
+                // NFS's attribute cache would with actimeo=1.
+                "IdentityFile={}/client_key,StrictHostKeyChecking=no,UserKnownHostsFile=/dev/null,allow_other,default_permissions,BatchMode=yes,dcache_timeout=1",
                 root.display()
             ))
             .arg(format!("root@127.0.0.1:{}", this.server.display()))
@@ -193,6 +195,8 @@ pub struct Agent {
     pub dir: tempfile::TempDir,
     pub state_dir: PathBuf,
     pub socket: PathBuf,
+    /// The cache directory (`--cache-dir`), inside `dir` unless the test named one.
+    pub cache_dir: PathBuf,
     child: Option<Child>,
     log: PathBuf,
 }
@@ -215,7 +219,15 @@ impl Agent {
         require_root();
         let socket = dir.path().join("agent.sock");
         let log = unique(dir.path().join("agent.log"));
-        let child = Command::new(agent_bin())
+        let cache_dir = match args.iter().position(|a| *a == "--cache-dir") {
+            Some(i) => PathBuf::from(args[i + 1]),
+            None => dir.path().join("cache"),
+        };
+        let mut cmd = Command::new(agent_bin());
+        if !args.contains(&"--cache-dir") {
+            cmd.arg("--cache-dir").arg(&cache_dir);
+        }
+        let child = cmd
             .args(args)
             .arg("--state-dir")
             .arg(&state_dir)
@@ -230,6 +242,7 @@ impl Agent {
             dir,
             state_dir,
             socket,
+            cache_dir,
             child: Some(child),
             log,
         };
@@ -299,6 +312,37 @@ impl Agent {
             .unwrap()
     }
 
+    /// The cache part of `status`.
+    pub fn cache(&self) -> Value {
+        self.status()["cache"].clone()
+    }
+
+    /// Waits until the keeper has no copy under way and its counts stop changing.
+    pub fn settled(&self) -> Value {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let mut last = Value::Null;
+        loop {
+            let c = self.cache();
+            if c["copying"] == 0 && c == last {
+                return c;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the cache did not settle: {c:#}\n{}",
+                self.log()
+            );
+            last = c;
+            thread::sleep(Duration::from_millis(2500));
+        }
+    }
+
+    /// Where the daemon keeps its copy of `path`.
+    pub fn local_copy(&self, path: &Path) -> PathBuf {
+        self.cache_dir
+            .join("files")
+            .join(path.strip_prefix("/").unwrap())
+    }
+
     /// Stops the daemon with SIGTERM and returns its log; it must exit cleanly.
     pub fn stop(&mut self) -> String {
         let mut child = self.child.take().expect("running");
@@ -324,9 +368,22 @@ impl Agent {
         self.log()
     }
 
+    /// Kills the daemon with SIGKILL, as a crash would, and reaps it.
+    pub fn kill9(&mut self) {
+        let mut child = self.child.take().expect("running");
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+
     /// Stops the daemon and hands back its directory and state directory for a restart.
     pub fn stop_for_restart(mut self) -> (tempfile::TempDir, PathBuf) {
         self.stop();
+        self.into_dirs()
+    }
+
+    /// The directory and state directory of a daemon that no longer runs.
+    pub fn into_dirs(mut self) -> (tempfile::TempDir, PathBuf) {
+        assert!(self.child.is_none(), "stop or kill the daemon first");
         let dir = tempfile::Builder::new()
             .prefix("hocus-agent-")
             .tempdir()
@@ -355,6 +412,15 @@ impl Drop for Agent {
                 eprintln!("--- hocus-agent log ---\n{}", self.log());
             }
         }
+    }
+}
+
+/// Polls `cond` every 100 ms until it holds, or panics with `what` after `secs`.
+pub fn wait_until(secs: u64, what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    while !cond() {
+        assert!(Instant::now() < deadline, "waited {secs} s for {what}");
+        thread::sleep(Duration::from_millis(100));
     }
 }
 

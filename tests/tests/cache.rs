@@ -1,0 +1,595 @@
+//! Prefetch and pin on the real network mount: budgets, scan resistance, residency,
+//! consistency, and the faults a cache must survive.
+
+use std::{
+    fs,
+    os::unix::{
+        fs::{MetadataExt, PermissionsExt},
+        process::CommandExt,
+    },
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+use hocus_tests::{Agent, NetworkMount, read_all, wait_until};
+use serde_json::Value;
+
+const MIB: u64 = 1 << 20;
+
+/// `n` files of `size` bytes under `dir` on the server, distinct contents.
+fn dataset(net: &NetworkMount, dir: &str, n: usize, size: usize) -> Vec<PathBuf> {
+    (0..n)
+        .map(|i| {
+            let mut content = vec![(i % 251) as u8; size];
+            content[..8].copy_from_slice(&(i as u64).to_le_bytes());
+            net.put(&format!("{dir}/part-{i:03}.bin"), &content)
+        })
+        .collect()
+}
+
+/// A new pseudo-random order of 0..n for each seed.
+fn shuffled(n: usize, seed: u64) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..n).collect();
+    let mut x = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    for i in (1..n).rev() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        order.swap(i, (x % (i as u64 + 1)) as usize);
+    }
+    order
+}
+
+fn n(v: &Value) -> u64 {
+    v.as_u64().unwrap_or_else(|| panic!("not a number: {v}"))
+}
+
+/// Bytes of regular files under `dir`.
+fn disk_usage(dir: &Path) -> (u64, usize) {
+    let mut total = (0, 0);
+    let mut stack = vec![dir.to_owned()];
+    while let Some(d) = stack.pop() {
+        for e in fs::read_dir(&d).into_iter().flatten().flatten() {
+            let m = e.metadata().unwrap();
+            if m.is_dir() {
+                stack.push(e.path());
+            } else {
+                total.0 += m.len();
+                total.1 += 1;
+            }
+        }
+    }
+    total
+}
+
+#[test]
+fn budgets_are_never_exceeded() {
+    let net = NetworkMount::start();
+    let files = dataset(&net, "data", 30, MIB as usize);
+    let agent = Agent::start(&[
+        "--watch",
+        net.mount.to_str().unwrap(),
+        "--ssd-budget",
+        "10M",
+        "--ram-budget",
+        "4M",
+    ]);
+    for _ in 0..2 {
+        for f in &files {
+            read_all(f);
+        }
+    }
+    let c = agent.settled();
+    assert_eq!(
+        (n(&c["ssd_budget"]), n(&c["ram_budget"])),
+        (10 * MIB, 4 * MIB)
+    );
+    assert_eq!(n(&c["cached_bytes"]), 10 * MIB, "{c:#}");
+    assert_eq!(n(&c["pinned_bytes"]), 4 * MIB, "{c:#}");
+    let (bytes, count) = disk_usage(&agent.cache_dir.join("files"));
+    assert_eq!(
+        (bytes, count as u64),
+        (10 * MIB, n(&c["cached_files"])),
+        "the disk holds what the index says"
+    );
+    assert!(disk_usage(&agent.cache_dir.join("tmp")).1 == 0);
+    let mode = fs::metadata(&agent.cache_dir).unwrap();
+    assert_eq!(
+        (mode.uid(), mode.mode() & 0o777),
+        (0, 0o700),
+        "the cache root is root's, 0700"
+    );
+}
+
+#[test]
+fn an_epoch_scan_twice_the_ram_budget_keeps_a_stable_pinned_subset() {
+    // 32 files of 512 KiB: 16 MiB read in a new random order each epoch, 8 MiB of RAM.
+    let net = NetworkMount::start();
+    let files = dataset(&net, "train", 32, 512 << 10);
+    let agent = Agent::start(&["--watch", net.mount.to_str().unwrap(), "--ram-budget", "8M"]);
+    let epoch = |seed| {
+        for i in shuffled(files.len(), seed) {
+            read_all(&files[i]);
+        }
+    };
+    epoch(1);
+    let mut before = agent.settled();
+    assert_eq!(n(&before["pinned_bytes"]), 8 * MIB, "{before:#}");
+    let ideal = 8.0 / 16.0;
+    for seed in 2..5 {
+        epoch(seed);
+        // Let the reads of this epoch arrive.
+        let after = agent.settled();
+        let pinned = n(&after["read_pinned"]) - n(&before["read_pinned"]);
+        let total = pinned + n(&after["read_ssd"]) - n(&before["read_ssd"])
+            + n(&after["read_network"])
+            - n(&before["read_network"]);
+        assert_eq!(
+            total,
+            16 * MIB,
+            "every byte read is accounted for: {after:#}"
+        );
+        let share = pinned as f64 / total as f64;
+        eprintln!(
+            "epoch {seed}: {:.1}% of bytes read were of pinned files (ideal {:.0}%)",
+            share * 100.0,
+            ideal * 100.0
+        );
+        assert!(
+            share >= 0.9 * ideal,
+            "epoch {seed}: pinned share {share:.3} < 90% of {ideal}"
+        );
+        assert_eq!(n(&after["pinned_bytes"]), 8 * MIB);
+        before = after;
+    }
+}
+
+/// Pages of `path` resident in memory, and its page count.
+fn resident_pages(path: &Path) -> (usize, usize) {
+    let f = fs::File::open(path).unwrap();
+    let len = f.metadata().unwrap().len() as usize;
+    let page = 4096;
+    let pages = len.div_ceil(page);
+    // SAFETY: a read-only shared mapping of a file we opened, unmapped below.
+    unsafe {
+        let addr = libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ,
+            libc::MAP_SHARED,
+            std::os::fd::AsRawFd::as_raw_fd(&f),
+            0,
+        );
+        assert_ne!(addr, libc::MAP_FAILED);
+        let mut vec = vec![0u8; pages];
+        assert_eq!(libc::mincore(addr, len, vec.as_mut_ptr()), 0);
+        libc::munmap(addr, len);
+        (vec.iter().filter(|b| **b & 1 == 1).count(), pages)
+    }
+}
+
+#[test]
+fn pinned_copies_stay_resident_through_drop_caches() {
+    let net = NetworkMount::start();
+    let files = dataset(&net, "hot", 8, MIB as usize);
+    let agent = Agent::start(&["--watch", net.mount.to_str().unwrap(), "--ram-budget", "4M"]);
+    for f in &files {
+        read_all(f);
+    }
+    let c = agent.settled();
+    assert_eq!(
+        (n(&c["cached_files"]), n(&c["pinned_files"])),
+        (8, 4),
+        "{c:#}"
+    );
+    fs::write("/proc/sys/vm/drop_caches", "3").unwrap();
+    let mut resident = 0;
+    let mut evicted = 0;
+    for f in &files {
+        let (r, pages) = resident_pages(&agent.local_copy(f));
+        if r == pages {
+            resident += 1;
+        } else if r == 0 {
+            evicted += 1;
+        }
+    }
+    assert_eq!(resident, 4, "the 4 pinned copies stay in RAM");
+    assert_eq!(
+        evicted, 4,
+        "the unpinned copies were dropped with the page cache"
+    );
+}
+
+#[test]
+fn a_change_on_the_server_is_seen_not_the_stale_copy() {
+    let net = NetworkMount::start();
+    let file = net.put("lib/model.py", b"VERSION = 1\n");
+    let agent = Agent::start(&["--watch", net.mount.to_str().unwrap(), "--revalidate", "1"]);
+    read_all(&file);
+    let copy = agent.local_copy(&file);
+    wait_until(30, "the first copy", || {
+        fs::read(&copy).is_ok_and(|c| c == b"VERSION = 1\n")
+    });
+    // Behind the client's back.
+    fs::write(net.server_path("lib/model.py"), b"VERSION = 2 # longer\n").unwrap();
+    // Dropped within the revalidation interval plus sshfs's attribute cache, then fetched
+    // again once stable: the old content never comes back.
+    wait_until(30, "the copy of the new version", || {
+        fs::read(&copy).is_ok_and(|c| c == b"VERSION = 2 # longer\n")
+    });
+    let c = agent.cache();
+    assert!(n(&c["invalidations"]) >= 1, "{c:#}");
+    assert!(
+        agent.log().contains("changed on the network"),
+        "{}",
+        agent.log()
+    );
+}
+
+#[test]
+fn a_write_seen_by_the_tracer_drops_the_copy_at_once() {
+    let net = NetworkMount::start();
+    let file = net.put("cache/entry.bin", &[1u8; 4096]);
+    // A long revalidation interval: only the tracer can notice the write in time.
+    let agent = Agent::start(&[
+        "--watch",
+        net.mount.to_str().unwrap(),
+        "--revalidate",
+        "3600",
+    ]);
+    read_all(&file);
+    let copy = agent.local_copy(&file);
+    wait_until(30, "the copy", || copy.exists());
+    use std::io::Write;
+    fs::OpenOptions::new()
+        .append(true)
+        .open(&file)
+        .unwrap()
+        .write_all(b"more")
+        .unwrap();
+    wait_until(5, "the copy to be dropped after a write", || !copy.exists());
+    assert!(
+        agent.log().contains("changed: dropping its copy"),
+        "{}",
+        agent.log()
+    );
+}
+
+#[test]
+fn a_full_cache_filesystem_evicts_and_says_so() {
+    let net = NetworkMount::start();
+    let files = dataset(&net, "big", 16, MIB as usize);
+    let small = tempfile::tempdir().unwrap();
+    let cache = small.path().join("cache");
+    fs::create_dir_all(&cache).unwrap();
+    let status = Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=4m", "hocus-test-cache"])
+        .arg(&cache)
+        .status()
+        .unwrap();
+    assert!(status.success(), "mounting a 4 MiB tmpfs");
+    struct Unmount(PathBuf);
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            let _ = Command::new("umount").arg("-l").arg(&self.0).status();
+        }
+    }
+    let _unmount = Unmount(cache.clone());
+    // The budget says 64 MiB; the filesystem holds 4.
+    let mut agent = Agent::start(&[
+        "--watch",
+        net.mount.to_str().unwrap(),
+        "--cache-dir",
+        cache.to_str().unwrap(),
+        "--ssd-budget",
+        "64M",
+        "--ram-budget",
+        "1M",
+    ]);
+    for f in &files {
+        read_all(f);
+    }
+    let c = agent.settled();
+    assert!(agent.is_running(), "{}", agent.log());
+    assert!(n(&c["cache_full_events"]) >= 1, "{c:#}");
+    assert!(agent.log().contains("is full"), "{}", agent.log());
+    assert!(
+        n(&c["cached_bytes"]) <= 4 * MIB && n(&c["ssd_budget"]) < 4 * MIB,
+        "{c:#}"
+    );
+    assert!(
+        n(&c["cached_files"]) >= 1,
+        "it still caches what fits: {c:#}"
+    );
+    assert_eq!(
+        disk_usage(&cache.join("tmp")).1,
+        0,
+        "no partial copy is left"
+    );
+    let (bytes, count) = disk_usage(&cache.join("files"));
+    assert_eq!(
+        (bytes, count as u64),
+        (n(&c["cached_bytes"]), n(&c["cached_files"]))
+    );
+    agent.stop();
+}
+
+#[test]
+fn kill_9_mid_copy_leaves_no_half_written_file() {
+    let net = NetworkMount::start();
+    // 256 MiB (sparse on the server, but every byte crosses the network).
+    let big = net.server_path("data/huge.bin");
+    fs::create_dir_all(big.parent().unwrap()).unwrap();
+    fs::File::create(&big).unwrap().set_len(256 * MIB).unwrap();
+    let file = net.path("data/huge.bin");
+    let args = ["--watch", net.mount.to_str().unwrap(), "--ram-budget", "1M"];
+    let agent = Agent::start(&args);
+    // Open and close it: the profile has it, and the daemon starts copying.
+    drop(fs::File::open(&file).unwrap());
+    let tmp = agent.cache_dir.join("tmp");
+    wait_until(30, "a copy in progress", || disk_usage(&tmp).0 > 0);
+    let mut agent = agent;
+    agent.kill9();
+    assert!(
+        disk_usage(&tmp).0 > 0,
+        "the kill left a half-written temporary file"
+    );
+    assert!(
+        !agent.local_copy(&file).exists(),
+        "no copy under its final name yet"
+    );
+    let (dir, state_dir) = agent.into_dirs();
+
+    let agent = Agent::start_with_state(dir, state_dir, &args);
+    assert!(
+        agent.log().contains("removed 1 unfinished copies"),
+        "{}",
+        agent.log()
+    );
+    // Whatever is under the final name now is whole.
+    let c = agent.settled();
+    let copy = agent.local_copy(&file);
+    if copy.exists() {
+        assert_eq!(fs::metadata(&copy).unwrap().len(), 256 * MIB);
+        assert_eq!(n(&c["cached_files"]), 1);
+    }
+    assert_eq!(disk_usage(&tmp).1, 0);
+}
+
+#[test]
+fn a_symlink_swapped_in_does_not_expose_a_file_outside_the_tree() {
+    let net = NetworkMount::start();
+    let file = net.put("proj/data/table.csv", b"a,b\n1,2\n");
+    // Outside the export, on the server: what a swapped-in symlink would point at.
+    let outside = net.root().join("outside");
+    fs::create_dir_all(&outside).unwrap();
+    fs::write(outside.join("table.csv"), b"SECRET").unwrap();
+    let agent = Agent::start(&[
+        "--watch",
+        net.mount.to_str().unwrap(),
+        "--revalidate",
+        "3600",
+    ]);
+    // Record the profile, then swap the directory for a symlink before hocus copies.
+    let profile = agent.dir.path().join("job.json");
+    read_all(&file);
+    let out = agent
+        .cli(&["profile", "export", "--out", profile.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let agent2 = Agent::start(&["--watch", net.mount.to_str().unwrap()]);
+    fs::rename(
+        net.server_path("proj/data"),
+        net.server_path("proj/data.real"),
+    )
+    .unwrap();
+    std::os::unix::fs::symlink(&outside, net.server_path("proj/data")).unwrap();
+    wait_until(10, "the client to see the symlink", || {
+        fs::symlink_metadata(net.path("proj/data")).is_ok_and(|m| m.file_type().is_symlink())
+    });
+    let out = agent2
+        .cli(&["prefetch", "--profile", profile.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(said.contains("1 not cached"), "{said}");
+    assert!(
+        !agent2.local_copy(&file).exists(),
+        "a file outside the tree was copied"
+    );
+    assert!(agent2.log().contains("symlink"), "{}", agent2.log());
+    drop(agent);
+}
+
+#[test]
+fn a_users_file_keeps_owner_group_mode_and_mtime_and_stays_theirs() {
+    let net = NetworkMount::start();
+    let (uid, gid) = hocus_tests::test_user();
+    let file = net.put("home/user/notes.txt", b"private notes\n");
+    let server = net.server_path("home/user/notes.txt");
+    std::os::unix::fs::chown(&server, Some(uid), Some(gid)).unwrap();
+    fs::set_permissions(&server, fs::Permissions::from_mode(0o640)).unwrap();
+    let status = Command::new("touch")
+        .args(["-m", "-d", "2021-03-04 05:06:07"])
+        .arg(&server)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let agent = Agent::start(&["--watch", net.mount.to_str().unwrap()]);
+    // The user reads it (so hocus copies it with the user's credentials).
+    let out = Command::new("cat")
+        .arg(&file)
+        .uid(uid)
+        .gid(gid)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let copy = agent.local_copy(&file);
+    wait_until(30, "the copy", || copy.exists());
+    let (src, local) = (fs::metadata(&file).unwrap(), fs::metadata(&copy).unwrap());
+    assert_eq!((local.uid(), local.gid()), (uid, gid));
+    assert_eq!(local.mode() & 0o7777, 0o640);
+    assert_eq!(
+        (local.mtime(), local.mtime_nsec()),
+        (src.mtime(), src.mtime_nsec())
+    );
+    assert_eq!(fs::read(&copy).unwrap(), b"private notes\n");
+    // Another user cannot get at it through the cache: its root is root's 0700.
+    let other = Command::new("cat")
+        .arg(&copy)
+        .uid(65534)
+        .gid(65534)
+        .output()
+        .unwrap();
+    assert!(!other.status.success(), "nobody read a copy in the cache");
+}
+
+#[test]
+fn prefetch_warms_a_new_daemon_before_the_job() {
+    let net = NetworkMount::start();
+    let files = dataset(&net, "env", 6, 256 << 10);
+    let first = Agent::start(&["--watch", net.mount.to_str().unwrap()]);
+    for f in &files {
+        read_all(f);
+    }
+    let shared = tempfile::tempdir().unwrap();
+    let profile = shared.path().join("job.json");
+    let out = first
+        .cli(&["profile", "export", "--out", profile.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    drop(first);
+
+    // Another node: nothing read yet, the profile arrives before the job.
+    let node = Agent::start(&[
+        "--watch",
+        net.mount.to_str().unwrap(),
+        "--ram-budget",
+        "512K",
+    ]);
+    let out = node
+        .cli(&["prefetch", "--profile", profile.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        said.contains(
+            "prefetched 6 files (1.5 MiB) into the SSD cache; 2 files (512.0 KiB) pinned in RAM"
+        ),
+        "{said}"
+    );
+    // The pins outlive the command.
+    let c = node.cache();
+    assert_eq!(
+        (n(&c["cached_files"]), n(&c["pinned_files"])),
+        (6, 2),
+        "{c:#}"
+    );
+    for f in &files {
+        assert_eq!(fs::read(node.local_copy(f)).unwrap(), fs::read(f).unwrap());
+    }
+}
+
+#[test]
+fn plan_shows_the_placement_and_times_without_copying() {
+    let net = NetworkMount::start();
+    let files = dataset(&net, "d", 10, 256 << 10);
+    let agent = Agent::start(&["--watch", net.mount.to_str().unwrap()]);
+    for f in &files {
+        read_all(f);
+    }
+    assert!(fs::metadata(net.path("d/missing.py")).is_err());
+    let profile = agent.dir.path().join("job.json");
+    assert!(
+        agent
+            .cli(&["profile", "export", "--out", profile.to_str().unwrap()])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let scratch = tempfile::tempdir().unwrap();
+    let cache = scratch.path().join("plan-cache");
+    let plan = |extra: &[&str]| {
+        let out = Command::new(hocus_tests::agent_bin())
+            .args([
+                "plan",
+                "--profile",
+                profile.to_str().unwrap(),
+                "--cache-dir",
+                cache.to_str().unwrap(),
+            ])
+            .args(["--ssd-budget", "1M", "--ram-budget", "512K"])
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let table = plan(&[]);
+    let files_in = |tier: &str| -> Option<String> {
+        let line = table
+            .lines()
+            .find(|l| l.split_whitespace().next() == Some(tier))?;
+        line.split_whitespace().nth(1).map(str::to_owned)
+    };
+    assert_eq!(files_in("ram").as_deref(), Some("2"), "{table}");
+    assert_eq!(files_in("ssd").as_deref(), Some("2"), "{table}");
+    assert_eq!(files_in("network").as_deref(), Some("6"), "{table}");
+    assert!(
+        table.contains("simulated time of the profile's workload: before"),
+        "{table}"
+    );
+    assert!(table.contains("1 failed lookups"), "{table}");
+    let csv = plan(&["--csv"]);
+    let lines: Vec<_> = csv.lines().collect();
+    assert_eq!(lines[0], "path,size,opens,bytes_read,tier,before_s,after_s");
+    assert_eq!(lines.len(), 11);
+    assert_eq!(lines.iter().filter(|l| l.contains(",ram,")).count(), 2);
+    assert!(!cache.exists(), "plan copies nothing");
+}
+
+#[test]
+fn bad_profiles_for_prefetch_and_plan_get_clear_errors() {
+    let net = NetworkMount::start();
+    let agent = Agent::start(&["--watch", net.mount.to_str().unwrap()]);
+    let dir = tempfile::tempdir().unwrap();
+    let bad = dir.path().join("bad.json");
+    fs::write(&bad, b"{\"version\": 1, \"files\": [{").unwrap();
+    let missing = dir.path().join("nope.json");
+    for (path, message) in [
+        (&bad, "is not a hocus profile or is truncated"),
+        (&missing, "does not exist"),
+    ] {
+        for args in [vec!["prefetch", "--profile"], vec!["plan", "--profile"]] {
+            let out = agent.cli(&args).arg(path).output().unwrap();
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert!(!out.status.success());
+            assert!(
+                err.contains(message) && err.contains(path.to_str().unwrap()),
+                "{args:?}: {err}"
+            );
+        }
+    }
+}
