@@ -1,5 +1,6 @@
 //! `cargo xtask`: set up a machine, build, run and test hocus.
 
+mod bench;
 mod setup;
 
 use std::{
@@ -41,6 +42,24 @@ enum Cmd {
         /// Only integration tests whose name contains this.
         filter: Option<String>,
     },
+    /// Benchmarks that print ratios against a baseline measured in the same run.
+    #[command(subcommand)]
+    Bench(Bench),
+}
+
+#[derive(Subcommand)]
+enum Bench {
+    /// Epochs over a dataset twice the RAM budget on a real network mount: plain reads
+    /// against reads through hocus's copies and pins, page cache emptied every epoch.
+    Dataset {
+        #[arg(long, default_value_t = 64)]
+        files: usize,
+        /// Size of each file.
+        #[arg(long, default_value_t = 4)]
+        file_mib: usize,
+        #[arg(long, default_value_t = 4)]
+        epochs: usize,
+    },
 }
 
 fn main() {
@@ -75,6 +94,21 @@ fn run(cli: Cli) -> Result<()> {
             Err(err).context("starting hocus-agent")
         }
         Cmd::Test { filter } => test(filter),
+        Cmd::Bench(Bench::Dataset {
+            files,
+            file_mib,
+            epochs,
+        }) => {
+            let agent = build(true)?;
+            bench::dataset(
+                &agent,
+                &bench::Dataset {
+                    files,
+                    file_mib,
+                    epochs,
+                },
+            )
+        }
     }
 }
 

@@ -1,0 +1,144 @@
+//! `cargo xtask bench dataset`: epochs over a dataset on a real network mount (sshfs
+//! over loopback), twice the RAM budget, with the page cache emptied before every epoch,
+//! as on a misbehaving node. Plain reads of the network files, then the same epochs with
+//! hocus: after the first epoch, a file hocus holds is read from its local copy (what
+//! `hocus-agent run` redirects to), every other file from the network. Both are measured
+//! in this run; the ratio is what matters, not the seconds.
+
+use std::{
+    fs,
+    io::Read,
+    path::{Path, PathBuf},
+    time::Instant,
+};
+
+use anyhow::{Result, bail};
+use hocus_tests::{Agent, NetworkMount};
+
+const MIB: usize = 1 << 20;
+
+pub struct Dataset {
+    pub files: usize,
+    pub file_mib: usize,
+    pub epochs: usize,
+}
+
+fn drop_caches() -> Result<()> {
+    fs::write("/proc/sys/vm/drop_caches", "1")?;
+    Ok(())
+}
+
+fn read(path: &Path) -> Result<u64> {
+    let mut f = fs::File::open(path)?;
+    let mut buf = vec![0u8; MIB];
+    let mut total = 0;
+    loop {
+        let n = f.read(&mut buf)?;
+        if n == 0 {
+            return Ok(total);
+        }
+        total += n as u64;
+    }
+}
+
+fn order(n: usize, epoch: usize) -> Vec<usize> {
+    let mut v: Vec<usize> = (0..n).collect();
+    let mut x = 0x9e3779b97f4a7c15u64 ^ epoch as u64;
+    for i in (1..n).rev() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        v.swap(i, (x % (i as u64 + 1)) as usize);
+    }
+    v
+}
+
+pub fn dataset(agent_bin: &Path, d: &Dataset) -> Result<()> {
+    if !crate::is_root() {
+        bail!("the benchmark mounts filesystems and loads eBPF programs: run it as root");
+    }
+    // SAFETY: single-threaded at this point.
+    unsafe { std::env::set_var("HOCUS_AGENT_BIN", agent_bin) };
+    let net = NetworkMount::start();
+    let total_mib = d.files * d.file_mib;
+    let ram_mib = total_mib / 2;
+    println!(
+        "dataset: {} files of {} MiB ({} MiB) on sshfs over loopback; RAM budget {} MiB; page cache emptied before every epoch",
+        d.files, d.file_mib, total_mib, ram_mib
+    );
+    let files: Vec<PathBuf> = (0..d.files)
+        .map(|i| {
+            let mut content = vec![(i % 251) as u8; d.file_mib * MIB];
+            content[..8].copy_from_slice(&(i as u64).to_le_bytes());
+            net.put(&format!("dataset/shard-{i:04}.bin"), &content)
+        })
+        .collect();
+
+    let mut plain = Vec::new();
+    for epoch in 0..d.epochs {
+        drop_caches()?;
+        let t = Instant::now();
+        for i in order(files.len(), epoch) {
+            read(&files[i])?;
+        }
+        plain.push(t.elapsed().as_secs_f64());
+    }
+
+    let agent = Agent::start(&[
+        "--watch",
+        net.mount.to_str().unwrap(),
+        "--ram-budget",
+        &format!("{ram_mib}M"),
+    ]);
+    println!(
+        "\n{:>5} {:>10} {:>10} {:>8} {:>10} {:>10}",
+        "EPOCH", "PLAIN", "HOCUS", "SPEEDUP", "FROM RAM", "FROM SSD"
+    );
+    let mut ratios = Vec::new();
+    for (epoch, plain_secs) in plain.iter().enumerate() {
+        if epoch == 1 {
+            agent.settled(); // the first epoch taught hocus the working set
+        }
+        drop_caches()?;
+        let status = agent.cache();
+        let (mut ram, mut ssd, mut all) = (0u64, 0u64, 0u64);
+        let t = Instant::now();
+        for i in order(files.len(), epoch) {
+            let copy = agent.local_copy(&files[i]);
+            let bytes = if epoch > 0 && copy.exists() {
+                read(&copy)?
+            } else {
+                read(&files[i])?
+            };
+            all += bytes;
+            if epoch > 0 && copy.exists() {
+                ssd += bytes;
+            }
+        }
+        let secs = t.elapsed().as_secs_f64();
+        if epoch > 0 {
+            // Pinned copies are the cache's RAM tier; the rest of the local reads hit SSD.
+            let pinned = status["pinned_bytes"].as_u64().unwrap_or(0).min(ssd);
+            ram = pinned;
+            ssd -= pinned;
+        }
+        let ratio = plain_secs / secs;
+        if epoch > 0 {
+            ratios.push(ratio);
+        }
+        println!(
+            "{:>5} {:>9.3}s {:>9.3}s {:>7.2}x {:>9.0}% {:>9.0}%",
+            epoch + 1,
+            plain_secs,
+            secs,
+            ratio,
+            100.0 * ram as f64 / all as f64,
+            100.0 * ssd as f64 / all as f64
+        );
+    }
+    let mean = ratios.iter().sum::<f64>() / ratios.len().max(1) as f64;
+    println!(
+        "\nspeed-up from epoch 2 on: {mean:.2}x (plain time / hocus time, same machine, same run)"
+    );
+    Ok(())
+}
