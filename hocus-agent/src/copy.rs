@@ -369,6 +369,59 @@ mod tests {
     use std::os::unix::fs::{PermissionsExt, symlink};
 
     #[test]
+    fn keeps_user_xattrs() {
+        let dir = tempfile::tempdir().unwrap();
+        let (tree, tmp) = (dir.path().join("tree"), dir.path().join("tmp"));
+        fs::create_dir_all(&tree).unwrap();
+        fs::create_dir_all(&tmp).unwrap();
+        let src = tree.join("tagged");
+        fs::write(&src, b"x").unwrap();
+        let (path, name) = (CString::new(src.as_os_str().as_bytes()).unwrap(), c"user.hocus.test");
+        // SAFETY: valid C strings and buffer.
+        let set = unsafe { libc::setxattr(path.as_ptr(), name.as_ptr(), b"v1".as_ptr().cast(), 2, 0) };
+        if set != 0 {
+            // A filesystem without user xattrs (tmpfs on old kernels): nothing to keep.
+            assert_eq!(io::Error::last_os_error().raw_os_error(), Some(libc::EOPNOTSUPP));
+            return;
+        }
+        let dest = dir.path().join("copy");
+        copy(&tree, &src, &Reader::root(), &tmp, &dest).unwrap();
+        let dest_c = CString::new(dest.as_os_str().as_bytes()).unwrap();
+        let mut value = [0u8; 8];
+        // SAFETY: as above.
+        let n = unsafe { libc::getxattr(dest_c.as_ptr(), name.as_ptr(), value.as_mut_ptr().cast(), value.len()) };
+        assert_eq!(&value[..n.max(0) as usize], b"v1");
+    }
+
+    #[test]
+    fn a_file_growing_during_the_copy_is_discarded() {
+        let dir = tempfile::tempdir().unwrap();
+        let (tree, tmp) = (dir.path().join("tree"), dir.path().join("tmp"));
+        fs::create_dir_all(&tree).unwrap();
+        fs::create_dir_all(&tmp).unwrap();
+        let src = tree.join("log");
+        fs::write(&src, vec![0u8; 32 << 20]).unwrap();
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let writer = {
+            let (src, stop) = (src.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let mut f = fs::OpenOptions::new().append(true).open(&src).unwrap();
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    io::Write::write_all(&mut f, b"more\n").unwrap();
+                    std::thread::sleep(std::time::Duration::from_micros(200));
+                }
+            })
+        };
+        let dest = dir.path().join("copy");
+        let result = copy(&tree, &src, &Reader::root(), &tmp, &dest);
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        writer.join().unwrap();
+        assert!(matches!(result, Err(CopyError::Changed)), "{result:?}");
+        assert!(!dest.exists(), "a torn copy was kept");
+        assert_eq!(fs::read_dir(&tmp).unwrap().count(), 0);
+    }
+
+    #[test]
     fn copies_content_mode_and_times_and_refuses_symlinks() {
         let dir = tempfile::tempdir().unwrap();
         let tree = dir.path().join("tree");
