@@ -43,6 +43,11 @@ pub enum Request {
     Prefetch {
         profile: Profile,
     },
+    /// Change the budgets of the running daemon (root only), in bytes.
+    Budgets {
+        ssd: Option<u64>,
+        ram: Option<u64>,
+    },
 }
 
 #[derive(Debug, Serialize, Deserialize)]

@@ -376,12 +376,19 @@ mod tests {
         fs::create_dir_all(&tmp).unwrap();
         let src = tree.join("tagged");
         fs::write(&src, b"x").unwrap();
-        let (path, name) = (CString::new(src.as_os_str().as_bytes()).unwrap(), c"user.hocus.test");
+        let (path, name) = (
+            CString::new(src.as_os_str().as_bytes()).unwrap(),
+            c"user.hocus.test",
+        );
         // SAFETY: valid C strings and buffer.
-        let set = unsafe { libc::setxattr(path.as_ptr(), name.as_ptr(), b"v1".as_ptr().cast(), 2, 0) };
+        let set =
+            unsafe { libc::setxattr(path.as_ptr(), name.as_ptr(), b"v1".as_ptr().cast(), 2, 0) };
         if set != 0 {
             // A filesystem without user xattrs (tmpfs on old kernels): nothing to keep.
-            assert_eq!(io::Error::last_os_error().raw_os_error(), Some(libc::EOPNOTSUPP));
+            assert_eq!(
+                io::Error::last_os_error().raw_os_error(),
+                Some(libc::EOPNOTSUPP)
+            );
             return;
         }
         let dest = dir.path().join("copy");
@@ -389,7 +396,14 @@ mod tests {
         let dest_c = CString::new(dest.as_os_str().as_bytes()).unwrap();
         let mut value = [0u8; 8];
         // SAFETY: as above.
-        let n = unsafe { libc::getxattr(dest_c.as_ptr(), name.as_ptr(), value.as_mut_ptr().cast(), value.len()) };
+        let n = unsafe {
+            libc::getxattr(
+                dest_c.as_ptr(),
+                name.as_ptr(),
+                value.as_mut_ptr().cast(),
+                value.len(),
+            )
+        };
         assert_eq!(&value[..n.max(0) as usize], b"v1");
     }
 

@@ -360,6 +360,21 @@ impl Daemon {
                 Ok((files, missing)) => Response::Imported { files, missing },
                 Err(message) => Response::Error { message },
             },
+            Request::Budgets { .. } if !caller.is_root() => Response::Error {
+                message: "only root may change the budgets".into(),
+            },
+            Request::Budgets { ssd, ram } => {
+                let _ = self.keeper.send(Order::Budgets { ssd, ram });
+                match self.keeper_status() {
+                    Some(cache) => Response::Status(Box::new(Status {
+                        cache: Some(cache),
+                        ..self.status()
+                    })),
+                    None => Response::Error {
+                        message: "the cache keeper does not answer".into(),
+                    },
+                }
+            }
             Request::Prefetch { profile } => {
                 if let Err(message) = self.merge(profile, &caller).await {
                     let _ = reply.send(Response::Error { message });

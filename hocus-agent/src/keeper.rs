@@ -79,6 +79,11 @@ pub enum Order {
     /// Place these files now and report progress until their copies are done.
     Prefetch(Vec<FileEntry>, mpsc::Sender<Progress>),
     Status(mpsc::Sender<KeeperStatus>),
+    /// New budgets (bytes); pins and copies beyond them are released.
+    Budgets {
+        ssd: Option<u64>,
+        ram: Option<u64>,
+    },
     Stop,
 }
 
@@ -263,6 +268,21 @@ impl Keeper {
             }
             Order::Status(tx) => {
                 let _ = tx.send(self.status());
+            }
+            Order::Budgets { ssd, ram } => {
+                if let Some(ssd) = ssd {
+                    self.config.ssd_budget = ssd;
+                    self.effective_ssd_budget = ssd;
+                }
+                if let Some(ram) = ram {
+                    self.config.ram_budget = ram;
+                }
+                log::info!(
+                    "budgets now: SSD {}, RAM {}",
+                    human(self.effective_ssd_budget),
+                    human(self.config.ram_budget)
+                );
+                self.place();
             }
             Order::Stop => {}
         }

@@ -166,6 +166,16 @@ enum Command {
         #[command(flatten)]
         cache: CacheArgs,
     },
+    /// Change the running daemon's budgets (root); copies and pins beyond them are
+    /// released at once.
+    Budget {
+        /// New SSD budget (e.g. 20G).
+        #[arg(long, value_name = "SIZE")]
+        ssd: Option<budget::Size>,
+        /// New RAM budget (e.g. 2G or 5%).
+        #[arg(long, value_name = "SIZE|PCT")]
+        ram: Option<budget::Size>,
+    },
     /// What the daemon watches, what it has seen, and whatever it could not deliver.
     Status {
         /// Print JSON instead of a table.
@@ -236,6 +246,7 @@ fn main() -> ExitCode {
                 }
                 Command::Profile(ProfileCommand::Import { file }) => commands::import(&ctx, &file),
                 Command::Prefetch { profile } => commands::prefetch(&ctx, &profile),
+                Command::Budget { ssd, ram } => commands::budget(&ctx, ssd, ram),
                 Command::Plan {
                     profile,
                     csv,

@@ -593,3 +593,43 @@ fn bad_profiles_for_prefetch_and_plan_get_clear_errors() {
         }
     }
 }
+
+#[test]
+fn shrinking_the_ram_budget_releases_pins_at_once() {
+    let net = NetworkMount::start();
+    let files = dataset(&net, "w", 8, MIB as usize);
+    let agent = Agent::start(&["--watch", net.mount.to_str().unwrap(), "--ram-budget", "6M"]);
+    for f in &files {
+        read_all(f);
+    }
+    assert_eq!(n(&agent.settled()["pinned_bytes"]), 6 * MIB);
+    // Only root changes budgets.
+    let (uid, gid) = hocus_tests::test_user();
+    let out = agent
+        .cli(&["budget", "--ram", "2M"])
+        .uid(uid)
+        .gid(gid)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("only root"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = agent.cli(&["budget", "--ram", "2M"]).output().unwrap();
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(said.contains("RAM 2.0 MiB (2.0 MiB pinned)"), "{said}");
+    let c = agent.cache();
+    assert_eq!(
+        (n(&c["pinned_bytes"]), n(&c["pinned_files"])),
+        (2 * MIB, 2),
+        "{c:#}"
+    );
+    assert_eq!(n(&c["cached_files"]), 8, "the copies stay on SSD");
+}
