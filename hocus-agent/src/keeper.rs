@@ -19,7 +19,7 @@ use crate::{
     budget::human,
     cache::Cache,
     copy::{self, CopyError, Identity, Reader},
-    pins::Pins,
+    pins::{PinError, Pins},
     placement::{self, Filters, Placement},
     profile::FileEntry,
 };
@@ -466,8 +466,13 @@ impl Keeper {
         if self.pins.bytes() + size > self.config.ram_budget {
             return;
         }
-        if let Err(e) = self.pins.pin(source, &self.cache.local(source)) {
-            log::warn!("cannot pin {source}: {e}");
+        let limited = self.pins.limited_by_map_count;
+        match self.pins.pin(source, &self.cache.local(source)) {
+            Ok(()) => {}
+            // Said once; `status` keeps saying it.
+            Err(e @ PinError::MapCount(_)) if !limited => log::warn!("cannot pin {source}: {e}"),
+            Err(PinError::MapCount(_)) => log::debug!("cannot pin {source}: vm.max_map_count"),
+            Err(e) => log::warn!("cannot pin {source}: {e}"),
         }
     }
 

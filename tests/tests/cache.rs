@@ -633,3 +633,45 @@ fn shrinking_the_ram_budget_releases_pins_at_once() {
     );
     assert_eq!(n(&c["cached_files"]), 8, "the copies stay on SSD");
 }
+
+#[test]
+fn vm_max_map_count_limits_pinning_and_the_daemon_says_so() {
+    let net = NetworkMount::start();
+    let files = dataset(&net, "m", 10, 64 << 10);
+    // The daemon reads the limit when it starts and leaves 2048 mappings to itself:
+    // allow it 4 pins. The lowered limit is restored right after, also on failure.
+    struct Restore(String);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            let _ = fs::write("/proc/sys/vm/max_map_count", &self.0);
+        }
+    }
+    let restore = Restore(fs::read_to_string("/proc/sys/vm/max_map_count").unwrap());
+    fs::write("/proc/sys/vm/max_map_count", (2048 + 4).to_string()).unwrap();
+    let agent = Agent::start(&[
+        "--watch",
+        net.mount.to_str().unwrap(),
+        "--ram-budget",
+        "64M",
+    ]);
+    drop(restore);
+    for f in &files {
+        read_all(f);
+    }
+    let c = agent.settled();
+    assert_eq!(
+        (n(&c["cached_files"]), n(&c["pinned_files"])),
+        (10, 4),
+        "{c:#}"
+    );
+    assert_eq!(c["limited_by_map_count"], true, "{c:#}");
+    assert!(
+        agent.log().contains("raise it (sysctl vm.max_map_count)"),
+        "{}",
+        agent.log()
+    );
+    let out = agent.cli(&["status"]).output().unwrap();
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("pinning is limited by vm.max_map_count")
+    );
+}
