@@ -191,16 +191,23 @@ pub fn prefetch(ctx: &Context, file: &Path) -> Result<()> {
     let Some(p) = last.filter(|p| p.finished) else {
         bail!("the daemon stopped before the prefetch finished");
     };
+    let files = |n: usize| {
+        if n == 1 {
+            "1 file".to_owned()
+        } else {
+            format!("{n} files")
+        }
+    };
     println!(
-        "prefetched {} files ({}) into the SSD cache{}; {} files ({}) pinned in RAM",
-        p.files_done - p.failed,
+        "prefetched {} ({}) into the SSD cache{}; {} ({}) pinned in RAM",
+        files(p.files_done - p.failed),
         human(p.bytes_done),
         if p.failed > 0 {
             format!(", {} not cached (the daemon's log says why)", p.failed)
         } else {
             String::new()
         },
-        p.pinned_files,
+        files(p.pinned_files),
         human(p.pinned_bytes)
     );
     Ok(())

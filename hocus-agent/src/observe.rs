@@ -109,6 +109,8 @@ impl Observer {
                             self.reads.push((info.path.clone(), bytes));
                         }
                         if info.written {
+                            // Stable only from the last write on: count from the close.
+                            self.changed.push(info.path.clone());
                             self.to_stat.insert(info.path);
                         }
                     }
@@ -209,6 +211,11 @@ impl Observer {
                 self.reads
                     .push((info.path.clone(), file.bytes_read - *counted));
                 *counted = file.bytes_read;
+            }
+            if info.written {
+                // Held open by a writer: the kernel reports only its first write, so it
+                // is reported changed for as long as it stays open.
+                self.changed.push(info.path.clone());
             }
             let is_alive = *alive
                 .entry(key.tgid)

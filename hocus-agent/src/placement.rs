@@ -73,10 +73,11 @@ impl Placement {
     }
 }
 
-/// Why a file of the profile is not placed, for `plan`.
+/// Whether a file of the profile may be placed at all. Files written recently are kept
+/// out by the keeper (they are "unstable" for a while after each change); a file that
+/// was written once and is stable since (a compilation cache entry) is cached like any.
 pub fn cacheable(f: &FileEntry, filters: &Filters) -> bool {
-    // A written file is mutable: it is never served from a copy.
-    !f.written && f.opens > 0 && filters.admits(&f.path)
+    f.opens > 0 && filters.admits(&f.path)
 }
 
 fn value(f: &FileEntry) -> f64 {
@@ -172,10 +173,8 @@ mod tests {
             file("/n/big-cold", 1 << 20, 1, 0),
             file("/n/small-hot", 4096, 50, 1),
             file("/n/mid", 64 << 10, 10, 2),
-            file("/n/written", 4096, 99, 3),
+            file("/n/probed-only", 4096, 0, 3),
         ];
-        let mut files = files;
-        files[3].written = true;
         let p = place(
             &files,
             &Filters::default(),

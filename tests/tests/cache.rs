@@ -675,3 +675,27 @@ fn vm_max_map_count_limits_pinning_and_the_daemon_says_so() {
         String::from_utf8_lossy(&out.stdout).contains("pinning is limited by vm.max_map_count")
     );
 }
+
+#[test]
+fn a_file_written_once_is_cached_once_it_is_stable() {
+    // A compilation cache entry: written on this node, then only read.
+    let net = NetworkMount::start();
+    fs::create_dir_all(net.server_path("jax-cache")).unwrap();
+    let agent = Agent::start(&["--watch", net.mount.to_str().unwrap(), "--revalidate", "2"]);
+    let entry = net.path("jax-cache/module-1234");
+    fs::write(&entry, vec![7u8; 8192]).unwrap();
+    let written_at = std::time::Instant::now();
+    read_all(&entry);
+    let copy = agent.local_copy(&entry);
+    wait_until(30, "the copy of the stable entry", || copy.exists());
+    assert!(
+        written_at.elapsed() >= std::time::Duration::from_secs(2),
+        "copied before it was stable"
+    );
+    assert_eq!(fs::read(&copy).unwrap(), vec![7u8; 8192]);
+    let p = agent.export();
+    assert_eq!(
+        hocus_tests::file_entry(&p, &entry).unwrap()["written"],
+        true
+    );
+}
