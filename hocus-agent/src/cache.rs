@@ -32,6 +32,7 @@ pub struct Cache {
     root: PathBuf,
     files: PathBuf,
     tmp: PathBuf,
+    trees: PathBuf,
     entries: HashMap<String, Cached>,
     used: u64,
     dirty: bool,
@@ -69,7 +70,11 @@ impl Cache {
         fs::set_permissions(root, fs::Permissions::from_mode(0o700))?;
         let files = root.join("files");
         let tmp = root.join("tmp");
-        for dir in [&files, &tmp] {
+        let trees = root.join("trees");
+        // Snapshots are taken again after a restart: they are checked against the
+        // network as a whole, and a daemon that stopped missed changes.
+        let _ = fs::remove_dir_all(&trees);
+        for dir in [&files, &tmp, &trees] {
             fs::DirBuilder::new()
                 .recursive(true)
                 .mode(0o755)
@@ -124,6 +129,7 @@ impl Cache {
             root: root.to_owned(),
             files,
             tmp,
+            trees,
             entries,
             used,
             dirty: repairs != Repairs::default(),
@@ -138,6 +144,11 @@ impl Cache {
 
     pub fn local(&self, source: &str) -> PathBuf {
         crate::copy::local_path(&self.files, source)
+    }
+
+    /// Where the snapshot of the network directory `root` lives.
+    pub fn tree_local(&self, root: &Path) -> PathBuf {
+        crate::copy::local_path(&self.trees, &root.to_string_lossy())
     }
 
     pub fn get(&self, source: &str) -> Option<&Cached> {

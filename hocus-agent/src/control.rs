@@ -1,28 +1,35 @@
 //! The control socket (/run/hocus/agent.sock): how the CLI talks to a running daemon.
-//! One JSON request line, one JSON response line. Anyone may connect; every request is
-//! answered according to the caller's credentials, taken from the socket (SO_PEERCRED).
+//! One JSON request line, then JSON response lines (one, or progress, or a job's
+//! session). Anyone may connect; every request is answered according to the caller's
+//! credentials, taken from the socket (SO_PEERCRED).
 
 use std::{
     fs,
-    io::{BufRead, BufReader, Write},
-    os::unix::{fs::PermissionsExt, net::UnixStream},
+    io::{BufRead, BufReader, IoSliceMut, Write},
+    os::{
+        fd::{AsRawFd, FromRawFd, OwnedFd, RawFd},
+        unix::{
+            fs::PermissionsExt,
+            net::{UnixListener, UnixStream},
+        },
+    },
     path::{Path, PathBuf},
+    thread,
     time::Duration,
 };
 
 use anyhow::{Context, Result, bail};
+use nix::sys::socket::{ControlMessageOwned, MsgFlags, getsockopt, recvmsg, sockopt};
 use serde::{Deserialize, Serialize};
-use tokio::{
-    io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader as AsyncBufReader},
-    net::UnixListener,
-    sync::mpsc,
-};
+use tokio::sync::mpsc;
 
 use crate::{
     access::Caller,
     keeper::{KeeperStatus, Progress},
+    mountns::Bind,
     observe::Tally,
     profile::Profile,
+    session::{self, RunRequest},
 };
 
 pub const DEFAULT_SOCKET: &str = "/run/hocus/agent.sock";
@@ -48,6 +55,9 @@ pub enum Request {
         ssd: Option<u64>,
         ram: Option<u64>,
     },
+    /// Run a command in a namespace where local copies stand in for network files; the
+    /// standard descriptors come along (SCM_RIGHTS).
+    Run(RunRequest),
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -55,9 +65,26 @@ pub enum Request {
 pub enum Response {
     Status(Box<Status>),
     Profile(Profile),
-    Imported { files: usize, missing: usize },
+    Imported {
+        files: usize,
+        missing: usize,
+    },
     Progress(Progress),
-    Error { message: String },
+    /// Internal: the binds for a job's namespace.
+    Binds(Vec<Bind>),
+    /// The job runs, as `pid`, with `binds` local copies in place.
+    Started {
+        pid: i32,
+        binds: usize,
+    },
+    /// The job ended: its exit code, or the signal that ended it.
+    Exited {
+        code: Option<i32>,
+        signal: Option<i32>,
+    },
+    Error {
+        message: String,
+    },
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
@@ -84,16 +111,34 @@ pub struct Status {
     pub cache: Option<KeeperStatus>,
 }
 
+/// What a connection asks of the daemon's loop: a client's request, or one of the
+/// steps of a job session.
+pub enum Ask {
+    Client(Request),
+    /// The binds to make in a new job's namespace.
+    Binds,
+    /// A job runs in the namespace of `pid` with these binds (to detach on changes).
+    JobStarted {
+        pid: i32,
+        binds: Vec<Bind>,
+    },
+    JobEnded {
+        pid: i32,
+    },
+}
+
 /// A request with its caller, waiting for the daemon's answer: one response, or several
 /// (progress) until the sender is dropped.
 pub struct Call {
     pub caller: Caller,
-    pub request: Request,
+    pub ask: Ask,
     pub reply: mpsc::UnboundedSender<Response>,
 }
 
-/// Binds the socket (replacing a stale one) and forwards calls into `calls`.
-pub fn serve(socket: &Path, calls: mpsc::Sender<Call>) -> Result<tokio::task::JoinHandle<()>> {
+/// Binds the socket (replacing a stale one) and serves each connection on a thread of
+/// its own (a connection may carry descriptors, and a job session lasts as long as the
+/// job). Requests go to the daemon's loop through `calls`.
+pub fn serve(socket: &Path, calls: mpsc::Sender<Call>) -> Result<()> {
     if let Some(dir) = socket.parent() {
         fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }
@@ -108,59 +153,111 @@ pub fn serve(socket: &Path, calls: mpsc::Sender<Call>) -> Result<tokio::task::Jo
         UnixListener::bind(socket).with_context(|| format!("binding {}", socket.display()))?;
     // Everyone may ask; what they get depends on who they are.
     fs::set_permissions(socket, fs::Permissions::from_mode(0o666))?;
-    Ok(tokio::spawn(async move {
-        loop {
-            let Ok((stream, _)) = listener.accept().await else {
-                continue;
-            };
-            let calls = calls.clone();
-            tokio::spawn(async move {
-                if let Err(e) = answer(stream, calls).await {
-                    log::debug!("control connection: {e:#}");
-                }
-            });
-        }
-    }))
+    thread::Builder::new()
+        .name("hocus-control".into())
+        .spawn(move || {
+            for stream in listener.incoming().flatten() {
+                let calls = calls.clone();
+                let _ = thread::Builder::new()
+                    .name("hocus-client".into())
+                    .spawn(move || {
+                        if let Err(e) = answer(stream, &calls) {
+                            log::debug!("control connection: {e:#}");
+                        }
+                    });
+            }
+        })?;
+    Ok(())
 }
 
-async fn answer(stream: tokio::net::UnixStream, calls: mpsc::Sender<Call>) -> Result<()> {
-    let cred = stream.peer_cred()?;
-    let pid = cred.pid().context("no peer pid")?;
-    let caller = Caller::from_peer(pid, cred.uid(), cred.gid())?;
-    let (read, mut write) = stream.into_split();
-    let mut line = String::new();
-    AsyncBufReader::new(read.take(MAX_REQUEST_BYTES))
-        .read_line(&mut line)
-        .await?;
+fn answer(stream: UnixStream, calls: &mpsc::Sender<Call>) -> Result<()> {
+    let cred = getsockopt(&stream, sockopt::PeerCredentials)?;
+    let caller = Caller::from_peer(cred.pid(), cred.uid(), cred.gid())?;
+    let (line, fds, rest) = read_first_line(&stream)?;
     let request = match serde_json::from_str::<Request>(&line) {
         Ok(request) => request,
         Err(e) => {
-            let response = Response::Error {
-                message: format!("malformed request: {e}"),
-            };
-            return send(&mut write, &response).await;
+            return send(
+                &stream,
+                &Response::Error {
+                    message: format!("malformed request: {e}"),
+                },
+            );
         }
     };
-    let (reply, mut answers) = mpsc::unbounded_channel();
-    calls
-        .send(Call {
-            caller,
-            request,
-            reply,
-        })
-        .await
-        .context("the daemon is shutting down")?;
-    while let Some(response) = answers.recv().await {
-        send(&mut write, &response).await?;
+    match request {
+        Request::Run(run) => session::serve(stream, caller, run, fds, rest, calls),
+        request => {
+            let mut answers = ask(calls, caller, Ask::Client(request))?;
+            while let Some(response) = answers.blocking_recv() {
+                send(&stream, &response)?;
+            }
+            Ok(())
+        }
     }
+}
+
+/// Hands `ask` to the daemon's loop; its answers arrive on the returned receiver.
+pub fn ask(
+    calls: &mpsc::Sender<Call>,
+    caller: Caller,
+    ask: Ask,
+) -> Result<mpsc::UnboundedReceiver<Response>> {
+    let (reply, answers) = mpsc::unbounded_channel();
+    calls
+        .blocking_send(Call { caller, ask, reply })
+        .map_err(|_| anyhow::anyhow!("the daemon is shutting down"))?;
+    Ok(answers)
+}
+
+pub fn send(mut stream: &UnixStream, response: &Response) -> Result<()> {
+    let mut out = serde_json::to_vec(response)?;
+    out.push(b'\n');
+    stream.write_all(&out)?;
     Ok(())
 }
 
-async fn send(write: &mut tokio::net::unix::OwnedWriteHalf, response: &Response) -> Result<()> {
-    let mut out = serde_json::to_vec(response)?;
-    out.push(b'\n');
-    write.write_all(&out).await?;
-    Ok(())
+/// Reads the request line, with any descriptors sent along (SCM_RIGHTS), and whatever
+/// the client sent after it.
+fn read_first_line(stream: &UnixStream) -> Result<(String, Vec<OwnedFd>, Vec<u8>)> {
+    let mut buf = Vec::new();
+    let mut fds = Vec::new();
+    let mut chunk = vec![0u8; 64 << 10];
+    loop {
+        let mut space = nix::cmsg_space!([RawFd; 4]);
+        let (n, received) = {
+            let mut iov = [IoSliceMut::new(&mut chunk)];
+            let msg = recvmsg::<()>(
+                stream.as_raw_fd(),
+                &mut iov,
+                Some(&mut space),
+                MsgFlags::MSG_CMSG_CLOEXEC,
+            )?;
+            let mut received = Vec::new();
+            for c in msg.cmsgs()? {
+                if let ControlMessageOwned::ScmRights(raw) = c {
+                    // SAFETY: the kernel just gave us these descriptors.
+                    received.extend(
+                        raw.into_iter()
+                            .map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }),
+                    );
+                }
+            }
+            (msg.bytes, received)
+        };
+        fds.extend(received);
+        if n == 0 {
+            bail!("the client closed the connection before a whole request");
+        }
+        buf.extend_from_slice(&chunk[..n]);
+        if let Some(i) = buf.iter().position(|b| *b == b'\n') {
+            let rest = buf.split_off(i + 1);
+            return Ok((String::from_utf8(buf)?, fds, rest));
+        }
+        if buf.len() as u64 > MAX_REQUEST_BYTES {
+            bail!("request too large");
+        }
+    }
 }
 
 /// Why the CLI could not reach a daemon.

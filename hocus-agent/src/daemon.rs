@@ -18,7 +18,7 @@ use tokio::{
 
 use crate::{
     access::{self, Caller},
-    control::{self, Call, Request, Response, Status, WatchedMount},
+    control::{self, Ask, Call, Request, Response, Status, WatchedMount},
     keeper::{self, KeeperStatus, Order},
     mounts,
     observe::{Observer, Watch},
@@ -189,7 +189,7 @@ impl Daemon {
 
     async fn run(mut self) -> Result<()> {
         let (calls_tx, mut calls) = mpsc::channel::<Call>(16);
-        let server = control::serve(&self.opts.socket, calls_tx)?;
+        control::serve(&self.opts.socket, calls_tx)?;
         log::info!(
             "ready: profile in {}, control socket {}",
             self.state.profile_path().display(),
@@ -219,7 +219,6 @@ impl Daemon {
             }
         }
         log::info!("stopping: saving the profile");
-        server.abort();
         let _ = std::fs::remove_file(&self.opts.socket);
         self.drain();
         self.sweep();
@@ -252,6 +251,9 @@ impl Daemon {
         }
         for path in self.observer.changed.drain(..) {
             let _ = self.keeper.send(Order::Invalidate(path));
+        }
+        for path in self.observer.refused.drain(..) {
+            let _ = self.keeper.send(Order::Refused(path));
         }
         for (tgid, place) in self.observer.cwd_places.drain(..) {
             self.tracer.get_mut().set_cwd(tgid, place);
@@ -288,7 +290,7 @@ impl Daemon {
 
     fn place(&mut self) {
         if std::mem::take(&mut self.to_place) {
-            let _ = self.keeper.send(Order::Place(self.ws.to_profile().files));
+            let _ = self.keeper.send(Order::Place(self.ws.to_profile()));
         }
     }
 
@@ -336,11 +338,25 @@ impl Daemon {
     }
 
     async fn answer(&mut self, call: Call) {
-        let Call {
-            caller,
-            request,
-            reply,
-        } = call;
+        let Call { caller, ask, reply } = call;
+        let request = match ask {
+            Ask::Client(request) => request,
+            Ask::Binds => {
+                let (tx, rx) = std_mpsc::channel();
+                let _ = self.keeper.send(Order::Binds(tx));
+                let binds = rx.recv_timeout(Duration::from_secs(10)).unwrap_or_default();
+                let _ = reply.send(Response::Binds(binds));
+                return;
+            }
+            Ask::JobStarted { pid, binds } => {
+                let _ = self.keeper.send(Order::JobStarted { pid, binds });
+                return;
+            }
+            Ask::JobEnded { pid } => {
+                let _ = self.keeper.send(Order::JobEnded { pid });
+                return;
+            }
+        };
         // Whatever the workload did before asking is in the ring buffer: read it first.
         self.sweep();
         self.finish_stats().await;
@@ -375,6 +391,9 @@ impl Daemon {
                     },
                 }
             }
+            Request::Run(_) => Response::Error {
+                message: "a job is run on its own connection".into(),
+            },
             Request::Prefetch { profile } => {
                 if let Err(message) = self.merge(profile, &caller).await {
                     let _ = reply.send(Response::Error { message });
@@ -382,9 +401,7 @@ impl Daemon {
                 }
                 self.to_place = false;
                 let (tx, rx) = std_mpsc::channel();
-                let _ = self
-                    .keeper
-                    .send(Order::Prefetch(self.ws.to_profile().files, tx));
+                let _ = self.keeper.send(Order::Prefetch(self.ws.to_profile(), tx));
                 // Progress arrives from the keeper's thread until it is done.
                 tokio::task::spawn_blocking(move || {
                     for progress in rx {

@@ -6,7 +6,9 @@
 
 use std::{
     collections::{HashMap, HashSet},
-    path::PathBuf,
+    fs::File,
+    os::fd::OwnedFd,
+    path::{Path, PathBuf},
     sync::{Arc, Mutex, mpsc},
     thread,
     time::{Duration, Instant},
@@ -19,10 +21,15 @@ use crate::{
     budget::human,
     cache::Cache,
     copy::{self, CopyError, Identity, Reader},
+    mountns::{self, Bind},
     pins::{PinError, Pins},
     placement::{self, Filters, Placement},
-    profile::FileEntry,
+    profile::{FileEntry, Profile},
+    snapshot,
 };
+
+/// A snapshot holds at most this many entries (directories, files, symlinks).
+const SNAPSHOT_MAX_ENTRIES: usize = 200_000;
 
 pub struct Config {
     pub cache_dir: PathBuf,
@@ -67,31 +74,76 @@ pub struct KeeperStatus {
     pub read_ssd: u64,
     pub read_network: u64,
     pub limited_by_map_count: bool,
+    /// Whole trees held as snapshots, and the bytes they add to the cache.
+    #[serde(default)]
+    pub snapshots: Vec<PathBuf>,
+    #[serde(default)]
+    pub snapshot_bytes: u64,
 }
 
 pub enum Order {
     /// The working set changed: place it again.
-    Place(Vec<FileEntry>),
+    Place(Profile),
     /// The tracer saw the file written, truncated, renamed or unlinked.
     Invalidate(String),
     /// A job read this many bytes of the file.
     Read(String, u64),
     /// Place these files now and report progress until their copies are done.
-    Prefetch(Vec<FileEntry>, mpsc::Sender<Progress>),
+    Prefetch(Profile, mpsc::Sender<Progress>),
     Status(mpsc::Sender<KeeperStatus>),
     /// New budgets (bytes); pins and copies beyond them are released.
     Budgets {
         ssd: Option<u64>,
         ram: Option<u64>,
     },
+    /// The binds a new job's namespace gets: every valid copy.
+    Binds(mpsc::Sender<Vec<Bind>>),
+    /// A job runs in the mount namespace of `pid` with these binds.
+    JobStarted {
+        pid: i32,
+        binds: Vec<Bind>,
+    },
+    JobEnded {
+        pid: i32,
+    },
+    /// A job tried to write the file through its read-only copy: never redirect it again.
+    Refused(String),
     Stop,
 }
 
+/// A live job namespace and the binds in it.
 struct Job {
+    ns: OwnedFd,
+    binds: Vec<Bind>,
+}
+
+struct CopyJob {
     source: String,
     tree: PathBuf,
     reader: Reader,
     dest: PathBuf,
+}
+
+struct SnapshotJob {
+    root: PathBuf,
+    tree: PathBuf,
+    dest: PathBuf,
+    /// The cache's valid copies under `root`, to link instead of copying.
+    cached: HashMap<PathBuf, (PathBuf, Identity)>,
+}
+
+enum Work {
+    Copy(CopyJob),
+    Snapshot(SnapshotJob),
+}
+
+/// A snapshot in place: where it is, and what the network tree was.
+struct Snapshot {
+    local: PathBuf,
+    tree: PathBuf,
+    stamp: snapshot::Stamp,
+    /// Bytes it holds beyond the files it shares with the cache.
+    bytes: u64,
 }
 
 type Done = (String, Result<Identity, CopyError>);
@@ -99,6 +151,10 @@ type Done = (String, Result<Identity, CopyError>);
 enum Msg {
     Order(Order),
     Copied(Done),
+    Snapshotted(
+        PathBuf,
+        Result<(snapshot::Stamp, snapshot::Taken), CopyError>,
+    ),
 }
 
 /// Starts the keeper; orders go in through the returned sender.
@@ -134,7 +190,7 @@ pub fn start(config: Config) -> Result<(mpsc::Sender<Order>, thread::JoinHandle<
                 }
             }
         })?;
-    let (job_tx, job_rx) = mpsc::channel::<Job>();
+    let (job_tx, job_rx) = mpsc::channel::<Work>();
     let job_rx = Arc::new(Mutex::new(job_rx));
     for i in 0..config.copy_workers.max(1) {
         let jobs = Arc::clone(&job_rx);
@@ -148,9 +204,25 @@ pub fn start(config: Config) -> Result<(mpsc::Sender<Order>, thread::JoinHandle<
                         Ok(Ok(job)) => job,
                         _ => break,
                     };
-                    let result =
-                        copy::copy(&job.tree, job.source.as_ref(), &job.reader, &tmp, &job.dest);
-                    if results.send(Msg::Copied((job.source, result))).is_err() {
+                    let msg = match job {
+                        Work::Copy(job) => {
+                            let result = copy::copy(
+                                &job.tree,
+                                job.source.as_ref(),
+                                &job.reader,
+                                &tmp,
+                                &job.dest,
+                            );
+                            Msg::Copied((job.source, result))
+                        }
+                        Work::Snapshot(job) => {
+                            let cached = |p: &Path| job.cached.get(p).cloned();
+                            let result =
+                                snapshot::take(&job.tree, &job.root, &job.dest, &tmp, &cached);
+                            Msg::Snapshotted(job.root, result)
+                        }
+                    };
+                    if results.send(msg).is_err() {
                         break;
                     }
                 }
@@ -161,13 +233,19 @@ pub fn start(config: Config) -> Result<(mpsc::Sender<Order>, thread::JoinHandle<
         config,
         cache,
         pins: Pins::new(),
-        jobs: job_tx,
+        copy_jobs: job_tx,
         in_flight: HashMap::new(),
         wanted: Placement::default(),
         unstable: HashMap::new(),
         failed: HashMap::new(),
         files: HashMap::new(),
+        profile: Profile::default(),
+        snapshots: HashMap::new(),
+        snapshots_in_flight: HashMap::new(),
+        unsuitable: HashMap::new(),
         prefetches: Vec::new(),
+        jobs: HashMap::new(),
+        refused: HashSet::new(),
         status: KeeperStatus::default(),
     };
     let handle = thread::Builder::new()
@@ -188,7 +266,7 @@ struct Keeper {
     effective_ssd_budget: u64,
     cache: Cache,
     pins: Pins,
-    jobs: mpsc::Sender<Job>,
+    copy_jobs: mpsc::Sender<Work>,
     /// Copies under way: source -> expected size.
     in_flight: HashMap<String, u64>,
     wanted: Placement,
@@ -198,7 +276,17 @@ struct Keeper {
     failed: HashMap<String, Instant>,
     /// The last working set, for readers' uids and values.
     files: HashMap<String, FileEntry>,
+    profile: Profile,
+    /// Snapshots of whole trees, by network directory.
+    snapshots: HashMap<PathBuf, Snapshot>,
+    /// Snapshots being taken, with their expected bytes.
+    snapshots_in_flight: HashMap<PathBuf, u64>,
+    /// Directories found unsuitable for a snapshot (too big, odd entries), and when.
+    unsuitable: HashMap<PathBuf, Instant>,
     prefetches: Vec<Watcher>,
+    jobs: HashMap<i32, Job>,
+    /// Files jobs tried to write: left on the network from then on.
+    refused: HashSet<String>,
     status: KeeperStatus,
 }
 
@@ -211,6 +299,7 @@ impl Keeper {
                 Ok(Msg::Order(Order::Stop)) | Err(mpsc::RecvTimeoutError::Disconnected) => break,
                 Ok(Msg::Order(order)) => self.obey(order),
                 Ok(Msg::Copied(done)) => self.copied(done),
+                Ok(Msg::Snapshotted(root, result)) => self.snapshotted(root, result),
                 Err(mpsc::RecvTimeoutError::Timeout) => {}
             }
             if Instant::now() >= next_check {
@@ -224,17 +313,23 @@ impl Keeper {
 
     fn obey(&mut self, order: Order) {
         match order {
-            Order::Place(files) => {
-                self.remember(files);
+            Order::Place(profile) => {
+                self.remember(profile);
                 self.place();
             }
-            Order::Prefetch(files, tx) => {
-                self.remember(files);
+            Order::Prefetch(profile, tx) => {
+                self.remember(profile);
                 self.place();
-                let remaining: HashSet<String> = self.in_flight.keys().cloned().collect();
+                self.consider_snapshots();
+                let mut remaining: HashSet<String> = self.in_flight.keys().cloned().collect();
+                let mut bytes_total: u64 = remaining.iter().map(|s| self.in_flight[s]).sum();
+                for (root, bytes) in &self.snapshots_in_flight {
+                    remaining.insert(root.to_string_lossy().into_owned());
+                    bytes_total += bytes;
+                }
                 let progress = Progress {
                     files_total: remaining.len(),
-                    bytes_total: remaining.iter().map(|s| self.in_flight[s]).sum(),
+                    bytes_total,
                     ..Default::default()
                 };
                 let mut w = Watcher {
@@ -249,7 +344,19 @@ impl Keeper {
                     self.prefetches.push(w);
                 }
             }
+            Order::Refused(source) => {
+                if let Some(root) = self.snapshot_of(Path::new(&source)) {
+                    self.drop_snapshot(&root, "a job tried to write in it");
+                }
+                self.drop_copy(&source);
+                self.refused.insert(source);
+            }
             Order::Invalidate(source) => {
+                if let Some(root) = self.snapshot_of(Path::new(&source)) {
+                    self.drop_snapshot(&root, &format!("{source} changed"));
+                    self.unstable
+                        .insert(root.to_string_lossy().into_owned(), Instant::now());
+                }
                 if self.cache.contains(&source) || self.in_flight.contains_key(&source) {
                     self.status.invalidations += 1;
                     log::info!("{source} changed: dropping its copy");
@@ -284,12 +391,221 @@ impl Keeper {
                 );
                 self.place();
             }
+            Order::Binds(tx) => {
+                let trees = self.snapshots.iter().map(|(root, snap)| Bind {
+                    local: snap.local.clone(),
+                    target: root.clone(),
+                    tree: snap.tree.clone(),
+                });
+                let in_snapshot = |source: &str| self.snapshot_of(Path::new(source)).is_some();
+                let files = self
+                    .cache
+                    .sources()
+                    .filter(|(source, _)| !in_snapshot(source))
+                    .filter_map(|(source, _)| {
+                        let tree = self
+                            .config
+                            .trees
+                            .iter()
+                            .find(|t| Path::new(source).starts_with(t))?;
+                        Some(Bind {
+                            local: self.cache.local(source),
+                            target: PathBuf::from(source),
+                            tree: tree.clone(),
+                        })
+                    });
+                let _ = tx.send(trees.chain(files).collect());
+            }
+            Order::JobStarted { pid, binds } => match File::open(format!("/proc/{pid}/ns/mnt")) {
+                Ok(ns) => {
+                    self.jobs.insert(
+                        pid,
+                        Job {
+                            ns: ns.into(),
+                            binds,
+                        },
+                    );
+                }
+                Err(e) => log::debug!("job {pid} is gone already: {e}"),
+            },
+            Order::JobEnded { pid } => {
+                self.jobs.remove(&pid);
+            }
             Order::Stop => {}
         }
     }
 
-    fn remember(&mut self, files: Vec<FileEntry>) {
-        self.files = files.into_iter().map(|f| (f.path.clone(), f)).collect();
+    /// The snapshot root holding `path`, if any.
+    fn snapshot_of(&self, path: &Path) -> Option<PathBuf> {
+        self.snapshots
+            .keys()
+            .chain(self.snapshots_in_flight.keys())
+            .find(|root| path.starts_with(root))
+            .cloned()
+    }
+
+    fn snapshot_bytes(&self) -> u64 {
+        self.snapshots.values().map(|s| s.bytes).sum()
+    }
+
+    /// Looks for trees to hold whole: see `snapshot::candidates`. Each fits within half
+    /// of what the SSD budget leaves; a tree too big is served file by file instead.
+    fn consider_snapshots(&mut self) {
+        let now = Instant::now();
+        self.unsuitable
+            .retain(|_, at| now.duration_since(*at) < self.config.revalidate * 10);
+        let unclean: Vec<PathBuf> = self
+            .refused
+            .iter()
+            .chain(self.unstable.keys())
+            .map(PathBuf::from)
+            .collect();
+        let unclean: Vec<&Path> = unclean.iter().map(PathBuf::as_path).collect();
+        let chains = snapshot::candidates(&self.profile, &self.config.trees, &unclean);
+        for chain in chains {
+            if chain.iter().any(|d| self.snapshot_of(d).is_some()) {
+                continue; // held already, or being taken
+            }
+            let room = self
+                .effective_ssd_budget
+                .saturating_sub(self.cache.used() + self.snapshot_bytes())
+                / 2;
+            for root in chain {
+                if self.unsuitable.contains_key(&root) {
+                    continue;
+                }
+                match snapshot::measure(&root, room, SNAPSHOT_MAX_ENTRIES) {
+                    Some((bytes, _)) => {
+                        self.start_snapshot(root, bytes);
+                        break;
+                    }
+                    None => {
+                        self.unsuitable.insert(root, now);
+                    }
+                }
+            }
+        }
+    }
+
+    fn start_snapshot(&mut self, root: PathBuf, bytes: u64) {
+        let Some(tree) = self
+            .config
+            .trees
+            .iter()
+            .find(|t| root.starts_with(t))
+            .cloned()
+        else {
+            return;
+        };
+        let cached = self
+            .cache
+            .sources()
+            .filter(|(s, _)| Path::new(s).starts_with(&root))
+            .map(|(s, c)| (PathBuf::from(s), (self.cache.local(s), c.identity)))
+            .collect();
+        log::info!("taking a snapshot of {} ({})", root.display(), human(bytes));
+        self.snapshots_in_flight.insert(root.clone(), bytes);
+        let _ = self.copy_jobs.send(Work::Snapshot(SnapshotJob {
+            dest: self.cache.tree_local(&root),
+            root,
+            tree,
+            cached,
+        }));
+    }
+
+    fn snapshotted(
+        &mut self,
+        root: PathBuf,
+        result: Result<(snapshot::Stamp, snapshot::Taken), CopyError>,
+    ) {
+        let key = root.to_string_lossy().into_owned();
+        let Some(expected) = self.snapshots_in_flight.remove(&root) else {
+            // Dropped while it was being taken.
+            let _ = std::fs::remove_dir_all(self.cache.tree_local(&root));
+            self.report(&key, 0, false);
+            return;
+        };
+        match result {
+            Ok((stamp, taken)) => {
+                log::info!(
+                    "snapshot of {} in place: {} copied, {} shared with cached files",
+                    root.display(),
+                    human(taken.copied),
+                    human(taken.linked)
+                );
+                let tree = self
+                    .config
+                    .trees
+                    .iter()
+                    .find(|t| root.starts_with(t))
+                    .cloned()
+                    .unwrap_or_default();
+                self.snapshots.insert(
+                    root.clone(),
+                    Snapshot {
+                        local: self.cache.tree_local(&root),
+                        tree,
+                        stamp,
+                        bytes: taken.copied,
+                    },
+                );
+                self.report(&key, expected, true);
+            }
+            Err(e) => {
+                log::info!(
+                    "no snapshot of {}: {e}; its files are served one by one",
+                    root.display()
+                );
+                self.unsuitable.insert(root, Instant::now());
+                self.report(&key, expected, false);
+            }
+        }
+    }
+
+    fn drop_snapshot(&mut self, root: &Path, why: &str) {
+        self.snapshots_in_flight.remove(root);
+        if self.snapshots.remove(root).is_none() {
+            return;
+        }
+        self.status.invalidations += 1;
+        log::info!(
+            "dropping the snapshot of {} ({why}): later opens go to the network",
+            root.display()
+        );
+        self.detach(&root.to_string_lossy());
+        if let Err(e) = std::fs::remove_dir_all(self.cache.tree_local(root)) {
+            log::warn!("could not delete the snapshot of {}: {e}", root.display());
+        }
+    }
+
+    /// Takes the binds of `source` out of the live jobs: their next open goes to the
+    /// network.
+    fn detach(&mut self, source: &str) {
+        for (pid, job) in &mut self.jobs {
+            let targets: Vec<PathBuf> = job
+                .binds
+                .iter()
+                .filter(|b| b.target == Path::new(source))
+                .map(|b| b.target.clone())
+                .collect();
+            if targets.is_empty() {
+                continue;
+            }
+            match mountns::detach_in(&job.ns, &targets) {
+                Ok(n) => log::info!("{source}: detached {n} binds in job {pid}"),
+                Err(e) => log::warn!("{source}: could not detach it in job {pid}: {e}"),
+            }
+            job.binds.retain(|b| b.target != Path::new(source));
+        }
+    }
+
+    fn remember(&mut self, profile: Profile) {
+        self.files = profile
+            .files
+            .iter()
+            .map(|f| (f.path.clone(), f.clone()))
+            .collect();
+        self.profile = profile;
     }
 
     /// Computes the placement of the remembered working set and moves towards it.
@@ -303,12 +619,16 @@ impl Keeper {
         let files: Vec<FileEntry> = self
             .files
             .values()
-            .filter(|f| !self.unstable.contains_key(&f.path) && !self.failed.contains_key(&f.path))
+            .filter(|f| {
+                !self.unstable.contains_key(&f.path)
+                    && !self.failed.contains_key(&f.path)
+                    && !self.refused.contains(&f.path)
+            })
             .filter(|f| {
                 self.config
                     .trees
                     .iter()
-                    .any(|t| std::path::Path::new(&f.path).starts_with(t))
+                    .any(|t| Path::new(&f.path).starts_with(t))
             })
             .cloned()
             .collect();
@@ -362,7 +682,7 @@ impl Keeper {
             .config
             .trees
             .iter()
-            .find(|t| std::path::Path::new(source).starts_with(t))
+            .find(|t| Path::new(source).starts_with(t))
         else {
             return;
         };
@@ -371,12 +691,12 @@ impl Keeper {
             return;
         };
         self.in_flight.insert(source.to_owned(), size);
-        let _ = self.jobs.send(Job {
+        let _ = self.copy_jobs.send(Work::Copy(CopyJob {
             source: source.to_owned(),
             tree: tree.clone(),
             reader,
             dest: self.cache.local(source),
-        });
+        }));
     }
 
     /// A user seen reading the file: an ordinary user if there is one (root is squashed
@@ -477,6 +797,7 @@ impl Keeper {
     }
 
     fn drop_copy(&mut self, source: &str) {
+        self.detach(source);
         self.pins.unpin(source);
         self.cache.remove(source);
         // A copy under way is discarded when it arrives.
@@ -501,9 +822,20 @@ impl Keeper {
                 self.unstable.insert(source, Instant::now());
             }
         }
+        let roots: Vec<PathBuf> = self.snapshots.keys().cloned().collect();
+        for root in roots {
+            let same =
+                snapshot::stamp(&root).ok().as_ref() == self.snapshots.get(&root).map(|s| &s.stamp);
+            if !same {
+                self.drop_snapshot(&root, "it changed on the network");
+                self.unstable
+                    .insert(root.to_string_lossy().into_owned(), Instant::now());
+            }
+        }
         // Stable again ones come back.
         if !self.files.is_empty() {
             self.place();
+            self.consider_snapshots();
         }
     }
 
@@ -546,7 +878,9 @@ impl Keeper {
             cached_bytes: self.cache.used(),
             pinned_files: self.pins.len(),
             pinned_bytes: self.pins.bytes(),
-            copying: self.in_flight.len(),
+            copying: self.in_flight.len() + self.snapshots_in_flight.len(),
+            snapshots: self.snapshots.keys().cloned().collect(),
+            snapshot_bytes: self.snapshot_bytes(),
             limited_by_map_count: self.pins.limited_by_map_count,
             ..self.status.clone()
         }

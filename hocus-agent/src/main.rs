@@ -9,13 +9,16 @@ mod control;
 mod copy;
 mod daemon;
 mod keeper;
+mod mountns;
 mod mounts;
 mod observe;
 mod pins;
 mod placement;
 mod plan;
 mod profile;
+mod session;
 mod show;
+mod snapshot;
 mod store;
 mod syscalls;
 mod tracefs;
@@ -166,6 +169,17 @@ enum Command {
         #[command(flatten)]
         cache: CacheArgs,
     },
+    /// Run a command where hocus's local copies stand in for the network files: a new
+    /// mount namespace with read-only binds. Works without sudo: the daemon starts the
+    /// command as you, with your environment, directory and terminal.
+    Run {
+        /// Prefetch this exported profile first.
+        #[arg(long, value_name = "FILE")]
+        profile: Option<PathBuf>,
+        /// The command and its arguments (after --).
+        #[arg(last = true, required = true, value_name = "CMD")]
+        command: Vec<String>,
+    },
     /// Change the running daemon's budgets (root); copies and pins beyond them are
     /// released at once.
     Budget {
@@ -246,6 +260,19 @@ fn main() -> ExitCode {
                 }
                 Command::Profile(ProfileCommand::Import { file }) => commands::import(&ctx, &file),
                 Command::Prefetch { profile } => commands::prefetch(&ctx, &profile),
+                Command::Run { profile, command } => {
+                    let prefetched = match profile {
+                        Some(p) => commands::prefetch(&ctx, &p),
+                        None => Ok(()),
+                    };
+                    return match prefetched.and_then(|()| session::run(&ctx.socket, command)) {
+                        Ok(code) => code,
+                        Err(e) => {
+                            eprintln!("hocus-agent: {e:#}");
+                            ExitCode::FAILURE
+                        }
+                    };
+                }
                 Command::Budget { ssd, ram } => commands::budget(&ctx, ssd, ram),
                 Command::Plan {
                     profile,

@@ -44,6 +44,9 @@ pub struct Tally {
     pub unresolved: u64,
     /// Paths longer than the kernel copies.
     pub truncated: u64,
+    /// Writes refused with EROFS on a watched path (a job writing into a local copy).
+    #[serde(default)]
+    pub writes_refused: u64,
 }
 
 struct OpenInfo {
@@ -70,6 +73,8 @@ pub struct Observer {
     pub reads: Vec<(String, u64)>,
     /// Files seen written, truncated, renamed or unlinked since last drained.
     pub changed: Vec<String>,
+    /// Files a job tried to write through a read-only copy since last drained.
+    pub refused: Vec<String>,
     pub tally: Tally,
 }
 
@@ -86,6 +91,7 @@ impl Observer {
             to_stat: HashSet::new(),
             reads: Vec::new(),
             changed: Vec::new(),
+            refused: Vec::new(),
             tally: Tally::default(),
         }
     }
@@ -176,6 +182,15 @@ impl Observer {
             kind::MISSING => {
                 self.tally.failed_lookups += 1;
                 ws.missing(&path, at);
+            }
+            kind::REFUSED_WRITE => {
+                self.tally.writes_refused += 1;
+                log::warn!(
+                    "{}[{}] (uid {uid}) tried to write {path} and got EROFS: its local copy is dropped, later opens go to the network",
+                    comm(e),
+                    e.tgid
+                );
+                self.refused.push(path);
             }
             kind::MKDIR | kind::RMDIR => {
                 self.tally.mutations += 1;

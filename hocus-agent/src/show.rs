@@ -149,8 +149,8 @@ pub fn render_status(s: &Status) -> String {
     );
     let _ = writeln!(
         out,
-        "not placed: {} outside the watched trees after normalizing, {} unresolved relative paths, {} paths too long",
-        t.outside_watched, t.unresolved, t.truncated
+        "not placed: {} outside the watched trees after normalizing, {} unresolved relative paths, {} paths too long; {} writes refused (EROFS)",
+        t.outside_watched, t.unresolved, t.truncated, t.writes_refused
     );
     let kernel: Vec<String> = s.kernel.iter().map(|(n, v)| format!("{n} {v}")).collect();
     let _ = writeln!(out, "kernel: {}", kernel.join(", "));

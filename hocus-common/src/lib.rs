@@ -181,6 +181,9 @@ pub mod kind {
     pub const CHDIR: u8 = 11;
     /// A process in or above a watched tree forked: `file_id` is the child's pid.
     pub const FORK: u8 = 12;
+    /// A write, create, truncate, rename or unlink failed with EROFS (a job wrote into a
+    /// read-only local copy).
+    pub const REFUSED_WRITE: u8 = 13;
 }
 
 /// Event flags.

@@ -15,6 +15,8 @@ use hocus_common::{
 };
 
 const ENOENT: i64 = 2;
+const EROFS: i64 = 30;
+const O_ACCMODE: u32 = 0o3;
 const O_CREAT: u32 = 0o100;
 const O_WRONLY: u32 = 0o1;
 const O_TRUNC: u32 = 0o1000;
@@ -190,6 +192,21 @@ fn try_path_exit(ctx: &TracePointContext) -> Option<()> {
                 &m,
                 0,
             );
+        }
+        // A job wrote into a read-only local copy: the agent invalidates it.
+        op::OPEN | op::UNLINK | op::RMDIR | op::MKDIR | op::RENAME | op::TRUNCATE
+            if ret == -EROFS
+                && (p.op != op::OPEN || p.open_flags & (O_ACCMODE | O_CREAT | O_TRUNC) != 0) =>
+        {
+            let m = watched_path(tgid, p.dfd, p.path, 0)?;
+            let h = Header {
+                kind: kind::REFUSED_WRITE,
+                tgid,
+                file_id: 0,
+                bytes: 0,
+                open_flags: p.open_flags,
+            };
+            emit(&h, &m, 0);
         }
         op::OPEN | op::LOOKUP if ret == -ENOENT => {
             let m = watched_path(tgid, p.dfd, p.path, 0)?;

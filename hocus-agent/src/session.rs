@@ -1,0 +1,243 @@
+//! Job sessions: `hocus-agent run -- CMD` asks the daemon over the control socket to
+//! start CMD in a new mount namespace where local copies stand in for network files.
+//!
+//! The job runs as the caller (uid, gid, groups from SO_PEERCRED and /proc), with the
+//! caller's environment, working directory and standard descriptors (passed with
+//! SCM_RIGHTS), in a session of its own. The client forwards the signals it gets
+//! (Ctrl-C, SIGTERM, ...) to the job's process group and exits with the job's status.
+//! The job never gains a privilege: every bind is read-only, nosuid, nodev, and the
+//! copies keep their owners and modes, so the kernel refuses what the network would.
+
+use std::{
+    ffi::CString,
+    io::{BufRead, BufReader, IoSlice, Read, Write},
+    os::{
+        fd::{AsRawFd, OwnedFd},
+        unix::{ffi::OsStrExt, net::UnixStream, process::CommandExt},
+    },
+    path::{Path, PathBuf},
+    process::{Command, ExitCode, Stdio},
+    thread,
+};
+
+use anyhow::{Context, Result, bail};
+use nix::sys::{
+    signal::{SigSet, Signal},
+    socket::{ControlMessage, MsgFlags, sendmsg},
+};
+use serde::{Deserialize, Serialize};
+use tokio::sync::mpsc;
+
+use crate::{
+    access::Caller,
+    control::{self, Ask, Call, Response},
+    mountns,
+};
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RunRequest {
+    pub argv: Vec<String>,
+    pub env: Vec<(String, String)>,
+    pub cwd: PathBuf,
+}
+
+/// A line the client sends during the session.
+#[derive(Debug, Serialize, Deserialize)]
+struct Forward {
+    signal: i32,
+}
+
+/// The server side of a session, on the connection's own thread.
+pub fn serve(
+    stream: UnixStream,
+    caller: Caller,
+    run: RunRequest,
+    fds: Vec<OwnedFd>,
+    rest: Vec<u8>,
+    calls: &mpsc::Sender<Call>,
+) -> Result<()> {
+    let refuse = |message: String| control::send(&stream, &Response::Error { message });
+    if run.argv.is_empty() {
+        return refuse("no command to run".into());
+    }
+    let Ok([stdin, stdout, stderr]) = <[OwnedFd; 3]>::try_from(fds) else {
+        return refuse("send the standard input, output and error along with the request".into());
+    };
+    let binds = match control::ask(calls, caller.clone(), Ask::Binds)?.blocking_recv() {
+        Some(Response::Binds(b)) => b,
+        _ => return refuse("the daemon has no binds to give".into()),
+    };
+    // This thread moves to the job's namespace and forks the job from there.
+    if let Err(e) = mountns::enter_new_namespace() {
+        return refuse(format!("cannot make a mount namespace: {e}"));
+    }
+    let mut made = Vec::new();
+    for b in binds {
+        match mountns::bind_read_only(&b) {
+            Ok(()) => made.push(b),
+            Err(e) => log::debug!("not binding {}: {e}", b.target.display()),
+        }
+    }
+    let mut child = match spawn(&caller, &run, [stdin, stdout, stderr]) {
+        Ok(child) => child,
+        Err(e) => return refuse(format!("cannot start {}: {e}", run.argv[0])),
+    };
+    let pid = child.id() as i32;
+    log::info!(
+        "job {pid} ({}) for uid {} with {} local copies in place",
+        run.argv[0],
+        caller.uid,
+        made.len()
+    );
+    control::send(
+        &stream,
+        &Response::Started {
+            pid,
+            binds: made.len(),
+        },
+    )?;
+    let _ = control::ask(calls, caller.clone(), Ask::JobStarted { pid, binds: made });
+
+    // Signals from the client go to the job's process group; a client that goes away
+    // hangs the job up, as a closed terminal would.
+    let reader = stream.try_clone()?;
+    thread::spawn(move || {
+        let mut lines = BufReader::new(Read::chain(std::io::Cursor::new(rest), reader)).lines();
+        loop {
+            let signal = match lines.next() {
+                Some(Ok(line)) => match serde_json::from_str::<Forward>(&line) {
+                    Ok(f) if (1..=64).contains(&f.signal) => f.signal,
+                    _ => continue,
+                },
+                _ => libc::SIGHUP,
+            };
+            // SAFETY: plain kill(2) on the job's process group.
+            if unsafe { libc::kill(-pid, signal) } != 0 || signal == libc::SIGHUP {
+                break;
+            }
+        }
+    });
+    let status = child.wait()?;
+    let _ = control::ask(calls, caller, Ask::JobEnded { pid });
+    use std::os::unix::process::ExitStatusExt;
+    control::send(
+        &stream,
+        &Response::Exited {
+            code: status.code(),
+            signal: status.signal(),
+        },
+    )
+}
+
+/// Starts the job as the caller, in a session of its own.
+fn spawn(
+    caller: &Caller,
+    run: &RunRequest,
+    [stdin, stdout, stderr]: [OwnedFd; 3],
+) -> Result<std::process::Child> {
+    let mut cmd = Command::new(&run.argv[0]);
+    cmd.args(&run.argv[1..])
+        .env_clear()
+        .envs(run.env.iter().map(|(k, v)| (k, v)))
+        .stdin(Stdio::from(stdin))
+        .stdout(Stdio::from(stdout))
+        .stderr(Stdio::from(stderr));
+    let (uid, gid) = (caller.uid, caller.gid);
+    let groups: Vec<libc::gid_t> = caller.groups.clone();
+    let cwd = CString::new(run.cwd.as_os_str().as_bytes())?;
+    // SAFETY: runs in the forked child before exec, calling only async-signal-safe
+    // syscalls on data prepared before the fork.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::setsid() < 0
+                || libc::setgroups(groups.len(), groups.as_ptr()) != 0
+                || libc::setresgid(gid, gid, gid) != 0
+                || libc::setresuid(uid, uid, uid) != 0
+            {
+                return Err(std::io::Error::last_os_error());
+            }
+            // As the caller: their permissions decide whether they may be there.
+            if libc::chdir(cwd.as_ptr()) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    Ok(cmd.spawn()?)
+}
+
+/// The client side: `hocus-agent run -- CMD ARGS`. Returns the job's exit status.
+pub fn run(socket: &Path, argv: Vec<String>) -> Result<ExitCode> {
+    let request = control::Request::Run(RunRequest {
+        argv,
+        env: std::env::vars().collect(),
+        cwd: std::env::current_dir().context("the current directory")?,
+    });
+    let stream = match UnixStream::connect(socket) {
+        Ok(s) => s,
+        Err(e)
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused
+            ) =>
+        {
+            bail!(
+                "no hocus-agent daemon is running (nothing at {}): start it with sudo hocus-agent --watch PATH, or run the command without hocus",
+                socket.display()
+            )
+        }
+        Err(e) => return Err(e).with_context(|| format!("connecting to {}", socket.display())),
+    };
+    // Signals are taken by a thread and forwarded; block them everywhere else first.
+    let mut forwarded = SigSet::empty();
+    for s in [
+        Signal::SIGINT,
+        Signal::SIGTERM,
+        Signal::SIGHUP,
+        Signal::SIGQUIT,
+        Signal::SIGUSR1,
+        Signal::SIGUSR2,
+    ] {
+        forwarded.add(s);
+    }
+    forwarded.thread_block()?;
+    let mut line = serde_json::to_vec(&request)?;
+    line.push(b'\n');
+    let std_fds = [0, 1, 2];
+    sendmsg::<()>(
+        stream.as_raw_fd(),
+        &[IoSlice::new(&line)],
+        &[ControlMessage::ScmRights(&std_fds)],
+        MsgFlags::empty(),
+        None,
+    )
+    .context("sending the request")?;
+    let mut signals = stream.try_clone()?;
+    thread::spawn(move || {
+        while let Ok(signal) = forwarded.wait() {
+            let mut out = serde_json::to_vec(&Forward {
+                signal: signal as i32,
+            })
+            .unwrap_or_default();
+            out.push(b'\n');
+            if signals.write_all(&out).is_err() {
+                break;
+            }
+        }
+    });
+    for line in BufReader::new(stream).lines() {
+        let line = line.context("the daemon went away during the job")?;
+        match serde_json::from_str::<Response>(&line)? {
+            Response::Started { .. } => {}
+            Response::Exited {
+                code: Some(code), ..
+            } => return Ok(ExitCode::from(code as u8)),
+            Response::Exited { signal, .. } => {
+                return Ok(ExitCode::from(128 + signal.unwrap_or(0) as u8));
+            }
+            Response::Error { message } => bail!("the daemon refused: {message}"),
+            _ => {}
+        }
+    }
+    bail!("the daemon went away during the job")
+}

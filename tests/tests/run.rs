@@ -1,0 +1,282 @@
+//! `hocus-agent run`: jobs in a mount namespace where local copies stand in for network
+//! files, read-only, for root and for ordinary users.
+
+use std::{
+    fs,
+    os::unix::{fs::PermissionsExt, process::CommandExt},
+    process::{Command, Output, Stdio},
+    thread,
+    time::Duration,
+};
+
+use hocus_tests::{Agent, NetworkMount, read_all, wait_until};
+
+fn run(agent: &Agent, script: &str) -> Output {
+    agent
+        .cli(&["run", "--", "sh", "-c", script])
+        .current_dir("/")
+        .output()
+        .unwrap()
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// The mountinfo lines of the job's own namespace that bind onto the mount.
+const BINDS: &str = "awk '$5 ~ \"^/\" {print $5, $6}' /proc/self/mountinfo";
+
+fn cached(agent: &Agent, path: &std::path::Path) {
+    let copy = agent.local_copy(path);
+    wait_until(30, "the copy", || copy.exists());
+}
+
+#[test]
+fn a_job_sees_local_copies_read_only_at_the_network_paths() {
+    let net = NetworkMount::start();
+    let file = net.put("env/lib/mod.py", b"X = 1\n");
+    let agent = Agent::start(&["--watch", net.mount.to_str().unwrap()]);
+    read_all(&file);
+    cached(&agent, &file);
+    let out = run(&agent, &format!("{BINDS}; cat {}; exit 7", file.display()));
+    let stdout = text(&out.stdout);
+    assert_eq!(out.status.code(), Some(7), "{}", text(&out.stderr));
+    assert!(
+        stdout.contains(&format!("{} ro,nosuid,nodev", file.display())),
+        "the file is bound read-only, nosuid, nodev: {stdout}"
+    );
+    assert!(stdout.ends_with("X = 1\n"), "{stdout}");
+    // Nothing leaks back to the host.
+    let host = fs::read_to_string("/proc/self/mountinfo").unwrap();
+    assert!(
+        !host.contains(&format!(" {} ", file.display())),
+        "a bind leaked to the host"
+    );
+}
+
+#[test]
+fn a_write_into_a_copy_fails_is_counted_and_the_file_goes_back_to_the_network() {
+    let net = NetworkMount::start();
+    let file = net.put("data/table.csv", b"a,b\n");
+    let agent = Agent::start(&["--watch", net.mount.to_str().unwrap()]);
+    read_all(&file);
+    cached(&agent, &file);
+    let copy = agent.local_copy(&file);
+    let out = run(&agent, &format!("echo 1,2 >> {}", file.display()));
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stderr).contains("Read-only file system"),
+        "{}",
+        text(&out.stderr)
+    );
+    assert_eq!(
+        fs::read(net.server_path("data/table.csv")).unwrap(),
+        b"a,b\n",
+        "nothing reached the share"
+    );
+    // Counted, logged, and the copy is gone: nothing was written to the cache either.
+    wait_until(5, "the copy to be dropped", || !copy.exists());
+    assert_eq!(agent.status()["tally"]["writes_refused"], 1);
+    assert!(agent.log().contains("got EROFS"), "{}", agent.log());
+    // A later job works on the network file itself: its write lands on the share.
+    let out = run(&agent, &format!("{BINDS}; echo 1,2 >> {}", file.display()));
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(
+        !text(&out.stdout).contains("table.csv"),
+        "bound again: {}",
+        text(&out.stdout)
+    );
+    assert_eq!(
+        fs::read(net.server_path("data/table.csv")).unwrap(),
+        b"a,b\n1,2\n"
+    );
+}
+
+#[test]
+fn an_ordinary_user_runs_a_job_as_themselves_without_sudo() {
+    let net = NetworkMount::start();
+    let public = net.put("shared/public.txt", b"hello\n");
+    let secret = net.put("shared/root-only.key", b"secret\n");
+    fs::set_permissions(
+        net.server_path("shared/root-only.key"),
+        fs::Permissions::from_mode(0o600),
+    )
+    .unwrap();
+    let agent = Agent::start(&["--watch", net.mount.to_str().unwrap()]);
+    read_all(&public);
+    read_all(&secret);
+    cached(&agent, &public);
+    cached(&agent, &secret);
+    let (uid, gid) = hocus_tests::test_user();
+    let work = tempfile::tempdir().unwrap();
+    fs::set_permissions(work.path(), fs::Permissions::from_mode(0o777)).unwrap();
+    let script = format!(
+        "id -u; id -g; pwd; cat {}; cat {} 2>/dev/null || echo denied; exit 3",
+        public.display(),
+        secret.display()
+    );
+    let out = agent
+        .cli(&["run", "--", "sh", "-c", &script])
+        .current_dir(work.path())
+        .uid(uid)
+        .gid(gid)
+        .env("HOCUS_TEST_VAR", "kept")
+        .output()
+        .unwrap();
+    let stdout = text(&out.stdout);
+    assert_eq!(out.status.code(), Some(3), "{}", text(&out.stderr));
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert_eq!(
+        lines,
+        [
+            uid.to_string().as_str(),
+            gid.to_string().as_str(),
+            work.path().to_str().unwrap(),
+            "hello",
+            "denied"
+        ]
+    );
+    // and outside, the same
+    let outside = Command::new("cat")
+        .arg(&secret)
+        .uid(uid)
+        .gid(gid)
+        .output()
+        .unwrap();
+    assert!(!outside.status.success());
+    // The environment comes along.
+    let out = agent
+        .cli(&["run", "--", "sh", "-c", "echo $HOCUS_TEST_VAR"])
+        .current_dir(work.path())
+        .uid(uid)
+        .gid(gid)
+        .env("HOCUS_TEST_VAR", "kept")
+        .output()
+        .unwrap();
+    assert_eq!(text(&out.stdout), "kept\n");
+}
+
+#[test]
+fn signals_reach_the_job_and_its_status_comes_back() {
+    let net = NetworkMount::start();
+    let agent = Agent::start(&["--watch", net.mount.to_str().unwrap()]);
+    let (uid, gid) = hocus_tests::test_user();
+    let mut child = agent
+        .cli(&[
+            "run",
+            "--",
+            "sh",
+            "-c",
+            "trap 'echo got-term; exit 42' TERM; echo ready; while :; do sleep 0.1; done",
+        ])
+        .current_dir("/")
+        .uid(uid)
+        .gid(gid)
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdout = child.stdout.take().unwrap();
+    let mut first = [0u8; 6];
+    std::io::Read::read_exact(&mut stdout, &mut first).unwrap();
+    assert_eq!(&first, b"ready\n");
+    // SAFETY: plain kill(2) on our child, the hocus-agent client.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let status = child.wait().unwrap();
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut stdout, &mut rest).unwrap();
+    assert_eq!(rest, "got-term\n");
+    assert_eq!(status.code(), Some(42));
+}
+
+#[test]
+fn a_change_on_the_server_during_the_job_is_seen_at_its_next_open() {
+    let net = NetworkMount::start();
+    let file = net.put("conf/settings.py", b"MODE = 'old'\n");
+    let agent = Agent::start(&["--watch", net.mount.to_str().unwrap(), "--revalidate", "1"]);
+    read_all(&file);
+    cached(&agent, &file);
+    let server = net.server_path("conf/settings.py");
+    let job = agent
+        .cli(&[
+            "run",
+            "--",
+            "sh",
+            "-c",
+            &format!("cat {f}; sleep 6; cat {f}", f = file.display()),
+        ])
+        .current_dir("/")
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    thread::sleep(Duration::from_secs(1));
+    fs::write(&server, b"MODE = 'new' # changed on the server\n").unwrap();
+    let out = job.wait_with_output().unwrap();
+    assert_eq!(
+        text(&out.stdout),
+        "MODE = 'old'\nMODE = 'new' # changed on the server\n",
+        "{}",
+        agent.log()
+    );
+    assert!(
+        agent.log().contains("detached 1 binds in job"),
+        "{}",
+        agent.log()
+    );
+}
+
+#[test]
+fn a_compilation_cache_directory_stays_shared() {
+    // Like JAX's persistent cache: entries written once, read by many jobs; new entries
+    // appear while jobs run, and jobs write entries of their own.
+    let net = NetworkMount::start();
+    let entry = net.put("jax-cache/jit_f-0001", &[1u8; 4096]);
+    let agent = Agent::start(&["--watch", net.mount.to_str().unwrap()]);
+    read_all(&entry);
+    cached(&agent, &entry);
+    let dir = net.path("jax-cache");
+    let job = agent
+        .cli(&[
+            "run",
+            "--",
+            "sh",
+            "-c",
+            &format!(
+                "{BINDS} | grep -c jit_f-0001; sleep 3; ls {d}; echo mine > {d}/jit_g-0003",
+                d = dir.display()
+            ),
+        ])
+        .current_dir("/")
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    thread::sleep(Duration::from_secs(1));
+    // Another writer (another node) adds an entry while the job runs.
+    fs::write(net.server_path("jax-cache/jit_f-0002"), b"from rank 0").unwrap();
+    let out = job.wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(
+        text(&out.stdout),
+        "1\njit_f-0001\njit_f-0002\n",
+        "the entry is bound, the directory shared"
+    );
+    assert_eq!(
+        fs::read(net.server_path("jax-cache/jit_g-0003")).unwrap(),
+        b"mine\n",
+        "the job's entry is on the share"
+    );
+}
+
+#[test]
+fn run_without_a_daemon_says_what_to_do() {
+    let out = Command::new(hocus_tests::agent_bin())
+        .args(["--socket", "/nonexistent/agent.sock", "run", "--", "true"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = text(&out.stderr);
+    assert!(
+        err.contains("no hocus-agent daemon is running")
+            && err.contains("sudo hocus-agent --watch"),
+        "{err}"
+    );
+}
