@@ -81,7 +81,8 @@ impl NetworkMount {
                 "Port {port}\nListenAddress 127.0.0.1\nHostKey {root}/host_key\n\
                  PermitRootLogin prohibit-password\nAuthorizedKeysFile {root}/authorized_keys\n\
                  StrictModes no\nPasswordAuthentication no\nKbdInteractiveAuthentication no\n\
-                 UsePAM no\nSubsystem sftp internal-sftp\nPidFile {root}/sshd.pid\n",
+                 UsePAM no\nPidFile {root}/sshd.pid\n\
+                 Subsystem sftp /usr/lib/openssh/sftp-server -e -l VERBOSE 2>>{root}/sftp.log\n",
                 root = root.display()
             ),
         )
@@ -148,6 +149,12 @@ impl NetworkMount {
 
     pub fn root(&self) -> &Path {
         self.dir.path()
+    }
+
+    /// The server's log: every SFTP open, opendir and stat it was asked for, by path on
+    /// the server.
+    pub fn server_log(&self) -> String {
+        fs::read_to_string(self.dir.path().join("sftp.log")).unwrap_or_default()
     }
 }
 

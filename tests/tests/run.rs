@@ -280,3 +280,129 @@ fn run_without_a_daemon_says_what_to_do() {
         "{err}"
     );
 }
+
+#[test]
+fn a_python_environment_is_served_from_its_snapshot_without_touching_the_network() {
+    let net = NetworkMount::start();
+    net.put("env/lib/mypkg/__init__.py", b"from . import core\n");
+    net.put("env/lib/mypkg/core.py", b"VALUE = 41\n");
+    net.put(
+        "env/lib/mypkg/cold.py",
+        b"raise SystemExit('never imported')\n",
+    );
+    net.put("env/empty/README", b"nothing to import here\n");
+    let agent = Agent::start(&["--watch", net.mount.to_str().unwrap(), "--revalidate", "1"]);
+    let pythonpath = format!(
+        "{}:{}",
+        net.path("env/empty").display(),
+        net.path("env/lib").display()
+    );
+    let script = "import mypkg.core; print(mypkg.core.VALUE + 1)";
+    let python = |under_hocus: bool| {
+        let mut cmd = if under_hocus {
+            agent.cli(&["run", "--", "python3", "-c", script])
+        } else {
+            let mut c = Command::new("python3");
+            c.args(["-c", script]);
+            c
+        };
+        let out = cmd
+            .env("PYTHONPATH", &pythonpath)
+            .env("PYTHONDONTWRITEBYTECODE", "1")
+            .current_dir("/")
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        text(&out.stdout)
+    };
+    // The first run teaches hocus the working set.
+    assert_eq!(python(false), "42\n");
+    let env = net.path("env");
+    wait_until(30, "a snapshot of the environment", || {
+        agent.cache()["snapshots"]
+            .as_array()
+            .is_some_and(|s| s.iter().any(|p| p == env.to_str().unwrap()))
+    });
+    let inside = format!("\"{}/", net.server_path("env").display());
+    let before = net.server_log().len();
+    assert_eq!(python(true), "42\n", "the same output under hocus");
+    let requests: Vec<String> = net.server_log()[before..]
+        .lines()
+        .filter(|l| l.contains(&inside))
+        .map(str::to_owned)
+        .collect();
+    assert!(
+        requests.is_empty(),
+        "the job's lookups reached the server:\n{}",
+        requests.join("\n")
+    );
+    // And without hocus they do: the log does record such requests.
+    let before = net.server_log().len();
+    assert_eq!(python(false), "42\n");
+    assert!(
+        net.server_log()[before..]
+            .lines()
+            .any(|l| l.contains(&inside)),
+        "{}",
+        &net.server_log()[before..]
+    );
+    // A cold module is in the snapshot too.
+    let out = agent
+        .cli(&[
+            "run",
+            "--",
+            "cat",
+            net.path("env/lib/mypkg/cold.py").to_str().unwrap(),
+        ])
+        .current_dir("/")
+        .output()
+        .unwrap();
+    assert_eq!(text(&out.stdout), "raise SystemExit('never imported')\n");
+}
+
+#[test]
+fn a_write_into_a_snapshot_fails_and_the_tree_goes_back_to_the_network() {
+    let net = NetworkMount::start();
+    net.put("dataset/part-0.csv", b"x\n1\n");
+    net.put("dataset/part-1.csv", b"x\n2\n");
+    let agent = Agent::start(&["--watch", net.mount.to_str().unwrap(), "--revalidate", "1"]);
+    read_all(&net.path("dataset/part-0.csv"));
+    let dataset = net.path("dataset");
+    wait_until(30, "a snapshot of the dataset", || {
+        agent.cache()["snapshots"]
+            .as_array()
+            .is_some_and(|s| s.iter().any(|p| p == dataset.to_str().unwrap()))
+    });
+    let out = run(
+        &agent,
+        &format!("echo new > {}/part-2.csv", dataset.display()),
+    );
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stderr).contains("Read-only file system"),
+        "{}",
+        text(&out.stderr)
+    );
+    assert!(!net.server_path("dataset/part-2.csv").exists());
+    wait_until(5, "the snapshot to be dropped", || {
+        agent.cache()["snapshots"]
+            .as_array()
+            .is_some_and(|s| s.is_empty())
+    });
+    assert_eq!(agent.status()["tally"]["writes_refused"], 1);
+    assert!(
+        agent.log().contains("dropping the snapshot"),
+        "{}",
+        agent.log()
+    );
+    // The next job writes to the network share.
+    let out = run(
+        &agent,
+        &format!("echo new > {}/part-2.csv", dataset.display()),
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(
+        fs::read(net.server_path("dataset/part-2.csv")).unwrap(),
+        b"new\n"
+    );
+}
