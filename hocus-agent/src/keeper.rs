@@ -466,6 +466,14 @@ impl Keeper {
             if chain.iter().any(|d| self.snapshot_of(d).is_some()) {
                 continue; // held already, or being taken
             }
+            // Copies still under way there are linked into the snapshot once done.
+            if self
+                .in_flight
+                .keys()
+                .any(|s| Path::new(s).starts_with(&chain[0]))
+            {
+                continue;
+            }
             let room = self
                 .effective_ssd_budget
                 .saturating_sub(self.cache.used() + self.snapshot_bytes())
@@ -549,6 +557,18 @@ impl Keeper {
                         bytes: taken.copied,
                     },
                 );
+                // Pins of files in it move to the snapshot's inodes (the same ones where
+                // the copy was linked).
+                let inside: Vec<String> = self
+                    .pins
+                    .sources()
+                    .filter(|s| Path::new(s).starts_with(&root))
+                    .cloned()
+                    .collect();
+                for source in inside {
+                    self.pins.unpin(&source);
+                    self.pin(&source);
+                }
                 self.report(&key, expected, true);
             }
             Err(e) => {
@@ -787,7 +807,16 @@ impl Keeper {
             return;
         }
         let limited = self.pins.limited_by_map_count;
-        match self.pins.pin(source, &self.cache.local(source)) {
+        // A file inside a snapshot is pinned through the snapshot's own copy: that is
+        // the inode jobs read.
+        let local = self
+            .snapshot_of(Path::new(source))
+            .and_then(|root| {
+                let rel = Path::new(source).strip_prefix(&root).ok()?;
+                Some(self.snapshots.get(&root)?.local.join(rel))
+            })
+            .unwrap_or_else(|| self.cache.local(source));
+        match self.pins.pin(source, &local) {
             Ok(()) => {}
             // Said once; `status` keeps saying it.
             Err(e @ PinError::MapCount(_)) if !limited => log::warn!("cannot pin {source}: {e}"),

@@ -406,3 +406,44 @@ fn a_write_into_a_snapshot_fails_and_the_tree_goes_back_to_the_network() {
         b"new\n"
     );
 }
+
+#[test]
+fn a_job_has_the_callers_limits_and_umask_and_no_descriptor_of_the_daemon() {
+    let net = NetworkMount::start();
+    let agent = Agent::start(&["--watch", net.mount.to_str().unwrap()]);
+    let (uid, gid) = hocus_tests::test_user();
+    let mut cmd = agent.cli(&[
+        "run",
+        "--",
+        "sh",
+        "-c",
+        "ulimit -l; umask; ls /proc/self/fd",
+    ]);
+    cmd.current_dir("/").uid(uid).gid(gid);
+    // SAFETY: runs in the forked child before exec; plain syscalls.
+    unsafe {
+        cmd.pre_exec(|| {
+            let limit = libc::rlimit {
+                rlim_cur: 1234 * 1024,
+                rlim_max: 1234 * 1024,
+            };
+            libc::setrlimit(libc::RLIMIT_MEMLOCK, &limit);
+            libc::umask(0o027);
+            Ok(())
+        });
+    }
+    let out = cmd.output().unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let lines: Vec<String> = text(&out.stdout).lines().map(str::to_owned).collect();
+    assert_eq!(
+        lines[0], "1234",
+        "the daemon's unlimited memlock must not reach the job"
+    );
+    assert_eq!(lines[1], "0027");
+    // 0, 1, 2 and the directory ls itself reads.
+    assert_eq!(
+        lines[2..],
+        ["0", "1", "2", "3"],
+        "descriptors leaked into the job"
+    );
+}

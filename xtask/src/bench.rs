@@ -142,3 +142,142 @@ pub fn dataset(agent_bin: &Path, d: &Dataset) -> Result<()> {
     );
     Ok(())
 }
+
+/// `cargo xtask bench imports`: `import numpy, scipy, pandas` from a directory on a real
+/// network mount, with the page cache emptied once a second during the runs (the
+/// misbehaving node): from local disk (the same files, on the server's side), plain from
+/// the network, warm (again right away), and under `hocus-agent run`, each as a ratio to
+/// local disk, in the same run. The goal is within 1.2x of local disk.
+pub fn imports(agent_bin: &Path, runs: usize) -> Result<()> {
+    if !crate::is_root() {
+        bail!("the benchmark mounts filesystems and loads eBPF programs: run it as root");
+    }
+    // SAFETY: single-threaded at this point.
+    unsafe { std::env::set_var("HOCUS_AGENT_BIN", agent_bin) };
+    let packages = crate::workspace().join("target/bench-packages");
+    if !packages.join("scipy").is_dir() {
+        println!(
+            "installing numpy, scipy and pandas into {} (once)",
+            packages.display()
+        );
+        let status = std::process::Command::new("python3")
+            .args(["-m", "pip", "install", "--quiet", "--target"])
+            .arg(&packages)
+            .args(["numpy", "scipy", "pandas"])
+            .status()?;
+        if !status.success() {
+            bail!("pip could not install numpy, scipy and pandas");
+        }
+    }
+    let net = NetworkMount::start();
+    let copied = std::process::Command::new("cp")
+        .arg("-a")
+        .arg(&packages)
+        .arg(net.server_path("site"))
+        .status()?;
+    if !copied.success() {
+        bail!("copying the packages to the server side failed");
+    }
+    let local = net.server_path("site");
+    let remote = net.path("site");
+    let script = "import numpy, scipy, scipy.linalg, scipy.sparse, pandas";
+
+    // Empty the page cache once a second while the runs go on.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let dropper = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let _ = drop_caches();
+                std::thread::sleep(std::time::Duration::from_secs(1));
+            }
+        })
+    };
+    let time = |cmd: &mut std::process::Command| -> Result<f64> {
+        let t = Instant::now();
+        let out = cmd.output()?;
+        if !out.status.success() {
+            bail!(
+                "the import failed: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        Ok(t.elapsed().as_secs_f64())
+    };
+    let python = |path: &Path| {
+        let mut c = std::process::Command::new("python3");
+        c.args(["-c", script])
+            .env("PYTHONPATH", path)
+            .env("PYTHONDONTWRITEBYTECODE", "1")
+            .current_dir("/");
+        c
+    };
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let runs_of = |f: &mut dyn FnMut() -> Result<f64>| -> Result<f64> {
+        let mut v = Vec::new();
+        for _ in 0..runs {
+            v.push(f()?);
+        }
+        Ok(median(v))
+    };
+    println!(
+        "import numpy, scipy, pandas; {runs} runs each (median); page cache emptied every second"
+    );
+    let local_s = runs_of(&mut || time(&mut python(&local)))?;
+    let plain_s = runs_of(&mut || time(&mut python(&remote)))?;
+    // Warm: right after a run, what the node's caches still hold.
+    let warm_s = runs_of(&mut || {
+        time(&mut python(&remote))?;
+        time(&mut python(&remote))
+    })?;
+    let agent = Agent::start(&["--watch", net.mount.to_str().unwrap(), "--revalidate", "2"]);
+    time(&mut python(&remote))?; // hocus learns the working set
+    let deadline = Instant::now() + std::time::Duration::from_secs(300);
+    while !agent.cache()["snapshots"]
+        .as_array()
+        .is_some_and(|s| s.iter().any(|p| p == remote.to_str().unwrap()))
+    {
+        if Instant::now() > deadline {
+            bail!(
+                "no snapshot of {} after 5 minutes:\n{}",
+                remote.display(),
+                agent.log()
+            );
+        }
+        std::thread::sleep(std::time::Duration::from_millis(500));
+    }
+    agent.settled();
+    let hocus_s = runs_of(&mut || {
+        let mut cmd = agent.cli(&["run", "--", "python3", "-c", script]);
+        cmd.env("PYTHONPATH", &remote)
+            .env("PYTHONDONTWRITEBYTECODE", "1")
+            .current_dir("/");
+        time(&mut cmd)
+    })?;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let _ = dropper.join();
+    println!("\n{:<26} {:>9} {:>12}", "", "SECONDS", "VS LOCAL");
+    for (name, s) in [
+        ("local disk", local_s),
+        ("network, plain", plain_s),
+        ("network, warm", warm_s),
+        ("network, hocus-agent run", hocus_s),
+    ] {
+        println!("{name:<26} {s:>8.3}s {:>11.2}x", s / local_s);
+    }
+    let c = agent.cache();
+    println!(
+        "\nhocus held {} as a snapshot; {} pinned in RAM. Goal: within 1.2x of local disk: {}",
+        remote.display(),
+        c["pinned_bytes"].as_u64().unwrap_or(0),
+        if hocus_s / local_s <= 1.2 {
+            "met"
+        } else {
+            "not met"
+        }
+    );
+    Ok(())
+}

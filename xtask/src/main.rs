@@ -60,6 +60,13 @@ enum Bench {
         #[arg(long, default_value_t = 4)]
         epochs: usize,
     },
+    /// `import numpy, scipy, pandas` from a network mount with the page cache emptied
+    /// every second: local disk, plain, warm and under `hocus-agent run`.
+    Imports {
+        /// Runs of each (the median is shown).
+        #[arg(long, default_value_t = 5)]
+        runs: usize,
+    },
 }
 
 fn main() {
@@ -109,10 +116,14 @@ fn run(cli: Cli) -> Result<()> {
                 },
             )
         }
+        Cmd::Bench(Bench::Imports { runs }) => {
+            let agent = build(true)?;
+            bench::imports(&agent, runs)
+        }
     }
 }
 
-fn workspace() -> PathBuf {
+pub fn workspace() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
         .expect("xtask lives in the workspace")
