@@ -513,6 +513,13 @@ impl Keeper {
             .collect();
         log::info!("taking a snapshot of {} ({})", root.display(), human(bytes));
         self.snapshots_in_flight.insert(root.clone(), bytes);
+        // A prefetch under way waits for it too.
+        for w in &mut self.prefetches {
+            if w.remaining.insert(root.to_string_lossy().into_owned()) {
+                w.progress.files_total += 1;
+                w.progress.bytes_total += bytes;
+            }
+        }
         let _ = self.copy_jobs.send(Work::Snapshot(SnapshotJob {
             dest: self.cache.tree_local(&root),
             root,
@@ -777,6 +784,11 @@ impl Keeper {
                 log::warn!("not caching {source}: {e}");
                 self.failed.insert(source.clone(), Instant::now());
             }
+        }
+        if self.in_flight.is_empty() {
+            // Snapshots wait for the copies under them (they are linked in); a prefetch
+            // under way then waits for them too, so this comes before its report.
+            self.consider_snapshots();
         }
         self.report(&source, expected, ok);
     }
