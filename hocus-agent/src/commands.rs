@@ -198,8 +198,16 @@ pub fn prefetch(ctx: &Context, file: &Path) -> Result<()> {
             format!("{n} files")
         }
     };
+    let trees = match p.trees_done - p.trees_failed {
+        0 => String::new(),
+        1 => format!(", and 1 tree as a snapshot ({})", human(p.tree_bytes_done)),
+        n => format!(
+            ", and {n} trees as snapshots ({})",
+            human(p.tree_bytes_done)
+        ),
+    };
     println!(
-        "prefetched {} ({}) into the SSD cache{}; {} ({}) pinned in RAM",
+        "prefetched {} ({}) into the SSD cache{}{trees}; {} ({}) pinned in RAM",
         files(p.files_done - p.failed),
         human(p.bytes_done),
         if p.failed > 0 {
@@ -215,19 +223,25 @@ pub fn prefetch(ctx: &Context, file: &Path) -> Result<()> {
 
 fn bar(p: &Progress) -> String {
     const WIDTH: usize = 30;
-    let done = if p.bytes_total > 0 {
-        (p.bytes_done as f64 / p.bytes_total as f64 * WIDTH as f64) as usize
+    let (done_bytes, total_bytes) = (
+        p.bytes_done + p.tree_bytes_done,
+        p.bytes_total + p.tree_bytes_total,
+    );
+    let done = if total_bytes > 0 {
+        (done_bytes as f64 / total_bytes as f64 * WIDTH as f64) as usize
     } else {
         WIDTH
     };
     format!(
-        "[{}{}] {}/{} files, {} / {}",
+        "[{}{}] {}/{} files, {}/{} trees, {} / {}",
         "#".repeat(done.min(WIDTH)),
         " ".repeat(WIDTH - done.min(WIDTH)),
         p.files_done,
         p.files_total,
-        human(p.bytes_done),
-        human(p.bytes_total)
+        p.trees_done,
+        p.trees_total,
+        human(done_bytes),
+        human(total_bytes)
     )
 }
 

@@ -269,6 +269,24 @@ pub enum ClientError {
     Other(#[from] anyhow::Error),
 }
 
+/// Connects to the daemon's socket; a missing or dead socket is `NoDaemon`.
+pub fn connect(socket: &Path) -> Result<UnixStream, ClientError> {
+    match UnixStream::connect(socket) {
+        Ok(s) => Ok(s),
+        Err(e)
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused
+            ) =>
+        {
+            Err(ClientError::NoDaemon(socket.to_owned()))
+        }
+        Err(e) => Err(anyhow::Error::new(e)
+            .context(format!("connecting to {}", socket.display()))
+            .into()),
+    }
+}
+
 /// Sends one request to the daemon and waits for its (last) answer.
 pub fn call(socket: &Path, request: &Request) -> Result<Response, ClientError> {
     let mut last = None;
@@ -282,22 +300,7 @@ pub fn call_streaming(
     request: &Request,
     mut each: impl FnMut(Response),
 ) -> Result<(), ClientError> {
-    let mut stream = match UnixStream::connect(socket) {
-        Ok(s) => s,
-        Err(e)
-            if matches!(
-                e.kind(),
-                std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused
-            ) =>
-        {
-            return Err(ClientError::NoDaemon(socket.to_owned()));
-        }
-        Err(e) => {
-            return Err(anyhow::Error::new(e)
-                .context(format!("connecting to {}", socket.display()))
-                .into());
-        }
-    };
+    let mut stream = connect(socket)?;
     let io = |e: std::io::Error| {
         ClientError::Other(anyhow::Error::new(e).context("talking to the daemon"))
     };

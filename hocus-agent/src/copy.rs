@@ -286,8 +286,9 @@ fn fchmod(f: &File, mode: u32) -> io::Result<()> {
     Ok(())
 }
 
-fn set_times(f: &File, m: &fs::Metadata) -> io::Result<()> {
-    let times = [
+/// The access and modification times of `m`, as futimens/utimensat take them.
+pub fn times_of(m: &fs::Metadata) -> [libc::timespec; 2] {
+    [
         libc::timespec {
             tv_sec: m.atime(),
             tv_nsec: m.atime_nsec(),
@@ -296,7 +297,11 @@ fn set_times(f: &File, m: &fs::Metadata) -> io::Result<()> {
             tv_sec: m.mtime(),
             tv_nsec: m.mtime_nsec(),
         },
-    ];
+    ]
+}
+
+fn set_times(f: &File, m: &fs::Metadata) -> io::Result<()> {
+    let times = times_of(m);
     // SAFETY: valid pointer to two timespecs.
     if unsafe { libc::futimens(f.as_raw_fd(), times.as_ptr()) } != 0 {
         return Err(io::Error::last_os_error());

@@ -49,6 +49,12 @@ pub struct Progress {
     pub bytes_done: u64,
     pub bytes_total: u64,
     pub failed: usize,
+    /// Snapshots of whole trees taken for this prefetch.
+    pub trees_done: usize,
+    pub trees_total: usize,
+    pub trees_failed: usize,
+    pub tree_bytes_done: u64,
+    pub tree_bytes_total: u64,
     pub pinned_files: usize,
     pub pinned_bytes: u64,
     pub finished: bool,
@@ -256,6 +262,7 @@ pub fn start(config: Config) -> Result<(mpsc::Sender<Order>, thread::JoinHandle<
 
 struct Watcher {
     remaining: HashSet<String>,
+    trees: HashSet<PathBuf>,
     progress: Progress,
     tx: mpsc::Sender<Progress>,
 }
@@ -321,23 +328,22 @@ impl Keeper {
                 self.remember(profile);
                 self.place();
                 self.consider_snapshots();
-                let mut remaining: HashSet<String> = self.in_flight.keys().cloned().collect();
-                let mut bytes_total: u64 = remaining.iter().map(|s| self.in_flight[s]).sum();
-                for (root, bytes) in &self.snapshots_in_flight {
-                    remaining.insert(root.to_string_lossy().into_owned());
-                    bytes_total += bytes;
-                }
+                let remaining: HashSet<String> = self.in_flight.keys().cloned().collect();
+                let trees: HashSet<PathBuf> = self.snapshots_in_flight.keys().cloned().collect();
                 let progress = Progress {
                     files_total: remaining.len(),
-                    bytes_total,
+                    bytes_total: remaining.iter().map(|s| self.in_flight[s]).sum(),
+                    trees_total: trees.len(),
+                    tree_bytes_total: trees.iter().map(|t| self.snapshots_in_flight[t]).sum(),
                     ..Default::default()
                 };
                 let mut w = Watcher {
                     remaining,
+                    trees,
                     progress,
                     tx,
                 };
-                if w.remaining.is_empty() {
+                if w.remaining.is_empty() && w.trees.is_empty() {
                     self.finish(&mut w);
                 } else {
                     let _ = w.tx.send(w.progress.clone());
@@ -515,9 +521,9 @@ impl Keeper {
         self.snapshots_in_flight.insert(root.clone(), bytes);
         // A prefetch under way waits for it too.
         for w in &mut self.prefetches {
-            if w.remaining.insert(root.to_string_lossy().into_owned()) {
-                w.progress.files_total += 1;
-                w.progress.bytes_total += bytes;
+            if w.trees.insert(root.clone()) {
+                w.progress.trees_total += 1;
+                w.progress.tree_bytes_total += bytes;
             }
         }
         let _ = self.copy_jobs.send(Work::Snapshot(SnapshotJob {
@@ -533,11 +539,10 @@ impl Keeper {
         root: PathBuf,
         result: Result<(snapshot::Stamp, snapshot::Taken), CopyError>,
     ) {
-        let key = root.to_string_lossy().into_owned();
         let Some(expected) = self.snapshots_in_flight.remove(&root) else {
             // Dropped while it was being taken.
             let _ = std::fs::remove_dir_all(self.cache.tree_local(&root));
-            self.report(&key, 0, false);
+            self.report_tree(&root, 0, false);
             return;
         };
         match result {
@@ -576,15 +581,15 @@ impl Keeper {
                     self.pins.unpin(&source);
                     self.pin(&source);
                 }
-                self.report(&key, expected, true);
+                self.report_tree(&root, expected, true);
             }
             Err(e) => {
                 log::info!(
                     "no snapshot of {}: {e}; its files are served one by one",
                     root.display()
                 );
+                self.report_tree(&root, expected, false);
                 self.unsuitable.insert(root, Instant::now());
-                self.report(&key, expected, false);
             }
         }
     }
@@ -880,21 +885,49 @@ impl Keeper {
         }
     }
 
+    /// A copy a prefetch may wait for is done.
     fn report(&mut self, source: &str, size: u64, ok: bool) {
+        self.advance(|w| {
+            if !w.remaining.remove(source) {
+                return false;
+            }
+            w.progress.files_done += 1;
+            if ok {
+                w.progress.bytes_done += size;
+            } else {
+                w.progress.failed += 1;
+            }
+            true
+        });
+    }
+
+    /// A snapshot a prefetch may wait for is done.
+    fn report_tree(&mut self, root: &Path, size: u64, ok: bool) {
+        self.advance(|w| {
+            if !w.trees.remove(root) {
+                return false;
+            }
+            w.progress.trees_done += 1;
+            if ok {
+                w.progress.tree_bytes_done += size;
+            } else {
+                w.progress.trees_failed += 1;
+            }
+            true
+        });
+    }
+
+    /// Applies `step` to each prefetch; those it changed report progress or finish.
+    fn advance(&mut self, mut step: impl FnMut(&mut Watcher) -> bool) {
         let mut finished = Vec::new();
         for (i, w) in self.prefetches.iter_mut().enumerate() {
-            if w.remaining.remove(source) {
-                w.progress.files_done += 1;
-                if ok {
-                    w.progress.bytes_done += size;
-                } else {
-                    w.progress.failed += 1;
-                }
-                if w.remaining.is_empty() {
-                    finished.push(i);
-                } else {
-                    let _ = w.tx.send(w.progress.clone());
-                }
+            if !step(w) {
+                continue;
+            }
+            if w.remaining.is_empty() && w.trees.is_empty() {
+                finished.push(i);
+            } else {
+                let _ = w.tx.send(w.progress.clone());
             }
         }
         for i in finished.into_iter().rev() {

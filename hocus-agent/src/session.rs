@@ -30,7 +30,7 @@ use tokio::sync::mpsc;
 
 use crate::{
     access::Caller,
-    control::{self, Ask, Call, Response},
+    control::{self, Ask, Call, ClientError, Response},
     mountns,
 };
 
@@ -274,20 +274,13 @@ pub fn run(socket: &Path, argv: Vec<String>) -> Result<ExitCode> {
         env: std::env::vars().collect(),
         cwd: std::env::current_dir().context("the current directory")?,
     });
-    let stream = match UnixStream::connect(socket) {
+    let stream = match control::connect(socket) {
         Ok(s) => s,
-        Err(e)
-            if matches!(
-                e.kind(),
-                std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused
-            ) =>
-        {
-            bail!(
-                "no hocus-agent daemon is running (nothing at {}): start it with sudo hocus-agent --watch PATH, or run the command without hocus",
-                socket.display()
-            )
-        }
-        Err(e) => return Err(e).with_context(|| format!("connecting to {}", socket.display())),
+        Err(ClientError::NoDaemon(_)) => bail!(
+            "no hocus-agent daemon is running (nothing at {}): start it with sudo hocus-agent --watch PATH, or run the command without hocus",
+            socket.display()
+        ),
+        Err(ClientError::Other(e)) => return Err(e),
     };
     // Signals are taken by a thread and forwarded; block them everywhere else first.
     let mut forwarded = SigSet::empty();

@@ -219,16 +219,7 @@ fn set_times(path: &Path, m: &fs::Metadata) {
     else {
         return;
     };
-    let times = [
-        libc::timespec {
-            tv_sec: m.atime(),
-            tv_nsec: m.atime_nsec(),
-        },
-        libc::timespec {
-            tv_sec: m.mtime(),
-            tv_nsec: m.mtime_nsec(),
-        },
-    ];
+    let times = copy::times_of(m);
     // SAFETY: valid C string and two timespecs.
     unsafe {
         libc::utimensat(

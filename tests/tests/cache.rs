@@ -491,9 +491,15 @@ fn prefetch_warms_a_new_daemon_before_the_job() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(
-        said.contains(
-            "prefetched 6 files (1.5 MiB) into the SSD cache; 2 files (512.0 KiB) pinned in RAM"
-        ),
+        said.contains("prefetched 6 files (1.5 MiB) into the SSD cache"),
+        "{said}"
+    );
+    assert!(
+        said.contains("and 1 tree as a snapshot (1.5 MiB)"),
+        "the clean directory is held whole: {said}"
+    );
+    assert!(
+        said.contains("; 2 files (512.0 KiB) pinned in RAM"),
         "{said}"
     );
     // The pins outlive the command.
