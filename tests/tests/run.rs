@@ -4,6 +4,7 @@
 use std::{
     fs,
     os::unix::{fs::PermissionsExt, process::CommandExt},
+    path::Path,
     process::{Command, Output, Stdio},
     thread,
     time::Duration,
@@ -41,15 +42,24 @@ fn a_job_sees_local_copies_read_only_at_the_network_paths() {
     let out = run(&agent, &format!("{BINDS}; cat {}; exit 7", file.display()));
     let stdout = text(&out.stdout);
     assert_eq!(out.status.code(), Some(7), "{}", text(&out.stderr));
+    // The mount that serves the file in the job (the file itself, or the snapshot of a
+    // directory above it) is a read-only, nosuid, nodev bind, not the network mount.
+    let serving = stdout
+        .lines()
+        .filter_map(|l| l.split_once(' '))
+        .filter(|(point, _)| file.starts_with(point))
+        .max_by_key(|(point, _)| point.len())
+        .unwrap_or_else(|| panic!("no mount serves {}: {stdout}", file.display()));
     assert!(
-        stdout.contains(&format!("{} ro,nosuid,nodev", file.display())),
-        "the file is bound read-only, nosuid, nodev: {stdout}"
+        Path::new(serving.0).starts_with(&net.mount) && Path::new(serving.0) != net.mount,
+        "{stdout}"
     );
+    assert!(serving.1.starts_with("ro,nosuid,nodev"), "{stdout}");
     assert!(stdout.ends_with("X = 1\n"), "{stdout}");
     // Nothing leaks back to the host.
     let host = fs::read_to_string("/proc/self/mountinfo").unwrap();
     assert!(
-        !host.contains(&format!(" {} ", file.display())),
+        !host.contains(&format!(" {} ", serving.0)),
         "a bind leaked to the host"
     );
 }
@@ -226,13 +236,21 @@ fn a_change_on_the_server_during_the_job_is_seen_at_its_next_open() {
 
 #[test]
 fn a_compilation_cache_directory_stays_shared() {
-    // Like JAX's persistent cache: entries written once, read by many jobs; new entries
+    // Like JAX's persistent cache: entries written once (by rank 0 of a job on this
+    // node, so the tracer sees the directory written), read by many jobs; new entries
     // appear while jobs run, and jobs write entries of their own.
     let net = NetworkMount::start();
-    let entry = net.put("jax-cache/jit_f-0001", &[1u8; 4096]);
-    let agent = Agent::start(&["--watch", net.mount.to_str().unwrap()]);
+    fs::create_dir_all(net.server_path("jax-cache")).unwrap();
+    let agent = Agent::start(&["--watch", net.mount.to_str().unwrap(), "--revalidate", "2"]);
+    let entry = net.path("jax-cache/jit_f-0001");
+    fs::write(&entry, [1u8; 4096]).unwrap();
     read_all(&entry);
+    // Stable since its write: bound file by file; the directory itself is never held.
     cached(&agent, &entry);
+    assert!(
+        agent.cache()["snapshots"].as_array().unwrap().is_empty(),
+        "a written directory was snapshotted"
+    );
     let dir = net.path("jax-cache");
     let job = agent
         .cli(&[
