@@ -4,6 +4,7 @@
 mod access;
 mod budget;
 mod cache;
+mod cgroups;
 mod commands;
 mod control;
 mod copy;

@@ -19,6 +19,8 @@ pub struct Mount {
     pub mount_point: PathBuf,
     pub fs_type: String,
     pub source: String,
+    /// Filesystem-specific options (for a cgroup v1 hierarchy: its controllers).
+    pub super_options: String,
 }
 
 /// Filesystem types whose data lives on another machine.
@@ -121,6 +123,7 @@ fn parse_line(line: &str) -> Result<Mount> {
         .filter(|t| !t.is_empty())
         .context("missing filesystem type")?;
     let source = a.next().unwrap_or_default();
+    let super_options = a.next().unwrap_or_default();
     Ok(Mount {
         id,
         parent,
@@ -130,6 +133,7 @@ fn parse_line(line: &str) -> Result<Mount> {
         mount_point: PathBuf::from(mount_point),
         fs_type: fs_type.to_owned(),
         source: unescape(source),
+        super_options: super_options.to_owned(),
     })
 }
 

@@ -204,6 +204,16 @@ fn spawn(
     [stdin, stdout, stderr]: [OwnedFd; 3],
 ) -> Result<std::process::Child> {
     let (limits, umask) = inherited(caller)?;
+    // The caller's cgroups (a batch job's limits and accounting), opened before the fork.
+    let cgroups: Vec<std::fs::File> = crate::cgroups::procs_files(caller.pid)?
+        .iter()
+        .map(|f| {
+            std::fs::OpenOptions::new()
+                .write(true)
+                .open(f)
+                .with_context(|| format!("opening {}", f.display()))
+        })
+        .collect::<Result<_>>()?;
     let mut cmd = Command::new(&run.argv[0]);
     cmd.args(&run.argv[1..])
         .env_clear()
@@ -218,6 +228,12 @@ fn spawn(
     // syscalls on data prepared before the fork.
     unsafe {
         cmd.pre_exec(move || {
+            // Into the caller's cgroups first, while still root. "0" moves the writer.
+            for cgroup in &cgroups {
+                if libc::write(cgroup.as_raw_fd(), b"0".as_ptr().cast(), 1) != 1 {
+                    return Err(std::io::Error::last_os_error());
+                }
+            }
             for (resource, limit) in &limits {
                 if libc::setrlimit(*resource, limit) != 0 {
                     // Raising a hard limit past the daemon's needs CAP_SYS_RESOURCE: keep

@@ -465,3 +465,48 @@ fn a_job_has_the_callers_limits_and_umask_and_no_descriptor_of_the_daemon() {
         "descriptors leaked into the job"
     );
 }
+
+#[test]
+fn a_job_runs_in_its_callers_cgroups_not_the_daemons() {
+    // A batch system puts each job in a cgroup with its limits; a job started through
+    // hocus must stay inside it. Here: a memory cgroup made for the caller.
+    let net = NetworkMount::start();
+    let agent = Agent::start(&["--watch", net.mount.to_str().unwrap()]);
+    let own = fs::read_to_string("/proc/self/cgroup").unwrap();
+    let memory = own
+        .lines()
+        .find_map(|l| l.split_once(":memory:").map(|(_, p)| p.to_owned()))
+        .expect("a memory cgroup v1 hierarchy (toolchain.md: mounted on these machines)");
+    let job_cgroup = Path::new("/sys/fs/cgroup/memory")
+        .join(memory.trim_start_matches('/'))
+        .join(format!("hocus-test-{}", std::process::id()));
+    fs::create_dir(&job_cgroup).unwrap();
+    struct Remove(std::path::PathBuf);
+    impl Drop for Remove {
+        fn drop(&mut self) {
+            let _ = fs::remove_dir(&self.0);
+        }
+    }
+    let _remove = Remove(job_cgroup.clone());
+    let procs = job_cgroup.join("cgroup.procs");
+    let mut cmd = agent.cli(&["run", "--", "cat", "/proc/self/cgroup"]);
+    cmd.current_dir("/");
+    // SAFETY: runs in the forked child before exec: open and write, then exec.
+    unsafe {
+        cmd.pre_exec(move || fs::write(&procs, "0"));
+    }
+    let out = cmd.output().unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let name = job_cgroup.file_name().unwrap().to_str().unwrap().to_owned();
+    let line = text(&out.stdout)
+        .lines()
+        .find(|l| l.contains(":memory:"))
+        .map(str::to_owned)
+        .unwrap();
+    assert!(
+        line.ends_with(&format!("/{name}")),
+        "the job is not in its caller's cgroup: {line}"
+    );
+    let daemon = fs::read_to_string(format!("/proc/{}/cgroup", agent.pid())).unwrap();
+    assert!(!daemon.contains(&name), "the daemon moved instead");
+}
