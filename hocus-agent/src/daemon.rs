@@ -94,7 +94,16 @@ impl Daemon {
         let mut watches = Vec::new();
         let mut watched = Vec::new();
         for path in &given {
-            let canonical = mounts::check_watch(path)?;
+            let canonical = match mounts::check_watch(path) {
+                Ok(c) => c,
+                // A mount found on its own that does not answer (its server or FUSE daemon
+                // is gone) is skipped; one the user named is an error.
+                Err(e) if opts.watch.is_empty() => {
+                    log::warn!("not watching {}: {e:#}", path.display());
+                    continue;
+                }
+                Err(e) => return Err(e),
+            };
             let mount = mounts::mount_of(&mount_table, &canonical);
             let fs_type = mount.map(|m| m.fs_type.clone()).unwrap_or_default();
             let network = mount.is_some_and(mounts::Mount::is_network);
@@ -120,6 +129,11 @@ impl Daemon {
                 path: canonical,
                 aliases,
             });
+        }
+        if watches.is_empty() {
+            bail!(
+                "none of the network filesystems mounted here can be reached; name the trees to watch with --watch PATH"
+            );
         }
         let prefixes: Vec<&Path> = watches
             .iter()

@@ -129,6 +129,27 @@ impl NetworkMount {
         this
     }
 
+    /// Kills the server side (sshd and the sshfs client process): the mount stays, dead,
+    /// as when a file server goes away.
+    pub fn kill_server(&self) {
+        let _ = Command::new("pkill")
+            .arg("-KILL")
+            .arg("-f")
+            .arg(format!("sshfs .*{}", self.mount.display()))
+            .status();
+        // SAFETY: plain kill(2) on our child.
+        unsafe { libc::kill(self.sshd.id() as i32, libc::SIGKILL) };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while fs::metadata(&self.mount).is_ok() {
+            assert!(
+                Instant::now() < deadline,
+                "{} still answers",
+                self.mount.display()
+            );
+            thread::sleep(Duration::from_millis(50));
+        }
+    }
+
     /// A path on the network mount.
     pub fn path(&self, rel: &str) -> PathBuf {
         self.mount.join(rel)

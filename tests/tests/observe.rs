@@ -278,3 +278,34 @@ fn an_ordinary_user_sees_only_what_they_can_read() {
     assert!(file_entry(&all, &private).is_some());
     assert!(file_entry(&all, &net.path("locked/inner.txt")).is_some());
 }
+
+#[test]
+fn a_dead_network_mount_is_skipped_when_watching_all_of_them() {
+    let alive = NetworkMount::start();
+    let dead = NetworkMount::start();
+    // Its server goes away: the FUSE mount stays, answering ENOTCONN.
+    dead.kill_server();
+    let agent = Agent::start(&[]);
+    let status = agent.status();
+    let watched: Vec<_> = status["watched"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| w["path"].clone())
+        .collect();
+    assert!(
+        watched.contains(&alive.mount.to_str().unwrap().into()),
+        "{status:#}"
+    );
+    assert!(
+        !watched.contains(&dead.mount.to_str().unwrap().into()),
+        "{status:#}"
+    );
+    assert!(
+        agent
+            .log()
+            .contains(&format!("not watching {}", dead.mount.display())),
+        "{}",
+        agent.log()
+    );
+}
