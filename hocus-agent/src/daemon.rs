@@ -449,7 +449,7 @@ impl Daemon {
     }
 
     fn status(&self) -> Status {
-        let p = self.ws.to_profile();
+        let (files, missing, dirs) = self.ws.counts();
         let kernel = self
             .tracer
             .get_ref()
@@ -467,9 +467,9 @@ impl Daemon {
             uptime_secs: self.started.elapsed().as_secs(),
             state_dir: self.opts.state_dir.clone(),
             watched: self.watched.clone(),
-            files: p.files.len(),
-            missing: p.missing.len(),
-            dirs: p.dirs.len(),
+            files,
+            missing,
+            dirs,
             tally: self.observer.tally.clone(),
             kernel,
             last_save_error: self.last_save_error.clone(),

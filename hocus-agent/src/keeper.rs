@@ -23,7 +23,7 @@ use crate::{
     copy::{self, CopyError, Identity, Reader},
     mountns::{self, Bind},
     pins::{PinError, Pins},
-    placement::{self, Filters, Placement},
+    placement::{self, Filters},
     profile::{FileEntry, Profile},
     snapshot,
 };
@@ -241,11 +241,11 @@ pub fn start(config: Config) -> Result<(mpsc::Sender<Order>, thread::JoinHandle<
         pins: Pins::new(),
         copy_jobs: job_tx,
         in_flight: HashMap::new(),
-        wanted: Placement::default(),
+        wanted: HashMap::new(),
         unstable: HashMap::new(),
         failed: HashMap::new(),
-        files: HashMap::new(),
         profile: Profile::default(),
+        file_index: HashMap::new(),
         snapshots: HashMap::new(),
         snapshots_in_flight: HashMap::new(),
         unsuitable: HashMap::new(),
@@ -276,14 +276,15 @@ struct Keeper {
     copy_jobs: mpsc::Sender<Work>,
     /// Copies under way: source -> expected size.
     in_flight: HashMap<String, u64>,
-    wanted: Placement,
+    /// The last placement: each wanted file, and whether it is to be pinned.
+    wanted: HashMap<String, bool>,
     /// Files seen changing, and when: they are fetched again once stable.
     unstable: HashMap<String, Instant>,
     /// Files whose copy failed, and when: retried after a while.
     failed: HashMap<String, Instant>,
-    /// The last working set, for readers' uids and values.
-    files: HashMap<String, FileEntry>,
+    /// The last working set, and where each file is in it.
     profile: Profile,
+    file_index: HashMap<String, usize>,
     /// Snapshots of whole trees, by network directory.
     snapshots: HashMap<PathBuf, Snapshot>,
     /// Snapshots being taken, with their expected bytes.
@@ -632,10 +633,11 @@ impl Keeper {
     }
 
     fn remember(&mut self, profile: Profile) {
-        self.files = profile
+        self.file_index = profile
             .files
             .iter()
-            .map(|f| (f.path.clone(), f.clone()))
+            .enumerate()
+            .map(|(i, f)| (f.path.clone(), i))
             .collect();
         self.profile = profile;
     }
@@ -649,8 +651,9 @@ impl Keeper {
         self.failed
             .retain(|_, at| now.duration_since(*at) < window * 4);
         let files: Vec<FileEntry> = self
+            .profile
             .files
-            .values()
+            .iter()
             .filter(|f| {
                 !self.unstable.contains_key(&f.path)
                     && !self.failed.contains_key(&f.path)
@@ -679,15 +682,15 @@ impl Keeper {
             &held,
             &pinned,
         );
-        let keep: HashMap<&str, bool> = wanted
+        self.wanted = wanted
             .files
             .iter()
-            .map(|c| (c.path.as_str(), c.pinned))
+            .map(|c| (c.path.clone(), c.pinned))
             .collect();
         // Make room first: evictions and unpins.
         let cached: Vec<String> = self.cache.sources().map(|(s, _)| s.clone()).collect();
         for source in cached {
-            match keep.get(source.as_str()) {
+            match self.wanted.get(&source) {
                 None => self.drop_copy(&source),
                 Some(false) => self.pins.unpin(&source),
                 Some(true) => {}
@@ -702,7 +705,6 @@ impl Keeper {
                 self.start_copy(&choice.path, choice.size);
             }
         }
-        self.wanted = wanted;
     }
 
     fn start_copy(&mut self, source: &str, size: u64) {
@@ -734,7 +736,7 @@ impl Keeper {
     /// A user seen reading the file: an ordinary user if there is one (root is squashed
     /// on most NFS exports and must not read more than users can).
     fn reader_of(&self, source: &str) -> Option<Reader> {
-        let uids = &self.files.get(source)?.uids;
+        let uids = &self.profile.files[*self.file_index.get(source)?].uids;
         let uid = uids
             .iter()
             .copied()
@@ -759,7 +761,7 @@ impl Keeper {
         match result {
             Ok(identity) => {
                 self.status.copies += 1;
-                let wanted = self.wanted.files.iter().find(|c| c.path == source).cloned();
+                let wanted = self.wanted.get(&source).copied();
                 self.cache.insert(&source, identity);
                 if self.cache.used() > self.effective_ssd_budget {
                     log::info!(
@@ -771,7 +773,7 @@ impl Keeper {
                     self.cache.remove(&source); // no longer wanted
                 } else {
                     ok = true;
-                    if wanted.is_some_and(|c| c.pinned) {
+                    if wanted == Some(true) {
                         self.pin(&source);
                     }
                 }
@@ -879,7 +881,7 @@ impl Keeper {
             }
         }
         // Stable again ones come back.
-        if !self.files.is_empty() {
+        if !self.profile.files.is_empty() {
             self.place();
             self.consider_snapshots();
         }

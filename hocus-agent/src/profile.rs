@@ -167,6 +167,11 @@ impl WorkingSet {
         ws
     }
 
+    /// Files, missing names and directories held.
+    pub fn counts(&self) -> (usize, usize, usize) {
+        (self.files.len(), self.missing.len(), self.dirs.len())
+    }
+
     fn offset(&self, unix_ns: u64) -> u64 {
         unix_ns.saturating_sub(self.started_unix_ns)
     }

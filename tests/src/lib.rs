@@ -443,6 +443,16 @@ impl Drop for Agent {
     }
 }
 
+/// Panics with the command's standard error unless it exited successfully.
+pub fn assert_success(out: &Output) {
+    assert!(
+        out.status.success(),
+        "the command failed ({}): {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 /// Polls `cond` every 100 ms until it holds, or panics with `what` after `secs`.
 pub fn wait_until(secs: u64, what: &str, mut cond: impl FnMut() -> bool) {
     let deadline = Instant::now() + Duration::from_secs(secs);

@@ -11,7 +11,7 @@ use std::{
     process::Command,
 };
 
-use hocus_tests::{Agent, NetworkMount, read_all, wait_until};
+use hocus_tests::{Agent, NetworkMount, assert_success, read_all, wait_until};
 use serde_json::Value;
 
 const MIB: u64 = 1 << 20;
@@ -395,11 +395,7 @@ fn a_symlink_swapped_in_does_not_expose_a_file_outside_the_tree() {
         .output()
         .unwrap();
     let said = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_success(&out);
     assert!(said.contains("1 not cached"), "{said}");
     assert!(
         !agent2.local_copy(&file).exists(),
@@ -431,11 +427,7 @@ fn a_users_file_keeps_owner_group_mode_and_mtime_and_stays_theirs() {
         .gid(gid)
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_success(&out);
     let copy = agent.local_copy(&file);
     wait_until(30, "the copy", || copy.exists());
     let (src, local) = (fs::metadata(&file).unwrap(), fs::metadata(&copy).unwrap());
@@ -485,11 +477,7 @@ fn prefetch_warms_a_new_daemon_before_the_job() {
         .output()
         .unwrap();
     let said = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_success(&out);
     assert!(
         said.contains("prefetched 6 files (1.5 MiB) into the SSD cache"),
         "{said}"
@@ -546,11 +534,7 @@ fn plan_shows_the_placement_and_times_without_copying() {
             .args(extra)
             .output()
             .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        assert_success(&out);
         String::from_utf8(out.stdout).unwrap()
     };
     let table = plan(&[]);
@@ -625,11 +609,7 @@ fn shrinking_the_ram_budget_releases_pins_at_once() {
     );
     let out = agent.cli(&["budget", "--ram", "2M"]).output().unwrap();
     let said = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_success(&out);
     assert!(said.contains("RAM 2.0 MiB (2.0 MiB pinned)"), "{said}");
     let c = agent.cache();
     assert_eq!(

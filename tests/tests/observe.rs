@@ -8,7 +8,7 @@ use std::{
     process::Command,
 };
 
-use hocus_tests::{Agent, NetworkMount, file_entry, missing_lookups, read_all};
+use hocus_tests::{Agent, NetworkMount, assert_success, file_entry, missing_lookups, read_all};
 use serde_json::Value;
 
 fn sh(script: &str) {
@@ -240,11 +240,7 @@ fn an_ordinary_user_sees_only_what_they_can_read() {
         .gid(gid)
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_success(&out);
     let p: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert!(file_entry(&p, &public).is_some(), "{p:#}");
     assert!(

@@ -3,7 +3,7 @@
 
 use std::fs;
 
-use hocus_tests::{Agent, NetworkMount, file_entry, missing_lookups, read_all};
+use hocus_tests::{Agent, NetworkMount, assert_success, file_entry, missing_lookups, read_all};
 
 #[test]
 fn the_profile_survives_a_restart_and_keeps_growing() {
@@ -156,11 +156,7 @@ fn an_exported_profile_imports_into_another_daemon() {
         ])
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_success(&out);
     drop(agent);
 
     // A second node (a second daemon) merges it twice: counts add up.
@@ -170,11 +166,7 @@ fn an_exported_profile_imports_into_another_daemon() {
             .cli(&["profile", "import", exported.to_str().unwrap()])
             .output()
             .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        assert_success(&out);
     }
     let p = other.export();
     assert_eq!(file_entry(&p, &file).unwrap()["opens"], 2, "{p:#}");
@@ -192,11 +184,7 @@ fn an_exported_profile_imports_into_another_daemon() {
         .args(["profile", "import", exported.to_str().unwrap()])
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_success(&out);
     let saved: serde_json::Value =
         serde_json::from_slice(&fs::read(state_dir.join("profile.json")).unwrap()).unwrap();
     assert_eq!(file_entry(&saved, &file).unwrap()["opens"], 3);

@@ -3,7 +3,7 @@
 
 use std::process::Command;
 
-use hocus_tests::{Agent, NetworkMount, file_entry, missing_lookups};
+use hocus_tests::{Agent, NetworkMount, assert_success, file_entry, missing_lookups};
 
 #[test]
 fn a_python_import_from_the_mount_is_profiled() {
@@ -30,11 +30,7 @@ fn a_python_import_from_the_mount_is_profiled() {
         .current_dir("/")
         .output()
         .expect("python3");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_success(&out);
     assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "42");
 
     let p = agent.export();

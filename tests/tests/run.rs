@@ -10,7 +10,7 @@ use std::{
     time::Duration,
 };
 
-use hocus_tests::{Agent, NetworkMount, read_all, wait_until};
+use hocus_tests::{Agent, NetworkMount, assert_success, read_all, wait_until};
 
 fn run(agent: &Agent, script: &str) -> Output {
     agent
@@ -90,7 +90,7 @@ fn a_write_into_a_copy_fails_is_counted_and_the_file_goes_back_to_the_network() 
     assert!(agent.log().contains("got EROFS"), "{}", agent.log());
     // A later job works on the network file itself: its write lands on the share.
     let out = run(&agent, &format!("{BINDS}; echo 1,2 >> {}", file.display()));
-    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_success(&out);
     assert!(
         !text(&out.stdout).contains("table.csv"),
         "bound again: {}",
@@ -271,7 +271,7 @@ fn a_compilation_cache_directory_stays_shared() {
     // Another writer (another node) adds an entry while the job runs.
     fs::write(net.server_path("jax-cache/jit_f-0002"), b"from rank 0").unwrap();
     let out = job.wait_with_output().unwrap();
-    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_success(&out);
     assert_eq!(
         text(&out.stdout),
         "1\njit_f-0001\njit_f-0002\n",
@@ -330,7 +330,7 @@ fn a_python_environment_is_served_from_its_snapshot_without_touching_the_network
             .current_dir("/")
             .output()
             .unwrap();
-        assert!(out.status.success(), "{}", text(&out.stderr));
+        assert_success(&out);
         text(&out.stdout)
     };
     // The first run teaches hocus the working set.
@@ -418,7 +418,7 @@ fn a_write_into_a_snapshot_fails_and_the_tree_goes_back_to_the_network() {
         &agent,
         &format!("echo new > {}/part-2.csv", dataset.display()),
     );
-    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_success(&out);
     assert_eq!(
         fs::read(net.server_path("dataset/part-2.csv")).unwrap(),
         b"new\n"
@@ -451,7 +451,7 @@ fn a_job_has_the_callers_limits_and_umask_and_no_descriptor_of_the_daemon() {
         });
     }
     let out = cmd.output().unwrap();
-    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_success(&out);
     let lines: Vec<String> = text(&out.stdout).lines().map(str::to_owned).collect();
     assert_eq!(
         lines[0], "1234",
@@ -496,7 +496,7 @@ fn a_job_runs_in_its_callers_cgroups_not_the_daemons() {
         cmd.pre_exec(move || fs::write(&procs, "0"));
     }
     let out = cmd.output().unwrap();
-    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_success(&out);
     let name = job_cgroup.file_name().unwrap().to_str().unwrap().to_owned();
     let line = text(&out.stdout)
         .lines()
