@@ -51,6 +51,54 @@ impl FromStr for Size {
     }
 }
 
+impl std::fmt::Display for Size {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match *self {
+            Size::Percent(p) => write!(f, "{p}%"),
+            Size::Bytes(b) => {
+                let unit = [(40, "T"), (30, "G"), (20, "M"), (10, "K")]
+                    .into_iter()
+                    .find(|(shift, _)| b != 0 && b % (1u64 << shift) == 0);
+                match unit {
+                    Some((shift, u)) => write!(f, "{}{u}", b >> shift),
+                    None => write!(f, "{b}"),
+                }
+            }
+        }
+    }
+}
+
+/// In a config file: a string as on the command line, or a number of bytes.
+impl<'de> serde::Deserialize<'de> for Size {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl serde::de::Visitor<'_> for Visitor {
+            type Value = Size;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a size such as \"512M\", \"10G\" or \"10%\", or a number of bytes")
+            }
+            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Size, E> {
+                Ok(Size::Bytes(v))
+            }
+            fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Size, E> {
+                u64::try_from(v)
+                    .map(Size::Bytes)
+                    .map_err(|_| E::custom("a size is not negative"))
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Size, E> {
+                v.parse().map_err(E::custom)
+            }
+        }
+        d.deserialize_any(Visitor)
+    }
+}
+
+impl serde::Serialize for Size {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
 impl Size {
     /// Bytes, a percentage being of `whole`.
     pub fn of(self, whole: u64) -> u64 {

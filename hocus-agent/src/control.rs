@@ -28,7 +28,7 @@ use crate::{
     keeper::{KeeperStatus, Progress},
     mountns::Bind,
     observe::Tally,
-    profile::Profile,
+    profile::{Profile, RootTotals},
     session::{self, RunRequest},
 };
 
@@ -85,6 +85,11 @@ pub enum Response {
     Error {
         message: String,
     },
+    /// Internal: a request was carried out.
+    Ready,
+    Metrics {
+        text: String,
+    },
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
@@ -97,9 +102,22 @@ pub struct WatchedMount {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Status {
     pub pid: u32,
+    #[serde(default)]
+    pub version: String,
     pub uptime_secs: u64,
+    #[serde(default)]
+    pub started_unix_secs: u64,
     pub state_dir: PathBuf,
+    /// Where Prometheus metrics are served, if they are.
+    #[serde(default)]
+    pub metrics_addr: Option<std::net::SocketAddr>,
     pub watched: Vec<WatchedMount>,
+    /// The working set under each watched tree.
+    #[serde(default)]
+    pub roots: Vec<RootTotals>,
+    /// The hottest files (those the caller may read), and where hocus holds them.
+    #[serde(default)]
+    pub top: Vec<TopFile>,
     pub files: usize,
     pub missing: usize,
     pub dirs: usize,
@@ -111,20 +129,34 @@ pub struct Status {
     pub cache: Option<KeeperStatus>,
 }
 
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct TopFile {
+    pub path: String,
+    pub opens: u64,
+    pub size: u64,
+    pub bytes_read: u64,
+    /// "ram" (pinned), "ssd" (copied) or "network".
+    pub held: String,
+}
+
 /// What a connection asks of the daemon's loop: a client's request, or one of the
 /// steps of a job session.
 pub enum Ask {
     Client(Request),
     /// The binds to make in a new job's namespace.
     Binds,
-    /// A job runs in the namespace of `pid` with these binds (to detach on changes).
-    JobStarted {
-        pid: i32,
+    /// The calling thread (`id`) is about to fork a job in its namespace, with these
+    /// binds (to detach on changes, and to tell hits from misses). Answered with
+    /// `Response::Ready`.
+    JobStarting {
+        id: u32,
         binds: Vec<Bind>,
     },
     JobEnded {
-        pid: i32,
+        id: u32,
     },
+    /// The metrics page, in the Prometheus text format (`Response::Metrics`).
+    Metrics,
 }
 
 /// A request with its caller, waiting for the daemon's answer: one response, or several

@@ -89,6 +89,19 @@ pub enum CopyError {
     Local(io::Error),
 }
 
+impl CopyError {
+    /// A short name for metrics and logs.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            CopyError::Changed => "changed",
+            CopyError::NoSpace => "no_space",
+            CopyError::Unsafe(_) => "refused",
+            CopyError::Source(_) => "read_error",
+            CopyError::Local(_) => "write_error",
+        }
+    }
+}
+
 fn local(e: io::Error) -> CopyError {
     if e.raw_os_error() == Some(libc::ENOSPC) || e.raw_os_error() == Some(libc::EDQUOT) {
         CopyError::NoSpace

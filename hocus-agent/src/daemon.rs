@@ -2,6 +2,7 @@
 //! and answers the control socket.
 
 use std::{
+    net::SocketAddr,
     os::unix::fs::MetadataExt,
     path::{Path, PathBuf},
     sync::mpsc as std_mpsc,
@@ -18,23 +19,22 @@ use tokio::{
 
 use crate::{
     access::{self, Caller},
-    control::{self, Ask, Call, Request, Response, Status, WatchedMount},
+    control::{self, Ask, Call, Request, Response, Status, TopFile, WatchedMount},
     keeper::{self, KeeperStatus, Order},
-    mounts,
+    metrics, mounts,
     observe::{Observer, Watch},
     profile::{Attributes, Profile, WorkingSet},
+    settings::Settings,
     store::StateDir,
     tracer::{Counters, Tracer},
 };
 
 pub struct Options {
-    pub watch: Vec<PathBuf>,
-    pub state_dir: PathBuf,
-    pub socket: PathBuf,
-    pub save_interval: Duration,
-    /// The cache and its budgets (taken by the keeper at start; `trees` is filled in
-    /// from the watched trees).
-    pub cache: Option<keeper::Config>,
+    /// The effective settings (defaults, config file, flags).
+    pub settings: Settings,
+    /// The flags alone, and the config file: SIGHUP reads the file again.
+    pub flags: Settings,
+    pub config: Option<PathBuf>,
 }
 
 /// How often the ring buffer is read when the kernel does not wake us (it does so only
@@ -43,6 +43,8 @@ const POLL_INTERVAL: Duration = Duration::from_millis(20);
 const SWEEP_INTERVAL: Duration = Duration::from_secs(1);
 /// How often a changed working set is placed again.
 const PLACE_INTERVAL: Duration = Duration::from_secs(2);
+/// The hottest files `status` lists.
+const STATUS_TOP_FILES: usize = 10;
 
 pub fn run(opts: Options) -> Result<()> {
     if !nix::unistd::geteuid().is_root() {
@@ -50,15 +52,21 @@ pub fn run(opts: Options) -> Result<()> {
             "the hocus-agent daemon loads eBPF programs and must run as root: sudo hocus-agent ..."
         );
     }
+    let cache = opts.settings.keeper_config()?;
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?
-        .block_on(async { Daemon::start(opts)?.run().await })
+        .block_on(async { Daemon::start(opts, cache)?.run().await })
 }
 
 struct Daemon {
     opts: Options,
+    state_dir: PathBuf,
+    socket: PathBuf,
     started: Instant,
+    started_unix_secs: u64,
+    /// Where metrics are served (the port chosen when 0 was asked for).
+    metrics_addr: Option<SocketAddr>,
     watched: Vec<WatchedMount>,
     state: StateDir,
     ws: WorkingSet,
@@ -78,9 +86,10 @@ struct Daemon {
 }
 
 impl Daemon {
-    fn start(mut opts: Options) -> Result<Self> {
+    fn start(opts: Options, mut cache: keeper::Config) -> Result<Self> {
         let mount_table = mounts::read()?;
-        let given = if opts.watch.is_empty() {
+        let named = opts.settings.watch.clone().unwrap_or_default();
+        let given = if named.is_empty() {
             let found = mounts::default_watches(&mount_table);
             if found.is_empty() {
                 bail!(
@@ -89,7 +98,7 @@ impl Daemon {
             }
             found
         } else {
-            opts.watch.clone()
+            named.clone()
         };
         let mut watches = Vec::new();
         let mut watched = Vec::new();
@@ -98,7 +107,7 @@ impl Daemon {
                 Ok(c) => c,
                 // A mount found on its own that does not answer (its server or FUSE daemon
                 // is gone) is skipped; one the user named is an error.
-                Err(e) if opts.watch.is_empty() => {
+                Err(e) if named.is_empty() => {
                     log::warn!("not watching {}: {e:#}", path.display());
                     continue;
                 }
@@ -142,7 +151,8 @@ impl Daemon {
             })
             .collect();
 
-        let state = StateDir::lock(&opts.state_dir)?;
+        let state_dir = opts.settings.state_dir();
+        let state = StateDir::lock(&state_dir)?;
         let ws = match state.load_or_set_aside() {
             Ok(Some(p)) => {
                 log::info!(
@@ -167,7 +177,6 @@ impl Daemon {
                 tracer.skipped.join(", ")
             );
         }
-        let mut cache = opts.cache.take().expect("the cache is configured once");
         cache.trees = watches.iter().map(|w| w.path.clone()).collect();
         let (keeper, keeper_thread) = keeper::start(cache)?;
         let (stat_requests, stat_results) = spawn_stat_worker();
@@ -179,8 +188,12 @@ impl Daemon {
             tracer.set_cwd(tgid, place);
         }
         Ok(Self {
+            socket: opts.settings.socket(),
+            state_dir,
             opts,
             started: Instant::now(),
+            started_unix_secs: unix_now_ns() / 1_000_000_000,
+            metrics_addr: None,
             watched,
             state,
             ws,
@@ -203,18 +216,25 @@ impl Daemon {
 
     async fn run(mut self) -> Result<()> {
         let (calls_tx, mut calls) = mpsc::channel::<Call>(16);
-        control::serve(&self.opts.socket, calls_tx)?;
+        if let Some(addr) = self.opts.settings.metrics_addr() {
+            self.metrics_addr = Some(metrics::serve(addr, calls_tx.clone())?);
+        }
+        control::serve(&self.socket, calls_tx)?;
         log::info!(
-            "ready: profile in {}, control socket {}",
+            "ready: profile in {}, control socket {}{}",
             self.state.profile_path().display(),
-            self.opts.socket.display()
+            self.socket.display(),
+            self.metrics_addr
+                .map(|a| format!(", metrics on http://{a}/metrics"))
+                .unwrap_or_default()
         );
         let mut poll = tokio::time::interval(POLL_INTERVAL);
         let mut sweep = tokio::time::interval(SWEEP_INTERVAL);
-        let mut save = tokio::time::interval(self.opts.save_interval);
+        let mut save = tokio::time::interval(self.opts.settings.save_interval());
         let mut place = tokio::time::interval(PLACE_INTERVAL);
         let mut term = tokio::signal::unix::signal(SignalKind::terminate())?;
         let mut int = tokio::signal::unix::signal(SignalKind::interrupt())?;
+        let mut hup = tokio::signal::unix::signal(SignalKind::hangup())?;
         loop {
             tokio::select! {
                 ready = self.tracer.readable_mut() => {
@@ -228,20 +248,28 @@ impl Daemon {
                 _ = place.tick() => self.place(),
                 Some(result) = self.stat_results.recv() => self.stat_done(result),
                 Some(call) = calls.recv() => self.answer(call).await,
+                _ = hup.recv() => {
+                    if self.reload() {
+                        save = tokio::time::interval(self.opts.settings.save_interval());
+                    }
+                }
                 _ = term.recv() => break,
                 _ = int.recv() => break,
             }
         }
-        log::info!("stopping: saving the profile");
-        let _ = std::fs::remove_file(&self.opts.socket);
-        self.drain();
+        // What was traced so far, then nothing more: the profile is complete.
         self.sweep();
+        self.tracer.get_mut().detach();
+        self.sweep();
+        log::info!("stopping: eBPF programs detached; saving the profile");
         self.dirty = true;
         self.save();
         let _ = self.keeper.send(Order::Stop);
         if let Some(t) = self.keeper_thread.take() {
             let _ = t.join();
         }
+        log::info!("pins released; removing {}", self.socket.display());
+        let _ = std::fs::remove_file(&self.socket);
         match self.last_save_error {
             Some(e) => bail!("the profile could not be saved: {e}"),
             None => Ok(()),
@@ -260,8 +288,8 @@ impl Daemon {
             self.dirty = true;
             self.to_place = true;
         }
-        for (path, bytes) in self.observer.reads.drain(..) {
-            let _ = self.keeper.send(Order::Read(path, bytes));
+        for access in self.observer.accesses.drain(..) {
+            let _ = self.keeper.send(Order::Access(access));
         }
         for path in self.observer.changed.drain(..) {
             let _ = self.keeper.send(Order::Invalidate(path));
@@ -362,12 +390,26 @@ impl Daemon {
                 let _ = reply.send(Response::Binds(binds));
                 return;
             }
-            Ask::JobStarted { pid, binds } => {
-                let _ = self.keeper.send(Order::JobStarted { pid, binds });
+            Ask::JobStarting { id, binds } => {
+                // Events already read belong to earlier jobs; the keeper learns of this
+                // one before anything it does.
+                self.drain();
+                let (ack, acked) = std_mpsc::channel();
+                let _ = self.keeper.send(Order::JobStarting { id, binds, ack });
+                let _ = acked.recv_timeout(Duration::from_secs(10));
+                let _ = reply.send(Response::Ready);
                 return;
             }
-            Ask::JobEnded { pid } => {
-                let _ = self.keeper.send(Order::JobEnded { pid });
+            Ask::JobEnded { id } => {
+                // What the job did is read before it is forgotten.
+                self.sweep();
+                let _ = self.keeper.send(Order::JobEnded { id });
+                return;
+            }
+            Ask::Metrics => {
+                self.sweep();
+                let text = metrics::render(&self.status(0));
+                let _ = reply.send(Response::Metrics { text });
                 return;
             }
         };
@@ -375,7 +417,34 @@ impl Daemon {
         self.sweep();
         self.finish_stats().await;
         let response = match request {
-            Request::Status => Response::Status(Box::new(self.status())),
+            Request::Status => {
+                let mut status = self.status(STATUS_TOP_FILES);
+                if !caller.is_root() {
+                    // Only files the caller may read are named to them.
+                    let files = status
+                        .top
+                        .iter()
+                        .map(|t| crate::profile::FileEntry {
+                            path: t.path.clone(),
+                            ..Default::default()
+                        })
+                        .collect();
+                    let readable = match checked_for(
+                        Profile {
+                            files,
+                            ..Default::default()
+                        },
+                        &caller,
+                    )
+                    .await
+                    {
+                        Ok(p) => p.files.into_iter().map(|f| f.path).collect(),
+                        Err(_) => std::collections::HashSet::new(),
+                    };
+                    status.top.retain(|t| readable.contains(&t.path));
+                }
+                Response::Status(Box::new(status))
+            }
             Request::Export { root } => {
                 let mut profile = self.ws.to_profile();
                 if let Some(root) = root {
@@ -398,7 +467,7 @@ impl Daemon {
                 match self.keeper_status() {
                     Some(cache) => Response::Status(Box::new(Status {
                         cache: Some(cache),
-                        ..self.status()
+                        ..self.status(0)
                     })),
                     None => Response::Error {
                         message: "the cache keeper does not answer".into(),
@@ -448,8 +517,21 @@ impl Daemon {
         Ok(counts)
     }
 
-    fn status(&self) -> Status {
+    fn status(&self, top: usize) -> Status {
         let (files, missing, dirs) = self.ws.counts();
+        let hottest = self.ws.hottest(top);
+        let held = self.where_held(hottest.iter().map(|f| f.path.clone()).collect());
+        let top = hottest
+            .into_iter()
+            .zip(held)
+            .map(|(f, held)| TopFile {
+                path: f.path,
+                opens: f.opens,
+                size: f.size,
+                bytes_read: f.bytes_read,
+                held,
+            })
+            .collect();
         let kernel = self
             .tracer
             .get_ref()
@@ -464,9 +546,18 @@ impl Daemon {
             .unwrap_or_default();
         Status {
             pid: std::process::id(),
+            version: env!("CARGO_PKG_VERSION").into(),
             uptime_secs: self.started.elapsed().as_secs(),
-            state_dir: self.opts.state_dir.clone(),
+            started_unix_secs: self.started_unix_secs,
+            state_dir: self.state_dir.clone(),
+            metrics_addr: self.metrics_addr,
             watched: self.watched.clone(),
+            roots: self
+                .watched
+                .iter()
+                .map(|w| self.ws.totals_under(&w.path))
+                .collect(),
+            top,
             files,
             missing,
             dirs,
@@ -476,6 +567,59 @@ impl Daemon {
             not_traced: self.tracer.get_ref().skipped.clone(),
             cache: self.keeper_status(),
         }
+    }
+
+    /// Where the keeper holds these files: "ram", "ssd" or "network".
+    fn where_held(&self, paths: Vec<String>) -> Vec<String> {
+        let n = paths.len();
+        let (tx, rx) = std_mpsc::channel();
+        if n == 0 || self.keeper.send(Order::WhereHeld(paths, tx)).is_err() {
+            return vec!["network".into(); n];
+        }
+        rx.recv_timeout(Duration::from_secs(5))
+            .unwrap_or_else(|_| vec!["network".into(); n])
+    }
+
+    /// SIGHUP: reads the config file again and applies what can change live. A bad file
+    /// changes nothing. Returns whether the settings changed.
+    fn reload(&mut self) -> bool {
+        let new = match Settings::effective(&self.opts.flags, self.opts.config.as_deref()) {
+            Ok(s) => s,
+            Err(e) => {
+                log::error!("SIGHUP: keeping the running configuration: {e:#}");
+                return false;
+            }
+        };
+        if new == self.opts.settings {
+            log::info!("SIGHUP: the configuration is unchanged");
+            return false;
+        }
+        let (ssd_budget, ram_budget) = match new.budgets() {
+            Ok(b) => b,
+            Err(e) => {
+                log::error!("SIGHUP: keeping the running configuration: {e:#}");
+                return false;
+            }
+        };
+        for name in new.restart_only_changes(&self.opts.settings) {
+            log::warn!("SIGHUP: {name} changed: that takes a restart");
+        }
+        new.apply_logging();
+        let _ = self.keeper.send(Order::Reconfigure(keeper::Reconfigure {
+            ssd_budget,
+            ram_budget,
+            filters: new.filters(),
+            revalidate: new.revalidate(),
+        }));
+        log::info!(
+            "SIGHUP: configuration reloaded from {}",
+            self.opts
+                .config
+                .as_ref()
+                .map_or("the flags alone".into(), |p| p.display().to_string())
+        );
+        self.opts.settings = new;
+        true
     }
 
     fn keeper_status(&self) -> Option<KeeperStatus> {

@@ -5,7 +5,7 @@
 //! workers, so the daemon's event loop never waits on the network.
 
 use std::{
-    collections::{HashMap, HashSet},
+    collections::{BTreeMap, HashMap, HashSet},
     fs::File,
     os::fd::OwnedFd,
     path::{Path, PathBuf},
@@ -21,7 +21,9 @@ use crate::{
     budget::human,
     cache::Cache,
     copy::{self, CopyError, Identity, Reader},
+    logs::{self, Process},
     mountns::{self, Bind},
+    observe::{Access, What},
     pins::{PinError, Pins},
     placement::{self, Filters},
     profile::{FileEntry, Profile},
@@ -71,14 +73,31 @@ pub struct KeeperStatus {
     pub pinned_bytes: u64,
     pub copying: usize,
     pub copies: u64,
+    pub copied_bytes: u64,
     pub copy_failures: u64,
+    /// Every copy that did not land, by `CopyError::reason`.
+    #[serde(default)]
+    pub copy_failures_by_reason: BTreeMap<String, u64>,
     pub changed_during_copy: u64,
     pub invalidations: u64,
+    /// Copies dropped to make room or because they fell out of the working set.
+    #[serde(default)]
+    pub evictions: u64,
     pub cache_full_events: u64,
-    /// Bytes jobs read of files while hocus held them pinned, on SSD only, or neither.
-    pub read_pinned: u64,
-    pub read_ssd: u64,
-    pub read_network: u64,
+    /// What local copies served, per watched tree.
+    #[serde(default)]
+    pub served: Vec<Served>,
+    #[serde(default)]
+    pub jobs_running: usize,
+    #[serde(default)]
+    pub jobs_started: u64,
+    #[serde(default)]
+    pub prefetches: u64,
+    /// Copies and snapshots the prefetches under way still wait for.
+    #[serde(default)]
+    pub prefetch_remaining_files: usize,
+    #[serde(default)]
+    pub prefetch_remaining_bytes: u64,
     pub limited_by_map_count: bool,
     /// Whole trees held as snapshots, and the bytes they add to the cache.
     #[serde(default)]
@@ -87,16 +106,44 @@ pub struct KeeperStatus {
     pub snapshot_bytes: u64,
 }
 
+/// Opens, failed lookups and bytes read under one watched tree, by who answered: a local
+/// copy (in RAM when pinned, else on SSD) bound into a `hocus-agent run` job, or the
+/// network.
+#[derive(Debug, Clone, Serialize, Deserialize, Default, PartialEq, Eq)]
+pub struct Served {
+    pub root: PathBuf,
+    pub opens_local: u64,
+    pub opens_network: u64,
+    /// Of all opens: those made by processes of `hocus-agent run` jobs.
+    pub job_opens: u64,
+    pub lookups_local: u64,
+    pub lookups_network: u64,
+    pub read_ram: u64,
+    pub read_ssd: u64,
+    pub read_network: u64,
+}
+
+/// Live settings (SIGHUP).
+pub struct Reconfigure {
+    pub ssd_budget: u64,
+    pub ram_budget: u64,
+    pub filters: Filters,
+    pub revalidate: Duration,
+}
+
 pub enum Order {
     /// The working set changed: place it again.
     Place(Profile),
     /// The tracer saw the file written, truncated, renamed or unlinked.
     Invalidate(String),
-    /// A job read this many bytes of the file.
-    Read(String, u64),
+    /// A process opened, failed to find or read a watched file.
+    Access(Access),
+    Reconfigure(Reconfigure),
     /// Place these files now and report progress until their copies are done.
     Prefetch(Profile, mpsc::Sender<Progress>),
     Status(mpsc::Sender<KeeperStatus>),
+    /// Where each file is held: "ram", "ssd" or "network".
+    WhereHeld(Vec<String>, mpsc::Sender<Vec<String>>),
     /// New budgets (bytes); pins and copies beyond them are released.
     Budgets {
         ssd: Option<u64>,
@@ -104,13 +151,16 @@ pub enum Order {
     },
     /// The binds a new job's namespace gets: every valid copy.
     Binds(mpsc::Sender<Vec<Bind>>),
-    /// A job runs in the mount namespace of `pid` with these binds.
-    JobStarted {
-        pid: i32,
+    /// A job is about to be forked by the daemon thread `id`, in that thread's mount
+    /// namespace, with these binds; `ack` answers once it is registered (so the job's
+    /// first opens find it).
+    JobStarting {
+        id: u32,
         binds: Vec<Bind>,
+        ack: mpsc::Sender<()>,
     },
     JobEnded {
-        pid: i32,
+        id: u32,
     },
     /// A job tried to write the file through its read-only copy: never redirect it again.
     Refused(String),
@@ -121,6 +171,38 @@ pub enum Order {
 struct Job {
     ns: OwnedFd,
     binds: Vec<Bind>,
+    /// The targets of `binds`: single files, and whole trees (snapshots).
+    files: HashSet<PathBuf>,
+    trees: Vec<PathBuf>,
+}
+
+impl Job {
+    fn new(ns: OwnedFd, binds: Vec<Bind>) -> Self {
+        let (trees, files): (Vec<&Bind>, Vec<&Bind>) = binds.iter().partition(|b| b.local.is_dir());
+        Self {
+            files: files.iter().map(|b| b.target.clone()).collect(),
+            trees: trees.iter().map(|b| b.target.clone()).collect(),
+            ns,
+            binds,
+        }
+    }
+
+    /// The bind serving `path` in this job: a file bind, or the snapshot holding it.
+    fn serves(&self, path: &Path) -> Option<Option<&Path>> {
+        if self.files.contains(path) {
+            return Some(None);
+        }
+        self.trees
+            .iter()
+            .find(|t| path.starts_with(t))
+            .map(|t| Some(t.as_path()))
+    }
+
+    fn forget(&mut self, target: &Path) {
+        self.binds.retain(|b| b.target != target);
+        self.files.remove(target);
+        self.trees.retain(|t| t != target);
+    }
 }
 
 struct CopyJob {
@@ -252,8 +334,18 @@ pub fn start(config: Config) -> Result<(mpsc::Sender<Order>, thread::JoinHandle<
         prefetches: Vec::new(),
         jobs: HashMap::new(),
         refused: HashSet::new(),
+        last_opener: HashMap::new(),
         status: KeeperStatus::default(),
     };
+    keeper.status.served = keeper
+        .config
+        .trees
+        .iter()
+        .map(|root| Served {
+            root: root.clone(),
+            ..Default::default()
+        })
+        .collect();
     let handle = thread::Builder::new()
         .name("hocus-keeper".into())
         .spawn(move || keeper.run(msg_rx))?;
@@ -292,9 +384,11 @@ struct Keeper {
     /// Directories found unsuitable for a snapshot (too big, odd entries), and when.
     unsuitable: HashMap<PathBuf, Instant>,
     prefetches: Vec<Watcher>,
-    jobs: HashMap<i32, Job>,
+    jobs: HashMap<u32, Job>,
     /// Files jobs tried to write: left on the network from then on.
     refused: HashSet<String>,
+    /// The process that last opened each file: a copy's log line names it.
+    last_opener: HashMap<String, Process>,
     status: KeeperStatus,
 }
 
@@ -338,6 +432,7 @@ impl Keeper {
                     tree_bytes_total: trees.iter().map(|t| self.snapshots_in_flight[t]).sum(),
                     ..Default::default()
                 };
+                self.status.prefetches += 1;
                 let mut w = Watcher {
                     remaining,
                     trees,
@@ -371,17 +466,35 @@ impl Keeper {
                 self.drop_copy(&source);
                 self.unstable.insert(source, Instant::now());
             }
-            Order::Read(source, bytes) => {
-                if self.pins.is_pinned(&source) {
-                    self.status.read_pinned += bytes;
-                } else if self.cache.contains(&source) {
-                    self.status.read_ssd += bytes;
-                } else {
-                    self.status.read_network += bytes;
-                }
+            Order::Access(access) => self.served(access),
+            Order::Reconfigure(r) => {
+                self.config.filters = r.filters;
+                self.config.revalidate = r.revalidate;
+                self.config.ssd_budget = r.ssd_budget;
+                self.effective_ssd_budget = r.ssd_budget;
+                self.config.ram_budget = r.ram_budget;
+                log::info!(
+                    "settings reloaded: SSD budget {}, RAM budget {}, revalidating every {} s",
+                    human(r.ssd_budget),
+                    human(r.ram_budget),
+                    r.revalidate.as_secs()
+                );
+                self.place();
             }
             Order::Status(tx) => {
                 let _ = tx.send(self.status());
+            }
+            Order::WhereHeld(paths, tx) => {
+                let held = paths.iter().map(|p| {
+                    if self.pins.is_pinned(p) {
+                        "ram"
+                    } else if self.cache.contains(p) || self.snapshot_of(Path::new(p)).is_some() {
+                        "ssd"
+                    } else {
+                        "network"
+                    }
+                });
+                let _ = tx.send(held.map(str::to_owned).collect());
             }
             Order::Budgets { ssd, ram } => {
                 if let Some(ssd) = ssd {
@@ -423,22 +536,103 @@ impl Keeper {
                     });
                 let _ = tx.send(trees.chain(files).collect());
             }
-            Order::JobStarted { pid, binds } => match File::open(format!("/proc/{pid}/ns/mnt")) {
-                Ok(ns) => {
-                    self.jobs.insert(
-                        pid,
-                        Job {
-                            ns: ns.into(),
-                            binds,
-                        },
-                    );
+            Order::JobStarting { id, binds, ack } => {
+                // The forking thread is ours and lives as long as the job.
+                let ns = format!("/proc/self/task/{id}/ns/mnt");
+                match File::open(&ns) {
+                    Ok(ns) => {
+                        self.jobs.insert(id, Job::new(ns.into(), binds));
+                        self.status.jobs_started += 1;
+                    }
+                    Err(e) => log::warn!("cannot follow the namespace of job {id} ({ns}): {e}"),
                 }
-                Err(e) => log::debug!("job {pid} is gone already: {e}"),
-            },
-            Order::JobEnded { pid } => {
-                self.jobs.remove(&pid);
+                let _ = ack.send(());
+            }
+            Order::JobEnded { id } => {
+                self.jobs.remove(&id);
             }
             Order::Stop => {}
+        }
+    }
+
+    /// Counts (and logs, if asked) who served an open, failed lookup or read.
+    fn served(&mut self, a: Access) {
+        let path = Path::new(&a.path);
+        let Some(i) = self.config.trees.iter().position(|t| path.starts_with(t)) else {
+            return;
+        };
+        let bind = self.jobs.get(&a.job).and_then(|j| j.serves(path));
+        let pinned = bind.is_some() && self.pins.is_pinned(&a.path);
+        let s = &mut self.status.served[i];
+        match (a.what, bind) {
+            (What::Open, Some(_)) => s.opens_local += 1,
+            (What::Open, None) => s.opens_network += 1,
+            // A name missing in a snapshot was answered by it; a file bind holds no names.
+            (What::Missing, Some(Some(_))) => s.lookups_local += 1,
+            (What::Missing, _) => s.lookups_network += 1,
+            (What::Read(n), Some(_)) if pinned => s.read_ram += n,
+            (What::Read(n), Some(_)) => s.read_ssd += n,
+            (What::Read(n), None) => s.read_network += n,
+        }
+        if a.what == What::Open && a.job != 0 {
+            s.job_opens += 1;
+        }
+        if a.what == What::Open {
+            self.last_opener.insert(a.path.clone(), a.process.clone());
+        }
+        if matches!(a.what, What::Read(_)) {
+            return;
+        }
+        let (event, hit) = match (a.what, bind) {
+            (What::Open, Some(_)) => ("hit", true),
+            (What::Missing, Some(Some(_))) => ("hit (missing)", true),
+            (What::Open, None) => ("miss", false),
+            _ => ("miss (missing)", false),
+        };
+        if hit && logs::hits() {
+            let reason = match (a.what, bind.flatten()) {
+                (What::Missing, Some(root)) => {
+                    format!("answered by the snapshot of {}", root.display())
+                }
+                (_, Some(root)) => format!("in the snapshot of {}", root.display()),
+                _ if pinned => "local copy pinned in RAM".into(),
+                _ => "local copy on SSD".into(),
+            };
+            logs::file_line(event, &a.path, Some(&a.process), &reason);
+        } else if !hit && logs::misses() {
+            let reason = self.why_network(&a);
+            logs::file_line(event, &a.path, Some(&a.process), reason);
+        }
+    }
+
+    /// Why a job's open went to the network.
+    fn why_network(&self, a: &Access) -> &'static str {
+        if a.job == 0 {
+            return "not in a hocus-agent run job";
+        }
+        if !self.jobs.contains_key(&a.job) {
+            return "its job is not known to the daemon";
+        }
+        if a.what == What::Missing {
+            return "no snapshot holds its directory";
+        }
+        let path = a.path.as_str();
+        if self.refused.contains(path) {
+            "a job wrote to it: it stays on the network"
+        } else if self.unstable.contains_key(path) {
+            "it changed lately: copied again once stable"
+        } else if self.failed.contains_key(path) {
+            "its copy failed"
+        } else if self.in_flight.contains_key(path) {
+            "its copy is under way"
+        } else if self.cache.contains(path) || self.snapshot_of(Path::new(path)).is_some() {
+            "copied after the job started"
+        } else if !self.config.filters.admits(path) {
+            "excluded by --include-ext or --exclude"
+        } else if self.file_index.contains_key(path) {
+            "not among the hottest files that fit the SSD budget"
+        } else {
+            "first seen: not in the working set yet"
         }
     }
 
@@ -628,7 +822,7 @@ impl Keeper {
                 Ok(n) => log::info!("{source}: detached {n} binds in job {pid}"),
                 Err(e) => log::warn!("{source}: could not detach it in job {pid}: {e}"),
             }
-            job.binds.retain(|b| b.target != Path::new(source));
+            job.forget(Path::new(source));
         }
     }
 
@@ -691,7 +885,14 @@ impl Keeper {
         let cached: Vec<String> = self.cache.sources().map(|(s, _)| s.clone()).collect();
         for source in cached {
             match self.wanted.get(&source) {
-                None => self.drop_copy(&source),
+                None => {
+                    self.status.evictions += 1;
+                    log::info!(
+                        "evicting {source}: no longer among the hottest files that fit the SSD budget ({})",
+                        human(self.effective_ssd_budget)
+                    );
+                    self.drop_copy(&source);
+                }
                 Some(false) => self.pins.unpin(&source),
                 Some(true) => {}
             }
@@ -758,9 +959,17 @@ impl Keeper {
             return;
         };
         let mut ok = false;
+        if let Err(e) = &result {
+            *self
+                .status
+                .copy_failures_by_reason
+                .entry(e.reason().to_owned())
+                .or_default() += 1;
+        }
         match result {
             Ok(identity) => {
                 self.status.copies += 1;
+                self.status.copied_bytes += identity.size;
                 let wanted = self.wanted.get(&source).copied();
                 self.cache.insert(&source, identity);
                 if self.cache.used() > self.effective_ssd_budget {
@@ -775,6 +984,24 @@ impl Keeper {
                     ok = true;
                     if wanted == Some(true) {
                         self.pin(&source);
+                    }
+                    if logs::writes() {
+                        let i = self.file_index.get(&source);
+                        let opens = i.map_or(0, |i| self.profile.files[*i].opens);
+                        let held = if wanted == Some(true) {
+                            "SSD and RAM"
+                        } else {
+                            "SSD"
+                        };
+                        logs::file_line(
+                            "cache write",
+                            &source,
+                            self.last_opener.get(&source),
+                            &format!(
+                                "copied to {held} ({}, opened {opens} times)",
+                                human(identity.size)
+                            ),
+                        );
                     }
                 }
             }
@@ -958,6 +1185,20 @@ impl Keeper {
             snapshots: self.snapshots.keys().cloned().collect(),
             snapshot_bytes: self.snapshot_bytes(),
             limited_by_map_count: self.pins.limited_by_map_count,
+            jobs_running: self.jobs.len(),
+            prefetch_remaining_files: self
+                .prefetches
+                .iter()
+                .map(|w| w.remaining.len() + w.trees.len())
+                .sum(),
+            prefetch_remaining_bytes: self
+                .prefetches
+                .iter()
+                .map(|w| {
+                    (w.progress.bytes_total + w.progress.tree_bytes_total)
+                        .saturating_sub(w.progress.bytes_done + w.progress.tree_bytes_done)
+                })
+                .sum(),
             ..self.status.clone()
         }
     }

@@ -10,6 +10,8 @@ mod control;
 mod copy;
 mod daemon;
 mod keeper;
+mod logs;
+mod metrics;
 mod mountns;
 mod mounts;
 mod observe;
@@ -18,6 +20,7 @@ mod placement;
 mod plan;
 mod profile;
 mod session;
+mod settings;
 mod show;
 mod snapshot;
 mod store;
@@ -25,9 +28,11 @@ mod syscalls;
 mod tracefs;
 mod tracer;
 
-use std::{path::PathBuf, process::ExitCode, time::Duration};
+use std::{path::PathBuf, process::ExitCode};
 
-use clap::{Args, Parser, Subcommand};
+use clap::{Parser, Subcommand};
+
+use crate::settings::Settings;
 
 /// Observe what jobs do on network filesystems (NFS, Lustre, GPFS, sshfs ...) and keep
 /// their working-set profile: hot files in first-touch order, failed lookups, writes.
@@ -39,110 +44,30 @@ use clap::{Args, Parser, Subcommand};
 #[command(name = "hocus-agent", version, propagate_version = true)]
 #[command(after_help = "Examples:
   sudo hocus-agent --watch /home              watch /home, keep the profile in /var/lib/hocus
+  hocus-agent status                          what the daemon holds, and whether it helps
   hocus-agent profile show                    the hottest files and trees, at a glance
   hocus-agent profile export --out job.json   save the profile for the next job or node
-  sudo hocus-agent profile import job.json    merge a profile exported elsewhere")]
+  sudo hocus-agent profile import job.json    merge a profile exported elsewhere
+  hocus-agent run -- python train.py          run a job on the local copies
+  hocus-agent --check-config                  validate /etc/hocus/agent.toml and print it
+
+The daemon's settings come from its flags, then the config file (every flag has a key
+of the same name: ssd-budget = \"50G\"), then the defaults. SIGHUP reloads the file.
+Metrics: http://127.0.0.1:9742/metrics (docs/metrics.md).")]
 struct Cli {
     #[command(subcommand)]
     command: Option<Command>,
 
     #[command(flatten)]
-    daemon: DaemonArgs,
+    daemon: settings::Settings,
 
-    /// The daemon's control socket.
-    #[arg(long, global = true, value_name = "PATH", default_value = control::DEFAULT_SOCKET)]
-    socket: PathBuf,
+    /// The config file [default: /etc/hocus/agent.toml, if it exists].
+    #[arg(long, global = true, value_name = "FILE")]
+    config: Option<PathBuf>,
 
-    /// Where the daemon keeps its profile (used directly when no daemon runs).
-    #[arg(long, global = true, value_name = "DIR", default_value = store::DEFAULT_STATE_DIR)]
-    state_dir: PathBuf,
-}
-
-#[derive(Args, Debug)]
-struct DaemonArgs {
-    /// A tree to watch (repeatable, at most 8). Default: every network filesystem mount.
-    #[arg(long, value_name = "PATH")]
-    watch: Vec<PathBuf>,
-
-    /// How often the profile is written to the state directory.
-    #[arg(long, value_name = "SECONDS", default_value_t = 10)]
-    save_interval: u64,
-
-    #[command(flatten)]
-    cache: CacheArgs,
-}
-
-/// Where hot files are copied and pinned, and within which budgets.
-#[derive(Args, Debug, Clone)]
-struct CacheArgs {
-    /// The local cache directory (on SSD); made root-only (0700).
-    #[arg(long, value_name = "DIR", default_value = cache::DEFAULT_CACHE_DIR)]
-    cache_dir: PathBuf,
-
-    /// Bytes of copies to hold on SSD (e.g. 50G). Default: half the free space of the
-    /// cache filesystem, leaving a reserve.
-    #[arg(long, value_name = "SIZE")]
-    ssd_budget: Option<budget::Size>,
-
-    /// Bytes of copies to pin in RAM (e.g. 4G or 10%).
-    #[arg(long, value_name = "SIZE|PCT", default_value = "10%")]
-    ram_budget: budget::Size,
-
-    /// Only cache files with these endings (e.g. .py,.pyc,.so). Default: every file.
-    #[arg(long, value_name = "LIST")]
-    include_ext: Option<String>,
-
-    /// Never cache files under this path (repeatable).
-    #[arg(long, value_name = "PATH")]
-    exclude: Vec<PathBuf>,
-
-    /// How often copies are checked against the network file (size, mtime, ctime, inode).
-    #[arg(long, value_name = "SECONDS", default_value_t = 30)]
-    revalidate: u64,
-
-    /// Copies made at once.
-    #[arg(long, value_name = "N", default_value_t = 4)]
-    copy_workers: usize,
-}
-
-impl CacheArgs {
-    fn filters(&self) -> placement::Filters {
-        placement::Filters {
-            include_ext: self
-                .include_ext
-                .as_deref()
-                .map(placement::Filters::parse_extensions)
-                .unwrap_or_default(),
-            exclude: self.exclude.clone(),
-        }
-    }
-
-    /// Budgets in bytes: the SSD's from the cache filesystem, the RAM's from MemTotal.
-    fn budgets(&self) -> anyhow::Result<(u64, u64)> {
-        let mut probe = self.cache_dir.as_path();
-        while !probe.exists() {
-            probe = probe.parent().unwrap_or(std::path::Path::new("/"));
-        }
-        let (free, total) = budget::fs_space(probe)?;
-        let ssd = match self.ssd_budget {
-            Some(size) => size.of(total),
-            None => budget::default_ssd_budget(free, total),
-        };
-        Ok((ssd, self.ram_budget.of(budget::mem_total()?)))
-    }
-
-    fn config(&self) -> anyhow::Result<keeper::Config> {
-        let (ssd_budget, ram_budget) = self.budgets()?;
-        Ok(keeper::Config {
-            cache_dir: self.cache_dir.clone(),
-            ssd_budget,
-            ram_budget,
-            filters: self.filters(),
-            revalidate: Duration::from_secs(self.revalidate.max(1)),
-            trees: Vec::new(),
-            copy_workers: self.copy_workers,
-        })
-    }
+    /// Validate the configuration (file and flags), print the effective one, and exit.
+    #[arg(long)]
+    check_config: bool,
 }
 
 #[derive(Subcommand, Debug)]
@@ -159,7 +84,8 @@ enum Command {
     },
     /// Print the placement the daemon would choose for a profile, and the read time and
     /// memory of its workload before and after, from costs measured on the mount. Copies
-    /// nothing.
+    /// nothing. Uses the daemon's settings: the config file, and the flags given before
+    /// `plan` (e.g. `hocus-agent --ram-budget 2G plan --profile job.json`).
     Plan {
         /// The exported profile.
         #[arg(long, value_name = "FILE")]
@@ -167,8 +93,6 @@ enum Command {
         /// Print CSV (one line per file) instead of a table.
         #[arg(long)]
         csv: bool,
-        #[command(flatten)]
-        cache: CacheArgs,
     },
     /// Run a command where hocus's local copies stand in for the network files: a new
     /// mount namespace with read-only binds. Works without sudo: the daemon starts the
@@ -232,56 +156,69 @@ enum ProfileCommand {
 }
 
 fn main() -> ExitCode {
-    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info"))
-        .format_target(false)
-        .init();
     let cli = Cli::parse();
-    let result = match cli.command {
-        None => cli.daemon.cache.config().and_then(|cache| {
-            daemon::run(daemon::Options {
-                watch: cli.daemon.watch,
-                state_dir: cli.state_dir,
-                socket: cli.socket,
-                save_interval: Duration::from_secs(cli.daemon.save_interval.max(1)),
-                cache: Some(cache),
-            })
-        }),
-        Some(command) => {
-            let ctx = commands::Context {
-                socket: cli.socket,
-                state_dir: cli.state_dir,
-            };
-            match command {
-                Command::Status { json } => commands::status(&ctx, json),
-                Command::Profile(ProfileCommand::Export { root, out }) => {
-                    commands::export(&ctx, root, out)
+    let config = Settings::config_path(cli.config.as_deref());
+    // The daemon and `plan` need the whole configuration; other commands only the socket
+    // and state directory, and do without a config file they cannot read.
+    let daemon_like = cli.command.is_none()
+        || cli.check_config
+        || matches!(cli.command, Some(Command::Plan { .. }));
+    let settings = match Settings::effective(&cli.daemon, config.as_deref()) {
+        Ok(s) => s,
+        Err(e) if daemon_like || cli.config.is_some() => {
+            eprintln!("hocus-agent: {e:#}");
+            return ExitCode::from(2);
+        }
+        Err(_) => cli.daemon.clone().or(Settings::defaults()),
+    };
+    settings.apply_logging();
+    logs::init();
+    let result = if cli.check_config {
+        settings
+            .describe(config.as_deref())
+            .map(|text| print!("{text}"))
+    } else {
+        match cli.command {
+            None => daemon::run(daemon::Options {
+                settings,
+                flags: cli.daemon,
+                config,
+            }),
+            Some(command) => {
+                let ctx = commands::Context {
+                    socket: settings.socket(),
+                    state_dir: settings.state_dir(),
+                };
+                match command {
+                    Command::Status { json } => commands::status(&ctx, json),
+                    Command::Profile(ProfileCommand::Export { root, out }) => {
+                        commands::export(&ctx, root, out)
+                    }
+                    Command::Profile(ProfileCommand::Show { root, file, top }) => {
+                        commands::show(&ctx, root, file, top)
+                    }
+                    Command::Profile(ProfileCommand::Import { file }) => {
+                        commands::import(&ctx, &file)
+                    }
+                    Command::Prefetch { profile } => commands::prefetch(&ctx, &profile),
+                    Command::Run { profile, command } => {
+                        let prefetched = match profile {
+                            Some(p) => commands::prefetch(&ctx, &p),
+                            None => Ok(()),
+                        };
+                        return match prefetched.and_then(|()| session::run(&ctx.socket, command)) {
+                            Ok(code) => code,
+                            Err(e) => {
+                                eprintln!("hocus-agent: {e:#}");
+                                ExitCode::FAILURE
+                            }
+                        };
+                    }
+                    Command::Budget { ssd, ram } => commands::budget(&ctx, ssd, ram),
+                    Command::Plan { profile, csv } => settings
+                        .keeper_config()
+                        .and_then(|config| plan::run(&profile, &config, csv)),
                 }
-                Command::Profile(ProfileCommand::Show { root, file, top }) => {
-                    commands::show(&ctx, root, file, top)
-                }
-                Command::Profile(ProfileCommand::Import { file }) => commands::import(&ctx, &file),
-                Command::Prefetch { profile } => commands::prefetch(&ctx, &profile),
-                Command::Run { profile, command } => {
-                    let prefetched = match profile {
-                        Some(p) => commands::prefetch(&ctx, &p),
-                        None => Ok(()),
-                    };
-                    return match prefetched.and_then(|()| session::run(&ctx.socket, command)) {
-                        Ok(code) => code,
-                        Err(e) => {
-                            eprintln!("hocus-agent: {e:#}");
-                            ExitCode::FAILURE
-                        }
-                    };
-                }
-                Command::Budget { ssd, ram } => commands::budget(&ctx, ssd, ram),
-                Command::Plan {
-                    profile,
-                    csv,
-                    cache,
-                } => cache
-                    .config()
-                    .and_then(|config| plan::run(&profile, &config, csv)),
             }
         }
     };

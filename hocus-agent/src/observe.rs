@@ -14,7 +14,10 @@ use std::{
 use hocus_common::{Event, FdKey, OpenFile, cwd, ev, kind};
 use serde::{Deserialize, Serialize};
 
-use crate::profile::WorkingSet;
+use crate::{
+    logs::{self, Process},
+    profile::WorkingSet,
+};
 
 const O_ACCMODE: u32 = 0o3;
 const O_CREAT: u32 = 0o100;
@@ -53,6 +56,28 @@ struct OpenInfo {
     path: String,
     is_dir: bool,
     written: bool,
+    job: u32,
+    process: Process,
+}
+
+/// A job (or any process) opened, missed or read a watched file: the keeper decides
+/// whether a local copy served it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Access {
+    pub path: String,
+    /// The `hocus-agent run` job of the process, or 0.
+    pub job: u32,
+    pub process: Process,
+    pub what: What,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum What {
+    Open,
+    /// A failed lookup (ENOENT).
+    Missing,
+    /// Bytes read through an open descriptor.
+    Read(u64),
 }
 
 pub struct Observer {
@@ -69,8 +94,8 @@ pub struct Observer {
     pub cwd_places: Vec<(u32, u8)>,
     /// Files whose size and mtime should be (re)read.
     pub to_stat: HashSet<String>,
-    /// Bytes jobs read, by file, since last drained.
-    pub reads: Vec<(String, u64)>,
+    /// Opens, failed lookups and reads since last drained.
+    pub accesses: Vec<Access>,
     /// Files seen written, truncated, renamed or unlinked since last drained.
     pub changed: Vec<String>,
     /// Files a job tried to write through a read-only copy since last drained.
@@ -89,7 +114,7 @@ impl Observer {
             cwds: HashMap::new(),
             cwd_places: Vec::new(),
             to_stat: HashSet::new(),
-            reads: Vec::new(),
+            accesses: Vec::new(),
             changed: Vec::new(),
             refused: Vec::new(),
             tally: Tally::default(),
@@ -112,7 +137,12 @@ impl Observer {
                         let bytes = e.bytes.saturating_sub(counted);
                         ws.add_bytes_read(&info.path, bytes);
                         if bytes > 0 {
-                            self.reads.push((info.path.clone(), bytes));
+                            self.accesses.push(Access {
+                                path: info.path.clone(),
+                                job: info.job,
+                                process: info.process.clone(),
+                                what: What::Read(bytes),
+                            });
                         }
                         if info.written {
                             // Stable only from the last write on: count from the close.
@@ -133,6 +163,14 @@ impl Observer {
             kind::WRITE | kind::TRUNCATE if e.path_len == 0 => {
                 self.tally.mutations += 1;
                 if let Some(info) = self.open.get_mut(&e.file_id) {
+                    if !info.written && logs::writes() {
+                        let what = if e.kind == kind::WRITE {
+                            "written"
+                        } else {
+                            "truncated"
+                        };
+                        logs::file_line("write", &info.path, Some(&process(e)), what);
+                    }
                     info.written = true;
                     ws.mark_written(&info.path, at);
                     self.changed.push(info.path.clone());
@@ -166,6 +204,22 @@ impl Observer {
                 if truncates || creates {
                     ws.mark_written(&path, at);
                     self.changed.push(path.clone());
+                    if logs::writes() {
+                        let what = if creates {
+                            "created"
+                        } else {
+                            "opened to truncate"
+                        };
+                        logs::file_line("write", &path, Some(&process(e)), what);
+                    }
+                }
+                if !is_dir {
+                    self.accesses.push(Access {
+                        path: path.clone(),
+                        job: e.job,
+                        process: process(e),
+                        what: What::Open,
+                    });
                 }
                 if creates {
                     ws.dir_mutated(parent(&path));
@@ -176,12 +230,20 @@ impl Observer {
                         path,
                         is_dir,
                         written: truncates || creates,
+                        job: e.job,
+                        process: process(e),
                     },
                 );
             }
             kind::MISSING => {
                 self.tally.failed_lookups += 1;
                 ws.missing(&path, at);
+                self.accesses.push(Access {
+                    path,
+                    job: e.job,
+                    process: process(e),
+                    what: What::Missing,
+                });
             }
             kind::REFUSED_WRITE => {
                 self.tally.writes_refused += 1;
@@ -194,11 +256,28 @@ impl Observer {
             }
             kind::MKDIR | kind::RMDIR => {
                 self.tally.mutations += 1;
+                if logs::writes() {
+                    let what = if e.kind == kind::MKDIR {
+                        "directory made"
+                    } else {
+                        "directory removed"
+                    };
+                    logs::file_line("write", &path, Some(&process(e)), what);
+                }
                 ws.dir_mutated(&path);
                 ws.dir_mutated(parent(&path));
             }
             kind::UNLINK | kind::RENAME_FROM | kind::RENAME_TO | kind::TRUNCATE => {
                 self.tally.mutations += 1;
+                if logs::writes() {
+                    let what = match e.kind {
+                        kind::UNLINK => "unlinked",
+                        kind::RENAME_FROM => "renamed away",
+                        kind::RENAME_TO => "renamed over",
+                        _ => "truncated",
+                    };
+                    logs::file_line("write", &path, Some(&process(e)), what);
+                }
                 ws.mark_written(&path, at);
                 self.changed.push(path.clone());
                 if e.kind != kind::TRUNCATE {
@@ -223,8 +302,12 @@ impl Observer {
             let counted = self.bytes_counted.entry(file.file_id).or_insert(0);
             if !info.is_dir && file.bytes_read > *counted {
                 ws.add_bytes_read(&info.path, file.bytes_read - *counted);
-                self.reads
-                    .push((info.path.clone(), file.bytes_read - *counted));
+                self.accesses.push(Access {
+                    path: info.path.clone(),
+                    job: info.job,
+                    process: info.process.clone(),
+                    what: What::Read(file.bytes_read - *counted),
+                });
                 *counted = file.bytes_read;
             }
             if info.written {
@@ -426,6 +509,13 @@ fn parent(path: &str) -> &str {
     }
 }
 
+fn process(e: &Event) -> Process {
+    Process {
+        pid: e.tgid,
+        comm: comm(e),
+    }
+}
+
 fn comm(e: &Event) -> String {
     let end = e.comm.iter().position(|b| *b == 0).unwrap_or(e.comm.len());
     String::from_utf8_lossy(&e.comm[..end]).into_owned()
@@ -458,6 +548,8 @@ mod tests {
             bytes: 0,
             open_flags: 0,
             path_len: path.len() as u32 + 1,
+            job: 0,
+            _pad2: 0,
             comm: *b"python3\0\0\0\0\0\0\0\0\0",
             path: [0; MAX_PATH],
         };

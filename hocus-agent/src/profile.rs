@@ -146,6 +146,16 @@ struct FileState {
     uids: BTreeSet<u32>,
 }
 
+/// The working set under one watched tree.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct RootTotals {
+    pub root: std::path::PathBuf,
+    pub files: usize,
+    pub bytes: u64,
+    /// Names looked up and not found.
+    pub missing: usize,
+}
+
 /// Facts about a file read from the filesystem.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Attributes {
@@ -293,6 +303,37 @@ impl WorkingSet {
             let e = self.dir(&d.path);
             e.opens += d.opens;
             e.mutated |= d.mutated;
+        }
+    }
+
+    /// The files opened most (then read most), hottest first.
+    pub fn hottest(&self, n: usize) -> Vec<FileEntry> {
+        let mut all: Vec<&FileEntry> = self.files.values().map(|s| &s.entry).collect();
+        let key = |f: &FileEntry| (std::cmp::Reverse(f.opens), std::cmp::Reverse(f.bytes_read));
+        let n = n.min(all.len());
+        if n == 0 {
+            return Vec::new();
+        }
+        all.select_nth_unstable_by_key(n - 1, |f| key(f));
+        all.truncate(n);
+        all.sort_by(|a, b| key(a).cmp(&key(b)).then_with(|| a.path.cmp(&b.path)));
+        all.into_iter().cloned().collect()
+    }
+
+    /// How much of the working set is under `root`.
+    pub fn totals_under(&self, root: &Path) -> RootTotals {
+        let under = |p: &str| Path::new(p).starts_with(root);
+        let files = self.files.values().filter(|f| under(&f.entry.path));
+        let (mut count, mut bytes) = (0, 0);
+        for f in files {
+            count += 1;
+            bytes += f.entry.size;
+        }
+        RootTotals {
+            root: root.to_owned(),
+            files: count,
+            bytes,
+            missing: self.missing.keys().filter(|p| under(p)).count(),
         }
     }
 

@@ -78,6 +78,15 @@ pub fn serve(
             Err(e) => log::debug!("not binding {}: {e}", b.target.display()),
         }
     }
+    // The kernel marks whatever this thread forks as job `id`; the daemon learns the job
+    // before it starts, so its first opens are attributed.
+    // SAFETY: gettid has no preconditions.
+    let id = unsafe { libc::gettid() } as u32;
+    let job = Ask::JobStarting {
+        id,
+        binds: made.clone(),
+    };
+    control::ask(calls, caller.clone(), job)?.blocking_recv();
     let mut child = match spawn(&caller, &run, [stdin, stdout, stderr]) {
         Ok(child) => child,
         Err(e) => return refuse(format!("cannot start {}: {e}", run.argv[0])),
@@ -96,7 +105,6 @@ pub fn serve(
             binds: made.len(),
         },
     )?;
-    let _ = control::ask(calls, caller.clone(), Ask::JobStarted { pid, binds: made });
 
     // Signals from the client go to the job's process group; a client that goes away
     // hangs the job up, as a closed terminal would.
@@ -118,7 +126,7 @@ pub fn serve(
         }
     });
     let status = child.wait()?;
-    let _ = control::ask(calls, caller, Ask::JobEnded { pid });
+    let _ = control::ask(calls, caller, Ask::JobEnded { id });
     use std::os::unix::process::ExitStatusExt;
     control::send(
         &stream,

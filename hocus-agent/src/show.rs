@@ -118,42 +118,140 @@ pub fn render_status(s: &Status) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "hocus-agent pid {}, up {}s, profile in {}",
+        "hocus-agent {}, pid {}, up {}; profile in {}{}",
+        s.version,
         s.pid,
-        s.uptime_secs,
-        s.state_dir.display()
+        duration(s.uptime_secs),
+        s.state_dir.display(),
+        s.metrics_addr
+            .map(|a| format!("; metrics on http://{a}/metrics"))
+            .unwrap_or_default()
     );
     for w in &s.watched {
+        let totals = s.roots.iter().find(|r| r.root == w.path);
         let _ = writeln!(
             out,
-            "watching {} ({}{})",
+            "watching {} ({}{}): {}",
             w.path.display(),
             w.fs_type,
             if w.network {
                 ""
             } else {
                 ", not a network filesystem"
-            }
+            },
+            totals.map_or(String::new(), |r| format!(
+                "{} files ({}), {} missing names in the working set",
+                r.files,
+                bytes(r.bytes),
+                r.missing
+            ))
         );
     }
-    let _ = writeln!(
-        out,
-        "profile: {} files, {} missing names, {} directories",
-        s.files, s.missing, s.dirs
-    );
+    if let Some(c) = &s.cache {
+        let sum = |f: fn(&crate::keeper::Served) -> u64| c.served.iter().map(f).sum::<u64>();
+        let (local, network, in_jobs) = (
+            sum(|x| x.opens_local),
+            sum(|x| x.opens_network),
+            sum(|x| x.job_opens),
+        );
+        let _ = writeln!(
+            out,
+            "hits: {local} of {} opens served by local copies ({}); {in_jobs} opens were in hocus-agent run jobs ({} served locally); failed lookups answered locally: {} of {}",
+            local + network,
+            ratio(local, local + network),
+            ratio(local, in_jobs),
+            sum(|x| x.lookups_local),
+            sum(|x| x.lookups_local + x.lookups_network),
+        );
+        let _ = writeln!(
+            out,
+            "reads: {} from RAM, {} from SSD, {} from the network",
+            bytes(sum(|x| x.read_ram)),
+            bytes(sum(|x| x.read_ssd)),
+            bytes(sum(|x| x.read_network)),
+        );
+        let _ = writeln!(
+            out,
+            "cache {}: SSD {} of {} ({} files{}); RAM {} of {} ({} files pinned){}; {} copying",
+            c.cache_dir.display(),
+            bytes(c.cached_bytes + c.snapshot_bytes),
+            bytes(c.ssd_budget),
+            c.cached_files,
+            if c.snapshots.is_empty() {
+                String::new()
+            } else {
+                format!(", {} snapshots", c.snapshots.len())
+            },
+            bytes(c.pinned_bytes),
+            bytes(c.ram_budget),
+            c.pinned_files,
+            if c.limited_by_map_count {
+                ", limited by vm.max_map_count"
+            } else {
+                ""
+            },
+            c.copying
+        );
+        let failures: Vec<String> = c
+            .copy_failures_by_reason
+            .iter()
+            .map(|(r, n)| format!("{r} {n}"))
+            .collect();
+        let _ = writeln!(
+            out,
+            "copies: {} ({}), {} did not land{}; {} invalidated, {} evicted, cache full {} times; jobs: {} running, {} started",
+            c.copies,
+            bytes(c.copied_bytes),
+            c.copy_failures_by_reason.values().sum::<u64>(),
+            if failures.is_empty() {
+                String::new()
+            } else {
+                format!(" ({})", failures.join(", "))
+            },
+            c.invalidations,
+            c.evictions,
+            c.cache_full_events,
+            c.jobs_running,
+            c.jobs_started,
+        );
+        if c.prefetch_remaining_files > 0 {
+            let _ = writeln!(
+                out,
+                "prefetching: {} copies ({}) to go",
+                c.prefetch_remaining_files,
+                bytes(c.prefetch_remaining_bytes)
+            );
+        }
+    }
     let t = &s.tally;
+    let kernel = |name: &str| {
+        s.kernel
+            .iter()
+            .find(|(n, _)| n == name)
+            .map_or(0, |(_, v)| *v)
+    };
+    let lost: Vec<String> = s
+        .kernel
+        .iter()
+        .filter(|(n, v)| *v > 0 && n != "events_sent")
+        .map(|(n, v)| format!("{n} {v}"))
+        .chain((t.unresolved > 0).then(|| format!("unresolved relative paths {}", t.unresolved)))
+        .collect();
     let _ = writeln!(
         out,
-        "seen: {} events: {} opens, {} failed lookups, {} mutations, {} closes",
-        t.events, t.opens, t.failed_lookups, t.mutations, t.closes
+        "events: {} sent by the kernel, {} handled ({} opens, {} failed lookups, {} writes, {} refused writes); lost: {}",
+        kernel("events_sent"),
+        t.events,
+        t.opens,
+        t.failed_lookups,
+        t.mutations,
+        t.writes_refused,
+        if lost.is_empty() {
+            "none".to_owned()
+        } else {
+            lost.join(", ")
+        }
     );
-    let _ = writeln!(
-        out,
-        "not placed: {} outside the watched trees after normalizing, {} unresolved relative paths, {} paths too long; {} writes refused (EROFS)",
-        t.outside_watched, t.unresolved, t.truncated, t.writes_refused
-    );
-    let kernel: Vec<String> = s.kernel.iter().map(|(n, v)| format!("{n} {v}")).collect();
-    let _ = writeln!(out, "kernel: {}", kernel.join(", "));
     if !s.not_traced.is_empty() {
         let _ = writeln!(
             out,
@@ -161,41 +259,41 @@ pub fn render_status(s: &Status) -> String {
             s.not_traced.join(", ")
         );
     }
-    if let Some(c) = &s.cache {
-        let _ = writeln!(
-            out,
-            "cache {}: {} files ({}) of SSD budget {}; {} pinned ({}) of RAM budget {}; {} copying",
-            c.cache_dir.display(),
-            c.cached_files,
-            bytes(c.cached_bytes),
-            bytes(c.ssd_budget),
-            c.pinned_files,
-            bytes(c.pinned_bytes),
-            bytes(c.ram_budget),
-            c.copying
-        );
-        let _ = writeln!(
-            out,
-            "reads: {} of files pinned, {} of files on SSD, {} of others; {} copies, {} failed, {} changed while copied, {} invalidated, cache full {} times{}",
-            bytes(c.read_pinned),
-            bytes(c.read_ssd),
-            bytes(c.read_network),
-            c.copies,
-            c.copy_failures,
-            c.changed_during_copy,
-            c.invalidations,
-            c.cache_full_events,
-            if c.limited_by_map_count {
-                "; pinning is limited by vm.max_map_count"
-            } else {
-                ""
-            }
-        );
-    }
     if let Some(e) = &s.last_save_error {
         let _ = writeln!(out, "SAVING FAILS: {e}");
     }
+    table(
+        &mut out,
+        "Hottest files",
+        &["OPENS", "SIZE", "READ", "HELD", "PATH"],
+        s.top.iter().map(|f| {
+            vec![
+                f.opens.to_string(),
+                bytes(f.size),
+                bytes(f.bytes_read),
+                f.held.clone(),
+                f.path.clone(),
+            ]
+        }),
+    );
     out
+}
+
+fn ratio(part: u64, whole: u64) -> String {
+    if whole == 0 {
+        "-".into()
+    } else {
+        format!("{:.1}%", part as f64 * 100.0 / whole as f64)
+    }
+}
+
+fn duration(secs: u64) -> String {
+    match secs {
+        s if s < 60 => format!("{s}s"),
+        s if s < 3600 => format!("{}m {}s", s / 60, s % 60),
+        s if s < 86400 => format!("{}h {}m", s / 3600, s % 3600 / 60),
+        s => format!("{}d {}h", s / 86400, s % 86400 / 3600),
+    }
 }
 
 fn table(out: &mut String, title: &str, headers: &[&str], rows: impl Iterator<Item = Vec<String>>) {

@@ -24,7 +24,7 @@ use crate::{
 
 pub struct Tracer {
     // Owns the programs and their tracepoint links: dropping it detaches everything.
-    _ebpf: Ebpf,
+    ebpf: Ebpf,
     events: RingBuf<MapData>,
     open_files: HashMap<MapData, FdKey, OpenFile>,
     cwd: HashMap<MapData, u32, u8>,
@@ -32,6 +32,16 @@ pub struct Tracer {
     /// Syscalls this kernel lacks, skipped.
     pub skipped: Vec<String>,
 }
+
+/// The programs, and the syscalls each is attached to (None: its sched tracepoint).
+const PROGRAMS: [(&str, Option<Programs>); 6] = [
+    ("path_enter", Some(Programs::Path)),
+    ("path_exit", Some(Programs::Path)),
+    ("fd_enter", Some(Programs::Fd)),
+    ("fd_exit", Some(Programs::FdRead)),
+    ("process_fork", None),
+    ("process_exit", None),
+];
 
 /// Kernel-side counters, summed over CPUs, by `hocus_common::counter` index.
 pub type Counters = [u64; counter::COUNT as usize];
@@ -82,14 +92,7 @@ impl Tracer {
             table.set(i as u32, entry, 0)?;
         }
 
-        for (program, wants) in [
-            ("path_enter", Some(Programs::Path)),
-            ("path_exit", Some(Programs::Path)),
-            ("fd_enter", Some(Programs::Fd)),
-            ("fd_exit", Some(Programs::FdRead)),
-            ("process_fork", None),
-            ("process_exit", None),
-        ] {
+        for (program, wants) in PROGRAMS {
             let tp: &mut TracePoint = ebpf
                 .program_mut(program)
                 .with_context(|| format!("no program {program}"))?
@@ -125,13 +128,26 @@ impl Tracer {
         let counters =
             PerCpuArray::try_from(ebpf.take_map("COUNTERS").context("no COUNTERS map")?)?;
         Ok(Self {
-            _ebpf: ebpf,
+            ebpf,
             events,
             open_files,
             cwd,
             counters,
             skipped,
         })
+    }
+
+    /// Detaches and unloads the programs: nothing more is traced. The maps stay readable.
+    pub fn detach(&mut self) {
+        for (name, _) in PROGRAMS {
+            let Some(program) = self.ebpf.program_mut(name) else {
+                continue;
+            };
+            let tracepoint: Result<&mut TracePoint, _> = program.try_into();
+            if let Err(e) = tracepoint.map(|tp| tp.unload()) {
+                log::warn!("could not unload {name}: {e}");
+            }
+        }
     }
 
     /// Passes every waiting event to `f`, in the order the kernel reserved them.

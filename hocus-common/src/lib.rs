@@ -218,6 +218,9 @@ pub struct Event {
     pub bytes: u64,
     pub open_flags: u32,
     pub path_len: u32,
+    /// The `hocus-agent run` job of the process (the daemon thread that started it), or 0.
+    pub job: u32,
+    pub _pad2: u32,
     pub comm: [u8; 16],
     pub path: [u8; MAX_PATH],
 }

@@ -56,6 +56,10 @@ static OPEN_FILES: HashMap<FdKey, OpenFile> = HashMap::with_max_entries(MAX_OPEN
 /// Set by the agent at start, inherited at fork, updated at chdir.
 #[map]
 static CWD: LruHashMap<u32, u8> = LruHashMap::with_max_entries(MAX_PROCESSES, 0);
+/// The `hocus-agent run` job each process belongs to: the id is the daemon thread that
+/// forked the job's first process. Set at fork, inherited by every descendant.
+#[map]
+static JOBS: LruHashMap<u32, u32> = LruHashMap::with_max_entries(MAX_PROCESSES, 0);
 #[map]
 static EVENTS: RingBuf = RingBuf::with_byte_size(RING_BYTES, 0);
 #[map]
@@ -382,6 +386,18 @@ fn try_process_fork(ctx: &TracePointContext) -> Option<()> {
     // SAFETY: offsets come from the tracepoint's format file.
     let parent: u32 = unsafe { ctx.read_at(global(&FORK_PARENT_OFFSET) as usize) }.ok()?;
     let child: u32 = unsafe { ctx.read_at(global(&FORK_CHILD_OFFSET) as usize) }.ok()?;
+    // Whatever the agent forks is a job (its threads get harmless entries, dropped when
+    // they exit); a job's children stay in it.
+    let forker = (bpf_get_current_pid_tgid() >> 32) as u32;
+    let job = if forker == global(&SELF_TGID) {
+        Some(parent)
+    } else {
+        // SAFETY: plain value copy.
+        unsafe { JOBS.get(&forker).copied() }
+    };
+    if let Some(job) = job {
+        let _ = JOBS.insert(&child, &job, 0);
+    }
     // SAFETY: plain value copy.
     let where_ = unsafe { *CWD.get(&parent)? };
     let _ = CWD.insert(&child, &where_, 0);
@@ -408,6 +424,8 @@ pub fn process_exit(_ctx: TracePointContext) -> u32 {
     if tgid == pid_tgid as u32 {
         let _ = CWD.remove(&tgid);
     }
+    // Keyed by the exiting thread: a leader's entry, or one a thread got at its clone.
+    let _ = JOBS.remove(&(pid_tgid as u32));
     0
 }
 
@@ -642,6 +660,8 @@ fn emit(h: &Header, m: &Match, slot: u32) {
         (*e).open_flags = h.open_flags;
         (*e).path_len = m.len;
         (*e).comm = bpf_get_current_comm().unwrap_or([0; 16]);
+        let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
+        (*e).job = JOBS.get(&tgid).copied().unwrap_or(0);
         if m.len > 0 {
             match SCRATCH.get_ptr(slot) {
                 Some(buf) => {
