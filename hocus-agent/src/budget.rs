@@ -32,6 +32,9 @@ impl FromStr for Size {
         let unit = upper[digits.len()..]
             .trim_end_matches("IB")
             .trim_end_matches('B');
+        if digits.trim().is_empty() {
+            return Err(format!("{s:?} is not a size (e.g. 512M, 10G, 10%)"));
+        }
         let factor: u64 = match unit {
             "" => 1,
             "K" => 1 << 10,

@@ -205,10 +205,10 @@ impl Observer {
                     ws.mark_written(&path, at);
                     self.changed.push(path.clone());
                     if logs::writes() {
-                        let what = if creates {
-                            "created"
-                        } else {
-                            "opened to truncate"
+                        let what = match (creates, e.open_flags & O_CREAT != 0) {
+                            (true, _) => "created",
+                            (false, true) => "created or truncated",
+                            (false, false) => "truncated",
                         };
                         logs::file_line("write", &path, Some(&process(e)), what);
                     }

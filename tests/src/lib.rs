@@ -255,6 +255,18 @@ impl Agent {
         if !args.contains(&"--cache-dir") {
             cmd.arg("--cache-dir").arg(&cache_dir);
         }
+        // A port of its own, and no machine-wide /etc/hocus/agent.toml.
+        if !args
+            .iter()
+            .any(|a| a.starts_with("--metrics-addr") || a.starts_with("--no-metrics"))
+        {
+            cmd.arg("--metrics-addr=127.0.0.1:0");
+        }
+        if !args.contains(&"--config") {
+            let empty = dir.path().join("empty.toml");
+            fs::write(&empty, "").unwrap();
+            cmd.arg("--config").arg(empty);
+        }
         let child = cmd
             .args(args)
             .arg("--state-dir")
@@ -338,6 +350,34 @@ impl Agent {
             .unwrap_or_else(|| panic!("no kernel counter {name} in {status}"))[1]
             .as_u64()
             .unwrap()
+    }
+
+    /// Where the daemon serves metrics.
+    pub fn metrics_addr(&self) -> String {
+        let status = self.status();
+        status["metrics_addr"]
+            .as_str()
+            .unwrap_or_else(|| panic!("no metrics address in {status}"))
+            .to_owned()
+    }
+
+    /// GET /metrics, as curl or promtool would (the classic text format).
+    pub fn metrics(&self) -> String {
+        http_get(&self.metrics_addr(), "/metrics")
+    }
+
+    /// The value of one sample of `/metrics` (`name{labels}` as written there), or 0.
+    pub fn metric(&self, sample: &str) -> u64 {
+        let page = self.metrics();
+        page.lines()
+            .find_map(|l| l.strip_prefix(sample)?.strip_prefix(' '))
+            .map_or(0, |v| v.trim().parse().unwrap())
+    }
+
+    /// Sends the daemon a signal (SIGHUP: reload the configuration).
+    pub fn signal(&self, signal: i32) {
+        // SAFETY: plain kill(2) on our child.
+        unsafe { libc::kill(self.pid() as i32, signal) };
     }
 
     /// The cache part of `status`.
@@ -444,6 +484,39 @@ impl Drop for Agent {
 }
 
 /// Panics with the command's standard error unless it exited successfully.
+/// A plain HTTP/1.1 GET: the status line and the body.
+fn get(addr: &str, path: &str) -> std::io::Result<(String, String)> {
+    use std::io::Write;
+    let mut stream = std::net::TcpStream::connect(addr)?;
+    stream.set_read_timeout(Some(Duration::from_secs(30)))?;
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response)?;
+    let (head, body) = response.split_once("\r\n\r\n").unwrap_or((&response, ""));
+    let status = head.lines().next().unwrap_or_default().to_owned();
+    Ok((status, body.to_owned()))
+}
+
+/// GET http://ADDR/PATH: the body, or a panic naming what went wrong.
+pub fn http_get(addr: &str, path: &str) -> String {
+    match get(addr, path) {
+        Ok((status, body)) if status.starts_with("HTTP/1.1 200") => body,
+        Ok((status, _)) => panic!("GET http://{addr}{path}: {status}"),
+        Err(e) => panic!("GET http://{addr}{path}: {e}"),
+    }
+}
+
+/// GET http://ADDR/PATH: the body if the answer was 200 OK.
+pub fn try_http_get(addr: &str, path: &str) -> Option<String> {
+    match get(addr, path) {
+        Ok((status, body)) if status.contains(" 200 ") => Some(body),
+        _ => None,
+    }
+}
+
 pub fn assert_success(out: &Output) {
     assert!(
         out.status.success(),

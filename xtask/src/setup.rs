@@ -6,7 +6,7 @@
 //!   which the machine's rustup toolchains lack and cannot download;
 //! - bpf-linker 0.13 built against Debian's LLVM 22;
 //! - sshfs and an OpenSSH server for the tests' real network mount, python3 for the
-//!   import tests;
+//!   import tests, Prometheus (server and promtool) for the metrics tests;
 //! - tracefs mounted.
 
 use std::{
@@ -29,6 +29,8 @@ const PACKAGES: &[&str] = &[
     "fuse3",
     "python3",
     "passwd",
+    // The metrics tests: promtool, and a real Prometheus server scraping the agent.
+    "prometheus",
 ];
 const BPF_LINKER_VERSION: &str = "0.13.0";
 const LLVM_PREFIX: &str = "/usr/lib/llvm-22";
