@@ -84,8 +84,7 @@ enum Command {
     },
     /// Print the placement the daemon would choose for a profile, and the read time and
     /// memory of its workload before and after, from costs measured on the mount. Copies
-    /// nothing. Uses the daemon's settings: the config file, and the flags given before
-    /// `plan` (e.g. `hocus-agent --ram-budget 2G plan --profile job.json`).
+    /// nothing. Uses the daemon's settings (config file), changed by the flags below.
     Plan {
         /// The exported profile.
         #[arg(long, value_name = "FILE")]
@@ -93,6 +92,8 @@ enum Command {
         /// Print CSV (one line per file) instead of a table.
         #[arg(long)]
         csv: bool,
+        #[command(flatten)]
+        cache: PlanCache,
     },
     /// Run a command where hocus's local copies stand in for the network files: a new
     /// mount namespace with read-only binds. Works without sudo: the daemon starts the
@@ -121,6 +122,41 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+}
+
+/// What `plan` may try instead of the daemon's settings.
+#[derive(clap::Args, Debug)]
+struct PlanCache {
+    /// The cache directory whose filesystem sets the default SSD budget.
+    #[arg(long, value_name = "DIR")]
+    cache_dir: Option<PathBuf>,
+    /// The SSD budget to plan for (e.g. 50G).
+    #[arg(long, value_name = "SIZE")]
+    ssd_budget: Option<budget::Size>,
+    /// The RAM budget to plan for (e.g. 4G or 10%).
+    #[arg(long, value_name = "SIZE|PCT")]
+    ram_budget: Option<budget::Size>,
+    /// Only files with these endings (e.g. .py,.pyc,.so).
+    #[arg(long, value_name = "LIST")]
+    include_ext: Option<String>,
+    /// Never files under this path (repeatable).
+    #[arg(long, value_name = "PATH")]
+    exclude: Option<Vec<PathBuf>>,
+}
+
+impl PlanCache {
+    /// The daemon's settings with these in place.
+    fn over(self, daemon: Settings) -> Settings {
+        Settings {
+            cache_dir: self.cache_dir,
+            ssd_budget: self.ssd_budget,
+            ram_budget: self.ram_budget,
+            include_ext: self.include_ext,
+            exclude: self.exclude,
+            ..Default::default()
+        }
+        .or(daemon)
+    }
 }
 
 #[derive(Subcommand, Debug)]
@@ -215,7 +251,12 @@ fn main() -> ExitCode {
                         };
                     }
                     Command::Budget { ssd, ram } => commands::budget(&ctx, ssd, ram),
-                    Command::Plan { profile, csv } => settings
+                    Command::Plan {
+                        profile,
+                        csv,
+                        cache,
+                    } => cache
+                        .over(settings)
                         .keeper_config()
                         .and_then(|config| plan::run(&profile, &config, csv)),
                 }

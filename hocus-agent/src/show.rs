@@ -186,7 +186,7 @@ pub fn render_status(s: &Status) -> String {
             bytes(c.ram_budget),
             c.pinned_files,
             if c.limited_by_map_count {
-                ", limited by vm.max_map_count"
+                " (pinning is limited by vm.max_map_count)"
             } else {
                 ""
             },
