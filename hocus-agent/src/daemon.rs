@@ -2,6 +2,7 @@
 //! and answers the control socket.
 
 use std::{
+    collections::HashSet,
     net::SocketAddr,
     os::unix::fs::MetadataExt,
     path::{Path, PathBuf},
@@ -23,7 +24,7 @@ use crate::{
     keeper::{self, KeeperStatus, Order},
     metrics, mounts,
     observe::{Observer, Watch},
-    profile::{Attributes, Profile, WorkingSet},
+    profile::{Attributes, FileEntry, Profile, WorkingSet},
     settings::Settings,
     store::StateDir,
     tracer::{Counters, Tracer},
@@ -419,30 +420,7 @@ impl Daemon {
         let response = match request {
             Request::Status => {
                 let mut status = self.status(STATUS_TOP_FILES);
-                if !caller.is_root() {
-                    // Only files the caller may read are named to them.
-                    let files = status
-                        .top
-                        .iter()
-                        .map(|t| crate::profile::FileEntry {
-                            path: t.path.clone(),
-                            ..Default::default()
-                        })
-                        .collect();
-                    let readable = match checked_for(
-                        Profile {
-                            files,
-                            ..Default::default()
-                        },
-                        &caller,
-                    )
-                    .await
-                    {
-                        Ok(p) => p.files.into_iter().map(|f| f.path).collect(),
-                        Err(_) => std::collections::HashSet::new(),
-                    };
-                    status.top.retain(|t| readable.contains(&t.path));
-                }
+                status.top = readable_by(status.top, &caller).await;
                 Response::Status(Box::new(status))
             }
             Request::Export { root } => {
@@ -627,6 +605,31 @@ impl Daemon {
         self.keeper.send(Order::Status(tx)).ok()?;
         rx.recv_timeout(Duration::from_secs(5)).ok()
     }
+}
+
+/// The hottest files `caller` may read (all of them for root).
+async fn readable_by(top: Vec<TopFile>, caller: &Caller) -> Vec<TopFile> {
+    if caller.is_root() {
+        return top;
+    }
+    let files = top
+        .iter()
+        .map(|t| FileEntry {
+            path: t.path.clone(),
+            ..Default::default()
+        })
+        .collect();
+    let probe = Profile {
+        files,
+        ..Default::default()
+    };
+    let readable: HashSet<String> = match checked_for(probe, caller).await {
+        Ok(p) => p.files.into_iter().map(|f| f.path).collect(),
+        Err(_) => HashSet::new(),
+    };
+    top.into_iter()
+        .filter(|t| readable.contains(&t.path))
+        .collect()
 }
 
 /// The profile as `caller` may see it (permission checks may touch the network: they

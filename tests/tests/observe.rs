@@ -269,10 +269,34 @@ fn an_ordinary_user_sees_only_what_they_can_read() {
     );
     assert_eq!(f["users"], 1);
 
+    // status names the hottest files the same way
+    let top = |status: &Value| -> Vec<String> {
+        status["top"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t["path"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    let out = agent
+        .cli(&["status", "--json"])
+        .uid(uid)
+        .gid(gid)
+        .output()
+        .unwrap();
+    assert_success(&out);
+    let theirs = top(&serde_json::from_slice(&out.stdout).unwrap());
+    assert_eq!(
+        theirs,
+        vec![public.to_str().unwrap().to_owned()],
+        "{theirs:?}"
+    );
+
     // root sees everything
     let all = agent.export();
     assert!(file_entry(&all, &private).is_some());
     assert!(file_entry(&all, &net.path("locked/inner.txt")).is_some());
+    assert_eq!(top(&agent.status()).len(), 3);
 }
 
 #[test]
