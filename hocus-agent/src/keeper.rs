@@ -30,6 +30,8 @@ use crate::{
     snapshot,
 };
 
+/// How often the cache index is written while it changes.
+const INDEX_SAVE_INTERVAL: Duration = Duration::from_secs(1);
 /// A snapshot holds at most this many entries (directories, files, symlinks).
 const SNAPSHOT_MAX_ENTRIES: usize = 200_000;
 
@@ -395,8 +397,11 @@ struct Keeper {
 impl Keeper {
     fn run(&mut self, inbox: mpsc::Receiver<Msg>) {
         let mut next_check = Instant::now() + self.config.revalidate;
+        let mut last_save = Instant::now();
         loop {
-            let timeout = next_check.saturating_duration_since(Instant::now());
+            let timeout = next_check
+                .saturating_duration_since(Instant::now())
+                .min(INDEX_SAVE_INTERVAL);
             match inbox.recv_timeout(timeout) {
                 Ok(Msg::Order(Order::Stop)) | Err(mpsc::RecvTimeoutError::Disconnected) => break,
                 Ok(Msg::Order(order)) => self.obey(order),
@@ -408,7 +413,13 @@ impl Keeper {
                 self.revalidate();
                 next_check = Instant::now() + self.config.revalidate;
             }
-            self.cache.save();
+            // The index is rewritten whole: at most once a second, not once per copy (a
+            // crash loses the entries of the last second; their files are then removed
+            // as strays at the next start).
+            if last_save.elapsed() >= INDEX_SAVE_INTERVAL {
+                self.cache.save();
+                last_save = Instant::now();
+            }
         }
         self.cache.save();
     }
