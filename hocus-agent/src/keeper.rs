@@ -528,7 +528,12 @@ impl Keeper {
                     target: root.clone(),
                     tree: snap.tree.clone(),
                 });
-                let in_snapshot = |source: &str| self.snapshot_of(Path::new(source)).is_some();
+                // A snapshot still being taken is not bound yet: its files are, meanwhile.
+                let in_snapshot = |source: &str| {
+                    self.snapshots
+                        .keys()
+                        .any(|r| Path::new(source).starts_with(r))
+                };
                 let files = self
                     .cache
                     .sources()

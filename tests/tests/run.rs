@@ -29,7 +29,10 @@ const BINDS: &str = "awk '$5 ~ \"^/\" {print $5, $6}' /proc/self/mountinfo";
 
 fn cached(agent: &Agent, path: &std::path::Path) {
     let copy = agent.local_copy(path);
-    wait_until(30, "the copy", || copy.exists());
+    // On disk, and taken into the daemon's cache (what jobs get bound).
+    wait_until(30, "the copy", || {
+        copy.exists() && agent.cache()["cached_files"].as_u64() > Some(0)
+    });
 }
 
 #[test]
