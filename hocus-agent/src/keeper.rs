@@ -7,7 +7,6 @@
 use std::{
     collections::{BTreeMap, HashMap, HashSet},
     fs::File,
-    os::fd::OwnedFd,
     path::{Path, PathBuf},
     sync::{Arc, Mutex, mpsc},
     thread,
@@ -21,6 +20,7 @@ use crate::{
     budget::human,
     cache::Cache,
     copy::{self, CopyError, Identity, Reader},
+    jobs::{Job, Served, Server},
     logs::{self, Process},
     mountns::{self, Bind},
     observe::{Access, What},
@@ -108,23 +108,6 @@ pub struct KeeperStatus {
     pub snapshot_bytes: u64,
 }
 
-/// Opens, failed lookups and bytes read under one watched tree, by who answered: a local
-/// copy (in RAM when pinned, else on SSD) bound into a `hocus-agent run` job, or the
-/// network.
-#[derive(Debug, Clone, Serialize, Deserialize, Default, PartialEq, Eq)]
-pub struct Served {
-    pub root: PathBuf,
-    pub opens_local: u64,
-    pub opens_network: u64,
-    /// Of all opens: those made by processes of `hocus-agent run` jobs.
-    pub job_opens: u64,
-    pub lookups_local: u64,
-    pub lookups_network: u64,
-    pub read_ram: u64,
-    pub read_ssd: u64,
-    pub read_network: u64,
-}
-
 /// Live settings (SIGHUP).
 pub struct Reconfigure {
     pub ssd_budget: u64,
@@ -167,44 +150,6 @@ pub enum Order {
     /// A job tried to write the file through its read-only copy: never redirect it again.
     Refused(String),
     Stop,
-}
-
-/// A live job namespace and the binds in it.
-struct Job {
-    ns: OwnedFd,
-    binds: Vec<Bind>,
-    /// The targets of `binds`: single files, and whole trees (snapshots).
-    files: HashSet<PathBuf>,
-    trees: Vec<PathBuf>,
-}
-
-impl Job {
-    fn new(ns: OwnedFd, binds: Vec<Bind>) -> Self {
-        let (trees, files): (Vec<&Bind>, Vec<&Bind>) = binds.iter().partition(|b| b.local.is_dir());
-        Self {
-            files: files.iter().map(|b| b.target.clone()).collect(),
-            trees: trees.iter().map(|b| b.target.clone()).collect(),
-            ns,
-            binds,
-        }
-    }
-
-    /// The bind serving `path` in this job: a file bind, or the snapshot holding it.
-    fn serves(&self, path: &Path) -> Option<Option<&Path>> {
-        if self.files.contains(path) {
-            return Some(None);
-        }
-        self.trees
-            .iter()
-            .find(|t| path.starts_with(t))
-            .map(|t| Some(t.as_path()))
-    }
-
-    fn forget(&mut self, target: &Path) {
-        self.binds.retain(|b| b.target != target);
-        self.files.remove(target);
-        self.trees.retain(|t| t != target);
-    }
 }
 
 struct CopyJob {
@@ -577,40 +522,28 @@ impl Keeper {
         let Some(i) = self.config.trees.iter().position(|t| path.starts_with(t)) else {
             return;
         };
-        let bind = self.jobs.get(&a.job).and_then(|j| j.serves(path));
-        let pinned = bind.is_some() && self.pins.is_pinned(&a.path);
-        let s = &mut self.status.served[i];
-        match (a.what, bind) {
-            (What::Open, Some(_)) => s.opens_local += 1,
-            (What::Open, None) => s.opens_network += 1,
-            // A name missing in a snapshot was answered by it; a file bind holds no names.
-            (What::Missing, Some(Some(_))) => s.lookups_local += 1,
-            (What::Missing, _) => s.lookups_network += 1,
-            (What::Read(n), Some(_)) if pinned => s.read_ram += n,
-            (What::Read(n), Some(_)) => s.read_ssd += n,
-            (What::Read(n), None) => s.read_network += n,
-        }
-        if a.what == What::Open && a.job != 0 {
-            s.job_opens += 1;
-        }
+        let server = self
+            .jobs
+            .get(&a.job)
+            .map_or(Server::Network, |j| j.server_of(path));
+        let pinned = server != Server::Network && self.pins.is_pinned(&a.path);
+        let hit = self.status.served[i].count(a.what, server, pinned, a.job != 0);
         if a.what == What::Open {
             self.last_opener.insert(a.path.clone(), a.process.clone());
         }
-        if matches!(a.what, What::Read(_)) {
-            return;
-        }
-        let (event, hit) = match (a.what, bind) {
-            (What::Open, Some(_)) => ("hit", true),
-            (What::Missing, Some(Some(_))) => ("hit (missing)", true),
-            (What::Open, None) => ("miss", false),
-            _ => ("miss (missing)", false),
+        let event = match (hit, a.what) {
+            (_, What::Read(_)) => return,
+            (true, What::Open) => "hit",
+            (true, _) => "hit (missing)",
+            (false, What::Open) => "miss",
+            (false, _) => "miss (missing)",
         };
         if hit && logs::hits() {
-            let reason = match (a.what, bind.flatten()) {
-                (What::Missing, Some(root)) => {
+            let reason = match (a.what, server) {
+                (What::Missing, Server::Snapshot(root)) => {
                     format!("answered by the snapshot of {}", root.display())
                 }
-                (_, Some(root)) => format!("in the snapshot of {}", root.display()),
+                (_, Server::Snapshot(root)) => format!("in the snapshot of {}", root.display()),
                 _ if pinned => "local copy pinned in RAM".into(),
                 _ => "local copy on SSD".into(),
             };

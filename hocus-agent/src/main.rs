@@ -9,6 +9,7 @@ mod commands;
 mod control;
 mod copy;
 mod daemon;
+mod jobs;
 mod keeper;
 mod logs;
 mod metrics;

@@ -494,7 +494,7 @@ fn cache(e: &mut DescriptorEncoder, c: &KeeperStatus) -> std::fmt::Result {
 /// Hits and misses: what local copies served, per watched tree.
 fn served(e: &mut DescriptorEncoder, c: &KeeperStatus) -> std::fmt::Result {
     let by = |label: &'static str,
-              pick: &dyn Fn(&crate::keeper::Served) -> Vec<(&'static str, u64)>| {
+              pick: &dyn Fn(&crate::jobs::Served) -> Vec<(&'static str, u64)>| {
         c.served
             .iter()
             .flat_map(|s| {

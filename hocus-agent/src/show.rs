@@ -148,7 +148,7 @@ pub fn render_status(s: &Status) -> String {
         );
     }
     if let Some(c) = &s.cache {
-        let sum = |f: fn(&crate::keeper::Served) -> u64| c.served.iter().map(f).sum::<u64>();
+        let sum = |f: fn(&crate::jobs::Served) -> u64| c.served.iter().map(f).sum::<u64>();
         let (local, network, in_jobs) = (
             sum(|x| x.opens_local),
             sum(|x| x.opens_network),
