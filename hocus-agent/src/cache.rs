@@ -146,6 +146,11 @@ impl Cache {
         crate::copy::local_path(&self.files, source)
     }
 
+    /// Whether `local` is (in) a snapshot rather than a single copy.
+    pub fn is_snapshot(&self, local: &Path) -> bool {
+        local.starts_with(&self.trees)
+    }
+
     /// Where the snapshot of the network directory `root` lives.
     pub fn tree_local(&self, root: &Path) -> PathBuf {
         crate::copy::local_path(&self.trees, &root.to_string_lossy())

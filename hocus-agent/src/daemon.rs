@@ -409,7 +409,7 @@ impl Daemon {
             }
             Ask::Metrics => {
                 self.sweep();
-                let text = metrics::render(&self.status(0));
+                let text = metrics::render(self.status(0));
                 let _ = reply.send(Response::Metrics { text });
                 return;
             }

@@ -31,8 +31,9 @@ pub enum Server<'a> {
 }
 
 impl Job {
-    pub fn new(ns: OwnedFd, binds: Vec<Bind>) -> Self {
-        let (trees, files): (Vec<&Bind>, Vec<&Bind>) = binds.iter().partition(|b| b.local.is_dir());
+    /// A job in namespace `ns` with `binds`, of which `is_snapshot` tells the trees.
+    pub fn new(ns: OwnedFd, binds: Vec<Bind>, is_snapshot: impl Fn(&Bind) -> bool) -> Self {
+        let (trees, files): (Vec<&Bind>, Vec<&Bind>) = binds.iter().partition(|b| is_snapshot(b));
         Self {
             files: files.iter().map(|b| b.target.clone()).collect(),
             trees: trees.iter().map(|b| b.target.clone()).collect(),
@@ -118,27 +119,23 @@ impl Served {
 mod tests {
     use super::*;
 
-    fn job(dir: &Path) -> Job {
-        let snapshot = dir.join("snap");
-        std::fs::create_dir(&snapshot).unwrap();
-        let copy = dir.join("copy");
-        std::fs::write(&copy, "x").unwrap();
-        let bind = |local: &Path, target: &str| Bind {
-            local: local.to_owned(),
+    fn job() -> Job {
+        let bind = |local: &str, target: &str| Bind {
+            local: local.into(),
             target: target.into(),
             tree: "/net".into(),
         };
+        let binds = vec![
+            bind("/cache/trees/net/env", "/net/env"),
+            bind("/cache/files/net/data/a.csv", "/net/data/a.csv"),
+        ];
         let ns = std::fs::File::open("/proc/self/ns/mnt").unwrap().into();
-        Job::new(
-            ns,
-            vec![bind(&snapshot, "/net/env"), bind(&copy, "/net/data/a.csv")],
-        )
+        Job::new(ns, binds, |b| b.local.starts_with("/cache/trees"))
     }
 
     #[test]
     fn a_path_is_served_by_its_file_bind_or_the_snapshot_above_it() {
-        let dir = tempfile::tempdir().unwrap();
-        let mut j = job(dir.path());
+        let mut j = job();
         assert_eq!(j.server_of(Path::new("/net/data/a.csv")), Server::File);
         assert_eq!(
             j.server_of(Path::new("/net/env/lib/x.py")),

@@ -76,11 +76,9 @@ pub struct KeeperStatus {
     pub copying: usize,
     pub copies: u64,
     pub copied_bytes: u64,
-    pub copy_failures: u64,
     /// Every copy that did not land, by `CopyError::reason`.
     #[serde(default)]
     pub copy_failures_by_reason: BTreeMap<String, u64>,
-    pub changed_during_copy: u64,
     pub invalidations: u64,
     /// Copies dropped to make room or because they fell out of the working set.
     #[serde(default)]
@@ -426,16 +424,11 @@ impl Keeper {
             Order::Reconfigure(r) => {
                 self.config.filters = r.filters;
                 self.config.revalidate = r.revalidate;
-                self.config.ssd_budget = r.ssd_budget;
-                self.effective_ssd_budget = r.ssd_budget;
-                self.config.ram_budget = r.ram_budget;
                 log::info!(
-                    "settings reloaded: SSD budget {}, RAM budget {}, revalidating every {} s",
-                    human(r.ssd_budget),
-                    human(r.ram_budget),
+                    "settings reloaded: revalidating every {} s",
                     r.revalidate.as_secs()
                 );
-                self.place();
+                self.set_budgets(Some(r.ssd_budget), Some(r.ram_budget));
             }
             Order::Status(tx) => {
                 let _ = tx.send(self.status());
@@ -444,7 +437,7 @@ impl Keeper {
                 let held = paths.iter().map(|p| {
                     if self.pins.is_pinned(p) {
                         "ram"
-                    } else if self.cache.contains(p) || self.snapshot_of(Path::new(p)).is_some() {
+                    } else if self.cache.contains(p) || self.held_snapshot(Path::new(p)).is_some() {
                         "ssd"
                     } else {
                         "network"
@@ -452,21 +445,7 @@ impl Keeper {
                 });
                 let _ = tx.send(held.map(str::to_owned).collect());
             }
-            Order::Budgets { ssd, ram } => {
-                if let Some(ssd) = ssd {
-                    self.config.ssd_budget = ssd;
-                    self.effective_ssd_budget = ssd;
-                }
-                if let Some(ram) = ram {
-                    self.config.ram_budget = ram;
-                }
-                log::info!(
-                    "budgets now: SSD {}, RAM {}",
-                    human(self.effective_ssd_budget),
-                    human(self.config.ram_budget)
-                );
-                self.place();
-            }
+            Order::Budgets { ssd, ram } => self.set_budgets(ssd, ram),
             Order::Binds(tx) => {
                 let trees = self.snapshots.iter().map(|(root, snap)| Bind {
                     local: snap.local.clone(),
@@ -474,21 +453,12 @@ impl Keeper {
                     tree: snap.tree.clone(),
                 });
                 // A snapshot still being taken is not bound yet: its files are, meanwhile.
-                let in_snapshot = |source: &str| {
-                    self.snapshots
-                        .keys()
-                        .any(|r| Path::new(source).starts_with(r))
-                };
                 let files = self
                     .cache
                     .sources()
-                    .filter(|(source, _)| !in_snapshot(source))
+                    .filter(|(source, _)| self.held_snapshot(Path::new(source)).is_none())
                     .filter_map(|(source, _)| {
-                        let tree = self
-                            .config
-                            .trees
-                            .iter()
-                            .find(|t| Path::new(source).starts_with(t))?;
+                        let tree = self.tree_of(Path::new(source))?;
                         Some(Bind {
                             local: self.cache.local(source),
                             target: PathBuf::from(source),
@@ -502,7 +472,8 @@ impl Keeper {
                 let ns = format!("/proc/self/task/{id}/ns/mnt");
                 match File::open(&ns) {
                     Ok(ns) => {
-                        self.jobs.insert(id, Job::new(ns.into(), binds));
+                        let job = Job::new(ns.into(), binds, |b| self.cache.is_snapshot(&b.local));
+                        self.jobs.insert(id, job);
                         self.status.jobs_started += 1;
                     }
                     Err(e) => log::warn!("cannot follow the namespace of job {id} ({ns}): {e}"),
@@ -514,6 +485,23 @@ impl Keeper {
             }
             Order::Stop => {}
         }
+    }
+
+    /// New budgets (bytes); copies and pins beyond them are released.
+    fn set_budgets(&mut self, ssd: Option<u64>, ram: Option<u64>) {
+        if let Some(ssd) = ssd {
+            self.config.ssd_budget = ssd;
+            self.effective_ssd_budget = ssd;
+        }
+        if let Some(ram) = ram {
+            self.config.ram_budget = ram;
+        }
+        log::info!(
+            "budgets now: SSD {}, RAM {}",
+            human(self.effective_ssd_budget),
+            human(self.config.ram_budget)
+        );
+        self.place();
     }
 
     /// Counts (and logs, if asked) who served an open, failed lookup or read.
@@ -528,7 +516,7 @@ impl Keeper {
             .map_or(Server::Network, |j| j.server_of(path));
         let pinned = server != Server::Network && self.pins.is_pinned(&a.path);
         let hit = self.status.served[i].count(a.what, server, pinned, a.job != 0);
-        if a.what == What::Open {
+        if a.what == What::Open && !self.cache.contains(&a.path) {
             self.last_opener.insert(a.path.clone(), a.process.clone());
         }
         let event = match (hit, a.what) {
@@ -574,7 +562,7 @@ impl Keeper {
             "its copy failed"
         } else if self.in_flight.contains_key(path) {
             "its copy is under way"
-        } else if self.cache.contains(path) || self.snapshot_of(Path::new(path)).is_some() {
+        } else if self.cache.contains(path) || self.held_snapshot(Path::new(path)).is_some() {
             "copied after the job started"
         } else if !self.config.filters.admits(path) {
             "excluded by --include-ext or --exclude"
@@ -583,6 +571,18 @@ impl Keeper {
         } else {
             "first seen: not in the working set yet"
         }
+    }
+
+    /// The watched tree `path` is in.
+    fn tree_of(&self, path: &Path) -> Option<&PathBuf> {
+        self.config.trees.iter().find(|t| path.starts_with(t))
+    }
+
+    /// The snapshot in place (not one being taken) holding `path`, and its root.
+    fn held_snapshot(&self, path: &Path) -> Option<(&PathBuf, &Snapshot)> {
+        self.snapshots
+            .iter()
+            .find(|(root, _)| path.starts_with(root))
     }
 
     /// The snapshot root holding `path`, if any.
@@ -646,13 +646,7 @@ impl Keeper {
     }
 
     fn start_snapshot(&mut self, root: PathBuf, bytes: u64) {
-        let Some(tree) = self
-            .config
-            .trees
-            .iter()
-            .find(|t| root.starts_with(t))
-            .cloned()
-        else {
+        let Some(tree) = self.tree_of(&root).cloned() else {
             return;
         };
         let cached = self
@@ -697,13 +691,7 @@ impl Keeper {
                     human(taken.copied),
                     human(taken.linked)
                 );
-                let tree = self
-                    .config
-                    .trees
-                    .iter()
-                    .find(|t| root.starts_with(t))
-                    .cloned()
-                    .unwrap_or_default();
+                let tree = self.tree_of(&root).cloned().unwrap_or_default();
                 self.snapshots.insert(
                     root.clone(),
                     Snapshot {
@@ -802,12 +790,7 @@ impl Keeper {
                     && !self.failed.contains_key(&f.path)
                     && !self.refused.contains(&f.path)
             })
-            .filter(|f| {
-                self.config
-                    .trees
-                    .iter()
-                    .any(|t| Path::new(&f.path).starts_with(t))
-            })
+            .filter(|f| self.tree_of(Path::new(&f.path)).is_some())
             .cloned()
             .collect();
         let held: HashSet<String> = self
@@ -830,6 +813,12 @@ impl Keeper {
             .iter()
             .map(|c| (c.path.clone(), c.pinned))
             .collect();
+        // Openers are remembered only to name them when their copy lands: those of files
+        // placed and not wanted, or held already, are forgotten.
+        self.last_opener.retain(|path, _| {
+            let placed = self.file_index.contains_key(path);
+            (self.wanted.contains_key(path) || !placed) && !self.cache.contains(path)
+        });
         // Make room first: evictions and unpins.
         let cached: Vec<String> = self.cache.sources().map(|(s, _)| s.clone()).collect();
         for source in cached {
@@ -862,12 +851,7 @@ impl Keeper {
         if self.cache.used() + reserved + size > self.effective_ssd_budget {
             return; // after the evictions under way; the next placement retries
         }
-        let Some(tree) = self
-            .config
-            .trees
-            .iter()
-            .find(|t| Path::new(source).starts_with(t))
-        else {
+        let Some(tree) = self.tree_of(Path::new(source)).cloned() else {
             return;
         };
         let Some(reader) = self.reader_of(source) else {
@@ -877,7 +861,7 @@ impl Keeper {
         self.in_flight.insert(source.to_owned(), size);
         let _ = self.copy_jobs.send(Work::Copy(CopyJob {
             source: source.to_owned(),
-            tree: tree.clone(),
+            tree,
             reader,
             dest: self.cache.local(source),
         }));
@@ -945,7 +929,7 @@ impl Keeper {
                         logs::file_line(
                             "cache write",
                             &source,
-                            self.last_opener.get(&source),
+                            self.last_opener.remove(&source).as_ref(),
                             &format!(
                                 "copied to {held} ({}, opened {opens} times)",
                                 human(identity.size)
@@ -955,7 +939,6 @@ impl Keeper {
                 }
             }
             Err(CopyError::Changed) => {
-                self.status.changed_during_copy += 1;
                 log::info!(
                     "{source} changed while being copied: discarded, fetched again once stable"
                 );
@@ -963,7 +946,6 @@ impl Keeper {
             }
             Err(CopyError::NoSpace) => self.cache_full(&source, expected),
             Err(e) => {
-                self.status.copy_failures += 1;
                 log::warn!("not caching {source}: {e}");
                 self.failed.insert(source.clone(), Instant::now());
             }
@@ -1005,10 +987,9 @@ impl Keeper {
         // A file inside a snapshot is pinned through the snapshot's own copy: that is
         // the inode jobs read.
         let local = self
-            .snapshot_of(Path::new(source))
-            .and_then(|root| {
-                let rel = Path::new(source).strip_prefix(&root).ok()?;
-                Some(self.snapshots.get(&root)?.local.join(rel))
+            .held_snapshot(Path::new(source))
+            .and_then(|(root, snap)| {
+                Some(snap.local.join(Path::new(source).strip_prefix(root).ok()?))
             })
             .unwrap_or_else(|| self.cache.local(source));
         match self.pins.pin(source, &local) {

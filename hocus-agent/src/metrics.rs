@@ -51,7 +51,7 @@ pub fn serve(addr: SocketAddr, calls: mpsc::Sender<Call>) -> Result<SocketAddr> 
         .spawn(move || {
             for stream in listener.incoming().flatten() {
                 let calls = calls.clone();
-                // One scrape at a time is plenty; a slow client must not stall others.
+                // A thread per scrape: a slow client must not stall the others.
                 let _ = thread::Builder::new()
                     .name("hocus-scrape".into())
                     .spawn(move || answer(stream, &calls));
@@ -161,9 +161,9 @@ fn classic(openmetrics: &str) -> String {
 }
 
 /// The metrics page for a daemon status, in OpenMetrics.
-pub fn render(status: &Status) -> String {
+pub fn render(status: Status) -> String {
     let mut registry = Registry::with_prefix("hocus");
-    registry.register_collector(Box::new(Snapshot(status.clone())));
+    registry.register_collector(Box::new(Snapshot(status)));
     let mut out = String::new();
     prometheus_client::encoding::text::encode(&mut out, &registry)
         .expect("writing to a String cannot fail");

@@ -190,10 +190,9 @@ impl Observer {
                 let writes = e.open_flags & O_ACCMODE != 0;
                 let truncates = writes && e.open_flags & O_TRUNC != 0;
                 let creates = e.open_flags & (O_CREAT | O_EXCL) == O_CREAT | O_EXCL;
+                let who = process(e);
                 log::debug!(
-                    "open {path} by {}[{}] uid {uid} for {}",
-                    comm(e),
-                    e.tgid,
+                    "open {path} by {who} uid {uid} for {}",
                     if writes { "writing" } else { "reading" }
                 );
                 if is_dir {
@@ -210,14 +209,14 @@ impl Observer {
                             (false, true) => "created or truncated",
                             (false, false) => "truncated",
                         };
-                        logs::file_line("write", &path, Some(&process(e)), what);
+                        logs::file_line("write", &path, Some(&who), what);
                     }
                 }
                 if !is_dir {
                     self.accesses.push(Access {
                         path: path.clone(),
                         job: e.job,
-                        process: process(e),
+                        process: who.clone(),
                         what: What::Open,
                     });
                 }
@@ -231,7 +230,7 @@ impl Observer {
                         is_dir,
                         written: truncates || creates,
                         job: e.job,
-                        process: process(e),
+                        process: who,
                     },
                 );
             }
