@@ -1,0 +1,287 @@
+//! The local SSD cache (default /var/cache/hocus): copies of network files under
+//! `files/<network path>`, temporary files of copies in progress under `tmp/`, and an
+//! index of what each copy is a copy of (`index.json`).
+//!
+//! The root is root-owned 0700: nobody reads a copy except through hocus. After a crash
+//! (kill -9 mid-copy), opening the cache removes every temporary file and reconciles the
+//! index with the disk: entries without their file are dropped, files without an entry
+//! are deleted.
+
+use std::{
+    collections::HashMap,
+    fs, io,
+    os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt},
+    path::{Path, PathBuf},
+};
+
+use anyhow::{Context, Result, bail};
+use serde::{Deserialize, Serialize};
+
+use crate::{
+    cache::copy::{self, Identity},
+    profile::store::write_atomically,
+};
+const INDEX: &str = "index.json";
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Cached {
+    /// The version of the network file the copy is of.
+    pub identity: Identity,
+}
+
+pub struct Cache {
+    root: PathBuf,
+    files: PathBuf,
+    tmp: PathBuf,
+    trees: PathBuf,
+    entries: HashMap<String, Cached>,
+    used: u64,
+    dirty: bool,
+}
+
+/// What opening the cache found and repaired.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Repairs {
+    pub temporary_removed: usize,
+    pub entries_dropped: usize,
+    pub strays_removed: usize,
+}
+
+impl Cache {
+    pub fn open(root: &Path) -> Result<(Self, Repairs)> {
+        match fs::symlink_metadata(root) {
+            Ok(m) if m.file_type().is_symlink() => {
+                bail!(
+                    "the cache directory {} is a symlink: give a real directory",
+                    root.display()
+                )
+            }
+            Ok(m) if !m.is_dir() => bail!("{} is not a directory", root.display()),
+            Ok(_) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(root)
+                .with_context(|| format!("creating the cache directory {}", root.display()))?,
+            Err(e) => return Err(e).with_context(|| format!("looking at {}", root.display())),
+        }
+        // Root-owned 0700, whatever it was: copies are only read through hocus.
+        nix::unistd::chown(root, Some(0.into()), Some(0.into()))
+            .with_context(|| format!("making {} root's", root.display()))?;
+        fs::set_permissions(root, fs::Permissions::from_mode(0o700))?;
+        let files = root.join("files");
+        let tmp = root.join("tmp");
+        let trees = root.join("trees");
+        // Snapshots are taken again after a restart: they are checked against the
+        // network as a whole, and a daemon that stopped missed changes.
+        let _ = fs::remove_dir_all(&trees);
+        for dir in [&files, &tmp, &trees] {
+            fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o755)
+                .create(dir)?;
+        }
+        let mut repairs = Repairs::default();
+        for entry in fs::read_dir(&tmp)? {
+            let entry = entry?;
+            if fs::remove_file(entry.path()).is_ok() {
+                repairs.temporary_removed += 1;
+            }
+        }
+        let index_path = root.join(INDEX);
+        let mut entries: HashMap<String, Cached> = match fs::read(&index_path) {
+            Ok(bytes) => serde_json::from_slice(&bytes).unwrap_or_else(|e| {
+                log::warn!(
+                    "the cache index {} is unreadable ({e}); rebuilding it empty",
+                    index_path.display()
+                );
+                HashMap::new()
+            }),
+            Err(_) => HashMap::new(),
+        };
+        // Entries whose copy is gone or is not the size it should be.
+        entries.retain(|source, c| {
+            let ok = fs::symlink_metadata(copy::local_path(&files, source))
+                .is_ok_and(|m| m.is_file() && m.size() == c.identity.size);
+            if !ok {
+                repairs.entries_dropped += 1;
+            }
+            ok
+        });
+        // Files no entry accounts for.
+        let mut stack = vec![files.clone()];
+        while let Some(dir) = stack.pop() {
+            for entry in fs::read_dir(&dir)?.flatten() {
+                let path = entry.path();
+                let kind = entry.file_type()?;
+                if kind.is_dir() {
+                    stack.push(path);
+                    continue;
+                }
+                let source = Path::new("/").join(path.strip_prefix(&files).unwrap_or(&path));
+                if !entries.contains_key(source.to_string_lossy().as_ref()) {
+                    let _ = fs::remove_file(&path);
+                    repairs.strays_removed += 1;
+                }
+            }
+        }
+        let used = entries.values().map(|c| c.identity.size).sum();
+        let mut cache = Self {
+            root: root.to_owned(),
+            files,
+            tmp,
+            trees,
+            entries,
+            used,
+            dirty: repairs != Repairs::default(),
+        };
+        cache.save();
+        Ok((cache, repairs))
+    }
+
+    pub fn tmp_dir(&self) -> &Path {
+        &self.tmp
+    }
+
+    pub fn local(&self, source: &str) -> PathBuf {
+        copy::local_path(&self.files, source)
+    }
+
+    /// Whether `local` is (in) a snapshot rather than a single copy.
+    pub fn is_snapshot(&self, local: &Path) -> bool {
+        local.starts_with(&self.trees)
+    }
+
+    /// Where the snapshot of the network directory `root` lives.
+    pub fn tree_local(&self, root: &Path) -> PathBuf {
+        copy::local_path(&self.trees, &root.to_string_lossy())
+    }
+
+    pub fn get(&self, source: &str) -> Option<&Cached> {
+        self.entries.get(source)
+    }
+
+    pub fn contains(&self, source: &str) -> bool {
+        self.entries.contains_key(source)
+    }
+
+    pub fn sources(&self) -> impl Iterator<Item = (&String, &Cached)> {
+        self.entries.iter()
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Bytes held on disk.
+    pub fn used(&self) -> u64 {
+        self.used
+    }
+
+    /// Records a copy that `copy::copy` put in place.
+    pub fn insert(&mut self, source: &str, identity: Identity) {
+        if let Some(old) = self.entries.insert(source.to_owned(), Cached { identity }) {
+            self.used -= old.identity.size;
+        }
+        self.used += identity.size;
+        self.dirty = true;
+    }
+
+    /// Deletes a copy.
+    pub fn remove(&mut self, source: &str) {
+        if let Some(old) = self.entries.remove(source) {
+            self.used -= old.identity.size;
+            let local = self.local(source);
+            if let Err(e) = fs::remove_file(&local) {
+                if e.kind() != io::ErrorKind::NotFound {
+                    log::warn!("could not delete the copy {}: {e}", local.display());
+                }
+            }
+            self.dirty = true;
+        }
+    }
+
+    /// Writes the index if it changed. The index may lag the disk after a crash; opening
+    /// the cache reconciles the two, and a stale identity only makes a copy look invalid.
+    pub fn save(&mut self) {
+        if !self.dirty {
+            return;
+        }
+        let bytes = serde_json::to_vec(&self.entries).expect("the index serializes");
+        match write_atomically(&self.root.join(INDEX), &bytes) {
+            Ok(()) => self.dirty = false,
+            Err(e) => log::warn!("could not save the cache index: {e}"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn id(size: u64) -> Identity {
+        Identity {
+            size,
+            mtime_ns: 1,
+            ctime_ns: 2,
+            ino: 3,
+        }
+    }
+
+    #[test]
+    fn reconciles_the_index_with_the_disk_after_a_crash() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("cache");
+        let (mut cache, repairs) = Cache::open(&root).unwrap();
+        assert_eq!(repairs, Repairs::default());
+        assert_eq!(fs::metadata(&root).unwrap().mode() & 0o777, 0o700);
+        for (source, content) in [
+            ("/net/a.py", "aaaa"),
+            ("/net/b.py", "bb"),
+            ("/net/c.py", "c"),
+        ] {
+            let local = cache.local(source);
+            fs::create_dir_all(local.parent().unwrap()).unwrap();
+            fs::write(&local, content).unwrap();
+            cache.insert(source, id(content.len() as u64));
+        }
+        cache.save();
+        assert_eq!(cache.used(), 7);
+        // A crash: a half-written copy, a copy deleted behind our back, one truncated, and a
+        // stray file no entry knows.
+        fs::write(root.join("tmp/copy-1-abc"), "half").unwrap();
+        fs::remove_file(cache.local("/net/a.py")).unwrap();
+        fs::write(cache.local("/net/b.py"), "b").unwrap();
+        fs::write(cache.local("/net/stray.py"), "?").unwrap();
+        drop(cache);
+
+        let (cache, repairs) = Cache::open(&root).unwrap();
+        assert_eq!(
+            repairs,
+            Repairs {
+                temporary_removed: 1,
+                entries_dropped: 2,
+                strays_removed: 2,
+            }
+        );
+        assert!(cache.contains("/net/c.py") && cache.len() == 1);
+        assert_eq!(cache.used(), 1);
+        assert!(!cache.local("/net/stray.py").exists());
+        assert!(
+            !cache.local("/net/b.py").exists(),
+            "a copy of the wrong size is removed"
+        );
+        assert_eq!(fs::read_dir(root.join("tmp")).unwrap().count(), 0);
+    }
+
+    #[test]
+    fn refuses_a_symlinked_cache_root() {
+        let dir = tempfile::tempdir().unwrap();
+        std::os::unix::fs::symlink("/etc", dir.path().join("cache")).unwrap();
+        let err = Cache::open(&dir.path().join("cache"))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(err.contains("symlink"), "{err}");
+    }
+}

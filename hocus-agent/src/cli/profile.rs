@@ -1,0 +1,121 @@
+//! `hocus-agent profile export|show|import`: the working-set profile, from the daemon or,
+//! as root without one, from the state directory.
+
+use std::{
+    io::Write,
+    path::{Path, PathBuf},
+};
+
+use anyhow::{Result, bail};
+
+use crate::{
+    cli::{Context, ask},
+    control::protocol::{Request, Response},
+    profile::{
+        format::Profile,
+        store::{self, ReadError, StateDir, read_exported},
+        working_set::WorkingSet,
+    },
+    report::show,
+};
+
+/// The profile, from the daemon or else from the state directory (root only).
+fn current_profile(ctx: &Context, root: Option<PathBuf>) -> Result<Profile> {
+    let request = Request::Export { root: root.clone() };
+    if let Some(response) = ask(ctx, &request)? {
+        let Response::Profile(p) = response else {
+            bail!("unexpected answer from the daemon");
+        };
+        return Ok(p);
+    }
+    let path = store::profile_path(&ctx.state_dir);
+    if !nix::unistd::geteuid().is_root() {
+        bail!(
+            "no hocus-agent daemon is running (nothing at {}), and only root may read {} directly: start the daemon (sudo hocus-agent --watch PATH) or run this with sudo",
+            ctx.socket.display(),
+            path.display()
+        );
+    }
+    let mut profile = match store::read_profile(&path, "repair or delete it") {
+        Ok(p) => p,
+        Err(ReadError::Missing) => bail!(
+            "no daemon is running and there is no profile at {} yet: start one with sudo hocus-agent --watch PATH",
+            path.display()
+        ),
+        Err(e) => return Err(e.into()),
+    };
+    if let Some(root) = root {
+        profile.retain_under(&root);
+    }
+    Ok(profile)
+}
+
+pub fn export(ctx: &Context, root: Option<PathBuf>, out: Option<PathBuf>) -> Result<()> {
+    let profile = current_profile(ctx, root)?;
+    let bytes = profile.to_json();
+    match out {
+        Some(path) => {
+            store::write_atomically(&path, &bytes)
+                .map_err(|e| anyhow::anyhow!("writing {}: {e}", path.display()))?;
+            eprintln!(
+                "exported {} files and {} missing names to {}",
+                profile.files.len(),
+                profile.missing.len(),
+                path.display()
+            );
+        }
+        None => std::io::stdout().lock().write_all(&bytes)?,
+    }
+    Ok(())
+}
+
+pub fn show(ctx: &Context, root: Option<PathBuf>, file: Option<PathBuf>, top: usize) -> Result<()> {
+    let profile = match file {
+        Some(path) => {
+            let mut p = read_exported(&path)?;
+            if let Some(root) = root {
+                p.retain_under(&root);
+            }
+            p
+        }
+        None => current_profile(ctx, root)?,
+    };
+    print!("{}", show::render(&profile, top));
+    Ok(())
+}
+
+pub fn import(ctx: &Context, file: &Path) -> Result<()> {
+    let profile = read_exported(file)?;
+    let request = Request::Import { profile };
+    if let Some(response) = ask(ctx, &request)? {
+        let Response::Imported { files, missing } = response else {
+            bail!("unexpected answer from the daemon");
+        };
+        eprintln!("merged {files} files and {missing} missing names into the daemon's profile");
+        return Ok(());
+    }
+    if !nix::unistd::geteuid().is_root() {
+        bail!(
+            "no hocus-agent daemon is running (nothing at {}); start it, or import as root to merge into {} directly",
+            ctx.socket.display(),
+            ctx.state_dir.display()
+        );
+    }
+    let Request::Import { profile } = request else {
+        unreachable!()
+    };
+    let state = StateDir::lock(&ctx.state_dir)?;
+    let mut ws = match state.load_or_set_aside() {
+        Ok(Some(p)) => WorkingSet::from_profile(p),
+        Ok(None) => WorkingSet::new(profile.started_unix_ns),
+        Err(message) => bail!("{message}"),
+    };
+    let (files, missing) = (profile.files.len(), profile.missing.len());
+    ws.merge(profile);
+    state.save(&ws.to_profile())?;
+    eprintln!(
+        "merged {files} files and {missing} missing names into {}",
+        state.profile_path().display()
+    );
+    Ok(())
+}

@@ -1,0 +1,152 @@
+//! The CLI's side of the control socket: connect, send one request, read the answers;
+//! and `hocus-agent run`'s session (the standard descriptors sent along, signals
+//! forwarded, the job's exit status returned).
+
+use std::{
+    io::{BufRead, BufReader, IoSlice, Write},
+    os::{fd::AsRawFd, unix::net::UnixStream},
+    path::{Path, PathBuf},
+    process::ExitCode,
+    thread,
+    time::Duration,
+};
+
+use anyhow::{Context, Result, bail};
+use nix::sys::{
+    signal::{SigSet, Signal},
+    socket::{ControlMessage, MsgFlags, sendmsg},
+};
+
+use crate::{
+    control::protocol::{Forward, Request, Response},
+    redirect::spawn::JobCommand,
+};
+
+/// Why the CLI could not reach a daemon.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error("no hocus-agent daemon is running (nothing at {0})")]
+    NoDaemon(PathBuf),
+    #[error(transparent)]
+    Other(#[from] anyhow::Error),
+}
+
+/// Connects to the daemon's socket; a missing or dead socket is `NoDaemon`.
+pub fn connect(socket: &Path) -> Result<UnixStream, ClientError> {
+    match UnixStream::connect(socket) {
+        Ok(s) => Ok(s),
+        Err(e)
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused
+            ) =>
+        {
+            Err(ClientError::NoDaemon(socket.to_owned()))
+        }
+        Err(e) => Err(anyhow::Error::new(e)
+            .context(format!("connecting to {}", socket.display()))
+            .into()),
+    }
+}
+
+/// Sends one request to the daemon and waits for its (last) answer.
+pub fn call(socket: &Path, request: &Request) -> Result<Response, ClientError> {
+    let mut last = None;
+    call_streaming(socket, request, |r| last = Some(r))?;
+    last.ok_or_else(|| anyhow::anyhow!("the daemon closed the connection without answering").into())
+}
+
+/// Sends one request and passes every answer line to `each` until the daemon is done.
+pub fn call_streaming(
+    socket: &Path,
+    request: &Request,
+    mut each: impl FnMut(Response),
+) -> Result<(), ClientError> {
+    let mut stream = connect(socket)?;
+    let io = |e: std::io::Error| {
+        ClientError::Other(anyhow::Error::new(e).context("talking to the daemon"))
+    };
+    stream
+        .set_read_timeout(Some(Duration::from_secs(600)))
+        .map_err(io)?;
+    let mut out = serde_json::to_vec(request).map_err(|e| ClientError::Other(e.into()))?;
+    out.push(b'\n');
+    stream.write_all(&out).map_err(io)?;
+    for line in BufReader::new(stream).lines() {
+        let line = line.map_err(io)?;
+        let response = serde_json::from_str(&line).map_err(|e| {
+            ClientError::Other(anyhow::anyhow!("unreadable answer from the daemon: {e}"))
+        })?;
+        each(response);
+    }
+    Ok(())
+}
+
+/// The client side: `hocus-agent run -- CMD ARGS`. Returns the job's exit status.
+pub fn run(socket: &Path, argv: Vec<String>) -> Result<ExitCode> {
+    let request = Request::Run(JobCommand {
+        argv,
+        env: std::env::vars().collect(),
+        cwd: std::env::current_dir().context("the current directory")?,
+    });
+    let stream = match connect(socket) {
+        Ok(s) => s,
+        Err(ClientError::NoDaemon(_)) => bail!(
+            "no hocus-agent daemon is running (nothing at {}): start it with sudo hocus-agent --watch PATH, or run the command without hocus",
+            socket.display()
+        ),
+        Err(ClientError::Other(e)) => return Err(e),
+    };
+    // Signals are taken by a thread and forwarded; block them everywhere else first.
+    let mut forwarded = SigSet::empty();
+    for s in [
+        Signal::SIGINT,
+        Signal::SIGTERM,
+        Signal::SIGHUP,
+        Signal::SIGQUIT,
+        Signal::SIGUSR1,
+        Signal::SIGUSR2,
+    ] {
+        forwarded.add(s);
+    }
+    forwarded.thread_block()?;
+    let mut line = serde_json::to_vec(&request)?;
+    line.push(b'\n');
+    let std_fds = [0, 1, 2];
+    sendmsg::<()>(
+        stream.as_raw_fd(),
+        &[IoSlice::new(&line)],
+        &[ControlMessage::ScmRights(&std_fds)],
+        MsgFlags::empty(),
+        None,
+    )
+    .context("sending the request")?;
+    let mut signals = stream.try_clone()?;
+    thread::spawn(move || {
+        while let Ok(signal) = forwarded.wait() {
+            let mut out = serde_json::to_vec(&Forward {
+                signal: signal as i32,
+            })
+            .unwrap_or_default();
+            out.push(b'\n');
+            if signals.write_all(&out).is_err() {
+                break;
+            }
+        }
+    });
+    for line in BufReader::new(stream).lines() {
+        let line = line.context("the daemon went away during the job")?;
+        match serde_json::from_str::<Response>(&line)? {
+            Response::Started { .. } => {}
+            Response::Exited {
+                code: Some(code), ..
+            } => return Ok(ExitCode::from(code as u8)),
+            Response::Exited { signal, .. } => {
+                return Ok(ExitCode::from(128 + signal.unwrap_or(0) as u8));
+            }
+            Response::Error { message } => bail!("the daemon refused: {message}"),
+            _ => {}
+        }
+    }
+    bail!("the daemon went away during the job")
+}

@@ -1,0 +1,1106 @@
+//! The keeper holds the working set close: it applies placements (copies to the SSD
+//! cache, pins in RAM, evictions), keeps copies consistent with the network (revalidation
+//! at an interval, invalidation at once when the tracer sees a change), and counts where
+//! the bytes jobs read would come from. It runs on its own thread, with a pool of copy
+//! workers, so the daemon's event loop never waits on the network.
+
+use std::{
+    collections::{HashMap, HashSet},
+    fs::File,
+    path::{Path, PathBuf},
+    sync::{Arc, Mutex, mpsc},
+    thread,
+    time::{Duration, Instant},
+};
+
+use anyhow::Result;
+
+use crate::{
+    cache::{
+        copy::{self, CopyError, Identity, Reader},
+        directory::Cache,
+        pins::{PinError, Pins},
+        snapshot,
+    },
+    observe::events::{Access, What},
+    place::{
+        budget::Budgets,
+        placement::{self, Filters},
+    },
+    profile::format::{FileEntry, Profile},
+    redirect::{
+        jobs::{self, Job, Server},
+        mountns::{self, Bind},
+    },
+    shared::{
+        log_line::{self as logs, Process},
+        settings::Settings,
+        size::human,
+        status::{CacheStatus, Progress, Served},
+    },
+};
+
+/// How often the cache index is written while it changes.
+const INDEX_SAVE_INTERVAL: Duration = Duration::from_secs(1);
+/// A snapshot holds at most this many entries (directories, files, symlinks).
+const SNAPSHOT_MAX_ENTRIES: usize = 200_000;
+
+pub struct Config {
+    pub cache_dir: PathBuf,
+    pub ssd_budget: u64,
+    pub ram_budget: u64,
+    pub filters: Filters,
+    pub revalidate: Duration,
+    pub trees: Vec<PathBuf>,
+    pub copy_workers: usize,
+}
+
+impl Config {
+    /// The keeper's part of the settings; the watched trees are set once known.
+    pub fn of(settings: &Settings) -> Result<Config> {
+        let budgets = Budgets::of(settings)?;
+        Ok(Config {
+            cache_dir: settings.cache_dir(),
+            ssd_budget: budgets.ssd,
+            ram_budget: budgets.ram,
+            filters: Filters::of(settings),
+            revalidate: settings.revalidate(),
+            trees: Vec::new(),
+            copy_workers: settings.copy_workers.unwrap_or(4),
+        })
+    }
+}
+
+/// Live settings (SIGHUP).
+pub struct Reconfigure {
+    pub ssd_budget: u64,
+    pub ram_budget: u64,
+    pub filters: Filters,
+    pub revalidate: Duration,
+}
+
+pub enum Order {
+    /// The working set changed: place it again.
+    Place(Profile),
+    /// The tracer saw the file written, truncated, renamed or unlinked.
+    Invalidate(String),
+    /// A process opened, failed to find or read a watched file.
+    Access(Access),
+    Reconfigure(Reconfigure),
+    /// Place these files now and report progress until their copies are done.
+    Prefetch(Profile, mpsc::Sender<Progress>),
+    Status(mpsc::Sender<CacheStatus>),
+    /// Where each file is held: "ram", "ssd" or "network".
+    WhereHeld(Vec<String>, mpsc::Sender<Vec<String>>),
+    /// New budgets (bytes); pins and copies beyond them are released.
+    Budgets {
+        ssd: Option<u64>,
+        ram: Option<u64>,
+    },
+    /// The binds a new job's namespace gets: every valid copy.
+    Binds(mpsc::Sender<Vec<Bind>>),
+    /// A job is about to be forked by the daemon thread `id`, in that thread's mount
+    /// namespace, with these binds; `ack` answers once it is registered (so the job's
+    /// first opens find it).
+    JobStarting {
+        id: u32,
+        binds: Vec<Bind>,
+        ack: mpsc::Sender<()>,
+    },
+    JobEnded {
+        id: u32,
+    },
+    /// A job tried to write the file through its read-only copy: never redirect it again.
+    Refused(String),
+    Stop,
+}
+
+struct CopyJob {
+    source: String,
+    tree: PathBuf,
+    reader: Reader,
+    dest: PathBuf,
+}
+
+struct SnapshotJob {
+    root: PathBuf,
+    tree: PathBuf,
+    dest: PathBuf,
+    /// The cache's valid copies under `root`, to link instead of copying.
+    cached: HashMap<PathBuf, (PathBuf, Identity)>,
+}
+
+enum Work {
+    Copy(CopyJob),
+    Snapshot(SnapshotJob),
+}
+
+/// A snapshot in place: where it is, and what the network tree was.
+struct Snapshot {
+    local: PathBuf,
+    tree: PathBuf,
+    stamp: snapshot::Stamp,
+    /// Bytes it holds beyond the files it shares with the cache.
+    bytes: u64,
+}
+
+type Done = (String, Result<Identity, CopyError>);
+
+enum Msg {
+    Order(Order),
+    Copied(Done),
+    Snapshotted(
+        PathBuf,
+        Result<(snapshot::Stamp, snapshot::Taken), CopyError>,
+    ),
+}
+
+/// Starts the keeper; orders go in through the returned sender.
+pub fn start(config: Config) -> Result<(mpsc::Sender<Order>, thread::JoinHandle<()>)> {
+    let (cache, repairs) = Cache::open(&config.cache_dir)?;
+    if repairs != Default::default() {
+        log::info!(
+            "cache {}: removed {} unfinished copies, dropped {} index entries without their file, deleted {} files without an entry",
+            config.cache_dir.display(),
+            repairs.temporary_removed,
+            repairs.entries_dropped,
+            repairs.strays_removed
+        );
+    }
+    log::info!(
+        "cache in {} ({} files, {}): SSD budget {}, RAM budget {}",
+        config.cache_dir.display(),
+        cache.len(),
+        human(cache.used()),
+        human(config.ssd_budget),
+        human(config.ram_budget)
+    );
+    let (msg_tx, msg_rx) = mpsc::channel::<Msg>();
+    let (order_tx, order_rx) = mpsc::channel::<Order>();
+    // Orders are forwarded into the keeper's single inbox, beside copy results.
+    let forward = msg_tx.clone();
+    thread::Builder::new()
+        .name("hocus-orders".into())
+        .spawn(move || {
+            for order in order_rx {
+                if forward.send(Msg::Order(order)).is_err() {
+                    break;
+                }
+            }
+        })?;
+    let (job_tx, job_rx) = mpsc::channel::<Work>();
+    let job_rx = Arc::new(Mutex::new(job_rx));
+    for i in 0..config.copy_workers.max(1) {
+        let jobs = Arc::clone(&job_rx);
+        let results = msg_tx.clone();
+        let tmp = cache.tmp_dir().to_owned();
+        thread::Builder::new()
+            .name(format!("hocus-copy-{i}"))
+            .spawn(move || {
+                loop {
+                    let job = match jobs.lock().map(|rx| rx.recv()) {
+                        Ok(Ok(job)) => job,
+                        _ => break,
+                    };
+                    let msg = match job {
+                        Work::Copy(job) => {
+                            let result = copy::copy(
+                                &job.tree,
+                                job.source.as_ref(),
+                                &job.reader,
+                                &tmp,
+                                &job.dest,
+                            );
+                            Msg::Copied((job.source, result))
+                        }
+                        Work::Snapshot(job) => {
+                            let cached = |p: &Path| job.cached.get(p).cloned();
+                            let result =
+                                snapshot::take(&job.tree, &job.root, &job.dest, &tmp, &cached);
+                            Msg::Snapshotted(job.root, result)
+                        }
+                    };
+                    if results.send(msg).is_err() {
+                        break;
+                    }
+                }
+            })?;
+    }
+    let mut keeper = Keeper {
+        effective_ssd_budget: config.ssd_budget,
+        config,
+        cache,
+        pins: Pins::new(),
+        copy_jobs: job_tx,
+        in_flight: HashMap::new(),
+        wanted: HashMap::new(),
+        unstable: HashMap::new(),
+        failed: HashMap::new(),
+        profile: Profile::default(),
+        file_index: HashMap::new(),
+        snapshots: HashMap::new(),
+        snapshots_in_flight: HashMap::new(),
+        unsuitable: HashMap::new(),
+        prefetches: Vec::new(),
+        jobs: HashMap::new(),
+        refused: HashSet::new(),
+        last_opener: HashMap::new(),
+        status: CacheStatus::default(),
+    };
+    keeper.status.served = keeper
+        .config
+        .trees
+        .iter()
+        .map(|root| Served {
+            root: root.clone(),
+            ..Default::default()
+        })
+        .collect();
+    let handle = thread::Builder::new()
+        .name("hocus-keeper".into())
+        .spawn(move || keeper.run(msg_rx))?;
+    Ok((order_tx, handle))
+}
+
+struct Watcher {
+    remaining: HashSet<String>,
+    trees: HashSet<PathBuf>,
+    progress: Progress,
+    tx: mpsc::Sender<Progress>,
+}
+
+struct Keeper {
+    config: Config,
+    /// The SSD budget, lowered when the cache filesystem turned out to be full.
+    effective_ssd_budget: u64,
+    cache: Cache,
+    pins: Pins,
+    copy_jobs: mpsc::Sender<Work>,
+    /// Copies under way: source -> expected size.
+    in_flight: HashMap<String, u64>,
+    /// The last placement: each wanted file, and whether it is to be pinned.
+    wanted: HashMap<String, bool>,
+    /// Files seen changing, and when: they are fetched again once stable.
+    unstable: HashMap<String, Instant>,
+    /// Files whose copy failed, and when: retried after a while.
+    failed: HashMap<String, Instant>,
+    /// The last working set, and where each file is in it.
+    profile: Profile,
+    file_index: HashMap<String, usize>,
+    /// Snapshots of whole trees, by network directory.
+    snapshots: HashMap<PathBuf, Snapshot>,
+    /// Snapshots being taken, with their expected bytes.
+    snapshots_in_flight: HashMap<PathBuf, u64>,
+    /// Directories found unsuitable for a snapshot (too big, odd entries), and when.
+    unsuitable: HashMap<PathBuf, Instant>,
+    prefetches: Vec<Watcher>,
+    jobs: HashMap<u32, Job>,
+    /// Files jobs tried to write: left on the network from then on.
+    refused: HashSet<String>,
+    /// The process that last opened each file: a copy's log line names it.
+    last_opener: HashMap<String, Process>,
+    status: CacheStatus,
+}
+
+impl Keeper {
+    fn run(&mut self, inbox: mpsc::Receiver<Msg>) {
+        let mut next_check = Instant::now() + self.config.revalidate;
+        let mut last_save = Instant::now();
+        loop {
+            let timeout = next_check
+                .saturating_duration_since(Instant::now())
+                .min(INDEX_SAVE_INTERVAL);
+            match inbox.recv_timeout(timeout) {
+                Ok(Msg::Order(Order::Stop)) | Err(mpsc::RecvTimeoutError::Disconnected) => break,
+                Ok(Msg::Order(order)) => self.obey(order),
+                Ok(Msg::Copied(done)) => self.copied(done),
+                Ok(Msg::Snapshotted(root, result)) => self.snapshotted(root, result),
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+            }
+            if Instant::now() >= next_check {
+                self.revalidate();
+                next_check = Instant::now() + self.config.revalidate;
+            }
+            // The index is rewritten whole: at most once a second, not once per copy (a
+            // crash loses the entries of the last second; their files are then removed
+            // as strays at the next start).
+            if last_save.elapsed() >= INDEX_SAVE_INTERVAL {
+                self.cache.save();
+                last_save = Instant::now();
+            }
+        }
+        self.cache.save();
+    }
+
+    fn obey(&mut self, order: Order) {
+        match order {
+            Order::Place(profile) => {
+                self.remember(profile);
+                self.place();
+            }
+            Order::Prefetch(profile, tx) => {
+                self.remember(profile);
+                self.place();
+                self.consider_snapshots();
+                let remaining: HashSet<String> = self.in_flight.keys().cloned().collect();
+                let trees: HashSet<PathBuf> = self.snapshots_in_flight.keys().cloned().collect();
+                let progress = Progress {
+                    files_total: remaining.len(),
+                    bytes_total: remaining.iter().map(|s| self.in_flight[s]).sum(),
+                    trees_total: trees.len(),
+                    tree_bytes_total: trees.iter().map(|t| self.snapshots_in_flight[t]).sum(),
+                    ..Default::default()
+                };
+                self.status.prefetches += 1;
+                let mut w = Watcher {
+                    remaining,
+                    trees,
+                    progress,
+                    tx,
+                };
+                if w.remaining.is_empty() && w.trees.is_empty() {
+                    self.finish(&mut w);
+                } else {
+                    let _ = w.tx.send(w.progress.clone());
+                    self.prefetches.push(w);
+                }
+            }
+            Order::Refused(source) => {
+                if let Some(root) = self.snapshot_of(Path::new(&source)) {
+                    self.drop_snapshot(&root, "a job tried to write in it");
+                }
+                self.drop_copy(&source);
+                self.refused.insert(source);
+            }
+            Order::Invalidate(source) => {
+                if let Some(root) = self.snapshot_of(Path::new(&source)) {
+                    self.drop_snapshot(&root, &format!("{source} changed"));
+                    self.unstable
+                        .insert(root.to_string_lossy().into_owned(), Instant::now());
+                }
+                if self.cache.contains(&source) || self.in_flight.contains_key(&source) {
+                    self.status.invalidations += 1;
+                    log::info!("{source} changed: dropping its copy");
+                }
+                self.drop_copy(&source);
+                self.unstable.insert(source, Instant::now());
+            }
+            Order::Access(access) => self.served(access),
+            Order::Reconfigure(r) => {
+                self.config.filters = r.filters;
+                self.config.revalidate = r.revalidate;
+                log::info!(
+                    "settings reloaded: revalidating every {} s",
+                    r.revalidate.as_secs()
+                );
+                self.set_budgets(Some(r.ssd_budget), Some(r.ram_budget));
+            }
+            Order::Status(tx) => {
+                let _ = tx.send(self.status());
+            }
+            Order::WhereHeld(paths, tx) => {
+                let held = paths.iter().map(|p| {
+                    if self.pins.is_pinned(p) {
+                        "ram"
+                    } else if self.cache.contains(p) || self.held_snapshot(Path::new(p)).is_some() {
+                        "ssd"
+                    } else {
+                        "network"
+                    }
+                });
+                let _ = tx.send(held.map(str::to_owned).collect());
+            }
+            Order::Budgets { ssd, ram } => self.set_budgets(ssd, ram),
+            Order::Binds(tx) => {
+                let trees = self.snapshots.iter().map(|(root, snap)| Bind {
+                    local: snap.local.clone(),
+                    target: root.clone(),
+                    tree: snap.tree.clone(),
+                });
+                // A snapshot still being taken is not bound yet: its files are, meanwhile.
+                let files = self
+                    .cache
+                    .sources()
+                    .filter(|(source, _)| self.held_snapshot(Path::new(source)).is_none())
+                    .filter_map(|(source, _)| {
+                        let tree = self.tree_of(Path::new(source))?;
+                        Some(Bind {
+                            local: self.cache.local(source),
+                            target: PathBuf::from(source),
+                            tree: tree.clone(),
+                        })
+                    });
+                let _ = tx.send(trees.chain(files).collect());
+            }
+            Order::JobStarting { id, binds, ack } => {
+                // The forking thread is ours and lives as long as the job.
+                let ns = format!("/proc/self/task/{id}/ns/mnt");
+                match File::open(&ns) {
+                    Ok(ns) => {
+                        let job = Job::new(ns.into(), binds, |b| self.cache.is_snapshot(&b.local));
+                        self.jobs.insert(id, job);
+                        self.status.jobs_started += 1;
+                    }
+                    Err(e) => log::warn!("cannot follow the namespace of job {id} ({ns}): {e}"),
+                }
+                let _ = ack.send(());
+            }
+            Order::JobEnded { id } => {
+                self.jobs.remove(&id);
+            }
+            Order::Stop => {}
+        }
+    }
+
+    /// New budgets (bytes); copies and pins beyond them are released.
+    fn set_budgets(&mut self, ssd: Option<u64>, ram: Option<u64>) {
+        if let Some(ssd) = ssd {
+            self.config.ssd_budget = ssd;
+            self.effective_ssd_budget = ssd;
+        }
+        if let Some(ram) = ram {
+            self.config.ram_budget = ram;
+        }
+        log::info!(
+            "budgets now: SSD {}, RAM {}",
+            human(self.effective_ssd_budget),
+            human(self.config.ram_budget)
+        );
+        self.place();
+    }
+
+    /// Counts (and logs, if asked) who served an open, failed lookup or read.
+    fn served(&mut self, a: Access) {
+        let path = Path::new(&a.path);
+        let Some(i) = self.config.trees.iter().position(|t| path.starts_with(t)) else {
+            return;
+        };
+        let server = self
+            .jobs
+            .get(&a.job)
+            .map_or(Server::Network, |j| j.server_of(path));
+        let pinned = server != Server::Network && self.pins.is_pinned(&a.path);
+        let hit = jobs::count(
+            &mut self.status.served[i],
+            a.what,
+            server,
+            pinned,
+            a.job != 0,
+        );
+        if a.what == What::Open && !self.cache.contains(&a.path) {
+            self.last_opener.insert(a.path.clone(), a.process.clone());
+        }
+        let event = match (hit, a.what) {
+            (_, What::Read(_)) => return,
+            (true, What::Open) => "hit",
+            (true, _) => "hit (missing)",
+            (false, What::Open) => "miss",
+            (false, _) => "miss (missing)",
+        };
+        if hit && logs::hits() {
+            let reason = match (a.what, server) {
+                (What::Missing, Server::Snapshot(root)) => {
+                    format!("answered by the snapshot of {}", root.display())
+                }
+                (_, Server::Snapshot(root)) => format!("in the snapshot of {}", root.display()),
+                _ if pinned => "local copy pinned in RAM".into(),
+                _ => "local copy on SSD".into(),
+            };
+            logs::file_line(event, &a.path, Some(&a.process), &reason);
+        } else if !hit && logs::misses() {
+            let reason = self.why_network(&a);
+            logs::file_line(event, &a.path, Some(&a.process), reason);
+        }
+    }
+
+    /// Why a job's open went to the network.
+    fn why_network(&self, a: &Access) -> &'static str {
+        if a.job == 0 {
+            return "not in a hocus-agent run job";
+        }
+        if !self.jobs.contains_key(&a.job) {
+            return "its job is not known to the daemon";
+        }
+        if a.what == What::Missing {
+            return "no snapshot holds its directory";
+        }
+        let path = a.path.as_str();
+        if self.refused.contains(path) {
+            "a job wrote to it: it stays on the network"
+        } else if self.unstable.contains_key(path) {
+            "it changed lately: copied again once stable"
+        } else if self.failed.contains_key(path) {
+            "its copy failed"
+        } else if self.in_flight.contains_key(path) {
+            "its copy is under way"
+        } else if self.cache.contains(path) || self.held_snapshot(Path::new(path)).is_some() {
+            "copied after the job started"
+        } else if !self.config.filters.admits(path) {
+            "excluded by --include-ext or --exclude"
+        } else if self.file_index.contains_key(path) {
+            "not among the hottest files that fit the SSD budget"
+        } else {
+            "first seen: not in the working set yet"
+        }
+    }
+
+    /// The watched tree `path` is in.
+    fn tree_of(&self, path: &Path) -> Option<&PathBuf> {
+        self.config.trees.iter().find(|t| path.starts_with(t))
+    }
+
+    /// The snapshot in place (not one being taken) holding `path`, and its root.
+    fn held_snapshot(&self, path: &Path) -> Option<(&PathBuf, &Snapshot)> {
+        self.snapshots
+            .iter()
+            .find(|(root, _)| path.starts_with(root))
+    }
+
+    /// The snapshot root holding `path`, if any.
+    fn snapshot_of(&self, path: &Path) -> Option<PathBuf> {
+        self.snapshots
+            .keys()
+            .chain(self.snapshots_in_flight.keys())
+            .find(|root| path.starts_with(root))
+            .cloned()
+    }
+
+    fn snapshot_bytes(&self) -> u64 {
+        self.snapshots.values().map(|s| s.bytes).sum()
+    }
+
+    /// Looks for trees to hold whole: see `snapshot::candidates`. Each fits within half
+    /// of what the SSD budget leaves; a tree too big is served file by file instead.
+    fn consider_snapshots(&mut self) {
+        let now = Instant::now();
+        self.unsuitable
+            .retain(|_, at| now.duration_since(*at) < self.config.revalidate * 10);
+        let unclean: Vec<PathBuf> = self
+            .refused
+            .iter()
+            .chain(self.unstable.keys())
+            .map(PathBuf::from)
+            .collect();
+        let unclean: Vec<&Path> = unclean.iter().map(PathBuf::as_path).collect();
+        let chains = snapshot::candidates(&self.profile, &self.config.trees, &unclean);
+        for chain in chains {
+            if chain.iter().any(|d| self.snapshot_of(d).is_some()) {
+                continue; // held already, or being taken
+            }
+            // Copies still under way there are linked into the snapshot once done.
+            if self
+                .in_flight
+                .keys()
+                .any(|s| Path::new(s).starts_with(&chain[0]))
+            {
+                continue;
+            }
+            let room = self
+                .effective_ssd_budget
+                .saturating_sub(self.cache.used() + self.snapshot_bytes())
+                / 2;
+            for root in chain {
+                if self.unsuitable.contains_key(&root) {
+                    continue;
+                }
+                match snapshot::measure(&root, room, SNAPSHOT_MAX_ENTRIES) {
+                    Some((bytes, _)) => {
+                        self.start_snapshot(root, bytes);
+                        break;
+                    }
+                    None => {
+                        self.unsuitable.insert(root, now);
+                    }
+                }
+            }
+        }
+    }
+
+    fn start_snapshot(&mut self, root: PathBuf, bytes: u64) {
+        let Some(tree) = self.tree_of(&root).cloned() else {
+            return;
+        };
+        let cached = self
+            .cache
+            .sources()
+            .filter(|(s, _)| Path::new(s).starts_with(&root))
+            .map(|(s, c)| (PathBuf::from(s), (self.cache.local(s), c.identity)))
+            .collect();
+        log::info!("taking a snapshot of {} ({})", root.display(), human(bytes));
+        self.snapshots_in_flight.insert(root.clone(), bytes);
+        // A prefetch under way waits for it too.
+        for w in &mut self.prefetches {
+            if w.trees.insert(root.clone()) {
+                w.progress.trees_total += 1;
+                w.progress.tree_bytes_total += bytes;
+            }
+        }
+        let _ = self.copy_jobs.send(Work::Snapshot(SnapshotJob {
+            dest: self.cache.tree_local(&root),
+            root,
+            tree,
+            cached,
+        }));
+    }
+
+    fn snapshotted(
+        &mut self,
+        root: PathBuf,
+        result: Result<(snapshot::Stamp, snapshot::Taken), CopyError>,
+    ) {
+        let Some(expected) = self.snapshots_in_flight.remove(&root) else {
+            // Dropped while it was being taken.
+            let _ = std::fs::remove_dir_all(self.cache.tree_local(&root));
+            self.report_tree(&root, 0, false);
+            return;
+        };
+        match result {
+            Ok((stamp, taken)) => {
+                log::info!(
+                    "snapshot of {} in place: {} copied, {} shared with cached files",
+                    root.display(),
+                    human(taken.copied),
+                    human(taken.linked)
+                );
+                let tree = self.tree_of(&root).cloned().unwrap_or_default();
+                self.snapshots.insert(
+                    root.clone(),
+                    Snapshot {
+                        local: self.cache.tree_local(&root),
+                        tree,
+                        stamp,
+                        bytes: taken.copied,
+                    },
+                );
+                // Pins of files in it move to the snapshot's inodes (the same ones where
+                // the copy was linked).
+                let inside: Vec<String> = self
+                    .pins
+                    .sources()
+                    .filter(|s| Path::new(s).starts_with(&root))
+                    .cloned()
+                    .collect();
+                for source in inside {
+                    self.pins.unpin(&source);
+                    self.pin(&source);
+                }
+                self.report_tree(&root, expected, true);
+            }
+            Err(e) => {
+                log::info!(
+                    "no snapshot of {}: {e}; its files are served one by one",
+                    root.display()
+                );
+                self.report_tree(&root, expected, false);
+                self.unsuitable.insert(root, Instant::now());
+            }
+        }
+    }
+
+    fn drop_snapshot(&mut self, root: &Path, why: &str) {
+        self.snapshots_in_flight.remove(root);
+        if self.snapshots.remove(root).is_none() {
+            return;
+        }
+        self.status.invalidations += 1;
+        log::info!(
+            "dropping the snapshot of {} ({why}): later opens go to the network",
+            root.display()
+        );
+        self.detach(&root.to_string_lossy());
+        if let Err(e) = std::fs::remove_dir_all(self.cache.tree_local(root)) {
+            log::warn!("could not delete the snapshot of {}: {e}", root.display());
+        }
+    }
+
+    /// Takes the binds of `source` out of the live jobs: their next open goes to the
+    /// network.
+    fn detach(&mut self, source: &str) {
+        for (pid, job) in &mut self.jobs {
+            let targets: Vec<PathBuf> = job
+                .binds
+                .iter()
+                .filter(|b| b.target == Path::new(source))
+                .map(|b| b.target.clone())
+                .collect();
+            if targets.is_empty() {
+                continue;
+            }
+            match mountns::detach_in(&job.ns, &targets) {
+                Ok(n) => log::info!("{source}: detached {n} binds in job {pid}"),
+                Err(e) => log::warn!("{source}: could not detach it in job {pid}: {e}"),
+            }
+            job.forget(Path::new(source));
+        }
+    }
+
+    fn remember(&mut self, profile: Profile) {
+        self.file_index = profile
+            .files
+            .iter()
+            .enumerate()
+            .map(|(i, f)| (f.path.clone(), i))
+            .collect();
+        self.profile = profile;
+    }
+
+    /// Computes the placement of the remembered working set and moves towards it.
+    fn place(&mut self) {
+        let now = Instant::now();
+        let window = self.config.revalidate;
+        self.unstable
+            .retain(|_, at| now.duration_since(*at) < window);
+        self.failed
+            .retain(|_, at| now.duration_since(*at) < window * 4);
+        let files: Vec<FileEntry> = self
+            .profile
+            .files
+            .iter()
+            .filter(|f| {
+                !self.unstable.contains_key(&f.path)
+                    && !self.failed.contains_key(&f.path)
+                    && !self.refused.contains(&f.path)
+            })
+            .filter(|f| self.tree_of(Path::new(&f.path)).is_some())
+            .cloned()
+            .collect();
+        let held: HashSet<String> = self
+            .cache
+            .sources()
+            .map(|(s, _)| s.clone())
+            .chain(self.in_flight.keys().cloned())
+            .collect();
+        let pinned: HashSet<String> = self.pins.sources().cloned().collect();
+        let wanted = placement::place(
+            &files,
+            &self.config.filters,
+            self.effective_ssd_budget,
+            self.config.ram_budget,
+            &held,
+            &pinned,
+        );
+        self.wanted = wanted
+            .files
+            .iter()
+            .map(|c| (c.path.clone(), c.pinned))
+            .collect();
+        // Openers are remembered only to name them when their copy lands: those of files
+        // placed and not wanted, or held already, are forgotten.
+        self.last_opener.retain(|path, _| {
+            let placed = self.file_index.contains_key(path);
+            (self.wanted.contains_key(path) || !placed) && !self.cache.contains(path)
+        });
+        // Make room first: evictions and unpins.
+        let cached: Vec<String> = self.cache.sources().map(|(s, _)| s.clone()).collect();
+        for source in cached {
+            match self.wanted.get(&source) {
+                None => {
+                    self.status.evictions += 1;
+                    log::info!(
+                        "evicting {source}: no longer among the hottest files that fit the SSD budget ({})",
+                        human(self.effective_ssd_budget)
+                    );
+                    self.drop_copy(&source);
+                }
+                Some(false) => self.pins.unpin(&source),
+                Some(true) => {}
+            }
+        }
+        for choice in &wanted.files {
+            if self.cache.contains(&choice.path) {
+                if choice.pinned {
+                    self.pin(&choice.path);
+                }
+            } else if !self.in_flight.contains_key(&choice.path) {
+                self.start_copy(&choice.path, choice.size);
+            }
+        }
+    }
+
+    fn start_copy(&mut self, source: &str, size: u64) {
+        let reserved: u64 = self.in_flight.values().sum();
+        if self.cache.used() + reserved + size > self.effective_ssd_budget {
+            return; // after the evictions under way; the next placement retries
+        }
+        let Some(tree) = self.tree_of(Path::new(source)).cloned() else {
+            return;
+        };
+        let Some(reader) = self.reader_of(source) else {
+            log::debug!("not copying {source}: no user is known to read it");
+            return;
+        };
+        self.in_flight.insert(source.to_owned(), size);
+        let _ = self.copy_jobs.send(Work::Copy(CopyJob {
+            source: source.to_owned(),
+            tree,
+            reader,
+            dest: self.cache.local(source),
+        }));
+    }
+
+    /// A user seen reading the file: an ordinary user if there is one (root is squashed
+    /// on most NFS exports and must not read more than users can).
+    fn reader_of(&self, source: &str) -> Option<Reader> {
+        let uids = &self.profile.files[*self.file_index.get(source)?].uids;
+        let uid = uids
+            .iter()
+            .copied()
+            .find(|u| *u != 0)
+            .or_else(|| uids.first().copied())?;
+        if uid == 0 {
+            Some(Reader::root())
+        } else {
+            Reader::lookup(uid)
+        }
+    }
+
+    fn copied(&mut self, (source, result): Done) {
+        let Some(expected) = self.in_flight.remove(&source) else {
+            // Invalidated while copying: whatever arrived is not wanted.
+            if result.is_ok() && !self.cache.contains(&source) {
+                let _ = std::fs::remove_file(self.cache.local(&source));
+            }
+            return;
+        };
+        let mut ok = false;
+        if let Err(e) = &result {
+            *self
+                .status
+                .copy_failures_by_reason
+                .entry(e.reason().to_owned())
+                .or_default() += 1;
+        }
+        match result {
+            Ok(identity) => {
+                self.status.copies += 1;
+                self.status.copied_bytes += identity.size;
+                let wanted = self.wanted.get(&source).copied();
+                self.cache.insert(&source, identity);
+                if self.cache.used() > self.effective_ssd_budget {
+                    log::info!(
+                        "not keeping {source}: at {} it is larger than the profile said and does not fit the SSD budget",
+                        human(identity.size)
+                    );
+                    self.cache.remove(&source);
+                } else if wanted.is_none() {
+                    self.cache.remove(&source); // no longer wanted
+                } else {
+                    ok = true;
+                    if wanted == Some(true) {
+                        self.pin(&source);
+                    }
+                    if logs::writes() {
+                        let i = self.file_index.get(&source);
+                        let opens = i.map_or(0, |i| self.profile.files[*i].opens);
+                        let held = if wanted == Some(true) {
+                            "SSD and RAM"
+                        } else {
+                            "SSD"
+                        };
+                        logs::file_line(
+                            "cache write",
+                            &source,
+                            self.last_opener.remove(&source).as_ref(),
+                            &format!(
+                                "copied to {held} ({}, opened {opens} times)",
+                                human(identity.size)
+                            ),
+                        );
+                    }
+                }
+            }
+            Err(CopyError::Changed) => {
+                log::info!(
+                    "{source} changed while being copied: discarded, fetched again once stable"
+                );
+                self.unstable.insert(source.clone(), Instant::now());
+            }
+            Err(CopyError::NoSpace) => self.cache_full(&source, expected),
+            Err(e) => {
+                log::warn!("not caching {source}: {e}");
+                self.failed.insert(source.clone(), Instant::now());
+            }
+        }
+        if self.in_flight.is_empty() {
+            // Snapshots wait for the copies under them (they are linked in); a prefetch
+            // under way then waits for them too, so this comes before its report.
+            self.consider_snapshots();
+        }
+        self.report(&source, expected, ok);
+    }
+
+    /// ENOSPC: the cache filesystem holds less than the budget said. Shrink the budget to
+    /// what is held now, with a margin, and evict down to it.
+    fn cache_full(&mut self, source: &str, size: u64) {
+        self.status.cache_full_events += 1;
+        let reserved: u64 = self.in_flight.values().sum();
+        let new_budget = ((self.cache.used() + reserved) as f64 * 0.9) as u64;
+        log::warn!(
+            "the cache filesystem of {} is full (copying {source}, {}): evicting, and holding at most {} from now on",
+            self.config.cache_dir.display(),
+            human(size),
+            human(new_budget)
+        );
+        self.effective_ssd_budget = new_budget.min(self.effective_ssd_budget);
+        self.failed.insert(source.to_owned(), Instant::now());
+        self.place();
+    }
+
+    fn pin(&mut self, source: &str) {
+        if self.pins.is_pinned(source) {
+            return;
+        }
+        let size = self.cache.get(source).map_or(0, |c| c.identity.size);
+        if self.pins.bytes() + size > self.config.ram_budget {
+            return;
+        }
+        let limited = self.pins.limited_by_map_count;
+        // A file inside a snapshot is pinned through the snapshot's own copy: that is
+        // the inode jobs read.
+        let local = self
+            .held_snapshot(Path::new(source))
+            .and_then(|(root, snap)| {
+                Some(snap.local.join(Path::new(source).strip_prefix(root).ok()?))
+            })
+            .unwrap_or_else(|| self.cache.local(source));
+        match self.pins.pin(source, &local) {
+            Ok(()) => {}
+            // Said once; `status` keeps saying it.
+            Err(e @ PinError::MapCount(_)) if !limited => log::warn!("cannot pin {source}: {e}"),
+            Err(PinError::MapCount(_)) => log::debug!("cannot pin {source}: vm.max_map_count"),
+            Err(e) => log::warn!("cannot pin {source}: {e}"),
+        }
+    }
+
+    fn drop_copy(&mut self, source: &str) {
+        self.detach(source);
+        self.pins.unpin(source);
+        self.cache.remove(source);
+        // A copy under way is discarded when it arrives.
+        self.in_flight.remove(source);
+    }
+
+    /// A copy is valid while the network file keeps its size, mtime, ctime and inode.
+    fn revalidate(&mut self) {
+        let sources: Vec<(String, Identity)> = self
+            .cache
+            .sources()
+            .map(|(s, c)| (s.clone(), c.identity))
+            .collect();
+        for (source, identity) in sources {
+            let now = std::fs::symlink_metadata(&source).map(|m| Identity::of(&m));
+            if now.as_ref().ok() != Some(&identity) {
+                self.status.invalidations += 1;
+                log::info!(
+                    "{source} changed on the network: dropping its copy, fetched again once stable"
+                );
+                self.drop_copy(&source);
+                self.unstable.insert(source, Instant::now());
+            }
+        }
+        let roots: Vec<PathBuf> = self.snapshots.keys().cloned().collect();
+        for root in roots {
+            let same =
+                snapshot::stamp(&root).ok().as_ref() == self.snapshots.get(&root).map(|s| &s.stamp);
+            if !same {
+                self.drop_snapshot(&root, "it changed on the network");
+                self.unstable
+                    .insert(root.to_string_lossy().into_owned(), Instant::now());
+            }
+        }
+        // Stable again ones come back.
+        if !self.profile.files.is_empty() {
+            self.place();
+            self.consider_snapshots();
+        }
+    }
+
+    /// A copy a prefetch may wait for is done.
+    fn report(&mut self, source: &str, size: u64, ok: bool) {
+        self.advance(|w| {
+            if !w.remaining.remove(source) {
+                return false;
+            }
+            w.progress.files_done += 1;
+            if ok {
+                w.progress.bytes_done += size;
+            } else {
+                w.progress.failed += 1;
+            }
+            true
+        });
+    }
+
+    /// A snapshot a prefetch may wait for is done.
+    fn report_tree(&mut self, root: &Path, size: u64, ok: bool) {
+        self.advance(|w| {
+            if !w.trees.remove(root) {
+                return false;
+            }
+            w.progress.trees_done += 1;
+            if ok {
+                w.progress.tree_bytes_done += size;
+            } else {
+                w.progress.trees_failed += 1;
+            }
+            true
+        });
+    }
+
+    /// Applies `step` to each prefetch; those it changed report progress or finish.
+    fn advance(&mut self, mut step: impl FnMut(&mut Watcher) -> bool) {
+        let mut finished = Vec::new();
+        for (i, w) in self.prefetches.iter_mut().enumerate() {
+            if !step(w) {
+                continue;
+            }
+            if w.remaining.is_empty() && w.trees.is_empty() {
+                finished.push(i);
+            } else {
+                let _ = w.tx.send(w.progress.clone());
+            }
+        }
+        for i in finished.into_iter().rev() {
+            let mut w = self.prefetches.remove(i);
+            self.finish(&mut w);
+        }
+    }
+
+    fn finish(&mut self, w: &mut Watcher) {
+        w.progress.finished = true;
+        w.progress.pinned_files = self.pins.len();
+        w.progress.pinned_bytes = self.pins.bytes();
+        let _ = w.tx.send(w.progress.clone());
+    }
+
+    fn status(&self) -> CacheStatus {
+        CacheStatus {
+            cache_dir: self.config.cache_dir.clone(),
+            ssd_budget: self.effective_ssd_budget,
+            ram_budget: self.config.ram_budget,
+            cached_files: self.cache.len(),
+            cached_bytes: self.cache.used(),
+            pinned_files: self.pins.len(),
+            pinned_bytes: self.pins.bytes(),
+            copying: self.in_flight.len() + self.snapshots_in_flight.len(),
+            snapshots: self.snapshots.keys().cloned().collect(),
+            snapshot_bytes: self.snapshot_bytes(),
+            limited_by_map_count: self.pins.limited_by_map_count,
+            jobs_running: self.jobs.len(),
+            prefetch_remaining_files: self
+                .prefetches
+                .iter()
+                .map(|w| w.remaining.len() + w.trees.len())
+                .sum(),
+            prefetch_remaining_bytes: self
+                .prefetches
+                .iter()
+                .map(|w| {
+                    (w.progress.bytes_total + w.progress.tree_bytes_total)
+                        .saturating_sub(w.progress.bytes_done + w.progress.tree_bytes_done)
+                })
+                .sum(),
+            ..self.status.clone()
+        }
+    }
+}

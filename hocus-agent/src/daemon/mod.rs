@@ -1,0 +1,712 @@
+//! The daemon: watches the chosen trees with the tracer, keeps the working set, saves it,
+//! and answers the control socket.
+
+use std::{
+    collections::HashSet,
+    net::SocketAddr,
+    os::unix::fs::MetadataExt,
+    path::{Path, PathBuf},
+    sync::mpsc as std_mpsc,
+    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
+};
+
+use anyhow::{Result, bail};
+use hocus_common::counter;
+use tokio::{
+    io::{Interest, unix::AsyncFd},
+    signal::unix::SignalKind,
+    sync::mpsc,
+};
+
+use crate::{
+    control::{
+        protocol::{Ask, Call, Request, Response},
+        server,
+    },
+    observe::{
+        events::{Observer, Watch},
+        mounts,
+        tracer::{Counters, Tracer},
+    },
+    place::{budget::Budgets, placement::Filters},
+    profile::{
+        format::{FileEntry, Profile},
+        store::StateDir,
+        working_set::{Attributes, WorkingSet},
+    },
+    redirect::access::{self, Caller},
+    report::metrics,
+    shared::{
+        settings::Settings,
+        status::{CacheStatus, Status, TopFile, WatchedMount},
+    },
+};
+
+mod keeper;
+
+use keeper::Order;
+
+pub struct Options {
+    /// The effective settings (defaults, config file, flags).
+    pub settings: Settings,
+    /// The flags alone, and the config file: SIGHUP reads the file again.
+    pub flags: Settings,
+    pub config: Option<PathBuf>,
+}
+
+/// How often the ring buffer is read when the kernel does not wake us (it does so only
+/// once a large batch is waiting).
+const POLL_INTERVAL: Duration = Duration::from_millis(20);
+const SWEEP_INTERVAL: Duration = Duration::from_secs(1);
+/// How often a changed working set is placed again.
+const PLACE_INTERVAL: Duration = Duration::from_secs(2);
+/// The hottest files `status` lists.
+const STATUS_TOP_FILES: usize = 10;
+
+pub fn run(opts: Options) -> Result<()> {
+    if !nix::unistd::geteuid().is_root() {
+        bail!(
+            "the hocus-agent daemon loads eBPF programs and must run as root: sudo hocus-agent ..."
+        );
+    }
+    let cache = keeper::Config::of(&opts.settings)?;
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?
+        .block_on(async { Daemon::start(opts, cache)?.run().await })
+}
+
+struct Daemon {
+    opts: Options,
+    state_dir: PathBuf,
+    socket: PathBuf,
+    started: Instant,
+    started_unix_secs: u64,
+    /// Where metrics are served (the port chosen when 0 was asked for).
+    metrics_addr: Option<SocketAddr>,
+    watched: Vec<WatchedMount>,
+    state: StateDir,
+    ws: WorkingSet,
+    dirty: bool,
+    last_save_error: Option<String>,
+    tracer: AsyncFd<Tracer>,
+    observer: Observer,
+    stat_requests: std_mpsc::Sender<String>,
+    stat_results: mpsc::UnboundedReceiver<(String, Option<Attributes>)>,
+    /// Stats asked for and not answered yet.
+    stats_pending: usize,
+    reported_loss: u64,
+    keeper: std_mpsc::Sender<Order>,
+    keeper_thread: Option<std::thread::JoinHandle<()>>,
+    /// The working set changed since it was last placed.
+    to_place: bool,
+}
+
+impl Daemon {
+    fn start(opts: Options, mut cache: keeper::Config) -> Result<Self> {
+        let mount_table = mounts::read()?;
+        let named = opts.settings.watch.clone().unwrap_or_default();
+        let given = if named.is_empty() {
+            let found = mounts::default_watches(&mount_table);
+            if found.is_empty() {
+                bail!(
+                    "no network filesystem is mounted (nfs, lustre, gpfs, cifs, sshfs, ...); name the trees to watch with --watch PATH"
+                );
+            }
+            found
+        } else {
+            named.clone()
+        };
+        let mut watches = Vec::new();
+        let mut watched = Vec::new();
+        for path in &given {
+            let canonical = match mounts::check_watch(path) {
+                Ok(c) => c,
+                // A mount found on its own that does not answer (its server or FUSE daemon
+                // is gone) is skipped; one the user named is an error.
+                Err(e) if named.is_empty() => {
+                    log::warn!("not watching {}: {e:#}", path.display());
+                    continue;
+                }
+                Err(e) => return Err(e),
+            };
+            let mount = mounts::mount_of(&mount_table, &canonical);
+            let fs_type = mount.map(|m| m.fs_type.clone()).unwrap_or_default();
+            let network = mount.is_some_and(mounts::Mount::is_network);
+            if network {
+                log::info!("watching {} ({fs_type})", canonical.display());
+            } else {
+                log::warn!(
+                    "watching {} although it is on {fs_type}, not a network filesystem",
+                    canonical.display()
+                );
+            }
+            let aliases = if canonical != *path && path.is_absolute() {
+                vec![path.clone()]
+            } else {
+                vec![]
+            };
+            watched.push(WatchedMount {
+                path: canonical.clone(),
+                fs_type,
+                network,
+            });
+            watches.push(Watch {
+                path: canonical,
+                aliases,
+            });
+        }
+        if watches.is_empty() {
+            bail!(
+                "none of the network filesystems mounted here can be reached; name the trees to watch with --watch PATH"
+            );
+        }
+        let prefixes: Vec<&Path> = watches
+            .iter()
+            .flat_map(|w| {
+                std::iter::once(w.path.as_path()).chain(w.aliases.iter().map(PathBuf::as_path))
+            })
+            .collect();
+
+        let state_dir = opts.settings.state_dir();
+        let state = StateDir::lock(&state_dir)?;
+        let ws = match state.load_or_set_aside() {
+            Ok(Some(p)) => {
+                log::info!(
+                    "continuing the profile in {} ({} files, {} missing names)",
+                    state.profile_path().display(),
+                    p.files.len(),
+                    p.missing.len()
+                );
+                WorkingSet::from_profile(p)
+            }
+            Ok(None) => WorkingSet::new(unix_now_ns()),
+            Err(message) => {
+                log::error!("{message}");
+                WorkingSet::new(unix_now_ns())
+            }
+        };
+
+        let tracer = Tracer::start(&prefixes)?;
+        if !tracer.skipped.is_empty() {
+            log::warn!(
+                "this kernel lacks some syscalls; not traced: {}",
+                tracer.skipped.join(", ")
+            );
+        }
+        cache.trees = watches.iter().map(|w| w.path.clone()).collect();
+        let (keeper, keeper_thread) = keeper::start(cache)?;
+        let (stat_requests, stat_results) = spawn_stat_worker();
+        let mut observer = Observer::new(watches);
+        // Processes that started before us: where are their working directories?
+        observer.scan_processes();
+        let mut tracer = tracer;
+        for (tgid, place) in observer.cwd_places.drain(..) {
+            tracer.set_cwd(tgid, place);
+        }
+        Ok(Self {
+            socket: opts.settings.socket(),
+            state_dir,
+            opts,
+            started: Instant::now(),
+            started_unix_secs: unix_now_ns() / 1_000_000_000,
+            metrics_addr: None,
+            watched,
+            state,
+            ws,
+            dirty: false,
+            last_save_error: None,
+            // SAFETY: the ring buffer's descriptor lives as long as the tracer, which the
+            // AsyncFd owns.
+            tracer: unsafe { AsyncFd::register_with_interest(tracer, Interest::READABLE) }
+                .map_err(|e| anyhow::anyhow!("watching the ring buffer: {}", e.into_parts().1))?,
+            observer,
+            stat_requests,
+            stat_results,
+            stats_pending: 0,
+            reported_loss: 0,
+            keeper,
+            keeper_thread: Some(keeper_thread),
+            to_place: true,
+        })
+    }
+
+    async fn run(mut self) -> Result<()> {
+        let (calls_tx, mut calls) = mpsc::channel::<Call>(16);
+        if let Some(addr) = self.opts.settings.metrics_addr() {
+            self.metrics_addr = Some(metrics::serve(addr, calls_tx.clone())?);
+        }
+        server::serve(&self.socket, calls_tx)?;
+        log::info!(
+            "ready: profile in {}, control socket {}{}",
+            self.state.profile_path().display(),
+            self.socket.display(),
+            self.metrics_addr
+                .map(|a| format!(", metrics on http://{a}/metrics"))
+                .unwrap_or_default()
+        );
+        let mut poll = tokio::time::interval(POLL_INTERVAL);
+        let mut sweep = tokio::time::interval(SWEEP_INTERVAL);
+        let mut save = tokio::time::interval(self.opts.settings.save_interval());
+        let mut place = tokio::time::interval(PLACE_INTERVAL);
+        let mut term = tokio::signal::unix::signal(SignalKind::terminate())?;
+        let mut int = tokio::signal::unix::signal(SignalKind::interrupt())?;
+        let mut hup = tokio::signal::unix::signal(SignalKind::hangup())?;
+        loop {
+            tokio::select! {
+                ready = self.tracer.readable_mut() => {
+                    let mut guard = ready?;
+                    guard.clear_ready();
+                    self.drain();
+                }
+                _ = poll.tick() => self.drain(),
+                _ = sweep.tick() => self.sweep(),
+                _ = save.tick() => self.save(),
+                _ = place.tick() => self.place(),
+                Some(result) = self.stat_results.recv() => self.stat_done(result),
+                Some(call) = calls.recv() => self.answer(call).await,
+                _ = hup.recv() => {
+                    if self.reload() {
+                        save = tokio::time::interval(self.opts.settings.save_interval());
+                    }
+                }
+                _ = term.recv() => break,
+                _ = int.recv() => break,
+            }
+        }
+        // What was traced so far, then nothing more: the profile is complete.
+        self.sweep();
+        self.tracer.get_mut().detach();
+        self.sweep();
+        log::info!("stopping: eBPF programs detached; saving the profile");
+        self.dirty = true;
+        self.save();
+        let _ = self.keeper.send(Order::Stop);
+        if let Some(t) = self.keeper_thread.take() {
+            let _ = t.join();
+        }
+        log::info!("pins released; removing {}", self.socket.display());
+        let _ = std::fs::remove_file(&self.socket);
+        match self.last_save_error {
+            Some(e) => bail!("the profile could not be saved: {e}"),
+            None => Ok(()),
+        }
+    }
+
+    fn drain(&mut self) {
+        let Self {
+            tracer,
+            observer,
+            ws,
+            ..
+        } = self;
+        let n = tracer.get_mut().drain(|e| observer.handle(e, ws));
+        if n > 0 {
+            self.dirty = true;
+            self.to_place = true;
+        }
+        for access in self.observer.accesses.drain(..) {
+            let _ = self.keeper.send(Order::Access(access));
+        }
+        for path in self.observer.changed.drain(..) {
+            let _ = self.keeper.send(Order::Invalidate(path));
+        }
+        for path in self.observer.refused.drain(..) {
+            let _ = self.keeper.send(Order::Refused(path));
+        }
+        for (tgid, place) in self.observer.cwd_places.drain(..) {
+            self.tracer.get_mut().set_cwd(tgid, place);
+        }
+        for path in self.observer.to_stat.drain() {
+            if self.stat_requests.send(path).is_ok() {
+                self.stats_pending += 1;
+            }
+        }
+    }
+
+    fn stat_done(&mut self, (path, attrs): (String, Option<Attributes>)) {
+        self.stats_pending -= 1;
+        if let Some(attrs) = attrs {
+            self.ws.set_attributes(&path, attrs);
+            self.dirty = true;
+        }
+    }
+
+    /// Waits (boundedly) for the sizes and mtimes of files seen so far.
+    async fn finish_stats(&mut self) {
+        let deadline = tokio::time::sleep(Duration::from_secs(30));
+        tokio::pin!(deadline);
+        while self.stats_pending > 0 {
+            tokio::select! {
+                Some(result) = self.stat_results.recv() => self.stat_done(result),
+                _ = &mut deadline => {
+                    log::warn!("{} files could not be stat'ed within 30 s", self.stats_pending);
+                    break;
+                }
+            }
+        }
+    }
+
+    fn place(&mut self) {
+        if std::mem::take(&mut self.to_place) {
+            let _ = self.keeper.send(Order::Place(self.ws.to_profile()));
+        }
+    }
+
+    fn sweep(&mut self) {
+        self.drain();
+        let open = self.tracer.get_ref().open_files();
+        for key in self.observer.sweep(&open, &mut self.ws) {
+            self.tracer.get_mut().forget_open_file(&key);
+        }
+        self.report_loss();
+    }
+
+    fn report_loss(&mut self) {
+        let Ok(c) = self.tracer.get_ref().counters() else {
+            return;
+        };
+        let lost = lost(&c);
+        if lost > self.reported_loss {
+            log::warn!(
+                "{} events could not be delivered so far ({}); the profile misses them",
+                lost,
+                describe(&c)
+            );
+            self.reported_loss = lost;
+        }
+    }
+
+    fn save(&mut self) {
+        if !self.dirty {
+            return;
+        }
+        match self.state.save(&self.ws.to_profile()) {
+            Ok(()) => {
+                self.dirty = false;
+                self.last_save_error = None;
+            }
+            Err(e) => {
+                let message = format!("{e:#}");
+                if self.last_save_error.as_deref() != Some(&message) {
+                    log::error!("{message}; will retry");
+                }
+                self.last_save_error = Some(message);
+            }
+        }
+    }
+
+    async fn answer(&mut self, call: Call) {
+        let Call { caller, ask, reply } = call;
+        let request = match ask {
+            Ask::Client(request) => request,
+            Ask::Binds => {
+                let (tx, rx) = std_mpsc::channel();
+                let _ = self.keeper.send(Order::Binds(tx));
+                let binds = rx.recv_timeout(Duration::from_secs(10)).unwrap_or_default();
+                let _ = reply.send(Response::Binds(binds));
+                return;
+            }
+            Ask::JobStarting { id, binds } => {
+                // Events already read belong to earlier jobs; the keeper learns of this
+                // one before anything it does.
+                self.drain();
+                let (ack, acked) = std_mpsc::channel();
+                let _ = self.keeper.send(Order::JobStarting { id, binds, ack });
+                let _ = acked.recv_timeout(Duration::from_secs(10));
+                let _ = reply.send(Response::Ready);
+                return;
+            }
+            Ask::JobEnded { id } => {
+                // What the job did is read before it is forgotten.
+                self.sweep();
+                let _ = self.keeper.send(Order::JobEnded { id });
+                return;
+            }
+            Ask::Metrics => {
+                self.sweep();
+                let text = metrics::render(self.status(0));
+                let _ = reply.send(Response::Metrics { text });
+                return;
+            }
+        };
+        // Whatever the workload did before asking is in the ring buffer: read it first.
+        self.sweep();
+        self.finish_stats().await;
+        let response = match request {
+            Request::Status => {
+                let mut status = self.status(STATUS_TOP_FILES);
+                status.top = readable_by(status.top, &caller).await;
+                Response::Status(Box::new(status))
+            }
+            Request::Export { root } => {
+                let mut profile = self.ws.to_profile();
+                if let Some(root) = root {
+                    profile.retain_under(&root);
+                }
+                match checked_for(profile, &caller).await {
+                    Ok(p) => Response::Profile(p),
+                    Err(message) => Response::Error { message },
+                }
+            }
+            Request::Import { profile } => match self.merge(profile, &caller).await {
+                Ok((files, missing)) => Response::Imported { files, missing },
+                Err(message) => Response::Error { message },
+            },
+            Request::Budgets { .. } if !caller.is_root() => Response::Error {
+                message: "only root may change the budgets".into(),
+            },
+            Request::Budgets { ssd, ram } => {
+                let _ = self.keeper.send(Order::Budgets { ssd, ram });
+                match self.keeper_status() {
+                    Some(cache) => Response::Status(Box::new(Status {
+                        cache: Some(cache),
+                        ..self.status(0)
+                    })),
+                    None => Response::Error {
+                        message: "the cache keeper does not answer".into(),
+                    },
+                }
+            }
+            Request::Run(_) => Response::Error {
+                message: "a job is run on its own connection".into(),
+            },
+            Request::Prefetch { profile } => {
+                if let Err(message) = self.merge(profile, &caller).await {
+                    let _ = reply.send(Response::Error { message });
+                    return;
+                }
+                self.to_place = false;
+                let (tx, rx) = std_mpsc::channel();
+                let _ = self.keeper.send(Order::Prefetch(self.ws.to_profile(), tx));
+                // Progress arrives from the keeper's thread until it is done.
+                tokio::task::spawn_blocking(move || {
+                    for progress in rx {
+                        let finished = progress.finished;
+                        if reply.send(Response::Progress(progress)).is_err() || finished {
+                            break;
+                        }
+                    }
+                });
+                return;
+            }
+        };
+        let _ = reply.send(response);
+    }
+
+    /// Merges an imported profile. An ordinary user vouches only for what they can read,
+    /// and as themselves.
+    async fn merge(&mut self, profile: Profile, caller: &Caller) -> Result<(usize, usize), String> {
+        let mut profile = checked_for(profile, caller).await?;
+        if !caller.is_root() {
+            for f in &mut profile.files {
+                f.uids = vec![caller.uid];
+            }
+        }
+        let counts = (profile.files.len(), profile.missing.len());
+        self.ws.merge(profile);
+        self.dirty = true;
+        self.to_place = true;
+        self.save();
+        Ok(counts)
+    }
+
+    fn status(&self, top: usize) -> Status {
+        let (files, missing, dirs) = self.ws.counts();
+        let hottest = self.ws.hottest(top);
+        let held = self.where_held(hottest.iter().map(|f| f.path.clone()).collect());
+        let top = hottest
+            .into_iter()
+            .zip(held)
+            .map(|(f, held)| TopFile {
+                path: f.path,
+                opens: f.opens,
+                size: f.size,
+                bytes_read: f.bytes_read,
+                held,
+            })
+            .collect();
+        let kernel = self
+            .tracer
+            .get_ref()
+            .counters()
+            .map(|c| {
+                counter::NAMES
+                    .iter()
+                    .zip(c)
+                    .map(|(n, v)| ((*n).to_owned(), v))
+                    .collect()
+            })
+            .unwrap_or_default();
+        Status {
+            pid: std::process::id(),
+            version: env!("CARGO_PKG_VERSION").into(),
+            uptime_secs: self.started.elapsed().as_secs(),
+            started_unix_secs: self.started_unix_secs,
+            state_dir: self.state_dir.clone(),
+            metrics_addr: self.metrics_addr,
+            watched: self.watched.clone(),
+            roots: self
+                .watched
+                .iter()
+                .map(|w| self.ws.totals_under(&w.path))
+                .collect(),
+            top,
+            files,
+            missing,
+            dirs,
+            tally: self.observer.tally.clone(),
+            kernel,
+            last_save_error: self.last_save_error.clone(),
+            not_traced: self.tracer.get_ref().skipped.clone(),
+            cache: self.keeper_status(),
+        }
+    }
+
+    /// Where the keeper holds these files: "ram", "ssd" or "network".
+    fn where_held(&self, paths: Vec<String>) -> Vec<String> {
+        let n = paths.len();
+        let (tx, rx) = std_mpsc::channel();
+        if n == 0 || self.keeper.send(Order::WhereHeld(paths, tx)).is_err() {
+            return vec!["network".into(); n];
+        }
+        rx.recv_timeout(Duration::from_secs(5))
+            .unwrap_or_else(|_| vec!["network".into(); n])
+    }
+
+    /// SIGHUP: reads the config file again and applies what can change live. A bad file
+    /// changes nothing. Returns whether the settings changed.
+    fn reload(&mut self) -> bool {
+        let new = match Settings::effective(&self.opts.flags, self.opts.config.as_deref()) {
+            Ok(s) => s,
+            Err(e) => {
+                log::error!("SIGHUP: keeping the running configuration: {e:#}");
+                return false;
+            }
+        };
+        if new == self.opts.settings {
+            log::info!("SIGHUP: the configuration is unchanged");
+            return false;
+        }
+        let budgets = match Budgets::of(&new) {
+            Ok(b) => b,
+            Err(e) => {
+                log::error!("SIGHUP: keeping the running configuration: {e:#}");
+                return false;
+            }
+        };
+        for name in new.restart_only_changes(&self.opts.settings) {
+            log::warn!("SIGHUP: {name} changed: that takes a restart");
+        }
+        new.apply_logging();
+        let _ = self.keeper.send(Order::Reconfigure(keeper::Reconfigure {
+            ssd_budget: budgets.ssd,
+            ram_budget: budgets.ram,
+            filters: Filters::of(&new),
+            revalidate: new.revalidate(),
+        }));
+        log::info!(
+            "SIGHUP: configuration reloaded from {}",
+            self.opts
+                .config
+                .as_ref()
+                .map_or("the flags alone".into(), |p| p.display().to_string())
+        );
+        self.opts.settings = new;
+        true
+    }
+
+    fn keeper_status(&self) -> Option<CacheStatus> {
+        let (tx, rx) = std_mpsc::channel();
+        self.keeper.send(Order::Status(tx)).ok()?;
+        rx.recv_timeout(Duration::from_secs(5)).ok()
+    }
+}
+
+/// The hottest files `caller` may read (all of them for root).
+async fn readable_by(top: Vec<TopFile>, caller: &Caller) -> Vec<TopFile> {
+    if caller.is_root() {
+        return top;
+    }
+    let files = top
+        .iter()
+        .map(|t| FileEntry {
+            path: t.path.clone(),
+            ..Default::default()
+        })
+        .collect();
+    let probe = Profile {
+        files,
+        ..Default::default()
+    };
+    let readable: HashSet<String> = match checked_for(probe, caller).await {
+        Ok(p) => p.files.into_iter().map(|f| f.path).collect(),
+        Err(_) => HashSet::new(),
+    };
+    top.into_iter()
+        .filter(|t| readable.contains(&t.path))
+        .collect()
+}
+
+/// The profile as `caller` may see it (permission checks may touch the network: they
+/// run off the event loop's thread).
+async fn checked_for(mut profile: Profile, caller: &Caller) -> Result<Profile, String> {
+    let caller = caller.clone();
+    match tokio::task::spawn_blocking(move || {
+        access::filter_for(&mut profile, &caller).map(|()| profile)
+    })
+    .await
+    {
+        Ok(Ok(p)) => Ok(p),
+        Ok(Err(e)) => Err(format!("{e:#}")),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+fn lost(c: &Counters) -> u64 {
+    c[counter::LOST_RING_FULL as usize]
+        + c[counter::LOST_OPEN_FILES_FULL as usize]
+        + c[counter::LOST_PENDING_FULL as usize]
+}
+
+fn describe(c: &Counters) -> String {
+    counter::NAMES
+        .iter()
+        .zip(c)
+        .skip(1)
+        .filter(|(_, v)| **v > 0)
+        .map(|(n, v)| format!("{n} {v}"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// Reads sizes and mtimes on its own thread: a stat on a network mount is a round trip.
+fn spawn_stat_worker() -> (
+    std_mpsc::Sender<String>,
+    mpsc::UnboundedReceiver<(String, Option<Attributes>)>,
+) {
+    let (req_tx, req_rx) = std_mpsc::channel::<String>();
+    let (res_tx, res_rx) = mpsc::unbounded_channel();
+    std::thread::Builder::new()
+        .name("hocus-stat".into())
+        .spawn(move || {
+            for path in req_rx {
+                let attrs = std::fs::symlink_metadata(&path).ok().map(|m| Attributes {
+                    size: m.size(),
+                    mtime_ns: m.mtime() * 1_000_000_000 + m.mtime_nsec(),
+                });
+                if res_tx.send((path, attrs)).is_err() {
+                    break;
+                }
+            }
+        })
+        .expect("spawning the stat thread");
+    (req_tx, res_rx)
+}
+
+fn unix_now_ns() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_nanos() as u64
+}

@@ -1,0 +1,656 @@
+//! Turns what the kernel reports into working-set updates: resolves relative paths,
+//! checks them against the watched trees again (the kernel compares raw strings; `..`
+//! can leave a tree), follows open files from open to close, and counts what it could
+//! not place.
+
+use std::{
+    collections::{HashMap, HashSet},
+    ffi::OsStr,
+    fs,
+    os::unix::ffi::OsStrExt,
+    path::{Component, Path, PathBuf},
+};
+
+use crate::{
+    profile::working_set::WorkingSet,
+    shared::{
+        log_line::{self as logs, Process},
+        status::Tally,
+    },
+};
+use hocus_common::{Event, FdKey, OpenFile, cwd, ev, kind};
+
+const O_ACCMODE: u32 = 0o3;
+const O_CREAT: u32 = 0o100;
+const O_EXCL: u32 = 0o200;
+const O_TRUNC: u32 = 0o1000;
+const O_DIRECTORY: u32 = 0o200000;
+
+/// A watched tree: its canonical path, and other prefixes that reach it (e.g. the path
+/// the user named when it is a symlink).
+#[derive(Debug, Clone)]
+pub struct Watch {
+    pub path: PathBuf,
+    pub aliases: Vec<PathBuf>,
+}
+
+struct OpenInfo {
+    path: String,
+    is_dir: bool,
+    written: bool,
+    job: u32,
+    process: Process,
+}
+
+/// A job (or any process) opened, missed or read a watched file: the keeper decides
+/// whether a local copy served it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Access {
+    pub path: String,
+    /// The `hocus-agent run` job of the process, or 0.
+    pub job: u32,
+    pub process: Process,
+    pub what: What,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum What {
+    Open,
+    /// A failed lookup (ENOENT).
+    Missing,
+    /// Bytes read through an open descriptor.
+    Read(u64),
+}
+
+pub struct Observer {
+    watches: Vec<Watch>,
+    clock_offset_ns: i128,
+    open: HashMap<u64, OpenInfo>,
+    /// Bytes of each open file already added to the working set.
+    bytes_counted: HashMap<u64, u64>,
+    /// Open files the kernel did not have at the last sweep.
+    missing_from_kernel: HashSet<u64>,
+    /// Working directories of processes in or above a watched tree.
+    cwds: HashMap<u32, PathBuf>,
+    /// Places (`hocus_common::cwd`) for the kernel's `CWD` map, to be written by the caller.
+    pub cwd_places: Vec<(u32, u8)>,
+    /// Files whose size and mtime should be (re)read.
+    pub to_stat: HashSet<String>,
+    /// Opens, failed lookups and reads since last drained.
+    pub accesses: Vec<Access>,
+    /// Files seen written, truncated, renamed or unlinked since last drained.
+    pub changed: Vec<String>,
+    /// Files a job tried to write through a read-only copy since last drained.
+    pub refused: Vec<String>,
+    pub tally: Tally,
+}
+
+impl Observer {
+    pub fn new(watches: Vec<Watch>) -> Self {
+        Self {
+            watches,
+            clock_offset_ns: monotonic_to_unix_offset(),
+            open: HashMap::new(),
+            bytes_counted: HashMap::new(),
+            missing_from_kernel: HashSet::new(),
+            cwds: HashMap::new(),
+            cwd_places: Vec::new(),
+            to_stat: HashSet::new(),
+            accesses: Vec::new(),
+            changed: Vec::new(),
+            refused: Vec::new(),
+            tally: Tally::default(),
+        }
+    }
+
+    pub fn unix_ns(&self, monotonic_ns: u64) -> u64 {
+        (i128::from(monotonic_ns) + self.clock_offset_ns).max(0) as u64
+    }
+
+    pub fn handle(&mut self, e: &Event, ws: &mut WorkingSet) {
+        self.tally.events += 1;
+        let at = self.unix_ns(e.time_ns);
+        match e.kind {
+            kind::CLOSE => {
+                self.tally.closes += 1;
+                if let Some(info) = self.open.remove(&e.file_id) {
+                    let counted = self.bytes_counted.remove(&e.file_id).unwrap_or(0);
+                    if !info.is_dir {
+                        let bytes = e.bytes.saturating_sub(counted);
+                        ws.add_bytes_read(&info.path, bytes);
+                        if bytes > 0 {
+                            self.accesses.push(Access {
+                                path: info.path.clone(),
+                                job: info.job,
+                                process: info.process.clone(),
+                                what: What::Read(bytes),
+                            });
+                        }
+                        if info.written {
+                            // Stable only from the last write on: count from the close.
+                            self.changed.push(info.path.clone());
+                            self.to_stat.insert(info.path);
+                        }
+                    }
+                }
+                return;
+            }
+            kind::CHDIR => return self.chdir(e),
+            kind::FORK => {
+                if let Some(dir) = self.cwds.get(&e.tgid).cloned() {
+                    self.cwds.insert(e.file_id as u32, dir);
+                }
+                return;
+            }
+            kind::WRITE | kind::TRUNCATE if e.path_len == 0 => {
+                self.tally.mutations += 1;
+                if let Some(info) = self.open.get_mut(&e.file_id) {
+                    if !info.written && logs::writes() {
+                        let what = if e.kind == kind::WRITE {
+                            "written"
+                        } else {
+                            "truncated"
+                        };
+                        logs::file_line("write", &info.path, Some(&process(e)), what);
+                    }
+                    info.written = true;
+                    ws.mark_written(&info.path, at);
+                    self.changed.push(info.path.clone());
+                }
+                return;
+            }
+            _ => {}
+        }
+        let Some(path) = self.resolve(e) else {
+            return;
+        };
+        let uid = e.uid;
+        match e.kind {
+            kind::OPEN => {
+                self.tally.opens += 1;
+                let is_dir = e.open_flags & O_DIRECTORY != 0;
+                let writes = e.open_flags & O_ACCMODE != 0;
+                let truncates = writes && e.open_flags & O_TRUNC != 0;
+                let creates = e.open_flags & (O_CREAT | O_EXCL) == O_CREAT | O_EXCL;
+                let who = process(e);
+                log::debug!(
+                    "open {path} by {who} uid {uid} for {}",
+                    if writes { "writing" } else { "reading" }
+                );
+                if is_dir {
+                    ws.dir_opened(&path);
+                } else if ws.open(&path, uid, at) {
+                    self.to_stat.insert(path.clone());
+                }
+                if truncates || creates {
+                    ws.mark_written(&path, at);
+                    self.changed.push(path.clone());
+                    if logs::writes() {
+                        let what = match (creates, e.open_flags & O_CREAT != 0) {
+                            (true, _) => "created",
+                            (false, true) => "created or truncated",
+                            (false, false) => "truncated",
+                        };
+                        logs::file_line("write", &path, Some(&who), what);
+                    }
+                }
+                if !is_dir {
+                    self.accesses.push(Access {
+                        path: path.clone(),
+                        job: e.job,
+                        process: who.clone(),
+                        what: What::Open,
+                    });
+                }
+                if creates {
+                    ws.dir_mutated(parent(&path));
+                }
+                self.open.insert(
+                    e.file_id,
+                    OpenInfo {
+                        path,
+                        is_dir,
+                        written: truncates || creates,
+                        job: e.job,
+                        process: who,
+                    },
+                );
+            }
+            kind::MISSING => {
+                self.tally.failed_lookups += 1;
+                ws.missing(&path, at);
+                self.accesses.push(Access {
+                    path,
+                    job: e.job,
+                    process: process(e),
+                    what: What::Missing,
+                });
+            }
+            kind::REFUSED_WRITE => {
+                self.tally.writes_refused += 1;
+                log::warn!(
+                    "{}[{}] (uid {uid}) tried to write {path} and got EROFS: its local copy is dropped, later opens go to the network",
+                    comm(e),
+                    e.tgid
+                );
+                self.refused.push(path);
+            }
+            kind::MKDIR | kind::RMDIR => {
+                self.tally.mutations += 1;
+                if logs::writes() {
+                    let what = if e.kind == kind::MKDIR {
+                        "directory made"
+                    } else {
+                        "directory removed"
+                    };
+                    logs::file_line("write", &path, Some(&process(e)), what);
+                }
+                ws.dir_mutated(&path);
+                ws.dir_mutated(parent(&path));
+            }
+            kind::UNLINK | kind::RENAME_FROM | kind::RENAME_TO | kind::TRUNCATE => {
+                self.tally.mutations += 1;
+                if logs::writes() {
+                    let what = match e.kind {
+                        kind::UNLINK => "unlinked",
+                        kind::RENAME_FROM => "renamed away",
+                        kind::RENAME_TO => "renamed over",
+                        _ => "truncated",
+                    };
+                    logs::file_line("write", &path, Some(&process(e)), what);
+                }
+                ws.mark_written(&path, at);
+                self.changed.push(path.clone());
+                if e.kind != kind::TRUNCATE {
+                    ws.dir_mutated(parent(&path));
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// Adds what open files have read since last time, and closes the files of
+    /// processes that exited without closing them. Returns the kernel entries to forget.
+    pub fn sweep(&mut self, open_files: &[(FdKey, OpenFile)], ws: &mut WorkingSet) -> Vec<FdKey> {
+        let mut gone = Vec::new();
+        let mut in_kernel = HashSet::new();
+        let mut alive: HashMap<u32, bool> = HashMap::new();
+        for (key, file) in open_files {
+            in_kernel.insert(file.file_id);
+            let Some(info) = self.open.get(&file.file_id) else {
+                continue; // its open event is still on its way
+            };
+            let counted = self.bytes_counted.entry(file.file_id).or_insert(0);
+            if !info.is_dir && file.bytes_read > *counted {
+                ws.add_bytes_read(&info.path, file.bytes_read - *counted);
+                self.accesses.push(Access {
+                    path: info.path.clone(),
+                    job: info.job,
+                    process: info.process.clone(),
+                    what: What::Read(file.bytes_read - *counted),
+                });
+                *counted = file.bytes_read;
+            }
+            if info.written {
+                // Held open by a writer: the kernel reports only its first write, so it
+                // is reported changed for as long as it stays open.
+                self.changed.push(info.path.clone());
+            }
+            let is_alive = *alive
+                .entry(key.tgid)
+                .or_insert_with(|| Path::new(&format!("/proc/{}", key.tgid)).exists());
+            if !is_alive {
+                gone.push(*key);
+                self.close(file.file_id);
+            }
+        }
+        // Files the kernel no longer has whose close event was lost (or whose kernel entry
+        // could not be made). Each sweep follows a full drain, so an entry missing twice
+        // in a row is not a close still on its way.
+        let missing: HashSet<u64> = self
+            .open
+            .keys()
+            .copied()
+            .filter(|id| !in_kernel.contains(id))
+            .collect();
+        let lost: Vec<u64> = missing
+            .intersection(&self.missing_from_kernel)
+            .copied()
+            .collect();
+        for id in lost {
+            self.close(id);
+        }
+        self.missing_from_kernel = missing;
+        // Processes that exited also leave their working directories behind.
+        self.cwds
+            .retain(|tgid, _| Path::new(&format!("/proc/{tgid}")).exists());
+        gone
+    }
+
+    /// Forgets an open file whose close will not be reported.
+    fn close(&mut self, file_id: u64) {
+        if let Some(info) = self.open.remove(&file_id) {
+            if info.written {
+                self.to_stat.insert(info.path);
+            }
+        }
+        self.bytes_counted.remove(&file_id);
+    }
+
+    /// The normalized, watched, absolute path of an event, or None (counted).
+    fn resolve(&mut self, e: &Event) -> Option<String> {
+        if e.flags & ev::PATH_TRUNCATED != 0 {
+            self.tally.truncated += 1;
+            return None;
+        }
+        let len = (e.path_len as usize).min(e.path.len());
+        let raw = &e.path[..len];
+        let raw = raw.split(|b| *b == 0).next().unwrap_or_default();
+        let raw = Path::new(OsStr::from_bytes(raw));
+        let absolute = if e.flags & ev::RELATIVE_TO_DIR != 0 {
+            let Some(dir) = self.open.get(&e.dir_id) else {
+                self.tally.unresolved += 1;
+                return None;
+            };
+            Path::new(&dir.path).join(raw)
+        } else if e.flags & ev::RELATIVE_TO_CWD != 0 {
+            let Some(cwd) = self.cwd_of(e) else {
+                self.tally.unresolved += 1;
+                return None;
+            };
+            cwd.join(raw)
+        } else {
+            raw.to_owned()
+        };
+        let normal = normalize(&absolute);
+        match self.watched(&normal) {
+            Some(p) => Some(p.to_string_lossy().into_owned()),
+            None => {
+                self.tally.outside_watched += 1;
+                None
+            }
+        }
+    }
+
+    /// Learns where every running process is, for the kernel's `CWD` map.
+    pub fn scan_processes(&mut self) {
+        let Ok(dir) = fs::read_dir("/proc") else {
+            return;
+        };
+        for entry in dir.flatten() {
+            let Some(tgid) = entry
+                .file_name()
+                .to_str()
+                .and_then(|n| n.parse::<u32>().ok())
+            else {
+                continue;
+            };
+            if let Ok(cwd) = fs::read_link(entry.path().join("cwd")) {
+                self.settle(tgid, cwd);
+            }
+        }
+    }
+
+    /// The working directory of an event's process: known, or read from /proc.
+    fn cwd_of(&mut self, e: &Event) -> Option<PathBuf> {
+        if e.flags & ev::CWD_UNKNOWN == 0 {
+            if let Some(dir) = self.cwds.get(&e.tgid) {
+                return Some(dir.clone());
+            }
+        }
+        let dir = fs::read_link(format!("/proc/{}/cwd", e.tgid)).ok()?;
+        self.settle(e.tgid, dir.clone());
+        Some(dir)
+    }
+
+    /// Records a process's working directory and tells the kernel where it is.
+    fn settle(&mut self, tgid: u32, dir: PathBuf) {
+        let place = self.place(&dir);
+        if place == cwd::UNRELATED {
+            self.cwds.remove(&tgid);
+        } else {
+            self.cwds.insert(tgid, dir);
+        }
+        self.cwd_places.push((tgid, place));
+    }
+
+    fn chdir(&mut self, e: &Event) {
+        let dir = if e.flags & ev::RELATIVE_TO_DIR != 0 {
+            self.open.get(&e.dir_id).map(|d| PathBuf::from(&d.path))
+        } else {
+            let raw = &e.path[..(e.path_len as usize).min(e.path.len())];
+            let raw = Path::new(OsStr::from_bytes(
+                raw.split(|b| *b == 0).next().unwrap_or_default(),
+            ));
+            if e.flags & ev::RELATIVE_TO_CWD != 0 {
+                self.cwd_of(e).map(|c| c.join(raw))
+            } else {
+                Some(raw.to_owned())
+            }
+        };
+        match dir {
+            Some(dir) => self.settle(e.tgid, normalize(&dir)),
+            None => {
+                // Unknown: the kernel asks again at the next relative path.
+                self.cwds.remove(&e.tgid);
+                self.tally.unresolved += 1;
+            }
+        }
+    }
+
+    /// Where a directory is relative to the watched trees.
+    fn place(&self, dir: &Path) -> u8 {
+        if self.watched(dir).is_some() {
+            return cwd::INSIDE;
+        }
+        let above = self.watches.iter().any(|w| {
+            std::iter::once(&w.path)
+                .chain(&w.aliases)
+                .any(|p| p.starts_with(dir) && p != dir)
+        });
+        if above { cwd::ABOVE } else { cwd::UNRELATED }
+    }
+
+    /// `path` in canonical form if it lies in a watched tree.
+    fn watched(&self, path: &Path) -> Option<PathBuf> {
+        for w in &self.watches {
+            if path.starts_with(&w.path) {
+                return Some(path.to_owned());
+            }
+            for alias in &w.aliases {
+                if let Ok(rest) = path.strip_prefix(alias) {
+                    return Some(w.path.join(rest));
+                }
+            }
+        }
+        None
+    }
+}
+
+/// Removes `.` and `..` and repeated slashes without touching the filesystem.
+pub fn normalize(path: &Path) -> PathBuf {
+    let mut out = PathBuf::from("/");
+    for c in path.components() {
+        match c {
+            Component::Normal(part) => out.push(part),
+            Component::ParentDir => {
+                out.pop();
+            }
+            Component::RootDir | Component::CurDir | Component::Prefix(_) => {}
+        }
+    }
+    out
+}
+
+fn parent(path: &str) -> &str {
+    match path.rfind('/') {
+        Some(0) => "/",
+        Some(i) => &path[..i],
+        None => path,
+    }
+}
+
+fn process(e: &Event) -> Process {
+    Process {
+        pid: e.tgid,
+        comm: comm(e),
+    }
+}
+
+fn comm(e: &Event) -> String {
+    let end = e.comm.iter().position(|b| *b == 0).unwrap_or(e.comm.len());
+    String::from_utf8_lossy(&e.comm[..end]).into_owned()
+}
+
+/// CLOCK_REALTIME minus CLOCK_MONOTONIC (bpf_ktime_get_ns), to date kernel events.
+fn monotonic_to_unix_offset() -> i128 {
+    let now = |clock| {
+        let t = nix::time::clock_gettime(clock).expect("clock_gettime");
+        i128::from(t.tv_sec()) * 1_000_000_000 + i128::from(t.tv_nsec())
+    };
+    now(nix::time::ClockId::CLOCK_REALTIME) - now(nix::time::ClockId::CLOCK_MONOTONIC)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hocus_common::MAX_PATH;
+
+    fn event(kind: u8, path: &str) -> Event {
+        let mut e = Event {
+            kind,
+            _pad: [0; 3],
+            flags: 0,
+            tgid: std::process::id(),
+            uid: 1000,
+            time_ns: 1,
+            file_id: 7,
+            dir_id: 0,
+            bytes: 0,
+            open_flags: 0,
+            path_len: path.len() as u32 + 1,
+            job: 0,
+            _pad2: 0,
+            comm: *b"python3\0\0\0\0\0\0\0\0\0",
+            path: [0; MAX_PATH],
+        };
+        e.path[..path.len()].copy_from_slice(path.as_bytes());
+        e
+    }
+
+    fn observer() -> Observer {
+        Observer::new(vec![Watch {
+            path: "/mnt/net".into(),
+            aliases: vec!["/home/net".into()],
+        }])
+    }
+
+    #[test]
+    fn follows_a_file_from_open_to_close() {
+        let (mut o, mut ws) = (observer(), WorkingSet::new(0));
+        o.handle(&event(kind::OPEN, "/mnt/net/a/../b.py"), &mut ws);
+        // the file is read while open; a sweep counts the first 100 bytes
+        let key = FdKey {
+            tgid: std::process::id(),
+            fd: 3,
+        };
+        let file = OpenFile {
+            file_id: 7,
+            bytes_read: 100,
+            ..Default::default()
+        };
+        assert!(o.sweep(&[(key, file)], &mut ws).is_empty());
+        let mut close = event(kind::CLOSE, "");
+        close.path_len = 0;
+        close.bytes = 250;
+        o.handle(&close, &mut ws);
+        let p = ws.to_profile();
+        assert_eq!(p.files.len(), 1);
+        assert_eq!(p.files[0].path, "/mnt/net/b.py");
+        assert_eq!((p.files[0].opens, p.files[0].bytes_read), (1, 250));
+        assert!(o.to_stat.contains("/mnt/net/b.py"));
+    }
+
+    #[test]
+    fn forgets_files_whose_close_was_lost() {
+        let (mut o, mut ws) = (observer(), WorkingSet::new(0));
+        o.handle(&event(kind::OPEN, "/mnt/net/a.py"), &mut ws);
+        // The kernel no longer has it (closed, close event lost): forgotten at the
+        // second sweep that misses it, not the first.
+        o.sweep(&[], &mut ws);
+        assert_eq!(o.open.len(), 1);
+        o.sweep(&[], &mut ws);
+        assert!(o.open.is_empty());
+        // An open file the kernel still has is kept.
+        o.handle(&event(kind::OPEN, "/mnt/net/b.py"), &mut ws);
+        let key = FdKey {
+            tgid: std::process::id(),
+            fd: 3,
+        };
+        let file = OpenFile {
+            file_id: 7,
+            ..Default::default()
+        };
+        for _ in 0..3 {
+            assert!(o.sweep(&[(key, file)], &mut ws).is_empty());
+        }
+        assert_eq!(o.open.len(), 1);
+        // A process that is gone: its files are closed and the kernel entry forgotten.
+        let dead = FdKey {
+            tgid: u32::MAX - 1,
+            fd: 3,
+        };
+        assert_eq!(o.sweep(&[(dead, file)], &mut ws), vec![dead]);
+        assert!(o.open.is_empty());
+    }
+
+    #[test]
+    fn drops_paths_that_leave_the_tree_and_maps_aliases() {
+        let (mut o, mut ws) = (observer(), WorkingSet::new(0));
+        o.handle(&event(kind::MISSING, "/mnt/net/../etc/passwd"), &mut ws);
+        o.handle(&event(kind::MISSING, "/home/net/x/nope.py"), &mut ws);
+        let p = ws.to_profile();
+        assert_eq!(p.missing.len(), 1);
+        assert_eq!(p.missing[0].path, "/mnt/net/x/nope.py");
+        assert_eq!(o.tally.outside_watched, 1);
+    }
+
+    #[test]
+    fn resolves_paths_relative_to_an_open_directory() {
+        let (mut o, mut ws) = (observer(), WorkingSet::new(0));
+        let mut dir = event(kind::OPEN, "/mnt/net/pkg");
+        dir.open_flags = O_DIRECTORY;
+        dir.file_id = 1;
+        o.handle(&dir, &mut ws);
+        let mut rel = event(kind::MISSING, "mod.py");
+        rel.flags = ev::RELATIVE_TO_DIR;
+        rel.dir_id = 1;
+        o.handle(&rel, &mut ws);
+        let p = ws.to_profile();
+        assert_eq!(p.missing[0].path, "/mnt/net/pkg/mod.py");
+        assert_eq!(p.dirs[0].path, "/mnt/net/pkg");
+        assert!(p.files.is_empty(), "a directory is not a file");
+    }
+
+    #[test]
+    fn marks_writes_and_mutated_directories() {
+        let (mut o, mut ws) = (observer(), WorkingSet::new(0));
+        let mut create = event(kind::OPEN, "/mnt/net/out/new.txt");
+        create.open_flags = O_CREAT | O_EXCL | 1;
+        o.handle(&create, &mut ws);
+        o.handle(&event(kind::RENAME_TO, "/mnt/net/out/final.txt"), &mut ws);
+        let p = ws.to_profile();
+        assert!(p.files.iter().all(|f| f.written));
+        assert_eq!(p.files.len(), 2);
+        assert!(p.dirs.iter().any(|d| d.path == "/mnt/net/out" && d.mutated));
+    }
+
+    #[test]
+    fn normalizes_lexically() {
+        assert_eq!(
+            normalize(Path::new("/a/./b//c/../d")),
+            PathBuf::from("/a/b/d")
+        );
+        assert_eq!(normalize(Path::new("/../..")), PathBuf::from("/"));
+    }
+}

@@ -1,0 +1,12 @@
+//! Stage **observe**: what processes do on the watched trees. Loads the eBPF programs
+//! (`tracer`), finds tracepoint field offsets (`tracefs`) and the syscalls to trace
+//! (`syscalls`), reads the mount table (`mounts`), and turns the kernel's events into
+//! working-set updates, accesses for the keeper and changes to invalidate (`events`).
+//!
+//! May use: `profile`, `shared`.
+
+pub mod events;
+pub mod mounts;
+pub mod syscalls;
+pub mod tracefs;
+pub mod tracer;

@@ -1,0 +1,226 @@
+//! Which syscalls hocus traces, what each means for the profile, and where the kernel
+//! programs find their arguments (offsets read from tracefs at start-up).
+
+use std::path::Path;
+
+use anyhow::{Context, Result};
+use hocus_common::{NO_FIELD, SyscallLayout, flags_from, op};
+
+use crate::observe::tracefs::Format;
+
+/// Which kernel program handles a syscall's enter and exit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Programs {
+    /// `path_enter` + `path_exit`.
+    Path,
+    /// `fd_enter` only.
+    Fd,
+    /// `fd_enter` + `fd_exit` (reads: bytes are known at exit).
+    FdRead,
+}
+
+/// A traced syscall: its name (as in `sys_enter_<name>`), number, meaning and the names
+/// of its argument fields.
+pub struct Traced {
+    pub name: &'static str,
+    pub nr: i64,
+    pub op: u8,
+    pub programs: Programs,
+    pub flags_from: u8,
+    pub dfd: Option<&'static str>,
+    pub path: Option<&'static str>,
+    pub dfd2: Option<&'static str>,
+    pub path2: Option<&'static str>,
+    pub flags: Option<&'static str>,
+    pub fd: Option<&'static str>,
+}
+
+const fn path_op(
+    name: &'static str,
+    nr: i64,
+    dfd: Option<&'static str>,
+    op: u8,
+    path: &'static str,
+) -> Traced {
+    Traced {
+        name,
+        nr,
+        op,
+        programs: Programs::Path,
+        flags_from: flags_from::NONE,
+        dfd,
+        path: Some(path),
+        dfd2: None,
+        path2: None,
+        flags: None,
+        fd: None,
+    }
+}
+
+const fn open_op(
+    name: &'static str,
+    nr: i64,
+    dfd: Option<&'static str>,
+    path: &'static str,
+    flags_from: u8,
+    flags: Option<&'static str>,
+) -> Traced {
+    Traced {
+        flags_from,
+        flags,
+        ..path_op(name, nr, dfd, op::OPEN, path)
+    }
+}
+
+const fn rename_op(
+    name: &'static str,
+    nr: i64,
+    dfds: Option<(&'static str, &'static str)>,
+) -> Traced {
+    let (dfd, dfd2) = match dfds {
+        Some((a, b)) => (Some(a), Some(b)),
+        None => (None, None),
+    };
+    Traced {
+        dfd2,
+        path2: Some("newname"),
+        ..path_op(name, nr, dfd, op::RENAME, "oldname")
+    }
+}
+
+const fn fd_op(name: &'static str, nr: i64, op: u8, programs: Programs) -> Traced {
+    Traced {
+        name,
+        nr,
+        op,
+        programs,
+        flags_from: flags_from::NONE,
+        dfd: None,
+        path: None,
+        dfd2: None,
+        path2: None,
+        flags: None,
+        fd: Some("fd"),
+    }
+}
+
+/// Every traced syscall. A syscall missing from this kernel is skipped with a warning.
+pub fn all() -> Vec<Traced> {
+    use libc::*;
+    let dfd = Some("dfd");
+    vec![
+        open_op(
+            "openat",
+            SYS_openat,
+            dfd,
+            "filename",
+            flags_from::ARG,
+            Some("flags"),
+        ),
+        open_op(
+            "openat2",
+            SYS_openat2,
+            dfd,
+            "filename",
+            flags_from::OPEN_HOW,
+            Some("how"),
+        ),
+        open_op(
+            "open",
+            SYS_open,
+            None,
+            "filename",
+            flags_from::ARG,
+            Some("flags"),
+        ),
+        open_op(
+            "creat",
+            SYS_creat,
+            None,
+            "pathname",
+            flags_from::CREAT,
+            None,
+        ),
+        path_op("newfstatat", SYS_newfstatat, dfd, op::LOOKUP, "filename"),
+        path_op("statx", SYS_statx, dfd, op::LOOKUP, "filename"),
+        path_op("newstat", SYS_stat, None, op::LOOKUP, "filename"),
+        path_op("newlstat", SYS_lstat, None, op::LOOKUP, "filename"),
+        path_op("access", SYS_access, None, op::LOOKUP, "filename"),
+        path_op("faccessat", SYS_faccessat, dfd, op::LOOKUP, "filename"),
+        path_op("faccessat2", SYS_faccessat2, dfd, op::LOOKUP, "filename"),
+        path_op("unlink", SYS_unlink, None, op::UNLINK, "pathname"),
+        path_op("unlinkat", SYS_unlinkat, dfd, op::UNLINK, "pathname"),
+        path_op("rmdir", SYS_rmdir, None, op::RMDIR, "pathname"),
+        path_op("mkdir", SYS_mkdir, None, op::MKDIR, "pathname"),
+        path_op("mkdirat", SYS_mkdirat, dfd, op::MKDIR, "pathname"),
+        path_op("truncate", SYS_truncate, None, op::TRUNCATE, "path"),
+        rename_op("rename", SYS_rename, None),
+        rename_op("renameat", SYS_renameat, Some(("olddfd", "newdfd"))),
+        rename_op("renameat2", SYS_renameat2, Some(("olddfd", "newdfd"))),
+        fd_op("read", SYS_read, op::READ, Programs::FdRead),
+        fd_op("pread64", SYS_pread64, op::READ, Programs::FdRead),
+        fd_op("readv", SYS_readv, op::READ, Programs::FdRead),
+        fd_op("preadv", SYS_preadv, op::READ, Programs::FdRead),
+        fd_op("preadv2", SYS_preadv2, op::READ, Programs::FdRead),
+        fd_op("write", SYS_write, op::WRITE, Programs::Fd),
+        fd_op("pwrite64", SYS_pwrite64, op::WRITE, Programs::Fd),
+        fd_op("writev", SYS_writev, op::WRITE, Programs::Fd),
+        fd_op("pwritev", SYS_pwritev, op::WRITE, Programs::Fd),
+        fd_op("pwritev2", SYS_pwritev2, op::WRITE, Programs::Fd),
+        fd_op("ftruncate", SYS_ftruncate, op::FTRUNCATE, Programs::Fd),
+        fd_op("close", SYS_close, op::CLOSE, Programs::Fd),
+        path_op("chdir", SYS_chdir, None, op::CHDIR, "filename"),
+        fd_op("fchdir", SYS_fchdir, op::FCHDIR, Programs::Fd),
+    ]
+}
+
+impl Traced {
+    /// Resolves the argument names to offsets in this kernel's `sys_enter_<name>` record.
+    pub fn layout(&self, tracefs: &Path) -> Result<SyscallLayout> {
+        let format = Format::read(tracefs, "syscalls", &format!("sys_enter_{}", self.name))?;
+        let offset = |field: Option<&str>| -> Result<u16> {
+            field.map_or(Ok(NO_FIELD), |f| format.offset(f))
+        };
+        let layout = (|| -> Result<SyscallLayout> {
+            Ok(SyscallLayout {
+                op: self.op,
+                flags_from: self.flags_from,
+                dfd: offset(self.dfd)?,
+                path: offset(self.path)?,
+                dfd2: offset(self.dfd2)?,
+                path2: offset(self.path2)?,
+                flags: offset(self.flags)?,
+                fd: offset(self.fd)?,
+                _pad: 0,
+            })
+        })();
+        layout.with_context(|| format!("syscall {}", self.name))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn numbers_fit_the_kernel_table() {
+        for t in all() {
+            assert!(
+                (0..hocus_common::MAX_SYSCALL_NR as i64).contains(&t.nr),
+                "{} has number {}",
+                t.name,
+                t.nr
+            );
+        }
+    }
+
+    #[test]
+    fn every_path_op_names_a_path_and_every_fd_op_a_descriptor() {
+        for t in all() {
+            match t.programs {
+                Programs::Path => assert!(t.path.is_some(), "{}", t.name),
+                Programs::Fd | Programs::FdRead => assert!(t.fd.is_some(), "{}", t.name),
+            }
+        }
+    }
+}

@@ -1,0 +1,290 @@
+//! Placement: which files of a working set get a local SSD copy, and which of those are
+//! pinned in RAM, within budgets.
+//!
+//! The most valuable bytes first: value is touches (opens) per byte, first-touch order
+//! breaking ties. Scan resistance comes from stability: a file holding a place keeps it
+//! unless a candidate is at least twice as valuable. An epoch scan in random order
+//! touches every file equally, so the files placed first keep their places epoch after
+//! epoch, instead of churning the way an LRU page cache does.
+
+use std::{
+    collections::HashSet,
+    path::{Path, PathBuf},
+};
+
+use crate::{profile::format::FileEntry, shared::settings::Settings};
+
+/// A candidate must be this many times as valuable as a placed file to take its place.
+const KEEP_FACTOR: f64 = 2.0;
+const PAGE: u64 = 4096;
+
+/// What may be cached at all: `--include-ext` and `--exclude`.
+#[derive(Debug, Clone, Default)]
+pub struct Filters {
+    /// Suffixes such as `.py`; empty: everything.
+    pub include_ext: Vec<String>,
+    pub exclude: Vec<PathBuf>,
+}
+
+impl Filters {
+    /// `--include-ext` and `--exclude` as set.
+    pub fn of(settings: &Settings) -> Filters {
+        Filters {
+            include_ext: settings
+                .include_ext
+                .as_deref()
+                .map(Filters::parse_extensions)
+                .unwrap_or_default(),
+            exclude: settings.exclude.clone().unwrap_or_default(),
+        }
+    }
+
+    pub fn admits(&self, path: &str) -> bool {
+        let ext_ok = self.include_ext.is_empty()
+            || self.include_ext.iter().any(|e| path.ends_with(e.as_str()));
+        ext_ok && !self.exclude.iter().any(|x| Path::new(path).starts_with(x))
+    }
+
+    /// Parses `--include-ext .py,.pyc,so` (a missing dot is added).
+    pub fn parse_extensions(list: &str) -> Vec<String> {
+        list.split(',')
+            .map(str::trim)
+            .filter(|e| !e.is_empty())
+            .map(|e| {
+                if e.starts_with('.') {
+                    e.to_owned()
+                } else {
+                    format!(".{e}")
+                }
+            })
+            .collect()
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Choice {
+    pub path: String,
+    pub size: u64,
+    pub first_touch_ns: u64,
+    /// Pinned in RAM as well as copied to SSD.
+    pub pinned: bool,
+}
+
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Placement {
+    /// Files to hold on SSD, in first-touch order (the copy order).
+    pub files: Vec<Choice>,
+    pub ssd_bytes: u64,
+    pub ram_bytes: u64,
+}
+
+impl Placement {
+    #[cfg(test)]
+    pub fn pinned(&self) -> impl Iterator<Item = &Choice> {
+        self.files.iter().filter(|c| c.pinned)
+    }
+}
+
+/// Whether a file of the profile may be placed at all. Files written recently are kept
+/// out by the keeper (they are "unstable" for a while after each change); a file that
+/// was written once and is stable since (a compilation cache entry) is cached like any.
+pub fn cacheable(f: &FileEntry, filters: &Filters) -> bool {
+    f.opens > 0 && filters.admits(&f.path)
+}
+
+fn value(f: &FileEntry) -> f64 {
+    f.opens as f64 / f.size.div_ceil(PAGE).max(1) as f64
+}
+
+/// Chooses the files to hold. `held` are the files holding a place now (on SSD), and
+/// `pinned_now` those pinned: they keep their places unless clearly outvalued.
+pub fn place(
+    files: &[FileEntry],
+    filters: &Filters,
+    ssd_budget: u64,
+    ram_budget: u64,
+    held: &HashSet<String>,
+    pinned_now: &HashSet<String>,
+) -> Placement {
+    let candidates: Vec<&FileEntry> = files.iter().filter(|f| cacheable(f, filters)).collect();
+    let fill = |budget: u64,
+                bonus: &HashSet<String>,
+                among: &dyn Fn(&FileEntry) -> bool|
+     -> HashSet<String> {
+        let mut ranked: Vec<(&FileEntry, f64)> = candidates
+            .iter()
+            .filter(|f| among(f))
+            .map(|f| {
+                let v = value(f);
+                (
+                    *f,
+                    if bonus.contains(&f.path) {
+                        v * KEEP_FACTOR
+                    } else {
+                        v
+                    },
+                )
+            })
+            .collect();
+        ranked.sort_by(|(a, va), (b, vb)| {
+            vb.total_cmp(va)
+                .then(a.first_touch_ns.cmp(&b.first_touch_ns))
+                .then(a.path.cmp(&b.path))
+        });
+        let mut left = budget;
+        let mut chosen = HashSet::new();
+        for (f, _) in ranked {
+            if f.size <= left {
+                left -= f.size;
+                chosen.insert(f.path.clone());
+            }
+        }
+        chosen
+    };
+    let on_ssd = fill(ssd_budget, held, &|_| true);
+    let in_ram = fill(ram_budget, pinned_now, &|f| on_ssd.contains(&f.path));
+    let mut chosen: Vec<Choice> = candidates
+        .iter()
+        .filter(|f| on_ssd.contains(&f.path))
+        .map(|f| Choice {
+            path: f.path.clone(),
+            size: f.size,
+            first_touch_ns: f.first_touch_ns,
+            pinned: in_ram.contains(&f.path),
+        })
+        .collect();
+    chosen.sort_by(|a, b| (a.first_touch_ns, &a.path).cmp(&(b.first_touch_ns, &b.path)));
+    Placement {
+        ssd_bytes: chosen.iter().map(|c| c.size).sum(),
+        ram_bytes: chosen.iter().filter(|c| c.pinned).map(|c| c.size).sum(),
+        files: chosen,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn file(path: &str, size: u64, opens: u64, first: u64) -> FileEntry {
+        FileEntry {
+            path: path.into(),
+            size,
+            opens,
+            first_touch_ns: first,
+            ..Default::default()
+        }
+    }
+
+    fn none() -> HashSet<String> {
+        HashSet::new()
+    }
+
+    #[test]
+    fn the_most_valuable_bytes_come_first_within_budgets() {
+        let files = vec![
+            file("/n/big-cold", 1 << 20, 1, 0),
+            file("/n/small-hot", 4096, 50, 1),
+            file("/n/mid", 64 << 10, 10, 2),
+            file("/n/probed-only", 4096, 0, 3),
+        ];
+        let p = place(
+            &files,
+            &Filters::default(),
+            100 << 10,
+            8192,
+            &none(),
+            &none(),
+        );
+        let held: Vec<_> = p
+            .files
+            .iter()
+            .map(|c| (c.path.as_str(), c.pinned))
+            .collect();
+        assert_eq!(held, [("/n/small-hot", true), ("/n/mid", false)]);
+        assert_eq!((p.ssd_bytes, p.ram_bytes), (4096 + (64 << 10), 4096));
+        assert!(p.ssd_bytes <= 100 << 10 && p.ram_bytes <= 8192);
+    }
+
+    #[test]
+    fn ties_are_broken_by_first_touch_and_the_copy_order_is_first_touch() {
+        let files: Vec<_> = (0..10)
+            .map(|i| file(&format!("/n/{i}"), 4096, 1, 10 - i))
+            .collect();
+        let p = place(
+            &files,
+            &Filters::default(),
+            3 * 4096,
+            4096,
+            &none(),
+            &none(),
+        );
+        let order: Vec<_> = p.files.iter().map(|c| c.path.as_str()).collect();
+        assert_eq!(order, ["/n/9", "/n/8", "/n/7"]);
+        assert!(p.files[0].pinned && !p.files[1].pinned);
+    }
+
+    #[test]
+    fn an_epoch_scan_keeps_a_stable_subset() {
+        // 100 equal files, room for 50 in RAM. Epoch after epoch in a new order, the
+        // pinned set must not change, also mid-epoch when some files are one read ahead.
+        let n = 100;
+        let mut files: Vec<_> = (0..n)
+            .map(|i| file(&format!("/d/{i}"), 1 << 20, 1, i))
+            .collect();
+        let budget = 50 << 20;
+        let first = place(
+            &files,
+            &Filters::default(),
+            u64::MAX,
+            budget,
+            &none(),
+            &none(),
+        );
+        let pinned: HashSet<String> = first.pinned().map(|c| c.path.clone()).collect();
+        let held: HashSet<String> = first.files.iter().map(|c| c.path.clone()).collect();
+        assert_eq!(pinned.len(), 50);
+        let mut order: Vec<usize> = (0..n as usize).collect();
+        for epoch in 2..6u64 {
+            order.reverse();
+            order.rotate_left(7 * epoch as usize);
+            for (k, i) in order.iter().enumerate() {
+                files[*i].opens = epoch;
+                if k % 10 == 0 {
+                    let p = place(
+                        &files,
+                        &Filters::default(),
+                        u64::MAX,
+                        budget,
+                        &held,
+                        &pinned,
+                    );
+                    let now: HashSet<String> = p.pinned().map(|c| c.path.clone()).collect();
+                    assert_eq!(
+                        now, pinned,
+                        "epoch {epoch}, after {k} files: the pinned set churned"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_clearly_hotter_file_takes_a_place() {
+        let files = vec![file("/n/old", 4096, 5, 0), file("/n/new", 4096, 11, 1)];
+        let held: HashSet<String> = ["/n/old".to_owned()].into();
+        let p = place(&files, &Filters::default(), 4096, 4096, &held, &held);
+        assert_eq!(p.files[0].path, "/n/new");
+    }
+
+    #[test]
+    fn filters_include_extensions_and_exclude_trees() {
+        let f = Filters {
+            include_ext: Filters::parse_extensions(".py, pyc,.so"),
+            exclude: vec!["/n/secret".into()],
+        };
+        assert!(f.admits("/n/a.py") && f.admits("/n/a.pyc") && f.admits("/n/x.so"));
+        assert!(!f.admits("/n/a.txt"));
+        assert!(!f.admits("/n/secret/a.py"));
+        assert!(f.admits("/n/secretive/a.py"));
+    }
+}

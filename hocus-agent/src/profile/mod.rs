@@ -1,0 +1,9 @@
+//! Stage **profile**: the working set (hot files in first-touch order, bytes read, failed
+//! lookups, writes), its file format, and the state directory that keeps it across
+//! restarts. The model the other stages read; `observe` writes into it.
+//!
+//! May use: `shared`.
+
+pub mod format;
+pub mod store;
+pub mod working_set;

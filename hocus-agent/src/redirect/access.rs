@@ -1,0 +1,110 @@
+//! Who may see what. Profiles name other people's files: root sees everything, anyone
+//! else only the entries they could reach themselves. The check runs the kernel's own
+//! permission test (`faccessat` with `AT_EACCESS`) on a thread that has taken the
+//! caller's filesystem identity, so ACLs and the network filesystem's rules apply too.
+
+use std::{ffi::CString, fs, os::unix::ffi::OsStrExt, path::Path};
+
+use anyhow::{Context, Result, bail};
+use serde::{Deserialize, Serialize};
+
+use crate::profile::format::Profile;
+
+/// The credentials of a process talking to the daemon (SO_PEERCRED + /proc).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Caller {
+    pub pid: i32,
+    pub uid: u32,
+    pub gid: u32,
+    pub groups: Vec<u32>,
+}
+
+impl Caller {
+    pub fn is_root(&self) -> bool {
+        self.uid == 0
+    }
+
+    /// Completes peer credentials with the process's supplementary groups.
+    pub fn from_peer(pid: i32, uid: u32, gid: u32) -> Result<Self> {
+        let status = fs::read_to_string(format!("/proc/{pid}/status"))
+            .with_context(|| format!("reading the groups of process {pid}"))?;
+        let groups = status
+            .lines()
+            .find_map(|l| l.strip_prefix("Groups:"))
+            .unwrap_or_default()
+            .split_whitespace()
+            .filter_map(|g| g.parse().ok())
+            .collect();
+        Ok(Self {
+            pid,
+            uid,
+            gid,
+            groups,
+        })
+    }
+}
+
+/// Keeps only the entries `caller` could read (files, directories) or look up (missing
+/// names: the parent directory must be searchable), and only the caller's own uid.
+pub fn filter_for(profile: &mut Profile, caller: &Caller) -> Result<()> {
+    if caller.is_root() {
+        return Ok(());
+    }
+    let caller = caller.clone();
+    let mut p = std::mem::take(profile);
+    let handle = std::thread::spawn(move || -> Result<Profile> {
+        become_on_this_thread(&caller)?;
+        p.files
+            .retain(|f| can(&f.path, libc::R_OK) || gone_but_parent_searchable(&f.path));
+        p.dirs.retain(|d| can(&d.path, libc::R_OK | libc::X_OK));
+        p.missing.retain(|m| parent_searchable(&m.path));
+        for f in &mut p.files {
+            f.uids.retain(|u| *u == caller.uid);
+        }
+        Ok(p)
+    });
+    // The thread exits with the caller's identity; nothing else ever runs on it.
+    *profile = handle
+        .join()
+        .map_err(|_| anyhow::anyhow!("the permission check thread panicked"))??;
+    Ok(())
+}
+
+/// Switches this thread's filesystem identity. Raw syscalls on purpose: glibc's wrappers
+/// would change every thread of the daemon.
+fn become_on_this_thread(c: &Caller) -> Result<()> {
+    let groups: Vec<libc::gid_t> = c.groups.clone();
+    // SAFETY: raw credential syscalls on this thread only, with valid pointers.
+    unsafe {
+        if libc::syscall(libc::SYS_setgroups, groups.len(), groups.as_ptr()) != 0 {
+            bail!("setgroups: {}", std::io::Error::last_os_error());
+        }
+        libc::syscall(libc::SYS_setfsgid, c.gid);
+        libc::syscall(libc::SYS_setfsuid, c.uid);
+        // setfsuid reports the previous value; read it back to be sure it took.
+        let now = libc::syscall(libc::SYS_setfsuid, u32::MAX) as u32;
+        if now != c.uid {
+            bail!("could not take the identity of uid {}", c.uid);
+        }
+    }
+    Ok(())
+}
+
+fn can(path: &str, mode: libc::c_int) -> bool {
+    let Ok(c) = CString::new(Path::new(path).as_os_str().as_bytes()) else {
+        return false;
+    };
+    // SAFETY: valid C string. AT_EACCESS: check with the thread's fs identity.
+    unsafe { libc::faccessat(libc::AT_FDCWD, c.as_ptr(), mode, libc::AT_EACCESS) == 0 }
+}
+
+fn parent_searchable(path: &str) -> bool {
+    Path::new(path)
+        .parent()
+        .is_some_and(|p| can(&p.to_string_lossy(), libc::X_OK))
+}
+
+/// A file that no longer exists (unlinked, renamed) is shown if its directory is.
+fn gone_but_parent_searchable(path: &str) -> bool {
+    fs::symlink_metadata(path).is_err() && parent_searchable(path)
+}

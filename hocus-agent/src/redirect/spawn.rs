@@ -1,0 +1,209 @@
+//! Starting a job: the process a `run` session (or, later, a scheduler) asks for, forked
+//! from a thread already in the job's mount namespace, as the caller, with the caller's
+//! limits, umask, groups and cgroups, in a session of its own. The job never gains a
+//! privilege: every bind is read-only, nosuid, nodev, and the copies keep their owners and
+//! modes, so the kernel refuses what the network would.
+
+use std::{
+    ffi::CString,
+    os::{
+        fd::{AsRawFd, OwnedFd},
+        unix::{ffi::OsStrExt, process::CommandExt},
+    },
+    path::PathBuf,
+    process::{Command, Stdio},
+};
+
+use anyhow::{Context, Result, bail};
+use serde::{Deserialize, Serialize};
+
+use crate::redirect::{access::Caller, cgroups};
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+/// What a job runs: its command line, environment and working directory (the
+/// caller's, sent by `hocus-agent run`).
+pub struct JobCommand {
+    pub argv: Vec<String>,
+    pub env: Vec<(String, String)>,
+    pub cwd: PathBuf,
+}
+
+/// Resource limits every job gets from its caller, not from the daemon (whose
+/// RLIMIT_MEMLOCK may be unlimited), by their names in /proc/PID/limits.
+const LIMITS: [(&str, libc::__rlimit_resource_t); 16] = [
+    ("Max cpu time", libc::RLIMIT_CPU),
+    ("Max file size", libc::RLIMIT_FSIZE),
+    ("Max data size", libc::RLIMIT_DATA),
+    ("Max stack size", libc::RLIMIT_STACK),
+    ("Max core file size", libc::RLIMIT_CORE),
+    ("Max resident set", libc::RLIMIT_RSS),
+    ("Max processes", libc::RLIMIT_NPROC),
+    ("Max open files", libc::RLIMIT_NOFILE),
+    ("Max locked memory", libc::RLIMIT_MEMLOCK),
+    ("Max address space", libc::RLIMIT_AS),
+    ("Max file locks", libc::RLIMIT_LOCKS),
+    ("Max pending signals", libc::RLIMIT_SIGPENDING),
+    ("Max msgqueue size", libc::RLIMIT_MSGQUEUE),
+    ("Max nice priority", libc::RLIMIT_NICE),
+    ("Max realtime priority", libc::RLIMIT_RTPRIO),
+    ("Max realtime timeout", libc::RLIMIT_RTTIME),
+];
+
+type Limits = Vec<(libc::__rlimit_resource_t, libc::rlimit)>;
+
+/// Parses /proc/PID/limits: `Max locked memory   8388608   8388608   bytes`.
+fn parse_limits(text: &str) -> Result<Limits> {
+    let value = |v: &str| -> Result<libc::rlim_t> {
+        if v == "unlimited" {
+            Ok(libc::RLIM_INFINITY)
+        } else {
+            v.parse().with_context(|| format!("a limit of {v:?}"))
+        }
+    };
+    let mut out = Vec::new();
+    for (name, resource) in LIMITS {
+        let line = text
+            .lines()
+            .find(|l| l.starts_with(name))
+            .with_context(|| format!("no {name:?} in the limits"))?;
+        let mut fields = line[name.len()..].split_whitespace();
+        let (Some(soft), Some(hard)) = (fields.next(), fields.next()) else {
+            bail!("malformed limit line {line:?}");
+        };
+        out.push((
+            resource,
+            libc::rlimit {
+                rlim_cur: value(soft)?,
+                rlim_max: value(hard)?,
+            },
+        ));
+    }
+    Ok(out)
+}
+
+/// The caller's limits and umask, read from the kernel (never from the client's word).
+fn inherited(caller: &Caller) -> Result<(Limits, libc::mode_t)> {
+    let limits = parse_limits(&std::fs::read_to_string(format!(
+        "/proc/{}/limits",
+        caller.pid
+    ))?)?;
+    let status = std::fs::read_to_string(format!("/proc/{}/status", caller.pid))?;
+    let umask = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Umask:"))
+        .and_then(|v| libc::mode_t::from_str_radix(v.trim(), 8).ok())
+        .context("no Umask in /proc/PID/status")?;
+    Ok((limits, umask))
+}
+
+/// Starts the job as the caller, in a session of its own.
+pub fn spawn(
+    caller: &Caller,
+    run: &JobCommand,
+    [stdin, stdout, stderr]: [OwnedFd; 3],
+) -> Result<std::process::Child> {
+    let (limits, umask) = inherited(caller)?;
+    // The caller's cgroups (a batch job's limits and accounting), opened before the fork.
+    let cgroups: Vec<std::fs::File> = cgroups::procs_files(caller.pid)?
+        .iter()
+        .map(|f| {
+            std::fs::OpenOptions::new()
+                .write(true)
+                .open(f)
+                .with_context(|| format!("opening {}", f.display()))
+        })
+        .collect::<Result<_>>()?;
+    let mut cmd = Command::new(&run.argv[0]);
+    cmd.args(&run.argv[1..])
+        .env_clear()
+        .envs(run.env.iter().map(|(k, v)| (k, v)))
+        .stdin(Stdio::from(stdin))
+        .stdout(Stdio::from(stdout))
+        .stderr(Stdio::from(stderr));
+    let (uid, gid) = (caller.uid, caller.gid);
+    let groups: Vec<libc::gid_t> = caller.groups.clone();
+    let cwd = CString::new(run.cwd.as_os_str().as_bytes())?;
+    // SAFETY: runs in the forked child before exec, calling only async-signal-safe
+    // syscalls on data prepared before the fork.
+    unsafe {
+        cmd.pre_exec(move || {
+            // Into the caller's cgroups first, while still root. "0" moves the writer.
+            for cgroup in &cgroups {
+                if libc::write(cgroup.as_raw_fd(), b"0".as_ptr().cast(), 1) != 1 {
+                    return Err(std::io::Error::last_os_error());
+                }
+            }
+            for (resource, limit) in &limits {
+                if libc::setrlimit(*resource, limit) != 0 {
+                    // Raising a hard limit past the daemon's needs CAP_SYS_RESOURCE: keep
+                    // the daemon's hard limit then, and lower what can be lowered.
+                    let mut now = libc::rlimit {
+                        rlim_cur: 0,
+                        rlim_max: 0,
+                    };
+                    libc::getrlimit(*resource, &mut now);
+                    let clamped = libc::rlimit {
+                        rlim_cur: limit.rlim_cur.min(now.rlim_max),
+                        rlim_max: limit.rlim_max.min(now.rlim_max),
+                    };
+                    if libc::setrlimit(*resource, &clamped) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                }
+            }
+            libc::umask(umask);
+            // Nothing of the daemon's beyond stdin, stdout and stderr reaches the job, not
+            // even descriptors it inherited without close-on-exec. CLOEXEC rather than
+            // close: std's exec error pipe must live until the exec.
+            const CLOSE_RANGE_CLOEXEC: libc::c_uint = 4;
+            if libc::syscall(
+                libc::SYS_close_range,
+                3,
+                libc::c_uint::MAX,
+                CLOSE_RANGE_CLOEXEC,
+            ) != 0
+            {
+                return Err(std::io::Error::last_os_error());
+            }
+            if libc::setsid() < 0
+                || libc::setgroups(groups.len(), groups.as_ptr()) != 0
+                || libc::setresgid(gid, gid, gid) != 0
+                || libc::setresuid(uid, uid, uid) != 0
+            {
+                return Err(std::io::Error::last_os_error());
+            }
+            // As the caller: their permissions decide whether they may be there.
+            if libc::chdir(cwd.as_ptr()) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    Ok(cmd.spawn()?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_proc_limits() {
+        let text = std::fs::read_to_string("/proc/self/limits").unwrap();
+        let limits = parse_limits(&text).unwrap();
+        assert_eq!(limits.len(), LIMITS.len());
+        for (resource, limit) in limits {
+            let mut now = libc::rlimit {
+                rlim_cur: 0,
+                rlim_max: 0,
+            };
+            // SAFETY: reads this process's own limit.
+            unsafe { libc::getrlimit(resource, &mut now) };
+            assert_eq!(
+                (limit.rlim_cur, limit.rlim_max),
+                (now.rlim_cur, now.rlim_max),
+                "{resource}"
+            );
+        }
+        assert!(parse_limits("Max cpu time  x  y  seconds").is_err());
+    }
+}

@@ -1,0 +1,566 @@
+//! Prometheus metrics (docs/metrics.md): a small HTTP server on its own thread that asks
+//! the daemon's loop for a snapshot at each scrape and encodes it with prometheus-client.
+//!
+//! prometheus-client writes OpenMetrics; a Prometheus server asks for that. Other clients
+//! (curl, promtool) get the classic text format (0.0.4), where a counter's HELP and TYPE
+//! carry its `_total` name.
+
+use std::{
+    io::{BufRead, BufReader, Read, Write},
+    net::{SocketAddr, TcpListener, TcpStream},
+    thread,
+    time::Duration,
+};
+
+use anyhow::{Context, Result};
+use prometheus_client::{
+    collector::Collector,
+    encoding::{DescriptorEncoder, EncodeMetric},
+    metrics::{counter::ConstCounter, gauge::ConstGauge},
+    registry::{Registry, Unit},
+};
+use tokio::sync::mpsc;
+
+use crate::{
+    control::{
+        protocol::{Ask, Call, Response},
+        server,
+    },
+    redirect::access::Caller,
+    shared::status::{CacheStatus, Served, Status},
+};
+
+const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+const CLASSIC: &str = "text/plain; version=0.0.4; charset=utf-8";
+/// Copy failure reasons (`CopyError::reason`), always all listed.
+const COPY_FAILURES: [&str; 5] = [
+    "changed",
+    "no_space",
+    "refused",
+    "read_error",
+    "write_error",
+];
+
+/// Binds `addr` and serves /metrics from a thread; returns the bound address.
+pub fn serve(addr: SocketAddr, calls: mpsc::Sender<Call>) -> Result<SocketAddr> {
+    let listener = TcpListener::bind(addr).with_context(|| {
+        format!(
+            "cannot serve metrics on {addr}; choose another address with --metrics-addr, or turn metrics off with --no-metrics"
+        )
+    })?;
+    let bound = listener.local_addr()?;
+    thread::Builder::new()
+        .name("hocus-metrics".into())
+        .spawn(move || {
+            for stream in listener.incoming().flatten() {
+                let calls = calls.clone();
+                // A thread per scrape: a slow client must not stall the others.
+                let _ = thread::Builder::new()
+                    .name("hocus-scrape".into())
+                    .spawn(move || answer(stream, &calls));
+            }
+        })?;
+    Ok(bound)
+}
+
+fn answer(stream: TcpStream, calls: &mpsc::Sender<Call>) {
+    let _ = stream.set_read_timeout(Some(Duration::from_secs(10)));
+    let _ = stream.set_write_timeout(Some(Duration::from_secs(10)));
+    let mut reader = BufReader::new(&stream).take(64 << 10);
+    let mut request_line = String::new();
+    if reader.read_line(&mut request_line).is_err() {
+        return;
+    }
+    let mut openmetrics = false;
+    loop {
+        let mut header = String::new();
+        match reader.read_line(&mut header) {
+            Ok(0) | Err(_) => return,
+            Ok(_) if header.trim().is_empty() => break,
+            Ok(_) => {
+                let lower = header.to_ascii_lowercase();
+                if lower.starts_with("accept:") && lower.contains("application/openmetrics-text") {
+                    openmetrics = true;
+                }
+            }
+        }
+    }
+    let mut parts = request_line.split_whitespace();
+    let (method, path) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
+    let path = path.split('?').next().unwrap_or("");
+    let (status, kind, body) = match (method, path) {
+        ("GET", "/metrics") => match scrape(calls) {
+            Some(text) if openmetrics => ("200 OK", OPENMETRICS, text),
+            Some(text) => ("200 OK", CLASSIC, classic(&text)),
+            None => (
+                "503 Service Unavailable",
+                "text/plain",
+                "hocus-agent is stopping\n".into(),
+            ),
+        },
+        ("GET", "/") => (
+            "200 OK",
+            "text/html",
+            "<html><body><a href=\"/metrics\">hocus-agent metrics</a></body></html>\n".into(),
+        ),
+        ("GET", _) => ("404 Not Found", "text/plain", "try /metrics\n".into()),
+        _ => ("405 Method Not Allowed", "text/plain", "GET only\n".into()),
+    };
+    let mut out = &stream;
+    let _ = write!(
+        out,
+        "HTTP/1.1 {status}\r\nContent-Type: {kind}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+}
+
+fn scrape(calls: &mpsc::Sender<Call>) -> Option<String> {
+    let nobody = Caller {
+        pid: 0,
+        uid: u32::MAX,
+        gid: u32::MAX,
+        groups: Vec::new(),
+    };
+    match server::ask(calls, nobody, Ask::Metrics)
+        .ok()?
+        .blocking_recv()?
+    {
+        Response::Metrics { text } => Some(text),
+        _ => None,
+    }
+}
+
+/// OpenMetrics to the classic text format: counters are declared under their `_total`
+/// name; UNIT and EOF lines go.
+fn classic(openmetrics: &str) -> String {
+    let mut out = String::with_capacity(openmetrics.len());
+    let mut help: Option<&str> = None;
+    for line in openmetrics.lines() {
+        if line.starts_with("# UNIT ") || line == "# EOF" {
+            continue;
+        }
+        if line.starts_with("# HELP ") {
+            help = Some(line);
+            continue;
+        }
+        if let Some(rest) = line.strip_prefix("# TYPE ") {
+            let (name, kind) = rest.split_once(' ').unwrap_or((rest, ""));
+            let name = if kind == "counter" {
+                format!("{name}_total")
+            } else {
+                name.to_owned()
+            };
+            if let Some(h) = help.take() {
+                let text = h.splitn(4, ' ').nth(3).unwrap_or("");
+                out.push_str(&format!("# HELP {name} {text}\n"));
+            }
+            out.push_str(&format!("# TYPE {name} {kind}\n"));
+            continue;
+        }
+        out.push_str(line);
+        out.push('\n');
+    }
+    out
+}
+
+/// The metrics page for a daemon status, in OpenMetrics.
+pub fn render(status: Status) -> String {
+    let mut registry = Registry::with_prefix("hocus");
+    registry.register_collector(Box::new(Snapshot(status)));
+    let mut out = String::new();
+    prometheus_client::encoding::text::encode(&mut out, &registry)
+        .expect("writing to a String cannot fail");
+    out
+}
+
+#[derive(Debug)]
+struct Snapshot(Status);
+
+type Labels<'a> = Vec<(&'static str, String)>;
+
+/// Writes one metric family: its samples, each with its labels.
+fn family<M: EncodeMetric>(
+    e: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    unit: Option<&Unit>,
+    samples: Vec<(Labels<'_>, M)>,
+) -> std::fmt::Result {
+    let Some(first) = samples.first() else {
+        return Ok(());
+    };
+    let mut metric = e.encode_descriptor(name, help, unit, first.1.metric_type())?;
+    if let [(labels, m)] = samples.as_slice() {
+        if labels.is_empty() {
+            return m.encode(metric);
+        }
+    }
+    for (labels, m) in &samples {
+        m.encode(metric.encode_family(labels)?)?;
+    }
+    Ok(())
+}
+
+fn counter(
+    e: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    unit: Option<&Unit>,
+    samples: Vec<(Labels<'_>, u64)>,
+) -> std::fmt::Result {
+    let samples = samples
+        .into_iter()
+        .map(|(l, v)| (l, ConstCounter::new(v)))
+        .collect();
+    family(e, name, help, unit, samples)
+}
+
+fn gauge(
+    e: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    unit: Option<&Unit>,
+    samples: Vec<(Labels<'_>, i64)>,
+) -> std::fmt::Result {
+    let samples = samples
+        .into_iter()
+        .map(|(l, v)| (l, ConstGauge::new(v)))
+        .collect();
+    family(e, name, help, unit, samples)
+}
+
+fn one<T>(v: T) -> Vec<(Labels<'static>, T)> {
+    vec![(Vec::new(), v)]
+}
+
+fn root(p: &std::path::Path) -> Labels<'static> {
+    vec![("root", p.display().to_string())]
+}
+
+impl Collector for Snapshot {
+    fn encode(&self, mut e: DescriptorEncoder) -> std::fmt::Result {
+        let s = &self.0;
+        let e = &mut e;
+        let bytes = Some(&Unit::Bytes);
+        gauge(
+            e,
+            "build_info",
+            "The running hocus-agent's version (always 1).",
+            None,
+            vec![(vec![("version", s.version.clone())], 1)],
+        )?;
+        gauge(
+            e,
+            "start_time",
+            "When the daemon started, in seconds since the Unix epoch.",
+            Some(&Unit::Seconds),
+            one(s.started_unix_secs as i64),
+        )?;
+
+        // What the tracer saw, and what it could not deliver.
+        let t = &s.tally;
+        counter(
+            e,
+            "events",
+            "Events on watched paths the daemon handled, by kind.",
+            None,
+            vec![
+                (vec![("kind", "open".into())], t.opens),
+                (vec![("kind", "failed_lookup".into())], t.failed_lookups),
+                (vec![("kind", "write".into())], t.mutations),
+                (vec![("kind", "close".into())], t.closes),
+                (vec![("kind", "refused_write".into())], t.writes_refused),
+            ],
+        )?;
+        let kernel = |name: &str| {
+            s.kernel
+                .iter()
+                .find(|(n, _)| n == name)
+                .map_or(0, |(_, v)| *v)
+        };
+        counter(
+            e,
+            "events_lost",
+            "Events the profile misses, by cause: the kernel could not deliver them, or their relative path could not be resolved.",
+            None,
+            vec![
+                (
+                    vec![("cause", "ring_buffer_full".into())],
+                    kernel("lost_ring_buffer_full"),
+                ),
+                (
+                    vec![("cause", "open_files_map_full".into())],
+                    kernel("lost_open_files_map_full"),
+                ),
+                (
+                    vec![("cause", "pending_map_full".into())],
+                    kernel("lost_pending_map_full"),
+                ),
+                (
+                    vec![("cause", "path_unreadable".into())],
+                    kernel("path_unreadable"),
+                ),
+                (
+                    vec![("cause", "path_truncated".into())],
+                    kernel("path_truncated"),
+                ),
+                (vec![("cause", "unresolved".into())], t.unresolved),
+            ],
+        )?;
+
+        // The working set.
+        gauge(
+            e,
+            "working_set_files",
+            "Files in the working-set profile, by watched tree.",
+            None,
+            s.roots
+                .iter()
+                .map(|r| (root(&r.root), r.files as i64))
+                .collect(),
+        )?;
+        gauge(
+            e,
+            "working_set",
+            "Bytes of the files in the working-set profile, by watched tree.",
+            bytes,
+            s.roots
+                .iter()
+                .map(|r| (root(&r.root), r.bytes as i64))
+                .collect(),
+        )?;
+        gauge(
+            e,
+            "working_set_missing_names",
+            "Names looked up and not found, in the profile, by watched tree.",
+            None,
+            s.roots
+                .iter()
+                .map(|r| (root(&r.root), r.missing as i64))
+                .collect(),
+        )?;
+
+        let Some(c) = &s.cache else {
+            return Ok(());
+        };
+        cache(e, c)?;
+        served(e, c)
+    }
+}
+
+/// The SSD cache, the RAM pins, copies and prefetches.
+fn cache(e: &mut DescriptorEncoder, c: &CacheStatus) -> std::fmt::Result {
+    let bytes = Some(&Unit::Bytes);
+    let g = |v: u64| one(v as i64);
+    gauge(
+        e,
+        "cache_files",
+        "Files copied to the SSD cache.",
+        None,
+        g(c.cached_files as u64),
+    )?;
+    gauge(
+        e,
+        "cache",
+        "Bytes of files copied to the SSD cache (snapshots apart).",
+        bytes,
+        g(c.cached_bytes),
+    )?;
+    gauge(e, "cache_budget", "The SSD budget.", bytes, g(c.ssd_budget))?;
+    gauge(
+        e,
+        "snapshots",
+        "Whole trees held as snapshots.",
+        None,
+        g(c.snapshots.len() as u64),
+    )?;
+    gauge(
+        e,
+        "snapshot",
+        "Bytes snapshots add to the SSD cache.",
+        bytes,
+        g(c.snapshot_bytes),
+    )?;
+    gauge(
+        e,
+        "pinned_files",
+        "Files pinned in RAM.",
+        None,
+        g(c.pinned_files as u64),
+    )?;
+    gauge(
+        e,
+        "pinned",
+        "Bytes pinned in RAM.",
+        bytes,
+        g(c.pinned_bytes),
+    )?;
+    gauge(
+        e,
+        "pinned_budget",
+        "The RAM budget.",
+        bytes,
+        g(c.ram_budget),
+    )?;
+    gauge(
+        e,
+        "copies_in_progress",
+        "Copies and snapshots under way.",
+        None,
+        g(c.copying as u64),
+    )?;
+    counter(
+        e,
+        "copies",
+        "Files copied to the SSD cache.",
+        None,
+        one(c.copies),
+    )?;
+    counter(
+        e,
+        "copied",
+        "Bytes copied to the SSD cache.",
+        bytes,
+        one(c.copied_bytes),
+    )?;
+    counter(
+        e,
+        "copy_failures",
+        "Copies that did not land, by reason.",
+        None,
+        COPY_FAILURES
+            .iter()
+            .map(|r| {
+                let n = c.copy_failures_by_reason.get(*r).copied().unwrap_or(0);
+                (vec![("reason", (*r).to_owned())], n)
+            })
+            .collect(),
+    )?;
+    counter(
+        e,
+        "invalidations",
+        "Copies and snapshots dropped because the network file changed.",
+        None,
+        one(c.invalidations),
+    )?;
+    counter(
+        e,
+        "evictions",
+        "Copies dropped to make room or because they left the working set.",
+        None,
+        one(c.evictions),
+    )?;
+    counter(
+        e,
+        "cache_full",
+        "Times the cache filesystem was found full.",
+        None,
+        one(c.cache_full_events),
+    )?;
+    counter(
+        e,
+        "prefetches",
+        "Prefetches asked for.",
+        None,
+        one(c.prefetches),
+    )?;
+    gauge(
+        e,
+        "prefetch_remaining_files",
+        "Copies and snapshots the prefetches under way still wait for.",
+        None,
+        g(c.prefetch_remaining_files as u64),
+    )?;
+    gauge(
+        e,
+        "prefetch_remaining",
+        "Bytes the prefetches under way still wait for.",
+        bytes,
+        g(c.prefetch_remaining_bytes),
+    )?;
+    gauge(
+        e,
+        "jobs_running",
+        "hocus-agent run jobs running.",
+        None,
+        g(c.jobs_running as u64),
+    )?;
+    counter(
+        e,
+        "jobs_started",
+        "hocus-agent run jobs started.",
+        None,
+        one(c.jobs_started),
+    )
+}
+
+/// Hits and misses: what local copies served, per watched tree.
+fn served(e: &mut DescriptorEncoder, c: &CacheStatus) -> std::fmt::Result {
+    let by = |label: &'static str, pick: &dyn Fn(&Served) -> Vec<(&'static str, u64)>| {
+        c.served
+            .iter()
+            .flat_map(|s| {
+                pick(s).into_iter().map(move |(value, n)| {
+                    let mut l = root(&s.root);
+                    l.push((label, value.to_owned()));
+                    (l, n)
+                })
+            })
+            .collect::<Vec<_>>()
+    };
+    counter(
+        e,
+        "opens",
+        "Opens of watched files, by who served them: a local copy (hit) or the network (miss).",
+        None,
+        by("served", &|s| {
+            vec![("local", s.opens_local), ("network", s.opens_network)]
+        }),
+    )?;
+    counter(
+        e,
+        "job_opens",
+        "Opens of watched files by processes of hocus-agent run jobs.",
+        None,
+        c.served
+            .iter()
+            .map(|s| (root(&s.root), s.job_opens))
+            .collect(),
+    )?;
+    counter(
+        e,
+        "failed_lookups",
+        "Lookups of names that do not exist, by who answered: a snapshot (local) or the network.",
+        None,
+        by("answered", &|s| {
+            vec![("local", s.lookups_local), ("network", s.lookups_network)]
+        }),
+    )?;
+    counter(
+        e,
+        "read",
+        "Bytes read from watched files, by where they came from: a pinned local copy (ram), another local copy (ssd), or the network.",
+        Some(&Unit::Bytes),
+        by("served", &|s| {
+            vec![
+                ("ram", s.read_ram),
+                ("ssd", s.read_ssd),
+                ("network", s.read_network),
+            ]
+        }),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn classic_format_declares_counters_by_their_total_name() {
+        let om = "# HELP hocus_opens Opens.\n# TYPE hocus_opens counter\nhocus_opens_total{root=\"/a\"} 3\n# HELP hocus_cache Bytes.\n# TYPE hocus_cache gauge\n# UNIT hocus_cache bytes\nhocus_cache_bytes 5\n# EOF\n";
+        assert_eq!(
+            classic(om),
+            "# HELP hocus_opens_total Opens.\n# TYPE hocus_opens_total counter\nhocus_opens_total{root=\"/a\"} 3\n# HELP hocus_cache Bytes.\n# TYPE hocus_cache gauge\nhocus_cache_bytes 5\n"
+        );
+    }
+}

@@ -1,0 +1,161 @@
+//! What the daemon reports: `status` (and the metrics drawn from it) and a prefetch's
+//! progress. Plain data, made by the daemon and its keeper, carried by the control
+//! socket, rendered by `report`.
+
+use std::{collections::BTreeMap, net::SocketAddr, path::PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct WatchedMount {
+    pub path: PathBuf,
+    pub fs_type: String,
+    pub network: bool,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Status {
+    pub pid: u32,
+    #[serde(default)]
+    pub version: String,
+    pub uptime_secs: u64,
+    #[serde(default)]
+    pub started_unix_secs: u64,
+    pub state_dir: PathBuf,
+    /// Where Prometheus metrics are served, if they are.
+    #[serde(default)]
+    pub metrics_addr: Option<SocketAddr>,
+    pub watched: Vec<WatchedMount>,
+    /// The working set under each watched tree.
+    #[serde(default)]
+    pub roots: Vec<RootTotals>,
+    /// The hottest files (those the caller may read), and where hocus holds them.
+    #[serde(default)]
+    pub top: Vec<TopFile>,
+    pub files: usize,
+    pub missing: usize,
+    pub dirs: usize,
+    pub tally: Tally,
+    /// Kernel counters by name (events sent, and every kind of loss).
+    pub kernel: Vec<(String, u64)>,
+    pub last_save_error: Option<String>,
+    pub not_traced: Vec<String>,
+    pub cache: Option<CacheStatus>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct TopFile {
+    pub path: String,
+    pub opens: u64,
+    pub size: u64,
+    pub bytes_read: u64,
+    /// "ram" (pinned), "ssd" (copied) or "network".
+    pub held: String,
+}
+
+/// What the agent made of the events, for `status`.
+#[derive(Debug, Default, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Tally {
+    pub events: u64,
+    pub opens: u64,
+    pub failed_lookups: u64,
+    pub mutations: u64,
+    pub closes: u64,
+    /// Paths that were not under a watched tree once normalized (`..`).
+    pub outside_watched: u64,
+    /// Relative paths whose process or directory was gone before they were resolved.
+    pub unresolved: u64,
+    /// Paths longer than the kernel copies.
+    pub truncated: u64,
+    /// Writes refused with EROFS on a watched path (a job writing into a local copy).
+    #[serde(default)]
+    pub writes_refused: u64,
+}
+
+/// The working set under one watched tree.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct RootTotals {
+    pub root: PathBuf,
+    pub files: usize,
+    pub bytes: u64,
+    /// Names looked up and not found.
+    pub missing: usize,
+}
+
+/// Opens, failed lookups and bytes read under one watched tree, by who answered: a local
+/// copy (in RAM when pinned, else on SSD) bound into a `hocus-agent run` job, or the
+/// network.
+#[derive(Debug, Clone, Serialize, Deserialize, Default, PartialEq, Eq)]
+pub struct Served {
+    pub root: PathBuf,
+    pub opens_local: u64,
+    pub opens_network: u64,
+    /// Of all opens: those made by processes of `hocus-agent run` jobs.
+    pub job_opens: u64,
+    pub lookups_local: u64,
+    pub lookups_network: u64,
+    pub read_ram: u64,
+    pub read_ssd: u64,
+    pub read_network: u64,
+}
+
+/// Progress of a prefetch, streamed to the `prefetch` command.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, Default)]
+pub struct Progress {
+    pub files_done: usize,
+    pub files_total: usize,
+    pub bytes_done: u64,
+    pub bytes_total: u64,
+    pub failed: usize,
+    /// Snapshots of whole trees taken for this prefetch.
+    pub trees_done: usize,
+    pub trees_total: usize,
+    pub trees_failed: usize,
+    pub tree_bytes_done: u64,
+    pub tree_bytes_total: u64,
+    pub pinned_files: usize,
+    pub pinned_bytes: u64,
+    pub finished: bool,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, Default)]
+pub struct CacheStatus {
+    pub cache_dir: PathBuf,
+    pub ssd_budget: u64,
+    pub ram_budget: u64,
+    pub cached_files: usize,
+    pub cached_bytes: u64,
+    pub pinned_files: usize,
+    pub pinned_bytes: u64,
+    pub copying: usize,
+    pub copies: u64,
+    pub copied_bytes: u64,
+    /// Every copy that did not land, by `CopyError::reason`.
+    #[serde(default)]
+    pub copy_failures_by_reason: BTreeMap<String, u64>,
+    pub invalidations: u64,
+    /// Copies dropped to make room or because they fell out of the working set.
+    #[serde(default)]
+    pub evictions: u64,
+    pub cache_full_events: u64,
+    /// What local copies served, per watched tree.
+    #[serde(default)]
+    pub served: Vec<Served>,
+    #[serde(default)]
+    pub jobs_running: usize,
+    #[serde(default)]
+    pub jobs_started: u64,
+    #[serde(default)]
+    pub prefetches: u64,
+    /// Copies and snapshots the prefetches under way still wait for.
+    #[serde(default)]
+    pub prefetch_remaining_files: usize,
+    #[serde(default)]
+    pub prefetch_remaining_bytes: u64,
+    pub limited_by_map_count: bool,
+    /// Whole trees held as snapshots, and the bytes they add to the cache.
+    #[serde(default)]
+    pub snapshots: Vec<PathBuf>,
+    #[serde(default)]
+    pub snapshot_bytes: u64,
+}
