@@ -23,6 +23,13 @@
 #[cfg(target_arch = "bpf")]
 mod programs;
 
+/// The license the kernel reads from the object: GPL-compatible, as the helpers that read
+/// user memory (`bpf_probe_read_user*`) require. This crate is MIT or GPL-2.0.
+#[cfg(target_arch = "bpf")]
+#[unsafe(link_section = "license")]
+#[unsafe(no_mangle)]
+static LICENSE: [u8; 13] = *b"Dual MIT/GPL\0";
+
 #[cfg(not(target_arch = "bpf"))]
 fn main() {
     eprintln!("hocus-ebpf builds for the bpf target only; hocus-agent embeds it.");

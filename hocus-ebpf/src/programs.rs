@@ -115,6 +115,21 @@ fn ret(ctx: &TracePointContext) -> i64 {
     unsafe { ctx.read_at::<i64>(global(&RET_OFFSET) as usize) }.unwrap_or(0)
 }
 
+/// path_enter, on sys_enter_* of path syscalls (here sys_enter_openat; the arguments differ per syscall, each 8 bytes wide
+/// from offset 16, and `SYSCALLS` holds where each syscall keeps the ones we read):
+///
+/// ```text
+/// field:unsigned short common_type;          offset:0;  size:2; signed:0;
+/// field:unsigned char common_flags;          offset:2;  size:1; signed:0;
+/// field:unsigned char common_preempt_count;  offset:3;  size:1; signed:0;
+/// field:int common_pid;                      offset:4;  size:4; signed:1;
+///
+/// field:int __syscall_nr;                    offset:8;  size:4; signed:1;
+/// field:int dfd;                             offset:16; size:8; signed:0;
+/// field:const char * filename;               offset:24; size:8; signed:0;
+/// field:int flags;                           offset:32; size:8; signed:0;
+/// field:umode_t mode;                        offset:40; size:8; signed:0;
+/// ```
 #[tracepoint]
 pub fn path_enter(ctx: TracePointContext) -> u32 {
     let _ = try_path_enter(&ctx);
@@ -149,6 +164,17 @@ fn try_path_enter(ctx: &TracePointContext) -> Option<()> {
     Some(())
 }
 
+/// path_exit, on sys_exit_* of path syscalls (the same for every syscall):
+///
+/// ```text
+/// field:unsigned short common_type;          offset:0;  size:2; signed:0;
+/// field:unsigned char common_flags;          offset:2;  size:1; signed:0;
+/// field:unsigned char common_preempt_count;  offset:3;  size:1; signed:0;
+/// field:int common_pid;                      offset:4;  size:4; signed:1;
+///
+/// field:int __syscall_nr;                    offset:8;  size:4; signed:1;
+/// field:long ret;                            offset:16; size:8; signed:1;
+/// ```
 #[tracepoint]
 pub fn path_exit(ctx: TracePointContext) -> u32 {
     let _ = try_path_exit(&ctx);
@@ -280,6 +306,20 @@ fn try_path_exit(ctx: &TracePointContext) -> Option<()> {
     Some(())
 }
 
+/// fd_enter, on sys_enter_read (and the other descriptor syscalls: pread64, readv, write*, ftruncate,
+/// close, fchdir; `SYSCALLS` holds where each keeps its `fd`):
+///
+/// ```text
+/// field:unsigned short common_type;          offset:0;  size:2; signed:0;
+/// field:unsigned char common_flags;          offset:2;  size:1; signed:0;
+/// field:unsigned char common_preempt_count;  offset:3;  size:1; signed:0;
+/// field:int common_pid;                      offset:4;  size:4; signed:1;
+///
+/// field:int __syscall_nr;                    offset:8;  size:4; signed:1;
+/// field:unsigned int fd;                     offset:16; size:8; signed:0;
+/// field:char * buf;                          offset:24; size:8; signed:0;
+/// field:size_t count;                        offset:32; size:8; signed:0;
+/// ```
 #[tracepoint]
 pub fn fd_enter(ctx: TracePointContext) -> u32 {
     let _ = try_fd_enter(&ctx);
@@ -348,6 +388,17 @@ fn try_fd_enter(ctx: &TracePointContext) -> Option<()> {
     Some(())
 }
 
+/// fd_exit, on sys_exit_read, pread64 and readv (`ret` is the bytes read):
+///
+/// ```text
+/// field:unsigned short common_type;          offset:0;  size:2; signed:0;
+/// field:unsigned char common_flags;          offset:2;  size:1; signed:0;
+/// field:unsigned char common_preempt_count;  offset:3;  size:1; signed:0;
+/// field:int common_pid;                      offset:4;  size:4; signed:1;
+///
+/// field:int __syscall_nr;                    offset:8;  size:4; signed:1;
+/// field:long ret;                            offset:16; size:8; signed:1;
+/// ```
 #[tracepoint]
 pub fn fd_exit(ctx: TracePointContext) -> u32 {
     let _ = try_fd_exit(&ctx);
@@ -376,6 +427,18 @@ fn try_fd_exit(ctx: &TracePointContext) -> Option<()> {
 }
 
 /// sched_process_fork: the child starts where its parent is.
+///
+/// ```text
+/// field:unsigned short common_type;          offset:0;  size:2; signed:0;
+/// field:unsigned char common_flags;          offset:2;  size:1; signed:0;
+/// field:unsigned char common_preempt_count;  offset:3;  size:1; signed:0;
+/// field:int common_pid;                      offset:4;  size:4; signed:1;
+///
+/// field:__data_loc char[] parent_comm;       offset:8;  size:4; signed:0;
+/// field:pid_t parent_pid;                    offset:12; size:4; signed:1;
+/// field:__data_loc char[] child_comm;        offset:16; size:4; signed:0;
+/// field:pid_t child_pid;                     offset:20; size:4; signed:1;
+/// ```
 #[tracepoint]
 pub fn process_fork(ctx: TracePointContext) -> u32 {
     let _ = try_process_fork(&ctx);
@@ -416,7 +479,15 @@ fn try_process_fork(ctx: &TracePointContext) -> Option<()> {
     Some(())
 }
 
-/// sched_process_exit: forget the process when its leader exits.
+/// sched_process_exit: forget the process when its leader exits. Reads no field: the
+/// exiting task is the current one.
+///
+/// ```text
+/// field:char comm[16];                       offset:8;  size:16; signed:0;
+/// field:pid_t pid;                           offset:24; size:4;  signed:1;
+/// field:int prio;                            offset:28; size:4;  signed:1;
+/// field:bool group_dead;                     offset:32; size:1;  signed:0;
+/// ```
 #[tracepoint]
 pub fn process_exit(_ctx: TracePointContext) -> u32 {
     let pid_tgid = bpf_get_current_pid_tgid();
@@ -680,8 +751,10 @@ fn emit(h: &Header, m: &Match, slot: u32) {
     count(counter::EVENTS_SENT);
 }
 
+/// The kernel's verifier refuses a program with a reachable unbounded loop, so a panic
+/// that could be reached makes loading fail loudly instead of being undefined behaviour.
 #[panic_handler]
 fn panic(_info: &core::panic::PanicInfo) -> ! {
-    // SAFETY: the verifier rejects programs that could reach a panic.
-    unsafe { core::hint::unreachable_unchecked() }
+    #[expect(clippy::empty_loop, reason = "a bpf program cannot abort; see above")]
+    loop {}
 }

@@ -1,9 +1,10 @@
 //! `hocus-agent prefetch --profile FILE`: warm the daemon's cache and pins from a profile,
 //! with a progress bar on a terminal.
 
-use std::{io::IsTerminal, path::Path};
+use std::path::Path;
 
 use anyhow::{Result, bail};
+use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::{
     cli::Context,
@@ -17,22 +18,30 @@ use crate::{
 
 pub fn run(ctx: &Context, file: &Path) -> Result<()> {
     let profile = read_exported(file)?;
-    let tty = std::io::stderr().is_terminal();
+    // indicatif draws on stderr only when it is a terminal.
+    let bar = ProgressBar::new(0).with_style(
+        ProgressStyle::with_template(
+            "{spinner} [{bar:30}] {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec} ETA {eta} {msg}",
+        )
+        .expect("a valid template")
+        .progress_chars("#> "),
+    );
     let mut last: Option<Progress> = None;
     let mut refused = None;
     let result = client::call_streaming(&ctx.socket, &Request::Prefetch { profile }, |r| match r {
         Response::Progress(p) => {
-            if tty {
-                eprint!("\r{}", bar(&p));
-            }
+            bar.set_length(p.bytes_total + p.tree_bytes_total);
+            bar.set_position(p.bytes_done + p.tree_bytes_done);
+            bar.set_message(format!(
+                "{}/{} files, {}/{} trees",
+                p.files_done, p.files_total, p.trees_done, p.trees_total
+            ));
             last = Some(p);
         }
         Response::Error { message } => refused = Some(message),
         _ => {}
     });
-    if tty && last.is_some() {
-        eprintln!();
-    }
+    bar.finish_and_clear();
     match result {
         Err(ClientError::NoDaemon(socket)) => bail!(
             "no hocus-agent daemon is running (nothing at {}): prefetching needs it, since it holds the copies and pins; start it with sudo hocus-agent --watch PATH",
@@ -75,28 +84,4 @@ pub fn run(ctx: &Context, file: &Path) -> Result<()> {
         human(p.pinned_bytes)
     );
     Ok(())
-}
-
-fn bar(p: &Progress) -> String {
-    const WIDTH: usize = 30;
-    let (done_bytes, total_bytes) = (
-        p.bytes_done + p.tree_bytes_done,
-        p.bytes_total + p.tree_bytes_total,
-    );
-    let done = if total_bytes > 0 {
-        (done_bytes as f64 / total_bytes as f64 * WIDTH as f64) as usize
-    } else {
-        WIDTH
-    };
-    format!(
-        "[{}{}] {}/{} files, {}/{} trees, {} / {}",
-        "#".repeat(done.min(WIDTH)),
-        " ".repeat(WIDTH - done.min(WIDTH)),
-        p.files_done,
-        p.files_total,
-        p.trees_done,
-        p.trees_total,
-        human(done_bytes),
-        human(total_bytes)
-    )
 }

@@ -68,9 +68,6 @@ pub enum Response {
     },
     /// Internal: a request was carried out.
     Ready,
-    Metrics {
-        text: String,
-    },
 }
 
 /// What a connection asks of the daemon's loop: a client's request, or one of the
@@ -89,8 +86,6 @@ pub enum Ask {
     JobEnded {
         id: u32,
     },
-    /// The metrics page, in the Prometheus text format (`Response::Metrics`).
-    Metrics,
 }
 
 /// A request with its caller, waiting for the daemon's answer: one response, or several

@@ -15,7 +15,7 @@ use hocus_common::counter;
 use tokio::{
     io::{Interest, unix::AsyncFd},
     signal::unix::SignalKind,
-    sync::mpsc,
+    sync::{mpsc, oneshot},
 };
 
 use crate::{
@@ -38,13 +38,13 @@ use crate::{
     report::metrics,
     shared::{
         settings::Settings,
-        status::{CacheStatus, Status, TopFile, WatchedMount},
+        status::{Status, TopFile, WatchedMount},
     },
 };
 
 mod keeper;
 
-use keeper::Order;
+use keeper::{Handle as Keeper, KeeperError};
 
 pub struct Options {
     /// The effective settings (defaults, config file, flags).
@@ -96,7 +96,9 @@ struct Daemon {
     /// Stats asked for and not answered yet.
     stats_pending: usize,
     reported_loss: u64,
-    keeper: std_mpsc::Sender<Order>,
+    keeper: Keeper,
+    /// When the keeper last failed to take an order (logged at most every 10 s).
+    keeper_failed_at: Option<Instant>,
     keeper_thread: Option<std::thread::JoinHandle<()>>,
     /// The working set changed since it was last placed.
     to_place: bool,
@@ -226,6 +228,7 @@ impl Daemon {
             stats_pending: 0,
             reported_loss: 0,
             keeper,
+            keeper_failed_at: None,
             keeper_thread: Some(keeper_thread),
             to_place: true,
         })
@@ -233,9 +236,14 @@ impl Daemon {
 
     async fn run(mut self) -> Result<()> {
         let (calls_tx, mut calls) = mpsc::channel::<Call>(16);
-        if let Some(addr) = self.opts.settings.metrics_addr() {
-            self.metrics_addr = Some(metrics::serve(addr, calls_tx.clone())?);
-        }
+        let mut scrapes = match self.opts.settings.metrics_addr() {
+            Some(addr) => {
+                let (bound, scrapes) = metrics::serve(addr).await?;
+                self.metrics_addr = Some(bound);
+                Some(scrapes)
+            }
+            None => None,
+        };
         server::serve(&self.socket, calls_tx)?;
         log::info!(
             "ready: profile in {}, control socket {}{}",
@@ -257,16 +265,21 @@ impl Daemon {
                 ready = self.tracer.readable_mut() => {
                     let mut guard = ready?;
                     guard.clear_ready();
-                    self.drain();
+                    self.drain().await;
                 }
-                _ = poll.tick() => self.drain(),
-                _ = sweep.tick() => self.sweep(),
+                _ = poll.tick() => self.drain().await,
+                _ = sweep.tick() => self.sweep().await,
                 _ = save.tick() => self.save(),
-                _ = place.tick() => self.place(),
+                _ = place.tick() => self.place().await,
                 Some(result) = self.stat_results.recv() => self.stat_done(result),
                 Some(call) = calls.recv() => self.answer(call).await,
+                Some(reply) = next_scrape(&mut scrapes) => {
+                    // What the workload did so far is counted first.
+                    self.sweep().await;
+                    let _ = reply.send(self.status(0).await);
+                }
                 _ = hup.recv() => {
-                    if self.reload() {
+                    if self.reload().await {
                         save = tokio::time::interval(self.opts.settings.save_interval());
                     }
                 }
@@ -275,15 +288,15 @@ impl Daemon {
             }
         }
         // What was traced so far, then nothing more: the profile is complete.
-        self.sweep();
+        self.sweep().await;
         self.tracer.get_mut().detach();
-        self.sweep();
+        self.sweep().await;
         log::info!("stopping: eBPF programs detached; saving the profile");
         self.dirty = true;
         self.save();
-        let _ = self.keeper.send(Order::Stop);
+        self.keeper.stop().await;
         if let Some(t) = self.keeper_thread.take() {
-            let _ = t.join();
+            let _ = tokio::task::spawn_blocking(move || t.join()).await;
         }
         log::info!("pins released; removing {}", self.socket.display());
         let _ = std::fs::remove_file(&self.socket);
@@ -293,7 +306,7 @@ impl Daemon {
         }
     }
 
-    fn drain(&mut self) {
+    async fn drain(&mut self) {
         let Self {
             tracer,
             observer,
@@ -305,14 +318,20 @@ impl Daemon {
             self.dirty = true;
             self.to_place = true;
         }
-        for access in self.observer.accesses.drain(..) {
-            let _ = self.keeper.send(Order::Access(access));
+        let accesses = std::mem::take(&mut self.observer.accesses);
+        for access in accesses {
+            let sent = self.keeper.access(access).await;
+            self.check(sent);
         }
-        for path in self.observer.changed.drain(..) {
-            let _ = self.keeper.send(Order::Invalidate(path));
+        let changed = std::mem::take(&mut self.observer.changed);
+        for path in changed {
+            let sent = self.keeper.invalidate(path).await;
+            self.check(sent);
         }
-        for path in self.observer.refused.drain(..) {
-            let _ = self.keeper.send(Order::Refused(path));
+        let refused = std::mem::take(&mut self.observer.refused);
+        for path in refused {
+            let sent = self.keeper.refused(path).await;
+            self.check(sent);
         }
         for (tgid, place) in self.observer.cwd_places.drain(..) {
             self.tracer.get_mut().set_cwd(tgid, place);
@@ -347,14 +366,32 @@ impl Daemon {
         }
     }
 
-    fn place(&mut self) {
+    async fn place(&mut self) {
         if std::mem::take(&mut self.to_place) {
-            let _ = self.keeper.send(Order::Place(self.ws.to_profile()));
+            let sent = self.keeper.place(self.ws.to_profile()).await;
+            self.check(sent);
         }
     }
 
-    fn sweep(&mut self) {
-        self.drain();
+    /// Logs a keeper that did not take an order (at most every 10 s).
+    fn check<T>(&mut self, result: Result<T, KeeperError>) -> Option<T> {
+        match result {
+            Ok(t) => Some(t),
+            Err(e) => {
+                if self
+                    .keeper_failed_at
+                    .is_none_or(|at| at.elapsed() >= Duration::from_secs(10))
+                {
+                    log::warn!("{e}: what it was told meanwhile is lost");
+                    self.keeper_failed_at = Some(Instant::now());
+                }
+                None
+            }
+        }
+    }
+
+    async fn sweep(&mut self) {
+        self.drain().await;
         let open = self.tracer.get_ref().open_files();
         for key in self.observer.sweep(&open, &mut self.ws) {
             self.tracer.get_mut().forget_open_file(&key);
@@ -401,41 +438,40 @@ impl Daemon {
         let request = match ask {
             Ask::Client(request) => request,
             Ask::Binds => {
-                let (tx, rx) = std_mpsc::channel();
-                let _ = self.keeper.send(Order::Binds(tx));
-                let binds = rx.recv_timeout(Duration::from_secs(10)).unwrap_or_default();
-                let _ = reply.send(Response::Binds(binds));
+                let response = match self.keeper.binds().await {
+                    Ok(binds) => Response::Binds(binds),
+                    Err(e) => Response::Error {
+                        message: e.to_string(),
+                    },
+                };
+                let _ = reply.send(response);
                 return;
             }
             Ask::JobStarting { id, binds } => {
                 // Events already read belong to earlier jobs; the keeper learns of this
                 // one before anything it does.
-                self.drain();
-                let (ack, acked) = std_mpsc::channel();
-                let _ = self.keeper.send(Order::JobStarting { id, binds, ack });
-                let _ = acked.recv_timeout(Duration::from_secs(10));
+                self.drain().await;
+                let started = self.keeper.job_starting(id, binds).await;
+                // A job the keeper does not follow still runs: its accesses count as
+                // misses.
+                self.check(started);
                 let _ = reply.send(Response::Ready);
                 return;
             }
             Ask::JobEnded { id } => {
                 // What the job did is read before it is forgotten.
-                self.sweep();
-                let _ = self.keeper.send(Order::JobEnded { id });
-                return;
-            }
-            Ask::Metrics => {
-                self.sweep();
-                let text = metrics::render(self.status(0));
-                let _ = reply.send(Response::Metrics { text });
+                self.sweep().await;
+                let ended = self.keeper.job_ended(id).await;
+                self.check(ended);
                 return;
             }
         };
         // Whatever the workload did before asking is in the ring buffer: read it first.
-        self.sweep();
+        self.sweep().await;
         self.finish_stats().await;
         let response = match request {
             Request::Status => {
-                let mut status = self.status(STATUS_TOP_FILES);
+                let mut status = self.status(STATUS_TOP_FILES).await;
                 status.top = readable_by(status.top, &caller).await;
                 Response::Status(Box::new(status))
             }
@@ -457,14 +493,14 @@ impl Daemon {
                 message: "only root may change the budgets".into(),
             },
             Request::Budgets { ssd, ram } => {
-                let _ = self.keeper.send(Order::Budgets { ssd, ram });
-                match self.keeper_status() {
-                    Some(cache) => Response::Status(Box::new(Status {
-                        cache: Some(cache),
-                        ..self.status(0)
-                    })),
-                    None => Response::Error {
-                        message: "the cache keeper does not answer".into(),
+                let set = self.keeper.set_budgets(ssd, ram).await;
+                match set.and(Ok(self.status(0).await)) {
+                    Ok(status) if status.cache.is_some() => Response::Status(Box::new(status)),
+                    Ok(_) => Response::Error {
+                        message: KeeperError::Busy.to_string(),
+                    },
+                    Err(e) => Response::Error {
+                        message: e.to_string(),
                     },
                 }
             }
@@ -477,11 +513,16 @@ impl Daemon {
                     return;
                 }
                 self.to_place = false;
-                let (tx, rx) = std_mpsc::channel();
-                let _ = self.keeper.send(Order::Prefetch(self.ws.to_profile(), tx));
+                let (tx, mut rx) = mpsc::unbounded_channel();
+                if let Err(e) = self.keeper.prefetch(self.ws.to_profile(), tx).await {
+                    let _ = reply.send(Response::Error {
+                        message: e.to_string(),
+                    });
+                    return;
+                }
                 // Progress arrives from the keeper's thread until it is done.
-                tokio::task::spawn_blocking(move || {
-                    for progress in rx {
+                tokio::spawn(async move {
+                    while let Some(progress) = rx.recv().await {
                         let finished = progress.finished;
                         if reply.send(Response::Progress(progress)).is_err() || finished {
                             break;
@@ -511,10 +552,21 @@ impl Daemon {
         Ok(counts)
     }
 
-    fn status(&self, top: usize) -> Status {
+    async fn status(&mut self, top: usize) -> Status {
         let (files, missing, dirs) = self.ws.counts();
         let hottest = self.ws.hottest(top);
-        let held = self.where_held(hottest.iter().map(|f| f.path.clone()).collect());
+        let paths: Vec<String> = hottest.iter().map(|f| f.path.clone()).collect();
+        let n = paths.len();
+        let held = match n {
+            0 => Vec::new(),
+            _ => self
+                .keeper
+                .where_held(paths)
+                .await
+                .unwrap_or_else(|_| vec!["network".into(); n]),
+        };
+        let cache = self.keeper.status().await;
+        let cache = self.check(cache);
         let top = hottest
             .into_iter()
             .zip(held)
@@ -559,24 +611,13 @@ impl Daemon {
             kernel,
             last_save_error: self.last_save_error.clone(),
             not_traced: self.tracer.get_ref().skipped.clone(),
-            cache: self.keeper_status(),
+            cache,
         }
-    }
-
-    /// Where the keeper holds these files: "ram", "ssd" or "network".
-    fn where_held(&self, paths: Vec<String>) -> Vec<String> {
-        let n = paths.len();
-        let (tx, rx) = std_mpsc::channel();
-        if n == 0 || self.keeper.send(Order::WhereHeld(paths, tx)).is_err() {
-            return vec!["network".into(); n];
-        }
-        rx.recv_timeout(Duration::from_secs(5))
-            .unwrap_or_else(|_| vec!["network".into(); n])
     }
 
     /// SIGHUP: reads the config file again and applies what can change live. A bad file
     /// changes nothing. Returns whether the settings changed.
-    fn reload(&mut self) -> bool {
+    async fn reload(&mut self) -> bool {
         let new = match Settings::effective(&self.opts.flags, self.opts.config.as_deref()) {
             Ok(s) => s,
             Err(e) => {
@@ -599,12 +640,16 @@ impl Daemon {
             log::warn!("SIGHUP: {name} changed: that takes a restart");
         }
         new.apply_logging();
-        let _ = self.keeper.send(Order::Reconfigure(keeper::Reconfigure {
-            ssd_budget: budgets.ssd,
-            ram_budget: budgets.ram,
-            filters: Filters::of(&new),
-            revalidate: new.revalidate(),
-        }));
+        let reconfigured = self
+            .keeper
+            .reconfigure(keeper::Reconfigure {
+                ssd_budget: budgets.ssd,
+                ram_budget: budgets.ram,
+                filters: Filters::of(&new),
+                revalidate: new.revalidate(),
+            })
+            .await;
+        self.check(reconfigured);
         log::info!(
             "SIGHUP: configuration reloaded from {}",
             self.opts
@@ -615,11 +660,13 @@ impl Daemon {
         self.opts.settings = new;
         true
     }
+}
 
-    fn keeper_status(&self) -> Option<CacheStatus> {
-        let (tx, rx) = std_mpsc::channel();
-        self.keeper.send(Order::Status(tx)).ok()?;
-        rx.recv_timeout(Duration::from_secs(5)).ok()
+/// The next scrape waiting, or never when metrics are off.
+async fn next_scrape(scrapes: &mut Option<metrics::Scrapes>) -> Option<oneshot::Sender<Status>> {
+    match scrapes {
+        Some(s) => s.recv().await,
+        None => std::future::pending().await,
     }
 }
 

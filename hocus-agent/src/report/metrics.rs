@@ -1,37 +1,35 @@
-//! Prometheus metrics (docs/metrics.md): a small HTTP server on its own thread that asks
-//! the daemon's loop for a snapshot at each scrape and encodes it with prometheus-client.
+//! Prometheus metrics (docs/metrics.md): an HTTP server (axum) on the daemon's runtime
+//! that asks the daemon's loop for its status at each scrape and encodes it with
+//! prometheus-client.
 //!
 //! prometheus-client writes OpenMetrics; a Prometheus server asks for that. Other clients
 //! (curl, promtool) get the classic text format (0.0.4), where a counter's HELP and TYPE
 //! carry its `_total` name.
 
-use std::{
-    io::{BufRead, BufReader, Read, Write},
-    net::{SocketAddr, TcpListener, TcpStream},
-    thread,
-    time::Duration,
-};
+use std::{net::SocketAddr, time::Duration};
 
 use anyhow::{Context, Result};
+use axum::{
+    Router,
+    extract::State,
+    http::{HeaderMap, StatusCode, header},
+    response::{Html, IntoResponse, Response},
+    routing::get,
+};
 use prometheus_client::{
     collector::Collector,
     encoding::{DescriptorEncoder, EncodeMetric},
     metrics::{counter::ConstCounter, gauge::ConstGauge},
     registry::{Registry, Unit},
 };
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 
-use crate::{
-    control::{
-        protocol::{Ask, Call, Response},
-        server,
-    },
-    redirect::access::Caller,
-    shared::status::{CacheStatus, Served, Status},
-};
+use crate::shared::status::{CacheStatus, Served, Status};
 
 const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 const CLASSIC: &str = "text/plain; version=0.0.4; charset=utf-8";
+/// How long a scrape waits for the daemon's loop.
+const SCRAPE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Copy failure reasons (`CopyError::reason`), always all listed.
 const COPY_FAILURES: [&str; 5] = [
     "changed",
@@ -41,93 +39,71 @@ const COPY_FAILURES: [&str; 5] = [
     "write_error",
 ];
 
-/// Binds `addr` and serves /metrics from a thread; returns the bound address.
-pub fn serve(addr: SocketAddr, calls: mpsc::Sender<Call>) -> Result<SocketAddr> {
-    let listener = TcpListener::bind(addr).with_context(|| {
+/// Scrapes waiting for the daemon's loop: each gets the status of that moment.
+pub type Scrapes = mpsc::Receiver<oneshot::Sender<Status>>;
+
+/// Binds `addr` and serves /metrics from the daemon's own runtime (hyper, through axum).
+/// Returns the bound address, and the scrapes the daemon's loop answers.
+pub async fn serve(addr: SocketAddr) -> Result<(SocketAddr, Scrapes)> {
+    let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| {
         format!(
             "cannot serve metrics on {addr}; choose another address with --metrics-addr, or turn metrics off with --no-metrics"
         )
     })?;
     let bound = listener.local_addr()?;
-    thread::Builder::new()
-        .name("hocus-metrics".into())
-        .spawn(move || {
-            for stream in listener.incoming().flatten() {
-                let calls = calls.clone();
-                // A thread per scrape: a slow client must not stall the others.
-                let _ = thread::Builder::new()
-                    .name("hocus-scrape".into())
-                    .spawn(move || answer(stream, &calls));
-            }
-        })?;
-    Ok(bound)
-}
-
-fn answer(stream: TcpStream, calls: &mpsc::Sender<Call>) {
-    let _ = stream.set_read_timeout(Some(Duration::from_secs(10)));
-    let _ = stream.set_write_timeout(Some(Duration::from_secs(10)));
-    let mut reader = BufReader::new(&stream).take(64 << 10);
-    let mut request_line = String::new();
-    if reader.read_line(&mut request_line).is_err() {
-        return;
-    }
-    let mut openmetrics = false;
-    loop {
-        let mut header = String::new();
-        match reader.read_line(&mut header) {
-            Ok(0) | Err(_) => return,
-            Ok(_) if header.trim().is_empty() => break,
-            Ok(_) => {
-                let lower = header.to_ascii_lowercase();
-                if lower.starts_with("accept:") && lower.contains("application/openmetrics-text") {
-                    openmetrics = true;
-                }
-            }
+    // A few scrapes may wait while the loop is busy; more are refused with 503.
+    let (scrapes, waiting) = mpsc::channel(4);
+    let app = Router::new()
+        .route("/metrics", get(metrics))
+        .route("/", get(index))
+        .fallback(|| async { (StatusCode::NOT_FOUND, "try /metrics\n") })
+        .with_state(scrapes);
+    // axum's accept loop backs off on errors (out of descriptors) instead of spinning.
+    tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, app).await {
+            log::error!("the metrics server stopped: {e}");
         }
-    }
-    let mut parts = request_line.split_whitespace();
-    let (method, path) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
-    let path = path.split('?').next().unwrap_or("");
-    let (status, kind, body) = match (method, path) {
-        ("GET", "/metrics") => match scrape(calls) {
-            Some(text) if openmetrics => ("200 OK", OPENMETRICS, text),
-            Some(text) => ("200 OK", CLASSIC, classic(&text)),
-            None => (
-                "503 Service Unavailable",
-                "text/plain",
-                "hocus-agent is stopping\n".into(),
-            ),
-        },
-        ("GET", "/") => (
-            "200 OK",
-            "text/html",
-            "<html><body><a href=\"/metrics\">hocus-agent metrics</a></body></html>\n".into(),
-        ),
-        ("GET", _) => ("404 Not Found", "text/plain", "try /metrics\n".into()),
-        _ => ("405 Method Not Allowed", "text/plain", "GET only\n".into()),
-    };
-    let mut out = &stream;
-    let _ = write!(
-        out,
-        "HTTP/1.1 {status}\r\nContent-Type: {kind}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    );
+    });
+    Ok((bound, waiting))
 }
 
-fn scrape(calls: &mpsc::Sender<Call>) -> Option<String> {
-    let nobody = Caller {
-        pid: 0,
-        uid: u32::MAX,
-        gid: u32::MAX,
-        groups: Vec::new(),
+async fn index() -> Html<&'static str> {
+    Html("<html><body><a href=\"/metrics\">hocus-agent metrics</a></body></html>\n")
+}
+
+/// A Prometheus server asks for OpenMetrics and gets it; anyone else gets the classic
+/// text format.
+async fn metrics(
+    State(scrapes): State<mpsc::Sender<oneshot::Sender<Status>>>,
+    headers: HeaderMap,
+) -> Response {
+    let openmetrics = headers
+        .get_all(header::ACCEPT)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .any(|v| v.contains("application/openmetrics-text"));
+    let (reply, status) = oneshot::channel();
+    let status = match scrapes.try_send(reply) {
+        Ok(()) => tokio::time::timeout(SCRAPE_TIMEOUT, status)
+            .await
+            .ok()
+            .and_then(Result::ok),
+        Err(_) => None,
     };
-    match server::ask(calls, nobody, Ask::Metrics)
-        .ok()?
-        .blocking_recv()?
-    {
-        Response::Metrics { text } => Some(text),
-        _ => None,
-    }
+    let Some(status) = status else {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "hocus-agent is busy or stopping; try again\n",
+        )
+            .into_response();
+    };
+    let text = render(status);
+    let (kind, body) = if openmetrics {
+        (OPENMETRICS, text)
+    } else {
+        (CLASSIC, classic(&text))
+    };
+    ([(header::CONTENT_TYPE, kind)], body).into_response()
 }
 
 /// OpenMetrics to the classic text format: counters are declared under their `_total`

@@ -2,7 +2,12 @@
 //! cache, pins in RAM, evictions), keeps copies consistent with the network (revalidation
 //! at an interval, invalidation at once when the tracer sees a change), and counts where
 //! the bytes jobs read would come from. It runs on its own thread, with a pool of copy
-//! workers, so the daemon's event loop never waits on the network.
+//! workers; the daemon's loop talks to it only through [`Handle`], whose every wait is
+//! bounded, so that loop never waits on the network.
+
+mod handle;
+
+pub use handle::{Handle, KeeperError};
 
 use std::{
     collections::{HashMap, HashSet},
@@ -14,6 +19,7 @@ use std::{
 };
 
 use anyhow::Result;
+use tokio::sync::{mpsc as tokio_mpsc, oneshot};
 
 use crate::{
     cache::{
@@ -88,24 +94,24 @@ pub enum Order {
     Access(Access),
     Reconfigure(Reconfigure),
     /// Place these files now and report progress until their copies are done.
-    Prefetch(Profile, mpsc::Sender<Progress>),
-    Status(mpsc::Sender<CacheStatus>),
+    Prefetch(Profile, Progressing),
+    Status(oneshot::Sender<CacheStatus>),
     /// Where each file is held: "ram", "ssd" or "network".
-    WhereHeld(Vec<String>, mpsc::Sender<Vec<String>>),
+    WhereHeld(Vec<String>, oneshot::Sender<Vec<String>>),
     /// New budgets (bytes); pins and copies beyond them are released.
     Budgets {
         ssd: Option<u64>,
         ram: Option<u64>,
     },
     /// The binds a new job's namespace gets: every valid copy.
-    Binds(mpsc::Sender<Vec<Bind>>),
+    Binds(oneshot::Sender<Vec<Bind>>),
     /// A job is about to be forked by the daemon thread `id`, in that thread's mount
     /// namespace, with these binds; `ack` answers once it is registered (so the job's
     /// first opens find it).
     JobStarting {
         id: u32,
         binds: Vec<Bind>,
-        ack: mpsc::Sender<()>,
+        ack: oneshot::Sender<()>,
     },
     JobEnded {
         id: u32,
@@ -146,8 +152,11 @@ struct Snapshot {
 
 type Done = (String, Result<Identity, CopyError>);
 
+/// Where a prefetch's progress goes.
+pub type Progressing = tokio_mpsc::UnboundedSender<Progress>;
+
+/// What the workers send back.
 enum Msg {
-    Order(Order),
     Copied(Done),
     Snapshotted(
         PathBuf,
@@ -155,8 +164,11 @@ enum Msg {
     ),
 }
 
-/// Starts the keeper; orders go in through the returned sender.
-pub fn start(config: Config) -> Result<(mpsc::Sender<Order>, thread::JoinHandle<()>)> {
+/// Orders waiting for the keeper; a daemon loop sending more waits (bounded memory).
+const ORDER_QUEUE: usize = 4096;
+
+/// Starts the keeper; orders go in through the returned handle.
+pub fn start(config: Config) -> Result<(Handle, thread::JoinHandle<()>)> {
     let (cache, repairs) = Cache::open(&config.cache_dir)?;
     if repairs != Default::default() {
         log::info!(
@@ -175,19 +187,10 @@ pub fn start(config: Config) -> Result<(mpsc::Sender<Order>, thread::JoinHandle<
         human(config.ssd_budget),
         human(config.ram_budget)
     );
-    let (msg_tx, msg_rx) = mpsc::channel::<Msg>();
-    let (order_tx, order_rx) = mpsc::channel::<Order>();
-    // Orders are forwarded into the keeper's single inbox, beside copy results.
-    let forward = msg_tx.clone();
-    thread::Builder::new()
-        .name("hocus-orders".into())
-        .spawn(move || {
-            for order in order_rx {
-                if forward.send(Msg::Order(order)).is_err() {
-                    break;
-                }
-            }
-        })?;
+    // Results are few per job sent (one per copy or snapshot): unbounded, so that a
+    // worker never waits on the keeper.
+    let (msg_tx, msg_rx) = tokio_mpsc::unbounded_channel::<Msg>();
+    let (order_tx, order_rx) = tokio_mpsc::channel::<Order>(ORDER_QUEUE);
     let (job_tx, job_rx) = mpsc::channel::<Work>();
     let job_rx = Arc::new(Mutex::new(job_rx));
     for i in 0..config.copy_workers.max(1) {
@@ -258,15 +261,15 @@ pub fn start(config: Config) -> Result<(mpsc::Sender<Order>, thread::JoinHandle<
         .collect();
     let handle = thread::Builder::new()
         .name("hocus-keeper".into())
-        .spawn(move || keeper.run(msg_rx))?;
-    Ok((order_tx, handle))
+        .spawn(move || keeper.run(order_rx, msg_rx))?;
+    Ok((Handle::new(order_tx), handle))
 }
 
 struct Watcher {
     remaining: HashSet<String>,
     trees: HashSet<PathBuf>,
     progress: Progress,
-    tx: mpsc::Sender<Progress>,
+    tx: Progressing,
 }
 
 struct Keeper {
@@ -303,33 +306,62 @@ struct Keeper {
 }
 
 impl Keeper {
-    fn run(&mut self, inbox: mpsc::Receiver<Msg>) {
-        let mut next_check = Instant::now() + self.config.revalidate;
-        let mut last_save = Instant::now();
-        loop {
-            let timeout = next_check
-                .saturating_duration_since(Instant::now())
-                .min(INDEX_SAVE_INTERVAL);
-            match inbox.recv_timeout(timeout) {
-                Ok(Msg::Order(Order::Stop)) | Err(mpsc::RecvTimeoutError::Disconnected) => break,
-                Ok(Msg::Order(order)) => self.obey(order),
-                Ok(Msg::Copied(done)) => self.copied(done),
-                Ok(Msg::Snapshotted(root, result)) => self.snapshotted(root, result),
-                Err(mpsc::RecvTimeoutError::Timeout) => {}
+    /// The keeper's loop, on its own thread: orders from the daemon, results from the
+    /// workers, and the timers of revalidation and index saves.
+    fn run(
+        &mut self,
+        mut orders: tokio_mpsc::Receiver<Order>,
+        mut results: tokio_mpsc::UnboundedReceiver<Msg>,
+    ) {
+        let runtime = match tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+        {
+            Ok(r) => r,
+            Err(e) => {
+                log::error!("the cache keeper cannot run: {e}");
+                return;
             }
-            if Instant::now() >= next_check {
-                self.revalidate();
-                next_check = Instant::now() + self.config.revalidate;
+        };
+        runtime.block_on(async {
+            let mut next_check = Instant::now() + self.config.revalidate;
+            let mut last_save = Instant::now();
+            loop {
+                let timeout = next_check
+                    .saturating_duration_since(Instant::now())
+                    .min(INDEX_SAVE_INTERVAL);
+                tokio::select! {
+                    // Results first: they free budget and finish prefetches.
+                    biased;
+                    Some(msg) = results.recv() => match msg {
+                        Msg::Copied(done) => self.copied(done),
+                        Msg::Snapshotted(root, result) => self.snapshotted(root, result),
+                    },
+                    order = orders.recv() => match order {
+                        None | Some(Order::Stop) => break,
+                        Some(order) => self.obey(order),
+                    },
+                    () = tokio::time::sleep(timeout) => {}
+                }
+                self.tick(&mut next_check, &mut last_save);
             }
-            // The index is rewritten whole: at most once a second, not once per copy (a
-            // crash loses the entries of the last second; their files are then removed
-            // as strays at the next start).
-            if last_save.elapsed() >= INDEX_SAVE_INTERVAL {
-                self.cache.save();
-                last_save = Instant::now();
-            }
-        }
+        });
         self.cache.save();
+    }
+
+    /// Revalidates and saves the index when they are due.
+    fn tick(&mut self, next_check: &mut Instant, last_save: &mut Instant) {
+        if Instant::now() >= *next_check {
+            self.revalidate();
+            *next_check = Instant::now() + self.config.revalidate;
+        }
+        // The index is rewritten whole: at most once a second, not once per copy (a crash
+        // loses the entries of the last second; their files are then removed as strays at
+        // the next start).
+        if last_save.elapsed() >= INDEX_SAVE_INTERVAL {
+            self.cache.save();
+            *last_save = Instant::now();
+        }
     }
 
     fn obey(&mut self, order: Order) {

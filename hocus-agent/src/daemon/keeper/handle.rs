@@ -1,0 +1,128 @@
+//! The daemon's async face on the keeper thread, in the actor style: one `async fn` per
+//! request, each a message on a bounded queue with a `oneshot` reply, each wait bounded
+//! by [`ANSWER_TIMEOUT`] so that a keeper busy elsewhere becomes a clear error, never a
+//! stalled event loop.
+
+use std::time::Duration;
+
+use tokio::sync::{mpsc, oneshot};
+
+use super::{Order, Progressing, Reconfigure};
+use crate::{
+    observe::events::Access, profile::format::Profile, redirect::mountns::Bind,
+    shared::status::CacheStatus,
+};
+
+/// How long the daemon waits for the keeper to take or answer a request.
+pub const ANSWER_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Why the keeper did not answer.
+#[derive(Debug, thiserror::Error)]
+pub enum KeeperError {
+    #[error("the cache keeper has stopped")]
+    Stopped,
+    #[error("the cache keeper did not answer within {} s", ANSWER_TIMEOUT.as_secs())]
+    Busy,
+}
+
+/// Sends orders to the keeper; cheap to clone.
+#[derive(Clone)]
+pub struct Handle {
+    orders: mpsc::Sender<Order>,
+}
+
+impl Handle {
+    pub(super) fn new(orders: mpsc::Sender<Order>) -> Self {
+        Self { orders }
+    }
+
+    /// Queues an order that needs no answer; waits only while the queue is full.
+    async fn tell(&self, order: Order) -> Result<(), KeeperError> {
+        match tokio::time::timeout(ANSWER_TIMEOUT, self.orders.send(order)).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(_)) => Err(KeeperError::Stopped),
+            Err(_) => Err(KeeperError::Busy),
+        }
+    }
+
+    /// Sends the order `make` builds around a reply channel, and waits for the reply.
+    async fn ask<T>(
+        &self,
+        make: impl FnOnce(oneshot::Sender<T>) -> Order,
+    ) -> Result<T, KeeperError> {
+        let (reply, answer) = oneshot::channel();
+        self.tell(make(reply)).await?;
+        match tokio::time::timeout(ANSWER_TIMEOUT, answer).await {
+            Ok(Ok(t)) => Ok(t),
+            Ok(Err(_)) => Err(KeeperError::Stopped),
+            Err(_) => Err(KeeperError::Busy),
+        }
+    }
+
+    /// The working set changed: place it again.
+    pub async fn place(&self, profile: Profile) -> Result<(), KeeperError> {
+        self.tell(Order::Place(profile)).await
+    }
+
+    /// Places `profile` now; progress arrives on `progress` until it is finished.
+    pub async fn prefetch(
+        &self,
+        profile: Profile,
+        progress: Progressing,
+    ) -> Result<(), KeeperError> {
+        self.tell(Order::Prefetch(profile, progress)).await
+    }
+
+    /// The tracer saw the file written, truncated, renamed or unlinked.
+    pub async fn invalidate(&self, path: String) -> Result<(), KeeperError> {
+        self.tell(Order::Invalidate(path)).await
+    }
+
+    /// A job tried to write the file through its read-only copy.
+    pub async fn refused(&self, path: String) -> Result<(), KeeperError> {
+        self.tell(Order::Refused(path)).await
+    }
+
+    /// A process opened, failed to find or read a watched file.
+    pub async fn access(&self, access: Access) -> Result<(), KeeperError> {
+        self.tell(Order::Access(access)).await
+    }
+
+    pub async fn reconfigure(&self, r: Reconfigure) -> Result<(), KeeperError> {
+        self.tell(Order::Reconfigure(r)).await
+    }
+
+    /// New budgets in bytes; pins and copies beyond them are released.
+    pub async fn set_budgets(&self, ssd: Option<u64>, ram: Option<u64>) -> Result<(), KeeperError> {
+        self.tell(Order::Budgets { ssd, ram }).await
+    }
+
+    pub async fn status(&self) -> Result<CacheStatus, KeeperError> {
+        self.ask(Order::Status).await
+    }
+
+    /// Where each file is held: "ram", "ssd" or "network".
+    pub async fn where_held(&self, paths: Vec<String>) -> Result<Vec<String>, KeeperError> {
+        self.ask(|reply| Order::WhereHeld(paths, reply)).await
+    }
+
+    /// The binds a new job's namespace gets.
+    pub async fn binds(&self) -> Result<Vec<Bind>, KeeperError> {
+        self.ask(Order::Binds).await
+    }
+
+    /// A job is about to be forked by the daemon thread `id`, in that thread's mount
+    /// namespace, with these binds; returns once the keeper follows it.
+    pub async fn job_starting(&self, id: u32, binds: Vec<Bind>) -> Result<(), KeeperError> {
+        self.ask(|ack| Order::JobStarting { id, binds, ack }).await
+    }
+
+    pub async fn job_ended(&self, id: u32) -> Result<(), KeeperError> {
+        self.tell(Order::JobEnded { id }).await
+    }
+
+    /// Asks the keeper to stop: it saves its index and releases its pins.
+    pub async fn stop(&self) {
+        let _ = self.tell(Order::Stop).await;
+    }
+}
