@@ -82,9 +82,15 @@ impl Cache {
                 .create(dir)?;
         }
         let mut repairs = Repairs::default();
+        // Unfinished copies, and snapshot trees dropped but not yet deleted.
         for entry in fs::read_dir(&tmp)? {
             let entry = entry?;
-            if fs::remove_file(entry.path()).is_ok() {
+            let removed = if entry.file_type()?.is_dir() {
+                fs::remove_dir_all(entry.path())
+            } else {
+                fs::remove_file(entry.path())
+            };
+            if removed.is_ok() {
                 repairs.temporary_removed += 1;
             }
         }
@@ -250,6 +256,8 @@ mod tests {
         // A crash: a half-written copy, a copy deleted behind our back, one truncated, and a
         // stray file no entry knows.
         fs::write(root.join("tmp/copy-1-abc"), "half").unwrap();
+        fs::create_dir_all(root.join("tmp/dropped-1/lib")).unwrap();
+        fs::write(root.join("tmp/dropped-1/lib/x.py"), "x").unwrap();
         fs::remove_file(cache.local("/net/a.py")).unwrap();
         fs::write(cache.local("/net/b.py"), "b").unwrap();
         fs::write(cache.local("/net/stray.py"), "?").unwrap();
@@ -259,7 +267,7 @@ mod tests {
         assert_eq!(
             repairs,
             Repairs {
-                temporary_removed: 1,
+                temporary_removed: 2,
                 entries_dropped: 2,
                 strays_removed: 2,
             }

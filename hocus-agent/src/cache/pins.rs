@@ -48,30 +48,25 @@ impl Pins {
         }
     }
 
-    /// Maps and locks the local copy `local` of `source`.
-    pub fn pin(&mut self, source: &str, local: &Path) -> Result<(), PinError> {
-        if self.pinned.contains_key(source) {
-            return Ok(());
-        }
-        if self.pinned.len() >= self.max_maps {
+    /// Whether another mapping fits under vm.max_map_count; remembers when not.
+    pub fn has_room(&mut self, pending: usize) -> Result<(), PinError> {
+        let n = self.pinned.len() + pending;
+        if n >= self.max_maps {
             self.limited_by_map_count = true;
-            return Err(PinError::MapCount(self.pinned.len()));
+            return Err(PinError::MapCount(n));
         }
-        let file = File::open(local)?;
-        let size = file.metadata()?.len();
-        let map = if size == 0 {
-            None // nothing to hold
-        } else {
-            // SAFETY: the copy lives in the root-only cache; nobody but hocus changes it,
-            // and hocus unpins before deleting or replacing it.
-            let map = unsafe { Mmap::map(&file)? };
-            map.lock()?;
-            Some(map)
-        };
-        self.bytes += size;
-        self.pinned
-            .insert(source.to_owned(), Pin { _map: map, size });
         Ok(())
+    }
+
+    /// Holds `map` (from [`map_locked`], of `size` bytes) as the pin of `source`.
+    pub fn hold(&mut self, source: &str, map: Option<Mmap>, size: u64) {
+        if let Some(old) = self
+            .pinned
+            .insert(source.to_owned(), Pin { _map: map, size })
+        {
+            self.bytes -= old.size;
+        }
+        self.bytes += size;
     }
 
     pub fn unpin(&mut self, source: &str) {
@@ -97,6 +92,21 @@ impl Pins {
     }
 }
 
+/// Maps and locks a local copy: its mapping (none for an empty file) and size. Faults
+/// every page in from the cache's disk, so it runs on a worker, not the keeper.
+pub fn map_locked(local: &Path) -> std::io::Result<(Option<Mmap>, u64)> {
+    let file = File::open(local)?;
+    let size = file.metadata()?.len();
+    if size == 0 {
+        return Ok((None, 0)); // nothing to hold
+    }
+    // SAFETY: the copy lives in the root-only cache; nobody but hocus changes it, and
+    // hocus unpins before deleting or replacing it.
+    let map = unsafe { Mmap::map(&file)? };
+    map.lock()?;
+    Ok((Some(map), size))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -109,12 +119,17 @@ mod tests {
         let empty = dir.path().join("empty");
         std::fs::write(&empty, b"").unwrap();
         let mut pins = Pins::new();
-        pins.pin("/net/a", &a).unwrap();
-        pins.pin("/net/a", &a).unwrap();
-        pins.pin("/net/empty", &empty).unwrap();
+        let pin = |pins: &mut Pins, source: &str, local: &Path| {
+            let (map, size) = map_locked(local)?;
+            pins.hold(source, map, size);
+            std::io::Result::Ok(())
+        };
+        pin(&mut pins, "/net/a", &a).unwrap();
+        pin(&mut pins, "/net/a", &a).unwrap();
+        pin(&mut pins, "/net/empty", &empty).unwrap();
         assert_eq!((pins.len(), pins.bytes()), (2, 10_000));
         pins.unpin("/net/a");
         assert_eq!((pins.len(), pins.bytes()), (1, 0));
-        assert!(pins.pin("/net/gone", &dir.path().join("gone")).is_err());
+        assert!(pin(&mut pins, "/net/gone", &dir.path().join("gone")).is_err());
     }
 }

@@ -5,7 +5,9 @@
 //! workers; the daemon's loop talks to it only through [`Handle`], whose every wait is
 //! bounded, so that loop never waits on the network.
 
+mod decide;
 mod handle;
+mod work;
 
 pub use handle::{Handle, KeeperError};
 
@@ -13,27 +15,28 @@ use std::{
     collections::{HashMap, HashSet},
     fs::File,
     path::{Path, PathBuf},
-    sync::{Arc, Mutex, mpsc},
     thread,
     time::{Duration, Instant},
 };
 
 use anyhow::Result;
+use memmap2::Mmap;
 use tokio::sync::{mpsc as tokio_mpsc, oneshot};
 
+use self::{
+    decide::{Held, Known},
+    work::{Done, Work, Workers},
+};
 use crate::{
     cache::{
-        copy::{self, CopyError, Identity, Reader},
+        copy::{CopyError, Identity, Reader},
         directory::Cache,
-        pins::{PinError, Pins},
+        pins::Pins,
         snapshot,
     },
     observe::events::{Access, What},
-    place::{
-        budget::Budgets,
-        placement::{self, Filters},
-    },
-    profile::format::{FileEntry, Profile},
+    place::{budget::Budgets, placement::Filters},
+    profile::format::Profile,
     redirect::{
         jobs::{self, Job, Server},
         mountns::{self, Bind},
@@ -48,8 +51,6 @@ use crate::{
 
 /// How often the cache index is written while it changes.
 const INDEX_SAVE_INTERVAL: Duration = Duration::from_secs(1);
-/// A snapshot holds at most this many entries (directories, files, symlinks).
-const SNAPSHOT_MAX_ENTRIES: usize = 200_000;
 
 pub struct Config {
     pub cache_dir: PathBuf,
@@ -121,26 +122,6 @@ pub enum Order {
     Stop,
 }
 
-struct CopyJob {
-    source: String,
-    tree: PathBuf,
-    reader: Reader,
-    dest: PathBuf,
-}
-
-struct SnapshotJob {
-    root: PathBuf,
-    tree: PathBuf,
-    dest: PathBuf,
-    /// The cache's valid copies under `root`, to link instead of copying.
-    cached: HashMap<PathBuf, (PathBuf, Identity)>,
-}
-
-enum Work {
-    Copy(CopyJob),
-    Snapshot(SnapshotJob),
-}
-
 /// A snapshot in place: where it is, and what the network tree was.
 struct Snapshot {
     local: PathBuf,
@@ -150,19 +131,8 @@ struct Snapshot {
     bytes: u64,
 }
 
-type Done = (String, Result<Identity, CopyError>);
-
 /// Where a prefetch's progress goes.
 pub type Progressing = tokio_mpsc::UnboundedSender<Progress>;
-
-/// What the workers send back.
-enum Msg {
-    Copied(Done),
-    Snapshotted(
-        PathBuf,
-        Result<(snapshot::Stamp, snapshot::Taken), CopyError>,
-    ),
-}
 
 /// Orders waiting for the keeper; a daemon loop sending more waits (bounded memory).
 const ORDER_QUEUE: usize = 4096;
@@ -187,54 +157,21 @@ pub fn start(config: Config) -> Result<(Handle, thread::JoinHandle<()>)> {
         human(config.ssd_budget),
         human(config.ram_budget)
     );
-    // Results are few per job sent (one per copy or snapshot): unbounded, so that a
-    // worker never waits on the keeper.
-    let (msg_tx, msg_rx) = tokio_mpsc::unbounded_channel::<Msg>();
+    // Results are few per job sent (one per copy, snapshot, pin or check): unbounded,
+    // so that a worker never waits on the keeper.
+    let (done_tx, done_rx) = tokio_mpsc::unbounded_channel::<Done>();
     let (order_tx, order_rx) = tokio_mpsc::channel::<Order>(ORDER_QUEUE);
-    let (job_tx, job_rx) = mpsc::channel::<Work>();
-    let job_rx = Arc::new(Mutex::new(job_rx));
-    for i in 0..config.copy_workers.max(1) {
-        let jobs = Arc::clone(&job_rx);
-        let results = msg_tx.clone();
-        let tmp = cache.tmp_dir().to_owned();
-        thread::Builder::new()
-            .name(format!("hocus-copy-{i}"))
-            .spawn(move || {
-                loop {
-                    let job = match jobs.lock().map(|rx| rx.recv()) {
-                        Ok(Ok(job)) => job,
-                        _ => break,
-                    };
-                    let msg = match job {
-                        Work::Copy(job) => {
-                            let result = copy::copy(
-                                &job.tree,
-                                job.source.as_ref(),
-                                &job.reader,
-                                &tmp,
-                                &job.dest,
-                            );
-                            Msg::Copied((job.source, result))
-                        }
-                        Work::Snapshot(job) => {
-                            let cached = |p: &Path| job.cached.get(p).cloned();
-                            let result =
-                                snapshot::take(&job.tree, &job.root, &job.dest, &tmp, &cached);
-                            Msg::Snapshotted(job.root, result)
-                        }
-                    };
-                    if results.send(msg).is_err() {
-                        break;
-                    }
-                }
-            })?;
-    }
+    let workers = Workers::start(config.copy_workers, cache.tmp_dir(), done_tx)?;
     let mut keeper = Keeper {
         effective_ssd_budget: config.ssd_budget,
         config,
         cache,
         pins: Pins::new(),
-        copy_jobs: job_tx,
+        workers,
+        pinning: HashMap::new(),
+        revalidating: false,
+        trees_removed: 0,
+        measuring: HashSet::new(),
         in_flight: HashMap::new(),
         wanted: HashMap::new(),
         unstable: HashMap::new(),
@@ -261,7 +198,7 @@ pub fn start(config: Config) -> Result<(Handle, thread::JoinHandle<()>)> {
         .collect();
     let handle = thread::Builder::new()
         .name("hocus-keeper".into())
-        .spawn(move || keeper.run(order_rx, msg_rx))?;
+        .spawn(move || keeper.run(order_rx, done_rx))?;
     Ok((Handle::new(order_tx), handle))
 }
 
@@ -278,7 +215,15 @@ struct Keeper {
     effective_ssd_budget: u64,
     cache: Cache,
     pins: Pins,
-    copy_jobs: mpsc::Sender<Work>,
+    workers: Workers,
+    /// Pins being made: source -> size.
+    pinning: HashMap<String, u64>,
+    /// A revalidation is under way.
+    revalidating: bool,
+    /// Snapshot trees handed to a worker for removal (names them apart in tmp/).
+    trees_removed: u64,
+    /// Chains of directories (by their top) being measured for a snapshot.
+    measuring: HashSet<PathBuf>,
     /// Copies under way: source -> expected size.
     in_flight: HashMap<String, u64>,
     /// The last placement: each wanted file, and whether it is to be pinned.
@@ -311,7 +256,7 @@ impl Keeper {
     fn run(
         &mut self,
         mut orders: tokio_mpsc::Receiver<Order>,
-        mut results: tokio_mpsc::UnboundedReceiver<Msg>,
+        mut results: tokio_mpsc::UnboundedReceiver<Done>,
     ) {
         let runtime = match tokio::runtime::Builder::new_current_thread()
             .enable_time()
@@ -333,10 +278,7 @@ impl Keeper {
                 tokio::select! {
                     // Results first: they free budget and finish prefetches.
                     biased;
-                    Some(msg) = results.recv() => match msg {
-                        Msg::Copied(done) => self.copied(done),
-                        Msg::Snapshotted(root, result) => self.snapshotted(root, result),
-                    },
+                    Some(done) = results.recv() => self.done(done),
                     order = orders.recv() => match order {
                         None | Some(Order::Stop) => break,
                         Some(order) => self.obey(order),
@@ -347,6 +289,24 @@ impl Keeper {
             }
         });
         self.cache.save();
+    }
+
+    /// A worker finished something.
+    fn done(&mut self, done: Done) {
+        match done {
+            Done::Copied(source, result) => self.copied(source, result),
+            Done::Snapshotted(root, result) => self.snapshotted(root, result),
+            Done::Pinned(source, result) => self.pinned(source, result),
+            Done::Revalidated {
+                changed,
+                changed_trees,
+            } => self.revalidated(changed, changed_trees),
+            Done::Measured {
+                chain,
+                chosen,
+                unsuitable,
+            } => self.measured(chain, chosen, unsuitable),
+        }
     }
 
     /// Revalidates and saves the index when they are due.
@@ -390,7 +350,7 @@ impl Keeper {
                     progress,
                     tx,
                 };
-                if w.remaining.is_empty() && w.trees.is_empty() {
+                if w.remaining.is_empty() && w.trees.is_empty() && self.pinning.is_empty() {
                     self.finish(&mut w);
                 } else {
                     let _ = w.tx.send(w.progress.clone());
@@ -588,13 +548,10 @@ impl Keeper {
             .find(|(root, _)| path.starts_with(root))
     }
 
-    /// The snapshot root holding `path`, if any.
+    /// The snapshot root (in place or being taken) holding `path`, if any.
     fn snapshot_of(&self, path: &Path) -> Option<PathBuf> {
-        self.snapshots
-            .keys()
-            .chain(self.snapshots_in_flight.keys())
-            .find(|root| path.starts_with(root))
-            .cloned()
+        let roots = self.snapshots.keys().chain(self.snapshots_in_flight.keys());
+        decide::snapshot_holding(path, roots).cloned()
     }
 
     fn snapshot_bytes(&self) -> u64 {
@@ -631,20 +588,46 @@ impl Keeper {
                 .effective_ssd_budget
                 .saturating_sub(self.cache.used() + self.snapshot_bytes())
                 / 2;
-            for root in chain {
-                if self.unsuitable.contains_key(&root) {
-                    continue;
-                }
-                match snapshot::measure(&root, room, SNAPSHOT_MAX_ENTRIES) {
-                    Some((bytes, _)) => {
-                        self.start_snapshot(root, bytes);
-                        break;
-                    }
-                    None => {
-                        self.unsuitable.insert(root, now);
-                    }
-                }
+            let chain: Vec<PathBuf> = chain
+                .into_iter()
+                .filter(|root| !self.unsuitable.contains_key(root))
+                .collect();
+            if chain.is_empty() || !self.measuring.insert(chain[0].clone()) {
+                continue;
             }
+            self.workers.send(Work::Measure { chain, room });
+        }
+    }
+
+    /// A chain was measured: the directory chosen is snapshotted, if nothing took its
+    /// place meanwhile.
+    fn measured(
+        &mut self,
+        chain: Vec<PathBuf>,
+        chosen: Option<(PathBuf, u64)>,
+        unsuitable: Vec<PathBuf>,
+    ) {
+        if let Some(top) = chain.first() {
+            self.measuring.remove(top);
+        }
+        let now = Instant::now();
+        for root in unsuitable {
+            self.unsuitable.insert(root, now);
+        }
+        let Some((root, bytes)) = chosen else {
+            return;
+        };
+        let busy = chain.iter().any(|d| self.snapshot_of(d).is_some())
+            || self
+                .in_flight
+                .keys()
+                .any(|s| Path::new(s).starts_with(&root));
+        let room = self
+            .effective_ssd_budget
+            .saturating_sub(self.cache.used() + self.snapshot_bytes())
+            / 2;
+        if !busy && bytes <= room {
+            self.start_snapshot(root, bytes);
         }
     }
 
@@ -667,12 +650,12 @@ impl Keeper {
                 w.progress.tree_bytes_total += bytes;
             }
         }
-        let _ = self.copy_jobs.send(Work::Snapshot(SnapshotJob {
+        self.workers.send(Work::Snapshot {
             dest: self.cache.tree_local(&root),
             root,
             tree,
             cached,
-        }));
+        });
     }
 
     fn snapshotted(
@@ -682,7 +665,7 @@ impl Keeper {
     ) {
         let Some(expected) = self.snapshots_in_flight.remove(&root) else {
             // Dropped while it was being taken.
-            let _ = std::fs::remove_dir_all(self.cache.tree_local(&root));
+            self.remove_tree(&root);
             self.report_tree(&root, 0, false);
             return;
         };
@@ -713,7 +696,7 @@ impl Keeper {
                     .cloned()
                     .collect();
                 for source in inside {
-                    self.pins.unpin(&source);
+                    self.unpin(&source);
                     self.pin(&source);
                 }
                 self.report_tree(&root, expected, true);
@@ -740,9 +723,7 @@ impl Keeper {
             root.display()
         );
         self.detach(&root.to_string_lossy());
-        if let Err(e) = std::fs::remove_dir_all(self.cache.tree_local(root)) {
-            log::warn!("could not delete the snapshot of {}: {e}", root.display());
-        }
+        self.remove_tree(root);
     }
 
     /// Takes the binds of `source` out of the live jobs: their next open goes to the
@@ -784,38 +765,31 @@ impl Keeper {
             .retain(|_, at| now.duration_since(*at) < window);
         self.failed
             .retain(|_, at| now.duration_since(*at) < window * 4);
-        let files: Vec<FileEntry> = self
-            .profile
-            .files
-            .iter()
-            .filter(|f| {
-                !self.unstable.contains_key(&f.path)
-                    && !self.failed.contains_key(&f.path)
-                    && !self.refused.contains(&f.path)
-            })
-            .filter(|f| self.tree_of(Path::new(&f.path)).is_some())
-            .cloned()
-            .collect();
-        let held: HashSet<String> = self
-            .cache
-            .sources()
-            .map(|(s, _)| s.clone())
-            .chain(self.in_flight.keys().cloned())
-            .collect();
-        let pinned: HashSet<String> = self.pins.sources().cloned().collect();
-        let wanted = placement::place(
-            &files,
+        let known = Known {
+            trees: &self.config.trees,
+            unstable: self.unstable.keys().map(String::as_str).collect(),
+            failed: self.failed.keys().map(String::as_str).collect(),
+            refused: self.refused.iter().map(String::as_str).collect(),
+        };
+        let admitted = decide::admitted(&self.profile.files, &known);
+        let held = Held {
+            cached: self.cache.sources().map(|(s, _)| s.as_str()).collect(),
+            copying: self.in_flight.keys().map(String::as_str).collect(),
+            pinned: self
+                .pins
+                .sources()
+                .chain(self.pinning.keys())
+                .map(String::as_str)
+                .collect(),
+        };
+        let moves = decide::moves(
+            &admitted,
             &self.config.filters,
             self.effective_ssd_budget,
             self.config.ram_budget,
             &held,
-            &pinned,
         );
-        self.wanted = wanted
-            .files
-            .iter()
-            .map(|c| (c.path.clone(), c.pinned))
-            .collect();
+        self.wanted = moves.wanted;
         // Openers are remembered only to name them when their copy lands: those of files
         // placed and not wanted, or held already, are forgotten.
         self.last_opener.retain(|path, _| {
@@ -823,29 +797,22 @@ impl Keeper {
             (self.wanted.contains_key(path) || !placed) && !self.cache.contains(path)
         });
         // Make room first: evictions and unpins.
-        let cached: Vec<String> = self.cache.sources().map(|(s, _)| s.clone()).collect();
-        for source in cached {
-            match self.wanted.get(&source) {
-                None => {
-                    self.status.evictions += 1;
-                    log::info!(
-                        "evicting {source}: no longer among the hottest files that fit the SSD budget ({})",
-                        human(self.effective_ssd_budget)
-                    );
-                    self.drop_copy(&source);
-                }
-                Some(false) => self.pins.unpin(&source),
-                Some(true) => {}
-            }
+        for source in moves.evict {
+            self.status.evictions += 1;
+            log::info!(
+                "evicting {source}: no longer among the hottest files that fit the SSD budget ({})",
+                human(self.effective_ssd_budget)
+            );
+            self.drop_copy(&source);
         }
-        for choice in &wanted.files {
-            if self.cache.contains(&choice.path) {
-                if choice.pinned {
-                    self.pin(&choice.path);
-                }
-            } else if !self.in_flight.contains_key(&choice.path) {
-                self.start_copy(&choice.path, choice.size);
-            }
+        for source in moves.unpin {
+            self.unpin(&source);
+        }
+        for source in moves.pin {
+            self.pin(&source);
+        }
+        for (source, size) in moves.copy {
+            self.start_copy(&source, size);
         }
     }
 
@@ -862,12 +829,12 @@ impl Keeper {
             return;
         };
         self.in_flight.insert(source.to_owned(), size);
-        let _ = self.copy_jobs.send(Work::Copy(CopyJob {
+        self.workers.send(Work::Copy {
             source: source.to_owned(),
             tree,
             reader,
             dest: self.cache.local(source),
-        }));
+        });
     }
 
     /// A user seen reading the file: an ordinary user if there is one (root is squashed
@@ -886,7 +853,7 @@ impl Keeper {
         }
     }
 
-    fn copied(&mut self, (source, result): Done) {
+    fn copied(&mut self, source: String, result: Result<Identity, CopyError>) {
         let Some(expected) = self.in_flight.remove(&source) else {
             // Invalidated while copying: whatever arrived is not wanted.
             if result.is_ok() && !self.cache.contains(&source) {
@@ -978,15 +945,26 @@ impl Keeper {
         self.place();
     }
 
+    /// Starts pinning a held copy, within the RAM budget; a worker maps and locks it.
     fn pin(&mut self, source: &str) {
-        if self.pins.is_pinned(source) {
+        if self.pins.is_pinned(source) || self.pinning.contains_key(source) {
             return;
         }
         let size = self.cache.get(source).map_or(0, |c| c.identity.size);
-        if self.pins.bytes() + size > self.config.ram_budget {
+        let pending: u64 = self.pinning.values().sum();
+        if self.pins.bytes() + pending + size > self.config.ram_budget {
             return;
         }
         let limited = self.pins.limited_by_map_count;
+        match self.pins.has_room(self.pinning.len()) {
+            Ok(()) => {}
+            // Said once; `status` keeps saying it.
+            Err(e) if !limited => {
+                log::warn!("cannot pin {source}: {e}");
+                return;
+            }
+            Err(_) => return,
+        }
         // A file inside a snapshot is pinned through the snapshot's own copy: that is
         // the inode jobs read.
         let local = self
@@ -995,50 +973,100 @@ impl Keeper {
                 Some(snap.local.join(Path::new(source).strip_prefix(root).ok()?))
             })
             .unwrap_or_else(|| self.cache.local(source));
-        match self.pins.pin(source, &local) {
-            Ok(()) => {}
-            // Said once; `status` keeps saying it.
-            Err(e @ PinError::MapCount(_)) if !limited => log::warn!("cannot pin {source}: {e}"),
-            Err(PinError::MapCount(_)) => log::debug!("cannot pin {source}: vm.max_map_count"),
+        self.pinning.insert(source.to_owned(), size);
+        self.workers.send(Work::Pin {
+            source: source.to_owned(),
+            local,
+        });
+    }
+
+    /// A pin was made: kept if it is still wanted.
+    fn pinned(&mut self, source: String, result: std::io::Result<(Option<Mmap>, u64)>) {
+        if self.pinning.remove(&source).is_none() {
+            return; // unpinned meanwhile: the mapping is dropped here
+        }
+        match result {
+            Ok((map, size)) if self.wanted.get(&source) == Some(&true) => {
+                self.pins.hold(&source, map, size);
+            }
+            Ok(_) => {}
             Err(e) => log::warn!("cannot pin {source}: {e}"),
+        }
+        if self.pinning.is_empty() {
+            // Prefetches that waited for their pins may be done.
+            self.advance(|_| true);
+        }
+    }
+
+    fn unpin(&mut self, source: &str) {
+        self.pins.unpin(source);
+        self.pinning.remove(source);
+    }
+
+    /// Moves a snapshot's local tree out of the way at once (a rename), and has a worker
+    /// delete it.
+    fn remove_tree(&mut self, root: &Path) {
+        let local = self.cache.tree_local(root);
+        self.trees_removed += 1;
+        let away = self
+            .cache
+            .tmp_dir()
+            .join(format!("dropped-{}", self.trees_removed));
+        match std::fs::rename(&local, &away) {
+            Ok(()) => self.workers.send(Work::Remove(away)),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => log::warn!("could not delete the snapshot of {}: {e}", root.display()),
         }
     }
 
     fn drop_copy(&mut self, source: &str) {
         self.detach(source);
-        self.pins.unpin(source);
+        self.unpin(source);
         self.cache.remove(source);
         // A copy under way is discarded when it arrives.
         self.in_flight.remove(source);
     }
 
-    /// A copy is valid while the network file keeps its size, mtime, ctime and inode.
+    /// Asks a worker to compare every copy and snapshot with the network (one check at
+    /// a time).
     fn revalidate(&mut self) {
-        let sources: Vec<(String, Identity)> = self
-            .cache
-            .sources()
-            .map(|(s, c)| (s.clone(), c.identity))
-            .collect();
-        for (source, identity) in sources {
-            let now = std::fs::symlink_metadata(&source).map(|m| Identity::of(&m));
-            if now.as_ref().ok() != Some(&identity) {
-                self.status.invalidations += 1;
-                log::info!(
-                    "{source} changed on the network: dropping its copy, fetched again once stable"
-                );
-                self.drop_copy(&source);
-                self.unstable.insert(source, Instant::now());
-            }
+        if self.revalidating {
+            return;
         }
-        let roots: Vec<PathBuf> = self.snapshots.keys().cloned().collect();
-        for root in roots {
-            let same =
-                snapshot::stamp(&root).ok().as_ref() == self.snapshots.get(&root).map(|s| &s.stamp);
-            if !same {
-                self.drop_snapshot(&root, "it changed on the network");
-                self.unstable
-                    .insert(root.to_string_lossy().into_owned(), Instant::now());
+        self.revalidating = true;
+        self.workers.send(Work::Revalidate {
+            copies: self
+                .cache
+                .sources()
+                .map(|(s, c)| (s.clone(), c.identity))
+                .collect(),
+            snapshots: self
+                .snapshots
+                .iter()
+                .map(|(root, snap)| (root.clone(), snap.stamp.clone()))
+                .collect(),
+        });
+    }
+
+    /// What changed on the network is dropped, and fetched again once stable.
+    fn revalidated(&mut self, changed: Vec<String>, changed_trees: Vec<PathBuf>) {
+        self.revalidating = false;
+        for source in changed {
+            // A copy made since the check was sent is not the one checked.
+            if !self.cache.contains(&source) {
+                continue;
             }
+            self.status.invalidations += 1;
+            log::info!(
+                "{source} changed on the network: dropping its copy, fetched again once stable"
+            );
+            self.drop_copy(&source);
+            self.unstable.insert(source, Instant::now());
+        }
+        for root in changed_trees {
+            self.drop_snapshot(&root, "it changed on the network");
+            self.unstable
+                .insert(root.to_string_lossy().into_owned(), Instant::now());
         }
         // Stable again ones come back.
         if !self.profile.files.is_empty() {
@@ -1081,12 +1109,14 @@ impl Keeper {
 
     /// Applies `step` to each prefetch; those it changed report progress or finish.
     fn advance(&mut self, mut step: impl FnMut(&mut Watcher) -> bool) {
+        // A prefetch reports what it pinned: it waits for the pins under way.
+        let pins_pending = !self.pinning.is_empty();
         let mut finished = Vec::new();
         for (i, w) in self.prefetches.iter_mut().enumerate() {
             if !step(w) {
                 continue;
             }
-            if w.remaining.is_empty() && w.trees.is_empty() {
+            if w.remaining.is_empty() && w.trees.is_empty() && !pins_pending {
                 finished.push(i);
             } else {
                 let _ = w.tx.send(w.progress.clone());

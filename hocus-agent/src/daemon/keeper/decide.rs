@@ -1,0 +1,230 @@
+//! The keeper's decisions, as plain functions of what it knows: which files may be
+//! placed at all (admission), what a new placement means for the copies and pins held
+//! (evictions, unpins, copies, pins), and what a change to a file drops. No filesystem,
+//! no clock: the keeper applies the answers through its workers.
+
+use std::{
+    collections::{HashMap, HashSet},
+    path::{Path, PathBuf},
+};
+
+use crate::{
+    place::placement::{self, Filters},
+    profile::format::FileEntry,
+};
+
+/// What the keeper knows about files beyond the profile.
+#[derive(Default)]
+pub struct Known<'a> {
+    /// The watched trees.
+    pub trees: &'a [PathBuf],
+    /// Seen changing lately (fetched again once stable).
+    pub unstable: HashSet<&'a str>,
+    /// Whose copy failed lately.
+    pub failed: HashSet<&'a str>,
+    /// Jobs tried to write them through a read-only copy: never redirected again.
+    pub refused: HashSet<&'a str>,
+}
+
+/// The files of the working set that may be placed: under a watched tree, and neither
+/// changing, failing nor refused.
+pub fn admitted<'a>(files: &'a [FileEntry], known: &Known) -> Vec<&'a FileEntry> {
+    files
+        .iter()
+        .filter(|f| {
+            let p = f.path.as_str();
+            !known.unstable.contains(p) && !known.failed.contains(p) && !known.refused.contains(p)
+        })
+        .filter(|f| {
+            known
+                .trees
+                .iter()
+                .any(|t| Path::new(&f.path).starts_with(t))
+        })
+        .collect()
+}
+
+/// What held copies and pins there are now.
+pub struct Held<'a> {
+    /// Copies in the cache.
+    pub cached: HashSet<&'a str>,
+    /// Copies under way.
+    pub copying: HashSet<&'a str>,
+    /// Pinned (or being pinned).
+    pub pinned: HashSet<&'a str>,
+}
+
+/// How to move from what is held to a new placement.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Moves {
+    /// The placement: each wanted file, and whether it is to be pinned.
+    pub wanted: HashMap<String, bool>,
+    /// Copies no longer wanted.
+    pub evict: Vec<String>,
+    /// Pins no longer wanted (the copy stays).
+    pub unpin: Vec<String>,
+    /// Held copies to pin.
+    pub pin: Vec<String>,
+    /// Files to copy, with their expected sizes, in first-touch order.
+    pub copy: Vec<(String, u64)>,
+}
+
+/// Places the admitted files within the budgets, and says how to get there: room is made
+/// first (evictions, unpins), then copies and pins start.
+pub fn moves(
+    admitted: &[&FileEntry],
+    filters: &Filters,
+    ssd_budget: u64,
+    ram_budget: u64,
+    held: &Held,
+) -> Moves {
+    let files: Vec<FileEntry> = admitted.iter().map(|f| (*f).clone()).collect();
+    let holding: HashSet<String> = held
+        .cached
+        .iter()
+        .chain(&held.copying)
+        .map(|s| (*s).to_owned())
+        .collect();
+    let pinned: HashSet<String> = held.pinned.iter().map(|s| (*s).to_owned()).collect();
+    let placed = placement::place(&files, filters, ssd_budget, ram_budget, &holding, &pinned);
+    let wanted: HashMap<String, bool> = placed
+        .files
+        .iter()
+        .map(|c| (c.path.clone(), c.pinned))
+        .collect();
+    let mut out = Moves::default();
+    let mut cached: Vec<&str> = held.cached.iter().copied().collect();
+    cached.sort_unstable();
+    for source in cached {
+        match wanted.get(source) {
+            None => out.evict.push(source.to_owned()),
+            Some(false) if held.pinned.contains(source) => out.unpin.push(source.to_owned()),
+            _ => {}
+        }
+    }
+    for choice in &placed.files {
+        let path = choice.path.as_str();
+        if held.cached.contains(path) {
+            if choice.pinned && !held.pinned.contains(path) {
+                out.pin.push(choice.path.clone());
+            }
+        } else if !held.copying.contains(path) {
+            out.copy.push((choice.path.clone(), choice.size));
+        }
+    }
+    out.wanted = wanted;
+    out
+}
+
+/// The snapshot root (among `roots`) that holds `path`: a change there drops it.
+pub fn snapshot_holding<'a>(
+    path: &Path,
+    roots: impl IntoIterator<Item = &'a PathBuf>,
+) -> Option<&'a PathBuf> {
+    roots.into_iter().find(|root| path.starts_with(root))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn file(path: &str, opens: u64, size: u64, first: u64) -> FileEntry {
+        FileEntry {
+            path: path.into(),
+            opens,
+            size,
+            first_touch_ns: first,
+            ..Default::default()
+        }
+    }
+
+    fn set<'a>(items: &[&'a str]) -> HashSet<&'a str> {
+        items.iter().copied().collect()
+    }
+
+    #[test]
+    fn admission_leaves_out_changing_failing_refused_and_unwatched_files() {
+        let trees = vec![PathBuf::from("/net")];
+        let files = vec![
+            file("/net/ok.py", 1, 10, 1),
+            file("/net/changing.py", 1, 10, 2),
+            file("/net/failing.py", 1, 10, 3),
+            file("/net/refused.py", 1, 10, 4),
+            file("/elsewhere/x.py", 1, 10, 5),
+            file("/network/look-alike.py", 1, 10, 6),
+        ];
+        let known = Known {
+            trees: &trees,
+            unstable: set(&["/net/changing.py"]),
+            failed: set(&["/net/failing.py"]),
+            refused: set(&["/net/refused.py"]),
+        };
+        let paths: Vec<&str> = admitted(&files, &known)
+            .iter()
+            .map(|f| f.path.as_str())
+            .collect();
+        assert_eq!(paths, ["/net/ok.py"]);
+    }
+
+    #[test]
+    fn a_new_placement_evicts_the_unwanted_and_copies_the_new_in_first_touch_order() {
+        // 100 bytes of SSD: b and c (hotter per byte) displace a.
+        let files = [
+            file("/net/a", 1, 60, 1),
+            file("/net/c", 9, 40, 3),
+            file("/net/b", 9, 40, 2),
+        ];
+        let admitted: Vec<&FileEntry> = files.iter().collect();
+        let held = Held {
+            cached: set(&["/net/a"]),
+            copying: HashSet::new(),
+            pinned: HashSet::new(),
+        };
+        let m = moves(&admitted, &Filters::default(), 100, 0, &held);
+        assert_eq!(m.evict, ["/net/a"]);
+        assert_eq!(
+            m.copy,
+            [("/net/b".to_owned(), 40), ("/net/c".to_owned(), 40)]
+        );
+        assert!(m.pin.is_empty() && m.unpin.is_empty());
+    }
+
+    #[test]
+    fn copies_under_way_are_not_started_again_and_pins_follow_the_ram_budget() {
+        let files = [
+            file("/net/hot", 100, 4096, 1),
+            file("/net/warm", 10, 4096, 2),
+        ];
+        let admitted: Vec<&FileEntry> = files.iter().collect();
+        // Room for both on SSD, one in RAM: the hottest is pinned, the other unpinned.
+        let held = Held {
+            cached: set(&["/net/hot", "/net/warm"]),
+            copying: HashSet::new(),
+            pinned: set(&["/net/warm"]),
+        };
+        let m = moves(&admitted, &Filters::default(), 1 << 20, 4096, &held);
+        assert!(m.evict.is_empty() && m.copy.is_empty());
+        assert_eq!(m.pin, ["/net/hot"]);
+        assert_eq!(m.unpin, ["/net/warm"]);
+        assert_eq!(m.wanted.get("/net/hot"), Some(&true));
+
+        let held = Held {
+            cached: HashSet::new(),
+            copying: set(&["/net/hot"]),
+            pinned: HashSet::new(),
+        };
+        let m = moves(&admitted, &Filters::default(), 1 << 20, 0, &held);
+        assert_eq!(m.copy, [("/net/warm".to_owned(), 4096)]);
+    }
+
+    #[test]
+    fn a_write_under_a_snapshot_drops_that_snapshot_only() {
+        let roots = [PathBuf::from("/net/env"), PathBuf::from("/net/data")];
+        assert_eq!(
+            snapshot_holding(Path::new("/net/env/lib/x.py"), &roots),
+            Some(&roots[0])
+        );
+        assert_eq!(snapshot_holding(Path::new("/net/environ/x"), &roots), None);
+        assert_eq!(snapshot_holding(Path::new("/net/out.log"), &roots), None);
+    }
+}

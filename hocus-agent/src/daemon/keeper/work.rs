@@ -1,0 +1,207 @@
+//! The keeper's hands: every blocking call it needs (a copy, a snapshot, the stats of a
+//! revalidation, a tree walk, the mlock of a copy, the removal of a dropped snapshot)
+//! runs here, on worker threads, and comes back as a [`Done`] message. The keeper itself
+//! never waits on a filesystem.
+//!
+//! Two queues: copies, snapshots, pins and removals go to the copy workers; the checks
+//! that ask the network about metadata (revalidation, measuring a tree) to a checker of
+//! their own, so that they never wait behind thousands of copies.
+
+use std::{
+    collections::HashMap,
+    fs,
+    path::{Path, PathBuf},
+    sync::{Arc, Mutex, mpsc},
+    thread,
+};
+
+use memmap2::Mmap;
+use tokio::sync::mpsc as tokio_mpsc;
+
+use crate::cache::{
+    copy::{self, CopyError, Identity, Reader},
+    pins,
+    snapshot::{self, Stamp, Taken},
+};
+
+/// A snapshot holds at most this many entries (directories, files, symlinks).
+const SNAPSHOT_MAX_ENTRIES: usize = 200_000;
+
+/// Something the keeper wants done.
+pub enum Work {
+    /// Copy `source` (in `tree`) to `dest`, reading as `reader`.
+    Copy {
+        source: String,
+        tree: PathBuf,
+        reader: Reader,
+        dest: PathBuf,
+    },
+    /// Take a snapshot of `root` (in `tree`) into `dest`, linking the cache's valid copies.
+    Snapshot {
+        root: PathBuf,
+        tree: PathBuf,
+        dest: PathBuf,
+        cached: HashMap<PathBuf, (PathBuf, Identity)>,
+    },
+    /// Map and lock the local copy `local` of `source`.
+    Pin { source: String, local: PathBuf },
+    /// Delete a local tree already moved out of the way (a dropped snapshot).
+    Remove(PathBuf),
+    /// Compare these copies and snapshots with the network.
+    Revalidate {
+        copies: Vec<(String, Identity)>,
+        snapshots: Vec<(PathBuf, Stamp)>,
+    },
+    /// Find the highest directory of `chain` (top first) that a snapshot can hold within
+    /// `room` bytes.
+    Measure { chain: Vec<PathBuf>, room: u64 },
+}
+
+/// What came of a piece of work.
+pub enum Done {
+    Copied(String, Result<Identity, CopyError>),
+    Snapshotted(PathBuf, Result<(Stamp, Taken), CopyError>),
+    Pinned(String, std::io::Result<(Option<Mmap>, u64)>),
+    /// The copies and snapshots that differ from the network now (gone ones too).
+    Revalidated {
+        changed: Vec<String>,
+        changed_trees: Vec<PathBuf>,
+    },
+    /// The directory to snapshot and its bytes, if any, and those found unsuitable.
+    Measured {
+        chain: Vec<PathBuf>,
+        chosen: Option<(PathBuf, u64)>,
+        unsuitable: Vec<PathBuf>,
+    },
+}
+
+/// Where the keeper sends work.
+pub struct Workers {
+    copies: mpsc::Sender<Work>,
+    checks: mpsc::Sender<Work>,
+}
+
+impl Workers {
+    /// Starts `copy_workers` copy threads and one checker; their results go to `done`.
+    pub fn start(
+        copy_workers: usize,
+        tmp: &Path,
+        done: tokio_mpsc::UnboundedSender<Done>,
+    ) -> std::io::Result<Self> {
+        let (copies, copy_queue) = mpsc::channel::<Work>();
+        let copy_queue = Arc::new(Mutex::new(copy_queue));
+        for i in 0..copy_workers.max(1) {
+            pool_thread(format!("hocus-copy-{i}"), &copy_queue, tmp, &done)?;
+        }
+        let (checks, check_queue) = mpsc::channel::<Work>();
+        pool_thread(
+            "hocus-check".into(),
+            &Arc::new(Mutex::new(check_queue)),
+            tmp,
+            &done,
+        )?;
+        Ok(Self { copies, checks })
+    }
+
+    pub fn send(&self, work: Work) {
+        let queue = match work {
+            Work::Revalidate { .. } | Work::Measure { .. } => &self.checks,
+            _ => &self.copies,
+        };
+        // The workers end only when the keeper drops this sender.
+        let _ = queue.send(work);
+    }
+}
+
+fn pool_thread(
+    name: String,
+    queue: &Arc<Mutex<mpsc::Receiver<Work>>>,
+    tmp: &Path,
+    done: &tokio_mpsc::UnboundedSender<Done>,
+) -> std::io::Result<()> {
+    let (queue, tmp, done) = (Arc::clone(queue), tmp.to_owned(), done.clone());
+    thread::Builder::new().name(name).spawn(move || {
+        loop {
+            let work = match queue.lock().map(|q| q.recv()) {
+                Ok(Ok(work)) => work,
+                _ => break,
+            };
+            if let Some(result) = run(work, &tmp) {
+                if done.send(result).is_err() {
+                    break;
+                }
+            }
+        }
+    })?;
+    Ok(())
+}
+
+/// Does one piece of work; what it found, if the keeper needs to know.
+fn run(work: Work, tmp: &Path) -> Option<Done> {
+    Some(match work {
+        Work::Copy {
+            source,
+            tree,
+            reader,
+            dest,
+        } => {
+            let result = copy::copy(&tree, source.as_ref(), &reader, tmp, &dest);
+            Done::Copied(source, result)
+        }
+        Work::Snapshot {
+            root,
+            tree,
+            dest,
+            cached,
+        } => {
+            let cached = |p: &Path| cached.get(p).cloned();
+            let result = snapshot::take(&tree, &root, &dest, tmp, &cached);
+            Done::Snapshotted(root, result)
+        }
+        Work::Pin { source, local } => Done::Pinned(source, pins::map_locked(&local)),
+        Work::Remove(dir) => {
+            if let Err(e) = fs::remove_dir_all(&dir) {
+                log::warn!("could not delete {}: {e}", dir.display());
+            }
+            return None;
+        }
+        Work::Revalidate { copies, snapshots } => {
+            // A copy is valid while the network file keeps its size, mtime, ctime, inode.
+            let changed = copies
+                .into_iter()
+                .filter(|(source, identity)| {
+                    let now = fs::symlink_metadata(source).map(|m| Identity::of(&m));
+                    now.as_ref().ok() != Some(identity)
+                })
+                .map(|(source, _)| source)
+                .collect();
+            let changed_trees = snapshots
+                .into_iter()
+                .filter(|(root, stamp)| snapshot::stamp(root).ok().as_ref() != Some(stamp))
+                .map(|(root, _)| root)
+                .collect();
+            Done::Revalidated {
+                changed,
+                changed_trees,
+            }
+        }
+        Work::Measure { chain, room } => {
+            let mut unsuitable = Vec::new();
+            let mut chosen = None;
+            for root in &chain {
+                match snapshot::measure(root, room, SNAPSHOT_MAX_ENTRIES) {
+                    Some((bytes, _)) => {
+                        chosen = Some((root.clone(), bytes));
+                        break;
+                    }
+                    None => unsuitable.push(root.clone()),
+                }
+            }
+            Done::Measured {
+                chain,
+                chosen,
+                unsuitable,
+            }
+        }
+    })
+}
