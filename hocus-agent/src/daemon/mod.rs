@@ -92,7 +92,7 @@ struct Daemon {
     tracer: AsyncFd<Tracer>,
     observer: Observer,
     stat_requests: std_mpsc::Sender<String>,
-    stat_results: mpsc::UnboundedReceiver<(String, Option<Attributes>)>,
+    stat_results: StatResults,
     /// Stats asked for and not answered yet.
     stats_pending: usize,
     reported_loss: u64,
@@ -198,7 +198,7 @@ impl Daemon {
         }
         cache.trees = watches.iter().map(|w| w.path.clone()).collect();
         let (keeper, keeper_thread) = keeper::start(cache)?;
-        let (stat_requests, stat_results) = spawn_stat_worker();
+        let (stat_requests, stat_results) = spawn_stat_worker()?;
         let mut observer = Observer::new(watches);
         // Processes that started before us: where are their working directories?
         observer.scan_processes();
@@ -727,11 +727,11 @@ fn describe(c: &Counters) -> String {
         .join(", ")
 }
 
+/// Files stat'ed, with what was found (None: gone).
+type StatResults = mpsc::UnboundedReceiver<(String, Option<Attributes>)>;
+
 /// Reads sizes and mtimes on its own thread: a stat on a network mount is a round trip.
-fn spawn_stat_worker() -> (
-    std_mpsc::Sender<String>,
-    mpsc::UnboundedReceiver<(String, Option<Attributes>)>,
-) {
+fn spawn_stat_worker() -> std::io::Result<(std_mpsc::Sender<String>, StatResults)> {
     let (req_tx, req_rx) = std_mpsc::channel::<String>();
     let (res_tx, res_rx) = mpsc::unbounded_channel();
     std::thread::Builder::new()
@@ -746,9 +746,8 @@ fn spawn_stat_worker() -> (
                     break;
                 }
             }
-        })
-        .expect("spawning the stat thread");
-    (req_tx, res_rx)
+        })?;
+    Ok((req_tx, res_rx))
 }
 
 fn unix_now_ns() -> u64 {
