@@ -7,6 +7,9 @@
 
 mod decide;
 mod handle;
+mod prefetch;
+mod served;
+mod snapshots;
 mod work;
 
 pub use handle::{Handle, KeeperError};
@@ -25,6 +28,8 @@ use tokio::sync::{mpsc as tokio_mpsc, oneshot};
 
 use self::{
     decide::{Held, Known},
+    prefetch::Watcher,
+    snapshots::Snapshot,
     work::{Done, Work, Workers},
 };
 use crate::{
@@ -32,13 +37,12 @@ use crate::{
         copy::{CopyError, Identity, Reader},
         directory::Cache,
         pins::Pins,
-        snapshot,
     },
-    observe::events::{Access, What},
+    observe::events::Access,
     place::{budget::Budgets, placement::Filters},
     profile::format::Profile,
     redirect::{
-        jobs::{self, Job, Server},
+        jobs::Job,
         mountns::{self, Bind},
     },
     shared::{
@@ -122,15 +126,6 @@ pub enum Order {
     Stop,
 }
 
-/// A snapshot in place: where it is, and what the network tree was.
-struct Snapshot {
-    local: PathBuf,
-    tree: PathBuf,
-    stamp: snapshot::Stamp,
-    /// Bytes it holds beyond the files it shares with the cache.
-    bytes: u64,
-}
-
 /// Where a prefetch's progress goes.
 pub type Progressing = tokio_mpsc::UnboundedSender<Progress>;
 
@@ -200,13 +195,6 @@ pub fn start(config: Config) -> Result<(Handle, thread::JoinHandle<()>)> {
         .name("hocus-keeper".into())
         .spawn(move || keeper.run(order_rx, done_rx))?;
     Ok((Handle::new(order_tx), handle))
-}
-
-struct Watcher {
-    remaining: HashSet<String>,
-    trees: HashSet<PathBuf>,
-    progress: Progress,
-    tx: Progressing,
 }
 
 struct Keeper {
@@ -461,269 +449,9 @@ impl Keeper {
         self.place();
     }
 
-    /// Counts (and logs, if asked) who served an open, failed lookup or read.
-    fn served(&mut self, a: Access) {
-        let path = Path::new(&a.path);
-        let Some(i) = self.config.trees.iter().position(|t| path.starts_with(t)) else {
-            return;
-        };
-        let server = self
-            .jobs
-            .get(&a.job)
-            .map_or(Server::Network, |j| j.server_of(path));
-        let pinned = server != Server::Network && self.pins.is_pinned(&a.path);
-        let hit = jobs::count(
-            &mut self.status.served[i],
-            a.what,
-            server,
-            pinned,
-            a.job != 0,
-        );
-        if a.what == What::Open && !self.cache.contains(&a.path) {
-            self.last_opener.insert(a.path.clone(), a.process.clone());
-        }
-        let event = match (hit, a.what) {
-            (_, What::Read(_)) => return,
-            (true, What::Open) => "hit",
-            (true, _) => "hit (missing)",
-            (false, What::Open) => "miss",
-            (false, _) => "miss (missing)",
-        };
-        if hit && logs::hits() {
-            let reason = match (a.what, server) {
-                (What::Missing, Server::Snapshot(root)) => {
-                    format!("answered by the snapshot of {}", root.display())
-                }
-                (_, Server::Snapshot(root)) => format!("in the snapshot of {}", root.display()),
-                _ if pinned => "local copy pinned in RAM".into(),
-                _ => "local copy on SSD".into(),
-            };
-            logs::file_line(event, &a.path, Some(&a.process), &reason);
-        } else if !hit && logs::misses() {
-            let reason = self.why_network(&a);
-            logs::file_line(event, &a.path, Some(&a.process), reason);
-        }
-    }
-
-    /// Why a job's open went to the network.
-    fn why_network(&self, a: &Access) -> &'static str {
-        if a.job == 0 {
-            return "not in a hocus-agent run job";
-        }
-        if !self.jobs.contains_key(&a.job) {
-            return "its job is not known to the daemon";
-        }
-        if a.what == What::Missing {
-            return "no snapshot holds its directory";
-        }
-        let path = a.path.as_str();
-        if self.refused.contains(path) {
-            "a job wrote to it: it stays on the network"
-        } else if self.unstable.contains_key(path) {
-            "it changed lately: copied again once stable"
-        } else if self.failed.contains_key(path) {
-            "its copy failed"
-        } else if self.in_flight.contains_key(path) {
-            "its copy is under way"
-        } else if self.cache.contains(path) || self.held_snapshot(Path::new(path)).is_some() {
-            "copied after the job started"
-        } else if !self.config.filters.admits(path) {
-            "excluded by --include-ext or --exclude"
-        } else if self.file_index.contains_key(path) {
-            "not among the hottest files that fit the SSD budget"
-        } else {
-            "first seen: not in the working set yet"
-        }
-    }
-
     /// The watched tree `path` is in.
     fn tree_of(&self, path: &Path) -> Option<&PathBuf> {
         self.config.trees.iter().find(|t| path.starts_with(t))
-    }
-
-    /// The snapshot in place (not one being taken) holding `path`, and its root.
-    fn held_snapshot(&self, path: &Path) -> Option<(&PathBuf, &Snapshot)> {
-        self.snapshots
-            .iter()
-            .find(|(root, _)| path.starts_with(root))
-    }
-
-    /// The snapshot root (in place or being taken) holding `path`, if any.
-    fn snapshot_of(&self, path: &Path) -> Option<PathBuf> {
-        let roots = self.snapshots.keys().chain(self.snapshots_in_flight.keys());
-        decide::snapshot_holding(path, roots).cloned()
-    }
-
-    fn snapshot_bytes(&self) -> u64 {
-        self.snapshots.values().map(|s| s.bytes).sum()
-    }
-
-    /// Looks for trees to hold whole: see `snapshot::candidates`. Each fits within half
-    /// of what the SSD budget leaves; a tree too big is served file by file instead.
-    fn consider_snapshots(&mut self) {
-        let now = Instant::now();
-        self.unsuitable
-            .retain(|_, at| now.duration_since(*at) < self.config.revalidate * 10);
-        let unclean: Vec<PathBuf> = self
-            .refused
-            .iter()
-            .chain(self.unstable.keys())
-            .map(PathBuf::from)
-            .collect();
-        let unclean: Vec<&Path> = unclean.iter().map(PathBuf::as_path).collect();
-        let chains = snapshot::candidates(&self.profile, &self.config.trees, &unclean);
-        for chain in chains {
-            if chain.iter().any(|d| self.snapshot_of(d).is_some()) {
-                continue; // held already, or being taken
-            }
-            // Copies still under way there are linked into the snapshot once done.
-            if self
-                .in_flight
-                .keys()
-                .any(|s| Path::new(s).starts_with(&chain[0]))
-            {
-                continue;
-            }
-            let room = self
-                .effective_ssd_budget
-                .saturating_sub(self.cache.used() + self.snapshot_bytes())
-                / 2;
-            let chain: Vec<PathBuf> = chain
-                .into_iter()
-                .filter(|root| !self.unsuitable.contains_key(root))
-                .collect();
-            if chain.is_empty() || !self.measuring.insert(chain[0].clone()) {
-                continue;
-            }
-            self.workers.send(Work::Measure { chain, room });
-        }
-    }
-
-    /// A chain was measured: the directory chosen is snapshotted, if nothing took its
-    /// place meanwhile.
-    fn measured(
-        &mut self,
-        chain: Vec<PathBuf>,
-        chosen: Option<(PathBuf, u64)>,
-        unsuitable: Vec<PathBuf>,
-    ) {
-        if let Some(top) = chain.first() {
-            self.measuring.remove(top);
-        }
-        let now = Instant::now();
-        for root in unsuitable {
-            self.unsuitable.insert(root, now);
-        }
-        let Some((root, bytes)) = chosen else {
-            return;
-        };
-        let busy = chain.iter().any(|d| self.snapshot_of(d).is_some())
-            || self
-                .in_flight
-                .keys()
-                .any(|s| Path::new(s).starts_with(&root));
-        let room = self
-            .effective_ssd_budget
-            .saturating_sub(self.cache.used() + self.snapshot_bytes())
-            / 2;
-        if !busy && bytes <= room {
-            self.start_snapshot(root, bytes);
-        }
-    }
-
-    fn start_snapshot(&mut self, root: PathBuf, bytes: u64) {
-        let Some(tree) = self.tree_of(&root).cloned() else {
-            return;
-        };
-        let cached = self
-            .cache
-            .sources()
-            .filter(|(s, _)| Path::new(s).starts_with(&root))
-            .map(|(s, c)| (PathBuf::from(s), (self.cache.local(s), c.identity)))
-            .collect();
-        log::info!("taking a snapshot of {} ({})", root.display(), human(bytes));
-        self.snapshots_in_flight.insert(root.clone(), bytes);
-        // A prefetch under way waits for it too.
-        for w in &mut self.prefetches {
-            if w.trees.insert(root.clone()) {
-                w.progress.trees_total += 1;
-                w.progress.tree_bytes_total += bytes;
-            }
-        }
-        self.workers.send(Work::Snapshot {
-            dest: self.cache.tree_local(&root),
-            root,
-            tree,
-            cached,
-        });
-    }
-
-    fn snapshotted(
-        &mut self,
-        root: PathBuf,
-        result: Result<(snapshot::Stamp, snapshot::Taken), CopyError>,
-    ) {
-        let Some(expected) = self.snapshots_in_flight.remove(&root) else {
-            // Dropped while it was being taken.
-            self.remove_tree(&root);
-            self.report_tree(&root, 0, false);
-            return;
-        };
-        match result {
-            Ok((stamp, taken)) => {
-                log::info!(
-                    "snapshot of {} in place: {} copied, {} shared with cached files",
-                    root.display(),
-                    human(taken.copied),
-                    human(taken.linked)
-                );
-                let tree = self.tree_of(&root).cloned().unwrap_or_default();
-                self.snapshots.insert(
-                    root.clone(),
-                    Snapshot {
-                        local: self.cache.tree_local(&root),
-                        tree,
-                        stamp,
-                        bytes: taken.copied,
-                    },
-                );
-                // Pins of files in it move to the snapshot's inodes (the same ones where
-                // the copy was linked).
-                let inside: Vec<String> = self
-                    .pins
-                    .sources()
-                    .filter(|s| Path::new(s).starts_with(&root))
-                    .cloned()
-                    .collect();
-                for source in inside {
-                    self.unpin(&source);
-                    self.pin(&source);
-                }
-                self.report_tree(&root, expected, true);
-            }
-            Err(e) => {
-                log::info!(
-                    "no snapshot of {}: {e}; its files are served one by one",
-                    root.display()
-                );
-                self.report_tree(&root, expected, false);
-                self.unsuitable.insert(root, Instant::now());
-            }
-        }
-    }
-
-    fn drop_snapshot(&mut self, root: &Path, why: &str) {
-        self.snapshots_in_flight.remove(root);
-        if self.snapshots.remove(root).is_none() {
-            return;
-        }
-        self.status.invalidations += 1;
-        log::info!(
-            "dropping the snapshot of {} ({why}): later opens go to the network",
-            root.display()
-        );
-        self.detach(&root.to_string_lossy());
-        self.remove_tree(root);
     }
 
     /// Takes the binds of `source` out of the live jobs: their next open goes to the
@@ -1003,22 +731,6 @@ impl Keeper {
         self.pinning.remove(source);
     }
 
-    /// Moves a snapshot's local tree out of the way at once (a rename), and has a worker
-    /// delete it.
-    fn remove_tree(&mut self, root: &Path) {
-        let local = self.cache.tree_local(root);
-        self.trees_removed += 1;
-        let away = self
-            .cache
-            .tmp_dir()
-            .join(format!("dropped-{}", self.trees_removed));
-        match std::fs::rename(&local, &away) {
-            Ok(()) => self.workers.send(Work::Remove(away)),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => log::warn!("could not delete the snapshot of {}: {e}", root.display()),
-        }
-    }
-
     fn drop_copy(&mut self, source: &str) {
         self.detach(source);
         self.unpin(source);
@@ -1073,66 +785,6 @@ impl Keeper {
             self.place();
             self.consider_snapshots();
         }
-    }
-
-    /// A copy a prefetch may wait for is done.
-    fn report(&mut self, source: &str, size: u64, ok: bool) {
-        self.advance(|w| {
-            if !w.remaining.remove(source) {
-                return false;
-            }
-            w.progress.files_done += 1;
-            if ok {
-                w.progress.bytes_done += size;
-            } else {
-                w.progress.failed += 1;
-            }
-            true
-        });
-    }
-
-    /// A snapshot a prefetch may wait for is done.
-    fn report_tree(&mut self, root: &Path, size: u64, ok: bool) {
-        self.advance(|w| {
-            if !w.trees.remove(root) {
-                return false;
-            }
-            w.progress.trees_done += 1;
-            if ok {
-                w.progress.tree_bytes_done += size;
-            } else {
-                w.progress.trees_failed += 1;
-            }
-            true
-        });
-    }
-
-    /// Applies `step` to each prefetch; those it changed report progress or finish.
-    fn advance(&mut self, mut step: impl FnMut(&mut Watcher) -> bool) {
-        // A prefetch reports what it pinned: it waits for the pins under way.
-        let pins_pending = !self.pinning.is_empty();
-        let mut finished = Vec::new();
-        for (i, w) in self.prefetches.iter_mut().enumerate() {
-            if !step(w) {
-                continue;
-            }
-            if w.remaining.is_empty() && w.trees.is_empty() && !pins_pending {
-                finished.push(i);
-            } else {
-                let _ = w.tx.send(w.progress.clone());
-            }
-        }
-        for i in finished.into_iter().rev() {
-            let mut w = self.prefetches.remove(i);
-            self.finish(&mut w);
-        }
-    }
-
-    fn finish(&mut self, w: &mut Watcher) {
-        w.progress.finished = true;
-        w.progress.pinned_files = self.pins.len();
-        w.progress.pinned_bytes = self.pins.bytes();
-        let _ = w.tx.send(w.progress.clone());
     }
 
     fn status(&self) -> CacheStatus {

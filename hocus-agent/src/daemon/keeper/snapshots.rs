@@ -1,0 +1,225 @@
+//! The keeper's snapshots: choosing trees to hold whole, taking them on a worker,
+//! pinning through them, and dropping them when their tree changes.
+
+use std::{
+    path::{Path, PathBuf},
+    time::Instant,
+};
+
+use super::{Keeper, decide, work::Work};
+use crate::{
+    cache::{copy::CopyError, snapshot},
+    shared::size::human,
+};
+
+/// A snapshot in place: where it is, and what the network tree was.
+pub(super) struct Snapshot {
+    pub local: PathBuf,
+    pub tree: PathBuf,
+    pub stamp: snapshot::Stamp,
+    /// Bytes it holds beyond the files it shares with the cache.
+    pub bytes: u64,
+}
+
+impl Keeper {
+    /// The snapshot in place (not one being taken) holding `path`, and its root.
+    pub(super) fn held_snapshot(&self, path: &Path) -> Option<(&PathBuf, &Snapshot)> {
+        self.snapshots
+            .iter()
+            .find(|(root, _)| path.starts_with(root))
+    }
+
+    /// The snapshot root (in place or being taken) holding `path`, if any.
+    pub(super) fn snapshot_of(&self, path: &Path) -> Option<PathBuf> {
+        let roots = self.snapshots.keys().chain(self.snapshots_in_flight.keys());
+        decide::snapshot_holding(path, roots).cloned()
+    }
+
+    pub(super) fn snapshot_bytes(&self) -> u64 {
+        self.snapshots.values().map(|s| s.bytes).sum()
+    }
+
+    /// Looks for trees to hold whole: see `snapshot::candidates`. Each fits within half
+    /// of what the SSD budget leaves; a tree too big is served file by file instead.
+    pub(super) fn consider_snapshots(&mut self) {
+        let now = Instant::now();
+        self.unsuitable
+            .retain(|_, at| now.duration_since(*at) < self.config.revalidate * 10);
+        let unclean: Vec<PathBuf> = self
+            .refused
+            .iter()
+            .chain(self.unstable.keys())
+            .map(PathBuf::from)
+            .collect();
+        let unclean: Vec<&Path> = unclean.iter().map(PathBuf::as_path).collect();
+        let chains = snapshot::candidates(&self.profile, &self.config.trees, &unclean);
+        for chain in chains {
+            if chain.iter().any(|d| self.snapshot_of(d).is_some()) {
+                continue; // held already, or being taken
+            }
+            // Copies still under way there are linked into the snapshot once done.
+            if self
+                .in_flight
+                .keys()
+                .any(|s| Path::new(s).starts_with(&chain[0]))
+            {
+                continue;
+            }
+            let room = self
+                .effective_ssd_budget
+                .saturating_sub(self.cache.used() + self.snapshot_bytes())
+                / 2;
+            let chain: Vec<PathBuf> = chain
+                .into_iter()
+                .filter(|root| !self.unsuitable.contains_key(root))
+                .collect();
+            if chain.is_empty() || !self.measuring.insert(chain[0].clone()) {
+                continue;
+            }
+            self.workers.send(Work::Measure { chain, room });
+        }
+    }
+
+    /// A chain was measured: the directory chosen is snapshotted, if nothing took its
+    /// place meanwhile.
+    pub(super) fn measured(
+        &mut self,
+        chain: Vec<PathBuf>,
+        chosen: Option<(PathBuf, u64)>,
+        unsuitable: Vec<PathBuf>,
+    ) {
+        if let Some(top) = chain.first() {
+            self.measuring.remove(top);
+        }
+        let now = Instant::now();
+        for root in unsuitable {
+            self.unsuitable.insert(root, now);
+        }
+        let Some((root, bytes)) = chosen else {
+            return;
+        };
+        let busy = chain.iter().any(|d| self.snapshot_of(d).is_some())
+            || self
+                .in_flight
+                .keys()
+                .any(|s| Path::new(s).starts_with(&root));
+        let room = self
+            .effective_ssd_budget
+            .saturating_sub(self.cache.used() + self.snapshot_bytes())
+            / 2;
+        if !busy && bytes <= room {
+            self.start_snapshot(root, bytes);
+        }
+    }
+
+    pub(super) fn start_snapshot(&mut self, root: PathBuf, bytes: u64) {
+        let Some(tree) = self.tree_of(&root).cloned() else {
+            return;
+        };
+        let cached = self
+            .cache
+            .sources()
+            .filter(|(s, _)| Path::new(s).starts_with(&root))
+            .map(|(s, c)| (PathBuf::from(s), (self.cache.local(s), c.identity)))
+            .collect();
+        log::info!("taking a snapshot of {} ({})", root.display(), human(bytes));
+        self.snapshots_in_flight.insert(root.clone(), bytes);
+        // A prefetch under way waits for it too.
+        for w in &mut self.prefetches {
+            if w.trees.insert(root.clone()) {
+                w.progress.trees_total += 1;
+                w.progress.tree_bytes_total += bytes;
+            }
+        }
+        self.workers.send(Work::Snapshot {
+            dest: self.cache.tree_local(&root),
+            root,
+            tree,
+            cached,
+        });
+    }
+
+    pub(super) fn snapshotted(
+        &mut self,
+        root: PathBuf,
+        result: Result<(snapshot::Stamp, snapshot::Taken), CopyError>,
+    ) {
+        let Some(expected) = self.snapshots_in_flight.remove(&root) else {
+            // Dropped while it was being taken.
+            self.remove_tree(&root);
+            self.report_tree(&root, 0, false);
+            return;
+        };
+        match result {
+            Ok((stamp, taken)) => {
+                log::info!(
+                    "snapshot of {} in place: {} copied, {} shared with cached files",
+                    root.display(),
+                    human(taken.copied),
+                    human(taken.linked)
+                );
+                let tree = self.tree_of(&root).cloned().unwrap_or_default();
+                self.snapshots.insert(
+                    root.clone(),
+                    Snapshot {
+                        local: self.cache.tree_local(&root),
+                        tree,
+                        stamp,
+                        bytes: taken.copied,
+                    },
+                );
+                // Pins of files in it move to the snapshot's inodes (the same ones where
+                // the copy was linked).
+                let inside: Vec<String> = self
+                    .pins
+                    .sources()
+                    .filter(|s| Path::new(s).starts_with(&root))
+                    .cloned()
+                    .collect();
+                for source in inside {
+                    self.unpin(&source);
+                    self.pin(&source);
+                }
+                self.report_tree(&root, expected, true);
+            }
+            Err(e) => {
+                log::info!(
+                    "no snapshot of {}: {e}; its files are served one by one",
+                    root.display()
+                );
+                self.report_tree(&root, expected, false);
+                self.unsuitable.insert(root, Instant::now());
+            }
+        }
+    }
+
+    pub(super) fn drop_snapshot(&mut self, root: &Path, why: &str) {
+        self.snapshots_in_flight.remove(root);
+        if self.snapshots.remove(root).is_none() {
+            return;
+        }
+        self.status.invalidations += 1;
+        log::info!(
+            "dropping the snapshot of {} ({why}): later opens go to the network",
+            root.display()
+        );
+        self.detach(&root.to_string_lossy());
+        self.remove_tree(root);
+    }
+
+    /// Moves a snapshot's local tree out of the way at once (a rename), and has a worker
+    /// delete it.
+    pub(super) fn remove_tree(&mut self, root: &Path) {
+        let local = self.cache.tree_local(root);
+        self.trees_removed += 1;
+        let away = self
+            .cache
+            .tmp_dir()
+            .join(format!("dropped-{}", self.trees_removed));
+        match std::fs::rename(&local, &away) {
+            Ok(()) => self.workers.send(Work::Remove(away)),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => log::warn!("could not delete the snapshot of {}: {e}", root.display()),
+        }
+    }
+}
