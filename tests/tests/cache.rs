@@ -705,3 +705,99 @@ fn a_file_written_once_is_cached_once_it_is_stable() {
         true
     );
 }
+
+/// Sends SIGTERM and returns how long the daemon took to exit (cleanly).
+fn stop_timed(agent: &mut Agent) -> std::time::Duration {
+    let started = std::time::Instant::now();
+    agent.stop();
+    started.elapsed()
+}
+
+#[test]
+fn sigterm_mid_copy_and_mid_snapshot_stops_promptly_and_the_next_daemon_starts_clean() {
+    let net = NetworkMount::start();
+    // A 4 GiB file (sparse on the server; every byte crosses the network when copied).
+    let big = net.server_path("data/huge.bin");
+    fs::create_dir_all(big.parent().unwrap()).unwrap();
+    fs::File::create(&big).unwrap().set_len(4096 * MIB).unwrap();
+    let file = net.path("data/huge.bin");
+    let mount = net.mount.to_str().unwrap().to_owned();
+    let mut agent = Agent::start(&["--watch", &mount, "--ram-budget", "1M"]);
+    drop(fs::File::open(&file).unwrap());
+    let tmp = agent.cache_dir.join("tmp");
+    wait_until(30, "the copy of 4 GiB under way", || disk_usage(&tmp).0 > 0);
+    let took = stop_timed(&mut agent);
+    eprintln!("SIGTERM during a 4 GiB copy: stopped in {took:?}");
+    assert!(
+        took.as_secs() < 10,
+        "SIGTERM during a 4 GiB copy took {took:?}:\n{}",
+        agent.log()
+    );
+    assert!(
+        !agent.local_copy(&file).exists(),
+        "the copy was abandoned, not finished first"
+    );
+    let (dir, state_dir) = agent.into_dirs();
+
+    // Right after: the socket is free, the half copy is removed. This daemon leaves the
+    // big file alone and takes a snapshot of a 30k-file tree a job used.
+    let excluded = net.path("data");
+    let args = [
+        "--watch",
+        &mount,
+        "--exclude",
+        excluded.to_str().unwrap(),
+        "--ram-budget",
+        "1M",
+    ];
+    let mut agent = Agent::start_with_state(dir, state_dir, &args);
+    assert!(
+        agent.log().contains("removed 1 unfinished copies"),
+        "{}",
+        agent.log()
+    );
+    for d in 0..30 {
+        let dir = net.server_path(&format!("env/pkg{d}"));
+        fs::create_dir_all(&dir).unwrap();
+        for f in 0..1000 {
+            fs::write(dir.join(format!("m{f}.py")), b"x = 1\n").unwrap();
+        }
+    }
+    read_all(&net.path("env/pkg0/m0.py"));
+    assert!(fs::metadata(net.path("env/pkg0/nope.py")).is_err());
+    wait_until(60, "a snapshot of env under way", || {
+        agent.log().contains("taking a snapshot of")
+    });
+    let took = stop_timed(&mut agent);
+    eprintln!("SIGTERM during a snapshot: stopped in {took:?}");
+    assert!(
+        took.as_secs() < 10,
+        "SIGTERM during a snapshot took {took:?}:\n{}",
+        agent.log()
+    );
+    assert!(
+        !agent.log().contains(" in place: "),
+        "the snapshot was abandoned, not finished first:\n{}",
+        agent.log()
+    );
+    let (dir, state_dir) = agent.into_dirs();
+    // The half-taken snapshot was in tmp/; the next start removes it before anything.
+    let agent = Agent::start_with_state(dir, state_dir, &args);
+    let log = agent.log();
+    let removed: u64 = log
+        .split("removed ")
+        .nth(1)
+        .and_then(|r| r.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0);
+    assert!(
+        removed >= 1,
+        "the abandoned snapshot was not cleared:\n{log}"
+    );
+    let trees = agent.cache_dir.join("trees");
+    assert_eq!(
+        disk_usage(&trees).1,
+        0,
+        "no partial tree is left among the snapshots"
+    );
+}

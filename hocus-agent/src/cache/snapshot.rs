@@ -15,6 +15,7 @@ use std::{
     fs,
     os::unix::fs::{MetadataExt, PermissionsExt},
     path::{Path, PathBuf},
+    sync::atomic::{AtomicU64, Ordering},
 };
 
 use std::collections::HashSet;
@@ -145,11 +146,14 @@ pub fn take(
         .parent()
         .ok_or_else(|| CopyError::Unsafe("no parent".into()))?;
     fs::create_dir_all(parent).map_err(CopyError::Local)?;
-    let staging = parent.join(format!(
-        ".staging-{}",
-        dest.file_name().unwrap_or_default().to_string_lossy()
+    // Built in the cache's tmp/ (emptied at every start, so a snapshot abandoned by a
+    // stop or a crash leaves nothing behind), then renamed into place.
+    static TAKEN: AtomicU64 = AtomicU64::new(0);
+    let staging = tmp_dir.join(format!(
+        "snapshot-{}-{}",
+        std::process::id(),
+        TAKEN.fetch_add(1, Ordering::Relaxed)
     ));
-    let _ = fs::remove_dir_all(&staging);
     let result = (|| {
         let stamp = stamp(root).map_err(CopyError::Source)?;
         let mut taken = Taken::default();

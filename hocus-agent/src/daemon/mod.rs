@@ -70,10 +70,13 @@ pub fn run(opts: Options) -> Result<()> {
         );
     }
     let cache = keeper::Config::of(&opts.settings)?;
-    tokio::runtime::Builder::new_current_thread()
+    let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
-        .build()?
-        .block_on(async { Daemon::start(opts, cache)?.run().await })
+        .build()?;
+    let result = runtime.block_on(async { Daemon::start(opts, cache)?.run().await });
+    // Work in flight (a permission check on a hung mount) is abandoned, not awaited.
+    runtime.shutdown_timeout(Duration::from_millis(200));
+    result
 }
 
 struct Daemon {
