@@ -2,7 +2,6 @@
 //! and answers the control socket.
 
 use std::{
-    collections::HashSet,
     net::SocketAddr,
     os::unix::fs::MetadataExt,
     path::{Path, PathBuf},
@@ -19,10 +18,7 @@ use tokio::{
 };
 
 use crate::{
-    control::{
-        protocol::{Ask, Call, Request, Response},
-        server,
-    },
+    control::{protocol::Call, server},
     observe::{
         events::{Observer, Watch},
         mounts,
@@ -30,11 +26,9 @@ use crate::{
     },
     place::{budget::Budgets, placement::Filters},
     profile::{
-        format::{FileEntry, Profile},
         store::StateDir,
         working_set::{Attributes, WorkingSet},
     },
-    redirect::access::{self, Caller},
     report::metrics,
     shared::{
         settings::Settings,
@@ -43,6 +37,7 @@ use crate::{
 };
 
 mod keeper;
+mod requests;
 
 use keeper::{Handle as Keeper, KeeperError};
 
@@ -98,6 +93,11 @@ struct Daemon {
     stat_results: StatResults,
     /// Stats asked for and not answered yet.
     stats_pending: usize,
+    /// Client requests waiting for those stats.
+    waiting: Vec<requests::Waiting>,
+    /// Profiles back from their permission checks.
+    checked_tx: mpsc::UnboundedSender<requests::Checked>,
+    checked_rx: mpsc::UnboundedReceiver<requests::Checked>,
     reported_loss: u64,
     keeper: Keeper,
     /// When the keeper last failed to take an order (logged at most every 10 s).
@@ -202,6 +202,7 @@ impl Daemon {
         cache.trees = watches.iter().map(|w| w.path.clone()).collect();
         let (keeper, keeper_thread) = keeper::start(cache)?;
         let (stat_requests, stat_results) = spawn_stat_worker()?;
+        let (checked_tx, checked_rx) = mpsc::unbounded_channel();
         let mut observer = Observer::new(watches);
         // Processes that started before us: where are their working directories?
         observer.scan_processes();
@@ -229,6 +230,9 @@ impl Daemon {
             stat_requests,
             stat_results,
             stats_pending: 0,
+            waiting: Vec::new(),
+            checked_tx,
+            checked_rx,
             reported_loss: 0,
             keeper,
             keeper_failed_at: None,
@@ -271,11 +275,22 @@ impl Daemon {
                     self.drain().await;
                 }
                 _ = poll.tick() => self.drain().await,
-                _ = sweep.tick() => self.sweep().await,
+                _ = sweep.tick() => {
+                    self.sweep().await;
+                    if !self.waiting.is_empty() {
+                        self.answer_waiting().await;
+                    }
+                }
                 _ = save.tick() => self.save(),
                 _ = place.tick() => self.place().await,
-                Some(result) = self.stat_results.recv() => self.stat_done(result),
+                Some(result) = self.stat_results.recv() => {
+                    self.stat_done(result);
+                    if self.stats_pending == 0 && !self.waiting.is_empty() {
+                        self.answer_waiting().await;
+                    }
+                }
                 Some(call) = calls.recv() => self.answer(call).await,
+                Some(checked) = self.checked_rx.recv() => self.checked(checked).await,
                 Some(reply) = next_scrape(&mut scrapes) => {
                     // What the workload did so far is counted first.
                     self.sweep().await;
@@ -354,21 +369,6 @@ impl Daemon {
         }
     }
 
-    /// Waits (boundedly) for the sizes and mtimes of files seen so far.
-    async fn finish_stats(&mut self) {
-        let deadline = tokio::time::sleep(Duration::from_secs(30));
-        tokio::pin!(deadline);
-        while self.stats_pending > 0 {
-            tokio::select! {
-                Some(result) = self.stat_results.recv() => self.stat_done(result),
-                _ = &mut deadline => {
-                    log::warn!("{} files could not be stat'ed within 30 s", self.stats_pending);
-                    break;
-                }
-            }
-        }
-    }
-
     async fn place(&mut self) {
         if std::mem::take(&mut self.to_place) {
             let sent = self.keeper.place(self.ws.to_profile()).await;
@@ -434,125 +434,6 @@ impl Daemon {
                 self.last_save_error = Some(message);
             }
         }
-    }
-
-    async fn answer(&mut self, call: Call) {
-        let Call { caller, ask, reply } = call;
-        let request = match ask {
-            Ask::Client(request) => request,
-            Ask::Binds => {
-                let response = match self.keeper.binds().await {
-                    Ok(binds) => Response::Binds(binds),
-                    Err(e) => Response::Error {
-                        message: e.to_string(),
-                    },
-                };
-                let _ = reply.send(response);
-                return;
-            }
-            Ask::JobStarting { id, binds } => {
-                // Events already read belong to earlier jobs; the keeper learns of this
-                // one before anything it does.
-                self.drain().await;
-                let started = self.keeper.job_starting(id, binds).await;
-                // A job the keeper does not follow still runs: its accesses count as
-                // misses.
-                self.check(started);
-                let _ = reply.send(Response::Ready);
-                return;
-            }
-            Ask::JobEnded { id } => {
-                // What the job did is read before it is forgotten.
-                self.sweep().await;
-                let ended = self.keeper.job_ended(id).await;
-                self.check(ended);
-                return;
-            }
-        };
-        // Whatever the workload did before asking is in the ring buffer: read it first.
-        self.sweep().await;
-        self.finish_stats().await;
-        let response = match request {
-            Request::Status => {
-                let mut status = self.status(STATUS_TOP_FILES).await;
-                status.top = readable_by(status.top, &caller).await;
-                Response::Status(Box::new(status))
-            }
-            Request::Export { root } => {
-                let mut profile = self.ws.to_profile();
-                if let Some(root) = root {
-                    profile.retain_under(&root);
-                }
-                match checked_for(profile, &caller).await {
-                    Ok(p) => Response::Profile(p),
-                    Err(message) => Response::Error { message },
-                }
-            }
-            Request::Import { profile } => match self.merge(profile, &caller).await {
-                Ok((files, missing)) => Response::Imported { files, missing },
-                Err(message) => Response::Error { message },
-            },
-            Request::Budgets { .. } if !caller.is_root() => Response::Error {
-                message: "only root may change the budgets".into(),
-            },
-            Request::Budgets { ssd, ram } => {
-                let set = self.keeper.set_budgets(ssd, ram).await;
-                match set.and(Ok(self.status(0).await)) {
-                    Ok(status) if status.cache.is_some() => Response::Status(Box::new(status)),
-                    Ok(_) => Response::Error {
-                        message: KeeperError::Busy.to_string(),
-                    },
-                    Err(e) => Response::Error {
-                        message: e.to_string(),
-                    },
-                }
-            }
-            Request::Run(_) => Response::Error {
-                message: "a job is run on its own connection".into(),
-            },
-            Request::Prefetch { profile } => {
-                if let Err(message) = self.merge(profile, &caller).await {
-                    let _ = reply.send(Response::Error { message });
-                    return;
-                }
-                self.to_place = false;
-                let (tx, mut rx) = mpsc::unbounded_channel();
-                if let Err(e) = self.keeper.prefetch(self.ws.to_profile(), tx).await {
-                    let _ = reply.send(Response::Error {
-                        message: e.to_string(),
-                    });
-                    return;
-                }
-                // Progress arrives from the keeper's thread until it is done.
-                tokio::spawn(async move {
-                    while let Some(progress) = rx.recv().await {
-                        let finished = progress.finished;
-                        if reply.send(Response::Progress(progress)).is_err() || finished {
-                            break;
-                        }
-                    }
-                });
-                return;
-            }
-        };
-        let _ = reply.send(response);
-    }
-
-    /// Merges an imported profile. An ordinary user vouches only for what they can read,
-    /// and as themselves.
-    async fn merge(&mut self, profile: Profile, caller: &Caller) -> Result<(usize, usize), String> {
-        let mut profile = checked_for(profile, caller).await?;
-        if !caller.is_root() {
-            for f in &mut profile.files {
-                f.uids = vec![caller.uid];
-            }
-        }
-        let counts = (profile.files.len(), profile.missing.len());
-        self.ws.merge(profile);
-        self.dirty = true;
-        self.to_place = true;
-        self.save();
-        Ok(counts)
     }
 
     async fn status(&mut self, top: usize) -> Status {
@@ -670,46 +551,6 @@ async fn next_scrape(scrapes: &mut Option<metrics::Scrapes>) -> Option<oneshot::
     match scrapes {
         Some(s) => s.recv().await,
         None => std::future::pending().await,
-    }
-}
-
-/// The hottest files `caller` may read (all of them for root).
-async fn readable_by(top: Vec<TopFile>, caller: &Caller) -> Vec<TopFile> {
-    if caller.is_root() {
-        return top;
-    }
-    let files = top
-        .iter()
-        .map(|t| FileEntry {
-            path: t.path.clone(),
-            ..Default::default()
-        })
-        .collect();
-    let probe = Profile {
-        files,
-        ..Default::default()
-    };
-    let readable: HashSet<String> = match checked_for(probe, caller).await {
-        Ok(p) => p.files.into_iter().map(|f| f.path).collect(),
-        Err(_) => HashSet::new(),
-    };
-    top.into_iter()
-        .filter(|t| readable.contains(&t.path))
-        .collect()
-}
-
-/// The profile as `caller` may see it (permission checks may touch the network: they
-/// run off the event loop's thread).
-async fn checked_for(mut profile: Profile, caller: &Caller) -> Result<Profile, String> {
-    let caller = caller.clone();
-    match tokio::task::spawn_blocking(move || {
-        access::filter_for(&mut profile, &caller).map(|()| profile)
-    })
-    .await
-    {
-        Ok(Ok(p)) => Ok(p),
-        Ok(Err(e)) => Err(format!("{e:#}")),
-        Err(e) => Err(e.to_string()),
     }
 }
 

@@ -338,7 +338,7 @@ impl Keeper {
                     progress,
                     tx,
                 };
-                if w.remaining.is_empty() && w.trees.is_empty() && self.pinning.is_empty() {
+                if w.remaining.is_empty() && w.trees.is_empty() && !self.settling() {
                     self.finish(&mut w);
                 } else {
                     let _ = w.tx.send(w.progress.clone());
@@ -720,7 +720,7 @@ impl Keeper {
             Ok(_) => {}
             Err(e) => log::warn!("cannot pin {source}: {e}"),
         }
-        if self.pinning.is_empty() {
+        if !self.settling() {
             // Prefetches that waited for their pins may be done.
             self.advance(|_| true);
         }

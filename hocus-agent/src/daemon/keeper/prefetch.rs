@@ -17,6 +17,13 @@ pub(super) struct Watcher {
 }
 
 impl Keeper {
+    /// Work a prefetch waits for beyond its own copies and snapshots: the pins they
+    /// cause (a prefetch reports what it pinned) and the trees being measured for a
+    /// snapshot (the snapshot it leads to is part of the warm-up).
+    pub(super) fn settling(&self) -> bool {
+        !self.pinning.is_empty() || !self.measuring.is_empty()
+    }
+
     /// A copy a prefetch may wait for is done.
     pub(super) fn report(&mut self, source: &str, size: u64, ok: bool) {
         self.advance(|w| {
@@ -51,14 +58,13 @@ impl Keeper {
 
     /// Applies `step` to each prefetch; those it changed report progress or finish.
     pub(super) fn advance(&mut self, mut step: impl FnMut(&mut Watcher) -> bool) {
-        // A prefetch reports what it pinned: it waits for the pins under way.
-        let pins_pending = !self.pinning.is_empty();
+        let settling = self.settling();
         let mut finished = Vec::new();
         for (i, w) in self.prefetches.iter_mut().enumerate() {
             if !step(w) {
                 continue;
             }
-            if w.remaining.is_empty() && w.trees.is_empty() && !pins_pending {
+            if w.remaining.is_empty() && w.trees.is_empty() && !settling {
                 finished.push(i);
             } else {
                 let _ = w.tx.send(w.progress.clone());

@@ -91,6 +91,20 @@ impl Keeper {
         if let Some(top) = chain.first() {
             self.measuring.remove(top);
         }
+        self.start_measured(&chain, chosen, unsuitable);
+        if !self.settling() {
+            // Prefetches that waited for this measurement may be done.
+            self.advance(|_| true);
+        }
+    }
+
+    /// Starts the snapshot a measurement chose, if nothing took its place meanwhile.
+    fn start_measured(
+        &mut self,
+        chain: &[PathBuf],
+        chosen: Option<(PathBuf, u64)>,
+        unsuitable: Vec<PathBuf>,
+    ) {
         let now = Instant::now();
         for root in unsuitable {
             self.unsuitable.insert(root, now);

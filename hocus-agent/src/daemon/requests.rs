@@ -1,0 +1,305 @@
+//! Answering the control socket without stalling the loop. A request is answered from
+//! the loop's state as it is, once the sizes of the files seen before it are known (it
+//! waits in a queue for that, up to [`STATS_WAIT`], while the loop goes on); anything that
+//! may touch the network (the caller's permission checks) runs on a task of its own, and
+//! what it checked comes back to the loop as a message.
+
+use std::{
+    collections::HashSet,
+    time::{Duration, Instant},
+};
+
+use tokio::sync::mpsc;
+
+use super::{Daemon, STATUS_TOP_FILES, keeper::KeeperError};
+use crate::{
+    control::protocol::{Ask, Call, Request, Response},
+    profile::format::{FileEntry, Profile},
+    redirect::access::{self, Caller},
+    shared::status::TopFile,
+};
+
+/// How long a request waits for the sizes of files seen before it.
+pub const STATS_WAIT: Duration = Duration::from_secs(30);
+
+/// Where a request's answers go.
+type Reply = mpsc::UnboundedSender<Response>;
+
+/// A client request waiting for the stats under way.
+pub struct Waiting {
+    caller: Caller,
+    request: Request,
+    reply: Reply,
+    since: Instant,
+}
+
+/// A profile whose entries the caller may vouch for, back from its permission check.
+pub enum Checked {
+    Import {
+        profile: Profile,
+        caller: Caller,
+        reply: Reply,
+    },
+    Prefetch {
+        profile: Profile,
+        caller: Caller,
+        reply: Reply,
+    },
+}
+
+impl Daemon {
+    /// Handles one call from a connection.
+    pub(super) async fn answer(&mut self, call: Call) {
+        let Call { caller, ask, reply } = call;
+        match ask {
+            Ask::Client(request) => {
+                // Whatever the workload did before asking is in the ring buffer: read it
+                // first, and answer once the sizes of the files it saw are known.
+                self.sweep().await;
+                let waiting = Waiting {
+                    caller,
+                    request,
+                    reply,
+                    since: Instant::now(),
+                };
+                if self.stats_pending == 0 {
+                    self.respond(waiting).await;
+                } else {
+                    self.waiting.push(waiting);
+                }
+            }
+            Ask::Binds => {
+                let response = match self.keeper.binds().await {
+                    Ok(binds) => Response::Binds(binds),
+                    Err(e) => Response::Error {
+                        message: e.to_string(),
+                    },
+                };
+                let _ = reply.send(response);
+            }
+            Ask::JobStarting { id, binds } => {
+                // Events already read belong to earlier jobs; the keeper learns of this
+                // one before anything it does.
+                self.drain().await;
+                let started = self.keeper.job_starting(id, binds).await;
+                // A job the keeper does not follow still runs: its accesses count as
+                // misses.
+                self.check(started);
+                let _ = reply.send(Response::Ready);
+            }
+            Ask::JobEnded { id } => {
+                // What the job did is read before it is forgotten.
+                self.sweep().await;
+                let ended = self.keeper.job_ended(id).await;
+                self.check(ended);
+            }
+        }
+    }
+
+    /// Answers the requests that waited for stats: all of them once none are pending,
+    /// else those that waited too long.
+    pub(super) async fn answer_waiting(&mut self) {
+        let all = self.stats_pending == 0;
+        let (due, still): (Vec<Waiting>, Vec<Waiting>) = std::mem::take(&mut self.waiting)
+            .into_iter()
+            .partition(|w| all || w.since.elapsed() >= STATS_WAIT);
+        self.waiting = still;
+        if !all && !due.is_empty() {
+            log::warn!(
+                "{} files could not be stat'ed within {} s; answering without their sizes",
+                self.stats_pending,
+                STATS_WAIT.as_secs()
+            );
+        }
+        for w in due {
+            self.respond(w).await;
+        }
+    }
+
+    async fn respond(&mut self, w: Waiting) {
+        let Waiting {
+            caller,
+            request,
+            reply,
+            ..
+        } = w;
+        let response = match request {
+            Request::Status => {
+                let mut status = self.status(STATUS_TOP_FILES).await;
+                tokio::spawn(async move {
+                    status.top = readable_by(status.top, &caller).await;
+                    let _ = reply.send(Response::Status(Box::new(status)));
+                });
+                return;
+            }
+            Request::Export { root } => {
+                let mut profile = self.ws.to_profile();
+                if let Some(root) = root {
+                    profile.retain_under(&root);
+                }
+                tokio::spawn(async move {
+                    let response = match checked_for(profile, &caller).await {
+                        Ok(p) => Response::Profile(p),
+                        Err(message) => Response::Error { message },
+                    };
+                    let _ = reply.send(response);
+                });
+                return;
+            }
+            Request::Import { profile } => {
+                self.check_then(profile, caller, reply, |profile, caller, reply| {
+                    Checked::Import {
+                        profile,
+                        caller,
+                        reply,
+                    }
+                });
+                return;
+            }
+            Request::Prefetch { profile } => {
+                self.check_then(profile, caller, reply, |profile, caller, reply| {
+                    Checked::Prefetch {
+                        profile,
+                        caller,
+                        reply,
+                    }
+                });
+                return;
+            }
+            Request::Budgets { .. } if !caller.is_root() => Response::Error {
+                message: "only root may change the budgets".into(),
+            },
+            Request::Budgets { ssd, ram } => {
+                let set = self.keeper.set_budgets(ssd, ram).await;
+                match set.and(Ok(self.status(0).await)) {
+                    Ok(status) if status.cache.is_some() => Response::Status(Box::new(status)),
+                    Ok(_) => Response::Error {
+                        message: KeeperError::Busy.to_string(),
+                    },
+                    Err(e) => Response::Error {
+                        message: e.to_string(),
+                    },
+                }
+            }
+            Request::Run(_) => Response::Error {
+                message: "a job is run on its own connection".into(),
+            },
+        };
+        let _ = reply.send(response);
+    }
+
+    /// Checks `profile` for `caller` off the loop; the result comes back as a message.
+    fn check_then(
+        &self,
+        profile: Profile,
+        caller: Caller,
+        reply: Reply,
+        then: fn(Profile, Caller, Reply) -> Checked,
+    ) {
+        let checked = self.checked_tx.clone();
+        tokio::spawn(async move {
+            match checked_for(profile, &caller).await {
+                Ok(p) => {
+                    let _ = checked.send(then(p, caller, reply));
+                }
+                Err(message) => {
+                    let _ = reply.send(Response::Error { message });
+                }
+            }
+        });
+    }
+
+    /// A profile came back from its permission check: merge it, and prefetch from it.
+    pub(super) async fn checked(&mut self, checked: Checked) {
+        match checked {
+            Checked::Import {
+                profile,
+                caller,
+                reply,
+            } => {
+                let (files, missing) = self.merge(profile, &caller);
+                let _ = reply.send(Response::Imported { files, missing });
+            }
+            Checked::Prefetch {
+                profile,
+                caller,
+                reply,
+            } => {
+                self.merge(profile, &caller);
+                self.to_place = false;
+                let (tx, mut rx) = mpsc::unbounded_channel();
+                if let Err(e) = self.keeper.prefetch(self.ws.to_profile(), tx).await {
+                    let _ = reply.send(Response::Error {
+                        message: e.to_string(),
+                    });
+                    return;
+                }
+                // Progress arrives from the keeper's thread until it is done.
+                tokio::spawn(async move {
+                    while let Some(progress) = rx.recv().await {
+                        let finished = progress.finished;
+                        if reply.send(Response::Progress(progress)).is_err() || finished {
+                            break;
+                        }
+                    }
+                });
+            }
+        }
+    }
+
+    /// Merges a checked profile. An ordinary user vouches only for what they can read,
+    /// and as themselves.
+    fn merge(&mut self, mut profile: Profile, caller: &Caller) -> (usize, usize) {
+        if !caller.is_root() {
+            for f in &mut profile.files {
+                f.uids = vec![caller.uid];
+            }
+        }
+        let counts = (profile.files.len(), profile.missing.len());
+        self.ws.merge(profile);
+        self.dirty = true;
+        self.to_place = true;
+        self.save();
+        counts
+    }
+}
+
+/// The hottest files `caller` may read (all of them for root).
+async fn readable_by(top: Vec<TopFile>, caller: &Caller) -> Vec<TopFile> {
+    if caller.is_root() {
+        return top;
+    }
+    let files = top
+        .iter()
+        .map(|t| FileEntry {
+            path: t.path.clone(),
+            ..Default::default()
+        })
+        .collect();
+    let probe = Profile {
+        files,
+        ..Default::default()
+    };
+    let readable: HashSet<String> = match checked_for(probe, caller).await {
+        Ok(p) => p.files.into_iter().map(|f| f.path).collect(),
+        Err(_) => HashSet::new(),
+    };
+    top.into_iter()
+        .filter(|t| readable.contains(&t.path))
+        .collect()
+}
+
+/// The profile as `caller` may see it (permission checks may touch the network: they
+/// run off the event loop's thread).
+async fn checked_for(mut profile: Profile, caller: &Caller) -> Result<Profile, String> {
+    let caller = caller.clone();
+    match tokio::task::spawn_blocking(move || {
+        access::filter_for(&mut profile, &caller).map(|()| profile)
+    })
+    .await
+    {
+        Ok(Ok(p)) => Ok(p),
+        Ok(Err(e)) => Err(format!("{e:#}")),
+        Err(e) => Err(e.to_string()),
+    }
+}
