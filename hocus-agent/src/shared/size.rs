@@ -1,5 +1,7 @@
 //! Sizes as people write them (`512M`, `10G`, `10%`) and as they read them (`1.5 GiB`):
-//! flags, the config file, logs and tables all use these.
+//! flags, the config file, logs and tables all use these. Reading is our own: a suffix
+//! is binary (`512M` is 512 MiB, as for ulimit and systemd) and a size may be a
+//! percentage, which no size crate reads that way; writing is bytesize's.
 
 use std::str::FromStr;
 
@@ -110,20 +112,9 @@ impl Size {
     }
 }
 
-/// Formats bytes for people.
+/// Formats bytes for people, in binary units: `12 B`, `1.5 KiB`, `5.0 GiB`.
 pub fn human(n: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = n as f64;
-    let mut unit = 0;
-    while v >= 1024.0 && unit < UNITS.len() - 1 {
-        v /= 1024.0;
-        unit += 1;
-    }
-    if unit == 0 {
-        format!("{n} B")
-    } else {
-        format!("{v:.1} {}", UNITS[unit])
-    }
+    bytesize::ByteSize::b(n).display().iec().to_string()
 }
 
 #[cfg(test)]
