@@ -183,7 +183,7 @@ pub fn copy(
 }
 
 /// Opens a directory as an O_PATH descriptor (the anchor for openat2).
-fn open_path(dir: &Path) -> io::Result<OwnedFd> {
+pub fn open_path(dir: &Path) -> io::Result<OwnedFd> {
     let c = CString::new(dir.as_os_str().as_bytes())
         .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
     // SAFETY: valid C string; the descriptor is owned on success.

@@ -11,14 +11,25 @@
 //! tells later whether the network tree is still the same.
 
 use std::{
-    collections::BTreeMap,
-    fs,
-    os::unix::fs::{MetadataExt, PermissionsExt},
+    collections::{BTreeMap, HashSet},
+    ffi::OsStr,
+    fs, io,
+    os::{
+        fd::{AsRawFd, FromRawFd, IntoRawFd, OwnedFd},
+        unix::{
+            ffi::OsStrExt,
+            fs::{MetadataExt, PermissionsExt},
+        },
+    },
     path::{Path, PathBuf},
     sync::atomic::{AtomicU64, Ordering},
 };
 
-use std::collections::HashSet;
+use nix::{
+    dir::Dir,
+    fcntl::{AtFlags, OFlag, openat},
+    sys::stat::{FileStat, Mode, fstat, fstatat},
+};
 
 use crate::{
     cache::copy::{self, CopyError, Identity, Reader},
@@ -79,49 +90,117 @@ pub fn candidates(profile: &Profile, trees: &[PathBuf], unclean: &[&Path]) -> Ve
     out
 }
 
-/// Walks a network tree without following symlinks: its bytes and entries, or None when
-/// it exceeds the limits or holds something a snapshot cannot (devices, sockets, fifos).
-pub fn measure(root: &Path, max_bytes: u64, max_entries: usize) -> Option<(u64, usize)> {
-    let (mut bytes, mut entries) = (0u64, 0usize);
-    let mut stack = vec![root.to_owned()];
-    while let Some(dir) = stack.pop() {
-        for entry in fs::read_dir(&dir).ok()? {
-            let entry = entry.ok()?;
-            let kind = entry.file_type().ok()?;
-            entries += 1;
-            if kind.is_dir() {
-                stack.push(entry.path());
-            } else if kind.is_file() {
-                bytes += entry.metadata().ok()?.len();
-            } else if !kind.is_symlink() {
-                return None;
-            }
-            if bytes > max_bytes || entries > max_entries {
-                return None;
-            }
-        }
-    }
-    Some((bytes, entries))
+/// One entry met by [`walk`]: its path below the root, and its attributes (not
+/// following it if it is a symlink).
+struct Entry {
+    rel: PathBuf,
+    stat: FileStat,
 }
 
-/// Reads the stamp of a network tree.
-pub fn stamp(root: &Path) -> std::io::Result<Stamp> {
-    let mut out = Stamp::new();
-    let mut stack = vec![PathBuf::new()];
-    while let Some(rel) = stack.pop() {
-        let dir = root.join(&rel);
-        out.insert(rel.clone(), Identity::of(&fs::symlink_metadata(&dir)?));
-        for entry in fs::read_dir(&dir)? {
+/// Walks the tree `root` (inside the watched `tree`) from descriptors: the root is opened
+/// beneath the tree with no symlink on the way, and each subdirectory from its parent's
+/// descriptor with O_NOFOLLOW, so no path a user can change is ever resolved. `visit`
+/// sees every entry, the root first (with an empty `rel`); returning false stops the walk.
+fn walk(tree: &Path, root: &Path, mut visit: impl FnMut(&Entry) -> bool) -> io::Result<()> {
+    let rel = root
+        .strip_prefix(tree)
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "outside the watched tree"))?;
+    let anchor = copy::open_path(tree)?;
+    let top = if rel.as_os_str().is_empty() {
+        copy::open_beneath(&anchor, Path::new("."), libc::O_RDONLY | libc::O_DIRECTORY)
+    } else {
+        copy::open_beneath(&anchor, rel, libc::O_RDONLY | libc::O_DIRECTORY)
+    }
+    .map_err(|e| match e {
+        CopyError::Source(e) | CopyError::Local(e) => e,
+        other => io::Error::new(io::ErrorKind::PermissionDenied, other.to_string()),
+    })?;
+    let stat = fstat(top.as_raw_fd())?;
+    if !visit(&Entry {
+        rel: PathBuf::new(),
+        stat,
+    }) {
+        return Ok(());
+    }
+    let mut stack = vec![(PathBuf::new(), top)];
+    while let Some((rel, fd)) = stack.pop() {
+        let mut dir = Dir::from_fd(fd.into_raw_fd())?;
+        let dir_fd = dir.as_raw_fd();
+        let mut subdirs = Vec::new();
+        for entry in dir.iter() {
             let entry = entry?;
-            let child = rel.join(entry.file_name());
-            let m = entry.metadata()?;
-            if m.is_dir() {
-                stack.push(child);
-            } else {
-                out.insert(child, Identity::of(&m));
+            let name = entry.file_name();
+            let bytes = name.to_bytes();
+            if bytes == b"." || bytes == b".." {
+                continue;
+            }
+            let stat = fstatat(Some(dir_fd), name, AtFlags::AT_SYMLINK_NOFOLLOW)?;
+            let child = rel.join(OsStr::from_bytes(bytes));
+            if stat.st_mode & libc::S_IFMT == libc::S_IFDIR {
+                subdirs.push((child.clone(), name.to_owned()));
+            }
+            if !visit(&Entry { rel: child, stat }) {
+                return Ok(());
             }
         }
+        for (child, name) in subdirs {
+            let fd = openat(
+                Some(dir_fd),
+                name.as_c_str(),
+                OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+                Mode::empty(),
+            )?;
+            // SAFETY: a new descriptor we own.
+            stack.push((child, unsafe { OwnedFd::from_raw_fd(fd) }));
+        }
     }
+    Ok(())
+}
+
+fn identity(s: &FileStat) -> Identity {
+    Identity {
+        size: s.st_size as u64,
+        mtime_ns: s.st_mtime * 1_000_000_000 + s.st_mtime_nsec,
+        ctime_ns: s.st_ctime * 1_000_000_000 + s.st_ctime_nsec,
+        ino: s.st_ino,
+    }
+}
+
+/// Measures a network tree: its bytes and entries, or None when it exceeds the limits,
+/// holds something a snapshot cannot (devices, sockets, fifos), or cannot be reached
+/// beneath `tree` without a symlink.
+pub fn measure(
+    tree: &Path,
+    root: &Path,
+    max_bytes: u64,
+    max_entries: usize,
+) -> Option<(u64, usize)> {
+    let (mut bytes, mut entries) = (0u64, 0usize);
+    let mut fits = true;
+    walk(tree, root, |e| {
+        if e.rel.as_os_str().is_empty() {
+            return true;
+        }
+        entries += 1;
+        match e.stat.st_mode & libc::S_IFMT {
+            libc::S_IFREG => bytes = bytes.saturating_add(e.stat.st_size as u64),
+            libc::S_IFDIR | libc::S_IFLNK => {}
+            _ => fits = false,
+        }
+        fits &= bytes <= max_bytes && entries <= max_entries;
+        fits
+    })
+    .ok()?;
+    fits.then_some((bytes, entries))
+}
+
+/// Reads the stamp of a network tree (inside the watched `tree`).
+pub fn stamp(tree: &Path, root: &Path) -> io::Result<Stamp> {
+    let mut out = Stamp::new();
+    walk(tree, root, |e| {
+        out.insert(e.rel.clone(), identity(&e.stat));
+        true
+    })?;
     Ok(out)
 }
 
@@ -155,7 +234,7 @@ pub fn take(
         TAKEN.fetch_add(1, Ordering::Relaxed)
     ));
     let result = (|| {
-        let stamp = stamp(root).map_err(CopyError::Source)?;
+        let stamp = stamp(tree, root).map_err(CopyError::Source)?;
         let mut taken = Taken::default();
         // Parents come before children in a BTreeMap of paths.
         for (rel, id) in &stamp {
@@ -283,9 +362,18 @@ mod tests {
         fs::write(root.join("hot.py"), b"x = 1\n").unwrap();
         std::os::unix::fs::symlink("pkg", root.join("alias")).unwrap();
         fs::set_permissions(root.join("pkg/sub"), fs::Permissions::from_mode(0o750)).unwrap();
-        assert_eq!(measure(&root, u64::MAX, 100), Some((17, 6)));
-        assert_eq!(measure(&root, 10, 100), None, "over the byte limit");
-        assert_eq!(measure(&root, u64::MAX, 3), None, "over the entry limit");
+        assert_eq!(measure(&tree, &root, u64::MAX, 100), Some((17, 6)));
+        assert_eq!(measure(&tree, &root, 10, 100), None, "over the byte limit");
+        assert_eq!(
+            measure(&tree, &root, u64::MAX, 3),
+            None,
+            "over the entry limit"
+        );
+        // A symlink on the way from the watched tree is never followed.
+        std::os::unix::fs::symlink(&root, tree.join("link")).unwrap();
+        assert_eq!(measure(&tree, &tree.join("link"), u64::MAX, 100), None);
+        assert!(stamp(&tree, &tree.join("link/pkg")).is_err());
+        assert!(stamp(&tree, Path::new("/etc")).is_err(), "outside the tree");
 
         // hot.py is in the cache already: it is linked, not copied again.
         let cache_copy = dir.path().join("cache-hot.py");
@@ -323,9 +411,9 @@ mod tests {
             fs::metadata(dest.join("pkg")).unwrap().mtime(),
             fs::metadata(root.join("pkg")).unwrap().mtime()
         );
-        assert_eq!(stamp(&root).unwrap(), stamp_taken);
+        assert_eq!(stamp(&tree, &root).unwrap(), stamp_taken);
         // A new entry anywhere changes the stamp.
         fs::write(root.join("pkg/sub/new.py"), b"").unwrap();
-        assert_ne!(stamp(&root).unwrap(), stamp_taken);
+        assert_ne!(stamp(&tree, &root).unwrap(), stamp_taken);
     }
 }

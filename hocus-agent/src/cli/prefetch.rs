@@ -7,7 +7,7 @@ use anyhow::{Result, bail};
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::{
-    cli::Context,
+    cli::{Context, profile::tell_refused},
     control::{
         client::{self, ClientError},
         protocol::{Request, Response},
@@ -26,6 +26,7 @@ pub fn run(ctx: &Context, file: &Path) -> Result<()> {
         .expect("a valid template")
         .progress_chars("#> "),
     );
+    let mut first: Option<Progress> = None;
     let mut last: Option<Progress> = None;
     let mut refused = None;
     let result = client::call_streaming(&ctx.socket, &Request::Prefetch { profile }, |r| match r {
@@ -36,6 +37,9 @@ pub fn run(ctx: &Context, file: &Path) -> Result<()> {
                 "{}/{} files, {}/{} trees",
                 p.files_done, p.files_total, p.trees_done, p.trees_total
             ));
+            if first.is_none() {
+                first = Some(p.clone());
+            }
             last = Some(p);
         }
         Response::Error { message } => refused = Some(message),
@@ -52,6 +56,9 @@ pub fn run(ctx: &Context, file: &Path) -> Result<()> {
     }
     if let Some(message) = refused {
         bail!("the daemon refused: {message}");
+    }
+    if let Some(first) = &first {
+        tell_refused(&first.refused, first.refused_total);
     }
     let Some(p) = last.filter(|p| p.finished) else {
         bail!("the daemon stopped before the prefetch finished");

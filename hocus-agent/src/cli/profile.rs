@@ -17,6 +17,7 @@ use crate::{
         working_set::WorkingSet,
     },
     report::show,
+    shared::status::{REFUSED_SHOWN, Refused},
 };
 
 /// The profile, from the daemon or else from the state directory (root only).
@@ -88,10 +89,17 @@ pub fn import(ctx: &Context, file: &Path) -> Result<()> {
     let profile = read_exported(file)?;
     let request = Request::Import { profile };
     if let Some(response) = ask(ctx, &request)? {
-        let Response::Imported { files, missing } = response else {
+        let Response::Imported {
+            files,
+            missing,
+            refused,
+            refused_total,
+        } = response
+        else {
             bail!("unexpected answer from the daemon");
         };
         eprintln!("merged {files} files and {missing} missing names into the daemon's profile");
+        tell_refused(&refused, refused_total);
         return Ok(());
     }
     if !nix::unistd::geteuid().is_root() {
@@ -101,9 +109,12 @@ pub fn import(ctx: &Context, file: &Path) -> Result<()> {
             ctx.state_dir.display()
         );
     }
-    let Request::Import { profile } = request else {
+    let Request::Import { mut profile } = request else {
         unreachable!()
     };
+    // Root's own import, but still only sound paths.
+    let refused = profile.keep_valid(&[PathBuf::from("/")]);
+    tell_refused(&refused, refused.len());
     let state = StateDir::lock(&ctx.state_dir)?;
     let mut ws = match state.load_or_set_aside() {
         Ok(Some(p)) => WorkingSet::from_profile(p),
@@ -118,4 +129,15 @@ pub fn import(ctx: &Context, file: &Path) -> Result<()> {
         state.profile_path().display()
     );
     Ok(())
+}
+
+/// Names the entries the daemon refused, and how many there were.
+pub fn tell_refused(refused: &[Refused], total: usize) {
+    if total == 0 {
+        return;
+    }
+    eprintln!("refused {total} entries (each named once below, at most {REFUSED_SHOWN}):");
+    for r in refused {
+        eprintln!("  {}: {}", r.path, r.why);
+    }
 }

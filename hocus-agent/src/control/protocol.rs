@@ -11,7 +11,7 @@ use tokio::sync::mpsc;
 use crate::{
     profile::format::Profile,
     redirect::{access::Caller, mountns::Bind, spawn::JobCommand},
-    shared::status::{Progress, Status},
+    shared::status::{Progress, Refused, Status},
 };
 
 /// Requests carry whole profiles; bound them so a client cannot exhaust the daemon.
@@ -49,6 +49,11 @@ pub enum Response {
     Imported {
         files: usize,
         missing: usize,
+        /// Entries refused (at most `REFUSED_SHOWN`), and how many in all.
+        #[serde(default)]
+        refused: Vec<Refused>,
+        #[serde(default)]
+        refused_total: usize,
     },
     Progress(Progress),
     /// Internal: the binds for a job's namespace.

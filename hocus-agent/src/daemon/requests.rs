@@ -6,6 +6,7 @@
 
 use std::{
     collections::HashSet,
+    path::PathBuf,
     time::{Duration, Instant},
 };
 
@@ -16,8 +17,14 @@ use crate::{
     control::protocol::{Ask, Call, Request, Response},
     profile::format::{FileEntry, Profile},
     redirect::access::{self, Caller},
-    shared::status::TopFile,
+    shared::status::{REFUSED_SHOWN, Refused, TopFile},
 };
+
+/// The refused entries a reply names.
+fn shown(mut refused: Vec<Refused>) -> Vec<Refused> {
+    refused.truncate(REFUSED_SHOWN);
+    refused
+}
 
 /// How long a request waits for the sizes of files seen before it.
 pub const STATS_WAIT: Duration = Duration::from_secs(30);
@@ -39,11 +46,13 @@ pub enum Checked {
         profile: Profile,
         caller: Caller,
         reply: Reply,
+        refused: Vec<Refused>,
     },
     Prefetch {
         profile: Profile,
         caller: Caller,
         reply: Reply,
+        refused: Vec<Refused>,
     },
 }
 
@@ -146,22 +155,26 @@ impl Daemon {
                 });
                 return;
             }
-            Request::Import { profile } => {
-                self.check_then(profile, caller, reply, |profile, caller, reply| {
+            Request::Import { mut profile } => {
+                let refused = self.keep_valid(&mut profile, &caller);
+                self.check_then(profile, caller, reply, move |profile, caller, reply| {
                     Checked::Import {
                         profile,
                         caller,
                         reply,
+                        refused,
                     }
                 });
                 return;
             }
-            Request::Prefetch { profile } => {
-                self.check_then(profile, caller, reply, |profile, caller, reply| {
+            Request::Prefetch { mut profile } => {
+                let refused = self.keep_valid(&mut profile, &caller);
+                self.check_then(profile, caller, reply, move |profile, caller, reply| {
                     Checked::Prefetch {
                         profile,
                         caller,
                         reply,
+                        refused,
                     }
                 });
                 return;
@@ -188,13 +201,30 @@ impl Daemon {
         let _ = reply.send(response);
     }
 
+    /// Keeps the entries of a profile from outside whose paths are sound and watched;
+    /// the others are logged and returned, to be named in the reply.
+    fn keep_valid(&self, profile: &mut Profile, caller: &Caller) -> Vec<Refused> {
+        let trees: Vec<PathBuf> = self.watched.iter().map(|w| w.path.clone()).collect();
+        let refused = profile.keep_valid(&trees);
+        if let Some(first) = refused.first() {
+            log::warn!(
+                "refused {} entries of a profile from uid {}, e.g. {}: {}",
+                refused.len(),
+                caller.uid,
+                first.path,
+                first.why
+            );
+        }
+        refused
+    }
+
     /// Checks `profile` for `caller` off the loop; the result comes back as a message.
     fn check_then(
         &self,
         profile: Profile,
         caller: Caller,
         reply: Reply,
-        then: fn(Profile, Caller, Reply) -> Checked,
+        then: impl FnOnce(Profile, Caller, Reply) -> Checked + Send + 'static,
     ) {
         let checked = self.checked_tx.clone();
         tokio::spawn(async move {
@@ -216,17 +246,26 @@ impl Daemon {
                 profile,
                 caller,
                 reply,
+                refused,
             } => {
                 let (files, missing) = self.merge(profile, &caller);
-                let _ = reply.send(Response::Imported { files, missing });
+                let _ = reply.send(Response::Imported {
+                    files,
+                    missing,
+                    refused_total: refused.len(),
+                    refused: shown(refused),
+                });
             }
             Checked::Prefetch {
                 profile,
                 caller,
                 reply,
+                refused,
             } => {
                 self.merge(profile, &caller);
                 self.to_place = false;
+                let refused_total = refused.len();
+                let mut refused = Some(shown(refused));
                 let (tx, mut rx) = mpsc::unbounded_channel();
                 if let Err(e) = self.keeper.prefetch(self.ws.to_profile(), tx).await {
                     let _ = reply.send(Response::Error {
@@ -236,7 +275,12 @@ impl Daemon {
                 }
                 // Progress arrives from the keeper's thread until it is done.
                 tokio::spawn(async move {
-                    while let Some(progress) = rx.recv().await {
+                    while let Some(mut progress) = rx.recv().await {
+                        // The first report names what was refused.
+                        if let Some(r) = refused.take() {
+                            progress.refused = r;
+                            progress.refused_total = refused_total;
+                        }
                         let finished = progress.finished;
                         if reply.send(Response::Progress(progress)).is_err() || finished {
                             break;

@@ -70,7 +70,20 @@ impl StateDir {
     pub fn load_or_set_aside(&self) -> Result<Option<Profile>, String> {
         let path = self.profile_path();
         match read_profile(&path, "") {
-            Ok(p) => Ok(Some(p)),
+            Ok(mut p) => {
+                // Written by hocus, but perhaps before paths were checked on import.
+                let refused = p.keep_valid(&[PathBuf::from("/")]);
+                if let Some(first) = refused.first() {
+                    log::warn!(
+                        "{}: dropped {} entries whose paths are not absolute and normalised, e.g. {}: {}",
+                        path.display(),
+                        refused.len(),
+                        first.path,
+                        first.why
+                    );
+                }
+                Ok(Some(p))
+            }
             Err(ReadError::Missing) => Ok(None),
             Err(ReadError::Io(e)) => Err(format!("cannot read {}: {e}", path.display())),
             Err(ReadError::Format(e)) => {

@@ -61,7 +61,7 @@ impl WorkingSet {
     pub fn open(&mut self, path: &str, uid: u32, at_unix_ns: u64) -> bool {
         let new = !self.files.contains_key(path);
         let f = self.touch(path, at_unix_ns);
-        f.entry.opens += 1;
+        f.entry.opens = f.entry.opens.saturating_add(1);
         f.uids.insert(uid);
         new
     }
@@ -94,7 +94,7 @@ impl WorkingSet {
 
     pub fn add_bytes_read(&mut self, path: &str, bytes: u64) {
         if let Some(f) = self.files.get_mut(path) {
-            f.entry.bytes_read += bytes;
+            f.entry.bytes_read = f.entry.bytes_read.saturating_add(bytes);
         }
     }
 
@@ -113,11 +113,12 @@ impl WorkingSet {
                 lookups: 0,
                 first_touch_ns: at,
             });
-        m.lookups += 1;
+        m.lookups = m.lookups.saturating_add(1);
     }
 
     pub fn dir_opened(&mut self, path: &str) {
-        self.dir(path).opens += 1;
+        let d = self.dir(path);
+        d.opens = d.opens.saturating_add(1);
     }
 
     /// Something in the directory (or the directory itself) was created, renamed or removed.
@@ -150,8 +151,8 @@ impl WorkingSet {
                         e.size = f.size;
                         e.mtime_ns = f.mtime_ns;
                     }
-                    e.opens += f.opens;
-                    e.bytes_read += f.bytes_read;
+                    e.opens = e.opens.saturating_add(f.opens);
+                    e.bytes_read = e.bytes_read.saturating_add(f.bytes_read);
                     e.first_touch_ns = e.first_touch_ns.min(f.first_touch_ns);
                     e.last_touch_ns = e.last_touch_ns.max(f.last_touch_ns);
                     e.written |= f.written;
@@ -165,14 +166,14 @@ impl WorkingSet {
                     self.missing.insert(m.path.clone(), m);
                 }
                 Some(e) => {
-                    e.lookups += m.lookups;
+                    e.lookups = e.lookups.saturating_add(m.lookups);
                     e.first_touch_ns = e.first_touch_ns.min(m.first_touch_ns);
                 }
             }
         }
         for d in other.dirs {
             let e = self.dir(&d.path);
-            e.opens += d.opens;
+            e.opens = e.opens.saturating_add(d.opens);
             e.mutated |= d.mutated;
         }
     }
@@ -198,7 +199,7 @@ impl WorkingSet {
         let (mut count, mut bytes) = (0, 0);
         for f in files {
             count += 1;
-            bytes += f.entry.size;
+            bytes = f.entry.size.saturating_add(bytes);
         }
         RootTotals {
             root: root.to_owned(),

@@ -6,6 +6,9 @@ use std::{collections::BTreeMap, net::SocketAddr, path::PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+/// Refused entries a reply names; the rest are counted.
+pub const REFUSED_SHOWN: usize = 20;
+
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 pub struct WatchedMount {
     pub path: PathBuf,
@@ -102,6 +105,11 @@ pub struct Served {
 /// Progress of a prefetch, streamed to the `prefetch` command.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, Default)]
 pub struct Progress {
+    /// Entries of the profile refused (see `Refused`), at most [`REFUSED_SHOWN`].
+    #[serde(default)]
+    pub refused: Vec<Refused>,
+    #[serde(default)]
+    pub refused_total: usize,
     pub files_done: usize,
     pub files_total: usize,
     pub bytes_done: u64,
@@ -158,4 +166,11 @@ pub struct CacheStatus {
     pub snapshots: Vec<PathBuf>,
     #[serde(default)]
     pub snapshot_bytes: u64,
+}
+
+/// An entry of a profile refused, and why (its path escaped for display).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Refused {
+    pub path: String,
+    pub why: String,
 }

@@ -546,7 +546,13 @@ impl Keeper {
 
     fn start_copy(&mut self, source: &str, size: u64) {
         let reserved: u64 = self.in_flight.values().sum();
-        if self.cache.used() + reserved + size > self.effective_ssd_budget {
+        if self
+            .cache
+            .used()
+            .saturating_add(reserved)
+            .saturating_add(size)
+            > self.effective_ssd_budget
+        {
             return; // after the evictions under way; the next placement retries
         }
         let Some(tree) = self.tree_of(Path::new(source)).cloned() else {
@@ -680,7 +686,13 @@ impl Keeper {
         }
         let size = self.cache.get(source).map_or(0, |c| c.identity.size);
         let pending: u64 = self.pinning.values().sum();
-        if self.pins.bytes() + pending + size > self.config.ram_budget {
+        if self
+            .pins
+            .bytes()
+            .saturating_add(pending)
+            .saturating_add(size)
+            > self.config.ram_budget
+        {
             return;
         }
         let limited = self.pins.limited_by_map_count;
@@ -757,6 +769,7 @@ impl Keeper {
                 .iter()
                 .map(|(root, snap)| (root.clone(), snap.stamp.clone()))
                 .collect(),
+            trees: self.config.trees.clone(),
         });
     }
 

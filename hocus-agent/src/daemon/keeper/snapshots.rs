@@ -73,10 +73,13 @@ impl Keeper {
                 .into_iter()
                 .filter(|root| !self.unsuitable.contains_key(root))
                 .collect();
-            if chain.is_empty() || !self.measuring.insert(chain[0].clone()) {
+            let Some(tree) = chain.first().and_then(|top| self.tree_of(top)).cloned() else {
+                continue;
+            };
+            if !self.measuring.insert(chain[0].clone()) {
                 continue;
             }
-            self.workers.send(Work::Measure { chain, room });
+            self.workers.send(Work::Measure { tree, chain, room });
         }
     }
 

@@ -51,10 +51,16 @@ pub enum Work {
     Revalidate {
         copies: Vec<(String, Identity)>,
         snapshots: Vec<(PathBuf, Stamp)>,
+        /// The watched trees, beneath which the snapshots' trees are walked.
+        trees: Vec<PathBuf>,
     },
     /// Find the highest directory of `chain` (top first) that a snapshot can hold within
     /// `room` bytes.
-    Measure { chain: Vec<PathBuf>, room: u64 },
+    Measure {
+        tree: PathBuf,
+        chain: Vec<PathBuf>,
+        room: u64,
+    },
 }
 
 /// What came of a piece of work.
@@ -165,7 +171,11 @@ fn run(work: Work, tmp: &Path) -> Option<Done> {
             }
             return None;
         }
-        Work::Revalidate { copies, snapshots } => {
+        Work::Revalidate {
+            copies,
+            snapshots,
+            trees,
+        } => {
             // A copy is valid while the network file keeps its size, mtime, ctime, inode.
             let changed = copies
                 .into_iter()
@@ -177,7 +187,10 @@ fn run(work: Work, tmp: &Path) -> Option<Done> {
                 .collect();
             let changed_trees = snapshots
                 .into_iter()
-                .filter(|(root, stamp)| snapshot::stamp(root).ok().as_ref() != Some(stamp))
+                .filter(|(root, stamp)| {
+                    let tree = trees.iter().find(|t| root.starts_with(t));
+                    tree.and_then(|t| snapshot::stamp(t, root).ok()).as_ref() != Some(stamp)
+                })
                 .map(|(root, _)| root)
                 .collect();
             Done::Revalidated {
@@ -185,11 +198,11 @@ fn run(work: Work, tmp: &Path) -> Option<Done> {
                 changed_trees,
             }
         }
-        Work::Measure { chain, room } => {
+        Work::Measure { tree, chain, room } => {
             let mut unsuitable = Vec::new();
             let mut chosen = None;
             for root in &chain {
-                match snapshot::measure(root, room, SNAPSHOT_MAX_ENTRIES) {
+                match snapshot::measure(&tree, root, room, SNAPSHOT_MAX_ENTRIES) {
                     Some((bytes, _)) => {
                         chosen = Some((root.clone(), bytes));
                         break;
