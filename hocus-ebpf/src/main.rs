@@ -9,7 +9,8 @@
 //! - `path_exit`: read the path, keep it only if it is on a watched prefix (or relative to a
 //!   watched directory), and report opens, ENOENT lookups and successful mutations;
 //! - `fd_enter` (read*, write*, ftruncate, close): act only on descriptors of watched files;
-//! - `fd_exit` (read*): add the bytes read to the open file, in the kernel;
+//! - `fd_exit` (read*, write*, ftruncate): add the bytes read to the open file, in the
+//!   kernel, and report a write or truncate only once it succeeded;
 //! - chdir (a path syscall) and fchdir (a descriptor one) update `CWD`, where each
 //!   process's working directory is relative to the watched trees;
 //! - `process_fork`, `process_exit` (sched tracepoints): children inherit their parent's

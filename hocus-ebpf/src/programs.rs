@@ -349,24 +349,16 @@ fn try_fd_enter(ctx: &TracePointContext) -> Option<()> {
                 count(counter::LOST_PENDING_FULL);
             }
         }
+        // Counted at exit, once it succeeded: a failed write changes nothing.
         op::WRITE | op::FTRUNCATE if file.written == 0 => {
-            file.written = 1; // one event per open file is enough to mark it written
-            let k = if l.op == op::WRITE {
-                kind::WRITE
-            } else {
-                kind::TRUNCATE
+            let pending = Pending {
+                op: l.op,
+                dfd: fd as i32,
+                ..Default::default()
             };
-            emit(
-                &Header {
-                    kind: k,
-                    tgid,
-                    file_id: file.file_id,
-                    bytes: 0,
-                    open_flags: 0,
-                },
-                &none,
-                0,
-            );
+            if PENDING.insert(&pid_tgid, &pending, 0).is_err() {
+                count(counter::LOST_PENDING_FULL);
+            }
         }
         op::CLOSE => {
             let (id, bytes) = (file.file_id, file.bytes_read);
@@ -388,7 +380,8 @@ fn try_fd_enter(ctx: &TracePointContext) -> Option<()> {
     Some(())
 }
 
-/// fd_exit, on sys_exit_read, pread64 and readv (`ret` is the bytes read):
+/// fd_exit, on sys_exit_read*, write* and ftruncate (`ret` is the bytes read or written,
+/// or 0 for a truncate that succeeded):
 ///
 /// ```text
 /// field:unsigned short common_type;          offset:0;  size:2; signed:0;
@@ -408,20 +401,45 @@ pub fn fd_exit(ctx: TracePointContext) -> u32 {
 fn try_fd_exit(ctx: &TracePointContext) -> Option<()> {
     let (pid_tgid, tgid) = current()?;
     let p = take_pending(pid_tgid)?;
-    if p.op != op::READ {
-        return None;
-    }
     let ret = ret(ctx);
-    if ret > 0 {
-        let key = FdKey {
-            tgid,
-            fd: p.dfd as u32,
-        };
-        let file = OPEN_FILES.get_ptr_mut(&key)?;
-        // SAFETY: map value pointer. The bpf target's core has no atomic fetch_add, so two
-        // threads of one process reading one descriptor at the same instant can lose one
-        // of the two additions; sequential reads, the common case, are exact.
-        unsafe { (*file).bytes_read += ret as u64 };
+    let key = FdKey {
+        tgid,
+        fd: p.dfd as u32,
+    };
+    match p.op {
+        op::READ if ret > 0 => {
+            let file = OPEN_FILES.get_ptr_mut(&key)?;
+            // SAFETY: map value pointer. The bpf target's core has no atomic fetch_add, so
+            // two threads of one process reading one descriptor at the same instant can
+            // lose one of the two additions; sequential reads, the common case, are exact.
+            unsafe { (*file).bytes_read += ret as u64 };
+        }
+        op::WRITE | op::FTRUNCATE if (p.op == op::WRITE && ret > 0) || ret == 0 => {
+            let file = OPEN_FILES.get_ptr_mut(&key)?;
+            // SAFETY: map value pointer, valid for this program run.
+            let file = unsafe { &mut *file };
+            if file.written != 0 {
+                return Some(()); // one event per open file is enough to mark it written
+            }
+            file.written = 1;
+            let k = if p.op == op::WRITE {
+                kind::WRITE
+            } else {
+                kind::TRUNCATE
+            };
+            emit(
+                &Header {
+                    kind: k,
+                    tgid,
+                    file_id: file.file_id,
+                    bytes: 0,
+                    open_flags: 0,
+                },
+                &no_path(),
+                0,
+            );
+        }
+        _ => {}
     }
     Some(())
 }

@@ -181,3 +181,44 @@ fn a_profile_with_dotdot_and_a_symlink_cannot_touch_anything_outside_the_cache()
     assert_success(&as_user(&["status"]));
     agent.status();
 }
+
+#[test]
+fn a_failed_write_marks_nothing_written_and_drops_no_copy() {
+    let net = NetworkMount::start();
+    let (uid, gid) = test_user();
+    let file = net.put("env/lib.py", b"x = 1\n");
+    let agent = Agent::start(&["--watch", net.mount.to_str().unwrap()]);
+    read_all(&file);
+    agent.settled();
+    assert!(agent.local_copy(&file).exists(), "the file is copied");
+    // A write and a truncate on a descriptor opened for reading: both fail.
+    let script = format!(
+        "import os\nfd = os.open({:?}, os.O_RDONLY)\n\
+         for attempt in (lambda: os.write(fd, b'y'), lambda: os.ftruncate(fd, 0)):\n    \
+         try:\n        attempt()\n        print('succeeded')\n    \
+         except OSError as e:\n        print('failed', e.errno)\nos.close(fd)\n",
+        file.display().to_string()
+    );
+    let out = std::process::Command::new("python3")
+        .args(["-c", &script])
+        .uid(uid)
+        .gid(gid)
+        .output()
+        .unwrap();
+    assert_success(&out);
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(said.lines().count(), 2, "{said}");
+    assert!(
+        said.lines().all(|l| l.starts_with("failed")),
+        "the attempts failed: {said}"
+    );
+    let profile = agent.export();
+    let entry = hocus_tests::file_entry(&profile, &file).expect("in the profile");
+    assert_eq!(
+        entry["written"], false,
+        "a failed write is not a write: {entry}"
+    );
+    let c = agent.settled();
+    assert_eq!(c["invalidations"], 0, "{c}");
+    assert!(agent.local_copy(&file).exists(), "the copy stays");
+}

@@ -15,8 +15,9 @@ pub enum Programs {
     Path,
     /// `fd_enter` only.
     Fd,
-    /// `fd_enter` + `fd_exit` (reads: bytes are known at exit).
-    FdRead,
+    /// `fd_enter` + `fd_exit`: reads (bytes are known at exit) and writes (whether they
+    /// happened is known at exit).
+    FdWithExit,
 }
 
 /// A traced syscall: its name (as in `sys_enter_<name>`), number, meaning and the names
@@ -157,17 +158,22 @@ pub fn all() -> Vec<Traced> {
         rename_op("rename", SYS_rename, None),
         rename_op("renameat", SYS_renameat, Some(("olddfd", "newdfd"))),
         rename_op("renameat2", SYS_renameat2, Some(("olddfd", "newdfd"))),
-        fd_op("read", SYS_read, op::READ, Programs::FdRead),
-        fd_op("pread64", SYS_pread64, op::READ, Programs::FdRead),
-        fd_op("readv", SYS_readv, op::READ, Programs::FdRead),
-        fd_op("preadv", SYS_preadv, op::READ, Programs::FdRead),
-        fd_op("preadv2", SYS_preadv2, op::READ, Programs::FdRead),
-        fd_op("write", SYS_write, op::WRITE, Programs::Fd),
-        fd_op("pwrite64", SYS_pwrite64, op::WRITE, Programs::Fd),
-        fd_op("writev", SYS_writev, op::WRITE, Programs::Fd),
-        fd_op("pwritev", SYS_pwritev, op::WRITE, Programs::Fd),
-        fd_op("pwritev2", SYS_pwritev2, op::WRITE, Programs::Fd),
-        fd_op("ftruncate", SYS_ftruncate, op::FTRUNCATE, Programs::Fd),
+        fd_op("read", SYS_read, op::READ, Programs::FdWithExit),
+        fd_op("pread64", SYS_pread64, op::READ, Programs::FdWithExit),
+        fd_op("readv", SYS_readv, op::READ, Programs::FdWithExit),
+        fd_op("preadv", SYS_preadv, op::READ, Programs::FdWithExit),
+        fd_op("preadv2", SYS_preadv2, op::READ, Programs::FdWithExit),
+        fd_op("write", SYS_write, op::WRITE, Programs::FdWithExit),
+        fd_op("pwrite64", SYS_pwrite64, op::WRITE, Programs::FdWithExit),
+        fd_op("writev", SYS_writev, op::WRITE, Programs::FdWithExit),
+        fd_op("pwritev", SYS_pwritev, op::WRITE, Programs::FdWithExit),
+        fd_op("pwritev2", SYS_pwritev2, op::WRITE, Programs::FdWithExit),
+        fd_op(
+            "ftruncate",
+            SYS_ftruncate,
+            op::FTRUNCATE,
+            Programs::FdWithExit,
+        ),
         fd_op("close", SYS_close, op::CLOSE, Programs::Fd),
         path_op("chdir", SYS_chdir, None, op::CHDIR, "filename"),
         fd_op("fchdir", SYS_fchdir, op::FCHDIR, Programs::Fd),
@@ -219,7 +225,7 @@ mod tests {
         for t in all() {
             match t.programs {
                 Programs::Path => assert!(t.path.is_some(), "{}", t.name),
-                Programs::Fd | Programs::FdRead => assert!(t.fd.is_some(), "{}", t.name),
+                Programs::Fd | Programs::FdWithExit => assert!(t.fd.is_some(), "{}", t.name),
             }
         }
     }

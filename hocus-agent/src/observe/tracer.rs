@@ -40,7 +40,7 @@ const PROGRAMS: [(&str, Option<Programs>); 6] = [
     ("path_enter", Some(Programs::Path)),
     ("path_exit", Some(Programs::Path)),
     ("fd_enter", Some(Programs::Fd)),
-    ("fd_exit", Some(Programs::FdRead)),
+    ("fd_exit", Some(Programs::FdWithExit)),
     ("process_fork", None),
     ("process_exit", None),
 ];
@@ -113,7 +113,7 @@ impl Tracer {
             for t in &traced {
                 let is_enter = program.ends_with("_enter");
                 let attach = match wants {
-                    Programs::Fd => matches!(t.programs, Programs::Fd | Programs::FdRead),
+                    Programs::Fd => matches!(t.programs, Programs::Fd | Programs::FdWithExit),
                     other => t.programs == other,
                 };
                 if !attach {
