@@ -222,3 +222,262 @@ fn a_failed_write_marks_nothing_written_and_drops_no_copy() {
     assert_eq!(c["invalidations"], 0, "{c}");
     assert!(agent.local_copy(&file).exists(), "the copy stays");
 }
+
+/// Runs a Python script as the test user, with the daemon's socket as argv[1].
+fn python_as_user(agent: &Agent, script: &str) -> String {
+    let (uid, gid) = test_user();
+    let out = std::process::Command::new("python3")
+        .args(["-c", script])
+        .arg(&agent.socket)
+        .uid(uid)
+        .gid(gid)
+        .output()
+        .unwrap();
+    assert_success(&out);
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn open_descriptors(pid: u32) -> usize {
+    fs::read_dir(format!("/proc/{pid}/fd")).unwrap().count()
+}
+
+#[test]
+fn descriptors_beyond_those_a_request_takes_are_refused_and_closed() {
+    let net = NetworkMount::start();
+    let agent = Agent::start(&["--watch", net.mount.to_str().unwrap()]);
+    agent.status();
+    let before = open_descriptors(agent.pid());
+    // 30 status requests carrying 3 descriptors each, and 30 carrying 250 (near the most
+    // one message can carry).
+    let said = python_as_user(
+        &agent,
+        r#"
+import os, socket, sys
+null = os.open("/dev/null", os.O_RDONLY)
+for n in [3] * 30 + [250] * 30:
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(sys.argv[1])
+    socket.send_fds(s, [b'{"request":"status"}\n'], [null] * n)
+    print(n, s.makefile().readline().strip())
+    s.close()
+"#,
+    );
+    let lines: Vec<&str> = said.lines().collect();
+    assert_eq!(lines.len(), 60, "{said}");
+    for line in &lines[..30] {
+        assert!(line.contains("takes 0 descriptors, not 3"), "{line}");
+    }
+    for line in &lines[30..] {
+        assert!(line.contains("at most 3 descriptors, not 250"), "{line}");
+    }
+    let after = open_descriptors(agent.pid());
+    assert!(
+        after <= before + 4,
+        "the daemon kept descriptors it was sent: {before} before, {after} after"
+    );
+    let status = agent.status();
+    assert_eq!(
+        status["control"]["refused"]["wrong_descriptors"], 60,
+        "{status:#}"
+    );
+}
+
+#[test]
+fn a_flood_of_idle_and_huge_requests_is_capped_and_everyone_else_is_still_served() {
+    let net = NetworkMount::start();
+    let agent = Agent::start(&[
+        "--watch",
+        net.mount.to_str().unwrap(),
+        "--max-clients-per-user",
+        "8",
+    ]);
+    agent.status();
+    // As one ordinary user: 20 connections that never send a request, then a request
+    // line of 300 MiB.
+    let flood = r#"
+import socket, sys, time
+idle = []
+for _ in range(20):
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(sys.argv[1])
+    idle.append(s)
+time.sleep(1)
+refused = 0
+for s in idle:
+    s.settimeout(0.2)
+    try:
+        if b"too many clients" in s.recv(4096):
+            refused += 1
+    except socket.timeout:
+        pass
+print("refused", refused)
+sys.stdout.flush()
+# Those admitted are dropped after the request timeout (10 s).
+for s in idle:
+    s.settimeout(15)
+closed = 0
+for s in idle:
+    try:
+        s.recv(4096)
+        closed += 1
+    except socket.timeout:
+        pass
+print("closed", closed)
+big = socket.socket(socket.AF_UNIX)
+big.connect(sys.argv[1])
+chunk = b"x" * (1 << 20)
+sent = 0
+try:
+    for _ in range(300):
+        big.sendall(chunk)
+        sent += len(chunk)
+except OSError:
+    pass
+print("sent_mib", sent >> 20)
+"#;
+    let flooding = {
+        let agent_socket = agent.socket.clone();
+        let (uid, gid) = test_user();
+        std::process::Command::new("python3")
+            .args(["-c", flood])
+            .arg(agent_socket)
+            .uid(uid)
+            .gid(gid)
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    // Meanwhile root (another user) is served.
+    std::thread::sleep(Duration::from_secs(2));
+    let started = std::time::Instant::now();
+    let status = agent.status();
+    let took = started.elapsed();
+    assert!(
+        took < Duration::from_secs(2),
+        "status took {took:?} during the flood"
+    );
+    assert_eq!(status["control"]["max_clients_per_user"], 8);
+    let out = flooding.wait_with_output().unwrap();
+    assert!(out.status.success());
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        said.contains("refused 12\n"),
+        "8 admitted, 12 refused: {said}"
+    );
+    assert!(
+        said.contains("closed 20\n"),
+        "every idle connection was closed: {said}"
+    );
+    let sent: u64 = said
+        .lines()
+        .find_map(|l| l.strip_prefix("sent_mib "))
+        .and_then(|n| n.parse().ok())
+        .unwrap();
+    assert!(
+        sent < 64,
+        "the daemon stopped reading a huge request early ({sent} MiB)"
+    );
+    let status = agent.status();
+    let refused = &status["control"]["refused"];
+    assert_eq!(refused["too_many_clients_of_user"], 12, "{status:#}");
+    assert_eq!(refused["timeout"], 8, "{status:#}");
+    assert_eq!(refused["too_large"], 1, "{status:#}");
+    assert_eq!(
+        status["control"]["clients"], 1,
+        "only this status is connected"
+    );
+    let metrics = agent.metrics();
+    assert!(
+        metrics.contains("hocus_control_refused_total{reason=\"too_many_clients_of_user\"} 12"),
+        "{metrics}"
+    );
+}
+
+#[test]
+fn signals_are_never_forwarded_after_the_job_is_reaped() {
+    let net = NetworkMount::start();
+    let agent = Agent::start(&["--watch", net.mount.to_str().unwrap()]);
+    agent.status();
+    let (uid, gid) = test_user();
+    // A raw client: runs `true`, waits for the word, then sends SIGTERM for its job.
+    let client = r#"
+import json, os, socket, sys
+s = socket.socket(socket.AF_UNIX)
+s.connect(sys.argv[1])
+null = os.open("/dev/null", os.O_RDWR)
+req = {"request": "run", "argv": ["true"], "env": [], "cwd": "/"}
+socket.send_fds(s, [json.dumps(req).encode() + b"\n"], [null, null, null])
+f = s.makefile()
+for line in f:
+    r = json.loads(line)
+    if r["response"] == "started":
+        print("pid", r["pid"], flush=True)
+    if r["response"] == "exited":
+        break
+print("exited", flush=True)
+sys.stdin.readline()
+try:
+    for _ in range(5):
+        s.sendall(b'{"signal": 15}\n')
+    print("sent", flush=True)
+except OSError:
+    print("closed", flush=True)
+sys.stdin.readline()
+"#;
+    let mut attacker = std::process::Command::new("python3")
+        .args(["-c", client])
+        .arg(&agent.socket)
+        .uid(uid)
+        .gid(gid)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut from = std::io::BufReader::new(attacker.stdout.take().unwrap());
+    let mut to = attacker.stdin.take().unwrap();
+    let mut line = String::new();
+    use std::io::{BufRead, Write};
+    from.read_line(&mut line).unwrap();
+    let pid: i32 = line
+        .strip_prefix("pid ")
+        .and_then(|p| p.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no pid: {line:?}"));
+    line.clear();
+    from.read_line(&mut line).unwrap();
+    assert_eq!(line, "exited\n");
+    // The job is reaped: its pid, and so its process group id, is free. Another user's
+    // process now takes it (the next pid is steered to it through ns_last_pid).
+    let mut victim = None;
+    for _ in 0..200 {
+        fs::write("/proc/sys/kernel/ns_last_pid", (pid - 1).to_string()).unwrap();
+        let child = std::process::Command::new("setsid")
+            .args(["sleep", "60"])
+            .spawn()
+            .unwrap();
+        if child.id() as i32 == pid {
+            victim = Some(child);
+            break;
+        }
+        let mut child = child;
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    let mut victim = victim.expect("a process took the job's old pid");
+    std::thread::sleep(Duration::from_millis(300));
+    writeln!(to, "go").unwrap();
+    line.clear();
+    from.read_line(&mut line).unwrap();
+    // Sent, or refused because the daemon had closed the session: either way attempted.
+    assert!(line == "sent\n" || line == "closed\n", "{line:?}");
+    std::thread::sleep(Duration::from_secs(1));
+    let alive = victim.try_wait().unwrap().is_none();
+    writeln!(to, "done").unwrap();
+    let _ = attacker.wait();
+    let _ = victim.kill();
+    let _ = victim.wait();
+    assert!(
+        alive,
+        "the daemon signalled another process after the job was reaped"
+    );
+    agent.status();
+}

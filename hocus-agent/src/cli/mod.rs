@@ -35,7 +35,16 @@ pub struct Context {
 
 /// Asks the daemon; `None` when none runs.
 fn ask(ctx: &Context, request: &Request) -> Result<Option<Response>> {
-    match client::call(&ctx.socket, request) {
+    ask_with(ctx, request, None)
+}
+
+/// Asks the daemon, sending `file`'s descriptor along; `None` when none runs.
+fn ask_with(
+    ctx: &Context,
+    request: &Request,
+    file: Option<&std::fs::File>,
+) -> Result<Option<Response>> {
+    match client::call_with(&ctx.socket, request, file) {
         Ok(Response::Error { message }) => bail!("the daemon refused: {message}"),
         Ok(r) => Ok(Some(r)),
         Err(ClientError::NoDaemon(_)) => Ok(None),

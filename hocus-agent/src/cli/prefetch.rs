@@ -17,7 +17,9 @@ use crate::{
 };
 
 pub fn run(ctx: &Context, file: &Path) -> Result<()> {
-    let profile = read_exported(file)?;
+    // Read here first, for errors that say what is wrong; the daemon gets the descriptor.
+    read_exported(file)?;
+    let sent = std::fs::File::open(file)?;
     // indicatif draws on stderr only when it is a terminal.
     let bar = ProgressBar::new(0).with_style(
         ProgressStyle::with_template(
@@ -29,22 +31,23 @@ pub fn run(ctx: &Context, file: &Path) -> Result<()> {
     let mut first: Option<Progress> = None;
     let mut last: Option<Progress> = None;
     let mut refused = None;
-    let result = client::call_streaming(&ctx.socket, &Request::Prefetch { profile }, |r| match r {
-        Response::Progress(p) => {
-            bar.set_length(p.bytes_total + p.tree_bytes_total);
-            bar.set_position(p.bytes_done + p.tree_bytes_done);
-            bar.set_message(format!(
-                "{}/{} files, {}/{} trees",
-                p.files_done, p.files_total, p.trees_done, p.trees_total
-            ));
-            if first.is_none() {
-                first = Some(p.clone());
+    let result =
+        client::call_streaming(&ctx.socket, &Request::Prefetch, Some(&sent), |r| match r {
+            Response::Progress(p) => {
+                bar.set_length(p.bytes_total + p.tree_bytes_total);
+                bar.set_position(p.bytes_done + p.tree_bytes_done);
+                bar.set_message(format!(
+                    "{}/{} files, {}/{} trees",
+                    p.files_done, p.files_total, p.trees_done, p.trees_total
+                ));
+                if first.is_none() {
+                    first = Some(p.clone());
+                }
+                last = Some(p);
             }
-            last = Some(p);
-        }
-        Response::Error { message } => refused = Some(message),
-        _ => {}
-    });
+            Response::Error { message } => refused = Some(message),
+            _ => {}
+        });
     bar.finish_and_clear();
     match result {
         Err(ClientError::NoDaemon(socket)) => bail!(

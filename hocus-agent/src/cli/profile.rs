@@ -9,7 +9,7 @@ use std::{
 use anyhow::{Result, bail};
 
 use crate::{
-    cli::{Context, ask},
+    cli::{Context, ask, ask_with},
     control::protocol::{Request, Response},
     profile::{
         format::Profile,
@@ -86,9 +86,10 @@ pub fn show(ctx: &Context, root: Option<PathBuf>, file: Option<PathBuf>, top: us
 }
 
 pub fn import(ctx: &Context, file: &Path) -> Result<()> {
-    let profile = read_exported(file)?;
-    let request = Request::Import { profile };
-    if let Some(response) = ask(ctx, &request)? {
+    // Read here first, for errors that say what is wrong; the daemon gets the descriptor.
+    let mut profile = read_exported(file)?;
+    let sent = std::fs::File::open(file)?;
+    if let Some(response) = ask_with(ctx, &Request::Import, Some(&sent))? {
         let Response::Imported {
             files,
             missing,
@@ -109,9 +110,6 @@ pub fn import(ctx: &Context, file: &Path) -> Result<()> {
             ctx.state_dir.display()
         );
     }
-    let Request::Import { mut profile } = request else {
-        unreachable!()
-    };
     // Root's own import, but still only sound paths.
     let refused = profile.keep_valid(&[PathBuf::from("/")]);
     tell_refused(&refused, refused.len());

@@ -3,6 +3,7 @@
 //! forwarded, the job's exit status returned).
 
 use std::{
+    fs::File,
     io::{BufRead, BufReader, IoSlice, Write},
     os::{fd::AsRawFd, unix::net::UnixStream},
     path::{Path, PathBuf},
@@ -49,20 +50,27 @@ pub fn connect(socket: &Path) -> Result<UnixStream, ClientError> {
     }
 }
 
-/// Sends one request to the daemon and waits for its (last) answer.
-pub fn call(socket: &Path, request: &Request) -> Result<Response, ClientError> {
+/// Sends one request (with the file it reads, a profile, if it reads one) and waits for
+/// its last answer.
+pub fn call_with(
+    socket: &Path,
+    request: &Request,
+    file: Option<&File>,
+) -> Result<Response, ClientError> {
     let mut last = None;
-    call_streaming(socket, request, |r| last = Some(r))?;
+    call_streaming(socket, request, file, |r| last = Some(r))?;
     last.ok_or_else(|| anyhow::anyhow!("the daemon closed the connection without answering").into())
 }
 
-/// Sends one request and passes every answer line to `each` until the daemon is done.
+/// Sends one request (with `file`'s descriptor, for requests that read one) and passes
+/// every answer line to `each` until the daemon is done.
 pub fn call_streaming(
     socket: &Path,
     request: &Request,
+    file: Option<&File>,
     mut each: impl FnMut(Response),
 ) -> Result<(), ClientError> {
-    let mut stream = connect(socket)?;
+    let stream = connect(socket)?;
     let io = |e: std::io::Error| {
         ClientError::Other(anyhow::Error::new(e).context("talking to the daemon"))
     };
@@ -71,7 +79,8 @@ pub fn call_streaming(
         .map_err(io)?;
     let mut out = serde_json::to_vec(request).map_err(|e| ClientError::Other(e.into()))?;
     out.push(b'\n');
-    stream.write_all(&out).map_err(io)?;
+    let fds: Vec<i32> = file.iter().map(|f| f.as_raw_fd()).collect();
+    send_with_fds(&stream, &out, &fds).map_err(io)?;
     for line in BufReader::new(stream).lines() {
         let line = line.map_err(io)?;
         let response = serde_json::from_str(&line).map_err(|e| {
@@ -112,15 +121,7 @@ pub fn run(socket: &Path, argv: Vec<String>) -> Result<ExitCode> {
     forwarded.thread_block()?;
     let mut line = serde_json::to_vec(&request)?;
     line.push(b'\n');
-    let std_fds = [0, 1, 2];
-    sendmsg::<()>(
-        stream.as_raw_fd(),
-        &[IoSlice::new(&line)],
-        &[ControlMessage::ScmRights(&std_fds)],
-        MsgFlags::empty(),
-        None,
-    )
-    .context("sending the request")?;
+    send_with_fds(&stream, &line, &[0, 1, 2]).context("sending the request")?;
     let mut signals = stream.try_clone()?;
     thread::spawn(move || {
         while let Ok(signal) = forwarded.wait() {
@@ -149,4 +150,18 @@ pub fn run(socket: &Path, argv: Vec<String>) -> Result<ExitCode> {
         }
     }
     bail!("the daemon went away during the job")
+}
+
+/// Writes `bytes` with `fds` attached to the first message (SCM_RIGHTS), then the rest.
+fn send_with_fds(mut stream: &UnixStream, bytes: &[u8], fds: &[i32]) -> std::io::Result<()> {
+    let rights = [ControlMessage::ScmRights(fds)];
+    let cmsgs: &[ControlMessage] = if fds.is_empty() { &[] } else { &rights };
+    let n = sendmsg::<()>(
+        stream.as_raw_fd(),
+        &[IoSlice::new(bytes)],
+        cmsgs,
+        MsgFlags::empty(),
+        None,
+    )?;
+    stream.write_all(&bytes[n..])
 }

@@ -14,9 +14,12 @@ use crate::{
     shared::status::{Progress, Refused, Status},
 };
 
-/// Requests carry whole profiles; bound them so a client cannot exhaust the daemon.
-pub const MAX_REQUEST_BYTES: u64 = 512 << 20;
+/// A request line is at most this long (a run request carries its caller's environment).
+pub const MAX_REQUEST_LINE: usize = 4 << 20;
+/// A profile sent to the daemon is at most this large (a million files is ~250 MB).
+pub const MAX_PROFILE_BYTES: u64 = 1 << 30;
 
+/// What a client sends: one JSON line, with descriptors (SCM_RIGHTS) where said.
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(tag = "request", rename_all = "snake_case")]
 pub enum Request {
@@ -24,13 +27,12 @@ pub enum Request {
     Export {
         root: Option<PathBuf>,
     },
-    Import {
-        profile: Profile,
-    },
-    /// Merge the profile and warm the cache from it now, reporting progress.
-    Prefetch {
-        profile: Profile,
-    },
+    /// Merge the profile read from the one descriptor sent along (the client opened the
+    /// file; the daemon never opens a path a user names).
+    Import,
+    /// Merge the profile read from the descriptor sent along and warm the cache from it
+    /// now, reporting progress.
+    Prefetch,
     /// Change the budgets of the running daemon (root only), in bytes.
     Budgets {
         ssd: Option<u64>,
@@ -39,6 +41,27 @@ pub enum Request {
     /// Run a command in a namespace where local copies stand in for network files; the
     /// standard descriptors come along (SCM_RIGHTS).
     Run(JobCommand),
+}
+
+impl Request {
+    /// How many descriptors must come with the request: exactly these, no more.
+    pub fn descriptors(&self) -> usize {
+        match self {
+            Request::Import | Request::Prefetch => 1,
+            Request::Run(_) => 3,
+            _ => 0,
+        }
+    }
+}
+
+/// A client's request as the daemon's loop gets it, its profile read already.
+#[derive(Debug)]
+pub enum Query {
+    Status,
+    Export { root: Option<PathBuf> },
+    Import(Profile),
+    Prefetch(Profile),
+    Budgets { ssd: Option<u64>, ram: Option<u64> },
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -78,7 +101,7 @@ pub enum Response {
 /// What a connection asks of the daemon's loop: a client's request, or one of the
 /// steps of a job session.
 pub enum Ask {
-    Client(Request),
+    Client(Query),
     /// The binds to make in a new job's namespace.
     Binds,
     /// The calling thread (`id`) is about to fork a job in its namespace, with these

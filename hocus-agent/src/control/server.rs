@@ -1,8 +1,15 @@
 //! The daemon's side of the control socket: each connection on a thread of its own (a
 //! connection may carry descriptors, and a job session lasts as long as the job), its
 //! requests handed to the daemon's loop as `Call`s.
+//!
+//! Every client is a stranger: connections are capped in all and per user, a request
+//! line is bounded and must arrive within [`REQUEST_TIMEOUT`], exactly the descriptors a
+//! request needs are taken (the others closed, a truncated control message refused),
+//! and a client that does not read its answers is dropped after [`WRITE_TIMEOUT`]. Each
+//! refusal is counted (`status`, metrics) and logged the first time.
 
 use std::{
+    collections::{BTreeMap, HashMap},
     fs,
     io::{BufRead, BufReader, IoSliceMut, Read, Write},
     os::{
@@ -13,26 +20,141 @@ use std::{
         },
     },
     path::Path,
+    sync::{Arc, Mutex},
     thread,
+    time::Duration,
 };
 
 use anyhow::{Context, Result, bail};
-use nix::sys::socket::{ControlMessageOwned, MsgFlags, getsockopt, recvmsg, sockopt};
+use nix::{
+    sys::{
+        socket::{ControlMessageOwned, MsgFlags, getsockopt, recvmsg, sockopt},
+        wait::{Id, WaitPidFlag, waitid},
+    },
+    unistd::Pid,
+};
 use tokio::sync::mpsc;
 
 use crate::{
-    control::protocol::{Ask, Call, Forward, MAX_REQUEST_BYTES, Request, Response},
+    control::protocol::{
+        Ask, Call, Forward, MAX_PROFILE_BYTES, MAX_REQUEST_LINE, Query, Request, Response,
+    },
+    profile::format::Profile,
     redirect::{
         access::Caller,
         mountns,
         spawn::{self, JobCommand},
     },
+    shared::status::ControlStatus,
 };
 
+/// How long a client has to send its whole request line.
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long an answer may wait for the client to read it.
+pub const WRITE_TIMEOUT: Duration = Duration::from_secs(30);
+/// Descriptors a request may carry at most (a run's three).
+const MAX_DESCRIPTORS: usize = 3;
+/// The most descriptors one message can carry (the kernel's SCM_MAX_FD): room is made for
+/// all of them, so that every descriptor a client sends is received, and closed, rather
+/// than left installed in the daemon by a truncated control message.
+const SCM_MAX_FD: usize = 253;
+
+/// How many clients may be connected at once.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    pub total: usize,
+    pub per_user: usize,
+}
+
+/// Who is connected, and what was refused: shared by the connection threads.
+struct Gate {
+    limits: Limits,
+    state: Mutex<GateState>,
+}
+
+#[derive(Default)]
+struct GateState {
+    total: usize,
+    by_user: HashMap<u32, usize>,
+    refused: BTreeMap<String, u64>,
+}
+
+impl Gate {
+    /// Counts a refusal; the first of each kind is logged.
+    fn refuse(&self, reason: &str, detail: &str) {
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let n = s.refused.entry(reason.to_owned()).or_default();
+        *n += 1;
+        if *n == 1 {
+            log::warn!(
+                "control socket: refused a client ({reason}): {detail}; counted from now on"
+            );
+        } else {
+            log::debug!("control socket: refused a client ({reason}): {detail}");
+        }
+    }
+
+    /// Admits a connection from `uid`, or says which limit it hit.
+    fn admit(self: &Arc<Self>, uid: u32) -> Result<Admitted, &'static str> {
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        if s.total >= self.limits.total {
+            return Err("too_many_clients");
+        }
+        let mine = s.by_user.entry(uid).or_default();
+        if *mine >= self.limits.per_user {
+            return Err("too_many_clients_of_user");
+        }
+        *mine += 1;
+        s.total += 1;
+        Ok(Admitted {
+            gate: Arc::clone(self),
+            uid,
+        })
+    }
+
+    fn status(&self) -> ControlStatus {
+        let s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        ControlStatus {
+            clients: s.total,
+            max_clients: self.limits.total,
+            max_clients_per_user: self.limits.per_user,
+            refused: s.refused.clone(),
+        }
+    }
+}
+
+/// A connection counted against the limits until dropped.
+struct Admitted {
+    gate: Arc<Gate>,
+    uid: u32,
+}
+
+impl Drop for Admitted {
+    fn drop(&mut self) {
+        let mut s = self.gate.state.lock().unwrap_or_else(|e| e.into_inner());
+        s.total -= 1;
+        if let Some(n) = s.by_user.get_mut(&self.uid) {
+            *n -= 1;
+            if *n == 0 {
+                s.by_user.remove(&self.uid);
+            }
+        }
+    }
+}
+
+/// What the daemon reads about its control socket.
+#[derive(Clone)]
+pub struct Control(Arc<Gate>);
+
+impl Control {
+    pub fn status(&self) -> ControlStatus {
+        self.0.status()
+    }
+}
+
 /// Binds the socket (replacing a stale one) and serves each connection on a thread of
-/// its own (a connection may carry descriptors, and a job session lasts as long as the
-/// job). Requests go to the daemon's loop through `calls`.
-pub fn serve(socket: &Path, calls: mpsc::Sender<Call>) -> Result<()> {
+/// its own. Requests go to the daemon's loop through `calls`.
+pub fn serve(socket: &Path, calls: mpsc::Sender<Call>, limits: Limits) -> Result<Control> {
     if let Some(dir) = socket.parent() {
         fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }
@@ -47,48 +169,165 @@ pub fn serve(socket: &Path, calls: mpsc::Sender<Call>) -> Result<()> {
         UnixListener::bind(socket).with_context(|| format!("binding {}", socket.display()))?;
     // Everyone may ask; what they get depends on who they are.
     fs::set_permissions(socket, fs::Permissions::from_mode(0o666))?;
+    let gate = Arc::new(Gate {
+        limits,
+        state: Mutex::default(),
+    });
+    let accepting = Arc::clone(&gate);
     thread::Builder::new()
         .name("hocus-control".into())
-        .spawn(move || {
-            for stream in listener.incoming().flatten() {
-                let calls = calls.clone();
-                let _ = thread::Builder::new()
-                    .name("hocus-client".into())
-                    .spawn(move || {
-                        if let Err(e) = answer(stream, &calls) {
-                            log::debug!("control connection: {e:#}");
-                        }
-                    });
+        .spawn(move || accept(&listener, &accepting, &calls))?;
+    Ok(Control(gate))
+}
+
+fn accept(listener: &UnixListener, gate: &Arc<Gate>, calls: &mpsc::Sender<Call>) {
+    loop {
+        let stream = match listener.accept() {
+            Ok((stream, _)) => stream,
+            Err(e) => {
+                // Out of descriptors or memory: wait for some to come back, do not spin.
+                gate.refuse("accept_failed", &e.to_string());
+                thread::sleep(Duration::from_millis(100));
+                continue;
             }
-        })?;
+        };
+        let cred = match getsockopt(&stream, sockopt::PeerCredentials) {
+            Ok(c) => c,
+            Err(e) => {
+                gate.refuse("read_error", &e.to_string());
+                continue;
+            }
+        };
+        let admitted = match gate.admit(cred.uid()) {
+            Ok(a) => a,
+            Err(reason) => {
+                gate.refuse(reason, &format!("uid {}", cred.uid()));
+                let _ = stream.set_write_timeout(Some(Duration::from_millis(100)));
+                let _ = send(
+                    &stream,
+                    &Response::Error {
+                        message: format!(
+                            "the daemon serves too many clients now ({reason}); try again shortly"
+                        ),
+                    },
+                );
+                continue;
+            }
+        };
+        let calls = calls.clone();
+        let gate_of_thread = Arc::clone(gate);
+        let spawned = thread::Builder::new()
+            .name("hocus-client".into())
+            .spawn(move || {
+                let _admitted = admitted;
+                let (pid, uid, gid) = (cred.pid(), cred.uid(), cred.gid());
+                if let Err(e) = answer(stream, pid, uid, gid, &gate_of_thread, &calls) {
+                    log::debug!("control connection of uid {uid}: {e:#}");
+                }
+            });
+        if let Err(e) = spawned {
+            // The connection (and its admission) went with the closure.
+            gate.refuse("no_thread", &e.to_string());
+        }
+    }
+}
+
+/// Why a request was refused before it reached the daemon's loop.
+struct Refusal {
+    reason: &'static str,
+    message: String,
+}
+
+fn refusal(reason: &'static str, message: impl Into<String>) -> Refusal {
+    Refusal {
+        reason,
+        message: message.into(),
+    }
+}
+
+fn answer(
+    stream: UnixStream,
+    pid: i32,
+    uid: u32,
+    gid: u32,
+    gate: &Gate,
+    calls: &mpsc::Sender<Call>,
+) -> Result<()> {
+    stream.set_read_timeout(Some(REQUEST_TIMEOUT))?;
+    stream.set_write_timeout(Some(WRITE_TIMEOUT))?;
+    let refuse = |r: Refusal| {
+        gate.refuse(r.reason, &format!("uid {uid}: {}", r.message));
+        send(&stream, &Response::Error { message: r.message })
+    };
+    let caller = Caller::from_peer(pid, uid, gid)?;
+    let (request, fds, rest) = match read_request(&stream) {
+        Ok(r) => r,
+        Err(r) => return refuse(r),
+    };
+    if fds.len() != request.descriptors() {
+        return refuse(refusal(
+            "wrong_descriptors",
+            format!(
+                "this request takes {} descriptors, not {}",
+                request.descriptors(),
+                fds.len()
+            ),
+        ));
+    }
+    let query = match request {
+        Request::Run(run) => {
+            // The session lasts as long as the job: no read timeout from here on.
+            stream.set_read_timeout(None)?;
+            return session(stream, caller, run, fds, rest, calls);
+        }
+        Request::Status => Query::Status,
+        Request::Export { root } => Query::Export { root },
+        Request::Budgets { ssd, ram } => Query::Budgets { ssd, ram },
+        Request::Import | Request::Prefetch => {
+            let profile = match read_profile(fds.into_iter().next()) {
+                Ok(p) => p,
+                Err(r) => return refuse(r),
+            };
+            if matches!(request, Request::Import) {
+                Query::Import(profile)
+            } else {
+                Query::Prefetch(profile)
+            }
+        }
+    };
+    let mut answers = ask(calls, caller, Ask::Client(query))?;
+    while let Some(response) = answers.blocking_recv() {
+        send(&stream, &response)?;
+    }
     Ok(())
 }
 
-fn answer(stream: UnixStream, calls: &mpsc::Sender<Call>) -> Result<()> {
-    let cred = getsockopt(&stream, sockopt::PeerCredentials)?;
-    let caller = Caller::from_peer(cred.pid(), cred.uid(), cred.gid())?;
-    let (line, fds, rest) = read_first_line(&stream)?;
-    let request = match serde_json::from_str::<Request>(&line) {
-        Ok(request) => request,
-        Err(e) => {
-            return send(
-                &stream,
-                &Response::Error {
-                    message: format!("malformed request: {e}"),
-                },
-            );
-        }
+/// Reads a profile from the descriptor a client sent: at most [`MAX_PROFILE_BYTES`], in
+/// the documented format.
+fn read_profile(fd: Option<OwnedFd>) -> Result<Profile, Refusal> {
+    let Some(fd) = fd else {
+        return Err(refusal(
+            "wrong_descriptors",
+            "send the profile's descriptor",
+        ));
     };
-    match request {
-        Request::Run(run) => session(stream, caller, run, fds, rest, calls),
-        request => {
-            let mut answers = ask(calls, caller, Ask::Client(request))?;
-            while let Some(response) = answers.blocking_recv() {
-                send(&stream, &response)?;
-            }
-            Ok(())
-        }
+    let mut bytes = Vec::new();
+    let file = fs::File::from(fd);
+    let read = file.take(MAX_PROFILE_BYTES + 1).read_to_end(&mut bytes);
+    if let Err(e) = read {
+        return Err(refusal(
+            "bad_profile",
+            format!("cannot read the profile: {e}"),
+        ));
     }
+    if bytes.len() as u64 > MAX_PROFILE_BYTES {
+        return Err(refusal(
+            "too_large",
+            format!("a profile is at most {MAX_PROFILE_BYTES} bytes"),
+        ));
+    }
+    Profile::from_json(&bytes, Path::new("the profile sent"), "export it again")
+        .map_err(|e| refusal("bad_profile", e.to_string()))
 }
 
 /// Hands `ask` to the daemon's loop; its answers arrive on the returned receiver.
@@ -111,45 +350,80 @@ pub fn send(mut stream: &UnixStream, response: &Response) -> Result<()> {
     Ok(())
 }
 
-/// Reads the request line, with any descriptors sent along (SCM_RIGHTS), and whatever
-/// the client sent after it.
-fn read_first_line(stream: &UnixStream) -> Result<(String, Vec<OwnedFd>, Vec<u8>)> {
+/// Reads the request line (at most [`MAX_REQUEST_LINE`] bytes), with the descriptors sent
+/// along (at most [`MAX_DESCRIPTORS`]; a truncated control message is refused), and
+/// whatever the client sent after it.
+fn read_request(stream: &UnixStream) -> Result<(Request, Vec<OwnedFd>, Vec<u8>), Refusal> {
     let mut buf = Vec::new();
     let mut fds = Vec::new();
     let mut chunk = vec![0u8; 64 << 10];
     loop {
-        let mut space = nix::cmsg_space!([RawFd; 4]);
-        let (n, received) = {
-            let mut iov = [IoSliceMut::new(&mut chunk)];
-            let msg = recvmsg::<()>(
-                stream.as_raw_fd(),
-                &mut iov,
-                Some(&mut space),
-                MsgFlags::MSG_CMSG_CLOEXEC,
-            )?;
-            let mut received = Vec::new();
-            for c in msg.cmsgs()? {
-                if let ControlMessageOwned::ScmRights(raw) = c {
-                    // SAFETY: the kernel just gave us these descriptors.
-                    received.extend(
-                        raw.into_iter()
-                            .map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }),
-                    );
-                }
+        let mut space = nix::cmsg_space!([RawFd; SCM_MAX_FD]);
+        let mut iov = [IoSliceMut::new(&mut chunk)];
+        let msg = recvmsg::<()>(
+            stream.as_raw_fd(),
+            &mut iov,
+            Some(&mut space),
+            MsgFlags::MSG_CMSG_CLOEXEC,
+        )
+        .map_err(|e| match e {
+            nix::errno::Errno::EAGAIN => refusal(
+                "timeout",
+                format!(
+                    "send the whole request within {} s",
+                    REQUEST_TIMEOUT.as_secs()
+                ),
+            ),
+            e => refusal("read_error", e.to_string()),
+        })?;
+        let cmsgs = msg.cmsgs().map_err(|_| {
+            refusal(
+                "wrong_descriptors",
+                format!("at most {MAX_DESCRIPTORS} descriptors; the control message was truncated"),
+            )
+        })?;
+        for c in cmsgs {
+            if let ControlMessageOwned::ScmRights(raw) = c {
+                // SAFETY: the kernel just gave us these descriptors; owned, they close
+                // when dropped, whatever happens to the request.
+                fds.extend(
+                    raw.into_iter()
+                        .map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }),
+                );
             }
-            (msg.bytes, received)
-        };
-        fds.extend(received);
+        }
+        if msg.flags.contains(MsgFlags::MSG_CTRUNC) {
+            return Err(refusal(
+                "wrong_descriptors",
+                format!("at most {MAX_DESCRIPTORS} descriptors; the control message was truncated"),
+            ));
+        }
+        if fds.len() > MAX_DESCRIPTORS {
+            return Err(refusal(
+                "wrong_descriptors",
+                format!("at most {MAX_DESCRIPTORS} descriptors, not {}", fds.len()),
+            ));
+        }
+        let n = msg.bytes;
         if n == 0 {
-            bail!("the client closed the connection before a whole request");
+            return Err(refusal(
+                "closed",
+                "the client closed the connection before a whole request",
+            ));
         }
+        let searched = buf.len();
         buf.extend_from_slice(&chunk[..n]);
-        if let Some(i) = buf.iter().position(|b| *b == b'\n') {
-            let rest = buf.split_off(i + 1);
-            return Ok((String::from_utf8(buf)?, fds, rest));
+        if let Some(i) = buf[searched..].iter().position(|b| *b == b'\n') {
+            let rest = buf.split_off(searched + i + 1);
+            let request = serde_json::from_slice::<Request>(&buf)
+                .map_err(|e| refusal("malformed", format!("malformed request: {e}")))?;
+            return Ok((request, fds, rest));
         }
-        if buf.len() as u64 > MAX_REQUEST_BYTES {
-            bail!("request too large");
+        if buf.len() > MAX_REQUEST_LINE {
+            return Err(refusal(
+                "too_large",
+                format!("a request line is at most {MAX_REQUEST_LINE} bytes"),
+            ));
         }
     }
 }
@@ -215,24 +489,32 @@ fn session(
     )?;
 
     // Signals from the client go to the job's process group; a client that goes away
-    // hangs the job up, as a closed terminal would.
+    // hangs the job up, as a closed terminal would. Once the job has exited (its leader
+    // still unreaped, so its process group id cannot be anyone else's), forwarding stops
+    // for good before the job is reaped.
+    let ended = Arc::new(Mutex::new(false));
     let reader = stream.try_clone()?;
-    thread::spawn(move || {
-        let mut lines = BufReader::new(Read::chain(std::io::Cursor::new(rest), reader)).lines();
-        loop {
-            let signal = match lines.next() {
-                Some(Ok(line)) => match serde_json::from_str::<Forward>(&line) {
-                    Ok(f) if (1..=64).contains(&f.signal) => f.signal,
-                    _ => continue,
-                },
-                _ => libc::SIGHUP,
-            };
-            // SAFETY: plain kill(2) on the job's process group.
-            if unsafe { libc::kill(-pid, signal) } != 0 || signal == libc::SIGHUP {
-                break;
-            }
-        }
-    });
+    let forwarding = {
+        let ended = Arc::clone(&ended);
+        thread::Builder::new()
+            .name("hocus-signals".into())
+            .spawn(move || forward_signals(pid, rest, reader, &ended))
+    };
+    if let Err(e) = &forwarding {
+        log::warn!("job {pid}: its client's signals will not reach it: {e}");
+    }
+    let exited = waitid(
+        Id::Pid(Pid::from_raw(pid)),
+        WaitPidFlag::WEXITED | WaitPidFlag::WNOWAIT,
+    );
+    *ended.lock().unwrap_or_else(|e| e.into_inner()) = true;
+    let _ = stream.shutdown(std::net::Shutdown::Read);
+    if let Ok(t) = forwarding {
+        let _ = t.join();
+    }
+    if let Err(e) = exited {
+        log::warn!("job {pid}: waiting for it failed: {e}");
+    }
     let status = child.wait()?;
     let _ = ask(calls, caller, Ask::JobEnded { id });
     use std::os::unix::process::ExitStatusExt;
@@ -243,4 +525,28 @@ fn session(
             signal: status.signal(),
         },
     )
+}
+
+/// Forwards the signals the client sends (one JSON line each) to the job's process group
+/// until the job has ended; a client that goes away hangs the job up.
+fn forward_signals(pid: i32, rest: Vec<u8>, reader: UnixStream, ended: &Mutex<bool>) {
+    let mut lines = BufReader::new(Read::chain(std::io::Cursor::new(rest), reader)).lines();
+    loop {
+        let signal = match lines.next() {
+            Some(Ok(line)) => match serde_json::from_str::<Forward>(&line) {
+                Ok(f) if (1..=64).contains(&f.signal) => f.signal,
+                _ => continue,
+            },
+            _ => libc::SIGHUP,
+        };
+        // Checked and sent under the lock the reaper takes: never after the job ended.
+        let ended = ended.lock().unwrap_or_else(|e| e.into_inner());
+        if *ended {
+            return;
+        }
+        // SAFETY: plain kill(2) on the job's process group, whose leader is unreaped.
+        if unsafe { libc::kill(-pid, signal) } != 0 || signal == libc::SIGHUP {
+            return;
+        }
+    }
 }

@@ -80,6 +80,8 @@ struct Daemon {
     socket: PathBuf,
     started: Instant,
     started_unix_secs: u64,
+    /// The control socket, once served.
+    control: Option<server::Control>,
     /// Where metrics are served (the port chosen when 0 was asked for).
     metrics_addr: Option<SocketAddr>,
     watched: Vec<WatchedMount>,
@@ -217,6 +219,7 @@ impl Daemon {
             started: Instant::now(),
             started_unix_secs: unix_now_ns() / 1_000_000_000,
             metrics_addr: None,
+            control: None,
             watched,
             state,
             ws,
@@ -251,7 +254,11 @@ impl Daemon {
             }
             None => None,
         };
-        server::serve(&self.socket, calls_tx)?;
+        let limits = server::Limits {
+            total: self.opts.settings.max_clients.unwrap_or(256),
+            per_user: self.opts.settings.max_clients_per_user.unwrap_or(16),
+        };
+        self.control = Some(server::serve(&self.socket, calls_tx, limits)?);
         log::info!(
             "ready: profile in {}, control socket {}{}",
             self.state.profile_path().display(),
@@ -496,6 +503,11 @@ impl Daemon {
             last_save_error: self.last_save_error.clone(),
             not_traced: self.tracer.get_ref().skipped.clone(),
             cache,
+            control: self
+                .control
+                .as_ref()
+                .map(server::Control::status)
+                .unwrap_or_default(),
         }
     }
 

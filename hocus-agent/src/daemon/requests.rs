@@ -14,7 +14,7 @@ use tokio::sync::mpsc;
 
 use super::{Daemon, STATUS_TOP_FILES, keeper::KeeperError};
 use crate::{
-    control::protocol::{Ask, Call, Request, Response},
+    control::protocol::{Ask, Call, Query, Response},
     profile::format::{FileEntry, Profile},
     redirect::access::{self, Caller},
     shared::status::{REFUSED_SHOWN, Refused, TopFile},
@@ -35,7 +35,7 @@ type Reply = mpsc::UnboundedSender<Response>;
 /// A client request waiting for the stats under way.
 pub struct Waiting {
     caller: Caller,
-    request: Request,
+    request: Query,
     reply: Reply,
     since: Instant,
 }
@@ -133,7 +133,7 @@ impl Daemon {
             ..
         } = w;
         let response = match request {
-            Request::Status => {
+            Query::Status => {
                 let mut status = self.status(STATUS_TOP_FILES).await;
                 tokio::spawn(async move {
                     status.top = readable_by(status.top, &caller).await;
@@ -141,7 +141,7 @@ impl Daemon {
                 });
                 return;
             }
-            Request::Export { root } => {
+            Query::Export { root } => {
                 let mut profile = self.ws.to_profile();
                 if let Some(root) = root {
                     profile.retain_under(&root);
@@ -155,7 +155,7 @@ impl Daemon {
                 });
                 return;
             }
-            Request::Import { mut profile } => {
+            Query::Import(mut profile) => {
                 let refused = self.keep_valid(&mut profile, &caller);
                 self.check_then(profile, caller, reply, move |profile, caller, reply| {
                     Checked::Import {
@@ -167,7 +167,7 @@ impl Daemon {
                 });
                 return;
             }
-            Request::Prefetch { mut profile } => {
+            Query::Prefetch(mut profile) => {
                 let refused = self.keep_valid(&mut profile, &caller);
                 self.check_then(profile, caller, reply, move |profile, caller, reply| {
                     Checked::Prefetch {
@@ -179,10 +179,10 @@ impl Daemon {
                 });
                 return;
             }
-            Request::Budgets { .. } if !caller.is_root() => Response::Error {
+            Query::Budgets { .. } if !caller.is_root() => Response::Error {
                 message: "only root may change the budgets".into(),
             },
-            Request::Budgets { ssd, ram } => {
+            Query::Budgets { ssd, ram } => {
                 let set = self.keeper.set_budgets(ssd, ram).await;
                 match set.and(Ok(self.status(0).await)) {
                     Ok(status) if status.cache.is_some() => Response::Status(Box::new(status)),
@@ -194,9 +194,6 @@ impl Daemon {
                     },
                 }
             }
-            Request::Run(_) => Response::Error {
-                message: "a job is run on its own connection".into(),
-            },
         };
         let _ = reply.send(response);
     }

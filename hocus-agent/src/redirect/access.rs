@@ -52,17 +52,19 @@ pub fn filter_for(profile: &mut Profile, caller: &Caller) -> Result<()> {
     }
     let caller = caller.clone();
     let mut p = std::mem::take(profile);
-    let handle = std::thread::spawn(move || -> Result<Profile> {
-        become_on_this_thread(&caller)?;
-        p.files
-            .retain(|f| can(&f.path, libc::R_OK) || gone_but_parent_searchable(&f.path));
-        p.dirs.retain(|d| can(&d.path, libc::R_OK | libc::X_OK));
-        p.missing.retain(|m| parent_searchable(&m.path));
-        for f in &mut p.files {
-            f.uids.retain(|u| *u == caller.uid);
-        }
-        Ok(p)
-    });
+    let handle = std::thread::Builder::new()
+        .name("hocus-access".into())
+        .spawn(move || -> Result<Profile> {
+            become_on_this_thread(&caller)?;
+            p.files
+                .retain(|f| can(&f.path, libc::R_OK) || gone_but_parent_searchable(&f.path));
+            p.dirs.retain(|d| can(&d.path, libc::R_OK | libc::X_OK));
+            p.missing.retain(|m| parent_searchable(&m.path));
+            for f in &mut p.files {
+                f.uids.retain(|u| *u == caller.uid);
+            }
+            Ok(p)
+        })?;
     // The thread exits with the caller's identity; nothing else ever runs on it.
     *profile = handle
         .join()

@@ -152,17 +152,19 @@ fn open_target(b: &Bind) -> io::Result<OwnedFd> {
 pub fn detach_in(ns: &OwnedFd, targets: &[PathBuf]) -> io::Result<usize> {
     let ns = ns.try_clone()?;
     let targets: Vec<CString> = targets.iter().map(|t| cstr(t)).collect::<io::Result<_>>()?;
-    std::thread::spawn(move || -> io::Result<usize> {
-        // SAFETY: plain syscalls on this thread, which ends right after.
-        unsafe {
-            check(libc::unshare(libc::CLONE_FS).into())?;
-            check(libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNS).into())?;
-            Ok(targets
-                .iter()
-                .filter(|t| libc::umount2(t.as_ptr(), libc::MNT_DETACH) == 0)
-                .count())
-        }
-    })
-    .join()
-    .map_err(|_| io::Error::other("the detaching thread panicked"))?
+    std::thread::Builder::new()
+        .name("hocus-detach".into())
+        .spawn(move || -> io::Result<usize> {
+            // SAFETY: plain syscalls on this thread, which ends right after.
+            unsafe {
+                check(libc::unshare(libc::CLONE_FS).into())?;
+                check(libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNS).into())?;
+                Ok(targets
+                    .iter()
+                    .filter(|t| libc::umount2(t.as_ptr(), libc::MNT_DETACH) == 0)
+                    .count())
+            }
+        })?
+        .join()
+        .map_err(|_| io::Error::other("the detaching thread panicked"))?
 }

@@ -30,6 +30,20 @@ const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=
 const CLASSIC: &str = "text/plain; version=0.0.4; charset=utf-8";
 /// How long a scrape waits for the daemon's loop.
 const SCRAPE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Why the control socket refuses a client (`control::server`), always all listed.
+const CONTROL_REFUSALS: [&str; 11] = [
+    "too_many_clients",
+    "too_many_clients_of_user",
+    "timeout",
+    "too_large",
+    "wrong_descriptors",
+    "malformed",
+    "bad_profile",
+    "closed",
+    "read_error",
+    "accept_failed",
+    "no_thread",
+];
 /// Copy failure reasons (`CopyError::reason`), always all listed.
 const COPY_FAILURES: [&str; 5] = [
     "changed",
@@ -231,6 +245,36 @@ impl Collector for Snapshot {
             "When the daemon started, in seconds since the Unix epoch.",
             Some(&Unit::Seconds),
             one(s.started_unix_secs as i64),
+        )?;
+
+        // The control socket: clients now, and those refused.
+        let c = &s.control;
+        gauge(
+            e,
+            "control_clients",
+            "Clients connected to the control socket.",
+            None,
+            one(c.clients as i64),
+        )?;
+        gauge(
+            e,
+            "control_clients_max",
+            "How many clients the control socket serves at once (max-clients).",
+            None,
+            one(c.max_clients as i64),
+        )?;
+        counter(
+            e,
+            "control_refused",
+            "Control socket clients refused, by reason.",
+            None,
+            CONTROL_REFUSALS
+                .iter()
+                .map(|r| {
+                    let n = c.refused.get(*r).copied().unwrap_or(0);
+                    (vec![("reason", (*r).to_owned())], n)
+                })
+                .collect(),
         )?;
 
         // What the tracer saw, and what it could not deliver.

@@ -258,6 +258,20 @@ pub fn render_status(s: &Status) -> String {
             lost.join(", ")
         }
     );
+    let c = &s.control;
+    let refused: Vec<String> = c.refused.iter().map(|(r, n)| format!("{r} {n}")).collect();
+    let _ = writeln!(
+        out,
+        "control socket: {} clients (at most {}, {} per user); refused: {}",
+        c.clients,
+        c.max_clients,
+        c.max_clients_per_user,
+        if refused.is_empty() {
+            "none".to_owned()
+        } else {
+            refused.join(", ")
+        }
+    );
     if !s.not_traced.is_empty() {
         let _ = writeln!(
             out,

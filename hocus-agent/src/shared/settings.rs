@@ -77,6 +77,14 @@ pub struct Settings {
     #[arg(long, value_name = "N")]
     pub copy_workers: Option<usize>,
 
+    /// Clients of the control socket served at once [default: 256].
+    #[arg(long, value_name = "N")]
+    pub max_clients: Option<usize>,
+
+    /// Clients of the control socket one user may have at once [default: 16].
+    #[arg(long, value_name = "N")]
+    pub max_clients_per_user: Option<usize>,
+
     /// Where Prometheus metrics are served (http://ADDR/metrics) [default: 127.0.0.1:9742].
     #[arg(long, value_name = "ADDR")]
     pub metrics_addr: Option<SocketAddr>,
@@ -114,8 +122,9 @@ impl Settings {
     /// These settings, with the unset ones taken from `other`.
     pub fn or(self, other: Settings) -> Settings {
         either!(self, other; watch, state_dir, socket, save_interval, cache_dir, ssd_budget,
-            ram_budget, include_ext, exclude, revalidate, copy_workers, metrics_addr,
-            no_metrics, log_hits, log_misses, log_writes, log_format)
+            ram_budget, include_ext, exclude, revalidate, copy_workers, max_clients,
+            max_clients_per_user, metrics_addr, no_metrics, log_hits, log_misses, log_writes,
+            log_format)
     }
 
     /// The defaults (`watch` and `ssd-budget` depend on the machine: left unset).
@@ -132,6 +141,8 @@ impl Settings {
             exclude: Some(Vec::new()),
             revalidate: Some(30),
             copy_workers: Some(4),
+            max_clients: Some(256),
+            max_clients_per_user: Some(16),
             metrics_addr: Some(DEFAULT_METRICS_ADDR.parse().expect("a valid address")),
             no_metrics: Some(false),
             log_hits: Some(false),
@@ -186,6 +197,9 @@ impl Settings {
         }
         if self.copy_workers == Some(0) {
             bail!("copy-workers must be at least 1");
+        }
+        if self.max_clients == Some(0) || self.max_clients_per_user == Some(0) {
+            bail!("max-clients and max-clients-per-user must be at least 1");
         }
         Ok(())
     }
@@ -245,6 +259,11 @@ impl Settings {
         check("socket", self.socket != other.socket);
         check("cache-dir", self.cache_dir != other.cache_dir);
         check("copy-workers", self.copy_workers != other.copy_workers);
+        check("max-clients", self.max_clients != other.max_clients);
+        check(
+            "max-clients-per-user",
+            self.max_clients_per_user != other.max_clients_per_user,
+        );
         check("metrics-addr", self.metrics_addr() != other.metrics_addr());
         changed
     }

@@ -44,6 +44,20 @@ pub struct Status {
     pub last_save_error: Option<String>,
     pub not_traced: Vec<String>,
     pub cache: Option<CacheStatus>,
+    /// The control socket's clients and refusals.
+    #[serde(default)]
+    pub control: ControlStatus,
+}
+
+/// The control socket: clients connected now, the limits, and what was refused, by
+/// reason (too_many_clients, too_many_clients_of_user, timeout, too_large,
+/// wrong_descriptors, malformed, bad_profile, ...).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ControlStatus {
+    pub clients: usize,
+    pub max_clients: usize,
+    pub max_clients_per_user: usize,
+    pub refused: BTreeMap<String, u64>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
