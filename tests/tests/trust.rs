@@ -481,3 +481,62 @@ sys.stdin.readline()
     );
     agent.status();
 }
+
+/// The daemon's children that are zombies (exited, never reaped).
+fn zombies_of(pid: u32) -> usize {
+    fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| fs::read_to_string(e.path().join("stat")).ok())
+        .filter(|stat| {
+            // pid (comm) state ppid ...: comm may hold spaces, so split after its ')'.
+            let after = stat.rsplit_once(')').map_or("", |(_, r)| r);
+            let mut fields = after.split_whitespace();
+            let state = fields.next();
+            let ppid = fields.next().and_then(|p| p.parse::<u32>().ok());
+            state == Some("Z") && ppid == Some(pid)
+        })
+        .count()
+}
+
+#[test]
+fn a_run_whose_client_hangs_up_or_whose_job_cannot_start_leaves_no_zombie_and_no_job() {
+    let net = NetworkMount::start();
+    let agent = Agent::start(&["--watch", net.mount.to_str().unwrap()]);
+    agent.status();
+    let before = open_descriptors(agent.pid());
+    // As an ordinary user: 10 runs whose client hangs up as soon as it has asked, and 10
+    // of a program that does not exist.
+    let said = python_as_user(
+        &agent,
+        r#"
+import json, os, socket, sys
+null = os.open("/dev/null", os.O_RDWR)
+for argv in [["sleep", "1"]] * 10 + [["/nonexistent/program"]] * 10:
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(sys.argv[1])
+    req = {"request": "run", "argv": argv, "env": [], "cwd": "/"}
+    socket.send_fds(s, [json.dumps(req).encode() + b"\n"], [null, null, null])
+    if argv[0] == "sleep":
+        s.close()
+    else:
+        print(s.makefile().readline().strip())
+"#,
+    );
+    assert_eq!(said.lines().count(), 10, "{said}");
+    assert!(said.lines().all(|l| l.contains("cannot start")), "{said}");
+    // The hung-up jobs were hung up (SIGHUP) or ran their second; either way, all end.
+    std::thread::sleep(Duration::from_secs(3));
+    let status = agent.status();
+    assert_eq!(zombies_of(agent.pid()), 0, "every job was reaped");
+    assert_eq!(
+        status["cache"]["jobs_running"], 0,
+        "every job was forgotten: {status:#}"
+    );
+    assert_eq!(status["cache"]["jobs_started"], 20, "{status:#}");
+    let after = open_descriptors(agent.pid());
+    assert!(
+        after <= before + 4,
+        "the daemon kept descriptors of ended jobs: {before} before, {after} after"
+    );
+}

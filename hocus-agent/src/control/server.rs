@@ -469,39 +469,62 @@ fn session(
         binds: made.clone(),
     };
     ask(calls, caller.clone(), job)?.blocking_recv();
-    let mut child = match spawn::spawn(&caller, &run, [stdin, stdout, stderr]) {
+    // From here on the keeper follows the job: it is forgotten however this ends.
+    let result = run_job(
+        &stream,
+        &caller,
+        &run,
+        [stdin, stdout, stderr],
+        made.len(),
+        rest,
+    );
+    let _ = ask(calls, caller, Ask::JobEnded { id });
+    result
+}
+
+/// Starts the job and sees it to its end: it is reaped however its client behaves.
+fn run_job(
+    stream: &UnixStream,
+    caller: &Caller,
+    run: &JobCommand,
+    std_fds: [OwnedFd; 3],
+    binds: usize,
+    rest: Vec<u8>,
+) -> Result<()> {
+    let mut child = match spawn::spawn(caller, run, std_fds) {
         Ok(child) => child,
-        Err(e) => return refuse(format!("cannot start {}: {e}", run.argv[0])),
+        Err(e) => {
+            let message = format!("cannot start {}: {e}", run.argv[0]);
+            return send(stream, &Response::Error { message });
+        }
     };
     let pid = child.id() as i32;
     log::info!(
-        "job {pid} ({}) for uid {} with {} local copies in place",
+        "job {pid} ({}) for uid {} with {binds} local copies in place",
         run.argv[0],
         caller.uid,
-        made.len()
     );
-    send(
-        &stream,
-        &Response::Started {
-            pid,
-            binds: made.len(),
-        },
-    )?;
+    // A client already gone is told nothing more; its job is hung up below, as by a
+    // closed terminal, when the forwarder meets the end of the connection.
+    let told = send(stream, &Response::Started { pid, binds });
 
-    // Signals from the client go to the job's process group; a client that goes away
-    // hangs the job up, as a closed terminal would. Once the job has exited (its leader
-    // still unreaped, so its process group id cannot be anyone else's), forwarding stops
-    // for good before the job is reaped.
+    // Signals from the client go to the job's process group. Once the job has exited (its
+    // leader still unreaped, so its process group id cannot be anyone else's),
+    // forwarding stops for good before the job is reaped.
     let ended = Arc::new(Mutex::new(false));
-    let reader = stream.try_clone()?;
-    let forwarding = {
-        let ended = Arc::clone(&ended);
-        thread::Builder::new()
-            .name("hocus-signals".into())
-            .spawn(move || forward_signals(pid, rest, reader, &ended))
-    };
+    let forwarding = stream
+        .try_clone()
+        .map_err(anyhow::Error::from)
+        .and_then(|reader| {
+            let ended = Arc::clone(&ended);
+            Ok(thread::Builder::new()
+                .name("hocus-signals".into())
+                .spawn(move || forward_signals(pid, rest, reader, &ended))?)
+        });
     if let Err(e) = &forwarding {
-        log::warn!("job {pid}: its client's signals will not reach it: {e}");
+        log::warn!("job {pid}: its client's signals cannot reach it ({e}); hanging it up");
+        // SAFETY: plain kill(2) on the job's process group, whose leader is unreaped.
+        unsafe { libc::kill(-pid, libc::SIGHUP) };
     }
     let exited = waitid(
         Id::Pid(Pid::from_raw(pid)),
@@ -516,10 +539,10 @@ fn session(
         log::warn!("job {pid}: waiting for it failed: {e}");
     }
     let status = child.wait()?;
-    let _ = ask(calls, caller, Ask::JobEnded { id });
+    told?;
     use std::os::unix::process::ExitStatusExt;
     send(
-        &stream,
+        stream,
         &Response::Exited {
             code: status.code(),
             signal: status.signal(),
