@@ -540,3 +540,171 @@ for argv in [["sleep", "1"]] * 10 + [["/nonexistent/program"]] * 10:
         "the daemon kept descriptors of ended jobs: {before} before, {after} after"
     );
 }
+
+/// `hocus-agent run -- ARGS` as the test user, through `wrapper` (a command line put in
+/// front of hocus-agent, e.g. `setpriv --no-new-privs`).
+fn run_as_user_through(agent: &Agent, wrapper: &[&str], args: &[&str]) -> std::process::Output {
+    let (uid, gid) = test_user();
+    let bin = hocus_tests::agent_bin();
+    let mut cmd = std::process::Command::new(wrapper[0]);
+    cmd.args(&wrapper[1..])
+        .arg(bin)
+        .arg("--socket")
+        .arg(&agent.socket)
+        .args(["run", "--"])
+        .args(args)
+        .current_dir("/")
+        .uid(uid)
+        .gid(gid);
+    cmd.output().unwrap()
+}
+
+#[test]
+fn a_caller_under_no_new_privs_gets_a_job_under_no_new_privs() {
+    let net = NetworkMount::start();
+    let agent = Agent::start(&["--watch", net.mount.to_str().unwrap()]);
+    let plain = run_as_user_through(
+        &agent,
+        &["env"],
+        &["grep", "NoNewPrivs", "/proc/self/status"],
+    );
+    assert_success(&plain);
+    assert!(String::from_utf8_lossy(&plain.stdout).contains("NoNewPrivs:\t0"));
+    let confined = run_as_user_through(
+        &agent,
+        &["setpriv", "--no-new-privs"],
+        &["grep", "NoNewPrivs", "/proc/self/status"],
+    );
+    assert_success(&confined);
+    let said = String::from_utf8_lossy(&confined.stdout);
+    assert!(
+        said.contains("NoNewPrivs:\t1"),
+        "the job keeps its caller's confinement: {said}"
+    );
+}
+
+#[test]
+fn a_caller_under_seccomp_or_in_another_namespace_gets_no_job() {
+    let net = NetworkMount::start();
+    let agent = Agent::start(&["--watch", net.mount.to_str().unwrap()]);
+    let marker = tempfile::tempdir().unwrap();
+    fs::set_permissions(marker.path(), fs::Permissions::from_mode(0o777)).unwrap();
+    let ran = marker.path().join("ran");
+    let touch = ["touch", ran.to_str().unwrap()];
+    // A seccomp filter (allowing everything, but a filter all the same), then exec.
+    let seccomp = r#"
+import ctypes, os, struct, sys
+libc = ctypes.CDLL(None, use_errno=True)
+assert libc.prctl(38, 1, 0, 0, 0) == 0  # PR_SET_NO_NEW_PRIVS
+code = ctypes.create_string_buffer(struct.pack("HBBI", 0x06, 0, 0, 0x7FFF0000))  # RET ALLOW
+class Prog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+prog = Prog(1, ctypes.addressof(code))
+assert libc.prctl(22, 2, ctypes.byref(prog), 0, 0) == 0  # PR_SET_SECCOMP, MODE_FILTER
+os.execvp(sys.argv[1], sys.argv[1:])
+"#;
+    let out = run_as_user_through(&agent, &["python3", "-c", seccomp], &touch);
+    assert!(!out.status.success());
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(said.contains("seccomp filter"), "{said}");
+    // An unprivileged user namespace of the caller's own.
+    let out = run_as_user_through(&agent, &["unshare", "--user", "--map-root-user"], &touch);
+    assert!(!out.status.success());
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(said.contains("another user namespace"), "{said}");
+    assert!(!ran.exists(), "no job ran");
+    // The same caller, unconfined, gets its job.
+    assert_success(&run_as_user_through(&agent, &["env"], &touch));
+    assert!(ran.exists());
+}
+
+#[test]
+fn a_callers_pid_taken_by_another_process_before_its_job_starts_gives_no_job() {
+    let net = NetworkMount::start();
+    let agent = Agent::start(&["--watch", net.mount.to_str().unwrap()]);
+    agent.status();
+    let (uid, gid) = test_user();
+    // The process that connects (P) hands the connection to its child (Q) and exits;
+    // Q asks for a job that prints its open-files limit once a root process with a
+    // limit of its own has taken P's pid.
+    let client = r#"
+import json, os, socket, sys
+s = socket.socket(socket.AF_UNIX)
+s.connect(sys.argv[1])
+if os.fork() == 0:
+    os.read(0, 100)   # told once P has exited and its pid is taken
+    req = {"request": "run", "argv": ["sh", "-c", "ulimit -n"], "env": [], "cwd": "/"}
+    socket.send_fds(s, [json.dumps(req).encode() + b"\n"], [0, 1, 2])
+    for line in s.makefile():
+        r = json.loads(line)
+        if r["response"] in ("exited", "error"):
+            print(r["response"], r.get("message", ""), flush=True)
+            break
+    sys.exit(0)
+print(os.getpid(), flush=True)
+sys.stdin.readline()   # hold on until the daemon has read who connected
+"#;
+    use std::io::{BufRead, Write};
+    let mut attacker = std::process::Command::new("python3")
+        .args(["-c", client])
+        .arg(&agent.socket)
+        .uid(uid)
+        .gid(gid)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut from = std::io::BufReader::new(attacker.stdout.take().unwrap());
+    let mut line = String::new();
+    from.read_line(&mut line).unwrap();
+    let pid: i32 = line.trim().parse().unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    // P goes (its child keeps the connection), and a root process takes its pid.
+    let mut to = attacker.stdin.take().unwrap();
+    writeln!(to, "go").unwrap();
+    attacker.wait().unwrap();
+    let mut victim = None;
+    for _ in 0..200 {
+        fs::write("/proc/sys/kernel/ns_last_pid", (pid - 1).to_string()).unwrap();
+        let child = std::process::Command::new("prlimit")
+            .args(["--nofile=4242:4242", "sleep", "30"])
+            .spawn()
+            .unwrap();
+        if child.id() as i32 == pid {
+            victim = Some(child);
+            break;
+        }
+        let mut child = child;
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    let mut victim = victim.expect("a root process took the caller's pid");
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        fs::read_to_string(format!("/proc/{pid}/limits"))
+            .unwrap()
+            .contains("4242"),
+        "the pid is the root process's now"
+    );
+    // Q now asks; its answer (and its job's output, if any) comes on the same stdout.
+    writeln!(to, "go").unwrap();
+    let mut said = String::new();
+    for _ in 0..2 {
+        let mut l = String::new();
+        if from.read_line(&mut l).unwrap_or(0) == 0 {
+            break;
+        }
+        said.push_str(&l);
+        if l.starts_with("exited") || l.starts_with("error") {
+            break;
+        }
+    }
+    let _ = victim.kill();
+    let _ = victim.wait();
+    assert!(
+        !said.contains("4242"),
+        "the job got another process's limits: {said}"
+    );
+    assert!(said.contains("error"), "the request was refused: {said}");
+    assert!(said.contains("exited before"), "{said}");
+}

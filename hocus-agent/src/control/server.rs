@@ -42,7 +42,7 @@ use crate::{
     profile::format::Profile,
     redirect::{
         access::Caller,
-        mountns,
+        identity, mountns,
         spawn::{self, JobCommand},
     },
     shared::status::ControlStatus,
@@ -259,7 +259,12 @@ fn answer(
         gate.refuse(r.reason, &format!("uid {uid}: {}", r.message));
         send(&stream, &Response::Error { message: r.message })
     };
-    let caller = Caller::from_peer(pid, uid, gid)?;
+    // The process that connected, however long this takes: its pidfd, then its /proc.
+    let pidfd = identity::peer_pidfd(stream.as_raw_fd()).ok().map(Arc::new);
+    let caller = match Caller::from_peer(pid, uid, gid, pidfd) {
+        Ok(c) => c,
+        Err(message) => return refuse(refusal("identity", message)),
+    };
     let (request, fds, rest) = match read_request(&stream) {
         Ok(r) => r,
         Err(r) => return refuse(r),

@@ -3,20 +3,27 @@
 //! permission test (`faccessat` with `AT_EACCESS`) on a thread that has taken the
 //! caller's filesystem identity, so ACLs and the network filesystem's rules apply too.
 
-use std::{ffi::CString, fs, os::unix::ffi::OsStrExt, path::Path};
+use std::{
+    ffi::CString,
+    os::{fd::OwnedFd, unix::ffi::OsStrExt},
+    path::Path,
+    sync::Arc,
+};
 
-use anyhow::{Context, Result, bail};
-use serde::{Deserialize, Serialize};
+use anyhow::{Result, bail};
 
-use crate::profile::format::Profile;
+use crate::{profile::format::Profile, redirect::identity};
 
-/// The credentials of a process talking to the daemon (SO_PEERCRED + /proc).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// The credentials of a process talking to the daemon: the socket's uid and gid, its
+/// groups from its `/proc` entry, and its pidfd (see `identity`).
+#[derive(Debug, Clone)]
 pub struct Caller {
     pub pid: i32,
     pub uid: u32,
     pub gid: u32,
     pub groups: Vec<u32>,
+    /// The process that connected (SO_PEERPIDFD), to tell it from one that took its pid.
+    pub pidfd: Option<Arc<OwnedFd>>,
 }
 
 impl Caller {
@@ -24,23 +31,33 @@ impl Caller {
         self.uid == 0
     }
 
-    /// Completes peer credentials with the process's supplementary groups.
-    pub fn from_peer(pid: i32, uid: u32, gid: u32) -> Result<Self> {
-        let status = fs::read_to_string(format!("/proc/{pid}/status"))
-            .with_context(|| format!("reading the groups of process {pid}"))?;
-        let groups = status
-            .lines()
-            .find_map(|l| l.strip_prefix("Groups:"))
-            .unwrap_or_default()
-            .split_whitespace()
-            .filter_map(|g| g.parse().ok())
-            .collect();
+    /// Completes the socket's credentials, checking that the process is still the one
+    /// that connected, as itself; `Err` is the message for the caller.
+    pub fn from_peer(
+        pid: i32,
+        uid: u32,
+        gid: u32,
+        pidfd: Option<Arc<OwnedFd>>,
+    ) -> Result<Self, String> {
+        let process = identity::read(pidfd.as_ref(), pid, uid, gid, identity::For::Request)?;
         Ok(Self {
             pid,
             uid,
             gid,
-            groups,
+            groups: process.groups,
+            pidfd,
         })
+    }
+
+    /// What a job of this caller inherits, read now (see `identity::read`).
+    pub fn process(&self) -> Result<identity::Process, String> {
+        identity::read(
+            self.pidfd.as_ref(),
+            self.pid,
+            self.uid,
+            self.gid,
+            identity::For::Job,
+        )
     }
 }
 
@@ -108,5 +125,5 @@ fn parent_searchable(path: &str) -> bool {
 
 /// A file that no longer exists (unlinked, renamed) is shown if its directory is.
 fn gone_but_parent_searchable(path: &str) -> bool {
-    fs::symlink_metadata(path).is_err() && parent_searchable(path)
+    std::fs::symlink_metadata(path).is_err() && parent_searchable(path)
 }

@@ -2,20 +2,15 @@
 //! batch job whose cgroup holds its memory and CPU limits and its accounting. These are
 //! the `cgroup.procs` files of a process's cgroups in every mounted hierarchy (v1 and v2).
 
-use std::{
-    fs,
-    path::{Path, PathBuf},
-};
+use std::path::{Path, PathBuf};
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 
 use crate::observe::mounts::{self, Mount};
 
-/// The `cgroup.procs` files of the cgroups of process `pid`.
-pub fn procs_files(pid: i32) -> Result<Vec<PathBuf>> {
-    let text = fs::read_to_string(format!("/proc/{pid}/cgroup"))
-        .with_context(|| format!("reading the cgroups of process {pid}"))?;
-    Ok(resolve(&text, &mounts::read()?, &|p: &Path| p.exists()))
+/// The `cgroup.procs` files of the cgroups a process's `/proc/PID/cgroup` names.
+pub fn procs_files(cgroup: &str) -> Result<Vec<PathBuf>> {
+    Ok(resolve(cgroup, &mounts::read()?, &|p: &Path| p.exists()))
 }
 
 /// Pairs each line of /proc/PID/cgroup (`ID:controllers:path`) with its hierarchy's
@@ -52,11 +47,13 @@ fn resolve(text: &str, mounts: &[Mount], exists: &dyn Fn(&Path) -> bool) -> Vec<
 
 #[cfg(test)]
 mod tests {
+    use std::fs;
+
     use super::*;
 
     #[test]
     fn finds_this_process_cgroups() {
-        let files = procs_files(std::process::id() as i32).unwrap();
+        let files = procs_files(&fs::read_to_string("/proc/self/cgroup").unwrap()).unwrap();
         let pid = std::process::id().to_string();
         // Whatever hierarchies this machine mounts, this process is listed in each.
         for f in &files {

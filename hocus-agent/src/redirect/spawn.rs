@@ -81,30 +81,20 @@ fn parse_limits(text: &str) -> Result<Limits> {
     Ok(out)
 }
 
-/// The caller's limits and umask, read from the kernel (never from the client's word).
-fn inherited(caller: &Caller) -> Result<(Limits, libc::mode_t)> {
-    let limits = parse_limits(&std::fs::read_to_string(format!(
-        "/proc/{}/limits",
-        caller.pid
-    ))?)?;
-    let status = std::fs::read_to_string(format!("/proc/{}/status", caller.pid))?;
-    let umask = status
-        .lines()
-        .find_map(|l| l.strip_prefix("Umask:"))
-        .and_then(|v| libc::mode_t::from_str_radix(v.trim(), 8).ok())
-        .context("no Umask in /proc/PID/status")?;
-    Ok((limits, umask))
-}
-
-/// Starts the job as the caller, in a session of its own.
+/// Starts the job as the caller, in a session of its own, with what it inherits from the
+/// caller read now (limits, umask, groups, cgroups, no_new_privs): never from the
+/// client's word, and only while the caller is still the process that connected.
 pub fn spawn(
     caller: &Caller,
     run: &JobCommand,
     [stdin, stdout, stderr]: [OwnedFd; 3],
 ) -> Result<std::process::Child> {
-    let (limits, umask) = inherited(caller)?;
+    let process = caller.process().map_err(anyhow::Error::msg)?;
+    let limits = parse_limits(&process.limits)?;
+    let umask = process.umask;
+    let no_new_privs = process.no_new_privs;
     // The caller's cgroups (a batch job's limits and accounting), opened before the fork.
-    let cgroups: Vec<std::fs::File> = cgroups::procs_files(caller.pid)?
+    let cgroups: Vec<std::fs::File> = cgroups::procs_files(&process.cgroup)?
         .iter()
         .map(|f| {
             std::fs::OpenOptions::new()
@@ -121,7 +111,7 @@ pub fn spawn(
         .stdout(Stdio::from(stdout))
         .stderr(Stdio::from(stderr));
     let (uid, gid) = (caller.uid, caller.gid);
-    let groups: Vec<libc::gid_t> = caller.groups.clone();
+    let groups: Vec<libc::gid_t> = process.groups.clone();
     let cwd = CString::new(run.cwd.as_os_str().as_bytes())?;
     // SAFETY: runs in the forked child before exec, calling only async-signal-safe
     // syscalls on data prepared before the fork.
@@ -152,6 +142,10 @@ pub fn spawn(
                 }
             }
             libc::umask(umask);
+            // A caller confined by no_new_privs gets a job confined so too.
+            if no_new_privs && libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
             // Nothing of the daemon's beyond stdin, stdout and stderr reaches the job, not
             // even descriptors it inherited without close-on-exec. CLOEXEC rather than
             // close: std's exec error pipe must live until the exec.

@@ -31,7 +31,8 @@ const CLASSIC: &str = "text/plain; version=0.0.4; charset=utf-8";
 /// How long a scrape waits for the daemon's loop.
 const SCRAPE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Why the control socket refuses a client (`control::server`), always all listed.
-const CONTROL_REFUSALS: [&str; 11] = [
+const CONTROL_REFUSALS: [&str; 12] = [
+    "identity",
     "too_many_clients",
     "too_many_clients_of_user",
     "timeout",
