@@ -708,3 +708,113 @@ sys.stdin.readline()   # hold on until the daemon has read who connected
     assert!(said.contains("error"), "the request was refused: {said}");
     assert!(said.contains("exited before"), "{said}");
 }
+
+/// `cat PATH` in a `hocus-agent run` job as the test user: what it printed, or None if
+/// it could not read it.
+fn cat_in_job(agent: &Agent, path: &Path) -> Option<String> {
+    let out = run_as_user_through(agent, &["env"], &["cat", path.to_str().unwrap()]);
+    out.status
+        .success()
+        .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+#[test]
+fn copies_and_snapshots_keep_acls_and_a_permission_change_reaches_jobs() {
+    let net = NetworkMount::start();
+    let (uid, _) = test_user();
+    // ACLs need a filesystem that has them (sshfs has none): a second watched tree on
+    // the local disk, as an NFS export with ACLs would be.
+    let share = tempfile::Builder::new()
+        .prefix("hocus-share-")
+        .tempdir()
+        .unwrap();
+    fs::set_permissions(share.path(), fs::Permissions::from_mode(0o755)).unwrap();
+    let env = share.path().join("env");
+    fs::create_dir_all(env.join("lib")).unwrap();
+    fs::write(env.join("lib/x.py"), b"hidden = 1\n").unwrap();
+    fs::write(env.join("top.py"), b"top = 1\n").unwrap();
+    // The user may not enter lib/: an ACL entry, not the mode, says so.
+    let acl = std::process::Command::new("setfacl")
+        .args(["-m", &format!("u:{uid}:---")])
+        .arg(env.join("lib"))
+        .status()
+        .expect("setfacl (cargo xtask setup installs acl)");
+    assert!(acl.success());
+    let public = net.put("pub/pub.py", b"pub = 1\n");
+    let share_path = share.path().to_str().unwrap().to_owned();
+    let agent = Agent::start(&[
+        "--watch",
+        net.mount.to_str().unwrap(),
+        "--watch",
+        &share_path,
+        "--revalidate",
+        "2",
+    ]);
+    read_all(&env.join("lib/x.py"));
+    read_all(&env.join("top.py"));
+    assert!(fs::metadata(env.join("lib/nope.py")).is_err());
+    read_all(&public);
+    hocus_tests::wait_until(60, "a snapshot of env", || {
+        agent
+            .log()
+            .contains(&format!("snapshot of {} in place", env.display()))
+    });
+    agent.settled();
+    assert_eq!(
+        cat_in_job(&agent, &env.join("top.py")).as_deref(),
+        Some("top = 1\n")
+    );
+    assert_eq!(
+        cat_in_job(&agent, &env.join("lib/x.py")),
+        None,
+        "the snapshot kept the ACL that keeps the user out of lib/"
+    );
+    assert_eq!(cat_in_job(&agent, &public).as_deref(), Some("pub = 1\n"));
+
+    // Permissions taken away at the source reach the next job within a revalidation.
+    fs::set_permissions(env.join("top.py"), fs::Permissions::from_mode(0o600)).unwrap();
+    fs::set_permissions(
+        net.server_path("pub/pub.py"),
+        fs::Permissions::from_mode(0o600),
+    )
+    .unwrap();
+    std::thread::sleep(Duration::from_secs(6));
+    assert_eq!(
+        cat_in_job(&agent, &env.join("top.py")),
+        None,
+        "{}",
+        agent.log()
+    );
+    assert_eq!(
+        cat_in_job(&agent, &public),
+        None,
+        "a chmod on the sshfs server reached the job:\n{}",
+        agent.log()
+    );
+}
+
+#[test]
+fn after_a_restart_nothing_is_bound_before_it_is_revalidated() {
+    let net = NetworkMount::start();
+    let file = net.put("env/mod.py", b"version = 1\n");
+    let args = [
+        "--watch",
+        net.mount.to_str().unwrap(),
+        "--revalidate",
+        "3600",
+    ];
+    let agent = Agent::start(&args);
+    read_all(&file);
+    hocus_tests::wait_until(30, "the copy", || agent.local_copy(&file).exists());
+    agent.settled();
+    let (dir, state_dir) = agent.stop_for_restart();
+    // Changed on the server while no daemon ran.
+    fs::write(net.server_path("env/mod.py"), b"version = 22\n").unwrap();
+    // The new daemon finds the old copy in its cache (it may have dropped it already).
+    let agent = Agent::start_with_state(dir, state_dir, &args);
+    assert_eq!(
+        cat_in_job(&agent, &file).as_deref(),
+        Some("version = 22\n"),
+        "a job right after the restart reads what the network holds"
+    );
+}

@@ -29,6 +29,8 @@ const PACKAGES: &[&str] = &[
     "fuse3",
     "python3",
     "passwd",
+    // setfacl: the tests that check copies and snapshots keep POSIX ACLs.
+    "acl",
     // The metrics tests: promtool, and a real Prometheus server scraping the agent.
     "prometheus",
 ];

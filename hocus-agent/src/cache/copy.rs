@@ -23,13 +23,23 @@ use std::{
 
 use serde::{Deserialize, Serialize};
 
-/// What identifies a version of a file: a copy is valid while these are unchanged.
+/// What identifies a version of a file: a copy is valid while these are unchanged. The
+/// mode and owner are part of it: a permission change must reach jobs, and some network
+/// filesystems (sshfs) do not move ctime on chmod or chown.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Identity {
     pub size: u64,
     pub mtime_ns: i64,
     pub ctime_ns: i64,
     pub ino: u64,
+    /// Type and permission bits (st_mode); 0 in an index written before they were kept,
+    /// which then fails its first revalidation.
+    #[serde(default)]
+    pub mode: u32,
+    #[serde(default)]
+    pub uid: u32,
+    #[serde(default)]
+    pub gid: u32,
 }
 
 impl Identity {
@@ -39,6 +49,9 @@ impl Identity {
             mtime_ns: m.mtime() * 1_000_000_000 + m.mtime_nsec(),
             ctime_ns: m.ctime() * 1_000_000_000 + m.ctime_nsec(),
             ino: m.ino(),
+            mode: m.mode(),
+            uid: m.uid(),
+            gid: m.gid(),
         }
     }
 }
@@ -161,7 +174,7 @@ pub fn copy(
         if copied != before.size() || Identity::of(&after) != id || Identity::of(&by_name) != id {
             return Err(CopyError::Changed);
         }
-        copy_xattrs(&src, &out);
+        copy_xattrs(&src, &out).map_err(local)?;
         fchown(&out, before.uid(), before.gid()).map_err(local)?;
         // chown clears set-id bits: the mode comes after it.
         fchmod(&out, before.mode() & 0o7777).map_err(local)?;
@@ -322,19 +335,26 @@ fn set_times(f: &File, m: &fs::Metadata) -> io::Result<()> {
     Ok(())
 }
 
-/// Copies user xattrs and the POSIX ACL. Filesystems without xattrs (sshfs) have none.
-fn copy_xattrs(src: &File, dst: &File) {
+/// Copies the POSIX ACLs (access, and a directory's default) and the user xattrs. An
+/// ACL that cannot be copied fails the copy: a copy keeps its source's permissions or is
+/// not made. Filesystems without xattrs (sshfs) have none.
+pub fn copy_xattrs(src: &File, dst: &File) -> io::Result<()> {
     let mut names = vec![0u8; 64 << 10];
     // SAFETY: buffer of the given size.
     let n = unsafe { libc::flistxattr(src.as_raw_fd(), names.as_mut_ptr().cast(), names.len()) };
-    if n <= 0 {
-        return;
+    if n < 0 {
+        let e = io::Error::last_os_error();
+        return match e.raw_os_error() {
+            Some(libc::ENOTSUP) => Ok(()),
+            _ => Err(e),
+        };
     }
     for name in names[..n as usize]
         .split(|b| *b == 0)
         .filter(|n| !n.is_empty())
     {
-        if !(name.starts_with(b"user.") || name == b"system.posix_acl_access") {
+        let acl = name == b"system.posix_acl_access" || name == b"system.posix_acl_default";
+        if !(acl || name.starts_with(b"user.")) {
             continue;
         }
         let Ok(cname) = CString::new(name) else {
@@ -342,24 +362,34 @@ fn copy_xattrs(src: &File, dst: &File) {
         };
         let mut value = vec![0u8; 64 << 10];
         // SAFETY: buffers of the given sizes, NUL-terminated name.
-        unsafe {
-            let len = libc::fgetxattr(
+        let len = unsafe {
+            libc::fgetxattr(
                 src.as_raw_fd(),
                 cname.as_ptr(),
                 value.as_mut_ptr().cast(),
                 value.len(),
-            );
-            if len >= 0 {
+            )
+        };
+        let set = len >= 0
+            // SAFETY: as above.
+            && unsafe {
                 libc::fsetxattr(
                     dst.as_raw_fd(),
                     cname.as_ptr(),
                     value.as_ptr().cast(),
                     len as usize,
                     0,
-                );
-            }
+                )
+            } == 0;
+        if !set && acl {
+            return Err(io::Error::other(format!(
+                "cannot copy {}: {}",
+                String::from_utf8_lossy(name),
+                io::Error::last_os_error()
+            )));
         }
     }
+    Ok(())
 }
 
 fn rand_u64() -> u64 {

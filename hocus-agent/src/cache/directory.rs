@@ -231,6 +231,9 @@ mod tests {
             mtime_ns: 1,
             ctime_ns: 2,
             ino: 3,
+            mode: 0o100644,
+            uid: 0,
+            gid: 0,
         }
     }
 

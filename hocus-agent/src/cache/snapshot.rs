@@ -163,6 +163,9 @@ fn identity(s: &FileStat) -> Identity {
         mtime_ns: s.st_mtime * 1_000_000_000 + s.st_mtime_nsec,
         ctime_ns: s.st_ctime * 1_000_000_000 + s.st_ctime_nsec,
         ino: s.st_ino,
+        mode: s.st_mode,
+        uid: s.st_uid,
+        gid: s.st_gid,
     }
 }
 
@@ -235,6 +238,10 @@ pub fn take(
     ));
     let result = (|| {
         let stamp = stamp(tree, root).map_err(CopyError::Source)?;
+        let anchor = copy::open_path(tree).map_err(CopyError::Source)?;
+        let below = root
+            .strip_prefix(tree)
+            .map_err(|_| CopyError::Unsafe("outside the watched tree".into()))?;
         let mut taken = Taken::default();
         // Parents come before children in a BTreeMap of paths.
         for (rel, id) in &stamp {
@@ -247,9 +254,20 @@ pub fn take(
             let kind = m.file_type();
             if kind.is_dir() {
                 fs::create_dir(&dst).map_err(CopyError::Local)?;
-                fs::set_permissions(&dst, fs::Permissions::from_mode(m.mode() & 0o7777))
-                    .map_err(CopyError::Local)?;
                 std::os::unix::fs::lchown(&dst, Some(m.uid()), Some(m.gid()))
+                    .map_err(CopyError::Local)?;
+                // Its ACLs (access and default), read from the directory opened beneath
+                // the watched tree; then the mode (after chown, which clears set-id bits).
+                let at = below.join(rel);
+                let at = if at.as_os_str().is_empty() {
+                    Path::new(".")
+                } else {
+                    at.as_path()
+                };
+                let from = copy::open_beneath(&anchor, at, libc::O_RDONLY | libc::O_DIRECTORY)?;
+                let to = fs::File::open(&dst).map_err(CopyError::Local)?;
+                copy::copy_xattrs(&fs::File::from(from), &to).map_err(CopyError::Local)?;
+                fs::set_permissions(&dst, fs::Permissions::from_mode(m.mode() & 0o7777))
                     .map_err(CopyError::Local)?;
             } else if kind.is_symlink() {
                 let target = fs::read_link(&src).map_err(CopyError::Source)?;

@@ -157,6 +157,7 @@ pub fn start(config: Config) -> Result<(Handle, thread::JoinHandle<()>)> {
     let (done_tx, done_rx) = tokio_mpsc::unbounded_channel::<Done>();
     let (order_tx, order_rx) = tokio_mpsc::channel::<Order>(ORDER_QUEUE);
     let workers = Workers::start(config.copy_workers, cache.tmp_dir(), done_tx)?;
+    let unverified = cache.sources().map(|(s, _)| s.clone()).collect();
     let mut keeper = Keeper {
         effective_ssd_budget: config.ssd_budget,
         config,
@@ -165,6 +166,7 @@ pub fn start(config: Config) -> Result<(Handle, thread::JoinHandle<()>)> {
         workers,
         pinning: HashMap::new(),
         revalidating: false,
+        unverified,
         trees_removed: 0,
         measuring: HashSet::new(),
         in_flight: HashMap::new(),
@@ -208,6 +210,8 @@ struct Keeper {
     pinning: HashMap<String, u64>,
     /// A revalidation is under way.
     revalidating: bool,
+    /// Copies found in the cache at start and not revalidated yet: never bound.
+    unverified: HashSet<String>,
     /// Snapshot trees handed to a worker for removal (names them apart in tmp/).
     trees_removed: u64,
     /// Chains of directories (by their top) being measured for a snapshot.
@@ -257,7 +261,8 @@ impl Keeper {
             }
         };
         runtime.block_on(async {
-            let mut next_check = Instant::now() + self.config.revalidate;
+            // The copies found at start are checked at once.
+            let mut next_check = Instant::now();
             let mut last_save = Instant::now();
             loop {
                 let timeout = next_check
@@ -398,9 +403,11 @@ impl Keeper {
                     tree: snap.tree.clone(),
                 });
                 // A snapshot still being taken is not bound yet: its files are, meanwhile.
+                // Copies from before a restart are bound only once revalidated.
                 let files = self
                     .cache
                     .sources()
+                    .filter(|(source, _)| !self.unverified.contains(*source))
                     .filter(|(source, _)| self.held_snapshot(Path::new(source)).is_none())
                     .filter_map(|(source, _)| {
                         let tree = self.tree_of(Path::new(source))?;
@@ -776,6 +783,8 @@ impl Keeper {
     /// What changed on the network is dropped, and fetched again once stable.
     fn revalidated(&mut self, changed: Vec<String>, changed_trees: Vec<PathBuf>) {
         self.revalidating = false;
+        // Every copy was in this check: those unchanged are valid, the others dropped.
+        self.unverified.clear();
         for source in changed {
             // A copy made since the check was sent is not the one checked.
             if !self.cache.contains(&source) {
