@@ -818,3 +818,35 @@ fn after_a_restart_nothing_is_bound_before_it_is_revalidated() {
         "a job right after the restart reads what the network holds"
     );
 }
+
+#[test]
+fn a_profile_that_understates_sizes_cannot_overfill_the_cache() {
+    let net = NetworkMount::start();
+    let (uid, gid) = test_user();
+    // 64 MiB on the server (sparse there; every byte would cross the network).
+    let big = net.server_path("data/big.bin");
+    fs::create_dir_all(big.parent().unwrap()).unwrap();
+    fs::File::create(&big).unwrap().set_len(64 << 20).unwrap();
+    let file = net.path("data/big.bin");
+    let agent = Agent::start(&["--watch", net.mount.to_str().unwrap(), "--ssd-budget", "4M"]);
+    // The user's profile says the file is one byte.
+    let profile = json!({
+        "version": 1, "started_unix_ns": 1, "missing": [], "dirs": [],
+        "files": [{"path": file, "size": 1, "opens": 1000, "bytes_read": 1, "first_touch_ns": 1, "written": false, "uids": [uid]}],
+    });
+    let work = tempfile::tempdir().unwrap();
+    fs::set_permissions(work.path(), fs::Permissions::from_mode(0o777)).unwrap();
+    let path = work.path().join("small.json");
+    fs::write(&path, serde_json::to_vec(&profile).unwrap()).unwrap();
+    let out = agent
+        .cli(&["prefetch", "--profile", path.to_str().unwrap()])
+        .uid(uid)
+        .gid(gid)
+        .output()
+        .unwrap();
+    assert_success(&out);
+    let c = agent.settled();
+    assert_eq!(c["copy_failures_by_reason"]["too_large"], 1, "{c:#}");
+    assert!(c["cached_bytes"].as_u64().unwrap() <= 4 << 20, "{c:#}");
+    assert!(!agent.local_copy(&file).exists());
+}

@@ -96,6 +96,8 @@ pub enum CopyError {
     NoSpace,
     #[error("refused: {0}")]
     Unsafe(String),
+    #[error("at {size} bytes it is larger than the {room} bytes left for it")]
+    TooLarge { size: u64, room: u64 },
     #[error("reading it failed: {0}")]
     Source(io::Error),
     #[error("writing the copy failed: {0}")]
@@ -109,6 +111,7 @@ impl CopyError {
             CopyError::Changed => "changed",
             CopyError::NoSpace => "no_space",
             CopyError::Unsafe(_) => "refused",
+            CopyError::TooLarge { .. } => "too_large",
             CopyError::Source(_) => "read_error",
             CopyError::Local(_) => "write_error",
         }
@@ -124,14 +127,17 @@ fn local(e: io::Error) -> CopyError {
 }
 
 /// Copies `source` (inside the watched `tree`) to `dest`, going through a temporary file
-/// in `tmp_dir` (on the same filesystem as `dest`). Runs on the calling thread, whose
-/// filesystem identity it changes for the open and restores afterwards.
+/// in `tmp_dir` (on the same filesystem as `dest`), if it is at most `room` bytes: its
+/// size is read from the opened file, never taken from a profile's word. Runs on the
+/// calling thread, whose filesystem identity it changes for the open and restores
+/// afterwards.
 pub fn copy(
     tree: &Path,
     source: &Path,
     reader: &Reader,
     tmp_dir: &Path,
     dest: &Path,
+    room: u64,
 ) -> Result<Identity, CopyError> {
     let rel = source.strip_prefix(tree).map_err(|_| {
         CopyError::Unsafe(format!(
@@ -152,6 +158,12 @@ pub fn copy(
             "{} is not a regular file",
             source.display()
         )));
+    }
+    if before.size() > room {
+        return Err(CopyError::TooLarge {
+            size: before.size(),
+            room,
+        });
     }
     let tmp = tmp_dir.join(format!("copy-{}-{:x}", std::process::id(), rand_u64()));
     let result = (|| {
@@ -439,7 +451,14 @@ mod tests {
             io::Error::last_os_error()
         );
         let dest = dir.path().join("copy");
-        copy(&tree, &src, &Reader::root(), &tmp, &dest).unwrap();
+        // Its real size decides, not what a profile said.
+        let size = fs::metadata(&src).unwrap().len();
+        assert!(matches!(
+            copy(&tree, &src, &Reader::root(), &tmp, &dest, size - 1),
+            Err(CopyError::TooLarge { .. })
+        ));
+        assert!(!dest.exists());
+        copy(&tree, &src, &Reader::root(), &tmp, &dest, size).unwrap();
         let dest_c = CString::new(dest.as_os_str().as_bytes()).unwrap();
         let mut value = [0u8; 8];
         // SAFETY: as above.
@@ -474,7 +493,7 @@ mod tests {
             })
         };
         let dest = dir.path().join("copy");
-        let result = copy(&tree, &src, &Reader::root(), &tmp, &dest);
+        let result = copy(&tree, &src, &Reader::root(), &tmp, &dest, u64::MAX);
         stop.store(true, std::sync::atomic::Ordering::Relaxed);
         writer.join().unwrap();
         assert!(matches!(result, Err(CopyError::Changed)), "{result:?}");
@@ -501,7 +520,7 @@ mod tests {
         unsafe { libc::utimensat(libc::AT_FDCWD, c.as_ptr(), [t, t].as_ptr(), 0) };
 
         let dest = dir.path().join("cache/sub/a.py");
-        let id = copy(&tree, &src, &Reader::root(), &tmp, &dest).unwrap();
+        let id = copy(&tree, &src, &Reader::root(), &tmp, &dest, u64::MAX).unwrap();
         assert_eq!(fs::read(&dest).unwrap(), b"print(1)\n");
         let m = fs::metadata(&dest).unwrap();
         assert_eq!(m.mode() & 0o7777, 0o640);
@@ -523,6 +542,7 @@ mod tests {
             &Reader::root(),
             &tmp,
             &dir.path().join("x"),
+            u64::MAX,
         )
         .unwrap_err();
         assert!(matches!(err, CopyError::Unsafe(_)), "{err}");
@@ -533,6 +553,7 @@ mod tests {
             &Reader::root(),
             &tmp,
             &dir.path().join("y"),
+            u64::MAX,
         )
         .unwrap_err();
         assert!(matches!(err, CopyError::Unsafe(_)), "{err}");

@@ -46,10 +46,11 @@ const CONTROL_REFUSALS: [&str; 12] = [
     "no_thread",
 ];
 /// Copy failure reasons (`CopyError::reason`), always all listed.
-const COPY_FAILURES: [&str; 5] = [
+const COPY_FAILURES: [&str; 6] = [
     "changed",
     "no_space",
     "refused",
+    "too_large",
     "read_error",
     "write_error",
 ];

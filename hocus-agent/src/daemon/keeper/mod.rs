@@ -569,12 +569,17 @@ impl Keeper {
             log::debug!("not copying {source}: no user is known to read it");
             return;
         };
+        // The profile's size is a claim: the copy checks the real one against this room.
+        let room = self
+            .effective_ssd_budget
+            .saturating_sub(self.cache.used().saturating_add(reserved));
         self.in_flight.insert(source.to_owned(), size);
         self.workers.send(Work::Copy {
             source: source.to_owned(),
             tree,
             reader,
             dest: self.cache.local(source),
+            room,
         });
     }
 

@@ -29,12 +29,14 @@ const SNAPSHOT_MAX_ENTRIES: usize = 200_000;
 
 /// Something the keeper wants done.
 pub enum Work {
-    /// Copy `source` (in `tree`) to `dest`, reading as `reader`.
+    /// Copy `source` (in `tree`) to `dest`, reading as `reader`, if it is at most `room`
+    /// bytes.
     Copy {
         source: String,
         tree: PathBuf,
         reader: Reader,
         dest: PathBuf,
+        room: u64,
     },
     /// Take a snapshot of `root` (in `tree`) into `dest`, linking the cache's valid copies.
     Snapshot {
@@ -150,8 +152,9 @@ fn run(work: Work, tmp: &Path) -> Option<Done> {
             tree,
             reader,
             dest,
+            room,
         } => {
-            let result = copy::copy(&tree, source.as_ref(), &reader, tmp, &dest);
+            let result = copy::copy(&tree, source.as_ref(), &reader, tmp, &dest, room);
             Done::Copied(source, result)
         }
         Work::Snapshot {
