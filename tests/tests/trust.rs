@@ -850,3 +850,48 @@ fn a_profile_that_understates_sizes_cannot_overfill_the_cache() {
     assert!(c["cached_bytes"].as_u64().unwrap() <= 4 << 20, "{c:#}");
     assert!(!agent.local_copy(&file).exists());
 }
+
+#[test]
+fn a_flood_of_names_cannot_grow_the_profile_without_bound() {
+    let net = NetworkMount::start();
+    net.put("env/real.py", b"x = 1\n");
+    let agent = Agent::start(&[
+        "--watch",
+        net.mount.to_str().unwrap(),
+        "--max-profile-entries",
+        "50",
+    ]);
+    // As an ordinary user: 300 names that do not exist, looked up once each.
+    let script = format!(
+        "import os\nfor i in range(300):\n    try:\n        os.stat('{}/env/nope%d.py' % i)\n    except OSError:\n        pass\n",
+        net.mount.display()
+    );
+    let (uid, gid) = test_user();
+    let out = std::process::Command::new("python3")
+        .args(["-c", &script])
+        .uid(uid)
+        .gid(gid)
+        .output()
+        .unwrap();
+    assert_success(&out);
+    let status = agent.status();
+    let held = ["files", "missing", "dirs"]
+        .iter()
+        .map(|k| status[k].as_u64().unwrap())
+        .sum::<u64>();
+    assert!(held <= 50, "{status:#}");
+    assert!(
+        status["profile_entries_dropped"].as_u64().unwrap() >= 250,
+        "{status:#}"
+    );
+    assert!(
+        agent
+            .metrics()
+            .contains("hocus_profile_entries_dropped_total")
+    );
+    assert!(
+        agent
+            .log()
+            .contains("new names read are no longer recorded")
+    );
+}

@@ -13,7 +13,7 @@
 use std::{
     ffi::CString,
     fs::{self, File},
-    io,
+    io::{self, Read, Seek, Write},
     os::{
         fd::{AsRawFd, FromRawFd, OwnedFd},
         unix::{ffi::OsStrExt, fs::MetadataExt},
@@ -172,10 +172,7 @@ pub fn copy(
             .create_new(true)
             .open(&tmp)
             .map_err(local)?;
-        let copied = io::copy(&mut (&src), &mut out).map_err(|e| match e.raw_os_error() {
-            Some(libc::ENOSPC) | Some(libc::EDQUOT) => CopyError::NoSpace,
-            _ => CopyError::Source(e),
-        })?;
+        let copied = copy_sparse(&src, &mut out)?;
         // Changed while we read? Look at the open file and at the name again.
         let after = src.metadata().map_err(CopyError::Source)?;
         let by_name = {
@@ -205,6 +202,33 @@ pub fn copy(
         let _ = fs::remove_file(&tmp);
     }
     result
+}
+
+/// Copies `src` into `out`, leaving holes where the source reads as zeros: a sparse
+/// file (a disk image, a preallocated dataset) costs the cache only its data. The copy
+/// grows to its full length as it goes. Returns the bytes read.
+fn copy_sparse(mut src: &File, out: &mut File) -> Result<u64, CopyError> {
+    const CHUNK: usize = 1 << 20;
+    let mut buf = vec![0u8; CHUNK];
+    let mut at = 0u64;
+    loop {
+        let n = match src.read(&mut buf) {
+            Ok(0) => return Ok(at),
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(CopyError::Source(e)),
+        };
+        let data = &buf[..n];
+        if data.iter().all(|b| *b == 0) {
+            // A hole: extend the copy without writing.
+            out.set_len(at + n as u64).map_err(local)?;
+            out.seek(io::SeekFrom::Start(at + n as u64))
+                .map_err(local)?;
+        } else {
+            out.write_all(data).map_err(local)?;
+        }
+        at += n as u64;
+    }
 }
 
 /// Opens a directory as an O_PATH descriptor (the anchor for openat2).
@@ -558,5 +582,27 @@ mod tests {
         .unwrap_err();
         assert!(matches!(err, CopyError::Unsafe(_)), "{err}");
         assert!(!dir.path().join("x").exists() && !dir.path().join("y").exists());
+    }
+
+    #[test]
+    fn a_sparse_file_is_copied_sparse_and_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        let (tree, tmp) = (dir.path().join("tree"), dir.path().join("tmp"));
+        fs::create_dir_all(&tree).unwrap();
+        fs::create_dir_all(&tmp).unwrap();
+        let src = tree.join("image");
+        let mut f = File::create(&src).unwrap();
+        f.set_len(64 << 20).unwrap();
+        f.seek(io::SeekFrom::Start(10 << 20)).unwrap();
+        f.write_all(b"data in the middle").unwrap();
+        drop(f);
+        let dest = dir.path().join("copy");
+        copy(&tree, &src, &Reader::root(), &tmp, &dest, u64::MAX).unwrap();
+        assert_eq!(fs::read(&dest).unwrap(), fs::read(&src).unwrap());
+        let allocated = fs::metadata(&dest).unwrap().blocks() * 512;
+        assert!(
+            allocated < 4 << 20,
+            "{allocated} bytes allocated for 18 bytes of data"
+        );
     }
 }

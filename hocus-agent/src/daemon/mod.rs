@@ -101,6 +101,8 @@ struct Daemon {
     checked_tx: mpsc::UnboundedSender<requests::Checked>,
     checked_rx: mpsc::UnboundedReceiver<requests::Checked>,
     reported_loss: u64,
+    /// The working set's bound was reached and logged.
+    said_profile_full: bool,
     keeper: Keeper,
     /// When the keeper last failed to take an order (logged at most every 10 s).
     keeper_failed_at: Option<Instant>,
@@ -177,7 +179,9 @@ impl Daemon {
 
         let state_dir = opts.settings.state_dir();
         let state = StateDir::lock(&state_dir)?;
-        let ws = match state.load_or_set_aside() {
+        let mut ws = WorkingSet::new(unix_now_ns());
+        ws.set_limit(opts.settings.max_profile_entries());
+        match state.load_or_set_aside() {
             Ok(Some(p)) => {
                 log::info!(
                     "continuing the profile in {} ({} files, {} missing names)",
@@ -185,14 +189,12 @@ impl Daemon {
                     p.files.len(),
                     p.missing.len()
                 );
-                WorkingSet::from_profile(p)
+                ws.started_unix_ns = p.started_unix_ns;
+                ws.merge(p);
             }
-            Ok(None) => WorkingSet::new(unix_now_ns()),
-            Err(message) => {
-                log::error!("{message}");
-                WorkingSet::new(unix_now_ns())
-            }
-        };
+            Ok(None) => {}
+            Err(message) => log::error!("{message}"),
+        }
 
         let tracer = Tracer::start(&prefixes)?;
         if !tracer.skipped.is_empty() {
@@ -237,6 +239,7 @@ impl Daemon {
             checked_tx,
             checked_rx,
             reported_loss: 0,
+            said_profile_full: false,
             keeper,
             keeper_failed_at: None,
             keeper_thread: Some(keeper_thread),
@@ -410,6 +413,13 @@ impl Daemon {
     }
 
     fn report_loss(&mut self) {
+        if self.ws.dropped() > 0 && !self.said_profile_full {
+            log::warn!(
+                "the working set holds its most entries ({}, max-profile-entries): new names read are no longer recorded (writes still are); counted in status and hocus_profile_entries_dropped_total",
+                self.opts.settings.max_profile_entries()
+            );
+            self.said_profile_full = true;
+        }
         let Ok(c) = self.tracer.get_ref().counters() else {
             return;
         };
@@ -498,6 +508,8 @@ impl Daemon {
             files,
             missing,
             dirs,
+            max_profile_entries: self.opts.settings.max_profile_entries(),
+            profile_entries_dropped: self.ws.dropped(),
             tally: self.observer.tally.clone(),
             kernel,
             last_save_error: self.last_save_error.clone(),
@@ -553,6 +565,7 @@ impl Daemon {
                 .as_ref()
                 .map_or("the flags alone".into(), |p| p.display().to_string())
         );
+        self.ws.set_limit(new.max_profile_entries());
         self.opts.settings = new;
         true
     }

@@ -19,6 +19,11 @@ pub struct WorkingSet {
     files: HashMap<String, FileState>,
     missing: HashMap<String, MissingEntry>,
     dirs: HashMap<String, DirEntry>,
+    /// At most this many entries (files, missing names, directories) are read ones; writes
+    /// are always recorded. None: no bound.
+    limit: Option<usize>,
+    /// New entries not recorded because the bound was reached.
+    dropped: u64,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -53,6 +58,26 @@ impl WorkingSet {
         (self.files.len(), self.missing.len(), self.dirs.len())
     }
 
+    /// Bounds the entries read ones may make (`max-profile-entries`).
+    pub fn set_limit(&mut self, limit: usize) {
+        self.limit = Some(limit);
+    }
+
+    /// New entries not recorded because the bound was reached, so far.
+    pub fn dropped(&self) -> u64 {
+        self.dropped
+    }
+
+    /// Whether a new entry may be made; counts one that may not.
+    fn room(&mut self) -> bool {
+        let len = self.files.len() + self.missing.len() + self.dirs.len();
+        if self.limit.is_some_and(|l| len >= l) {
+            self.dropped = self.dropped.saturating_add(1);
+            return false;
+        }
+        true
+    }
+
     fn offset(&self, unix_ns: u64) -> u64 {
         unix_ns.saturating_sub(self.started_unix_ns)
     }
@@ -60,6 +85,9 @@ impl WorkingSet {
     /// Records an open of a file; returns true when the file is new to the profile.
     pub fn open(&mut self, path: &str, uid: u32, at_unix_ns: u64) -> bool {
         let new = !self.files.contains_key(path);
+        if new && !self.room() {
+            return false;
+        }
         let f = self.touch(path, at_unix_ns);
         f.entry.opens = f.entry.opens.saturating_add(1);
         f.uids.insert(uid);
@@ -104,6 +132,9 @@ impl WorkingSet {
     }
 
     pub fn missing(&mut self, path: &str, at_unix_ns: u64) {
+        if !self.missing.contains_key(path) && !self.room() {
+            return;
+        }
         let at = self.offset(at_unix_ns);
         let m = self
             .missing
@@ -117,6 +148,9 @@ impl WorkingSet {
     }
 
     pub fn dir_opened(&mut self, path: &str) {
+        if !self.dirs.contains_key(path) && !self.room() {
+            return;
+        }
         let d = self.dir(path);
         d.opens = d.opens.saturating_add(1);
     }
@@ -139,6 +173,9 @@ impl WorkingSet {
     /// the newest attributes win, the written flags and users accumulate.
     pub fn merge(&mut self, other: Profile) {
         for f in other.files {
+            if !f.written && !self.files.contains_key(&f.path) && !self.room() {
+                continue;
+            }
             match self.files.get_mut(&f.path) {
                 None => {
                     let uids = f.uids.iter().copied().collect();
@@ -161,6 +198,9 @@ impl WorkingSet {
             }
         }
         for m in other.missing {
+            if !self.missing.contains_key(&m.path) && !self.room() {
+                continue;
+            }
             match self.missing.get_mut(&m.path) {
                 None => {
                     self.missing.insert(m.path.clone(), m);
@@ -172,6 +212,9 @@ impl WorkingSet {
             }
         }
         for d in other.dirs {
+            if !d.mutated && !self.dirs.contains_key(&d.path) && !self.room() {
+                continue;
+            }
             let e = self.dir(&d.path);
             e.opens = e.opens.saturating_add(d.opens);
             e.mutated |= d.mutated;
@@ -366,5 +409,26 @@ mod tests {
         let mut p = sample().to_profile();
         p.retain_under(Path::new("/net/en"));
         assert!(p.files.is_empty());
+    }
+
+    #[test]
+    fn a_bounded_working_set_drops_new_reads_but_keeps_writes() {
+        let mut ws = WorkingSet::new(T0);
+        ws.set_limit(2);
+        assert!(ws.open("/net/a", 1, T0));
+        ws.missing("/net/nope", T0);
+        assert!(!ws.open("/net/b", 1, T0), "full: not recorded");
+        ws.missing("/net/nope2", T0);
+        ws.dir_opened("/net/d");
+        assert!(!ws.open("/net/a", 1, T0 + 1), "known entries still count");
+        ws.mark_written("/net/out", T0);
+        assert_eq!(ws.counts(), (2, 1, 0));
+        assert_eq!(ws.dropped(), 3);
+        let p = ws.to_profile();
+        assert!(p.files.iter().any(|f| f.path == "/net/out" && f.written));
+        assert_eq!(
+            p.files.iter().find(|f| f.path == "/net/a").unwrap().opens,
+            2
+        );
     }
 }

@@ -249,6 +249,13 @@ impl Collector for Snapshot {
             one(s.started_unix_secs as i64),
         )?;
 
+        counter(
+            e,
+            "profile_entries_dropped",
+            "New names read that the working set did not record: it holds its most entries (max-profile-entries).",
+            None,
+            one(s.profile_entries_dropped),
+        )?;
         // The control socket: clients now, and those refused.
         let c = &s.control;
         gauge(

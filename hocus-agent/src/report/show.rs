@@ -258,6 +258,13 @@ pub fn render_status(s: &Status) -> String {
             lost.join(", ")
         }
     );
+    if s.profile_entries_dropped > 0 {
+        let _ = writeln!(
+            out,
+            "the working set is full ({} entries, max-profile-entries): {} new names read were not recorded",
+            s.max_profile_entries, s.profile_entries_dropped
+        );
+    }
     let c = &s.control;
     let refused: Vec<String> = c.refused.iter().map(|(r, n)| format!("{r} {n}")).collect();
     let _ = writeln!(

@@ -77,6 +77,11 @@ pub struct Settings {
     #[arg(long, value_name = "N")]
     pub copy_workers: Option<usize>,
 
+    /// Entries (files, missing names, directories) the working set holds at most; beyond,
+    /// new names read are not recorded (writes always are) [default: 2000000].
+    #[arg(long, value_name = "N")]
+    pub max_profile_entries: Option<usize>,
+
     /// Clients of the control socket served at once [default: 256].
     #[arg(long, value_name = "N")]
     pub max_clients: Option<usize>,
@@ -122,7 +127,7 @@ impl Settings {
     /// These settings, with the unset ones taken from `other`.
     pub fn or(self, other: Settings) -> Settings {
         either!(self, other; watch, state_dir, socket, save_interval, cache_dir, ssd_budget,
-            ram_budget, include_ext, exclude, revalidate, copy_workers, max_clients,
+            ram_budget, include_ext, exclude, revalidate, copy_workers, max_profile_entries, max_clients,
             max_clients_per_user, metrics_addr, no_metrics, log_hits, log_misses, log_writes,
             log_format)
     }
@@ -141,6 +146,7 @@ impl Settings {
             exclude: Some(Vec::new()),
             revalidate: Some(30),
             copy_workers: Some(4),
+            max_profile_entries: Some(2_000_000),
             max_clients: Some(256),
             max_clients_per_user: Some(16),
             metrics_addr: Some(DEFAULT_METRICS_ADDR.parse().expect("a valid address")),
@@ -201,6 +207,9 @@ impl Settings {
         if self.max_clients == Some(0) || self.max_clients_per_user == Some(0) {
             bail!("max-clients and max-clients-per-user must be at least 1");
         }
+        if self.max_profile_entries == Some(0) {
+            bail!("max-profile-entries must be at least 1");
+        }
         Ok(())
     }
 
@@ -240,6 +249,10 @@ impl Settings {
         self.cache_dir
             .clone()
             .unwrap_or_else(|| DEFAULT_CACHE_DIR.into())
+    }
+
+    pub fn max_profile_entries(&self) -> usize {
+        self.max_profile_entries.unwrap_or(2_000_000)
     }
 
     pub fn revalidate(&self) -> Duration {

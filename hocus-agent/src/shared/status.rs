@@ -38,6 +38,11 @@ pub struct Status {
     pub files: usize,
     pub missing: usize,
     pub dirs: usize,
+    /// The bound on files + missing + dirs, and the new names not recorded beyond it.
+    #[serde(default)]
+    pub max_profile_entries: usize,
+    #[serde(default)]
+    pub profile_entries_dropped: u64,
     pub tally: Tally,
     /// Kernel counters by name (events sent, and every kind of loss).
     pub kernel: Vec<(String, u64)>,
