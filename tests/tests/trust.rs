@@ -895,3 +895,67 @@ fn a_flood_of_names_cannot_grow_the_profile_without_bound() {
             .contains("new names read are no longer recorded")
     );
 }
+
+/// CPU time (user + system) the process has used, in seconds.
+fn cpu_seconds(pid: u32) -> f64 {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let after = stat.rsplit_once(')').unwrap().1;
+    let fields: Vec<&str> = after.split_whitespace().collect();
+    // utime and stime are fields 14 and 15 of the whole line: 12 and 13 after the comm.
+    let ticks: u64 = fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap();
+    // SAFETY: sysconf has no preconditions.
+    ticks as f64 / unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64
+}
+
+#[test]
+fn the_accept_loop_does_not_spin_when_descriptors_run_out() {
+    let net = NetworkMount::start();
+    let agent = Agent::start(&[
+        "--watch",
+        net.mount.to_str().unwrap(),
+        "--max-clients-per-user",
+        "200",
+    ]);
+    agent.status();
+    let pid = agent.pid();
+    // Leave the daemon 8 descriptors more than it has open now.
+    let limit = open_descriptors(pid) + 8;
+    let set = std::process::Command::new("prlimit")
+        .args(["--pid", &pid.to_string(), &format!("--nofile={limit}:")])
+        .status()
+        .unwrap();
+    assert!(set.success());
+    // 60 connections held open for 4 s: the daemon runs out of descriptors accepting them.
+    let holder = std::process::Command::new("python3")
+        .args([
+            "-c",
+            "import socket, sys, time\nh = []\nfor _ in range(60):\n    s = socket.socket(socket.AF_UNIX)\n    s.connect(sys.argv[1])\n    h.append(s)\ntime.sleep(4)\n",
+        ])
+        .arg(&agent.socket)
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    let before = cpu_seconds(pid);
+    std::thread::sleep(Duration::from_secs(3));
+    let used = cpu_seconds(pid) - before;
+    let _ = holder.wait_with_output();
+    assert!(
+        used < 1.0,
+        "the daemon used {used:.2} s of CPU in 3 s out of descriptors"
+    );
+    // Descriptors back: it serves again, and says what happened.
+    let set = std::process::Command::new("prlimit")
+        .args(["--pid", &pid.to_string(), "--nofile=4096:"])
+        .status()
+        .unwrap();
+    assert!(set.success());
+    std::thread::sleep(Duration::from_secs(11));
+    let status = agent.status();
+    assert!(
+        status["control"]["refused"]["accept_failed"]
+            .as_u64()
+            .unwrap_or(0)
+            >= 1,
+        "{status:#}"
+    );
+}

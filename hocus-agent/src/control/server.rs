@@ -19,7 +19,7 @@ use std::{
             net::{UnixListener, UnixStream},
         },
     },
-    path::Path,
+    path::{Path, PathBuf},
     sync::{Arc, Mutex},
     thread,
     time::Duration,
@@ -39,7 +39,7 @@ use crate::{
     control::protocol::{
         Ask, Call, Forward, MAX_PROFILE_BYTES, MAX_REQUEST_LINE, Query, Request, Response,
     },
-    profile::format::Profile,
+    profile::format::{Profile, refuse_path},
     redirect::{
         access::Caller,
         identity, mountns,
@@ -335,6 +335,28 @@ fn read_profile(fd: Option<OwnedFd>) -> Result<Profile, Refusal> {
         .map_err(|e| refusal("bad_profile", e.to_string()))
 }
 
+/// Decodes a request line: JSON in the documented form, its paths absolute and
+/// normalised (a job's working directory, an export's root).
+fn decode(line: &[u8]) -> Result<Request, Refusal> {
+    let request = serde_json::from_slice::<Request>(line)
+        .map_err(|e| refusal("malformed", format!("malformed request: {e}")))?;
+    let path = match &request {
+        Request::Export { root: Some(root) } => Some(root),
+        Request::Run(run) => Some(&run.cwd),
+        _ => None,
+    };
+    if let Some(path) = path {
+        let text = path.to_str().unwrap_or("\0");
+        if let Some(why) = refuse_path(text, &[PathBuf::from("/")]) {
+            return Err(refusal(
+                "malformed",
+                format!("the path {} {why}", path.display()),
+            ));
+        }
+    }
+    Ok(request)
+}
+
 /// Hands `ask` to the daemon's loop; its answers arrive on the returned receiver.
 pub fn ask(
     calls: &mpsc::Sender<Call>,
@@ -420,9 +442,7 @@ fn read_request(stream: &UnixStream) -> Result<(Request, Vec<OwnedFd>, Vec<u8>),
         buf.extend_from_slice(&chunk[..n]);
         if let Some(i) = buf[searched..].iter().position(|b| *b == b'\n') {
             let rest = buf.split_off(searched + i + 1);
-            let request = serde_json::from_slice::<Request>(&buf)
-                .map_err(|e| refusal("malformed", format!("malformed request: {e}")))?;
-            return Ok((request, fds, rest));
+            return Ok((decode(&buf)?, fds, rest));
         }
         if buf.len() > MAX_REQUEST_LINE {
             return Err(refusal(
@@ -575,6 +595,61 @@ fn forward_signals(pid: i32, rest: Vec<u8>, reader: UnixStream, ended: &Mutex<bo
         // SAFETY: plain kill(2) on the job's process group, whose leader is unreaped.
         if unsafe { libc::kill(-pid, signal) } != 0 || signal == libc::SIGHUP {
             return;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    #[test]
+    fn decodes_requests_and_refuses_unsound_paths() {
+        assert!(matches!(
+            decode(br#"{"request":"status"}"#),
+            Ok(Request::Status)
+        ));
+        assert!(decode(br#"{"request":"export","root":"/net/../etc"}"#).is_err());
+        assert!(decode(br#"{"request":"run","argv":["true"],"env":[],"cwd":"relative"}"#).is_err());
+        assert!(decode(br#"{"request":"run","argv":["true"],"env":[],"cwd":"/home/a"}"#).is_ok());
+        assert!(decode(br#"{"request":"run","argv":["true"],"env":[],"cwd":"/"}"#).is_ok());
+        assert!(decode(b"not json").is_err());
+    }
+
+    proptest! {
+        #[test]
+        fn arbitrary_bytes_never_panic_the_decoder_nor_yield_an_unsound_path(
+            bytes in prop::collection::vec(any::<u8>(), 0..256)
+        ) {
+            if let Ok(request) = decode(&bytes) {
+                let path = match &request {
+                    Request::Export { root: Some(r) } => Some(r.clone()),
+                    Request::Run(run) => Some(run.cwd.clone()),
+                    _ => None,
+                };
+                if let Some(p) = path {
+                    prop_assert_eq!(refuse_path(p.to_str().unwrap(), &[PathBuf::from("/")]), None);
+                }
+            }
+        }
+
+        #[test]
+        fn json_requests_with_any_paths_decode_only_when_sound(
+            root in "(/|[a-z./\\x00]){0,12}",
+            cwd in "(/|[a-z./]){0,12}",
+        ) {
+            let export = serde_json::json!({"request": "export", "root": root}).to_string();
+            prop_assert_eq!(
+                decode(export.as_bytes()).is_ok(),
+                refuse_path(&root, &[PathBuf::from("/")]).is_none()
+            );
+            let run = serde_json::json!({"request": "run", "argv": ["x"], "env": [], "cwd": cwd}).to_string();
+            prop_assert_eq!(
+                decode(run.as_bytes()).is_ok(),
+                refuse_path(&cwd, &[PathBuf::from("/")]).is_none()
+            );
         }
     }
 }

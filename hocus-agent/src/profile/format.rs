@@ -145,7 +145,8 @@ pub fn refuse_path(path: &str, trees: &[PathBuf]) -> Option<&'static str> {
     let Some(rest) = path.strip_prefix('/') else {
         return Some("is not absolute");
     };
-    for component in rest.split('/') {
+    // "/" itself has no component.
+    for component in rest.split('/').filter(|_| !rest.is_empty()) {
         match component {
             "" => return Some("has an empty component (// or a trailing /)"),
             "." | ".." => return Some("has a . or .. component"),
