@@ -237,6 +237,24 @@ fn python_as_user(agent: &Agent, script: &str) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
+/// Starts `argv` as root with the process id `pid` (free by now), steering the kernel's
+/// next pid through ns_last_pid, as a pid reused by chance would be.
+fn spawn_with_pid(pid: i32, argv: &[&str]) -> std::process::Child {
+    for _ in 0..200 {
+        fs::write("/proc/sys/kernel/ns_last_pid", (pid - 1).to_string()).unwrap();
+        let mut child = std::process::Command::new(argv[0])
+            .args(&argv[1..])
+            .spawn()
+            .unwrap();
+        if child.id() as i32 == pid {
+            return child;
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    panic!("no process could be given pid {pid}");
+}
+
 fn open_descriptors(pid: u32) -> usize {
     fs::read_dir(format!("/proc/{pid}/fd")).unwrap().count()
 }
@@ -447,22 +465,7 @@ sys.stdin.readline()
     assert_eq!(line, "exited\n");
     // The job is reaped: its pid, and so its process group id, is free. Another user's
     // process now takes it (the next pid is steered to it through ns_last_pid).
-    let mut victim = None;
-    for _ in 0..200 {
-        fs::write("/proc/sys/kernel/ns_last_pid", (pid - 1).to_string()).unwrap();
-        let child = std::process::Command::new("setsid")
-            .args(["sleep", "60"])
-            .spawn()
-            .unwrap();
-        if child.id() as i32 == pid {
-            victim = Some(child);
-            break;
-        }
-        let mut child = child;
-        let _ = child.kill();
-        let _ = child.wait();
-    }
-    let mut victim = victim.expect("a process took the job's old pid");
+    let mut victim = spawn_with_pid(pid, &["setsid", "sleep", "60"]);
     std::thread::sleep(Duration::from_millis(300));
     writeln!(to, "go").unwrap();
     line.clear();
@@ -663,22 +666,7 @@ sys.stdin.readline()   # hold on until the daemon has read who connected
     let mut to = attacker.stdin.take().unwrap();
     writeln!(to, "go").unwrap();
     attacker.wait().unwrap();
-    let mut victim = None;
-    for _ in 0..200 {
-        fs::write("/proc/sys/kernel/ns_last_pid", (pid - 1).to_string()).unwrap();
-        let child = std::process::Command::new("prlimit")
-            .args(["--nofile=4242:4242", "sleep", "30"])
-            .spawn()
-            .unwrap();
-        if child.id() as i32 == pid {
-            victim = Some(child);
-            break;
-        }
-        let mut child = child;
-        let _ = child.kill();
-        let _ = child.wait();
-    }
-    let mut victim = victim.expect("a root process took the caller's pid");
+    let mut victim = spawn_with_pid(pid, &["prlimit", "--nofile=4242:4242", "sleep", "30"]);
     std::thread::sleep(Duration::from_millis(300));
     assert!(
         fs::read_to_string(format!("/proc/{pid}/limits"))
