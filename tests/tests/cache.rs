@@ -20,7 +20,8 @@ const MIB: u64 = 1 << 20;
 fn dataset(net: &NetworkMount, dir: &str, n: usize, size: usize) -> Vec<PathBuf> {
     (0..n)
         .map(|i| {
-            let mut content = vec![(i % 251) as u8; size];
+            // Never all zeros: a copy of zeros is sparse, and these stand for real data.
+            let mut content = vec![(i % 251) as u8 + 1; size];
             content[..8].copy_from_slice(&(i as u64).to_le_bytes());
             net.put(&format!("{dir}/part-{i:03}.bin"), &content)
         })

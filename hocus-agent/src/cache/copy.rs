@@ -16,7 +16,10 @@ use std::{
     io::{self, Read, Seek, Write},
     os::{
         fd::{AsRawFd, FromRawFd, OwnedFd},
-        unix::{ffi::OsStrExt, fs::MetadataExt},
+        unix::{
+            ffi::{OsStrExt, OsStringExt},
+            fs::MetadataExt,
+        },
     },
     path::{Path, PathBuf},
 };
@@ -287,6 +290,52 @@ pub fn open_beneath(dir: &OwnedFd, rel: &Path, flags: libc::c_int) -> Result<Own
     }
     // SAFETY: fd is a new descriptor we own.
     Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// The attributes of `path` inside the watched `tree` (the entry itself if it is a
+/// symlink), reached without following any symlink on the way: what root may know of a
+/// tree users can write.
+pub fn stat_beneath(tree: &Path, path: &Path) -> io::Result<fs::Metadata> {
+    File::from(open_entry(tree, path)?).metadata()
+}
+
+/// The target of the symlink `path` inside the watched `tree`, reached without following
+/// any symlink on the way.
+pub fn readlink_beneath(tree: &Path, path: &Path) -> io::Result<PathBuf> {
+    let link = open_entry(tree, path)?;
+    let mut buf = vec![0u8; libc::PATH_MAX as usize];
+    // SAFETY: an O_PATH descriptor of the symlink and an empty path read the link itself.
+    let n = unsafe {
+        libc::readlinkat(
+            link.as_raw_fd(),
+            c"".as_ptr(),
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+        )
+    };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    buf.truncate(n as usize);
+    Ok(PathBuf::from(std::ffi::OsString::from_vec(buf)))
+}
+
+/// An O_PATH descriptor of `path` itself (not what a final symlink points at), beneath
+/// `tree` with no symlink on the way.
+fn open_entry(tree: &Path, path: &Path) -> io::Result<OwnedFd> {
+    let rel = path
+        .strip_prefix(tree)
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "outside the watched tree"))?;
+    let rel = if rel.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        rel
+    };
+    let anchor = open_path(tree)?;
+    open_beneath(&anchor, rel, libc::O_PATH).map_err(|e| match e {
+        CopyError::Source(e) | CopyError::Local(e) => e,
+        other => io::Error::new(io::ErrorKind::PermissionDenied, other.to_string()),
+    })
 }
 
 /// This thread's filesystem identity as `reader` until dropped. Raw syscalls: glibc's
@@ -604,5 +653,28 @@ mod tests {
             allocated < 4 << 20,
             "{allocated} bytes allocated for 18 bytes of data"
         );
+    }
+
+    #[test]
+    fn stats_and_links_are_read_beneath_the_tree_without_following_symlinks() {
+        let dir = tempfile::tempdir().unwrap();
+        let tree = dir.path().join("tree");
+        fs::create_dir_all(tree.join("d")).unwrap();
+        fs::write(tree.join("d/f"), b"12345").unwrap();
+        fs::write(dir.path().join("outside"), b"secret").unwrap();
+        symlink(dir.path(), tree.join("link")).unwrap();
+        assert_eq!(stat_beneath(&tree, &tree.join("d/f")).unwrap().len(), 5);
+        assert!(stat_beneath(&tree, &tree).unwrap().is_dir());
+        let link = stat_beneath(&tree, &tree.join("link")).unwrap();
+        assert!(
+            link.file_type().is_symlink(),
+            "the link itself, not its target"
+        );
+        assert_eq!(
+            readlink_beneath(&tree, &tree.join("link")).unwrap(),
+            dir.path()
+        );
+        assert!(stat_beneath(&tree, &tree.join("link/outside")).is_err());
+        assert!(stat_beneath(&tree, &dir.path().join("outside")).is_err());
     }
 }

@@ -247,7 +247,7 @@ pub fn take(
         for (rel, id) in &stamp {
             let src = root.join(rel);
             let dst = staging.join(rel);
-            let m = fs::symlink_metadata(&src).map_err(CopyError::Source)?;
+            let m = copy::stat_beneath(tree, &src).map_err(CopyError::Source)?;
             if Identity::of(&m) != *id {
                 return Err(CopyError::Changed);
             }
@@ -270,7 +270,7 @@ pub fn take(
                 fs::set_permissions(&dst, fs::Permissions::from_mode(m.mode() & 0o7777))
                     .map_err(CopyError::Local)?;
             } else if kind.is_symlink() {
-                let target = fs::read_link(&src).map_err(CopyError::Source)?;
+                let target = copy::readlink_beneath(tree, &src).map_err(CopyError::Source)?;
                 std::os::unix::fs::symlink(&target, &dst).map_err(CopyError::Local)?;
                 std::os::unix::fs::lchown(&dst, Some(m.uid()), Some(m.gid()))
                     .map_err(CopyError::Local)?;
@@ -301,7 +301,7 @@ pub fn take(
         }
         // Directory times last: creating their entries changed them.
         for (rel, _) in stamp.iter().rev() {
-            let src = fs::symlink_metadata(root.join(rel)).map_err(CopyError::Source)?;
+            let src = copy::stat_beneath(tree, &root.join(rel)).map_err(CopyError::Source)?;
             if src.is_dir() {
                 set_times(&staging.join(rel), &src);
             }

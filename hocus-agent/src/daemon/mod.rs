@@ -18,6 +18,7 @@ use tokio::{
 };
 
 use crate::{
+    cache::copy,
     control::{protocol::Call, server},
     observe::{
         events::{Observer, Watch},
@@ -205,7 +206,8 @@ impl Daemon {
         }
         cache.trees = watches.iter().map(|w| w.path.clone()).collect();
         let (keeper, keeper_thread) = keeper::start(cache)?;
-        let (stat_requests, stat_results) = spawn_stat_worker()?;
+        let trees = watches.iter().map(|w| w.path.clone()).collect();
+        let (stat_requests, stat_results) = spawn_stat_worker(trees)?;
         let (checked_tx, checked_rx) = mpsc::unbounded_channel();
         let mut observer = Observer::new(watches);
         // Processes that started before us: where are their working directories?
@@ -600,14 +602,20 @@ fn describe(c: &Counters) -> String {
 type StatResults = mpsc::UnboundedReceiver<(String, Option<Attributes>)>;
 
 /// Reads sizes and mtimes on its own thread: a stat on a network mount is a round trip.
-fn spawn_stat_worker() -> std::io::Result<(std_mpsc::Sender<String>, StatResults)> {
+fn spawn_stat_worker(
+    trees: Vec<PathBuf>,
+) -> std::io::Result<(std_mpsc::Sender<String>, StatResults)> {
     let (req_tx, req_rx) = std_mpsc::channel::<String>();
     let (res_tx, res_rx) = mpsc::unbounded_channel();
     std::thread::Builder::new()
         .name("hocus-stat".into())
         .spawn(move || {
             for path in req_rx {
-                let attrs = std::fs::symlink_metadata(&path).ok().map(|m| Attributes {
+                // Beneath its watched tree, following no symlink on the way.
+                let p = Path::new(&path);
+                let stat = trees.iter().find(|t| p.starts_with(t));
+                let stat = stat.and_then(|t| copy::stat_beneath(t, p).ok());
+                let attrs = stat.map(|m| Attributes {
                     size: m.size(),
                     mtime_ns: m.mtime() * 1_000_000_000 + m.mtime_nsec(),
                 });

@@ -183,8 +183,13 @@ fn run(work: Work, tmp: &Path) -> Option<Done> {
             let changed = copies
                 .into_iter()
                 .filter(|(source, identity)| {
-                    let now = fs::symlink_metadata(source).map(|m| Identity::of(&m));
-                    now.as_ref().ok() != Some(identity)
+                    let path = Path::new(source);
+                    let now = trees
+                        .iter()
+                        .find(|t| path.starts_with(t))
+                        .and_then(|t| copy::stat_beneath(t, path).ok())
+                        .map(|m| Identity::of(&m));
+                    now.as_ref() != Some(identity)
                 })
                 .map(|(source, _)| source)
                 .collect();
