@@ -631,11 +631,13 @@ fn a_callers_pid_taken_by_another_process_before_its_job_starts_gives_no_job() {
     // Q asks for a job that prints its open-files limit once a root process with a
     // limit of its own has taken P's pid.
     let client = r#"
-import json, os, socket, sys
+import json, os, socket, sys, time
 s = socket.socket(socket.AF_UNIX)
 s.connect(sys.argv[1])
 if os.fork() == 0:
-    os.read(0, 100)   # told once P has exited and its pid is taken
+    # Told (a file appears) once P has exited and its pid is taken; stdin is P's alone.
+    while not os.path.exists(sys.argv[2]):
+        time.sleep(0.05)
     req = {"request": "run", "argv": ["sh", "-c", "ulimit -n"], "env": [], "cwd": "/"}
     socket.send_fds(s, [json.dumps(req).encode() + b"\n"], [0, 1, 2])
     for line in s.makefile():
@@ -648,9 +650,13 @@ print(os.getpid(), flush=True)
 sys.stdin.readline()   # hold on until the daemon has read who connected
 "#;
     use std::io::{BufRead, Write};
+    let signals = tempfile::tempdir().unwrap();
+    fs::set_permissions(signals.path(), fs::Permissions::from_mode(0o755)).unwrap();
+    let go = signals.path().join("go");
     let mut attacker = std::process::Command::new("python3")
         .args(["-c", client])
         .arg(&agent.socket)
+        .arg(&go)
         .uid(uid)
         .gid(gid)
         .stdin(std::process::Stdio::piped())
@@ -675,7 +681,7 @@ sys.stdin.readline()   # hold on until the daemon has read who connected
         "the pid is the root process's now"
     );
     // Q now asks; its answer (and its job's output, if any) comes on the same stdout.
-    writeln!(to, "go").unwrap();
+    fs::write(&go, b"").unwrap();
     let mut said = String::new();
     for _ in 0..2 {
         let mut l = String::new();
