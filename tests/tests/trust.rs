@@ -278,9 +278,17 @@ for n in [3] * 30 + [250] * 30:
     socket.send_fds(s, [b'{"request":"status"}\n'], [null] * n)
     print(n, s.makefile().readline().strip())
     s.close()
+# A profile "file" that is a pipe nobody writes: refused at once, not read forever.
+r, w = os.pipe()
+s = socket.socket(socket.AF_UNIX)
+s.connect(sys.argv[1])
+socket.send_fds(s, [b'{"request":"import"}\n'], [r])
+print("pipe", s.makefile().readline().strip())
 "#,
     );
-    let lines: Vec<&str> = said.lines().collect();
+    let mut lines: Vec<&str> = said.lines().collect();
+    let pipe = lines.pop().unwrap_or_default();
+    assert!(pipe.contains("regular file"), "{pipe}");
     assert_eq!(lines.len(), 60, "{said}");
     for line in &lines[..30] {
         assert!(line.contains("takes 0 descriptors, not 3"), "{line}");

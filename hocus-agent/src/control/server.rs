@@ -318,6 +318,13 @@ fn read_profile(fd: Option<OwnedFd>) -> Result<Profile, Refusal> {
     };
     let mut bytes = Vec::new();
     let file = fs::File::from(fd);
+    // A pipe or socket could be held open and never written: only a file is read.
+    if !file.metadata().is_ok_and(|m| m.is_file()) {
+        return Err(refusal(
+            "bad_profile",
+            "send the profile as a regular file's descriptor",
+        ));
+    }
     let read = file.take(MAX_PROFILE_BYTES + 1).read_to_end(&mut bytes);
     if let Err(e) = read {
         return Err(refusal(
