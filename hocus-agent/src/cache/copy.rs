@@ -16,10 +16,7 @@ use std::{
     io::{self, Read, Seek, Write},
     os::{
         fd::{AsRawFd, FromRawFd, OwnedFd},
-        unix::{
-            ffi::{OsStrExt, OsStringExt},
-            fs::MetadataExt,
-        },
+        unix::{ffi::OsStrExt, fs::MetadataExt},
     },
     path::{Path, PathBuf},
 };
@@ -235,7 +232,7 @@ fn copy_sparse(mut src: &File, out: &mut File) -> Result<u64, CopyError> {
 }
 
 /// Opens a directory as an O_PATH descriptor (the anchor for openat2).
-pub fn open_path(dir: &Path) -> io::Result<OwnedFd> {
+fn open_path(dir: &Path) -> io::Result<OwnedFd> {
     let c = CString::new(dir.as_os_str().as_bytes())
         .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
     // SAFETY: valid C string; the descriptor is owned on success.
@@ -292,50 +289,56 @@ pub fn open_beneath(dir: &OwnedFd, rel: &Path, flags: libc::c_int) -> Result<Own
     Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
 }
 
-/// The attributes of `path` inside the watched `tree` (the entry itself if it is a
-/// symlink), reached without following any symlink on the way: what root may know of a
-/// tree users can write.
-pub fn stat_beneath(tree: &Path, path: &Path) -> io::Result<fs::Metadata> {
-    File::from(open_entry(tree, path)?).metadata()
+/// A watched tree held open: the anchor every lookup of a batch (a snapshot, a
+/// revalidation) starts from, so that root resolves nothing a user can change and opens
+/// the tree once, not once per entry.
+pub struct Tree {
+    path: PathBuf,
+    anchor: OwnedFd,
 }
 
-/// The target of the symlink `path` inside the watched `tree`, reached without following
-/// any symlink on the way.
-pub fn readlink_beneath(tree: &Path, path: &Path) -> io::Result<PathBuf> {
-    let link = open_entry(tree, path)?;
-    let mut buf = vec![0u8; libc::PATH_MAX as usize];
-    // SAFETY: an O_PATH descriptor of the symlink and an empty path read the link itself.
-    let n = unsafe {
-        libc::readlinkat(
-            link.as_raw_fd(),
-            c"".as_ptr(),
-            buf.as_mut_ptr().cast(),
-            buf.len(),
-        )
-    };
-    if n < 0 {
-        return Err(io::Error::last_os_error());
+impl Tree {
+    pub fn open(path: &Path) -> io::Result<Tree> {
+        Ok(Tree {
+            path: path.to_owned(),
+            anchor: open_path(path)?,
+        })
     }
-    buf.truncate(n as usize);
-    Ok(PathBuf::from(std::ffi::OsString::from_vec(buf)))
-}
 
-/// An O_PATH descriptor of `path` itself (not what a final symlink points at), beneath
-/// `tree` with no symlink on the way.
-fn open_entry(tree: &Path, path: &Path) -> io::Result<OwnedFd> {
-    let rel = path
-        .strip_prefix(tree)
-        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "outside the watched tree"))?;
-    let rel = if rel.as_os_str().is_empty() {
-        Path::new(".")
-    } else {
-        rel
-    };
-    let anchor = open_path(tree)?;
-    open_beneath(&anchor, rel, libc::O_PATH).map_err(|e| match e {
-        CopyError::Source(e) | CopyError::Local(e) => e,
-        other => io::Error::new(io::ErrorKind::PermissionDenied, other.to_string()),
-    })
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Opens `path` (inside the tree; the tree itself too) with `flags`, beneath the
+    /// tree without following a symlink on the way (see [`open_beneath`]).
+    pub fn open_beneath(&self, path: &Path, flags: libc::c_int) -> io::Result<OwnedFd> {
+        let rel = path
+            .strip_prefix(&self.path)
+            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "outside the watched tree"))?;
+        let rel = if rel.as_os_str().is_empty() {
+            Path::new(".")
+        } else {
+            rel
+        };
+        open_beneath(&self.anchor, rel, flags).map_err(|e| match e {
+            CopyError::Source(e) | CopyError::Local(e) => e,
+            other => io::Error::new(io::ErrorKind::PermissionDenied, other.to_string()),
+        })
+    }
+
+    /// The attributes of `path` (the entry itself if it is a symlink): what root may
+    /// know of a tree users can write.
+    pub fn stat(&self, path: &Path) -> io::Result<fs::Metadata> {
+        File::from(self.open_beneath(path, libc::O_PATH)?).metadata()
+    }
+
+    /// The target of the symlink `path`.
+    pub fn readlink(&self, path: &Path) -> io::Result<PathBuf> {
+        let link = self.open_beneath(path, libc::O_PATH)?;
+        // An O_PATH descriptor of the symlink and an empty path read the link itself.
+        let target = nix::fcntl::readlinkat(Some(link.as_raw_fd()), c"")?;
+        Ok(PathBuf::from(target))
+    }
 }
 
 /// This thread's filesystem identity as `reader` until dropped. Raw syscalls: glibc's
@@ -663,18 +666,16 @@ mod tests {
         fs::write(tree.join("d/f"), b"12345").unwrap();
         fs::write(dir.path().join("outside"), b"secret").unwrap();
         symlink(dir.path(), tree.join("link")).unwrap();
-        assert_eq!(stat_beneath(&tree, &tree.join("d/f")).unwrap().len(), 5);
-        assert!(stat_beneath(&tree, &tree).unwrap().is_dir());
-        let link = stat_beneath(&tree, &tree.join("link")).unwrap();
+        let t = Tree::open(&tree).unwrap();
+        assert_eq!(t.stat(&tree.join("d/f")).unwrap().len(), 5);
+        assert!(t.stat(&tree).unwrap().is_dir());
+        let link = t.stat(&tree.join("link")).unwrap();
         assert!(
             link.file_type().is_symlink(),
             "the link itself, not its target"
         );
-        assert_eq!(
-            readlink_beneath(&tree, &tree.join("link")).unwrap(),
-            dir.path()
-        );
-        assert!(stat_beneath(&tree, &tree.join("link/outside")).is_err());
-        assert!(stat_beneath(&tree, &dir.path().join("outside")).is_err());
+        assert_eq!(t.readlink(&tree.join("link")).unwrap(), dir.path());
+        assert!(t.stat(&tree.join("link/outside")).is_err());
+        assert!(t.stat(&dir.path().join("outside")).is_err());
     }
 }

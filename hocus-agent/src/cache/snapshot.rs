@@ -32,7 +32,7 @@ use nix::{
 };
 
 use crate::{
-    cache::copy::{self, CopyError, Identity, Reader},
+    cache::copy::{self, CopyError, Identity, Reader, Tree},
     profile::format::Profile,
 };
 
@@ -102,19 +102,7 @@ struct Entry {
 /// descriptor with O_NOFOLLOW, so no path a user can change is ever resolved. `visit`
 /// sees every entry, the root first (with an empty `rel`); returning false stops the walk.
 fn walk(tree: &Path, root: &Path, mut visit: impl FnMut(&Entry) -> bool) -> io::Result<()> {
-    let rel = root
-        .strip_prefix(tree)
-        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "outside the watched tree"))?;
-    let anchor = copy::open_path(tree)?;
-    let top = if rel.as_os_str().is_empty() {
-        copy::open_beneath(&anchor, Path::new("."), libc::O_RDONLY | libc::O_DIRECTORY)
-    } else {
-        copy::open_beneath(&anchor, rel, libc::O_RDONLY | libc::O_DIRECTORY)
-    }
-    .map_err(|e| match e {
-        CopyError::Source(e) | CopyError::Local(e) => e,
-        other => io::Error::new(io::ErrorKind::PermissionDenied, other.to_string()),
-    })?;
+    let top = Tree::open(tree)?.open_beneath(root, libc::O_RDONLY | libc::O_DIRECTORY)?;
     let stat = fstat(top.as_raw_fd())?;
     if !visit(&Entry {
         rel: PathBuf::new(),
@@ -238,16 +226,13 @@ pub fn take(
     ));
     let result = (|| {
         let stamp = stamp(tree, root).map_err(CopyError::Source)?;
-        let anchor = copy::open_path(tree).map_err(CopyError::Source)?;
-        let below = root
-            .strip_prefix(tree)
-            .map_err(|_| CopyError::Unsafe("outside the watched tree".into()))?;
+        let beneath = Tree::open(tree).map_err(CopyError::Source)?;
         let mut taken = Taken::default();
         // Parents come before children in a BTreeMap of paths.
         for (rel, id) in &stamp {
             let src = root.join(rel);
             let dst = staging.join(rel);
-            let m = copy::stat_beneath(tree, &src).map_err(CopyError::Source)?;
+            let m = beneath.stat(&src).map_err(CopyError::Source)?;
             if Identity::of(&m) != *id {
                 return Err(CopyError::Changed);
             }
@@ -258,19 +243,15 @@ pub fn take(
                     .map_err(CopyError::Local)?;
                 // Its ACLs (access and default), read from the directory opened beneath
                 // the watched tree; then the mode (after chown, which clears set-id bits).
-                let at = below.join(rel);
-                let at = if at.as_os_str().is_empty() {
-                    Path::new(".")
-                } else {
-                    at.as_path()
-                };
-                let from = copy::open_beneath(&anchor, at, libc::O_RDONLY | libc::O_DIRECTORY)?;
+                let from = beneath
+                    .open_beneath(&src, libc::O_RDONLY | libc::O_DIRECTORY)
+                    .map_err(CopyError::Source)?;
                 let to = fs::File::open(&dst).map_err(CopyError::Local)?;
                 copy::copy_xattrs(&fs::File::from(from), &to).map_err(CopyError::Local)?;
                 fs::set_permissions(&dst, fs::Permissions::from_mode(m.mode() & 0o7777))
                     .map_err(CopyError::Local)?;
             } else if kind.is_symlink() {
-                let target = copy::readlink_beneath(tree, &src).map_err(CopyError::Source)?;
+                let target = beneath.readlink(&src).map_err(CopyError::Source)?;
                 std::os::unix::fs::symlink(&target, &dst).map_err(CopyError::Local)?;
                 std::os::unix::fs::lchown(&dst, Some(m.uid()), Some(m.gid()))
                     .map_err(CopyError::Local)?;
@@ -301,7 +282,7 @@ pub fn take(
         }
         // Directory times last: creating their entries changed them.
         for (rel, _) in stamp.iter().rev() {
-            let src = copy::stat_beneath(tree, &root.join(rel)).map_err(CopyError::Source)?;
+            let src = beneath.stat(&root.join(rel)).map_err(CopyError::Source)?;
             if src.is_dir() {
                 set_times(&staging.join(rel), &src);
             }

@@ -8,11 +8,18 @@
 //! this is refused with a message that says why.
 
 use std::{
-    ffi::CString,
     fs::File,
     io::{self, Read},
-    os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd},
+    os::{
+        fd::{AsRawFd, FromRawFd, OwnedFd, RawFd},
+        unix::ffi::OsStringExt,
+    },
     sync::Arc,
+};
+
+use nix::{
+    fcntl::{OFlag, open, openat, readlinkat},
+    sys::stat::Mode,
 };
 
 /// What a job inherits from its caller, read from its `/proc` entry.
@@ -68,34 +75,22 @@ fn alive(pidfd: &OwnedFd) -> bool {
 }
 
 fn open_dir(path: &str) -> io::Result<OwnedFd> {
-    let c = CString::new(path).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
-    // SAFETY: valid C string; the descriptor is owned on success.
-    let fd = unsafe {
-        libc::open(
-            c.as_ptr(),
-            libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC,
-        )
-    };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
+    let fd = open(
+        path,
+        OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+        Mode::empty(),
+    )?;
     // SAFETY: a new descriptor we own.
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
 fn read_at(dir: &OwnedFd, name: &str) -> io::Result<String> {
-    let c = CString::new(name).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
-    // SAFETY: valid C string; the descriptor is owned on success.
-    let fd = unsafe {
-        libc::openat(
-            dir.as_raw_fd(),
-            c.as_ptr(),
-            libc::O_RDONLY | libc::O_CLOEXEC,
-        )
-    };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
+    let fd = openat(
+        Some(dir.as_raw_fd()),
+        name,
+        OFlag::O_RDONLY | OFlag::O_CLOEXEC,
+        Mode::empty(),
+    )?;
     // SAFETY: a new descriptor we own.
     let mut file = unsafe { File::from_raw_fd(fd) };
     let mut text = String::new();
@@ -104,22 +99,7 @@ fn read_at(dir: &OwnedFd, name: &str) -> io::Result<String> {
 }
 
 fn link_at(dir: &OwnedFd, name: &str) -> io::Result<Vec<u8>> {
-    let c = CString::new(name).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
-    let mut buf = vec![0u8; 256];
-    // SAFETY: valid C string and buffer with its length.
-    let n = unsafe {
-        libc::readlinkat(
-            dir.as_raw_fd(),
-            c.as_ptr(),
-            buf.as_mut_ptr().cast(),
-            buf.len(),
-        )
-    };
-    if n < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    buf.truncate(n as usize);
-    Ok(buf)
+    Ok(readlinkat(Some(dir.as_raw_fd()), name)?.into_vec())
 }
 
 /// The four ids of a `Uid:` or `Gid:` line of /proc/PID/status (real, effective, saved,
@@ -185,7 +165,11 @@ pub fn read(
     purpose: For,
 ) -> Result<Process, String> {
     let gone = || "your process exited before the daemon could read who it is".to_owned();
-    let dir = open_dir(&format!("/proc/{pid}")).map_err(|_| gone())?;
+    let dir = open_dir(&format!("/proc/{pid}")).map_err(|e| match e.raw_os_error() {
+        Some(libc::ENOENT) | Some(libc::ESRCH) => gone(),
+        // Out of descriptors, say: the caller is not to blame, and may try again.
+        _ => format!("the daemon cannot read who your process is now ({e}); try again"),
+    })?;
     // The directory was opened while the connecting process lived: it is that process's.
     let pinned = match pidfd {
         Some(fd) => alive(fd),

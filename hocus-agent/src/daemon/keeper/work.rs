@@ -19,7 +19,7 @@ use memmap2::Mmap;
 use tokio::sync::mpsc as tokio_mpsc;
 
 use crate::cache::{
-    copy::{self, CopyError, Identity, Reader},
+    copy::{self, CopyError, Identity, Reader, Tree},
     pins,
     snapshot::{self, Stamp, Taken},
 };
@@ -179,15 +179,17 @@ fn run(work: Work, tmp: &Path) -> Option<Done> {
             snapshots,
             trees,
         } => {
-            // A copy is valid while the network file keeps its size, mtime, ctime, inode.
+            // A copy is valid while the network file keeps its identity. Each tree is
+            // opened once for the whole check.
+            let opened: Vec<Tree> = trees.iter().filter_map(|t| Tree::open(t).ok()).collect();
             let changed = copies
                 .into_iter()
                 .filter(|(source, identity)| {
                     let path = Path::new(source);
-                    let now = trees
+                    let now = opened
                         .iter()
-                        .find(|t| path.starts_with(t))
-                        .and_then(|t| copy::stat_beneath(t, path).ok())
+                        .find(|t| path.starts_with(t.path()))
+                        .and_then(|t| t.stat(path).ok())
                         .map(|m| Identity::of(&m));
                     now.as_ref() != Some(identity)
                 })
