@@ -11,8 +11,8 @@ pub const MAX_PREFIX: usize = 256;
 pub const PREFIX_WORDS: usize = MAX_PREFIX / 8;
 /// How many trees can be watched.
 pub const MAX_TREES: usize = 8;
-/// Entries of the kernel's prefix table: the trees, then every directory above them.
-pub const MAX_WATCHED: u32 = 64;
+/// Entries of the kernel's prefix table: the trees.
+pub const MAX_WATCHED: u32 = MAX_TREES as u32;
 /// Size of the syscall-number-indexed layout table.
 pub const MAX_SYSCALL_NR: u32 = 512;
 /// `AT_FDCWD`, the "relative to the working directory" descriptor.
@@ -23,8 +23,18 @@ pub const NO_FIELD: u16 = u16::MAX;
 pub const RING_BYTES: u32 = 16 << 20;
 /// Entries in the table of open watched files.
 pub const MAX_OPEN_FILES: u32 = 65536;
-/// Processes whose working directory the kernel side remembers.
+/// Processes whose `hocus-agent run` job the kernel side remembers.
 pub const MAX_PROCESSES: u32 = 65536;
+/// Directories the kernel places files under: the watched trees, then the cache's
+/// copies (`files/`) and snapshots (`trees/`).
+pub const MAX_ROOTS: usize = 12;
+/// `Event::root` of a path that is absolute in the agent's own view of the mounts.
+pub const ROOT_NONE: u32 = u32::MAX;
+/// Mount namespaces whose paths the kernel side takes as the agent's own: the agent's,
+/// and those it makes for jobs.
+pub const MAX_KNOWN_NAMESPACES: u32 = 4096;
+/// Superblocks the kernel side looks at.
+pub const MAX_SUPERBLOCKS: u32 = 32;
 
 /// What a traced syscall means for the profile.
 pub mod op {
@@ -45,20 +55,103 @@ pub mod op {
     pub const WRITE: u8 = 9;
     pub const FTRUNCATE: u8 = 10;
     pub const CLOSE: u8 = 11;
-    /// chdir: the working directory changes to a path.
-    pub const CHDIR: u8 = 12;
-    /// fchdir: the working directory changes to an open directory.
-    pub const FCHDIR: u8 = 13;
+    /// unshare: when the agent's own thread makes a job's mount namespace, the kernel
+    /// side takes paths in it as the agent's own.
+    pub const NEW_NAMESPACE: u8 = 12;
 }
 
-/// Where a process's working directory is, relative to the watched trees.
-pub mod cwd {
-    /// Neither in nor above a watched tree: relative paths from here are not watched.
-    pub const UNRELATED: u8 = 0;
-    /// Inside a watched tree.
-    pub const INSIDE: u8 = 1;
-    /// Above a watched tree (e.g. its parent): relative paths may lead into it.
-    pub const ABOVE: u8 = 2;
+/// What the kernel side knows about a superblock (`SUPERBLOCKS`).
+pub mod superblock {
+    /// A watched tree is on it: every file opened on it is placed.
+    pub const WATCHED: u32 = 1;
+    /// The cache is on it: only files reached through a bind mount (hocus's binds of
+    /// local copies) are placed, so other opens on the same disk cost one comparison.
+    pub const CACHE: u32 = 2;
+}
+
+/// Where the kernel keeps the fields the programs read, from the kernel's BTF (Rust eBPF
+/// has no CO-RE relocations). Byte offsets; dotted names are nested fields.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct KernelOffsets {
+    pub task_files: u32,
+    pub task_fs: u32,
+    pub task_nsproxy: u32,
+    pub files_fdt: u32,
+    pub fdt_max_fds: u32,
+    pub fdt_fd: u32,
+    /// file.f_path.mnt
+    pub file_mnt: u32,
+    /// file.f_path.dentry
+    pub file_dentry: u32,
+    /// fs_struct.pwd.mnt
+    pub fs_pwd_mnt: u32,
+    /// fs_struct.pwd.dentry
+    pub fs_pwd_dentry: u32,
+    /// fs_struct.root.dentry
+    pub fs_root_dentry: u32,
+    pub dentry_parent: u32,
+    /// dentry.d_name.len
+    pub dentry_name_len: u32,
+    /// dentry.d_name.name
+    pub dentry_name: u32,
+    pub dentry_sb: u32,
+    pub vfsmount_root: u32,
+    pub sb_root: u32,
+    pub sb_dev: u32,
+    pub nsproxy_mnt_ns: u32,
+    /// A mount namespace's id that is never reused.
+    pub mnt_ns_id: u32,
+}
+
+/// A mount namespace and a root directory: together they say what an absolute path means.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct NamespaceKey {
+    pub namespace: u64,
+    /// The address of the root directory's dentry.
+    pub root: u64,
+}
+
+/// The agent asks the kernel side what one of its own descriptors is, which both finds
+/// the addresses `Roots` needs and checks the offsets: the answers must agree with what
+/// `fstat` and the directory's name say.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct Calibration {
+    /// The agent thread that asks (`bpf_get_current_pid_tgid` of it).
+    pub thread: u64,
+    pub fd: i32,
+    /// Set by the kernel side once answered.
+    pub done: u32,
+    pub mnt: u64,
+    pub dentry: u64,
+    pub superblock: u64,
+    /// The superblock's `s_dev`, in the kernel's encoding (major << 20 | minor).
+    pub dev: u32,
+    pub name_len: u32,
+    /// The asking thread's working directory's dentry.
+    pub cwd: u64,
+    pub namespace: NamespaceKey,
+    pub name: [u8; 64],
+}
+
+impl Default for Calibration {
+    fn default() -> Self {
+        Self {
+            thread: 0,
+            fd: -1,
+            done: 0,
+            mnt: 0,
+            dentry: 0,
+            superblock: 0,
+            dev: 0,
+            name_len: 0,
+            cwd: 0,
+            namespace: NamespaceKey::default(),
+            name: [0; 64],
+        }
+    }
 }
 
 /// Where an open syscall keeps its flags.
@@ -89,7 +182,7 @@ pub struct SyscallLayout {
 }
 
 /// An entry of the kernel's prefix table: a watched tree (a path matches it when it
-/// continues it with `/` or ends there) or a directory above one (matched exactly).
+/// continues it with `/` or ends there). Only absolute paths are compared with it.
 /// The path is stored as little-endian words with masks over its bytes, so that the
 /// kernel compares eight bytes at a time in a loop whose bound does not depend on the
 /// data (the verifier cannot prune loops bounded by a path's length).
@@ -98,24 +191,20 @@ pub struct SyscallLayout {
 pub struct Watched {
     /// Bytes in the path, without a trailing slash; 0 ends the table.
     pub len: u32,
-    /// `TREE` or `ABOVE`.
-    pub kind: u32,
+    pub _pad: u32,
     pub words: [u64; PREFIX_WORDS],
     pub masks: [u64; PREFIX_WORDS],
 }
 
 impl Watched {
-    pub const TREE: u32 = 0;
-    pub const ABOVE: u32 = 1;
-
     /// The entry for `path` (no trailing slash, shorter than `MAX_PREFIX`).
-    pub fn new(path: &[u8], kind: u32) -> Option<Self> {
+    pub fn new(path: &[u8]) -> Option<Self> {
         if path.len() >= MAX_PREFIX || path.is_empty() {
             return None;
         }
         let mut w = Self {
             len: path.len() as u32,
-            kind,
+            _pad: 0,
             words: [0; PREFIX_WORDS],
             masks: [0; PREFIX_WORDS],
         };
@@ -177,10 +266,6 @@ pub mod kind {
     pub const MKDIR: u8 = 8;
     pub const RENAME_FROM: u8 = 9;
     pub const RENAME_TO: u8 = 10;
-    /// The working directory of a process in or above a watched tree changed.
-    pub const CHDIR: u8 = 11;
-    /// A process in or above a watched tree forked: `file_id` is the child's pid.
-    pub const FORK: u8 = 12;
     /// A write, create, truncate, rename or unlink failed with EROFS (a job wrote into a
     /// read-only local copy).
     pub const REFUSED_WRITE: u8 = 13;
@@ -190,16 +275,12 @@ pub mod kind {
 pub mod ev {
     /// The path was longer than `MAX_PATH` and was cut.
     pub const PATH_TRUNCATED: u32 = 1;
-    /// The path is relative to the process's working directory.
-    pub const RELATIVE_TO_CWD: u32 = 2;
-    /// ... and the kernel does not know where that directory is: the agent resolves it
-    /// and answers in `CWD`.
-    pub const CWD_UNKNOWN: u32 = 4;
-    /// The path is relative to an open watched directory, `Event::dir_id`.
-    pub const RELATIVE_TO_DIR: u32 = 8;
 }
 
-/// One thing that happened on a watched path.
+/// One thing that happened on a watched path. Where it happened is `root` (an index of
+/// `Roots`, or `ROOT_NONE`), then `base` (the kernel's own path from that root to the
+/// file, or to the directory a relative path starts from: `/a/b`, or empty), then `path`
+/// (what the process passed, relative to `base`; absolute when `root` is `ROOT_NONE`).
 #[repr(C)]
 #[derive(Clone, Copy)]
 pub struct Event {
@@ -212,16 +293,16 @@ pub struct Event {
     pub time_ns: u64,
     /// The open file this is about (open, close, write, truncate through a descriptor).
     pub file_id: u64,
-    /// The open directory a relative path starts from (`ev::RELATIVE_TO_DIR`).
-    pub dir_id: u64,
     /// Bytes read through the descriptor (close).
     pub bytes: u64,
     pub open_flags: u32,
     pub path_len: u32,
     /// The `hocus-agent run` job of the process (the daemon thread that started it), or 0.
     pub job: u32,
-    pub _pad2: u32,
+    pub root: u32,
+    pub base_len: u32,
     pub comm: [u8; 16],
+    pub base: [u8; MAX_PATH],
     pub path: [u8; MAX_PATH],
 }
 
@@ -237,7 +318,12 @@ pub mod counter {
     pub const LOST_OPENS: u32 = 6;
     /// Of `LOST_RING_FULL`: failed lookups.
     pub const LOST_FAILED_LOOKUPS: u32 = 7;
-    pub const COUNT: u32 = 8;
+    /// An absolute path on a watched tree's prefix from a mount namespace (or chroot)
+    /// that is not the agent's or a job's: what it names is unknown, so it is dropped.
+    pub const FOREIGN_NAMESPACE: u32 = 8;
+    /// A file deeper below its root than the kernel side walks.
+    pub const PATH_TOO_DEEP: u32 = 9;
+    pub const COUNT: u32 = 10;
     /// Metric-style names, by index.
     pub const NAMES: [&str; COUNT as usize] = [
         "events_sent",
@@ -248,6 +334,8 @@ pub mod counter {
         "path_truncated",
         "lost_open_events",
         "lost_failed_lookup_events",
+        "foreign_namespace",
+        "path_too_deep",
     ];
 }
 
@@ -260,4 +348,7 @@ mod user {
     unsafe impl aya::Pod for Watched {}
     unsafe impl aya::Pod for FdKey {}
     unsafe impl aya::Pod for OpenFile {}
+    unsafe impl aya::Pod for KernelOffsets {}
+    unsafe impl aya::Pod for NamespaceKey {}
+    unsafe impl aya::Pod for Calibration {}
 }

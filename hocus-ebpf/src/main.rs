@@ -1,22 +1,30 @@
 //! hocus's kernel side: syscall tracepoints that see opens, failed lookups, reads and
-//! mutations on watched paths.
+//! mutations on watched mounts.
+//!
+//! What is watched is decided by identity, not by the path a process typed: an opened
+//! file (and the directory a relative path starts from) is placed by walking up its
+//! dentries to one of `ROOTS` (a watched tree, or the cache's copies that hocus binds
+//! over it) on a known superblock. So a tree bound elsewhere in a container counts, and
+//! a look-alike (a tmpfs mounted at the same path in a user namespace, another daemon's
+//! mount of the same server) does not. Absolute paths of failed lookups and mutations
+//! name no object; they are compared with the watched prefixes, and only from mount
+//! namespaces whose paths mean what they mean to the agent (its own, its jobs').
 //!
 //! Five programs, each attached to several tracepoints and driven by `SYSCALLS`, a table
 //! indexed by syscall number that the agent fills from the tracefs `format` files:
 //!
 //! - `path_enter` (sys_enter_open*, stat*, access*, unlink*, rename*, mkdir*, ...): stash the
 //!   path pointers and flags per thread;
-//! - `path_exit`: read the path, keep it only if it is on a watched prefix (or relative to a
-//!   watched directory), and report opens, ENOENT lookups and successful mutations;
+//! - `path_exit`: place what was opened, or where the path lies, and report opens, ENOENT
+//!   lookups and successful mutations; for the agent's own threads, answer `CALIBRATE`
+//!   and take a job's new mount namespace as known;
 //! - `fd_enter` (read*, write*, ftruncate, close): act only on descriptors of watched files;
 //! - `fd_exit` (read*, write*, ftruncate): add the bytes read to the open file, in the
 //!   kernel, and report a write or truncate only once it succeeded;
-//! - chdir (a path syscall) and fchdir (a descriptor one) update `CWD`, where each
-//!   process's working directory is relative to the watched trees;
-//! - `process_fork`, `process_exit` (sched tracepoints): children inherit their parent's
-//!   `CWD`, so relative paths are placed without asking the agent.
+//! - `process_fork`, `process_exit` (sched tracepoints): a job's children stay in it.
 //!
-//! Activity outside watched paths never reaches the ring buffer. Whatever cannot be
+//! Kernel structs are read at offsets the agent found in the kernel's BTF (`OFFSETS`).
+//! Activity outside watched trees never reaches the ring buffer. Whatever cannot be
 //! delivered is counted in `COUNTERS`.
 #![cfg_attr(target_arch = "bpf", no_std)]
 #![cfg_attr(target_arch = "bpf", no_main)]

@@ -1,17 +1,19 @@
 use aya_ebpf::{
     helpers::{
-        bpf_get_current_comm, bpf_get_current_pid_tgid, bpf_get_current_uid_gid,
-        bpf_get_smp_processor_id, bpf_ktime_get_ns, bpf_probe_read_kernel_buf, bpf_probe_read_user,
-        bpf_probe_read_user_str_bytes,
+        bpf_get_current_comm, bpf_get_current_pid_tgid, bpf_get_current_task,
+        bpf_get_current_uid_gid, bpf_get_smp_processor_id, bpf_ktime_get_ns, bpf_probe_read_kernel,
+        bpf_probe_read_kernel_buf, bpf_probe_read_kernel_str_bytes, bpf_probe_read_user,
+        bpf_probe_read_user_str_bytes, generated,
     },
     macros::{map, tracepoint},
     maps::{Array, HashMap, LruHashMap, PerCpuArray, RingBuf},
     programs::TracePointContext,
 };
 use hocus_common::{
-    AT_FDCWD, Event, FdKey, MAX_OPEN_FILES, MAX_PATH, MAX_PREFIX, MAX_PROCESSES, MAX_SYSCALL_NR,
-    MAX_WATCHED, NO_FIELD, OpenFile, PREFIX_WORDS, PathBuf, Pending, RING_BYTES, SyscallLayout,
-    Watched, counter, cwd, ev, flags_from, kind, op,
+    AT_FDCWD, Calibration, Event, FdKey, KernelOffsets, MAX_KNOWN_NAMESPACES, MAX_OPEN_FILES,
+    MAX_PATH, MAX_PREFIX, MAX_PROCESSES, MAX_ROOTS, MAX_SUPERBLOCKS, MAX_SYSCALL_NR, MAX_WATCHED,
+    NO_FIELD, NamespaceKey, OpenFile, PREFIX_WORDS, PathBuf, Pending, RING_BYTES, ROOT_NONE,
+    SyscallLayout, Watched, counter, ev, flags_from, kind, op, superblock,
 };
 
 const ENOENT: i64 = 2;
@@ -26,6 +28,10 @@ const BPF_RB_AVAIL_DATA: u64 = 0;
 /// Wake the agent only once this much is waiting; it also polls on a short timer. An
 /// import storm then costs a handful of wakeups instead of one per event.
 const WAKEUP_BYTES: u64 = 256 << 10;
+/// How many directories up from a file the kernel side walks to find its root.
+const WALK_DEPTH: usize = 40;
+/// Longest name of one directory entry.
+const NAME_MAX: usize = 255;
 
 // Set by the agent before loading (aya `set_global`).
 #[unsafe(no_mangle)]
@@ -41,21 +47,56 @@ static RET_OFFSET: u32 = 16;
 static FORK_PARENT_OFFSET: u32 = 12;
 #[unsafe(no_mangle)]
 static FORK_CHILD_OFFSET: u32 = 20;
+/// Where the kernel keeps the fields read below, from its BTF.
+#[unsafe(no_mangle)]
+static OFFSETS: KernelOffsets = KernelOffsets {
+    task_files: 0,
+    task_fs: 0,
+    task_nsproxy: 0,
+    files_fdt: 0,
+    fdt_max_fds: 0,
+    fdt_fd: 0,
+    file_mnt: 0,
+    file_dentry: 0,
+    fs_pwd_mnt: 0,
+    fs_pwd_dentry: 0,
+    fs_root_dentry: 0,
+    dentry_parent: 0,
+    dentry_name_len: 0,
+    dentry_name: 0,
+    dentry_sb: 0,
+    vfsmount_root: 0,
+    sb_root: 0,
+    sb_dev: 0,
+    nsproxy_mnt_ns: 0,
+    mnt_ns_id: 0,
+};
 
 #[map]
 static SYSCALLS: Array<SyscallLayout> = Array::with_max_entries(MAX_SYSCALL_NR, 0);
+/// The watched trees as the agent sees them, for absolute paths of failed lookups and
+/// mutations (opens are placed by what they opened).
 #[map]
 static WATCHED: Array<Watched> = Array::with_max_entries(MAX_WATCHED, 0);
+/// The directories files are placed under: dentry address to `Event::root`.
+#[map]
+static ROOTS: HashMap<u64, u32> = HashMap::with_max_entries(MAX_ROOTS as u32, 0);
+/// The superblocks those directories are on (`hocus_common::superblock` flags).
+#[map]
+static SUPERBLOCKS: HashMap<u64, u32> = HashMap::with_max_entries(MAX_SUPERBLOCKS, 0);
+/// Mount namespaces (with a root) whose absolute paths mean what they mean to the agent.
+#[map]
+static KNOWN_NAMESPACES: LruHashMap<NamespaceKey, u32> =
+    LruHashMap::with_max_entries(MAX_KNOWN_NAMESPACES, 0);
+/// The agent's question about one of its descriptors, and the answer.
+#[map]
+static CALIBRATE: Array<Calibration> = Array::with_max_entries(1, 0);
 /// Syscalls in flight, by thread. LRU: an entry outlives its syscall only if the thread died.
 #[map]
 static PENDING: LruHashMap<u64, Pending> = LruHashMap::with_max_entries(16384, 0);
 /// Descriptors of watched files, by process and descriptor.
 #[map]
 static OPEN_FILES: HashMap<FdKey, OpenFile> = HashMap::with_max_entries(MAX_OPEN_FILES, 0);
-/// Where each process's working directory is (`hocus_common::cwd`); absent: unknown.
-/// Set by the agent at start, inherited at fork, updated at chdir.
-#[map]
-static CWD: LruHashMap<u32, u8> = LruHashMap::with_max_entries(MAX_PROCESSES, 0);
 /// The `hocus-agent run` job each process belongs to: the id is the daemon thread that
 /// forked the job's first process. Set at fork, inherited by every descendant.
 #[map]
@@ -67,8 +108,17 @@ static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(counter::COUNT
 /// Two path buffers per CPU (rename has two paths); too big for the 512-byte stack.
 #[map]
 static SCRATCH: PerCpuArray<PathBuf> = PerCpuArray::with_max_entries(2, 0);
+/// Where a walk up the directories writes its path, backwards from `MAX_PATH`; twice
+/// as long so that the verifier sees every write land inside it.
+#[map]
+static WALK: PerCpuArray<WalkBuf> = PerCpuArray::with_max_entries(1, 0);
 #[map]
 static NEXT_ID: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
+
+#[repr(C, align(8))]
+pub struct WalkBuf {
+    bytes: [u8; 2 * MAX_PATH],
+}
 
 fn global(value: &u32) -> u32 {
     // SAFETY: reads a global the loader may have rewritten; volatile keeps it from being
@@ -115,6 +165,141 @@ fn ret(ctx: &TracePointContext) -> i64 {
     unsafe { ctx.read_at::<i64>(global(&RET_OFFSET) as usize) }.unwrap_or(0)
 }
 
+// ---- Kernel objects: where a file, a working directory or a namespace is ----
+
+/// Reads a field of a kernel object, `offset` bytes into it.
+fn field<T>(object: u64, offset: u32) -> Option<T> {
+    if object == 0 {
+        return None;
+    }
+    // SAFETY: the helper tolerates any address; a wrong one fails instead of faulting.
+    unsafe { bpf_probe_read_kernel((object + u64::from(offset)) as *const T) }.ok()
+}
+
+fn offset(f: fn(&KernelOffsets) -> &u32) -> u32 {
+    global(f(&OFFSETS))
+}
+
+/// A directory entry as a process reached it: through which mount, and which dentry.
+struct Place {
+    mnt: u64,
+    dentry: u64,
+}
+
+fn task() -> u64 {
+    // SAFETY: no arguments; the current task's address.
+    unsafe { bpf_get_current_task() }
+}
+
+/// What descriptor `fd` of the current process is open on.
+fn file_place(fd: u32) -> Option<Place> {
+    let files: u64 = field(task(), offset(|o| &o.task_files))?;
+    let fdt: u64 = field(files, offset(|o| &o.files_fdt))?;
+    let max: u32 = field(fdt, offset(|o| &o.fdt_max_fds))?;
+    if fd >= max {
+        return None;
+    }
+    let array: u64 = field(fdt, offset(|o| &o.fdt_fd))?;
+    let file: u64 = field(array + u64::from(fd) * 8, 0)?;
+    Some(Place {
+        mnt: field(file, offset(|o| &o.file_mnt))?,
+        dentry: field(file, offset(|o| &o.file_dentry))?,
+    })
+}
+
+/// The current process's working directory.
+fn cwd_place() -> Option<Place> {
+    let fs: u64 = field(task(), offset(|o| &o.task_fs))?;
+    Some(Place {
+        mnt: field(fs, offset(|o| &o.fs_pwd_mnt))?,
+        dentry: field(fs, offset(|o| &o.fs_pwd_dentry))?,
+    })
+}
+
+/// The current process's mount namespace and root: what its absolute paths mean.
+fn namespace() -> Option<NamespaceKey> {
+    let nsproxy: u64 = field(task(), offset(|o| &o.task_nsproxy))?;
+    let mnt_ns: u64 = field(nsproxy, offset(|o| &o.nsproxy_mnt_ns))?;
+    let fs: u64 = field(task(), offset(|o| &o.task_fs))?;
+    Some(NamespaceKey {
+        namespace: field(mnt_ns, offset(|o| &o.mnt_ns_id))?,
+        root: field(fs, offset(|o| &o.fs_root_dentry))?,
+    })
+}
+
+fn known_namespace() -> bool {
+    // SAFETY: plain lookup.
+    namespace().is_some_and(|k| unsafe { KNOWN_NAMESPACES.get(&k) }.is_some())
+}
+
+/// Where a file or directory lies: under root `root`, at the path in `WALK` from `start`
+/// to `MAX_PATH` (`/a/b`, empty for the root itself).
+#[derive(Clone, Copy)]
+struct Located {
+    root: u32,
+    start: u32,
+}
+
+/// Places a dentry under one of `ROOTS` by walking up its parents, whatever mount or
+/// namespace it was reached through: a tree bound elsewhere in a container is still
+/// the tree, a look-alike mounted at the same path is another superblock.
+fn locate(place: &Place) -> Option<Located> {
+    let sb: u64 = field(place.dentry, offset(|o| &o.dentry_sb))?;
+    // SAFETY: plain value copy.
+    let flags = unsafe { *SUPERBLOCKS.get(&sb)? };
+    if flags & superblock::WATCHED == 0 {
+        // Only the cache is on this disk: what matters is reached through hocus's binds
+        // (mounts rooted inside the cache), not through the disk's own mount.
+        let mnt_root: u64 = field(place.mnt, offset(|o| &o.vfsmount_root))?;
+        let s_root: u64 = field(sb, offset(|o| &o.sb_root))?;
+        if mnt_root == s_root {
+            return None;
+        }
+    }
+    let buf = WALK.get_ptr_mut(0)?;
+    // SAFETY: per-CPU scratch owned by this program run.
+    let buf = unsafe { &mut *buf };
+    let parent_at = offset(|o| &o.dentry_parent);
+    let (len_at, name_at) = (offset(|o| &o.dentry_name_len), offset(|o| &o.dentry_name));
+    let mut pos = MAX_PATH;
+    let mut d = place.dentry;
+    for _ in 0..WALK_DEPTH {
+        // SAFETY: plain value copy. One lookup rather than a comparison per root: the
+        // verifier then follows one "found" path per step, not one per root.
+        if let Some(&root) = unsafe { ROOTS.get(&d) } {
+            return Some(Located {
+                root,
+                start: pos as u32,
+            });
+        }
+        let parent: u64 = field(d, parent_at)?;
+        if parent == d {
+            return None; // the filesystem's root, above every watched tree
+        }
+        let len = field::<u32>(d, len_at)? as usize;
+        let name: u64 = field(d, name_at)?;
+        if len == 0 || len > NAME_MAX || len + 2 > pos {
+            count(counter::PATH_TRUNCATED);
+            return None;
+        }
+        pos -= len;
+        // SAFETY: the destination is inside `buf` (pos < MAX_PATH, len <= NAME_MAX, the
+        // buffer is 2 * MAX_PATH); the source is read with the fault-tolerant helper.
+        unsafe {
+            generated::bpf_probe_read_kernel(
+                buf.bytes.as_mut_ptr().add(pos & (MAX_PATH - 1)).cast(),
+                (len & NAME_MAX) as u32,
+                name as *const _,
+            );
+        }
+        pos -= 1;
+        buf.bytes[pos & (MAX_PATH - 1)] = b'/';
+        d = parent;
+    }
+    count(counter::PATH_TOO_DEEP);
+    None
+}
+
 /// path_enter, on sys_enter_* of path syscalls (here sys_enter_openat; the arguments differ per syscall, each 8 bytes wide
 /// from offset 16, and `SYSCALLS` holds where each syscall keeps the ones we read):
 ///
@@ -139,6 +324,9 @@ pub fn path_enter(ctx: TracePointContext) -> u32 {
 fn try_path_enter(ctx: &TracePointContext) -> Option<()> {
     let (pid_tgid, _) = current()?;
     let l = layout(ctx)?;
+    if l.op == op::NEW_NAMESPACE {
+        return None; // only the agent's own matter, at their exit
+    }
     let open_flags = match l.flags_from {
         flags_from::ARG => arg(ctx, l.flags)? as u32,
         flags_from::OPEN_HOW => {
@@ -190,16 +378,27 @@ fn take_pending(pid_tgid: u64) -> Option<Pending> {
 }
 
 fn try_path_exit(ctx: &TracePointContext) -> Option<()> {
-    let (pid_tgid, tgid) = current()?;
+    let pid_tgid = bpf_get_current_pid_tgid();
+    let tgid = (pid_tgid >> 32) as u32;
+    if tgid == global(&SELF_TGID) {
+        return agent_syscall(ctx, pid_tgid);
+    }
     let p = take_pending(pid_tgid)?;
     let ret = ret(ctx);
+    let header = |kind, file_id, open_flags| Header {
+        kind,
+        tgid,
+        file_id,
+        bytes: 0,
+        open_flags,
+    };
     match p.op {
         op::OPEN if ret >= 0 => {
             let key = FdKey {
                 tgid,
                 fd: ret as u32,
             };
-            let Some(m) = watched_path(tgid, p.dfd, p.path, 0) else {
+            let Some(located) = file_place(ret as u32).and_then(|f| locate(&f)) else {
                 // The descriptor number may have belonged to a watched file before.
                 let _ = OPEN_FILES.remove(&key);
                 return Some(());
@@ -211,103 +410,88 @@ fn try_path_exit(ctx: &TracePointContext) -> Option<()> {
             if OPEN_FILES.insert(&key, &file, 0).is_err() {
                 count(counter::LOST_OPEN_FILES_FULL);
             }
-            emit(
-                &Header {
-                    kind: kind::OPEN,
-                    tgid,
-                    file_id: file.file_id,
-                    bytes: 0,
-                    open_flags: p.open_flags,
-                },
-                &m,
-                0,
-            );
-        }
-        // A job wrote into a read-only local copy: the agent invalidates it.
-        op::OPEN | op::UNLINK | op::RMDIR | op::MKDIR | op::RENAME | op::TRUNCATE
-            if ret == -EROFS
-                && (p.op != op::OPEN || p.open_flags & (O_ACCMODE | O_CREAT | O_TRUNC) != 0) =>
-        {
-            let m = watched_path(tgid, p.dfd, p.path, 0)?;
-            let h = Header {
-                kind: kind::REFUSED_WRITE,
-                tgid,
-                file_id: 0,
-                bytes: 0,
-                open_flags: p.open_flags,
+            let target = Target {
+                flags: 0,
+                located: Some(located),
+                len: 0,
             };
-            emit(&h, &m, 0);
+            emit(&header(kind::OPEN, file.file_id, p.open_flags), &target, 0);
         }
-        op::OPEN | op::LOOKUP if ret == -ENOENT => {
-            let m = watched_path(tgid, p.dfd, p.path, 0)?;
-            emit(
-                &Header {
-                    kind: kind::MISSING,
-                    tgid,
-                    file_id: 0,
-                    bytes: 0,
-                    open_flags: 0,
-                },
-                &m,
-                0,
-            );
-        }
-        op::UNLINK | op::RMDIR | op::MKDIR | op::TRUNCATE if ret == 0 => {
-            let m = watched_path(tgid, p.dfd, p.path, 0)?;
+        op::RENAME if ret == 0 => {}
+        _ => {
             let k = match p.op {
-                op::UNLINK => kind::UNLINK,
-                op::RMDIR => kind::RMDIR,
-                op::MKDIR => kind::MKDIR,
-                _ => kind::TRUNCATE,
+                // A job wrote into a read-only local copy: the agent invalidates it.
+                op::OPEN | op::UNLINK | op::RMDIR | op::MKDIR | op::RENAME | op::TRUNCATE
+                    if ret == -EROFS
+                        && (p.op != op::OPEN
+                            || p.open_flags & (O_ACCMODE | O_CREAT | O_TRUNC) != 0) =>
+                {
+                    kind::REFUSED_WRITE
+                }
+                op::OPEN | op::LOOKUP if ret == -ENOENT => kind::MISSING,
+                op::UNLINK if ret == 0 => kind::UNLINK,
+                op::RMDIR if ret == 0 => kind::RMDIR,
+                op::MKDIR if ret == 0 => kind::MKDIR,
+                op::TRUNCATE if ret == 0 => kind::TRUNCATE,
+                _ => return Some(()),
             };
-            emit(
-                &Header {
-                    kind: k,
-                    tgid,
-                    file_id: 0,
-                    bytes: 0,
-                    open_flags: 0,
-                },
-                &m,
-                0,
-            );
+            let flags = if k == kind::REFUSED_WRITE {
+                p.open_flags
+            } else {
+                0
+            };
+            // One call site: the verifier follows the walk once, not once per kind.
+            let t = path_target(p.dfd, p.path, 0)?;
+            emit(&header(k, 0, flags), &t, 0);
+            return Some(());
         }
-        op::CHDIR if ret == 0 => chdir(tgid, p.path),
-        op::RENAME if ret == 0 => {
-            if let Some(m) = watched_path(tgid, p.dfd, p.path, 0) {
-                emit(
-                    &Header {
-                        kind: kind::RENAME_FROM,
-                        tgid,
-                        file_id: 0,
-                        bytes: 0,
-                        open_flags: 0,
-                    },
-                    &m,
-                    0,
-                );
-            }
-            if let Some(m) = watched_path(tgid, p.dfd2, p.path2, 1) {
-                emit(
-                    &Header {
-                        kind: kind::RENAME_TO,
-                        tgid,
-                        file_id: 0,
-                        bytes: 0,
-                        open_flags: 0,
-                    },
-                    &m,
-                    1,
-                );
-            }
+    }
+    if p.op == op::RENAME && ret == 0 {
+        // One after the other: both use the same walk buffer.
+        if let Some(t) = path_target(p.dfd, p.path, 0) {
+            emit(&header(kind::RENAME_FROM, 0, 0), &t, 0);
         }
-        _ => {}
+        if let Some(t) = path_target(p.dfd2, p.path2, 1) {
+            emit(&header(kind::RENAME_TO, 0, 0), &t, 1);
+        }
     }
     Some(())
 }
 
+/// The agent's own syscalls are not the workload, with two exceptions: it asks what one
+/// of its descriptors is (`CALIBRATE`), and a namespace it makes for a job is known.
+fn agent_syscall(ctx: &TracePointContext, pid_tgid: u64) -> Option<()> {
+    if let Some(c) = CALIBRATE.get_ptr_mut(0) {
+        // SAFETY: map value pointer, valid for this program run.
+        let c = unsafe { &mut *c };
+        if c.thread == pid_tgid && c.done == 0 {
+            calibrate(c);
+        }
+    }
+    if layout(ctx)?.op == op::NEW_NAMESPACE && ret(ctx) == 0 {
+        let _ = KNOWN_NAMESPACES.insert(&namespace()?, &1, 0);
+    }
+    Some(())
+}
+
+fn calibrate(c: &mut Calibration) {
+    if let Some(f) = file_place(c.fd as u32) {
+        c.mnt = f.mnt;
+        c.dentry = f.dentry;
+        c.superblock = field(f.dentry, offset(|o| &o.dentry_sb)).unwrap_or(0);
+        c.dev = field(c.superblock, offset(|o| &o.sb_dev)).unwrap_or(0);
+        c.name_len = field(f.dentry, offset(|o| &o.dentry_name_len)).unwrap_or(0);
+        let name: u64 = field(f.dentry, offset(|o| &o.dentry_name)).unwrap_or(0);
+        // SAFETY: fault-tolerant read into the map value.
+        let _ = unsafe { bpf_probe_read_kernel_str_bytes(name as *const u8, &mut c.name) };
+    }
+    c.cwd = cwd_place().map_or(0, |p| p.dentry);
+    c.namespace = namespace().unwrap_or_default();
+    c.done = 1;
+}
+
 /// fd_enter, on sys_enter_read (and the other descriptor syscalls: pread64, readv, write*, ftruncate,
-/// close, fchdir; `SYSCALLS` holds where each keeps its `fd`):
+/// close; `SYSCALLS` holds where each keeps its `fd`):
 ///
 /// ```text
 /// field:unsigned short common_type;          offset:0;  size:2; signed:0;
@@ -331,9 +515,6 @@ fn try_fd_enter(ctx: &TracePointContext) -> Option<()> {
     let l = layout(ctx)?;
     let fd = arg(ctx, l.fd)? as u32;
     let key = FdKey { tgid, fd };
-    if l.op == op::FCHDIR {
-        return fchdir(tgid, &key);
-    }
     let file = OPEN_FILES.get_ptr_mut(&key)?;
     let none = no_path();
     // SAFETY: map value pointer, valid for this program run.
@@ -363,17 +544,14 @@ fn try_fd_enter(ctx: &TracePointContext) -> Option<()> {
         op::CLOSE => {
             let (id, bytes) = (file.file_id, file.bytes_read);
             let _ = OPEN_FILES.remove(&key);
-            emit(
-                &Header {
-                    kind: kind::CLOSE,
-                    tgid,
-                    file_id: id,
-                    bytes: bytes,
-                    open_flags: 0,
-                },
-                &none,
-                0,
-            );
+            let h = Header {
+                kind: kind::CLOSE,
+                tgid,
+                file_id: id,
+                bytes,
+                open_flags: 0,
+            };
+            emit(&h, &none, 0);
         }
         _ => {}
     }
@@ -444,7 +622,7 @@ fn try_fd_exit(ctx: &TracePointContext) -> Option<()> {
     Some(())
 }
 
-/// sched_process_fork: the child starts where its parent is.
+/// sched_process_fork: a job's children stay in the job.
 ///
 /// ```text
 /// field:unsigned short common_type;          offset:0;  size:2; signed:0;
@@ -479,26 +657,11 @@ fn try_process_fork(ctx: &TracePointContext) -> Option<()> {
     if let Some(job) = job {
         let _ = JOBS.insert(&child, &job, 0);
     }
-    // SAFETY: plain value copy.
-    let where_ = unsafe { *CWD.get(&parent)? };
-    let _ = CWD.insert(&child, &where_, 0);
-    if where_ != cwd::UNRELATED {
-        // The agent needs the child's directory as a path: it copies the parent's.
-        let none = no_path();
-        let h = Header {
-            kind: kind::FORK,
-            tgid: parent,
-            file_id: u64::from(child),
-            bytes: 0,
-            open_flags: 0,
-        };
-        emit(&h, &none, 0);
-    }
     Some(())
 }
 
-/// sched_process_exit: forget the process when its leader exits. Reads no field: the
-/// exiting task is the current one.
+/// sched_process_exit: forget the exiting thread's job. Reads no field: the exiting task
+/// is the current one.
 ///
 /// ```text
 /// field:char comm[16];                       offset:8;  size:16; signed:0;
@@ -509,93 +672,24 @@ fn try_process_fork(ctx: &TracePointContext) -> Option<()> {
 #[tracepoint]
 pub fn process_exit(_ctx: TracePointContext) -> u32 {
     let pid_tgid = bpf_get_current_pid_tgid();
-    let tgid = (pid_tgid >> 32) as u32;
-    if tgid == pid_tgid as u32 {
-        let _ = CWD.remove(&tgid);
-    }
     // Keyed by the exiting thread: a leader's entry, or one a thread got at its clone.
     let _ = JOBS.remove(&(pid_tgid as u32));
     0
 }
 
-fn chdir(tgid: u32, user_path: u64) {
-    let Some((path, len)) = read_path(user_path, 0) else {
-        return;
-    };
-    let m = Match {
+fn no_path() -> Target {
+    Target {
         flags: 0,
-        dir_id: 0,
-        len: len as u32,
-    };
-    let h = Header {
-        kind: kind::CHDIR,
-        tgid,
-        file_id: 0,
-        bytes: 0,
-        open_flags: 0,
-    };
-    if path.bytes[0] == b'/' {
-        let where_ = classify(path);
-        let _ = CWD.insert(&tgid, &where_, 0);
-        if where_ != cwd::UNRELATED {
-            emit(&h, &m, 0);
-        }
-        return;
-    }
-    // A relative move from in or above a tree: the agent joins it to the directory it
-    // knows and answers with the new place. From elsewhere, it stays unrelated (a `..`
-    // walk from an unrelated directory into a watched tree is not followed).
-    // SAFETY: plain value copy.
-    if let Some(&where_) = unsafe { CWD.get(&tgid) } {
-        if where_ != cwd::UNRELATED {
-            let m = Match {
-                flags: ev::RELATIVE_TO_CWD,
-                ..m
-            };
-            emit(&h, &m, 0);
-        }
-    }
-}
-
-fn fchdir(tgid: u32, key: &FdKey) -> Option<()> {
-    // SAFETY: plain value copy.
-    match unsafe { OPEN_FILES.get(key) } {
-        Some(dir) => {
-            let _ = CWD.insert(&tgid, &cwd::INSIDE, 0);
-            let m = Match {
-                flags: ev::RELATIVE_TO_DIR,
-                dir_id: dir.file_id,
-                len: 0,
-            };
-            let h = Header {
-                kind: kind::CHDIR,
-                tgid,
-                file_id: 0,
-                bytes: 0,
-                open_flags: 0,
-            };
-            emit(&h, &m, 0);
-        }
-        // Not a watched directory, but it may be above one: ask the agent.
-        None => {
-            let _ = CWD.remove(&tgid);
-        }
-    }
-    Some(())
-}
-
-fn no_path() -> Match {
-    Match {
-        flags: 0,
-        dir_id: 0,
+        located: None,
         len: 0,
     }
 }
 
-/// How a path matched: flags for the event and, for dirfd-relative paths, the directory.
-struct Match {
+/// Where an event happened: under a root (`located`, the path in `WALK`), and the
+/// process's path in a scratch slot (`len` bytes; absolute when not located).
+struct Target {
     flags: u32,
-    dir_id: u64,
+    located: Option<Located>,
     len: u32,
 }
 
@@ -619,67 +713,53 @@ fn read_path(user_path: u64, slot: u32) -> Option<(&'static PathBuf, usize)> {
     Some((buf, len))
 }
 
-/// Reads the user path into scratch slot `slot` and decides whether it is watched.
-fn watched_path(tgid: u32, dfd: i32, user_path: u64, slot: u32) -> Option<Match> {
+/// Where the path of a path syscall (failed lookup, mutation) lies, if watched. A
+/// relative path is placed by the directory it starts from, found like an opened file;
+/// an absolute one by the watched prefixes, but only in a namespace whose paths mean
+/// what they mean to the agent (a look-alike mounted in another namespace is not it).
+fn path_target(dfd: i32, user_path: u64, slot: u32) -> Option<Target> {
     let (path, len) = read_path(user_path, slot)?;
-    let mut m = Match {
+    let mut t = Target {
         flags: 0,
-        dir_id: 0,
+        located: None,
         len: len as u32,
     };
+    if len >= MAX_PATH - 1 {
+        t.flags |= ev::PATH_TRUNCATED;
+        count(counter::PATH_TRUNCATED);
+    }
     if path.bytes[0] == b'/' {
         if !is_watched(path) {
             return None;
         }
-    } else if dfd == AT_FDCWD {
-        // SAFETY: plain value copy.
-        match unsafe { CWD.get(&tgid) } {
-            Some(&cwd::UNRELATED) => return None,
-            Some(_) => m.flags |= ev::RELATIVE_TO_CWD,
-            None => m.flags |= ev::RELATIVE_TO_CWD | ev::CWD_UNKNOWN,
+        if !known_namespace() {
+            count(counter::FOREIGN_NAMESPACE);
+            return None;
         }
+        return Some(t);
+    }
+    let start = if dfd == AT_FDCWD {
+        cwd_place()?
     } else {
-        let key = FdKey {
-            tgid,
-            fd: dfd as u32,
-        };
-        // SAFETY: plain value copy.
-        let dir = unsafe { OPEN_FILES.get(&key)? };
-        m.flags |= ev::RELATIVE_TO_DIR;
-        m.dir_id = dir.file_id;
-    }
-    if len >= MAX_PATH - 1 {
-        m.flags |= ev::PATH_TRUNCATED;
-        count(counter::PATH_TRUNCATED);
-    }
-    Some(m)
-}
-
-/// Where an absolute directory path is relative to the watched trees.
-fn classify(path: &PathBuf) -> u8 {
-    match matching_entry(path, true) {
-        Some(Watched::TREE) => cwd::INSIDE,
-        Some(_) => cwd::ABOVE,
-        None => cwd::UNRELATED,
-    }
+        file_place(dfd as u32)?
+    };
+    t.located = Some(locate(&start)?);
+    Some(t)
 }
 
 fn is_watched(path: &PathBuf) -> bool {
-    matching_entry(path, false).is_some()
-}
-
-/// The kind of the first table entry `path` matches; trees come first in the table.
-fn matching_entry(path: &PathBuf, with_above: bool) -> Option<u32> {
     for i in 0..MAX_WATCHED {
-        let w = WATCHED.get(i)?;
-        if w.len == 0 || (w.kind != Watched::TREE && !with_above) {
-            return None;
+        let Some(w) = WATCHED.get(i) else {
+            return false;
+        };
+        if w.len == 0 {
+            return false;
         }
         if matches(path, w) {
-            return Some(w.kind);
+            return true;
         }
     }
-    None
+    false
 }
 
 fn matches(path: &PathBuf, w: &Watched) -> bool {
@@ -694,14 +774,8 @@ fn matches(path: &PathBuf, w: &Watched) -> bool {
             return false;
         }
     }
-    let len = w.len as usize & (MAX_PREFIX - 1);
-    let next = path.bytes[len];
-    if w.kind == Watched::TREE {
-        next == 0 || next == b'/'
-    } else {
-        // A directory above a tree must be named exactly (a trailing slash is fine).
-        next == 0 || (next == b'/' && path.bytes[len + 1] == 0)
-    }
+    let next = path.bytes[w.len as usize & (MAX_PREFIX - 1)];
+    next == 0 || next == b'/'
 }
 
 fn next_id() -> u64 {
@@ -724,7 +798,7 @@ struct Header {
     open_flags: u32,
 }
 
-fn emit(h: &Header, m: &Match, slot: u32) {
+fn emit(h: &Header, t: &Target, slot: u32) {
     let Some(mut entry) = EVENTS.reserve::<Event>(0) else {
         count(counter::LOST_RING_FULL);
         match h.kind {
@@ -739,19 +813,33 @@ fn emit(h: &Header, m: &Match, slot: u32) {
     // is written field by field because an Event does not fit on the BPF stack.
     unsafe {
         (*e).kind = h.kind;
-        (*e).flags = m.flags;
+        (*e).flags = t.flags;
         (*e).tgid = h.tgid;
         (*e).uid = bpf_get_current_uid_gid() as u32;
         (*e).time_ns = bpf_ktime_get_ns();
         (*e).file_id = h.file_id;
-        (*e).dir_id = m.dir_id;
         (*e).bytes = h.bytes;
         (*e).open_flags = h.open_flags;
-        (*e).path_len = m.len;
+        (*e).path_len = t.len;
         (*e).comm = bpf_get_current_comm().unwrap_or([0; 16]);
         let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
         (*e).job = JOBS.get(&tgid).copied().unwrap_or(0);
-        if m.len > 0 {
+        (*e).root = ROOT_NONE;
+        (*e).base_len = 0;
+        if let Some(l) = t.located {
+            (*e).root = l.root;
+            let start = l.start as usize & (MAX_PATH - 1);
+            let len = (MAX_PATH - start) & (MAX_PATH - 1);
+            (*e).base_len = len as u32;
+            if let Some(walk) = WALK.get_ptr(0) {
+                generated::bpf_probe_read_kernel(
+                    (*e).base.as_mut_ptr().cast(),
+                    len as u32,
+                    (*walk).bytes.as_ptr().add(start).cast(),
+                );
+            }
+        }
+        if t.len > 0 {
             match SCRATCH.get_ptr(slot) {
                 Some(buf) => {
                     let _ = bpf_probe_read_kernel_buf(buf as *const u8, &mut (*e).path);

@@ -47,6 +47,7 @@ pub struct NetworkMount {
     pub server: PathBuf,
     pub mount: PathBuf,
     sshd: Child,
+    port: u16,
 }
 
 impl NetworkMount {
@@ -108,17 +109,9 @@ impl NetworkMount {
             server,
             mount,
             sshd,
+            port,
         };
-        run(Command::new("sshfs")
-            .args(["-p", &port.to_string(), "-o"])
-            .arg(format!(
-                // dcache_timeout=1: changes made on the server show within a second, as
-                // NFS's attribute cache would with actimeo=1.
-                "IdentityFile={}/client_key,StrictHostKeyChecking=no,UserKnownHostsFile=/dev/null,allow_other,default_permissions,BatchMode=yes,dcache_timeout=1",
-                root.display()
-            ))
-            .arg(format!("root@127.0.0.1:{}", this.server.display()))
-            .arg(&this.mount));
+        run(&mut this.sshfs(&this.mount));
         let mounts = fs::read_to_string("/proc/self/mountinfo").unwrap();
         assert!(
             mounts.contains(&format!(" {} ", this.mount.display())),
@@ -127,6 +120,31 @@ impl NetworkMount {
         );
         this.mount = fs::canonicalize(&this.mount).unwrap();
         this
+    }
+
+    /// The sshfs command that mounts the export at `at`.
+    fn sshfs(&self, at: &Path) -> Command {
+        let mut cmd = Command::new("sshfs");
+        cmd.args(["-p", &self.port.to_string(), "-o"])
+            .arg(format!(
+                // dcache_timeout=1: changes made on the server show within a second, as
+                // NFS's attribute cache would with actimeo=1.
+                "IdentityFile={}/client_key,StrictHostKeyChecking=no,UserKnownHostsFile=/dev/null,allow_other,default_permissions,BatchMode=yes,dcache_timeout=1",
+                self.dir.path().display()
+            ))
+            .arg(format!("root@127.0.0.1:{}", self.server.display()))
+            .arg(at);
+        cmd
+    }
+
+    /// Mounts the same export again at `at` in the mount namespace of process `holder`:
+    /// another client of the same server, as another node would be.
+    pub fn mount_in_namespace_of(&self, holder: u32, at: &Path) {
+        let sshfs = self.sshfs(at);
+        run(Command::new("nsenter")
+            .args(["-t", &holder.to_string(), "-m", "--"])
+            .arg(sshfs.get_program())
+            .args(sshfs.get_args()));
     }
 
     /// Kills the server side (sshd and the sshfs client process): the mount stays, dead,
@@ -242,8 +260,29 @@ impl Agent {
         Self::start_with_state(dir, state_dir, args)
     }
 
+    /// Starts the daemon in the mount namespace of process `holder` (through nsenter).
+    pub fn start_in_namespace_of(holder: u32, args: &[&str]) -> Self {
+        let dir = tempfile::Builder::new()
+            .prefix("hocus-agent-")
+            .tempdir()
+            .unwrap();
+        fs::set_permissions(dir.path(), fs::Permissions::from_mode(0o755)).unwrap();
+        let state_dir = dir.path().join("state");
+        let holder = holder.to_string();
+        Self::launch(
+            dir,
+            state_dir,
+            args,
+            &["nsenter", "-t", &holder, "-m", "--"],
+        )
+    }
+
     /// Starts a daemon on an existing state directory (a restart).
     pub fn start_with_state(dir: tempfile::TempDir, state_dir: PathBuf, args: &[&str]) -> Self {
+        Self::launch(dir, state_dir, args, &[])
+    }
+
+    fn launch(dir: tempfile::TempDir, state_dir: PathBuf, args: &[&str], wrapper: &[&str]) -> Self {
         require_root();
         let socket = dir.path().join("agent.sock");
         let log = unique(dir.path().join("agent.log"));
@@ -251,7 +290,14 @@ impl Agent {
             Some(i) => PathBuf::from(args[i + 1]),
             None => dir.path().join("cache"),
         };
-        let mut cmd = Command::new(agent_bin());
+        let mut cmd = match wrapper.split_first() {
+            Some((first, rest)) => {
+                let mut c = Command::new(first);
+                c.args(rest).arg(agent_bin());
+                c
+            }
+            None => Command::new(agent_bin()),
+        };
         if !args.contains(&"--cache-dir") {
             cmd.arg("--cache-dir").arg(&cache_dir);
         }

@@ -31,6 +31,8 @@ const PACKAGES: &[&str] = &[
     "passwd",
     // setfacl: the tests that check copies and snapshots keep POSIX ACLs.
     "acl",
+    // Containers in the tests: jobs in bubblewrap see the network tree at other paths.
+    "bubblewrap",
     // The metrics tests: promtool, and a real Prometheus server scraping the agent.
     "prometheus",
 ];

@@ -48,6 +48,11 @@ pub struct Repairs {
 }
 
 impl Cache {
+    /// The directory of single copies, below the cache root.
+    pub const FILES: &str = "files";
+    /// The directory of snapshots, below the cache root.
+    pub const TREES: &str = "trees";
+
     pub fn open(root: &Path) -> Result<(Self, Repairs)> {
         match fs::symlink_metadata(root) {
             Ok(m) if m.file_type().is_symlink() => {
@@ -69,9 +74,9 @@ impl Cache {
         nix::unistd::chown(root, Some(0.into()), Some(0.into()))
             .with_context(|| format!("making {} root's", root.display()))?;
         fs::set_permissions(root, fs::Permissions::from_mode(0o700))?;
-        let files = root.join("files");
+        let files = root.join(Self::FILES);
         let tmp = root.join("tmp");
-        let trees = root.join("trees");
+        let trees = root.join(Self::TREES);
         // Snapshots are taken again after a restart: they are checked against the
         // network as a whole, and a daemon that stopped missed changes.
         let _ = fs::remove_dir_all(&trees);

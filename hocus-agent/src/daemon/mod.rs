@@ -10,7 +10,7 @@ use std::{
 };
 
 use anyhow::{Result, bail};
-use hocus_common::counter;
+use hocus_common::{counter, superblock};
 use tokio::{
     io::{Interest, unix::AsyncFd},
     signal::unix::SignalKind,
@@ -18,12 +18,12 @@ use tokio::{
 };
 
 use crate::{
-    cache::copy,
+    cache::{copy, directory::Cache},
     control::{protocol::Call, server},
     observe::{
         events::{Observer, Watch},
         mounts,
-        tracer::{Counters, Tracer},
+        tracer::{Counters, Root, Tracer},
     },
     place::{budget::Budgets, placement::Filters},
     profile::{
@@ -197,7 +197,7 @@ impl Daemon {
             Err(message) => log::error!("{message}"),
         }
 
-        let tracer = Tracer::start(&prefixes)?;
+        let mut tracer = Tracer::start(&prefixes)?;
         if !tracer.skipped.is_empty() {
             log::warn!(
                 "this kernel lacks some syscalls; not traced: {}",
@@ -205,17 +205,36 @@ impl Daemon {
             );
         }
         cache.trees = watches.iter().map(|w| w.path.clone()).collect();
+        let cache_dir = cache.cache_dir.clone();
         let (keeper, keeper_thread) = keeper::start(cache)?;
+        // Files are placed under the watched trees, and under the cache's copies and
+        // snapshots (which jobs open through hocus's binds), whose paths below are the
+        // network paths.
+        let mut roots: Vec<Root> = watches
+            .iter()
+            .map(|w| Root {
+                path: w.path.clone(),
+                kind: superblock::WATCHED,
+            })
+            .collect();
+        for dir in [Cache::FILES, Cache::TREES] {
+            roots.push(Root {
+                path: cache_dir.join(dir),
+                kind: superblock::CACHE,
+            });
+        }
+        tracer.place_under(&roots)?;
+        let root_paths = roots
+            .iter()
+            .map(|r| match r.kind {
+                superblock::WATCHED => r.path.clone(),
+                _ => PathBuf::from("/"),
+            })
+            .collect();
         let trees = watches.iter().map(|w| w.path.clone()).collect();
         let (stat_requests, stat_results) = spawn_stat_worker(trees)?;
         let (checked_tx, checked_rx) = mpsc::unbounded_channel();
-        let mut observer = Observer::new(watches);
-        // Processes that started before us: where are their working directories?
-        observer.scan_processes();
-        let mut tracer = tracer;
-        for (tgid, place) in observer.cwd_places.drain(..) {
-            tracer.set_cwd(tgid, place);
-        }
+        let observer = Observer::new(watches, root_paths);
         Ok(Self {
             socket: opts.settings.socket(),
             state_dir,
@@ -362,9 +381,6 @@ impl Daemon {
         for path in refused {
             let sent = self.keeper.refused(path).await;
             self.check(sent);
-        }
-        for (tgid, place) in self.observer.cwd_places.drain(..) {
-            self.tracer.get_mut().set_cwd(tgid, place);
         }
         for path in self.observer.to_stat.drain() {
             if self.stat_requests.send(path).is_ok() {

@@ -1,12 +1,12 @@
-//! Turns what the kernel reports into working-set updates: resolves relative paths,
-//! checks them against the watched trees again (the kernel compares raw strings; `..`
-//! can leave a tree), follows open files from open to close, and counts what it could
-//! not place.
+//! Turns what the kernel reports into working-set updates: joins where the kernel placed
+//! each event (a root, the path from it, the process's own path) into the path the
+//! agent sees, checks it against the watched trees again (`..` in a process's path can
+//! leave a tree), follows open files from open to close, and counts what it could not
+//! place.
 
 use std::{
     collections::{HashMap, HashSet},
     ffi::OsStr,
-    fs,
     os::unix::ffi::OsStrExt,
     path::{Component, Path, PathBuf},
 };
@@ -18,7 +18,7 @@ use crate::{
         status::Tally,
     },
 };
-use hocus_common::{Event, FdKey, OpenFile, cwd, ev, kind};
+use hocus_common::{Event, FdKey, OpenFile, ROOT_NONE, ev, kind};
 
 const O_ACCMODE: u32 = 0o3;
 const O_CREAT: u32 = 0o100;
@@ -64,16 +64,15 @@ pub enum What {
 
 pub struct Observer {
     watches: Vec<Watch>,
+    /// Where each of the kernel's roots is, by `Event::root`: a watched tree's path, or
+    /// `/` for the cache's directories (the path below them is the network path).
+    roots: Vec<PathBuf>,
     clock_offset_ns: i128,
     open: HashMap<u64, OpenInfo>,
     /// Bytes of each open file already added to the working set.
     bytes_counted: HashMap<u64, u64>,
     /// Open files the kernel did not have at the last sweep.
     missing_from_kernel: HashSet<u64>,
-    /// Working directories of processes in or above a watched tree.
-    cwds: HashMap<u32, PathBuf>,
-    /// Places (`hocus_common::cwd`) for the kernel's `CWD` map, to be written by the caller.
-    pub cwd_places: Vec<(u32, u8)>,
     /// Files whose size and mtime should be (re)read.
     pub to_stat: HashSet<String>,
     /// Opens, failed lookups and reads since last drained.
@@ -86,15 +85,14 @@ pub struct Observer {
 }
 
 impl Observer {
-    pub fn new(watches: Vec<Watch>) -> Self {
+    pub fn new(watches: Vec<Watch>, roots: Vec<PathBuf>) -> Self {
         Self {
             watches,
+            roots,
             clock_offset_ns: monotonic_to_unix_offset(),
             open: HashMap::new(),
             bytes_counted: HashMap::new(),
             missing_from_kernel: HashSet::new(),
-            cwds: HashMap::new(),
-            cwd_places: Vec::new(),
             to_stat: HashSet::new(),
             accesses: Vec::new(),
             changed: Vec::new(),
@@ -132,13 +130,6 @@ impl Observer {
                             self.to_stat.insert(info.path);
                         }
                     }
-                }
-                return;
-            }
-            kind::CHDIR => return self.chdir(e),
-            kind::FORK => {
-                if let Some(dir) = self.cwds.get(&e.tgid).cloned() {
-                    self.cwds.insert(e.file_id as u32, dir);
                 }
                 return;
             }
@@ -321,9 +312,6 @@ impl Observer {
             self.close(id);
         }
         self.missing_from_kernel = missing;
-        // Processes that exited also leave their working directories behind.
-        self.cwds
-            .retain(|tgid, _| Path::new(&format!("/proc/{tgid}")).exists());
         gone
     }
 
@@ -343,24 +331,32 @@ impl Observer {
             self.tally.truncated += 1;
             return None;
         }
-        let len = (e.path_len as usize).min(e.path.len());
-        let raw = &e.path[..len];
-        let raw = raw.split(|b| *b == 0).next().unwrap_or_default();
-        let raw = Path::new(OsStr::from_bytes(raw));
-        let absolute = if e.flags & ev::RELATIVE_TO_DIR != 0 {
-            let Some(dir) = self.open.get(&e.dir_id) else {
-                self.tally.unresolved += 1;
-                return None;
-            };
-            Path::new(&dir.path).join(raw)
-        } else if e.flags & ev::RELATIVE_TO_CWD != 0 {
-            let Some(cwd) = self.cwd_of(e) else {
-                self.tally.unresolved += 1;
-                return None;
-            };
-            cwd.join(raw)
+        let raw = |bytes: &[u8], len: u32| -> PathBuf {
+            let bytes = &bytes[..(len as usize).min(bytes.len())];
+            let bytes = bytes.split(|b| *b == 0).next().unwrap_or_default();
+            PathBuf::from(OsStr::from_bytes(bytes))
+        };
+        let path = raw(&e.path, e.path_len);
+        let absolute = if e.root == ROOT_NONE {
+            path
         } else {
-            raw.to_owned()
+            let Some(root) = self.roots.get(e.root as usize) else {
+                self.tally.unresolved += 1;
+                return None;
+            };
+            // The base is `/a/b` (or empty); the process's path is relative to it.
+            let base = raw(&e.base, e.base_len);
+            let mut placed = root.join(base.strip_prefix("/").unwrap_or(&base));
+            if path.components().any(|c| c == Component::ParentDir) {
+                // `..` from a directory bound elsewhere (a container's /env) climbs
+                // where the process is, not where the tree is: it names nothing here.
+                self.tally.unresolved += 1;
+                return None;
+            }
+            if !path.as_os_str().is_empty() {
+                placed.push(path);
+            }
+            placed
         };
         let normal = normalize(&absolute);
         match self.watched(&normal) {
@@ -370,85 +366,6 @@ impl Observer {
                 None
             }
         }
-    }
-
-    /// Learns where every running process is, for the kernel's `CWD` map.
-    pub fn scan_processes(&mut self) {
-        let Ok(dir) = fs::read_dir("/proc") else {
-            return;
-        };
-        for entry in dir.flatten() {
-            let Some(tgid) = entry
-                .file_name()
-                .to_str()
-                .and_then(|n| n.parse::<u32>().ok())
-            else {
-                continue;
-            };
-            if let Ok(cwd) = fs::read_link(entry.path().join("cwd")) {
-                self.settle(tgid, cwd);
-            }
-        }
-    }
-
-    /// The working directory of an event's process: known, or read from /proc.
-    fn cwd_of(&mut self, e: &Event) -> Option<PathBuf> {
-        if e.flags & ev::CWD_UNKNOWN == 0 {
-            if let Some(dir) = self.cwds.get(&e.tgid) {
-                return Some(dir.clone());
-            }
-        }
-        let dir = fs::read_link(format!("/proc/{}/cwd", e.tgid)).ok()?;
-        self.settle(e.tgid, dir.clone());
-        Some(dir)
-    }
-
-    /// Records a process's working directory and tells the kernel where it is.
-    fn settle(&mut self, tgid: u32, dir: PathBuf) {
-        let place = self.place(&dir);
-        if place == cwd::UNRELATED {
-            self.cwds.remove(&tgid);
-        } else {
-            self.cwds.insert(tgid, dir);
-        }
-        self.cwd_places.push((tgid, place));
-    }
-
-    fn chdir(&mut self, e: &Event) {
-        let dir = if e.flags & ev::RELATIVE_TO_DIR != 0 {
-            self.open.get(&e.dir_id).map(|d| PathBuf::from(&d.path))
-        } else {
-            let raw = &e.path[..(e.path_len as usize).min(e.path.len())];
-            let raw = Path::new(OsStr::from_bytes(
-                raw.split(|b| *b == 0).next().unwrap_or_default(),
-            ));
-            if e.flags & ev::RELATIVE_TO_CWD != 0 {
-                self.cwd_of(e).map(|c| c.join(raw))
-            } else {
-                Some(raw.to_owned())
-            }
-        };
-        match dir {
-            Some(dir) => self.settle(e.tgid, normalize(&dir)),
-            None => {
-                // Unknown: the kernel asks again at the next relative path.
-                self.cwds.remove(&e.tgid);
-                self.tally.unresolved += 1;
-            }
-        }
-    }
-
-    /// Where a directory is relative to the watched trees.
-    fn place(&self, dir: &Path) -> u8 {
-        if self.watched(dir).is_some() {
-            return cwd::INSIDE;
-        }
-        let above = self.watches.iter().any(|w| {
-            std::iter::once(&w.path)
-                .chain(&w.aliases)
-                .any(|p| p.starts_with(dir) && p != dir)
-        });
-        if above { cwd::ABOVE } else { cwd::UNRELATED }
     }
 
     /// `path` in canonical form if it lies in a watched tree.
@@ -525,24 +442,40 @@ mod tests {
             uid: 1000,
             time_ns: 1,
             file_id: 7,
-            dir_id: 0,
             bytes: 0,
             open_flags: 0,
             path_len: path.len() as u32 + 1,
             job: 0,
-            _pad2: 0,
+            root: ROOT_NONE,
+            base_len: 0,
             comm: *b"python3\0\0\0\0\0\0\0\0\0",
+            base: [0; MAX_PATH],
             path: [0; MAX_PATH],
         };
         e.path[..path.len()].copy_from_slice(path.as_bytes());
         e
     }
 
+    /// An event the kernel placed under root `root`, at `base` below it.
+    fn placed(kind: u8, root: u32, base: &str, path: &str) -> Event {
+        let mut e = event(kind, path);
+        if path.is_empty() {
+            e.path_len = 0;
+        }
+        e.root = root;
+        e.base_len = base.len() as u32;
+        e.base[..base.len()].copy_from_slice(base.as_bytes());
+        e
+    }
+
     fn observer() -> Observer {
-        Observer::new(vec![Watch {
-            path: "/mnt/net".into(),
-            aliases: vec!["/home/net".into()],
-        }])
+        Observer::new(
+            vec![Watch {
+                path: "/mnt/net".into(),
+                aliases: vec!["/home/net".into()],
+            }],
+            vec!["/mnt/net".into(), "/".into()],
+        )
     }
 
     #[test]
@@ -616,20 +549,27 @@ mod tests {
     }
 
     #[test]
-    fn resolves_paths_relative_to_an_open_directory() {
+    fn places_events_under_their_root() {
         let (mut o, mut ws) = (observer(), WorkingSet::new(0));
-        let mut dir = event(kind::OPEN, "/mnt/net/pkg");
+        // A directory opened through a container's bind of the tree, then a failed lookup
+        // relative to it, and a file opened through hocus's bind of its local copy.
+        let mut dir = placed(kind::OPEN, 0, "/pkg", "");
         dir.open_flags = O_DIRECTORY;
         dir.file_id = 1;
         o.handle(&dir, &mut ws);
-        let mut rel = event(kind::MISSING, "mod.py");
-        rel.flags = ev::RELATIVE_TO_DIR;
-        rel.dir_id = 1;
-        o.handle(&rel, &mut ws);
+        o.handle(&placed(kind::MISSING, 0, "/pkg", "sub/mod.py"), &mut ws);
+        o.handle(&placed(kind::OPEN, 1, "/mnt/net/lib/a.py", ""), &mut ws);
+        // `..` from a directory climbs where the process is, not where the tree is.
+        o.handle(&placed(kind::MISSING, 0, "/pkg", "../x.py"), &mut ws);
+        // A copy of something outside the watched trees is not watched.
+        o.handle(&placed(kind::OPEN, 1, "/etc/passwd", ""), &mut ws);
         let p = ws.to_profile();
-        assert_eq!(p.missing[0].path, "/mnt/net/pkg/mod.py");
+        assert_eq!(p.missing.len(), 1);
+        assert_eq!(p.missing[0].path, "/mnt/net/pkg/sub/mod.py");
         assert_eq!(p.dirs[0].path, "/mnt/net/pkg");
-        assert!(p.files.is_empty(), "a directory is not a file");
+        assert_eq!(p.files.len(), 1, "a directory is not a file");
+        assert_eq!(p.files[0].path, "/mnt/net/lib/a.py");
+        assert_eq!((o.tally.unresolved, o.tally.outside_watched), (1, 1));
     }
 
     #[test]

@@ -1,10 +1,12 @@
 //! Stage **observe**: what processes do on the watched trees. Loads the eBPF programs
-//! (`tracer`), finds tracepoint field offsets (`tracefs`) and the syscalls to trace
-//! (`syscalls`), reads the mount table (`mounts`), and turns the kernel's events into
-//! working-set updates, accesses for the keeper and changes to invalidate (`events`).
+//! (`tracer`), finds tracepoint field offsets (`tracefs`), kernel struct field offsets
+//! (`btf`) and the syscalls to trace (`syscalls`), reads the mount table (`mounts`), and
+//! turns the kernel's events into working-set updates, accesses for the keeper and
+//! changes to invalidate (`events`).
 //!
 //! May use: `profile`, `shared`.
 
+pub mod btf;
 pub mod events;
 pub mod mounts;
 pub mod syscalls;

@@ -1,10 +1,14 @@
 //! The kernel side, from the agent: loads the eBPF programs embedded in this binary,
-//! tells them where syscall arguments are (from tracefs) and which paths are watched,
-//! attaches them, and reads what they report.
+//! tells them where syscall arguments are (from tracefs), where kernel struct fields
+//! are (from BTF) and which trees are watched, attaches them, and reads what they report.
 
 use std::{
-    os::fd::{AsRawFd, RawFd},
-    path::Path,
+    ffi::CString,
+    os::{
+        fd::{AsRawFd, FromRawFd, OwnedFd, RawFd},
+        unix::{ffi::OsStrExt, fs::MetadataExt},
+    },
+    path::{Path, PathBuf},
 };
 
 use anyhow::{Context, Result, bail};
@@ -14,13 +18,24 @@ use aya::{
     programs::{TracePoint, trace_point::TracePointLinkId},
 };
 use hocus_common::{
-    Event, FdKey, MAX_PREFIX, MAX_TREES, MAX_WATCHED, OpenFile, SyscallLayout, Watched, counter,
+    Calibration, Event, FdKey, MAX_PREFIX, MAX_ROOTS, MAX_TREES, MAX_WATCHED, NamespaceKey,
+    OpenFile, SyscallLayout, Watched, counter,
 };
 
 use crate::observe::{
+    btf::{self, Btf},
     syscalls::{self, Programs},
     tracefs,
 };
+
+/// A directory the kernel side places files under: a watched tree, or the cache's
+/// copies of network files (whose paths below it are the network paths).
+#[derive(Debug, Clone)]
+pub struct Root {
+    pub path: PathBuf,
+    /// `superblock::WATCHED` or `superblock::CACHE`.
+    pub kind: u32,
+}
 
 pub struct Tracer {
     // Owns the programs and their tracepoint links: dropping it detaches everything.
@@ -29,8 +44,10 @@ pub struct Tracer {
     links: Vec<(&'static str, TracePointLinkId)>,
     events: RingBuf<MapData>,
     open_files: HashMap<MapData, FdKey, OpenFile>,
-    cwd: HashMap<MapData, u32, u8>,
     counters: PerCpuArray<MapData, u64>,
+    /// The roots, held open for as long as the programs run: their dentries and
+    /// superblocks stay allocated, so the addresses the kernel side compares stay theirs.
+    held: Vec<OwnedFd>,
     /// Syscalls this kernel lacks, skipped.
     pub skipped: Vec<String>,
 }
@@ -60,8 +77,11 @@ impl Tracer {
         let fork_parent = u32::from(fork_format.offset("parent_pid")?);
         let fork_child = u32::from(fork_format.offset("child_pid")?);
         let self_tgid = std::process::id();
+        let offsets = btf::kernel_offsets(&Btf::from_kernel()?)
+            .context("finding the kernel struct fields hocus reads")?;
 
         let mut ebpf = EbpfLoader::new()
+            .override_global("OFFSETS", &offsets, true)
             .override_global("SELF_TGID", &self_tgid, true)
             .override_global("NR_OFFSET", &nr_offset, true)
             .override_global("RET_OFFSET", &ret_offset, true)
@@ -131,7 +151,6 @@ impl Tracer {
         let events = RingBuf::try_from(ebpf.take_map("EVENTS").context("no EVENTS map")?)?;
         let open_files =
             HashMap::try_from(ebpf.take_map("OPEN_FILES").context("no OPEN_FILES map")?)?;
-        let cwd = HashMap::try_from(ebpf.take_map("CWD").context("no CWD map")?)?;
         let counters =
             PerCpuArray::try_from(ebpf.take_map("COUNTERS").context("no COUNTERS map")?)?;
         Ok(Self {
@@ -139,10 +158,111 @@ impl Tracer {
             links,
             events,
             open_files,
-            cwd,
             counters,
+            held: Vec::new(),
             skipped,
         })
+    }
+
+    /// Finds the roots in the kernel (through one of the agent's own syscalls on each,
+    /// which the kernel side answers in `CALIBRATE`), checks the answers against `fstat`,
+    /// and tells the kernel side to place files under them. Also takes the agent's own
+    /// mount namespace as known. Call from one thread, before anything else is traced.
+    pub fn place_under(&mut self, roots: &[Root]) -> Result<()> {
+        if roots.len() > MAX_ROOTS {
+            bail!(
+                "at most {} trees can be watched with the cache",
+                MAX_ROOTS - 2
+            );
+        }
+        let mut table = Vec::new();
+        let mut superblocks: Vec<(u64, u32)> = Vec::new();
+        let mut namespace = None;
+        for (i, root) in roots.iter().enumerate() {
+            let fd = open_dir(&root.path)?;
+            let c = self.calibrate(&fd)?;
+            let meta = std::fs::metadata(format!("/proc/self/fd/{}", fd.as_raw_fd()))?;
+            let dev = ((libc::major(meta.dev()) as u32) << 20) | libc::minor(meta.dev()) as u32;
+            let name = &c.name[..c.name.iter().position(|b| *b == 0).unwrap_or(c.name.len())];
+            let expected = root.path.file_name().map_or(&b"/"[..], |n| n.as_bytes());
+            // A filesystem's root directory is named "/" in the kernel, whatever it is
+            // mounted on.
+            let named = name == expected || name == b"/";
+            if c.dev != dev || !named || c.dentry == 0 || c.superblock == 0 {
+                bail!(
+                    "the kernel's structs are not where its BTF says (hocus read device {:#x} and name {:?} for {}, which is device {dev:#x}): this kernel is not supported, please report it",
+                    c.dev,
+                    String::from_utf8_lossy(name),
+                    root.path.display()
+                );
+            }
+            table.push((c.dentry, i as u32));
+            match superblocks.iter_mut().find(|(sb, _)| *sb == c.superblock) {
+                Some((_, flags)) => *flags |= root.kind,
+                None => superblocks.push((c.superblock, root.kind)),
+            }
+            namespace = Some(c.namespace);
+            self.held.push(fd);
+        }
+        // The working directory and the root directory are read at other offsets:
+        // checked the same way, against descriptors of "." and "/".
+        let (cwd, slash) = (open_dir(Path::new("."))?, open_dir(Path::new("/"))?);
+        let (c_cwd, c_slash) = (self.calibrate(&cwd)?, self.calibrate(&slash)?);
+        if c_cwd.cwd != c_cwd.dentry || c_slash.namespace.root != c_slash.dentry {
+            bail!(
+                "the kernel's structs are not where its BTF says (working directory or root did not match): this kernel is not supported, please report it"
+            );
+        }
+        let namespace = namespace.unwrap_or(c_slash.namespace);
+        if namespace.namespace == 0 {
+            bail!("the kernel side could not read the agent's mount namespace");
+        }
+        let mut roots_map: HashMap<_, u64, u32> =
+            HashMap::try_from(self.ebpf.map_mut("ROOTS").context("no ROOTS map")?)?;
+        for (dentry, index) in table {
+            roots_map.insert(dentry, index, 0)?;
+        }
+        let mut sb_map: HashMap<_, u64, u32> = HashMap::try_from(
+            self.ebpf
+                .map_mut("SUPERBLOCKS")
+                .context("no SUPERBLOCKS map")?,
+        )?;
+        for (sb, flags) in superblocks {
+            sb_map.insert(sb, flags, 0)?;
+        }
+        let mut known: HashMap<_, NamespaceKey, u32> = HashMap::try_from(
+            self.ebpf
+                .map_mut("KNOWN_NAMESPACES")
+                .context("no KNOWN_NAMESPACES map")?,
+        )?;
+        known.insert(namespace, 1, 0)?;
+        Ok(())
+    }
+
+    /// Asks the kernel side what the agent's descriptor `fd` is open on.
+    fn calibrate(&mut self, fd: &OwnedFd) -> Result<Calibration> {
+        let mut map: Array<_, Calibration> =
+            Array::try_from(self.ebpf.map_mut("CALIBRATE").context("no CALIBRATE map")?)?;
+        // SAFETY: no arguments.
+        let tid = unsafe { libc::gettid() } as u64;
+        let ask = Calibration {
+            thread: (u64::from(std::process::id()) << 32) | tid,
+            fd: fd.as_raw_fd(),
+            ..Default::default()
+        };
+        map.set(0, ask, 0)?;
+        // Any traced path syscall of this thread is answered: fstatat on the descriptor.
+        // SAFETY: valid descriptor, empty path, a stat buffer of the right size.
+        unsafe {
+            let mut st: libc::stat = std::mem::zeroed();
+            libc::fstatat(fd.as_raw_fd(), c"".as_ptr(), &mut st, libc::AT_EMPTY_PATH);
+        }
+        let answer = map.get(&0, 0)?;
+        map.set(0, Calibration::default(), 0)?;
+        if answer.done == 0 {
+            bail!("the kernel side did not answer the agent's calibration (is newfstatat traced?)");
+        }
+        Ok(answer)
     }
 
     /// Detaches and unloads the programs: nothing more is traced. The maps stay readable.
@@ -190,11 +310,6 @@ impl Tracer {
         n
     }
 
-    /// Tells the kernel where a process's working directory is (`hocus_common::cwd`).
-    pub fn set_cwd(&mut self, tgid: u32, place: u8) {
-        let _ = self.cwd.insert(tgid, place, 0);
-    }
-
     /// The watched files processes have open now, with what they have read so far.
     pub fn open_files(&self) -> Vec<(FdKey, OpenFile)> {
         self.open_files.iter().filter_map(Result::ok).collect()
@@ -221,8 +336,7 @@ impl AsRawFd for Tracer {
     }
 }
 
-/// The kernel's prefix table: the watched trees, then each directory above one (so the
-/// kernel knows a process there can reach a tree by a relative path).
+/// The kernel's prefix table: the watched trees, as the agent sees them.
 fn prefix_table(trees: &[&Path]) -> Result<Vec<Watched>> {
     if trees.is_empty() || trees.len() > MAX_TREES {
         bail!(
@@ -230,31 +344,39 @@ fn prefix_table(trees: &[&Path]) -> Result<Vec<Watched>> {
             trees.len()
         );
     }
-    let entry = |path: &Path, kind| {
-        Watched::new(path.as_os_str().as_encoded_bytes(), kind).with_context(|| {
-            format!(
-                "{} is too long to watch (at most {} bytes)",
-                path.display(),
-                MAX_PREFIX - 1
-            )
-        })
-    };
-    let mut table = trees
+    let table = trees
         .iter()
-        .map(|t| entry(t, Watched::TREE))
+        .map(|path| {
+            Watched::new(path.as_os_str().as_encoded_bytes()).with_context(|| {
+                format!(
+                    "{} is too long to watch (at most {} bytes)",
+                    path.display(),
+                    MAX_PREFIX - 1
+                )
+            })
+        })
         .collect::<Result<Vec<_>>>()?;
-    let mut above: Vec<&Path> = trees.iter().flat_map(|t| t.ancestors().skip(1)).collect();
-    above.sort();
-    above.dedup();
-    for dir in above {
-        table.push(entry(dir, Watched::ABOVE)?);
-    }
     if table.len() > MAX_WATCHED as usize {
-        bail!(
-            "the watched trees are too deep or too many (the kernel table holds {MAX_WATCHED} entries with their parents)"
-        );
+        bail!("too many watched trees (the kernel table holds {MAX_WATCHED})");
     }
     Ok(table)
+}
+
+fn open_dir(path: &Path) -> Result<OwnedFd> {
+    let c = CString::new(path.as_os_str().as_bytes())?;
+    // SAFETY: valid C string; the descriptor is owned on success.
+    let fd = unsafe {
+        libc::open(
+            c.as_ptr(),
+            libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC,
+        )
+    };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error())
+            .with_context(|| format!("opening {}", path.display()));
+    }
+    // SAFETY: just opened, owned by nobody else.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
 /// Kernels before 5.11 charge BPF maps to RLIMIT_MEMLOCK; lift it so loading works there.

@@ -1,0 +1,274 @@
+//! Where the kernel keeps the fields the eBPF programs read (a task's descriptors and
+//! working directory, a file's path, a dentry's name and parent ...), read from the
+//! kernel's own type information (`/sys/kernel/btf/vmlinux`). Rust eBPF has no CO-RE
+//! relocations, so the agent resolves each offset here and passes them in as a global;
+//! the programs then read kernel memory with `bpf_probe_read_kernel`, which tolerates a
+//! wrong address but would return garbage: `tracer::calibrate` checks the results
+//! against what `fstat` says before anything is trusted.
+//!
+//! Only what is needed of the BTF format is read: the type section (to walk struct and
+//! union members, anonymous ones included) and the string section (for names).
+
+use std::{collections::HashMap, path::Path};
+
+use anyhow::{Context, Result, bail};
+use hocus_common::KernelOffsets;
+
+const MAGIC: u16 = 0xeb9f;
+
+const KIND_INT: u32 = 1;
+const KIND_ARRAY: u32 = 3;
+const KIND_STRUCT: u32 = 4;
+const KIND_UNION: u32 = 5;
+const KIND_ENUM: u32 = 6;
+const KIND_TYPEDEF: u32 = 8;
+const KIND_VOLATILE: u32 = 9;
+const KIND_CONST: u32 = 10;
+const KIND_RESTRICT: u32 = 11;
+const KIND_FUNC_PROTO: u32 = 13;
+const KIND_VAR: u32 = 14;
+const KIND_DATASEC: u32 = 15;
+const KIND_DECL_TAG: u32 = 17;
+const KIND_TYPE_TAG: u32 = 18;
+const KIND_ENUM64: u32 = 19;
+
+#[derive(Debug, Clone, Copy)]
+struct Member {
+    name_off: u32,
+    type_id: u32,
+    /// Bit offset from the start of the enclosing struct or union.
+    bit_offset: u32,
+}
+
+#[derive(Debug, Clone)]
+struct Type {
+    name_off: u32,
+    kind: u32,
+    /// The referenced type, for typedefs and modifiers.
+    refers_to: u32,
+    members: Vec<Member>,
+}
+
+/// The kernel's types, as far as struct layouts go.
+pub struct Btf {
+    /// By type id; id 0 is `void`.
+    types: Vec<Type>,
+    strings: Vec<u8>,
+    structs_by_name: HashMap<String, u32>,
+}
+
+impl Btf {
+    pub fn from_kernel() -> Result<Self> {
+        let path = Path::new("/sys/kernel/btf/vmlinux");
+        let data = std::fs::read(path).with_context(|| {
+            format!(
+                "reading {}: hocus needs a kernel built with CONFIG_DEBUG_INFO_BTF",
+                path.display()
+            )
+        })?;
+        Self::parse(&data).with_context(|| format!("reading {}", path.display()))
+    }
+
+    pub fn parse(data: &[u8]) -> Result<Self> {
+        let u16_at = |at: usize| -> Result<u16> {
+            Ok(u16::from_le_bytes(
+                data.get(at..at + 2).context("truncated")?.try_into()?,
+            ))
+        };
+        let u32_at = |at: usize| -> Result<u32> {
+            Ok(u32::from_le_bytes(
+                data.get(at..at + 4).context("truncated")?.try_into()?,
+            ))
+        };
+        if u16_at(0)? != MAGIC {
+            bail!("not little-endian BTF");
+        }
+        let hdr_len = u32_at(4)? as usize;
+        let (type_off, type_len) = (u32_at(8)? as usize, u32_at(12)? as usize);
+        let (str_off, str_len) = (u32_at(16)? as usize, u32_at(20)? as usize);
+        let strings = data
+            .get(hdr_len + str_off..hdr_len + str_off + str_len)
+            .context("string section out of bounds")?
+            .to_vec();
+        let mut types = vec![Type {
+            name_off: 0,
+            kind: 0,
+            refers_to: 0,
+            members: Vec::new(),
+        }];
+        let mut at = hdr_len + type_off;
+        let end = at + type_len;
+        while at < end {
+            let name_off = u32_at(at)?;
+            let info = u32_at(at + 4)?;
+            let size_or_type = u32_at(at + 8)?;
+            let (vlen, kind, kind_flag) = (
+                (info & 0xffff) as usize,
+                (info >> 24) & 0x1f,
+                info >> 31 == 1,
+            );
+            at += 12;
+            let mut members = Vec::new();
+            let extra = match kind {
+                KIND_INT | KIND_VAR | KIND_DECL_TAG => 4,
+                KIND_ARRAY => 12,
+                KIND_STRUCT | KIND_UNION => {
+                    for i in 0..vlen {
+                        let m = at + 12 * i;
+                        let offset = u32_at(m + 8)?;
+                        members.push(Member {
+                            name_off: u32_at(m)?,
+                            type_id: u32_at(m + 4)?,
+                            bit_offset: if kind_flag {
+                                offset & 0xff_ffff
+                            } else {
+                                offset
+                            },
+                        });
+                    }
+                    12 * vlen
+                }
+                KIND_ENUM | KIND_FUNC_PROTO => 8 * vlen,
+                KIND_DATASEC | KIND_ENUM64 => 12 * vlen,
+                _ => 0,
+            };
+            at += extra;
+            types.push(Type {
+                name_off,
+                kind,
+                refers_to: size_or_type,
+                members,
+            });
+        }
+        let mut btf = Self {
+            types,
+            strings,
+            structs_by_name: HashMap::new(),
+        };
+        for (id, t) in btf.types.iter().enumerate() {
+            if t.kind == KIND_STRUCT && t.name_off != 0 {
+                let name = btf.name(t.name_off).to_owned();
+                // The first definition wins; a later one of the same name is a forward
+                // declaration's twin in practice.
+                btf.structs_by_name.entry(name).or_insert(id as u32);
+            }
+        }
+        Ok(btf)
+    }
+
+    fn name(&self, off: u32) -> &str {
+        let rest = self.strings.get(off as usize..).unwrap_or_default();
+        let end = rest.iter().position(|b| *b == 0).unwrap_or(rest.len());
+        std::str::from_utf8(&rest[..end]).unwrap_or_default()
+    }
+
+    /// Follows typedefs and modifiers to the type they name.
+    fn resolve(&self, mut id: u32) -> Option<&Type> {
+        for _ in 0..32 {
+            let t = self.types.get(id as usize)?;
+            match t.kind {
+                KIND_TYPEDEF | KIND_VOLATILE | KIND_CONST | KIND_RESTRICT | KIND_TYPE_TAG => {
+                    id = t.refers_to;
+                }
+                _ => return Some(t),
+            }
+        }
+        None
+    }
+
+    /// The bit offset of `field` in `ty`, looking through anonymous structs and unions.
+    fn find(&self, ty: &Type, field: &str) -> Option<(u32, u32)> {
+        for m in &ty.members {
+            if m.name_off != 0 {
+                if self.name(m.name_off) == field {
+                    return Some((m.bit_offset, m.type_id));
+                }
+                continue;
+            }
+            let inner = self.resolve(m.type_id)?;
+            if matches!(inner.kind, KIND_STRUCT | KIND_UNION) {
+                if let Some((bits, id)) = self.find(inner, field) {
+                    return Some((m.bit_offset + bits, id));
+                }
+            }
+        }
+        None
+    }
+
+    /// The byte offset of a dotted field path (`"f_path.dentry"`) in struct `name`.
+    pub fn offset(&self, name: &str, fields: &str) -> Result<u32> {
+        let id = *self
+            .structs_by_name
+            .get(name)
+            .with_context(|| format!("the kernel has no struct {name}"))?;
+        let mut ty = self.resolve(id).context("unresolvable type")?;
+        let mut bits = 0;
+        for field in fields.split('.') {
+            let (at, member_type) = self
+                .find(ty, field)
+                .with_context(|| format!("struct {name} has no field {fields}"))?;
+            bits += at;
+            ty = self.resolve(member_type).context("unresolvable type")?;
+        }
+        if bits % 8 != 0 {
+            bail!("{name}.{fields} is a bit field");
+        }
+        Ok(bits / 8)
+    }
+
+    pub fn has(&self, name: &str, fields: &str) -> bool {
+        self.offset(name, fields).is_ok()
+    }
+}
+
+/// Every offset the programs use, from this kernel's BTF.
+pub fn kernel_offsets(btf: &Btf) -> Result<KernelOffsets> {
+    let o = |s: &str, f: &str| btf.offset(s, f);
+    // A mount namespace's id that is never reused: `ns.ns_id` (6.18), else `seq`.
+    let mnt_ns_id = if btf.has("mnt_namespace", "ns.ns_id") {
+        o("mnt_namespace", "ns.ns_id")?
+    } else {
+        o("mnt_namespace", "seq")?
+    };
+    Ok(KernelOffsets {
+        task_files: o("task_struct", "files")?,
+        task_fs: o("task_struct", "fs")?,
+        task_nsproxy: o("task_struct", "nsproxy")?,
+        files_fdt: o("files_struct", "fdt")?,
+        fdt_max_fds: o("fdtable", "max_fds")?,
+        fdt_fd: o("fdtable", "fd")?,
+        file_mnt: o("file", "f_path.mnt")?,
+        file_dentry: o("file", "f_path.dentry")?,
+        fs_pwd_mnt: o("fs_struct", "pwd.mnt")?,
+        fs_pwd_dentry: o("fs_struct", "pwd.dentry")?,
+        fs_root_dentry: o("fs_struct", "root.dentry")?,
+        dentry_parent: o("dentry", "d_parent")?,
+        dentry_name_len: o("dentry", "d_name.len")?,
+        dentry_name: o("dentry", "d_name.name")?,
+        dentry_sb: o("dentry", "d_sb")?,
+        vfsmount_root: o("vfsmount", "mnt_root")?,
+        sb_root: o("super_block", "s_root")?,
+        sb_dev: o("super_block", "s_dev")?,
+        nsproxy_mnt_ns: o("nsproxy", "mnt_ns")?,
+        mnt_ns_id,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn this_kernel_has_every_field() {
+        // The machines hocus runs on have BTF (the integration tests load for real).
+        let o = kernel_offsets(&Btf::from_kernel().unwrap()).unwrap();
+        // d_name is a qstr: a 32-bit hash and length, then the name pointer.
+        assert_eq!(o.dentry_name_len + 4, o.dentry_name);
+        assert_ne!(o.task_files, o.task_fs);
+        assert_eq!(
+            o.fs_pwd_dentry,
+            o.fs_pwd_mnt + 8,
+            "struct path is mnt, dentry"
+        );
+    }
+}
