@@ -80,14 +80,10 @@ pub struct KernelOffsets {
     pub files_fdt: u32,
     pub fdt_max_fds: u32,
     pub fdt_fd: u32,
-    /// file.f_path.mnt
+    /// file.f_path (a struct path: mnt, then dentry)
     pub file_mnt: u32,
-    /// file.f_path.dentry
-    pub file_dentry: u32,
-    /// fs_struct.pwd.mnt
+    /// fs_struct.pwd (a struct path)
     pub fs_pwd_mnt: u32,
-    /// fs_struct.pwd.dentry
-    pub fs_pwd_dentry: u32,
     /// fs_struct.root.dentry
     pub fs_root_dentry: u32,
     pub dentry_parent: u32,
@@ -95,7 +91,7 @@ pub struct KernelOffsets {
     pub dentry_name_len: u32,
     /// dentry.d_name.name
     pub dentry_name: u32,
-    pub dentry_sb: u32,
+    /// vfsmount.mnt_root, followed by mnt_sb
     pub vfsmount_root: u32,
     pub sb_root: u32,
     pub sb_dev: u32,

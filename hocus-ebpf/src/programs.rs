@@ -57,14 +57,11 @@ static OFFSETS: KernelOffsets = KernelOffsets {
     fdt_max_fds: 0,
     fdt_fd: 0,
     file_mnt: 0,
-    file_dentry: 0,
     fs_pwd_mnt: 0,
-    fs_pwd_dentry: 0,
     fs_root_dentry: 0,
     dentry_parent: 0,
     dentry_name_len: 0,
     dentry_name: 0,
-    dentry_sb: 0,
     vfsmount_root: 0,
     sb_root: 0,
     sb_dev: 0,
@@ -195,25 +192,20 @@ fn task() -> u64 {
 fn file_place(fd: u32) -> Option<Place> {
     let files: u64 = field(task(), offset(|o| &o.task_files))?;
     let fdt: u64 = field(files, offset(|o| &o.files_fdt))?;
-    let max: u32 = field(fdt, offset(|o| &o.fdt_max_fds))?;
-    if fd >= max {
-        return None;
-    }
+    // No check against max_fds: `fd` was valid at this syscall (a table only grows), and
+    // a wrong read lands on no known superblock anyway. One read less on every open.
     let array: u64 = field(fdt, offset(|o| &o.fdt_fd))?;
     let file: u64 = field(array + u64::from(fd) * 8, 0)?;
-    Some(Place {
-        mnt: field(file, offset(|o| &o.file_mnt))?,
-        dentry: field(file, offset(|o| &o.file_dentry))?,
-    })
+    // f_path is a struct path: mnt then dentry, read at once (checked by the agent).
+    let [mnt, dentry] = field::<[u64; 2]>(file, offset(|o| &o.file_mnt))?;
+    Some(Place { mnt, dentry })
 }
 
 /// The current process's working directory.
 fn cwd_place() -> Option<Place> {
     let fs: u64 = field(task(), offset(|o| &o.task_fs))?;
-    Some(Place {
-        mnt: field(fs, offset(|o| &o.fs_pwd_mnt))?,
-        dentry: field(fs, offset(|o| &o.fs_pwd_dentry))?,
-    })
+    let [mnt, dentry] = field::<[u64; 2]>(fs, offset(|o| &o.fs_pwd_mnt))?;
+    Some(Place { mnt, dentry })
 }
 
 /// The current process's mount namespace and root: what its absolute paths mean.
@@ -244,13 +236,14 @@ struct Located {
 /// namespace it was reached through: a tree bound elsewhere in a container is still
 /// the tree, a look-alike mounted at the same path is another superblock.
 fn locate(place: &Place) -> Option<Located> {
-    let sb: u64 = field(place.dentry, offset(|o| &o.dentry_sb))?;
+    // The mount's root and superblock, read at once (adjacent, checked by the agent):
+    // every open on the node pays this, so it is kept to one read.
+    let [mnt_root, sb] = field::<[u64; 2]>(place.mnt, offset(|o| &o.vfsmount_root))?;
     // SAFETY: plain value copy.
     let flags = unsafe { *SUPERBLOCKS.get(&sb)? };
     if flags & superblock::WATCHED == 0 {
         // Only the cache is on this disk: what matters is reached through hocus's binds
         // (mounts rooted inside the cache), not through the disk's own mount.
-        let mnt_root: u64 = field(place.mnt, offset(|o| &o.vfsmount_root))?;
         let s_root: u64 = field(sb, offset(|o| &o.sb_root))?;
         if mnt_root == s_root {
             return None;
@@ -478,7 +471,8 @@ fn calibrate(c: &mut Calibration) {
     if let Some(f) = file_place(c.fd as u32) {
         c.mnt = f.mnt;
         c.dentry = f.dentry;
-        c.superblock = field(f.dentry, offset(|o| &o.dentry_sb)).unwrap_or(0);
+        // The superblock as `locate` reads it: the mount's, beside its root.
+        c.superblock = field::<[u64; 2]>(f.mnt, offset(|o| &o.vfsmount_root)).map_or(0, |m| m[1]);
         c.dev = field(c.superblock, offset(|o| &o.sb_dev)).unwrap_or(0);
         c.name_len = field(f.dentry, offset(|o| &o.dentry_name_len)).unwrap_or(0);
         let name: u64 = field(f.dentry, offset(|o| &o.dentry_name)).unwrap_or(0);
