@@ -35,6 +35,12 @@ pub const ROOT_NONE: u32 = u32::MAX;
 pub const MAX_KNOWN_NAMESPACES: u32 = 4096;
 /// Superblocks the kernel side looks at.
 pub const MAX_SUPERBLOCKS: u32 = 32;
+/// `Event::root` of an absolute path in another mount namespace's view (`Event::namespace`).
+pub const ROOT_VIEW: u32 = u32::MAX - 1;
+/// Other mount namespaces (containers) whose view of the watched trees the kernel holds.
+pub const MAX_VIEWS: u32 = 1024;
+/// Paths at which one namespace sees watched trees.
+pub const VIEW_PREFIXES: usize = 4;
 
 /// What a traced syscall means for the profile.
 pub mod op {
@@ -58,6 +64,9 @@ pub mod op {
     /// unshare: when the agent's own thread makes a job's mount namespace, the kernel
     /// side takes paths in it as the agent's own.
     pub const NEW_NAMESPACE: u8 = 12;
+    /// mount, umount2, move_mount, pivot_root: what absolute paths mean may change, in
+    /// this namespace and (by propagation) in others; every learned view is stale.
+    pub const MOUNTS_CHANGE: u8 = 13;
 }
 
 /// What the kernel side knows about a superblock (`SUPERBLOCKS`).
@@ -98,6 +107,26 @@ pub struct KernelOffsets {
     pub nsproxy_mnt_ns: u32,
     /// A mount namespace's id that is never reused.
     pub mnt_ns_id: u32,
+    /// Its inode number (what /proc/PID/ns/mnt shows; reused after the namespace goes).
+    pub mnt_ns_inum: u32,
+}
+
+/// How another mount namespace sees the watched trees, learned by the agent from
+/// /proc/PID/mountinfo: the paths at which it sees them (a coarse filter; the agent
+/// resolves each path precisely), valid while `MOUNT_GENERATION` is `generation`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct View {
+    pub generation: u64,
+    pub prefixes: [Watched; VIEW_PREFIXES],
+}
+
+/// The agent's own mount namespace and root, compared first: most processes share them.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Home {
+    pub nsproxy: u64,
+    pub root: u64,
 }
 
 /// A mount namespace and a root directory: together they say what an absolute path means.
@@ -129,6 +158,9 @@ pub struct Calibration {
     /// The asking thread's working directory's dentry.
     pub cwd: u64,
     pub namespace: NamespaceKey,
+    pub nsproxy: u64,
+    pub ns_inum: u32,
+    pub _pad: u32,
     pub name: [u8; 64],
 }
 
@@ -145,6 +177,9 @@ impl Default for Calibration {
             name_len: 0,
             cwd: 0,
             namespace: NamespaceKey::default(),
+            nsproxy: 0,
+            ns_inum: 0,
+            _pad: 0,
             name: [0; 64],
         }
     }
@@ -265,6 +300,9 @@ pub mod kind {
     /// A write, create, truncate, rename or unlink failed with EROFS (a job wrote into a
     /// read-only local copy).
     pub const REFUSED_WRITE: u8 = 13;
+    /// A process in a mount namespace whose view the kernel does not hold (or holds from
+    /// before a mount changed) looked up an absolute path: learn its view.
+    pub const LEARN_VIEW: u8 = 14;
 }
 
 /// Event flags.
@@ -297,6 +335,11 @@ pub struct Event {
     pub job: u32,
     pub root: u32,
     pub base_len: u32,
+    /// For `ROOT_VIEW` and `LEARN_VIEW`: the namespace, and `MOUNT_GENERATION` then.
+    pub namespace: NamespaceKey,
+    pub generation: u64,
+    pub ns_inum: u32,
+    pub _pad2: u32,
     pub comm: [u8; 16],
     pub base: [u8; MAX_PATH],
     pub path: [u8; MAX_PATH],
@@ -314,8 +357,9 @@ pub mod counter {
     pub const LOST_OPENS: u32 = 6;
     /// Of `LOST_RING_FULL`: failed lookups.
     pub const LOST_FAILED_LOOKUPS: u32 = 7;
-    /// An absolute path on a watched tree's prefix from a mount namespace (or chroot)
-    /// that is not the agent's or a job's: what it names is unknown, so it is dropped.
+    /// An absolute path from a mount namespace (or chroot) that is not the agent's or a
+    /// job's, and whose view is not learned yet: what it names is unknown, so it is
+    /// dropped (the agent is asked to learn the view).
     pub const FOREIGN_NAMESPACE: u32 = 8;
     /// A file deeper below its root than the kernel side walks.
     pub const PATH_TOO_DEEP: u32 = 9;
@@ -347,4 +391,6 @@ mod user {
     unsafe impl aya::Pod for KernelOffsets {}
     unsafe impl aya::Pod for NamespaceKey {}
     unsafe impl aya::Pod for Calibration {}
+    unsafe impl aya::Pod for View {}
+    unsafe impl aya::Pod for Home {}
 }

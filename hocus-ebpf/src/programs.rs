@@ -10,10 +10,11 @@ use aya_ebpf::{
     programs::TracePointContext,
 };
 use hocus_common::{
-    AT_FDCWD, Calibration, Event, FdKey, KernelOffsets, MAX_KNOWN_NAMESPACES, MAX_OPEN_FILES,
-    MAX_PATH, MAX_PREFIX, MAX_PROCESSES, MAX_ROOTS, MAX_SUPERBLOCKS, MAX_SYSCALL_NR, MAX_WATCHED,
-    NO_FIELD, NamespaceKey, OpenFile, PREFIX_WORDS, PathBuf, Pending, RING_BYTES, ROOT_NONE,
-    SyscallLayout, Watched, counter, ev, flags_from, kind, op, superblock,
+    AT_FDCWD, Calibration, Event, FdKey, Home, KernelOffsets, MAX_KNOWN_NAMESPACES, MAX_OPEN_FILES,
+    MAX_PATH, MAX_PREFIX, MAX_PROCESSES, MAX_ROOTS, MAX_SUPERBLOCKS, MAX_SYSCALL_NR, MAX_VIEWS,
+    MAX_WATCHED, NO_FIELD, NamespaceKey, OpenFile, PREFIX_WORDS, PathBuf, Pending, RING_BYTES,
+    ROOT_NONE, ROOT_VIEW, SyscallLayout, View, Watched, counter, ev, flags_from, kind, op,
+    superblock,
 };
 
 const ENOENT: i64 = 2;
@@ -67,6 +68,7 @@ static OFFSETS: KernelOffsets = KernelOffsets {
     sb_dev: 0,
     nsproxy_mnt_ns: 0,
     mnt_ns_id: 0,
+    mnt_ns_inum: 0,
 };
 
 #[map]
@@ -85,6 +87,19 @@ static SUPERBLOCKS: HashMap<u64, u32> = HashMap::with_max_entries(MAX_SUPERBLOCK
 #[map]
 static KNOWN_NAMESPACES: LruHashMap<NamespaceKey, u32> =
     LruHashMap::with_max_entries(MAX_KNOWN_NAMESPACES, 0);
+/// The agent's own mount namespace (by its nsproxy) and root.
+#[map]
+static HOME: Array<Home> = Array::with_max_entries(1, 0);
+/// How other mount namespaces (containers) see the watched trees, learned by the agent.
+#[map]
+static VIEWS: LruHashMap<NamespaceKey, View> = LruHashMap::with_max_entries(MAX_VIEWS, 0);
+/// The namespaces whose view the agent was asked to learn, at which generation: asked
+/// once per mount change, not once per lookup.
+#[map]
+static ASKED: LruHashMap<NamespaceKey, u64> = LruHashMap::with_max_entries(MAX_VIEWS, 0);
+/// Bumped when a mount syscall starts and when it ends: a view learned before is stale.
+#[map]
+static MOUNT_GENERATION: Array<u64> = Array::with_max_entries(1, 0);
 /// The agent's question about one of its descriptors, and the answer.
 #[map]
 static CALIBRATE: Array<Calibration> = Array::with_max_entries(1, 0);
@@ -208,20 +223,39 @@ fn cwd_place() -> Option<Place> {
     Some(Place { mnt, dentry })
 }
 
-/// The current process's mount namespace and root: what its absolute paths mean.
-fn namespace() -> Option<NamespaceKey> {
-    let nsproxy: u64 = field(task(), offset(|o| &o.task_nsproxy))?;
+/// The current process's mount namespace (from its nsproxy) and root: what its absolute
+/// paths mean; and the namespace's inode number, which the agent checks.
+fn namespace_of(nsproxy: u64) -> Option<(NamespaceKey, u32)> {
     let mnt_ns: u64 = field(nsproxy, offset(|o| &o.nsproxy_mnt_ns))?;
-    let fs: u64 = field(task(), offset(|o| &o.task_fs))?;
-    Some(NamespaceKey {
+    let key = NamespaceKey {
         namespace: field(mnt_ns, offset(|o| &o.mnt_ns_id))?,
-        root: field(fs, offset(|o| &o.fs_root_dentry))?,
-    })
+        root: root_dentry()?,
+    };
+    Some((key, field(mnt_ns, offset(|o| &o.mnt_ns_inum))?))
 }
 
-fn known_namespace() -> bool {
-    // SAFETY: plain lookup.
-    namespace().is_some_and(|k| unsafe { KNOWN_NAMESPACES.get(&k) }.is_some())
+fn nsproxy() -> Option<u64> {
+    field(task(), offset(|o| &o.task_nsproxy))
+}
+
+fn root_dentry() -> Option<u64> {
+    let fs: u64 = field(task(), offset(|o| &o.task_fs))?;
+    field(fs, offset(|o| &o.fs_root_dentry))
+}
+
+fn generation() -> u64 {
+    MOUNT_GENERATION.get(0).copied().unwrap_or(0)
+}
+
+fn mounts_change() {
+    if let Some(g) = MOUNT_GENERATION.get_ptr_mut(0) {
+        // SAFETY: a map value; the add is atomic (concurrent mounts on other CPUs).
+        unsafe {
+            core::intrinsics::atomic_xadd::<u64, u64, { core::intrinsics::AtomicOrdering::Relaxed }>(
+                g, 1,
+            )
+        };
+    }
 }
 
 /// Where a file or directory lies: under root `root`, at the path in `WALK` from `start`
@@ -320,6 +354,12 @@ fn try_path_enter(ctx: &TracePointContext) -> Option<()> {
     if l.op == op::NEW_NAMESPACE {
         return None; // only the agent's own matter, at their exit
     }
+    if l.op == op::MOUNTS_CHANGE {
+        // Before the mount and (through `PENDING`) after it: a view learned while it was
+        // under way is stale too. The agent's own binds, in jobs' namespaces, propagate
+        // nowhere (those namespaces are slaves), so they change no view.
+        mounts_change();
+    }
     let open_flags = match l.flags_from {
         flags_from::ARG => arg(ctx, l.flags)? as u32,
         flags_from::OPEN_HOW => {
@@ -386,6 +426,7 @@ fn try_path_exit(ctx: &TracePointContext) -> Option<()> {
         open_flags,
     };
     match p.op {
+        op::MOUNTS_CHANGE => mounts_change(),
         op::OPEN if ret >= 0 => {
             let key = FdKey {
                 tgid,
@@ -404,9 +445,8 @@ fn try_path_exit(ctx: &TracePointContext) -> Option<()> {
                 count(counter::LOST_OPEN_FILES_FULL);
             }
             let target = Target {
-                flags: 0,
                 located: Some(located),
-                len: 0,
+                ..no_path()
             };
             emit(&header(kind::OPEN, file.file_id, p.open_flags), &target, 0);
         }
@@ -462,7 +502,8 @@ fn agent_syscall(ctx: &TracePointContext, pid_tgid: u64) -> Option<()> {
         }
     }
     if layout(ctx)?.op == op::NEW_NAMESPACE && ret(ctx) == 0 {
-        let _ = KNOWN_NAMESPACES.insert(&namespace()?, &1, 0);
+        let (key, _) = namespace_of(nsproxy()?)?;
+        let _ = KNOWN_NAMESPACES.insert(&key, &1, 0);
     }
     Some(())
 }
@@ -480,7 +521,11 @@ fn calibrate(c: &mut Calibration) {
         let _ = unsafe { bpf_probe_read_kernel_str_bytes(name as *const u8, &mut c.name) };
     }
     c.cwd = cwd_place().map_or(0, |p| p.dentry);
-    c.namespace = namespace().unwrap_or_default();
+    c.nsproxy = nsproxy().unwrap_or(0);
+    if let Some((key, inum)) = namespace_of(c.nsproxy) {
+        c.namespace = key;
+        c.ns_inum = inum;
+    }
     c.done = 1;
 }
 
@@ -581,10 +626,15 @@ fn try_fd_exit(ctx: &TracePointContext) -> Option<()> {
     match p.op {
         op::READ if ret > 0 => {
             let file = OPEN_FILES.get_ptr_mut(&key)?;
-            // SAFETY: map value pointer. The bpf target's core has no atomic fetch_add, so
-            // two threads of one process reading one descriptor at the same instant can
-            // lose one of the two additions; sequential reads, the common case, are exact.
-            unsafe { (*file).bytes_read += ret as u64 };
+            // SAFETY: map value pointer; the add is atomic (threads of one process may
+            // read one descriptor at once).
+            unsafe {
+                core::intrinsics::atomic_xadd::<
+                    u64,
+                    u64,
+                    { core::intrinsics::AtomicOrdering::Relaxed },
+                >(&raw mut (*file).bytes_read, ret as u64)
+            };
         }
         op::WRITE | op::FTRUNCATE if (p.op == op::WRITE && ret > 0) || ret == 0 => {
             let file = OPEN_FILES.get_ptr_mut(&key)?;
@@ -675,6 +725,7 @@ fn no_path() -> Target {
     Target {
         flags: 0,
         located: None,
+        view: None,
         len: 0,
     }
 }
@@ -684,7 +735,16 @@ fn no_path() -> Target {
 struct Target {
     flags: u32,
     located: Option<Located>,
+    /// An absolute path in another namespace's view, or a view to learn.
+    view: Option<ViewRef>,
     len: u32,
+}
+
+#[derive(Clone, Copy)]
+struct ViewRef {
+    key: NamespaceKey,
+    generation: u64,
+    inum: u32,
 }
 
 /// Reads a user path into scratch slot `slot`: the buffer and the length without NUL.
@@ -714,23 +774,15 @@ fn read_path(user_path: u64, slot: u32) -> Option<(&'static PathBuf, usize)> {
 fn path_target(dfd: i32, user_path: u64, slot: u32) -> Option<Target> {
     let (path, len) = read_path(user_path, slot)?;
     let mut t = Target {
-        flags: 0,
-        located: None,
         len: len as u32,
+        ..no_path()
     };
     if len >= MAX_PATH - 1 {
         t.flags |= ev::PATH_TRUNCATED;
         count(counter::PATH_TRUNCATED);
     }
     if path.bytes[0] == b'/' {
-        if !is_watched(path) {
-            return None;
-        }
-        if !known_namespace() {
-            count(counter::FOREIGN_NAMESPACE);
-            return None;
-        }
-        return Some(t);
+        return absolute_target(path, t);
     }
     let start = if dfd == AT_FDCWD {
         cwd_place()?
@@ -739,6 +791,74 @@ fn path_target(dfd: i32, user_path: u64, slot: u32) -> Option<Target> {
     };
     t.located = Some(locate(&start)?);
     Some(t)
+}
+
+/// An absolute path means what it means to the agent in the agent's own namespace and
+/// root, and in the namespaces it made for jobs; elsewhere (a container) it means what
+/// that namespace's mounts say, which the agent learns from its mountinfo.
+fn absolute_target(path: &PathBuf, mut t: Target) -> Option<Target> {
+    let nsproxy = nsproxy()?;
+    let home = HOME.get(0)?;
+    let at_home = nsproxy == home.nsproxy;
+    // One read for most processes on the node (they share the agent's nsproxy).
+    let key = if at_home {
+        None
+    } else {
+        Some(namespace_of(nsproxy)?)
+    };
+    // SAFETY: plain lookup.
+    let own = key.is_none_or(|(k, _)| unsafe { KNOWN_NAMESPACES.get(&k) }.is_some());
+    if own {
+        if !is_watched(path) {
+            return None;
+        }
+        // A chroot (in a user namespace, anyone can) keeps the nsproxy: check the root.
+        if at_home && root_dentry()? != home.root {
+            count(counter::FOREIGN_NAMESPACE);
+            return None;
+        }
+        return Some(t);
+    }
+    let (key, inum) = key?;
+    let generation = generation();
+    let view = ViewRef {
+        key,
+        generation,
+        inum,
+    };
+    // SAFETY: plain lookups.
+    match unsafe { VIEWS.get(&key) } {
+        Some(v) if v.generation == generation => {
+            if !v
+                .prefixes
+                .iter()
+                .any(|w| w.masks[0] != 0 && matches(path, w))
+            {
+                return None;
+            }
+            t.view = Some(view);
+            Some(t)
+        }
+        _ => {
+            count(counter::FOREIGN_NAMESPACE);
+            if unsafe { ASKED.get(&key) } != Some(&generation) {
+                let _ = ASKED.insert(&key, &generation, 0);
+                let h = Header {
+                    kind: kind::LEARN_VIEW,
+                    tgid: (bpf_get_current_pid_tgid() >> 32) as u32,
+                    file_id: 0,
+                    bytes: 0,
+                    open_flags: 0,
+                };
+                let ask = Target {
+                    view: Some(view),
+                    ..no_path()
+                };
+                emit(&h, &ask, 0);
+            }
+            None
+        }
+    }
 }
 
 fn is_watched(path: &PathBuf) -> bool {
@@ -820,6 +940,15 @@ fn emit(h: &Header, t: &Target, slot: u32) {
         (*e).job = JOBS.get(&tgid).copied().unwrap_or(0);
         (*e).root = ROOT_NONE;
         (*e).base_len = 0;
+        (*e).namespace = NamespaceKey::default();
+        (*e).generation = 0;
+        (*e).ns_inum = 0;
+        if let Some(v) = t.view {
+            (*e).root = ROOT_VIEW;
+            (*e).namespace = v.key;
+            (*e).generation = v.generation;
+            (*e).ns_inum = v.inum;
+        }
         if let Some(l) = t.located {
             (*e).root = l.root;
             let start = l.start as usize & (MAX_PATH - 1);

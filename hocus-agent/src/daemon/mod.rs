@@ -24,6 +24,7 @@ use crate::{
         events::{Observer, Watch},
         mounts,
         tracer::{Counters, Root, Tracer},
+        views::{Anchor, Views},
     },
     place::{budget::Budgets, placement::Filters},
     profile::{
@@ -234,7 +235,20 @@ impl Daemon {
         let trees = watches.iter().map(|w| w.path.clone()).collect();
         let (stat_requests, stat_results) = spawn_stat_worker(trees)?;
         let (checked_tx, checked_rx) = mpsc::unbounded_channel();
-        let observer = Observer::new(watches, root_paths);
+        // Where those roots are by device and path inside their filesystems: how other
+        // namespaces' mounts are matched to them.
+        let own = mounts::read()?;
+        let mut anchors = Vec::new();
+        for r in roots.iter().filter(|r| r.kind == superblock::WATCHED) {
+            anchors.push(Anchor::of(&own, &r.path, r.path.clone(), false)?);
+        }
+        anchors.push(Anchor::of(
+            &own,
+            &cache_dir.join(Cache::TREES),
+            PathBuf::from("/"),
+            true,
+        )?);
+        let observer = Observer::new(watches, root_paths, Views::new(anchors));
         Ok(Self {
             socket: opts.settings.socket(),
             state_dir,
@@ -382,10 +396,33 @@ impl Daemon {
             let sent = self.keeper.refused(path).await;
             self.check(sent);
         }
+        for (tgid, key, inum) in std::mem::take(&mut self.observer.to_learn) {
+            self.learn_view(tgid, key, inum);
+        }
         for path in self.observer.to_stat.drain() {
             if self.stat_requests.send(path).is_ok() {
                 self.stats_pending += 1;
             }
+        }
+    }
+
+    /// Learns how another mount namespace sees the watched trees, for the kernel side:
+    /// its absolute paths count from then on.
+    fn learn_view(&mut self, tgid: u32, key: hocus_common::NamespaceKey, inum: u32) {
+        let tracer = self.tracer.get_mut();
+        // Read before the mounts: a mount that changes them after this bumps it again.
+        let generation = match tracer.mount_generation() {
+            Ok(g) => g,
+            Err(e) => return log::warn!("reading the mount generation: {e:#}"),
+        };
+        match self.observer.views.learn(tgid, key, inum, generation) {
+            Ok((view, forget)) => {
+                if let Err(e) = tracer.set_view(key, view, forget) {
+                    log::warn!("giving the kernel the view of mount namespace {inum}: {e:#}");
+                }
+            }
+            // Gone already, or moved: the next lookup there asks again.
+            Err(e) => log::debug!("not learning mount namespace {inum}: {e:#}"),
         }
     }
 

@@ -258,6 +258,7 @@ pub fn kernel_offsets(btf: &Btf) -> Result<KernelOffsets> {
         sb_dev: o("super_block", "s_dev")?,
         nsproxy_mnt_ns: o("nsproxy", "mnt_ns")?,
         mnt_ns_id,
+        mnt_ns_inum: o("mnt_namespace", "ns.inum")?,
     })
 }
 

@@ -12,19 +12,21 @@ use std::{
 };
 
 use crate::{
+    observe::views::Views,
     profile::working_set::WorkingSet,
     shared::{
         log_line::{self as logs, Process},
         status::Tally,
     },
 };
-use hocus_common::{Event, FdKey, OpenFile, ROOT_NONE, ev, kind};
+use hocus_common::{Event, FdKey, NamespaceKey, OpenFile, ROOT_NONE, ROOT_VIEW, ev, kind};
 
 const O_ACCMODE: u32 = 0o3;
 const O_CREAT: u32 = 0o100;
 const O_EXCL: u32 = 0o200;
 const O_TRUNC: u32 = 0o1000;
 const O_DIRECTORY: u32 = 0o200000;
+const O_PATH: u32 = 0o10000000;
 
 /// A watched tree: its canonical path, and other prefixes that reach it (e.g. the path
 /// the user named when it is a symlink).
@@ -67,6 +69,11 @@ pub struct Observer {
     /// Where each of the kernel's roots is, by `Event::root`: a watched tree's path, or
     /// `/` for the cache's directories (the path below them is the network path).
     roots: Vec<PathBuf>,
+    /// How other mount namespaces see the watched trees.
+    pub views: Views,
+    /// Namespaces whose view the kernel asked for since last drained: (a process in it,
+    /// the namespace, its inode number).
+    pub to_learn: Vec<(u32, NamespaceKey, u32)>,
     clock_offset_ns: i128,
     open: HashMap<u64, OpenInfo>,
     /// Bytes of each open file already added to the working set.
@@ -85,10 +92,12 @@ pub struct Observer {
 }
 
 impl Observer {
-    pub fn new(watches: Vec<Watch>, roots: Vec<PathBuf>) -> Self {
+    pub fn new(watches: Vec<Watch>, roots: Vec<PathBuf>, views: Views) -> Self {
         Self {
             watches,
             roots,
+            views,
+            to_learn: Vec::new(),
             clock_offset_ns: monotonic_to_unix_offset(),
             open: HashMap::new(),
             bytes_counted: HashMap::new(),
@@ -109,6 +118,12 @@ impl Observer {
         self.tally.events += 1;
         let at = self.unix_ns(e.time_ns);
         match e.kind {
+            kind::LEARN_VIEW => {
+                if !self.to_learn.iter().any(|(_, k, _)| *k == e.namespace) {
+                    self.to_learn.push((e.tgid, e.namespace, e.ns_inum));
+                }
+                return;
+            }
             kind::CLOSE => {
                 self.tally.closes += 1;
                 if let Some(info) = self.open.remove(&e.file_id) {
@@ -159,7 +174,9 @@ impl Observer {
         match e.kind {
             kind::OPEN => {
                 self.tally.opens += 1;
-                let is_dir = e.open_flags & O_DIRECTORY != 0;
+                // An O_PATH descriptor reads nothing (containers take one of each bound
+                // directory): it is followed like a directory's, not profiled as a file.
+                let is_dir = e.open_flags & (O_DIRECTORY | O_PATH) != 0;
                 let writes = e.open_flags & O_ACCMODE != 0;
                 let truncates = writes && e.open_flags & O_TRUNC != 0;
                 let creates = e.open_flags & (O_CREAT | O_EXCL) == O_CREAT | O_EXCL;
@@ -168,9 +185,9 @@ impl Observer {
                     "open {path} by {who} uid {uid} for {}",
                     if writes { "writing" } else { "reading" }
                 );
-                if is_dir {
+                if e.open_flags & O_DIRECTORY != 0 {
                     ws.dir_opened(&path);
-                } else if ws.open(&path, uid, at) {
+                } else if !is_dir && ws.open(&path, uid, at) {
                     self.to_stat.insert(path.clone());
                 }
                 if truncates || creates {
@@ -339,6 +356,16 @@ impl Observer {
         let path = raw(&e.path, e.path_len);
         let absolute = if e.root == ROOT_NONE {
             path
+        } else if e.root == ROOT_VIEW {
+            // Another namespace's path: placed by its mounts, as learned.
+            let Some(placed) = self
+                .views
+                .resolve(&e.namespace, e.generation, &normalize(&path))
+            else {
+                self.tally.unresolved += 1;
+                return None;
+            };
+            placed
         } else {
             let Some(root) = self.roots.get(e.root as usize) else {
                 self.tally.unresolved += 1;
@@ -448,6 +475,10 @@ mod tests {
             job: 0,
             root: ROOT_NONE,
             base_len: 0,
+            namespace: NamespaceKey::default(),
+            generation: 0,
+            ns_inum: 0,
+            _pad2: 0,
             comm: *b"python3\0\0\0\0\0\0\0\0\0",
             base: [0; MAX_PATH],
             path: [0; MAX_PATH],
@@ -475,6 +506,7 @@ mod tests {
                 aliases: vec!["/home/net".into()],
             }],
             vec!["/mnt/net".into(), "/".into()],
+            Views::new(Vec::new()),
         )
     }
 

@@ -12,3 +12,4 @@ pub mod mounts;
 pub mod syscalls;
 pub mod tracefs;
 pub mod tracer;
+pub mod views;

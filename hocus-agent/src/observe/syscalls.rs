@@ -105,6 +105,23 @@ const fn fd_op(name: &'static str, nr: i64, op: u8, programs: Programs) -> Trace
     }
 }
 
+/// A syscall whose arguments do not matter, only that it happens (and succeeds).
+const fn no_args(name: &'static str, nr: i64, op: u8) -> Traced {
+    Traced {
+        name,
+        nr,
+        op,
+        programs: Programs::Path,
+        flags_from: flags_from::NONE,
+        dfd: None,
+        path: None,
+        dfd2: None,
+        path2: None,
+        flags: None,
+        fd: None,
+    }
+}
+
 /// Every traced syscall. A syscall missing from this kernel is skipped with a warning.
 pub fn all() -> Vec<Traced> {
     use libc::*;
@@ -175,19 +192,11 @@ pub fn all() -> Vec<Traced> {
             Programs::FdWithExit,
         ),
         fd_op("close", SYS_close, op::CLOSE, Programs::Fd),
-        Traced {
-            name: "unshare",
-            nr: SYS_unshare,
-            op: op::NEW_NAMESPACE,
-            programs: Programs::Path,
-            flags_from: flags_from::NONE,
-            dfd: None,
-            path: None,
-            dfd2: None,
-            path2: None,
-            flags: None,
-            fd: None,
-        },
+        no_args("unshare", SYS_unshare, op::NEW_NAMESPACE),
+        no_args("mount", SYS_mount, op::MOUNTS_CHANGE),
+        no_args("umount", SYS_umount2, op::MOUNTS_CHANGE),
+        no_args("move_mount", SYS_move_mount, op::MOUNTS_CHANGE),
+        no_args("pivot_root", SYS_pivot_root, op::MOUNTS_CHANGE),
     ]
 }
 
@@ -236,7 +245,8 @@ mod tests {
         for t in all() {
             match t.programs {
                 Programs::Path => {
-                    assert!(t.path.is_some() || t.op == op::NEW_NAMESPACE, "{}", t.name)
+                    let no_path = matches!(t.op, op::NEW_NAMESPACE | op::MOUNTS_CHANGE);
+                    assert!(t.path.is_some() || no_path, "{}", t.name)
                 }
                 Programs::Fd | Programs::FdWithExit => assert!(t.fd.is_some(), "{}", t.name),
             }

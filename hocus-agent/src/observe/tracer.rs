@@ -18,8 +18,8 @@ use aya::{
     programs::{TracePoint, trace_point::TracePointLinkId},
 };
 use hocus_common::{
-    Calibration, Event, FdKey, MAX_PREFIX, MAX_ROOTS, MAX_TREES, MAX_WATCHED, NamespaceKey,
-    OpenFile, SyscallLayout, Watched, counter,
+    Calibration, Event, FdKey, Home, MAX_PREFIX, MAX_ROOTS, MAX_TREES, MAX_WATCHED, NamespaceKey,
+    OpenFile, SyscallLayout, View, Watched, counter,
 };
 
 use crate::observe::{
@@ -236,6 +236,42 @@ impl Tracer {
                 .context("no KNOWN_NAMESPACES map")?,
         )?;
         known.insert(namespace, 1, 0)?;
+        let mut home: Array<_, Home> =
+            Array::try_from(self.ebpf.map_mut("HOME").context("no HOME map")?)?;
+        home.set(
+            0,
+            Home {
+                nsproxy: c_slash.nsproxy,
+                root: c_slash.namespace.root,
+            },
+            0,
+        )?;
+        Ok(())
+    }
+
+    /// How many times a mount has started or ended: a view learned before is stale.
+    pub fn mount_generation(&self) -> Result<u64> {
+        let map: Array<_, u64> = Array::try_from(
+            self.ebpf
+                .map("MOUNT_GENERATION")
+                .context("no MOUNT_GENERATION map")?,
+        )?;
+        Ok(map.get(&0, 0)?)
+    }
+
+    /// Gives the kernel side another namespace's view, and forgets one.
+    pub fn set_view(
+        &mut self,
+        key: NamespaceKey,
+        view: View,
+        forget: Option<NamespaceKey>,
+    ) -> Result<()> {
+        let mut views: HashMap<_, NamespaceKey, View> =
+            HashMap::try_from(self.ebpf.map_mut("VIEWS").context("no VIEWS map")?)?;
+        views.insert(key, view, 0)?;
+        if let Some(old) = forget {
+            let _ = views.remove(&old);
+        }
         Ok(())
     }
 

@@ -336,6 +336,13 @@ impl Collector for Snapshot {
                 (vec![("cause", "unresolved".into())], t.unresolved),
             ],
         )?;
+        counter(
+            e,
+            "container_lookups_unplaced",
+            "Absolute lookups in mount namespaces (containers) before hocus had learned their mounts; most are off the watched trees.",
+            None,
+            vec![(vec![], kernel("foreign_namespace"))],
+        )?;
 
         // The working set.
         gauge(

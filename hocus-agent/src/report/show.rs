@@ -239,7 +239,7 @@ pub fn render_status(s: &Status) -> String {
     let lost: Vec<String> = s
         .kernel
         .iter()
-        .filter(|(n, v)| *v > 0 && n != "events_sent")
+        .filter(|(n, v)| *v > 0 && n != "events_sent" && n != "foreign_namespace")
         .map(|(n, v)| format!("{n} {v}"))
         .chain((t.unresolved > 0).then(|| format!("unresolved relative paths {}", t.unresolved)))
         .collect();
@@ -258,6 +258,13 @@ pub fn render_status(s: &Status) -> String {
             lost.join(", ")
         }
     );
+    let foreign = kernel("foreign_namespace");
+    if foreign > 0 {
+        let _ = writeln!(
+            out,
+            "containers: {foreign} absolute lookups made before hocus knew their mount namespace (most are off the watched trees)"
+        );
+    }
     if s.profile_entries_dropped > 0 {
         let _ = writeln!(
             out,
