@@ -46,9 +46,9 @@ fn a_container_that_binds_the_tree_elsewhere_is_profiled_under_the_real_paths() 
         net.put(&format!("env/pkg/m{i}.py"), b"X = 1\n");
     }
     let agent = Agent::start(&["--watch", net.mount.to_str().unwrap()]);
-    // An ordinary user's bubblewrap container sees the tree at /media: three files opened
-    // by absolute path, three relative to a working directory inside, three missing
-    // names looked up there.
+    // An ordinary user's bubblewrap container sees the tree at /media and a directory of
+    // it at /srv: three files opened by absolute path, three relative to a working
+    // directory inside, three missing names looked up there.
     // Absolute lookups: the first teaches the daemon the container's mounts, the later
     // ones count. The container repeats one until the test sees it in the profile (and
     // says so in a directory it shares, at /var/tmp).
@@ -57,7 +57,7 @@ fn a_container_that_binds_the_tree_elsewhere_is_profiled_under_the_real_paths() 
     let script = "cat /media/env/pkg/m0.py /media/env/pkg/m1.py /media/env/pkg/m2.py >/dev/null \
                   && cd /media/env/pkg && cat m3.py m4.py m5.py >/dev/null \
                   && for n in a b c; do test -e missing_$n.py || true; done \
-                  && for i in $(seq 150); do test -e /media/env/pkg/absent.py; \
+                  && for i in $(seq 150); do test -e /media/env/pkg/absent.py; test -e /srv/absent_too.py; \
                      [ -e /var/tmp/stop ] && break; sleep 0.2; done; true";
     let (uid, gid) = test_user();
     let mut container = Command::new("bwrap")
@@ -65,6 +65,9 @@ fn a_container_that_binds_the_tree_elsewhere_is_profiled_under_the_real_paths() 
         .arg("--ro-bind")
         .arg(&net.mount)
         .arg("/media")
+        .arg("--ro-bind")
+        .arg(net.path("env/pkg"))
+        .arg("/srv")
         .arg("--bind")
         .arg(flags.path())
         .args(["/var/tmp", "sh", "-c", script])
@@ -74,8 +77,12 @@ fn a_container_that_binds_the_tree_elsewhere_is_profiled_under_the_real_paths() 
         .spawn()
         .unwrap();
     let absent = net.path("env/pkg/absent.py");
+    // A bind of a subtree maps to that subtree.
+    let absent_too = net.path("env/pkg/absent_too.py");
     let counted = (0..150).any(|_| {
-        let seen = missing_lookups(&agent.export(), &absent).is_some();
+        let p = agent.export();
+        let seen =
+            missing_lookups(&p, &absent).is_some() && missing_lookups(&p, &absent_too).is_some();
         if !seen {
             thread::sleep(Duration::from_millis(200));
         }

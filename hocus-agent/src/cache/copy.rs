@@ -42,7 +42,29 @@ pub struct Identity {
     pub gid: u32,
 }
 
+/// FUSE's superblock magic (statfs f_type). A FUSE filesystem numbers inodes itself,
+/// and sshfs (and most others, without options such as `use_ino`) gives a file a new
+/// number whenever the kernel forgets its inode: after every page-cache eviction.
+const FUSE_SUPER_MAGIC: i64 = 0x6573_5546;
+
+/// Whether the filesystem of `fd` keeps a file's inode number for as long as the file
+/// lives (NFS file ids, Lustre, GPFS, CephFS, local disks), so that a new number means a
+/// new file. FUSE does not.
+pub fn stable_inodes(fd: &impl std::os::fd::AsFd) -> bool {
+    nix::sys::statfs::fstatfs(fd).map_or(true, |s| s.filesystem_type().0 != FUSE_SUPER_MAGIC)
+}
+
 impl Identity {
+    /// The identity of a file on a filesystem whose inode numbers are stable or not:
+    /// where they are not, the number says nothing and is left out (0).
+    pub fn on(m: &fs::Metadata, stable_inodes: bool) -> Self {
+        let mut id = Self::of(m);
+        if !stable_inodes {
+            id.ino = 0;
+        }
+        id
+    }
+
     pub fn of(m: &fs::Metadata) -> Self {
         Self {
             size: m.size(),
@@ -179,8 +201,12 @@ pub fn copy(
             let fd = open_beneath(&tree_fd, rel, libc::O_PATH)?;
             File::from(fd).metadata().map_err(CopyError::Source)?
         };
-        let id = Identity::of(&before);
-        if copied != before.size() || Identity::of(&after) != id || Identity::of(&by_name) != id {
+        let stable = stable_inodes(&tree_fd);
+        let id = Identity::on(&before, stable);
+        if copied != before.size()
+            || Identity::on(&after, stable) != id
+            || Identity::on(&by_name, stable) != id
+        {
             return Err(CopyError::Changed);
         }
         copy_xattrs(&src, &out).map_err(local)?;
@@ -295,14 +321,26 @@ pub fn open_beneath(dir: &OwnedFd, rel: &Path, flags: libc::c_int) -> Result<Own
 pub struct Tree {
     path: PathBuf,
     anchor: OwnedFd,
+    stable_inodes: bool,
 }
 
 impl Tree {
     pub fn open(path: &Path) -> io::Result<Tree> {
+        let anchor = open_path(path)?;
         Ok(Tree {
             path: path.to_owned(),
-            anchor: open_path(path)?,
+            stable_inodes: stable_inodes(&anchor),
+            anchor,
         })
+    }
+
+    /// The identity of a file of this tree (whose inode numbers may not be stable).
+    pub fn identity(&self, m: &fs::Metadata) -> Identity {
+        Identity::on(m, self.stable_inodes)
+    }
+
+    pub fn stable_inodes(&self) -> bool {
+        self.stable_inodes
     }
 
     pub fn path(&self) -> &Path {

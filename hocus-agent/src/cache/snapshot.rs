@@ -48,7 +48,7 @@ pub fn candidates(profile: &Profile, trees: &[PathBuf], unclean: &[&Path]) -> Ve
     let changed = profile
         .files
         .iter()
-        .filter(|f| f.written)
+        .filter(|f| f.written || f.kept_on_the_network())
         .map(|f| &f.path)
         .chain(profile.dirs.iter().filter(|d| d.mutated).map(|d| &d.path))
         .map(Path::new)
@@ -95,6 +95,8 @@ pub fn candidates(profile: &Profile, trees: &[PathBuf], unclean: &[&Path]) -> Ve
 struct Entry {
     rel: PathBuf,
     stat: FileStat,
+    /// Whether the tree's inode numbers identify files (not on FUSE).
+    stable_inodes: bool,
 }
 
 /// Walks the tree `root` (inside the watched `tree`) from descriptors: the root is opened
@@ -102,11 +104,14 @@ struct Entry {
 /// descriptor with O_NOFOLLOW, so no path a user can change is ever resolved. `visit`
 /// sees every entry, the root first (with an empty `rel`); returning false stops the walk.
 fn walk(tree: &Path, root: &Path, mut visit: impl FnMut(&Entry) -> bool) -> io::Result<()> {
-    let top = Tree::open(tree)?.open_beneath(root, libc::O_RDONLY | libc::O_DIRECTORY)?;
+    let tree = Tree::open(tree)?;
+    let stable_inodes = tree.stable_inodes();
+    let top = tree.open_beneath(root, libc::O_RDONLY | libc::O_DIRECTORY)?;
     let stat = fstat(top.as_raw_fd())?;
     if !visit(&Entry {
         rel: PathBuf::new(),
         stat,
+        stable_inodes,
     }) {
         return Ok(());
     }
@@ -127,7 +132,11 @@ fn walk(tree: &Path, root: &Path, mut visit: impl FnMut(&Entry) -> bool) -> io::
             if stat.st_mode & libc::S_IFMT == libc::S_IFDIR {
                 subdirs.push((child.clone(), name.to_owned()));
             }
-            if !visit(&Entry { rel: child, stat }) {
+            if !visit(&Entry {
+                rel: child,
+                stat,
+                stable_inodes,
+            }) {
                 return Ok(());
             }
         }
@@ -145,12 +154,13 @@ fn walk(tree: &Path, root: &Path, mut visit: impl FnMut(&Entry) -> bool) -> io::
     Ok(())
 }
 
-fn identity(s: &FileStat) -> Identity {
+fn identity(e: &Entry) -> Identity {
+    let s = &e.stat;
     Identity {
         size: s.st_size as u64,
         mtime_ns: s.st_mtime * 1_000_000_000 + s.st_mtime_nsec,
         ctime_ns: s.st_ctime * 1_000_000_000 + s.st_ctime_nsec,
-        ino: s.st_ino,
+        ino: if e.stable_inodes { s.st_ino } else { 0 },
         mode: s.st_mode,
         uid: s.st_uid,
         gid: s.st_gid,
@@ -189,7 +199,7 @@ pub fn measure(
 pub fn stamp(tree: &Path, root: &Path) -> io::Result<Stamp> {
     let mut out = Stamp::new();
     walk(tree, root, |e| {
-        out.insert(e.rel.clone(), identity(&e.stat));
+        out.insert(e.rel.clone(), identity(e));
         true
     })?;
     Ok(out)
@@ -233,7 +243,7 @@ pub fn take(
             let src = root.join(rel);
             let dst = staging.join(rel);
             let m = beneath.stat(&src).map_err(CopyError::Source)?;
-            if Identity::of(&m) != *id {
+            if beneath.identity(&m) != *id {
                 return Err(CopyError::Changed);
             }
             let kind = m.file_type();

@@ -114,6 +114,10 @@ pub enum Ask {
     JobEnded {
         id: u32,
     },
+    /// Copies a job-start check found changed or gone on the network: drop them.
+    Stale {
+        sources: Vec<PathBuf>,
+    },
 }
 
 /// A request with its caller, waiting for the daemon's answer: one response, or several

@@ -22,7 +22,7 @@ use std::{
     path::{Path, PathBuf},
     sync::{Arc, Mutex},
     thread,
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use anyhow::{Context, Result, bail};
@@ -42,7 +42,7 @@ use crate::{
     profile::format::{Profile, refuse_path},
     redirect::{
         access::Caller,
-        identity, mountns,
+        confirm, identity, mountns,
         spawn::{self, JobCommand},
     },
     shared::status::ControlStatus,
@@ -52,6 +52,9 @@ use crate::{
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long an answer may wait for the client to read it.
 pub const WRITE_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a job's start may wait for its copies to be checked against the network;
+/// what is not checked by then is not bound.
+const JOB_START_CHECK: Duration = Duration::from_secs(2);
 /// Descriptors a request may carry at most (a run's three).
 const MAX_DESCRIPTORS: usize = 3;
 /// The most descriptors one message can carry (the kernel's SCM_MAX_FD): room is made for
@@ -481,6 +484,27 @@ fn session(
         Some(Response::Binds(b)) => b,
         _ => return refuse("the daemon has no binds to give".into()),
     };
+    // The job sees what the network holds now: what changed since it was copied is not
+    // bound (and its copy goes).
+    let started = Instant::now();
+    let checked = confirm::confirm(binds, JOB_START_CHECK);
+    log::debug!(
+        "job start: {} copies confirmed, {} stale, {} unchecked in {:?}",
+        checked.binds.len(),
+        checked.stale.len(),
+        checked.unchecked,
+        started.elapsed()
+    );
+    if !checked.stale.is_empty() {
+        let _ = ask(
+            calls,
+            caller.clone(),
+            Ask::Stale {
+                sources: checked.stale,
+            },
+        );
+    }
+    let binds = checked.binds;
     // This thread moves to the job's namespace and forks the job from there.
     if let Err(e) = mountns::enter_new_namespace() {
         return refuse(format!("cannot make a mount namespace: {e}"));

@@ -96,6 +96,15 @@ impl Daemon {
                 self.check(started);
                 let _ = reply.send(Response::Ready);
             }
+            Ask::Stale { sources } => {
+                for source in sources {
+                    let sent = self
+                        .keeper
+                        .invalidate(source.to_string_lossy().into_owned())
+                        .await;
+                    self.check(sent);
+                }
+            }
             Ask::JobEnded { id } => {
                 // What the job did is read before it is forgotten.
                 self.sweep().await;
@@ -289,11 +298,14 @@ impl Daemon {
     }
 
     /// Merges a checked profile. An ordinary user vouches only for what they can read,
-    /// and as themselves.
+    /// and as themselves; what keeps a file off the cache for everyone (writes refused
+    /// to a job, opens for writing) only the daemon's own observation, or root, says.
     fn merge(&mut self, mut profile: Profile, caller: &Caller) -> (usize, usize) {
         if !caller.is_root() {
             for f in &mut profile.files {
                 f.uids = vec![caller.uid];
+                f.refused = false;
+                f.write_opens = 0;
             }
         }
         let counts = (profile.files.len(), profile.missing.len());

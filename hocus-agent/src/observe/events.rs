@@ -190,6 +190,13 @@ impl Observer {
                 } else if !is_dir && ws.open(&path, uid, at) {
                     self.to_stat.insert(path.clone());
                 }
+                if !is_dir && (writes || e.open_flags & (O_CREAT | O_TRUNC) != 0) {
+                    // In flux while someone may write it: its copy goes, and it waits
+                    // out a quiet period like a written file (or for good, when this
+                    // happens again and again).
+                    ws.opened_for_writing(&path, at);
+                    self.changed.push(path.clone());
+                }
                 if truncates || creates {
                     ws.mark_written(&path, at);
                     self.changed.push(path.clone());
@@ -241,6 +248,7 @@ impl Observer {
                     comm(e),
                     e.tgid
                 );
+                ws.mark_refused(&path, at);
                 self.refused.push(path);
             }
             kind::MKDIR | kind::RMDIR => {

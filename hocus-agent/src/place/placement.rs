@@ -87,9 +87,10 @@ impl Placement {
 
 /// Whether a file of the profile may be placed at all. Files written recently are kept
 /// out by the keeper (they are "unstable" for a while after each change); a file that
-/// was written once and is stable since (a compilation cache entry) is cached like any.
+/// was written once and is stable since (a compilation cache entry) is cached like any;
+/// a file opened for writing again and again, or refused to a job's write, never is.
 pub fn cacheable(f: &FileEntry, filters: &Filters) -> bool {
-    f.opens > 0 && filters.admits(&f.path)
+    f.opens > 0 && filters.admits(&f.path) && !f.kept_on_the_network()
 }
 
 fn value(f: &FileEntry) -> f64 {
@@ -173,6 +174,34 @@ mod tests {
             first_touch_ns: first,
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn files_opened_for_writing_again_and_again_or_refused_stay_on_the_network() {
+        let filters = Filters::default();
+        let lock = FileEntry {
+            write_opens: 5,
+            ..file("/net/cache/.lockfile", 0, 5, 0)
+        };
+        let upgraded = FileEntry {
+            write_opens: 2,
+            ..file("/net/env/numpy/core.py", 100, 300, 0)
+        };
+        let installed = FileEntry {
+            write_opens: 1,
+            ..file("/net/env/new.py", 100, 1, 0)
+        };
+        let refused = FileEntry {
+            refused: true,
+            ..file("/net/cache/entry-atime", 8, 9, 0)
+        };
+        assert!(!cacheable(&lock, &filters));
+        assert!(cacheable(&upgraded, &filters), "read far more than written");
+        assert!(
+            cacheable(&installed, &filters),
+            "written once, then left alone"
+        );
+        assert!(!cacheable(&refused, &filters));
     }
 
     fn none() -> HashSet<String> {

@@ -131,6 +131,17 @@ impl WorkingSet {
         self.touch(path, at_unix_ns).entry.written = true;
     }
 
+    /// A file was opened with write access (counted also when nothing is written).
+    pub fn opened_for_writing(&mut self, path: &str, at_unix_ns: u64) {
+        let e = &mut self.touch(path, at_unix_ns).entry;
+        e.write_opens = e.write_opens.saturating_add(1);
+    }
+
+    /// A job got EROFS writing through a read-only copy of `path`.
+    pub fn mark_refused(&mut self, path: &str, at_unix_ns: u64) {
+        self.touch(path, at_unix_ns).entry.refused = true;
+    }
+
     pub fn missing(&mut self, path: &str, at_unix_ns: u64) {
         if !self.missing.contains_key(path) && !self.room() {
             return;
@@ -193,6 +204,8 @@ impl WorkingSet {
                     e.first_touch_ns = e.first_touch_ns.min(f.first_touch_ns);
                     e.last_touch_ns = e.last_touch_ns.max(f.last_touch_ns);
                     e.written |= f.written;
+                    e.write_opens = e.write_opens.saturating_add(f.write_opens);
+                    e.refused |= f.refused;
                     s.uids.extend(f.uids);
                 }
             }

@@ -103,6 +103,7 @@ mod tests {
             local: local.into(),
             target: target.into(),
             tree: "/net".into(),
+            expect: Default::default(),
         };
         let binds = vec![
             bind("/cache/trees/net/env", "/net/env"),

@@ -1,12 +1,13 @@
-//! Stage **redirect**: jobs on the local copies. Mount namespaces and read-only binds
-//! (`mountns`), starting a job as its caller (`spawn`, `cgroups`), who the caller is
-//! (`identity`), who may see what (`access`), and which bind served a job's open
-//! (`jobs`).
+//! Stage **redirect**: jobs on the local copies. Checking them against the network as
+//! a job starts (`confirm`), mount namespaces and read-only binds (`mountns`), starting
+//! a job as its caller (`spawn`, `cgroups`), who the caller is (`identity`), who may see
+//! what (`access`), and which bind served a job's open (`jobs`).
 //!
 //! May use: `cache`, `observe`, `profile`, `shared`.
 
 pub mod access;
 pub mod cgroups;
+pub mod confirm;
 pub mod identity;
 pub mod jobs;
 pub mod mountns;

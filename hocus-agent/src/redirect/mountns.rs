@@ -14,7 +14,7 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use crate::cache::copy::{self, CopyError};
+use crate::cache::copy::{self, CopyError, Identity};
 
 // The unified syscall numbers of the new mount API (all architectures but alpha/mips).
 const SYS_OPEN_TREE: libc::c_long = 428;
@@ -46,6 +46,21 @@ pub struct Bind {
     pub target: PathBuf,
     /// The watched tree `target` must stay beneath.
     pub tree: PathBuf,
+    /// What the network held when the copy was made, checked as a job starts.
+    #[serde(default)]
+    pub expect: Expect,
+}
+
+/// What a local copy was made from.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum Expect {
+    #[default]
+    Nothing,
+    /// A file, at this identity.
+    File(Identity),
+    /// A snapshot: each directory of it (relative to the snapshot's root; "" is the
+    /// root), at its identity.
+    Dirs(Vec<(PathBuf, Identity)>),
 }
 
 fn check(ret: libc::c_long) -> io::Result<libc::c_long> {

@@ -43,7 +43,7 @@ use crate::{
     profile::format::Profile,
     redirect::{
         jobs::Job,
-        mountns::{self, Bind},
+        mountns::{self, Bind, Expect},
     },
     shared::{
         log_line::{self as logs, Process},
@@ -397,10 +397,19 @@ impl Keeper {
             }
             Order::Budgets { ssd, ram } => self.set_budgets(ssd, ram),
             Order::Binds(tx) => {
+                // Each with what the network held when it was made: checked as the job
+                // starts (redirect::confirm).
                 let trees = self.snapshots.iter().map(|(root, snap)| Bind {
                     local: snap.local.clone(),
                     target: root.clone(),
                     tree: snap.tree.clone(),
+                    expect: Expect::Dirs(
+                        snap.stamp
+                            .iter()
+                            .filter(|(_, id)| id.mode & libc::S_IFMT == libc::S_IFDIR)
+                            .map(|(rel, id)| (rel.clone(), *id))
+                            .collect(),
+                    ),
                 });
                 // A snapshot still being taken is not bound yet: its files are, meanwhile.
                 // Copies from before a restart are bound only once revalidated.
@@ -409,12 +418,13 @@ impl Keeper {
                     .sources()
                     .filter(|(source, _)| !self.unverified.contains(*source))
                     .filter(|(source, _)| self.held_snapshot(Path::new(source)).is_none())
-                    .filter_map(|(source, _)| {
+                    .filter_map(|(source, cached)| {
                         let tree = self.tree_of(Path::new(source))?;
                         Some(Bind {
                             local: self.cache.local(source),
                             target: PathBuf::from(source),
                             tree: tree.clone(),
+                            expect: Expect::File(cached.identity),
                         })
                     });
                 let _ = tx.send(trees.chain(files).collect());

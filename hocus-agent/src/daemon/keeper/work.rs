@@ -189,8 +189,7 @@ fn run(work: Work, tmp: &Path) -> Option<Done> {
                     let now = opened
                         .iter()
                         .find(|t| path.starts_with(t.path()))
-                        .and_then(|t| t.stat(path).ok())
-                        .map(|m| Identity::of(&m));
+                        .and_then(|t| Some(t.identity(&t.stat(path).ok()?)));
                     now.as_ref() != Some(identity)
                 })
                 .map(|(source, _)| source)

@@ -1,0 +1,231 @@
+//! Coherence: a copy stands for the network file exactly as long as the file is
+//! unchanged, and page-cache evictions (which renumber inodes on FUSE) are not changes.
+
+use std::{
+    collections::HashSet,
+    fs,
+    os::unix::fs::MetadataExt,
+    process::Command,
+    thread,
+    time::{Duration, SystemTime},
+};
+
+use hocus_tests::{Agent, NetworkMount, assert_success, read_all, wait_until};
+
+fn drop_caches() {
+    fs::write("/proc/sys/vm/drop_caches", "3").unwrap();
+}
+
+#[test]
+fn page_cache_drops_invalidate_nothing_unchanged_and_a_real_change_is_still_caught() {
+    let net = NetworkMount::start();
+    net.put("env/lib/mypkg/__init__.py", b"from . import core\n");
+    net.put("env/lib/mypkg/core.py", b"VALUE = 41\n");
+    net.put("env/empty/README", b"nothing to import here\n");
+    let data = net.put("data/one.bin", b"version 1\n");
+    let agent = Agent::start(&["--watch", net.mount.to_str().unwrap(), "--revalidate", "1"]);
+    // An import that misses in env/empty makes hocus snapshot env; the data file is
+    // copied on its own.
+    let out = Command::new("python3")
+        .args(["-c", "import mypkg.core"])
+        .env(
+            "PYTHONPATH",
+            format!(
+                "{}:{}",
+                net.path("env/empty").display(),
+                net.path("env/lib").display()
+            ),
+        )
+        .env("PYTHONDONTWRITEBYTECODE", "1")
+        .current_dir("/")
+        .output()
+        .unwrap();
+    assert_success(&out);
+    read_all(&data);
+    let env = net.path("env");
+    let snapshots = |a: &Agent| {
+        a.cache()["snapshots"]
+            .as_array()
+            .is_some_and(|s| s.iter().any(|p| p == env.to_str().unwrap()))
+    };
+    wait_until(30, "the snapshot and the copy", || {
+        snapshots(&agent) && agent.local_copy(&data).exists()
+    });
+    let invalidations = |a: &Agent| a.cache()["invalidations"].as_u64().unwrap();
+    let before = invalidations(&agent);
+    // Evictions, each followed by at least one revalidation: the inode numbers this
+    // sshfs gives change (or this test would prove nothing), the files do not.
+    let mut inodes = HashSet::new();
+    for _ in 0..12 {
+        drop_caches();
+        inodes.insert(fs::metadata(&data).unwrap().ino());
+        read_all(&net.path("env/lib/mypkg/core.py"));
+        thread::sleep(Duration::from_millis(1200));
+    }
+    assert!(
+        inodes.len() > 1,
+        "sshfs kept its inode numbers through evictions: {inodes:?}"
+    );
+    assert_eq!(invalidations(&agent), before, "{}", agent.cache());
+    assert!(
+        snapshots(&agent),
+        "the snapshot was dropped: {}",
+        agent.cache()
+    );
+    assert!(agent.local_copy(&data).exists());
+    // A real change on the server, of the same size: caught by its mtime.
+    let server = net.server_path("data/one.bin");
+    fs::write(&server, b"version 2\n").unwrap();
+    let later = SystemTime::now() + Duration::from_secs(10);
+    fs::File::options()
+        .write(true)
+        .open(&server)
+        .unwrap()
+        .set_modified(later)
+        .unwrap();
+    wait_until(30, "the changed file invalidated", || {
+        invalidations(&agent) > before
+    });
+}
+
+#[test]
+fn a_file_opened_for_writing_again_and_again_is_never_bound_and_a_fresh_install_still_is() {
+    let net = NetworkMount::start();
+    let lock = net.put("cache/.lockfile", b"");
+    let entry = net.put("cache/entry.bin", b"compiled\n");
+    let agent = Agent::start(&["--watch", net.mount.to_str().unwrap(), "--revalidate", "1"]);
+    // Jobs take the lock (opened read-write, never written) and read the entry, as a
+    // compilation cache's users do.
+    let python = |script: String| {
+        let out = Command::new("python3")
+            .args(["-c", &script])
+            .output()
+            .unwrap();
+        assert_success(&out);
+    };
+    for _ in 0..4 {
+        python(format!(
+            "open({lock:?}, 'r+').close(); open({entry:?}).read()",
+            lock = lock.display().to_string(),
+            entry = entry.display().to_string()
+        ));
+    }
+    // A package installed on the mount (written once), then imported a few times.
+    let pkg = net.path("env/newpkg.py");
+    fs::create_dir_all(pkg.parent().unwrap()).unwrap();
+    fs::write(&pkg, b"X = 1\n").unwrap();
+    for _ in 0..3 {
+        read_all(&pkg);
+    }
+    wait_until(30, "the entry and the installed package copied", || {
+        agent.local_copy(&entry).exists() && agent.local_copy(&pkg).exists()
+    });
+    thread::sleep(Duration::from_secs(3)); // several placements later
+    assert!(
+        !agent.local_copy(&lock).exists(),
+        "the lock file was copied: {}",
+        agent.cache()
+    );
+    // A job can still take the lock and write it: it is not bound read-only.
+    let out = agent
+        .cli(&[
+            "run",
+            "--",
+            "python3",
+            "-c",
+            &format!(
+                "f = open({:?}, 'r+'); f.write('held'); f.close()",
+                lock.display().to_string()
+            ),
+        ])
+        .current_dir("/")
+        .output()
+        .unwrap();
+    assert_success(&out);
+    assert_eq!(
+        fs::read_to_string(net.server_path("cache/.lockfile")).unwrap(),
+        "held"
+    );
+    let profile = agent.export();
+    let f = hocus_tests::file_entry(&profile, &lock).unwrap();
+    assert!(f["write_opens"].as_u64() >= Some(4), "{f}");
+}
+
+#[test]
+fn a_new_job_sees_what_the_network_holds_not_an_older_copy() {
+    let net = NetworkMount::start();
+    let kept = net.put("cache/kept.bin", b"same\n");
+    let rewritten = net.put("cache/rewritten.bin", b"old\n");
+    let deleted = net.put("cache/deleted.bin", b"to be deleted\n");
+    net.put("env/lib/mypkg/__init__.py", b"");
+    net.put("env/empty/README", b"nothing to import here\n");
+    // Revalidation far away: only the job-start check can see the changes in time.
+    let agent = Agent::start(&[
+        "--watch",
+        net.mount.to_str().unwrap(),
+        "--revalidate",
+        "3600",
+    ]);
+    for f in [&kept, &rewritten, &deleted] {
+        read_all(f);
+    }
+    let out = Command::new("python3")
+        .args(["-c", "import mypkg"])
+        .env(
+            "PYTHONPATH",
+            format!(
+                "{}:{}",
+                net.path("env/empty").display(),
+                net.path("env/lib").display()
+            ),
+        )
+        .current_dir("/")
+        .output()
+        .unwrap();
+    assert_success(&out);
+    let env = net.path("env");
+    wait_until(30, "the copies and the snapshot", || {
+        let c = agent.cache();
+        [&kept, &rewritten, &deleted]
+            .iter()
+            .all(|f| agent.local_copy(f).exists())
+            && c["snapshots"]
+                .as_array()
+                .is_some_and(|s| s.iter().any(|p| p == env.to_str().unwrap()))
+    });
+    // Changed on the server: a file rewritten, one deleted, a module added to the
+    // snapshotted tree. A plain process on the mount sees it all first.
+    fs::write(net.server_path("cache/rewritten.bin"), b"new, longer\n").unwrap();
+    fs::remove_file(net.server_path("cache/deleted.bin")).unwrap();
+    let added = net.put("env/lib/mypkg/added.py", b"ADDED = 1\n");
+    wait_until(30, "a plain process to see the changes", || {
+        fs::read(&rewritten).is_ok_and(|b| b == b"new, longer\n")
+            && !deleted.exists()
+            && added.exists()
+    });
+    // Jobs started now see the same: the first drops the stale snapshots, the second
+    // is offered the copies of the files one by one, and drops the stale ones.
+    let script = format!(
+        "cat {r}; test -e {d} && echo present || echo absent; cat {k}; cat {a}",
+        r = rewritten.display(),
+        d = deleted.display(),
+        k = kept.display(),
+        a = added.display()
+    );
+    for _ in 0..2 {
+        let out = agent
+            .cli(&["run", "--", "sh", "-c", &script])
+            .current_dir("/")
+            .output()
+            .unwrap();
+        assert_success(&out);
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout),
+            "new, longer\nabsent\nsame\nADDED = 1\n"
+        );
+    }
+    wait_until(10, "the stale copies dropped", || {
+        !agent.local_copy(&deleted).exists() && !agent.local_copy(&rewritten).exists()
+    });
+    assert!(agent.local_copy(&kept).exists());
+}
