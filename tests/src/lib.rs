@@ -638,3 +638,33 @@ pub fn test_user() -> (u32, u32) {
     }
     (id("-u").unwrap(), id("-g").unwrap())
 }
+
+/// Python packages installed with pip into a directory of their own (world-readable, so
+/// ordinary users' jobs can import them), once per machine: e.g. `["jax[cpu]==0.10.2"]`.
+/// Fails loudly when pip cannot install them.
+pub fn python_packages(name: &str, specs: &[&str]) -> PathBuf {
+    let dir = PathBuf::from("/var/cache/hocus-tests").join(name);
+    let done = dir.join(".installed");
+    let wanted = specs.join(" ");
+    if fs::read_to_string(&done).is_ok_and(|had| had == wanted) {
+        return dir;
+    }
+    let _ = fs::remove_dir_all(&dir);
+    fs::create_dir_all(&dir).unwrap();
+    run(Command::new("python3")
+        .args([
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-warn-script-location",
+            "--target",
+        ])
+        .arg(&dir)
+        .args(specs));
+    run(Command::new("chmod")
+        .args(["-R", "a+rX"])
+        .arg("/var/cache/hocus-tests"));
+    fs::write(&done, wanted).unwrap();
+    dir
+}

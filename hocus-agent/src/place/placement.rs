@@ -93,6 +93,10 @@ pub fn cacheable(f: &FileEntry, filters: &Filters) -> bool {
     f.opens > 0 && filters.admits(&f.path) && !f.kept_on_the_network()
 }
 
+fn parent(path: &str) -> &str {
+    path.rsplit_once('/').map_or("", |(dir, _)| dir)
+}
+
 fn value(f: &FileEntry) -> f64 {
     f.opens as f64 / f.size.div_ceil(PAGE).max(1) as f64
 }
@@ -107,7 +111,19 @@ pub fn place(
     held: &HashSet<String>,
     pinned_now: &HashSet<String>,
 ) -> Placement {
-    let candidates: Vec<&FileEntry> = files.iter().filter(|f| cacheable(f, filters)).collect();
+    // A directory with a file opened for writing again and again (a lock) is a store
+    // its users manage: there a file only ever written, never read yet (JAX's `-atime`
+    // files, rewritten at every hit; an entry just put), waits until someone reads it.
+    let locked: HashSet<&str> = files
+        .iter()
+        .filter(|f| f.opened_for_writing())
+        .map(|f| parent(&f.path))
+        .collect();
+    let candidates: Vec<&FileEntry> = files
+        .iter()
+        .filter(|f| cacheable(f, filters))
+        .filter(|f| !(f.write_opens >= f.opens && locked.contains(parent(&f.path))))
+        .collect();
     let fill = |budget: u64,
                 bonus: &HashSet<String>,
                 among: &dyn Fn(&FileEntry) -> bool|
@@ -202,6 +218,33 @@ mod tests {
             "written once, then left alone"
         );
         assert!(!cacheable(&refused, &filters));
+        // Beside the lock, an entry only written so far waits; once read it is placed.
+        let written_only = FileEntry {
+            write_opens: 1,
+            ..file("/net/cache/jit_f-atime", 8, 1, 1)
+        };
+        let read_since = FileEntry {
+            write_opens: 1,
+            ..file("/net/cache/jit_f-cache", 8, 2, 2)
+        };
+        let elsewhere = FileEntry {
+            write_opens: 1,
+            ..file("/net/other/jit_g-cache", 8, 1, 3)
+        };
+        let files = [lock, written_only, read_since, elsewhere];
+        let p = place(
+            &files,
+            &filters,
+            1 << 30,
+            0,
+            &HashSet::new(),
+            &HashSet::new(),
+        );
+        let held: Vec<&str> = p.files.iter().map(|c| c.path.as_str()).collect();
+        assert_eq!(
+            held,
+            vec!["/net/cache/jit_f-cache", "/net/other/jit_g-cache"]
+        );
     }
 
     fn none() -> HashSet<String> {

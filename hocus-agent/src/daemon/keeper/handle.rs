@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use tokio::sync::{mpsc, oneshot};
 
-use super::{Order, Progressing, Reconfigure};
+use super::{Latest, Order, Progressing, Reconfigure};
 use crate::{
     observe::events::Access, profile::format::Profile, redirect::mountns::Bind,
     shared::status::CacheStatus,
@@ -29,11 +29,12 @@ pub enum KeeperError {
 #[derive(Clone)]
 pub struct Handle {
     orders: mpsc::Sender<Order>,
+    latest: Latest,
 }
 
 impl Handle {
-    pub(super) fn new(orders: mpsc::Sender<Order>) -> Self {
-        Self { orders }
+    pub(super) fn new(orders: mpsc::Sender<Order>, latest: Latest) -> Self {
+        Self { orders, latest }
     }
 
     /// Queues an order that needs no answer; waits only while the queue is full.
@@ -61,7 +62,22 @@ impl Handle {
 
     /// The working set changed: place it again.
     pub async fn place(&self, profile: Profile) -> Result<(), KeeperError> {
-        self.tell(Order::Place(profile)).await
+        let queued = match self.latest.lock() {
+            Ok(mut latest) => latest.replace(profile).is_some(),
+            Err(_) => return Err(KeeperError::Stopped),
+        };
+        // Already queued: the keeper takes this newer one when it gets there.
+        if queued {
+            return Ok(());
+        }
+        let told = self.tell(Order::PlaceLatest).await;
+        if told.is_err() {
+            // Not queued after all: the next placement must queue its own.
+            if let Ok(mut latest) = self.latest.lock() {
+                latest.take();
+            }
+        }
+        told
     }
 
     /// Places `profile` now; progress arrives on `progress` until it is finished.
@@ -124,5 +140,32 @@ impl Handle {
     /// Asks the keeper to stop: it saves its index and releases its pins.
     pub async fn stop(&self) {
         let _ = self.tell(Order::Stop).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_keeper_behind_on_placements_gets_one_order_for_the_newest() {
+        let (tx, mut rx) = mpsc::channel(4);
+        let handle = Handle::new(tx, Latest::default());
+        // The keeper is busy: a hundred placements arrive (a storm of events) ...
+        for n in 0..100 {
+            let profile = Profile {
+                started_unix_ns: n,
+                ..Default::default()
+            };
+            handle.place(profile).await.unwrap();
+        }
+        // ... and it finds one order, for the newest, leaving the queue to questions.
+        assert!(matches!(rx.try_recv(), Ok(Order::PlaceLatest)));
+        assert!(rx.try_recv().is_err());
+        let newest = handle.latest.lock().unwrap().take().unwrap();
+        assert_eq!(newest.started_unix_ns, 99);
+        // Once taken, the next placement queues an order again.
+        handle.place(Profile::default()).await.unwrap();
+        assert!(matches!(rx.try_recv(), Ok(Order::PlaceLatest)));
     }
 }

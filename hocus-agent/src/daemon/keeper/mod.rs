@@ -90,9 +90,13 @@ pub struct Reconfigure {
     pub revalidate: Duration,
 }
 
+/// The newest working set waiting to be placed.
+pub(super) type Latest = std::sync::Arc<std::sync::Mutex<Option<Profile>>>;
+
 pub enum Order {
-    /// The working set changed: place it again.
-    Place(Profile),
+    /// The working set changed: place its latest version (in `Latest`) again. At most
+    /// one is queued: a keeper behind on placements skips to the newest.
+    PlaceLatest,
     /// The tracer saw the file written, truncated, renamed or unlinked.
     Invalidate(String),
     /// A process opened, failed to find or read a watched file.
@@ -158,7 +162,9 @@ pub fn start(config: Config) -> Result<(Handle, thread::JoinHandle<()>)> {
     let (order_tx, order_rx) = tokio_mpsc::channel::<Order>(ORDER_QUEUE);
     let workers = Workers::start(config.copy_workers, cache.tmp_dir(), done_tx)?;
     let unverified = cache.sources().map(|(s, _)| s.clone()).collect();
+    let latest = Latest::default();
     let mut keeper = Keeper {
+        latest: latest.clone(),
         effective_ssd_budget: config.ssd_budget,
         config,
         cache,
@@ -196,10 +202,12 @@ pub fn start(config: Config) -> Result<(Handle, thread::JoinHandle<()>)> {
     let handle = thread::Builder::new()
         .name("hocus-keeper".into())
         .spawn(move || keeper.run(order_rx, done_rx))?;
-    Ok((Handle::new(order_tx), handle))
+    Ok((Handle::new(order_tx, latest), handle))
 }
 
 struct Keeper {
+    /// The newest working set to place (see `Order::PlaceLatest`).
+    latest: Latest,
     config: Config,
     /// The SSD budget, lowered when the cache filesystem turned out to be full.
     effective_ssd_budget: u64,
@@ -319,9 +327,12 @@ impl Keeper {
 
     fn obey(&mut self, order: Order) {
         match order {
-            Order::Place(profile) => {
-                self.remember(profile);
-                self.place();
+            Order::PlaceLatest => {
+                let latest = self.latest.lock().map(|mut l| l.take()).ok().flatten();
+                if let Some(profile) = latest {
+                    self.remember(profile);
+                    self.place();
+                }
             }
             Order::Prefetch(profile, tx) => {
                 self.remember(profile);
