@@ -48,11 +48,19 @@ pub struct NetworkMount {
     pub mount: PathBuf,
     sshd: Child,
     port: u16,
+    owner: Option<(u32, u32)>,
 }
 
 impl NetworkMount {
     /// Starts an sshd on a free loopback port and mounts its export with sshfs.
     pub fn start() -> Self {
+        Self::start_owned_by(None)
+    }
+
+    /// A share whose files all belong to one user, as their network home does (the SFTP
+    /// server runs as root, so without this, files a user creates through the mount are
+    /// root's, and they cannot rewrite them).
+    pub fn start_owned_by(owner: Option<(u32, u32)>) -> Self {
         require_root();
         let dir = tempfile::Builder::new()
             .prefix("hocus-net-")
@@ -110,6 +118,7 @@ impl NetworkMount {
             mount,
             sshd,
             port,
+            owner,
         };
         run(&mut this.sshfs(&this.mount));
         let mounts = fs::read_to_string("/proc/self/mountinfo").unwrap();
@@ -129,8 +138,10 @@ impl NetworkMount {
             .arg(format!(
                 // dcache_timeout=1: changes made on the server show within a second, as
                 // NFS's attribute cache would with actimeo=1.
-                "IdentityFile={}/client_key,StrictHostKeyChecking=no,UserKnownHostsFile=/dev/null,allow_other,default_permissions,BatchMode=yes,dcache_timeout=1",
-                self.dir.path().display()
+                "IdentityFile={}/client_key,StrictHostKeyChecking=no,UserKnownHostsFile=/dev/null,allow_other,default_permissions,BatchMode=yes,dcache_timeout=1{}",
+                self.dir.path().display(),
+                self.owner
+                    .map_or(String::new(), |(u, g)| format!(",uid={u},gid={g}"))
             ))
             .arg(format!("root@127.0.0.1:{}", self.server.display()))
             .arg(at);

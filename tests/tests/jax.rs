@@ -1,17 +1,18 @@
-//! A real JAX persistent compilation cache on the network home, used by jobs under
-//! `hocus-agent run`: its entries are served locally once stable, its lock file and
+//! A real JAX persistent compilation cache on the network home, used by an ordinary
+//! user's jobs under `hocus-agent run`: its entries are served locally once stable, its lock file and
 //! `-atime` files (with a maximum cache size) are never bound, and an entry changed on the
 //! server is seen by the next job.
 
 use std::{
     fs,
+    os::unix::process::CommandExt,
     path::{Path, PathBuf},
-    process::Output,
+    process::{Command, Output},
     thread,
     time::Duration,
 };
 
-use hocus_tests::{Agent, NetworkMount, assert_success, python_packages, wait_until};
+use hocus_tests::{Agent, NetworkMount, assert_success, python_packages, test_user, wait_until};
 
 /// JAX for the CPU, and filelock, which JAX needs to keep a cache's size.
 const JAX: &[&str] = &["jax[cpu]==0.10.2", "filelock==3.20.0"];
@@ -53,13 +54,19 @@ struct Jobs<'a> {
 }
 
 impl Jobs<'_> {
+    /// A job of the ordinary test user, under `hocus-agent run`.
     fn run(&self, script: &str) -> Output {
-        self.agent
-            .cli(&["run", "--", "python3", "-c", script])
+        let (uid, gid) = test_user();
+        Command::new(hocus_tests::agent_bin())
+            .arg("--socket")
+            .arg(&self.agent.socket)
+            .args(["run", "--", "python3", "-c", script])
             .env("PYTHONPATH", &self.packages)
             .env("JAX_PLATFORMS", "cpu")
             .env("HOME", self.home.path())
             .current_dir("/")
+            .uid(uid)
+            .gid(gid)
             .output()
             .unwrap()
     }
@@ -95,13 +102,19 @@ fn local_opens(agent: &Agent) -> u64 {
 
 fn check(max_size: Option<u64>) {
     let packages = python_packages("jax-0.10.2", JAX);
-    let net = NetworkMount::start();
+    // The user's network home: everything on it is theirs.
+    let net = NetworkMount::start_owned_by(Some(test_user()));
     fs::create_dir_all(net.server_path("home/jax-cache")).unwrap();
     let agent = Agent::start(&["--watch", net.mount.to_str().unwrap(), "--revalidate", "1"]);
     let jobs = Jobs {
         agent: &agent,
         packages,
-        home: tempfile::tempdir().unwrap(),
+        home: {
+            let home = tempfile::tempdir().unwrap();
+            let (uid, gid) = test_user();
+            std::os::unix::fs::chown(home.path(), Some(uid), Some(gid)).unwrap();
+            home
+        },
     };
     let cache = net.path("home/jax-cache");
     let script = script(&cache, max_size);
