@@ -57,10 +57,21 @@ impl NetworkMount {
         Self::start_owned_by(None)
     }
 
+    /// A share with a realistic network between client and server: every byte takes
+    /// half of `round_trip` each way (a delaying TCP proxy in front of sshd), as on a
+    /// cluster's link (1 ms) rather than bare loopback (~20 µs).
+    pub fn start_with_round_trip(round_trip: Duration) -> Self {
+        Self::start_with(None, Some(round_trip))
+    }
+
     /// A share whose files all belong to one user, as their network home does (the SFTP
     /// server runs as root, so without this, files a user creates through the mount are
     /// root's, and they cannot rewrite them).
     pub fn start_owned_by(owner: Option<(u32, u32)>) -> Self {
+        Self::start_with(owner, None)
+    }
+
+    fn start_with(owner: Option<(u32, u32)>, round_trip: Option<Duration>) -> Self {
         require_root();
         let dir = tempfile::Builder::new()
             .prefix("hocus-net-")
@@ -112,6 +123,11 @@ impl NetworkMount {
             );
             thread::sleep(Duration::from_millis(50));
         }
+        // sshfs talks to the proxy, when there is one.
+        let port = match round_trip {
+            Some(rtt) => delay_proxy(port, rtt / 2),
+            None => port,
+        };
         let mut this = Self {
             dir,
             server,
@@ -223,6 +239,56 @@ impl Drop for NetworkMount {
         let _ = self.sshd.kill();
         let _ = self.sshd.wait();
     }
+}
+
+/// Listens on a loopback port and forwards every connection to `target`, delaying each
+/// byte by `one_way` in each direction. Runs for as long as the process.
+fn delay_proxy(target: u16, one_way: Duration) -> u16 {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    thread::spawn(move || {
+        for client in listener.incoming().flatten() {
+            let Ok(server) = std::net::TcpStream::connect(("127.0.0.1", target)) else {
+                continue;
+            };
+            for s in [&client, &server] {
+                let _ = s.set_nodelay(true);
+            }
+            let (c2, s2) = (client.try_clone().unwrap(), server.try_clone().unwrap());
+            delayed_pipe(client, server, one_way);
+            delayed_pipe(s2, c2, one_way);
+        }
+    });
+    port
+}
+
+/// Copies `from` to `to`, each chunk sent `delay` after it arrived.
+fn delayed_pipe(mut from: std::net::TcpStream, mut to: std::net::TcpStream, delay: Duration) {
+    use std::io::Write;
+    let (tx, rx) = std::sync::mpsc::channel::<(Instant, Vec<u8>)>();
+    thread::spawn(move || {
+        let mut buf = vec![0u8; 1 << 16];
+        while let Ok(n) = from.read(&mut buf) {
+            if n == 0
+                || tx
+                    .send((Instant::now() + delay, buf[..n].to_vec()))
+                    .is_err()
+            {
+                break;
+            }
+        }
+    });
+    thread::spawn(move || {
+        for (at, chunk) in rx {
+            if let Some(wait) = at.checked_duration_since(Instant::now()) {
+                thread::sleep(wait);
+            }
+            if to.write_all(&chunk).is_err() {
+                break;
+            }
+        }
+        let _ = to.shutdown(std::net::Shutdown::Write);
+    });
 }
 
 fn free_port() -> u16 {

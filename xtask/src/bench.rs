@@ -148,7 +148,7 @@ pub fn dataset(agent_bin: &Path, d: &Dataset) -> Result<()> {
 /// misbehaving node): from local disk (the same files, on the server's side), plain from
 /// the network, warm (again right away), and under `hocus-agent run`, each as a ratio to
 /// local disk, in the same run. The goal is within 1.2x of local disk.
-pub fn imports(agent_bin: &Path, runs: usize) -> Result<()> {
+pub fn imports(agent_bin: &Path, runs: usize, round_trip: std::time::Duration) -> Result<()> {
     if !crate::is_root() {
         bail!("the benchmark mounts filesystems and loads eBPF programs: run it as root");
     }
@@ -169,7 +169,11 @@ pub fn imports(agent_bin: &Path, runs: usize) -> Result<()> {
             bail!("pip could not install numpy, scipy and pandas");
         }
     }
-    let net = NetworkMount::start();
+    let net = if round_trip.is_zero() {
+        NetworkMount::start()
+    } else {
+        NetworkMount::start_with_round_trip(round_trip)
+    };
     let copied = std::process::Command::new("cp")
         .arg("-a")
         .arg(&packages)
@@ -224,7 +228,8 @@ pub fn imports(agent_bin: &Path, runs: usize) -> Result<()> {
         Ok(median(v))
     };
     println!(
-        "import numpy, scipy, pandas; {runs} rounds of each (median), interleaved; page cache emptied every second"
+        "import numpy, scipy, pandas; {runs} rounds of each (median), interleaved; page cache emptied every second; network round trip {:.1} ms",
+        round_trip.as_secs_f64() * 1000.0
     );
     let local_alone_s = runs_of(&mut || time(&mut python(&local)))?;
     // Default revalidation (30 s): re-checking a big snapshot against the network costs
@@ -283,6 +288,23 @@ pub fn imports(agent_bin: &Path, runs: usize) -> Result<()> {
         ("network, hocus-agent run", hocus_s),
     ] {
         println!("{name:<28} {s:>8.3}s {:>11.2}x", s / local_s);
+    }
+    // What checking a job's copies against the network adds to its start (the daemon
+    // logs it for each job).
+    let mut checks: Vec<f64> = agent
+        .log()
+        .lines()
+        .filter_map(|l| {
+            let rest = l.split("confirmed against the network in ").nth(1)?;
+            rest.split(" ms").next()?.parse().ok()
+        })
+        .collect();
+    checks.sort_by(f64::total_cmp);
+    if let Some(m) = checks.get(checks.len() / 2) {
+        println!(
+            "\njob start: checking the copies against the network took {m:.1} ms (median of {} jobs; goal <= 300 ms)",
+            checks.len()
+        );
     }
     let c = agent.cache();
     println!(

@@ -66,6 +66,10 @@ enum Bench {
         /// Runs of each (the median is shown).
         #[arg(long, default_value_t = 5)]
         runs: usize,
+        /// Round trip between the client and the server of the network mount, in ms
+        /// (1: a cluster's link; 0: bare loopback).
+        #[arg(long, default_value_t = 1.0)]
+        round_trip_ms: f64,
     },
 }
 
@@ -116,9 +120,16 @@ fn run(cli: Cli) -> Result<()> {
                 },
             )
         }
-        Cmd::Bench(Bench::Imports { runs }) => {
+        Cmd::Bench(Bench::Imports {
+            runs,
+            round_trip_ms,
+        }) => {
             let agent = build(true)?;
-            bench::imports(&agent, runs)
+            bench::imports(
+                &agent,
+                runs,
+                std::time::Duration::from_secs_f64(round_trip_ms.max(0.0) / 1000.0),
+            )
         }
     }
 }

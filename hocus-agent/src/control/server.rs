@@ -488,12 +488,12 @@ fn session(
     // bound (and its copy goes).
     let started = Instant::now();
     let checked = confirm::confirm(binds, JOB_START_CHECK);
-    log::debug!(
-        "job start: {} copies confirmed, {} stale, {} unchecked in {:?}",
+    log::info!(
+        "job start: {} local copies confirmed against the network in {:.1} ms ({} stale, {} not checked in time)",
         checked.binds.len(),
+        started.elapsed().as_secs_f64() * 1000.0,
         checked.stale.len(),
         checked.unchecked,
-        started.elapsed()
     );
     if !checked.stale.is_empty() {
         let _ = ask(
