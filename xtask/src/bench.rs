@@ -169,22 +169,90 @@ pub fn imports(agent_bin: &Path, runs: usize, round_trip: std::time::Duration) -
             bail!("pip could not install numpy, scipy and pandas");
         }
     }
+    let numpy = crate::workspace().join("target/bench-packages");
+    if !numpy.join("scipy").is_dir() {
+        println!(
+            "installing numpy, scipy and pandas into {} (once)",
+            numpy.display()
+        );
+        let status = std::process::Command::new("python3")
+            .args(["-m", "pip", "install", "--quiet", "--target"])
+            .arg(&numpy)
+            .args(["numpy", "scipy", "pandas"])
+            .status()?;
+        if !status.success() {
+            bail!("pip could not install numpy, scipy and pandas");
+        }
+    }
+    let jax = hocus_tests::python_packages("jax-0.10.2", &["jax[cpu]==0.10.2", "filelock==3.20.0"]);
     let net = if round_trip.is_zero() {
         NetworkMount::start()
     } else {
         NetworkMount::start_with_round_trip(round_trip)
     };
+    for case in [
+        Case {
+            name: "import numpy, scipy, pandas",
+            packages: numpy,
+            site: "site",
+            script: "import numpy, scipy, scipy.linalg, scipy.sparse, pandas",
+            env: &[],
+        },
+        Case {
+            name: "import jax, then three jitted functions from its persistent cache on the share",
+            packages: jax,
+            site: "jaxsite",
+            script: JAX_SCRIPT,
+            env: &[("JAX_PLATFORMS", "cpu")],
+        },
+    ] {
+        run_case(&net, runs, round_trip, &case)?;
+    }
+    Ok(())
+}
+
+/// One program of the imports benchmark: its packages are copied to the share at
+/// `site`; it may write in `<site>-data` beside them.
+struct Case {
+    name: &'static str,
+    packages: PathBuf,
+    site: &'static str,
+    script: &'static str,
+    env: &'static [(&'static str, &'static str)],
+}
+
+/// JAX with its persistent compilation cache beside its packages (on the share, or on
+/// local disk for the local case): the first run fills it, the others read it.
+const JAX_SCRIPT: &str = r#"
+import os, jax, jax.numpy as jnp
+site = os.environ['PYTHONPATH']
+jax.config.update('jax_compilation_cache_dir', site + '-data')
+jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)
+jax.config.update('jax_persistent_cache_min_entry_size_bytes', 0)
+x = jnp.arange(8.0)
+for f in (lambda v: jnp.sin(v) * 2, lambda v: jnp.cos(v) + v, lambda v: (v ** 2).sum()):
+    jax.block_until_ready(jax.jit(f)(x))
+"#;
+
+fn run_case(
+    net: &NetworkMount,
+    runs: usize,
+    round_trip: std::time::Duration,
+    case: &Case,
+) -> Result<()> {
     let copied = std::process::Command::new("cp")
         .arg("-a")
-        .arg(&packages)
-        .arg(net.server_path("site"))
+        .arg(&case.packages)
+        .arg(net.server_path(case.site))
         .status()?;
     if !copied.success() {
         bail!("copying the packages to the server side failed");
     }
-    let local = net.server_path("site");
-    let remote = net.path("site");
-    let script = "import numpy, scipy, scipy.linalg, scipy.sparse, pandas";
+    // Beside the packages: a directory the case may write (JAX's compilation cache).
+    std::fs::create_dir_all(net.server_path(&format!("{}-data", case.site)))?;
+    let local = net.server_path(case.site);
+    let remote = net.path(case.site);
+    let script = case.script;
 
     // Empty the page cache once a second while the runs go on.
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -213,6 +281,7 @@ pub fn imports(agent_bin: &Path, runs: usize, round_trip: std::time::Duration) -
         c.args(["-c", script])
             .env("PYTHONPATH", path)
             .env("PYTHONDONTWRITEBYTECODE", "1")
+            .envs(case.env.iter().copied())
             .current_dir("/");
         c
     };
@@ -228,7 +297,8 @@ pub fn imports(agent_bin: &Path, runs: usize, round_trip: std::time::Duration) -
         Ok(median(v))
     };
     println!(
-        "import numpy, scipy, pandas; {runs} rounds of each (median), interleaved; page cache emptied every second; network round trip {:.1} ms",
+        "\n{}; {runs} rounds of each (median), interleaved; page cache emptied every second; network round trip {:.1} ms",
+        case.name,
         round_trip.as_secs_f64() * 1000.0
     );
     let local_alone_s = runs_of(&mut || time(&mut python(&local)))?;
@@ -268,6 +338,7 @@ pub fn imports(agent_bin: &Path, runs: usize, round_trip: std::time::Duration) -
         let mut cmd = agent.cli(&["run", "--", "python3", "-c", script]);
         cmd.env("PYTHONPATH", &remote)
             .env("PYTHONDONTWRITEBYTECODE", "1")
+            .envs(case.env.iter().copied())
             .current_dir("/");
         hocus_v.push(time(&mut cmd)?);
     }
