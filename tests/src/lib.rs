@@ -735,6 +735,9 @@ pub fn python_packages(name: &str, specs: &[&str]) -> PathBuf {
             "install",
             "--quiet",
             "--no-warn-script-location",
+            // Into a directory of its own, never the system's Python: Debian's
+            // "externally managed" guard need not stop it.
+            "--break-system-packages",
             "--target",
         ])
         .arg(&dir)

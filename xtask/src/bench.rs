@@ -154,21 +154,6 @@ pub fn imports(agent_bin: &Path, runs: usize, round_trip: std::time::Duration) -
     }
     // SAFETY: single-threaded at this point.
     unsafe { std::env::set_var("HOCUS_AGENT_BIN", agent_bin) };
-    let packages = crate::workspace().join("target/bench-packages");
-    if !packages.join("scipy").is_dir() {
-        println!(
-            "installing numpy, scipy and pandas into {} (once)",
-            packages.display()
-        );
-        let status = std::process::Command::new("python3")
-            .args(["-m", "pip", "install", "--quiet", "--target"])
-            .arg(&packages)
-            .args(["numpy", "scipy", "pandas"])
-            .status()?;
-        if !status.success() {
-            bail!("pip could not install numpy, scipy and pandas");
-        }
-    }
     let numpy = crate::workspace().join("target/bench-packages");
     if !numpy.join("scipy").is_dir() {
         println!(
@@ -176,7 +161,8 @@ pub fn imports(agent_bin: &Path, runs: usize, round_trip: std::time::Duration) -
             numpy.display()
         );
         let status = std::process::Command::new("python3")
-            .args(["-m", "pip", "install", "--quiet", "--target"])
+            .args(["-m", "pip", "install", "--quiet", "--break-system-packages"])
+            .arg("--target")
             .arg(&numpy)
             .args(["numpy", "scipy", "pandas"])
             .status()?;

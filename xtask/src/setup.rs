@@ -28,6 +28,8 @@ const PACKAGES: &[&str] = &[
     "openssh-client",
     "fuse3",
     "python3",
+    // pip: the tests install JAX, the benchmarks numpy, scipy and pandas.
+    "python3-pip",
     "passwd",
     // setfacl: the tests that check copies and snapshots keep POSIX ACLs.
     "acl",
