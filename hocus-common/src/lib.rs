@@ -87,7 +87,6 @@ pub struct KernelOffsets {
     pub task_fs: u32,
     pub task_nsproxy: u32,
     pub files_fdt: u32,
-    pub fdt_max_fds: u32,
     pub fdt_fd: u32,
     /// file.f_path (a struct path: mnt, then dentry)
     pub file_mnt: u32,

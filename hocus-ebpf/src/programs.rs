@@ -55,7 +55,6 @@ static OFFSETS: KernelOffsets = KernelOffsets {
     task_fs: 0,
     task_nsproxy: 0,
     files_fdt: 0,
-    fdt_max_fds: 0,
     fdt_fd: 0,
     file_mnt: 0,
     fs_pwd_mnt: 0,

@@ -324,26 +324,28 @@ pub struct Agent {
     log: PathBuf,
 }
 
+/// A daemon's own directory (socket, state, cache, log).
+fn agent_dir() -> tempfile::TempDir {
+    let dir = tempfile::Builder::new()
+        .prefix("hocus-agent-")
+        .tempdir()
+        .unwrap();
+    // Ordinary users in the tests must reach the control socket.
+    fs::set_permissions(dir.path(), fs::Permissions::from_mode(0o755)).unwrap();
+    dir
+}
+
 impl Agent {
     /// Starts the daemon with `args` (e.g. `["--watch", path]`) and waits until it answers.
     pub fn start(args: &[&str]) -> Self {
-        let dir = tempfile::Builder::new()
-            .prefix("hocus-agent-")
-            .tempdir()
-            .unwrap();
-        // Ordinary users in the tests must reach the control socket.
-        fs::set_permissions(dir.path(), fs::Permissions::from_mode(0o755)).unwrap();
+        let dir = agent_dir();
         let state_dir = dir.path().join("state");
         Self::start_with_state(dir, state_dir, args)
     }
 
     /// Starts the daemon in the mount namespace of process `holder` (through nsenter).
     pub fn start_in_namespace_of(holder: u32, args: &[&str]) -> Self {
-        let dir = tempfile::Builder::new()
-            .prefix("hocus-agent-")
-            .tempdir()
-            .unwrap();
-        fs::set_permissions(dir.path(), fs::Permissions::from_mode(0o755)).unwrap();
+        let dir = agent_dir();
         let state_dir = dir.path().join("state");
         let holder = holder.to_string();
         Self::launch(

@@ -12,6 +12,26 @@ use std::{
 
 use hocus_tests::{Agent, NetworkMount, assert_success, read_all, wait_until};
 
+/// Imports `module` (a plain process, not a job) with `env/empty` before `env/lib` on
+/// the path: the misses in env/empty make hocus snapshot env.
+fn import_through_env(net: &NetworkMount, module: &str) {
+    let out = Command::new("python3")
+        .args(["-c", &format!("import {module}")])
+        .env(
+            "PYTHONPATH",
+            format!(
+                "{}:{}",
+                net.path("env/empty").display(),
+                net.path("env/lib").display()
+            ),
+        )
+        .env("PYTHONDONTWRITEBYTECODE", "1")
+        .current_dir("/")
+        .output()
+        .unwrap();
+    assert_success(&out);
+}
+
 fn drop_caches() {
     fs::write("/proc/sys/vm/drop_caches", "3").unwrap();
 }
@@ -26,21 +46,7 @@ fn page_cache_drops_invalidate_nothing_unchanged_and_a_real_change_is_still_caug
     let agent = Agent::start(&["--watch", net.mount.to_str().unwrap(), "--revalidate", "1"]);
     // An import that misses in env/empty makes hocus snapshot env; the data file is
     // copied on its own.
-    let out = Command::new("python3")
-        .args(["-c", "import mypkg.core"])
-        .env(
-            "PYTHONPATH",
-            format!(
-                "{}:{}",
-                net.path("env/empty").display(),
-                net.path("env/lib").display()
-            ),
-        )
-        .env("PYTHONDONTWRITEBYTECODE", "1")
-        .current_dir("/")
-        .output()
-        .unwrap();
-    assert_success(&out);
+    import_through_env(&net, "mypkg.core");
     read_all(&data);
     let env = net.path("env");
     let snapshots = |a: &Agent| {
@@ -175,20 +181,7 @@ fn a_new_job_sees_what_the_network_holds_not_an_older_copy() {
     for f in [&kept, &rewritten, &deleted] {
         read_all(f);
     }
-    let out = Command::new("python3")
-        .args(["-c", "import mypkg"])
-        .env(
-            "PYTHONPATH",
-            format!(
-                "{}:{}",
-                net.path("env/empty").display(),
-                net.path("env/lib").display()
-            ),
-        )
-        .current_dir("/")
-        .output()
-        .unwrap();
-    assert_success(&out);
+    import_through_env(&net, "mypkg");
     let env = net.path("env");
     wait_until(30, "the copies and the snapshot", || {
         let c = agent.cache();

@@ -237,13 +237,12 @@ impl Daemon {
         let (checked_tx, checked_rx) = mpsc::unbounded_channel();
         // Where those roots are by device and path inside their filesystems: how other
         // namespaces' mounts are matched to them.
-        let own = mounts::read()?;
         let mut anchors = Vec::new();
         for r in roots.iter().filter(|r| r.kind == superblock::WATCHED) {
-            anchors.push(Anchor::of(&own, &r.path, r.path.clone(), false)?);
+            anchors.push(Anchor::of(&mount_table, &r.path, r.path.clone(), false)?);
         }
         anchors.push(Anchor::of(
-            &own,
+            &mount_table,
             &cache_dir.join(Cache::TREES),
             PathBuf::from("/"),
             true,

@@ -245,7 +245,6 @@ pub fn kernel_offsets(btf: &Btf) -> Result<KernelOffsets> {
         task_fs: o("task_struct", "fs")?,
         task_nsproxy: o("task_struct", "nsproxy")?,
         files_fdt: o("files_struct", "fdt")?,
-        fdt_max_fds: o("fdtable", "max_fds")?,
         fdt_fd: o("fdtable", "fd")?,
         file_mnt: o("file", "f_path.mnt")?,
         fs_pwd_mnt: o("fs_struct", "pwd.mnt")?,

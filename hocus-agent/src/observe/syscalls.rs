@@ -44,17 +44,9 @@ const fn path_op(
     path: &'static str,
 ) -> Traced {
     Traced {
-        name,
-        nr,
-        op,
-        programs: Programs::Path,
-        flags_from: flags_from::NONE,
         dfd,
         path: Some(path),
-        dfd2: None,
-        path2: None,
-        flags: None,
-        fd: None,
+        ..no_args(name, nr, op)
     }
 }
 
