@@ -108,6 +108,11 @@ pub struct KernelOffsets {
     pub mnt_ns_id: u32,
     /// Its inode number (what /proc/PID/ns/mnt shows; reused after the namespace goes).
     pub mnt_ns_inum: u32,
+    /// pt_regs.orig_ax: the syscall number, which `ax` no longer holds at exit.
+    pub regs_nr: u32,
+    /// task_struct.thread_info.status, whose `TS_COMPAT` bit marks a 32-bit syscall
+    /// (numbered and passed differently: it must not be read as a 64-bit one).
+    pub thread_status: u32,
 }
 
 /// How another mount namespace sees the watched trees, learned by the agent from
@@ -195,8 +200,10 @@ pub mod flags_from {
     pub const CREAT: u8 = 3;
 }
 
-/// Where a syscall's arguments sit in its `sys_enter_*` tracepoint record, read from
-/// tracefs at start-up. Indexed by syscall number.
+/// Where a syscall's arguments sit in the `struct pt_regs` the raw `sys_enter`/`sys_exit`
+/// tracepoints pass (byte offsets, from the argument's position in the tracefs format
+/// and the registers' offsets in the kernel's BTF), `NO_FIELD` for none. Indexed by
+/// syscall number.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SyscallLayout {
@@ -244,20 +251,6 @@ impl Watched {
         }
         Some(w)
     }
-}
-
-/// A syscall between its enter and its exit, keyed by thread.
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-pub struct Pending {
-    pub op: u8,
-    pub _pad: [u8; 3],
-    pub open_flags: u32,
-    /// Directory descriptor of `path`, or the descriptor a read uses.
-    pub dfd: i32,
-    pub dfd2: i32,
-    pub path: u64,
-    pub path2: u64,
 }
 
 /// A descriptor of a process.
@@ -349,26 +342,24 @@ pub mod counter {
     pub const EVENTS_SENT: u32 = 0;
     pub const LOST_RING_FULL: u32 = 1;
     pub const LOST_OPEN_FILES_FULL: u32 = 2;
-    pub const LOST_PENDING_FULL: u32 = 3;
-    pub const PATH_UNREADABLE: u32 = 4;
-    pub const PATH_TRUNCATED: u32 = 5;
+    pub const PATH_UNREADABLE: u32 = 3;
+    pub const PATH_TRUNCATED: u32 = 4;
     /// Of `LOST_RING_FULL`: open events (the profile misses those opens).
-    pub const LOST_OPENS: u32 = 6;
+    pub const LOST_OPENS: u32 = 5;
     /// Of `LOST_RING_FULL`: failed lookups.
-    pub const LOST_FAILED_LOOKUPS: u32 = 7;
+    pub const LOST_FAILED_LOOKUPS: u32 = 6;
     /// An absolute path from a mount namespace (or chroot) that is not the agent's or a
     /// job's, and whose view is not learned yet: what it names is unknown, so it is
     /// dropped (the agent is asked to learn the view).
-    pub const FOREIGN_NAMESPACE: u32 = 8;
+    pub const FOREIGN_NAMESPACE: u32 = 7;
     /// A file deeper below its root than the kernel side walks.
-    pub const PATH_TOO_DEEP: u32 = 9;
-    pub const COUNT: u32 = 10;
+    pub const PATH_TOO_DEEP: u32 = 8;
+    pub const COUNT: u32 = 9;
     /// Metric-style names, by index.
     pub const NAMES: [&str; COUNT as usize] = [
         "events_sent",
         "lost_ring_buffer_full",
         "lost_open_files_map_full",
-        "lost_pending_map_full",
         "path_unreadable",
         "path_truncated",
         "lost_open_events",

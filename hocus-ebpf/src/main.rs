@@ -1,5 +1,5 @@
-//! hocus's kernel side: syscall tracepoints that see opens, failed lookups, reads and
-//! mutations on watched mounts.
+//! hocus's kernel side: programs on the raw syscall tracepoints that see opens, failed
+//! lookups, reads and mutations on watched mounts.
 //!
 //! What is watched is decided by identity, not by the path a process typed: an opened
 //! file (and the directory a relative path starts from) is placed by walking up its
@@ -10,22 +10,26 @@
 //! name no object; they are compared with the watched prefixes, and only from mount
 //! namespaces whose paths mean what they mean to the agent (its own, its jobs').
 //!
-//! Five programs, each attached to several tracepoints and driven by `SYSCALLS`, a table
-//! indexed by syscall number that the agent fills from the tracefs `format` files:
+//! Every syscall of every process passes through two of these programs, so what is not
+//! traced must cost next to nothing: `SYSCALLS`, a table indexed by syscall number that
+//! the agent fills (which register holds which argument), says in one lookup whether a
+//! syscall matters.
 //!
-//! - `path_enter` (sys_enter_open*, stat*, access*, unlink*, rename*, mkdir*, ...): stash the
-//!   path pointers and flags per thread;
-//! - `path_exit`: place what was opened, or where the path lies, and report opens, ENOENT
-//!   lookups and successful mutations; for the agent's own threads, answer `CALIBRATE`
-//!   and take a job's new mount namespace as known;
-//! - `fd_enter` (read*, write*, ftruncate, close): act only on descriptors of watched files;
-//! - `fd_exit` (read*, write*, ftruncate): add the bytes read to the open file, in the
-//!   kernel, and report a write or truncate only once it succeeded;
-//! - `process_fork`, `process_exit` (sched tracepoints): a job's children stay in it.
+//! - `syscall_enter` (raw `sys_enter`): only what must happen before the syscall: a
+//!   close forgets its watched descriptor, a mount makes learned views stale;
+//! - `syscall_exit` (raw `sys_exit`): everything else, with the arguments read again
+//!   from the saved registers: place what was opened, or where a path lies, and report
+//!   opens, ENOENT lookups and successful mutations; add the bytes read to the open
+//!   file, in the kernel; report a file's first write once it succeeded; for the
+//!   agent's own threads, answer `CALIBRATE` and take a job's new mount namespace as
+//!   known;
+//! - `process_fork`, `process_exit` (sched tracepoints): a job's children stay in it;
+//! - `floor`: returns at once (the benchmark's baseline; the daemon never attaches it).
 //!
-//! Kernel structs are read at offsets the agent found in the kernel's BTF (`OFFSETS`).
-//! Activity outside watched trees never reaches the ring buffer. Whatever cannot be
-//! delivered is counted in `COUNTERS`.
+//! Nothing is stored between a syscall's enter and its exit: no map insert for any
+//! syscall that is not on a watched file. Kernel structs are read at offsets the agent
+//! found in the kernel's BTF (`OFFSETS`). Activity outside watched trees never reaches
+//! the ring buffer. Whatever cannot be delivered is counted in `COUNTERS`.
 #![cfg_attr(target_arch = "bpf", no_std)]
 #![cfg_attr(target_arch = "bpf", no_main)]
 #![cfg_attr(target_arch = "bpf", feature(core_intrinsics))]

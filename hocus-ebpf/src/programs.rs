@@ -5,16 +5,15 @@ use aya_ebpf::{
         bpf_probe_read_kernel_buf, bpf_probe_read_kernel_str_bytes, bpf_probe_read_user,
         bpf_probe_read_user_str_bytes, generated,
     },
-    macros::{map, tracepoint},
+    macros::{map, raw_tracepoint, tracepoint},
     maps::{Array, HashMap, LruHashMap, PerCpuArray, RingBuf},
-    programs::TracePointContext,
+    programs::{RawTracePointContext, TracePointContext},
 };
 use hocus_common::{
     AT_FDCWD, Calibration, Event, FdKey, Home, KernelOffsets, MAX_KNOWN_NAMESPACES, MAX_OPEN_FILES,
     MAX_PATH, MAX_PREFIX, MAX_PROCESSES, MAX_ROOTS, MAX_SUPERBLOCKS, MAX_SYSCALL_NR, MAX_VIEWS,
-    MAX_WATCHED, NO_FIELD, NamespaceKey, OpenFile, PREFIX_WORDS, PathBuf, Pending, RING_BYTES,
-    ROOT_NONE, ROOT_VIEW, SyscallLayout, View, Watched, counter, ev, flags_from, kind, op,
-    superblock,
+    MAX_WATCHED, NO_FIELD, NamespaceKey, OpenFile, PREFIX_WORDS, PathBuf, RING_BYTES, ROOT_NONE,
+    ROOT_VIEW, SyscallLayout, View, Watched, counter, ev, flags_from, kind, op, superblock,
 };
 
 const ENOENT: i64 = 2;
@@ -23,6 +22,8 @@ const O_ACCMODE: u32 = 0o3;
 const O_CREAT: u32 = 0o100;
 const O_WRONLY: u32 = 0o1;
 const O_TRUNC: u32 = 0o1000;
+/// x86-64's `thread_info.status` bit for a 32-bit syscall in progress.
+const TS_COMPAT: u32 = 0x0002;
 const BPF_RB_NO_WAKEUP: u64 = 1;
 const BPF_RB_FORCE_WAKEUP: u64 = 2;
 const BPF_RB_AVAIL_DATA: u64 = 0;
@@ -37,12 +38,6 @@ const NAME_MAX: usize = 255;
 // Set by the agent before loading (aya `set_global`).
 #[unsafe(no_mangle)]
 static SELF_TGID: u32 = 0;
-/// Offset of `__syscall_nr` in sys_enter/sys_exit records (tracefs format).
-#[unsafe(no_mangle)]
-static NR_OFFSET: u32 = 8;
-/// Offset of `ret` in sys_exit records (tracefs format).
-#[unsafe(no_mangle)]
-static RET_OFFSET: u32 = 16;
 /// Offsets of `parent_pid` and `child_pid` in sched_process_fork records.
 #[unsafe(no_mangle)]
 static FORK_PARENT_OFFSET: u32 = 12;
@@ -68,6 +63,8 @@ static OFFSETS: KernelOffsets = KernelOffsets {
     nsproxy_mnt_ns: 0,
     mnt_ns_id: 0,
     mnt_ns_inum: 0,
+    regs_nr: 0,
+    thread_status: 0,
 };
 
 #[map]
@@ -102,9 +99,6 @@ static MOUNT_GENERATION: Array<u64> = Array::with_max_entries(1, 0);
 /// The agent's question about one of its descriptors, and the answer.
 #[map]
 static CALIBRATE: Array<Calibration> = Array::with_max_entries(1, 0);
-/// Syscalls in flight, by thread. LRU: an entry outlives its syscall only if the thread died.
-#[map]
-static PENDING: LruHashMap<u64, Pending> = LruHashMap::with_max_entries(16384, 0);
 /// Descriptors of watched files, by process and descriptor.
 #[map]
 static OPEN_FILES: HashMap<FdKey, OpenFile> = HashMap::with_max_entries(MAX_OPEN_FILES, 0);
@@ -153,9 +147,11 @@ fn current() -> Option<(u64, u32)> {
     Some((pid_tgid, tgid))
 }
 
-fn layout(ctx: &TracePointContext) -> Option<&'static SyscallLayout> {
-    // SAFETY: the offset comes from the tracepoint's format file.
-    let nr: i32 = unsafe { ctx.read_at(global(&NR_OFFSET) as usize) }.ok()?;
+/// What the syscall numbered `nr` means, if it is traced.
+fn layout(nr: i64) -> Option<&'static SyscallLayout> {
+    if !(0..MAX_SYSCALL_NR as i64).contains(&nr) {
+        return None; // -1 (no syscall), or an x32 number
+    }
     let layout = SYSCALLS.get(nr as u32)?;
     if layout.op == op::NONE {
         return None;
@@ -163,17 +159,29 @@ fn layout(ctx: &TracePointContext) -> Option<&'static SyscallLayout> {
     Some(layout)
 }
 
-fn arg(ctx: &TracePointContext, offset: u16) -> Option<u64> {
+/// A syscall argument, from the saved registers at `offset` (`NO_FIELD`: none).
+fn arg(regs: u64, offset: u16) -> Option<u64> {
     if offset == NO_FIELD {
         return None;
     }
-    // SAFETY: syscall arguments are 8 bytes wide in sys_enter records.
-    unsafe { ctx.read_at::<u64>(offset as usize) }.ok()
+    field(regs, u32::from(offset))
 }
 
-fn ret(ctx: &TracePointContext) -> i64 {
-    // SAFETY: `ret` is a long in every sys_exit record.
-    unsafe { ctx.read_at::<i64>(global(&RET_OFFSET) as usize) }.unwrap_or(0)
+/// A directory descriptor argument; `AT_FDCWD` for syscalls that have none.
+fn arg_fd(regs: u64, offset: u16) -> i32 {
+    arg(regs, offset).map_or(AT_FDCWD, |d| d as i32)
+}
+
+/// Whether `nr` is, in the 32-bit numbering, mount, umount, umount2, pivot_root or
+/// move_mount: a 32-bit mount changes what paths mean as much as a 64-bit one.
+fn is_ia32_mount(nr: i64) -> bool {
+    matches!(nr, 21 | 22 | 52 | 217 | 429)
+}
+
+/// Whether the current syscall is a 32-bit one (`int 0x80` or a 32-bit process): its
+/// number and registers mean something else, so it is never read as a 64-bit one.
+fn is_compat() -> bool {
+    field::<u32>(task(), offset(|o| &o.thread_status)).is_none_or(|s| s & TS_COMPAT != 0)
 }
 
 // ---- Kernel objects: where a file, a working directory or a namespace is ----
@@ -326,97 +334,84 @@ fn locate(place: &Place) -> Option<Located> {
     None
 }
 
-/// path_enter, on sys_enter_* of path syscalls (here sys_enter_openat; the arguments differ per syscall, each 8 bytes wide
-/// from offset 16, and `SYSCALLS` holds where each syscall keeps the ones we read):
-///
-/// ```text
-/// field:unsigned short common_type;          offset:0;  size:2; signed:0;
-/// field:unsigned char common_flags;          offset:2;  size:1; signed:0;
-/// field:unsigned char common_preempt_count;  offset:3;  size:1; signed:0;
-/// field:int common_pid;                      offset:4;  size:4; signed:1;
-///
-/// field:int __syscall_nr;                    offset:8;  size:4; signed:1;
-/// field:int dfd;                             offset:16; size:8; signed:0;
-/// field:const char * filename;               offset:24; size:8; signed:0;
-/// field:int flags;                           offset:32; size:8; signed:0;
-/// field:umode_t mode;                        offset:40; size:8; signed:0;
-/// ```
-#[tracepoint]
-pub fn path_enter(ctx: TracePointContext) -> u32 {
-    let _ = try_path_enter(&ctx);
+/// syscall_enter, on the raw `sys_enter` tracepoint: every syscall of every process on
+/// the node passes here, so anything not traced costs one table lookup. Only what must
+/// happen before the syscall is done here: a close forgets its descriptor before the
+/// number can be reused, and a mount makes learned views stale before it starts.
+/// Everything else is decided at exit, where the arguments are still in the registers.
+#[raw_tracepoint(tracepoint = "sys_enter")]
+pub fn syscall_enter(ctx: RawTracePointContext) -> i32 {
+    let _ = try_syscall_enter(&ctx);
     0
 }
 
-fn try_path_enter(ctx: &TracePointContext) -> Option<()> {
-    let (pid_tgid, _) = current()?;
-    let l = layout(ctx)?;
-    if l.op == op::NEW_NAMESPACE {
-        return None; // only the agent's own matter, at their exit
-    }
-    if l.op == op::MOUNTS_CHANGE {
-        // Before the mount and (through `PENDING`) after it: a view learned while it was
-        // under way is stale too. The agent's own binds, in jobs' namespaces, propagate
-        // nowhere (those namespaces are slaves), so they change no view.
+fn try_syscall_enter(ctx: &RawTracePointContext) -> Option<()> {
+    let nr: i64 = ctx.arg(1);
+    if is_ia32_mount(nr) && is_compat() {
         mounts_change();
+        return None;
     }
-    let open_flags = match l.flags_from {
-        flags_from::ARG => arg(ctx, l.flags)? as u32,
-        flags_from::OPEN_HOW => {
-            let how = arg(ctx, l.flags)? as *const u64;
-            // SAFETY: user pointer, read with the helper that tolerates faults.
-            unsafe { bpf_probe_read_user(how) }.unwrap_or(0) as u32
-        }
-        flags_from::CREAT => O_CREAT | O_WRONLY | O_TRUNC,
-        _ => 0,
-    };
-    let pending = Pending {
-        op: l.op,
-        open_flags,
-        dfd: arg(ctx, l.dfd).map_or(AT_FDCWD, |d| d as i32),
-        dfd2: arg(ctx, l.dfd2).map_or(AT_FDCWD, |d| d as i32),
-        path: arg(ctx, l.path).unwrap_or(0),
-        path2: arg(ctx, l.path2).unwrap_or(0),
-        ..Default::default()
-    };
-    if PENDING.insert(&pid_tgid, &pending, 0).is_err() {
-        count(counter::LOST_PENDING_FULL);
+    let l = layout(nr)?;
+    if l.op != op::CLOSE && l.op != op::MOUNTS_CHANGE {
+        return None;
     }
+    let (_, tgid) = current()?;
+    if l.op == op::MOUNTS_CHANGE {
+        // Before the mount and after it: a view learned while it was under way is stale
+        // too. The agent's own binds, in jobs' namespaces, propagate nowhere (those
+        // namespaces are slaves), so they change no view.
+        mounts_change();
+        return None;
+    }
+    let regs: u64 = ctx.arg(0);
+    let key = FdKey {
+        tgid,
+        fd: arg(regs, l.fd)? as u32,
+    };
+    // SAFETY: copied out before the entry is removed.
+    let file = unsafe { *OPEN_FILES.get(&key)? };
+    if is_compat() {
+        return None;
+    }
+    let _ = OPEN_FILES.remove(&key);
+    let h = Header {
+        kind: kind::CLOSE,
+        tgid,
+        file_id: file.file_id,
+        bytes: file.bytes_read,
+        open_flags: 0,
+    };
+    emit(&h, &no_path(), 0);
     Some(())
 }
 
-/// path_exit, on sys_exit_* of path syscalls (the same for every syscall):
-///
-/// ```text
-/// field:unsigned short common_type;          offset:0;  size:2; signed:0;
-/// field:unsigned char common_flags;          offset:2;  size:1; signed:0;
-/// field:unsigned char common_preempt_count;  offset:3;  size:1; signed:0;
-/// field:int common_pid;                      offset:4;  size:4; signed:1;
-///
-/// field:int __syscall_nr;                    offset:8;  size:4; signed:1;
-/// field:long ret;                            offset:16; size:8; signed:1;
-/// ```
-#[tracepoint]
-pub fn path_exit(ctx: TracePointContext) -> u32 {
-    let _ = try_path_exit(&ctx);
+/// syscall_exit, on the raw `sys_exit` tracepoint: the syscall's number is read from
+/// the saved registers (`orig_ax`), its arguments too (the kernel does not change them),
+/// and its result is the tracepoint's second argument. Opens are placed by what they
+/// opened; failed lookups and mutations by where their path lies; reads add their bytes
+/// to the open file; the first write to a file is reported once it succeeded.
+#[raw_tracepoint(tracepoint = "sys_exit")]
+pub fn syscall_exit(ctx: RawTracePointContext) -> i32 {
+    let _ = try_syscall_exit(&ctx);
     0
 }
 
-/// Takes the thread's syscall in flight, stashed at its enter.
-fn take_pending(pid_tgid: u64) -> Option<Pending> {
-    // SAFETY: copied out before the entry is removed.
-    let p = unsafe { *PENDING.get(&pid_tgid)? };
-    let _ = PENDING.remove(&pid_tgid);
-    Some(p)
-}
-
-fn try_path_exit(ctx: &TracePointContext) -> Option<()> {
+/// The checks of `is_compat` (a read of kernel memory) come after the cheap tests that
+/// turn away almost every syscall on the node, and before anything is changed or sent.
+fn try_syscall_exit(ctx: &RawTracePointContext) -> Option<()> {
+    let regs: u64 = ctx.arg(0);
+    let nr: i64 = field(regs, offset(|o| &o.regs_nr))?;
+    if is_ia32_mount(nr) && is_compat() {
+        mounts_change();
+        return None;
+    }
+    let l = layout(nr)?;
+    let ret: i64 = ctx.arg(1);
     let pid_tgid = bpf_get_current_pid_tgid();
     let tgid = (pid_tgid >> 32) as u32;
     if tgid == global(&SELF_TGID) {
-        return agent_syscall(ctx, pid_tgid);
+        return agent_syscall(l, pid_tgid, ret);
     }
-    let p = take_pending(pid_tgid)?;
-    let ret = ret(ctx);
     let header = |kind, file_id, open_flags| Header {
         kind,
         tgid,
@@ -424,18 +419,67 @@ fn try_path_exit(ctx: &TracePointContext) -> Option<()> {
         bytes: 0,
         open_flags,
     };
-    match p.op {
+    match l.op {
         op::MOUNTS_CHANGE => mounts_change(),
+        op::READ if ret > 0 => {
+            let key = FdKey {
+                tgid,
+                fd: arg(regs, l.fd)? as u32,
+            };
+            let file = OPEN_FILES.get_ptr_mut(&key)?;
+            if is_compat() {
+                return None;
+            }
+            // SAFETY: map value pointer; the add is atomic (threads of one process may
+            // read one descriptor at once).
+            unsafe {
+                core::intrinsics::atomic_xadd::<
+                    u64,
+                    u64,
+                    { core::intrinsics::AtomicOrdering::Relaxed },
+                >(&raw mut (*file).bytes_read, ret as u64)
+            };
+        }
+        // A failed write changes nothing.
+        op::WRITE | op::FTRUNCATE if (l.op == op::WRITE && ret > 0) || ret == 0 => {
+            let key = FdKey {
+                tgid,
+                fd: arg(regs, l.fd)? as u32,
+            };
+            let file = OPEN_FILES.get_ptr_mut(&key)?;
+            if is_compat() {
+                return None;
+            }
+            // SAFETY: map value pointer, valid for this program run.
+            let file = unsafe { &mut *file };
+            if file.written != 0 {
+                return Some(()); // one event per open file is enough to mark it written
+            }
+            file.written = 1;
+            let k = if l.op == op::WRITE {
+                kind::WRITE
+            } else {
+                kind::TRUNCATE
+            };
+            emit(&header(k, file.file_id, 0), &no_path(), 0);
+        }
         op::OPEN if ret >= 0 => {
             let key = FdKey {
                 tgid,
                 fd: ret as u32,
             };
             let Some(located) = file_place(ret as u32).and_then(|f| locate(&f)) else {
-                // The descriptor number may have belonged to a watched file before.
-                let _ = OPEN_FILES.remove(&key);
+                // The descriptor number may have belonged to a watched file before (closed
+                // by dup2 or exec, unseen). Looked up first: a lookup is cheaper than a
+                // delete, and almost every open on the node misses.
+                if OPEN_FILES.get_ptr(&key).is_some() && !is_compat() {
+                    let _ = OPEN_FILES.remove(&key);
+                }
                 return Some(());
             };
+            if is_compat() {
+                return None;
+            }
             let file = OpenFile {
                 file_id: next_id(),
                 ..Default::default()
@@ -447,16 +491,29 @@ fn try_path_exit(ctx: &TracePointContext) -> Option<()> {
                 located: Some(located),
                 ..no_path()
             };
-            emit(&header(kind::OPEN, file.file_id, p.open_flags), &target, 0);
+            emit(
+                &header(kind::OPEN, file.file_id, open_flags(regs, l)),
+                &target,
+                0,
+            );
         }
-        op::RENAME if ret == 0 => {}
+        op::RENAME if ret == 0 => {
+            if is_compat() {
+                return None;
+            }
+            // One after the other: both use the same walk buffer.
+            if let Some(t) = path_target(arg_fd(regs, l.dfd), arg(regs, l.path)?, 0) {
+                emit(&header(kind::RENAME_FROM, 0, 0), &t, 0);
+            }
+            if let Some(t) = path_target(arg_fd(regs, l.dfd2), arg(regs, l.path2)?, 1) {
+                emit(&header(kind::RENAME_TO, 0, 0), &t, 1);
+            }
+        }
         _ => {
-            let k = match p.op {
+            let k = match l.op {
                 // A job wrote into a read-only local copy: the agent invalidates it.
                 op::OPEN | op::UNLINK | op::RMDIR | op::MKDIR | op::RENAME | op::TRUNCATE
-                    if ret == -EROFS
-                        && (p.op != op::OPEN
-                            || p.open_flags & (O_ACCMODE | O_CREAT | O_TRUNC) != 0) =>
+                    if ret == -EROFS =>
                 {
                     kind::REFUSED_WRITE
                 }
@@ -468,39 +525,49 @@ fn try_path_exit(ctx: &TracePointContext) -> Option<()> {
                 _ => return Some(()),
             };
             let flags = if k == kind::REFUSED_WRITE {
-                p.open_flags
+                let flags = open_flags(regs, l);
+                if l.op == op::OPEN && flags & (O_ACCMODE | O_CREAT | O_TRUNC) == 0 {
+                    return Some(()); // a read-only open cannot be a refused write
+                }
+                flags
             } else {
                 0
             };
             // One call site: the verifier follows the walk once, not once per kind.
-            let t = path_target(p.dfd, p.path, 0)?;
+            let t = path_target(arg_fd(regs, l.dfd), arg(regs, l.path)?, 0)?;
+            if is_compat() {
+                return None;
+            }
             emit(&header(k, 0, flags), &t, 0);
-            return Some(());
-        }
-    }
-    if p.op == op::RENAME && ret == 0 {
-        // One after the other: both use the same walk buffer.
-        if let Some(t) = path_target(p.dfd, p.path, 0) {
-            emit(&header(kind::RENAME_FROM, 0, 0), &t, 0);
-        }
-        if let Some(t) = path_target(p.dfd2, p.path2, 1) {
-            emit(&header(kind::RENAME_TO, 0, 0), &t, 1);
         }
     }
     Some(())
 }
 
+/// An open's flags: an argument, or in the `struct open_how` an argument points to.
+fn open_flags(regs: u64, l: &SyscallLayout) -> u32 {
+    match l.flags_from {
+        flags_from::ARG => arg(regs, l.flags).unwrap_or(0) as u32,
+        flags_from::OPEN_HOW => arg(regs, l.flags).map_or(0, |how| {
+            // SAFETY: user pointer, read with the helper that tolerates faults.
+            unsafe { bpf_probe_read_user(how as *const u64) }.unwrap_or(0) as u32
+        }),
+        flags_from::CREAT => O_CREAT | O_WRONLY | O_TRUNC,
+        _ => 0,
+    }
+}
+
 /// The agent's own syscalls are not the workload, with two exceptions: it asks what one
 /// of its descriptors is (`CALIBRATE`), and a namespace it makes for a job is known.
-fn agent_syscall(ctx: &TracePointContext, pid_tgid: u64) -> Option<()> {
+fn agent_syscall(l: &SyscallLayout, pid_tgid: u64, ret: i64) -> Option<()> {
     if let Some(c) = CALIBRATE.get_ptr_mut(0) {
         // SAFETY: map value pointer, valid for this program run.
         let c = unsafe { &mut *c };
-        if c.thread == pid_tgid && c.done == 0 {
+        if c.thread == pid_tgid && c.done == 0 && l.op == op::LOOKUP {
             calibrate(c);
         }
     }
-    if layout(ctx)?.op == op::NEW_NAMESPACE && ret(ctx) == 0 {
+    if l.op == op::NEW_NAMESPACE && ret == 0 {
         let (key, _) = namespace_of(nsproxy()?)?;
         let _ = KNOWN_NAMESPACES.insert(&key, &1, 0);
     }
@@ -528,141 +595,12 @@ fn calibrate(c: &mut Calibration) {
     c.done = 1;
 }
 
-/// fd_enter, on sys_enter_read (and the other descriptor syscalls: pread64, readv, write*, ftruncate,
-/// close; `SYSCALLS` holds where each keeps its `fd`):
-///
-/// ```text
-/// field:unsigned short common_type;          offset:0;  size:2; signed:0;
-/// field:unsigned char common_flags;          offset:2;  size:1; signed:0;
-/// field:unsigned char common_preempt_count;  offset:3;  size:1; signed:0;
-/// field:int common_pid;                      offset:4;  size:4; signed:1;
-///
-/// field:int __syscall_nr;                    offset:8;  size:4; signed:1;
-/// field:unsigned int fd;                     offset:16; size:8; signed:0;
-/// field:char * buf;                          offset:24; size:8; signed:0;
-/// field:size_t count;                        offset:32; size:8; signed:0;
-/// ```
-#[tracepoint]
-pub fn fd_enter(ctx: TracePointContext) -> u32 {
-    let _ = try_fd_enter(&ctx);
+/// floor, on the raw `sys_enter` and `sys_exit` tracepoints: returns at once. Only
+/// `cargo xtask bench overhead` attaches it (`hocus-agent trace-floor`), to measure what
+/// any program on these tracepoints costs the node, whatever it does.
+#[raw_tracepoint(tracepoint = "sys_enter")]
+pub fn floor(_ctx: RawTracePointContext) -> i32 {
     0
-}
-
-fn try_fd_enter(ctx: &TracePointContext) -> Option<()> {
-    let (pid_tgid, tgid) = current()?;
-    let l = layout(ctx)?;
-    let fd = arg(ctx, l.fd)? as u32;
-    let key = FdKey { tgid, fd };
-    let file = OPEN_FILES.get_ptr_mut(&key)?;
-    let none = no_path();
-    // SAFETY: map value pointer, valid for this program run.
-    let file = unsafe { &mut *file };
-    match l.op {
-        op::READ => {
-            let pending = Pending {
-                op: op::READ,
-                dfd: fd as i32,
-                ..Default::default()
-            };
-            if PENDING.insert(&pid_tgid, &pending, 0).is_err() {
-                count(counter::LOST_PENDING_FULL);
-            }
-        }
-        // Counted at exit, once it succeeded: a failed write changes nothing.
-        op::WRITE | op::FTRUNCATE if file.written == 0 => {
-            let pending = Pending {
-                op: l.op,
-                dfd: fd as i32,
-                ..Default::default()
-            };
-            if PENDING.insert(&pid_tgid, &pending, 0).is_err() {
-                count(counter::LOST_PENDING_FULL);
-            }
-        }
-        op::CLOSE => {
-            let (id, bytes) = (file.file_id, file.bytes_read);
-            let _ = OPEN_FILES.remove(&key);
-            let h = Header {
-                kind: kind::CLOSE,
-                tgid,
-                file_id: id,
-                bytes,
-                open_flags: 0,
-            };
-            emit(&h, &none, 0);
-        }
-        _ => {}
-    }
-    Some(())
-}
-
-/// fd_exit, on sys_exit_read*, write* and ftruncate (`ret` is the bytes read or written,
-/// or 0 for a truncate that succeeded):
-///
-/// ```text
-/// field:unsigned short common_type;          offset:0;  size:2; signed:0;
-/// field:unsigned char common_flags;          offset:2;  size:1; signed:0;
-/// field:unsigned char common_preempt_count;  offset:3;  size:1; signed:0;
-/// field:int common_pid;                      offset:4;  size:4; signed:1;
-///
-/// field:int __syscall_nr;                    offset:8;  size:4; signed:1;
-/// field:long ret;                            offset:16; size:8; signed:1;
-/// ```
-#[tracepoint]
-pub fn fd_exit(ctx: TracePointContext) -> u32 {
-    let _ = try_fd_exit(&ctx);
-    0
-}
-
-fn try_fd_exit(ctx: &TracePointContext) -> Option<()> {
-    let (pid_tgid, tgid) = current()?;
-    let p = take_pending(pid_tgid)?;
-    let ret = ret(ctx);
-    let key = FdKey {
-        tgid,
-        fd: p.dfd as u32,
-    };
-    match p.op {
-        op::READ if ret > 0 => {
-            let file = OPEN_FILES.get_ptr_mut(&key)?;
-            // SAFETY: map value pointer; the add is atomic (threads of one process may
-            // read one descriptor at once).
-            unsafe {
-                core::intrinsics::atomic_xadd::<
-                    u64,
-                    u64,
-                    { core::intrinsics::AtomicOrdering::Relaxed },
-                >(&raw mut (*file).bytes_read, ret as u64)
-            };
-        }
-        op::WRITE | op::FTRUNCATE if (p.op == op::WRITE && ret > 0) || ret == 0 => {
-            let file = OPEN_FILES.get_ptr_mut(&key)?;
-            // SAFETY: map value pointer, valid for this program run.
-            let file = unsafe { &mut *file };
-            if file.written != 0 {
-                return Some(()); // one event per open file is enough to mark it written
-            }
-            file.written = 1;
-            let k = if p.op == op::WRITE {
-                kind::WRITE
-            } else {
-                kind::TRUNCATE
-            };
-            emit(
-                &Header {
-                    kind: k,
-                    tgid,
-                    file_id: file.file_id,
-                    bytes: 0,
-                    open_flags: 0,
-                },
-                &no_path(),
-                0,
-            );
-        }
-        _ => {}
-    }
-    Some(())
 }
 
 /// sched_process_fork: a job's children stay in the job.
@@ -746,8 +684,8 @@ struct ViewRef {
     inum: u32,
 }
 
-/// Reads a user path into scratch slot `slot`: the buffer and the length without NUL.
-fn read_path(user_path: u64, slot: u32) -> Option<(&'static PathBuf, usize)> {
+/// Reads a user path into scratch slot `slot`: what an event carries, `len` bytes.
+fn read_target(user_path: u64, slot: u32) -> Option<(&'static PathBuf, Target)> {
     let buf = SCRATCH.get_ptr_mut(slot)?;
     // SAFETY: per-CPU scratch owned by this program run; the user pointer is read with
     // the fault-tolerant helper.
@@ -763,15 +701,6 @@ fn read_path(user_path: u64, slot: u32) -> Option<(&'static PathBuf, usize)> {
     if len == 0 {
         return None;
     }
-    Some((buf, len))
-}
-
-/// Where the path of a path syscall (failed lookup, mutation) lies, if watched. A
-/// relative path is placed by the directory it starts from, found like an opened file;
-/// an absolute one by the watched prefixes, but only in a namespace whose paths mean
-/// what they mean to the agent (a look-alike mounted in another namespace is not it).
-fn path_target(dfd: i32, user_path: u64, slot: u32) -> Option<Target> {
-    let (path, len) = read_path(user_path, slot)?;
     let mut t = Target {
         len: len as u32,
         ..no_path()
@@ -780,22 +709,49 @@ fn path_target(dfd: i32, user_path: u64, slot: u32) -> Option<Target> {
         t.flags |= ev::PATH_TRUNCATED;
         count(counter::PATH_TRUNCATED);
     }
-    if path.bytes[0] == b'/' {
-        return absolute_target(path, t);
+    Some((buf, t))
+}
+
+/// Where the path of a path syscall (failed lookup, mutation) lies, if watched. A
+/// relative path is placed by the directory it starts from, found like an opened file;
+/// an absolute one by the watched prefixes, but only in a namespace whose paths mean
+/// what they mean to the agent (a look-alike mounted in another namespace is not it).
+/// The path is copied only once a cheap test says it may be watched: most failed
+/// lookups on a node (a search path's misses) are nowhere near a watched tree.
+fn path_target(dfd: i32, user_path: u64, slot: u32) -> Option<Target> {
+    // SAFETY: user pointer, read with the helper that tolerates faults.
+    let first: u8 = unsafe { bpf_probe_read_user(user_path as *const u8) }.ok()?;
+    if first == b'/' {
+        return absolute_target(user_path, slot);
     }
     let start = if dfd == AT_FDCWD {
         cwd_place()?
     } else {
         file_place(dfd as u32)?
     };
-    t.located = Some(locate(&start)?);
+    let located = locate(&start)?;
+    let (_, mut t) = read_target(user_path, slot)?;
+    t.located = Some(located);
     Some(t)
+}
+
+/// The first eight bytes of a user path, for a test against the prefixes' first words
+/// before the whole path is copied. None if they cannot be read at once (a short path
+/// at the end of a page): then the whole path is.
+fn first_word(user_path: u64) -> Option<u64> {
+    // SAFETY: user pointer, read with the helper that tolerates faults.
+    unsafe { bpf_probe_read_user(user_path as *const u64) }.ok()
+}
+
+/// Whether a path starting with `word` may lie under `w` (its first eight bytes agree).
+fn may_match(word: Option<u64>, w: &Watched) -> bool {
+    word.is_none_or(|word| (word ^ w.words[0]) & w.masks[0] == 0)
 }
 
 /// An absolute path means what it means to the agent in the agent's own namespace and
 /// root, and in the namespaces it made for jobs; elsewhere (a container) it means what
 /// that namespace's mounts say, which the agent learns from its mountinfo.
-fn absolute_target(path: &PathBuf, mut t: Target) -> Option<Target> {
+fn absolute_target(user_path: u64, slot: u32) -> Option<Target> {
     let nsproxy = nsproxy()?;
     let home = HOME.get(0)?;
     let at_home = nsproxy == home.nsproxy;
@@ -808,6 +764,11 @@ fn absolute_target(path: &PathBuf, mut t: Target) -> Option<Target> {
     // SAFETY: plain lookup.
     let own = key.is_none_or(|(k, _)| unsafe { KNOWN_NAMESPACES.get(&k) }.is_some());
     if own {
+        let word = first_word(user_path);
+        if !may_be_watched(word) {
+            return None;
+        }
+        let (path, t) = read_target(user_path, slot)?;
         if !is_watched(path) {
             return None;
         }
@@ -828,6 +789,15 @@ fn absolute_target(path: &PathBuf, mut t: Target) -> Option<Target> {
     // SAFETY: plain lookups.
     match unsafe { VIEWS.get(&key) } {
         Some(v) if v.generation == generation => {
+            let word = first_word(user_path);
+            if !v
+                .prefixes
+                .iter()
+                .any(|w| w.masks[0] != 0 && may_match(word, w))
+            {
+                return None;
+            }
+            let (path, mut t) = read_target(user_path, slot)?;
             if !v
                 .prefixes
                 .iter()
@@ -858,6 +828,21 @@ fn absolute_target(path: &PathBuf, mut t: Target) -> Option<Target> {
             None
         }
     }
+}
+
+fn may_be_watched(word: Option<u64>) -> bool {
+    for i in 0..MAX_WATCHED {
+        let Some(w) = WATCHED.get(i) else {
+            return false;
+        };
+        if w.len == 0 {
+            return false;
+        }
+        if may_match(word, w) {
+            return true;
+        }
+    }
+    false
 }
 
 fn is_watched(path: &PathBuf) -> bool {

@@ -460,7 +460,7 @@ fn loaded(name: &str) -> usize {
 #[test]
 fn sigterm_detaches_the_programs_saves_the_profile_and_removes_the_socket() {
     let net = NetworkMount::start();
-    let before = loaded("path_enter");
+    let before = loaded("syscall_exit");
     let mut agent = Agent::start(&[
         "--watch",
         net.mount.to_str().unwrap(),
@@ -468,7 +468,7 @@ fn sigterm_detaches_the_programs_saves_the_profile_and_removes_the_socket() {
         "3600",
     ]);
     assert_eq!(
-        loaded("path_enter"),
+        loaded("syscall_exit"),
         before + 1,
         "the daemon's programs are loaded"
     );
@@ -488,7 +488,7 @@ fn sigterm_detaches_the_programs_saves_the_profile_and_removes_the_socket() {
     // The kernel frees a detached program once its last perf event is released, a little
     // after the process that held it has exited.
     wait_until(10, "the programs to be unloaded", || {
-        loaded("path_enter") == before
+        loaded("syscall_exit") == before
     });
     assert!(!socket.exists(), "the socket is removed");
     let profile: Value =

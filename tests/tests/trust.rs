@@ -223,6 +223,72 @@ fn a_failed_write_marks_nothing_written_and_drops_no_copy() {
     assert!(agent.local_copy(&file).exists(), "the copy stays");
 }
 
+/// A 32-bit syscall (`int 0x80`, open to any process here) has other numbers and
+/// registers than a 64-bit one: getrlimit is 76 there, truncate is 76 here, and a 64-bit
+/// reading would take `rdi` as its path.
+const IA32_GETRLIMIT_AS_TRUNCATE: &str = r#"
+#define _GNU_SOURCE
+#include <stdio.h>
+#include <sys/mman.h>
+int main(int argc, char **argv) {
+    /* getrlimit writes where ecx points: memory below 4 GiB */
+    char *low = mmap(0, 4096, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_32BIT, -1, 0);
+    if (low == MAP_FAILED || argc < 2) return 2;
+    long ok = 0;
+    for (int i = 0; i < 100; i++) {
+        long ret;
+        __asm__ volatile("int $0x80"
+                         : "=a"(ret)
+                         : "a"(76L), "b"(0L), "c"(low), "D"(argv[1]), "S"(0L)
+                         : "memory", "r8", "r9", "r10", "r11");
+        ok += ret == 0;
+    }
+    printf("%ld\n", ok);
+    return ok == 100 ? 0 : 1;
+}
+"#;
+
+#[test]
+fn a_32_bit_syscall_is_not_read_as_a_64_bit_one() {
+    let net = NetworkMount::start();
+    let victim = net.put("env/victim.py", b"x = 1\n");
+    let agent = Agent::start(&["--watch", net.mount.to_str().unwrap()]);
+    read_all(&victim);
+    agent.settled();
+    assert!(agent.local_copy(&victim).exists(), "the file is copied");
+    // An ordinary user makes 100 successful 32-bit getrlimit calls with the victim's
+    // path in rdi: read as 64-bit syscalls, each would be a successful truncate of it.
+    let dir = tempfile::tempdir().unwrap();
+    fs::set_permissions(dir.path(), fs::Permissions::from_mode(0o755)).unwrap();
+    let (source, binary) = (dir.path().join("attack.c"), dir.path().join("attack"));
+    fs::write(&source, IA32_GETRLIMIT_AS_TRUNCATE).unwrap();
+    let built = std::process::Command::new("cc")
+        .arg("-O1")
+        .arg("-o")
+        .arg(&binary)
+        .arg(&source)
+        .output()
+        .unwrap();
+    assert_success(&built);
+    let (uid, gid) = test_user();
+    let out = std::process::Command::new(&binary)
+        .arg(&victim)
+        .uid(uid)
+        .gid(gid)
+        .output()
+        .unwrap();
+    assert_success(&out);
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "100");
+    std::thread::sleep(Duration::from_secs(2)); // whatever was sent has been drained
+    let profile = agent.export();
+    let entry = hocus_tests::file_entry(&profile, &victim).expect("in the profile");
+    assert_eq!(entry["written"], false, "{entry}");
+    let c = agent.settled();
+    assert_eq!(c["invalidations"], 0, "{c}");
+    assert!(agent.local_copy(&victim).exists(), "the copy stays");
+    assert_eq!(fs::read(&victim).unwrap(), b"x = 1\n");
+}
+
 /// Runs a Python script as the test user, with the daemon's socket as argv[1].
 fn python_as_user(agent: &Agent, script: &str) -> String {
     let (uid, gid) = test_user();

@@ -71,6 +71,26 @@ enum Bench {
         #[arg(long, default_value_t = 1.0)]
         round_trip_ms: f64,
     },
+    /// What hocus costs processes: a loop of open / read / close / failed stat on an
+    /// unwatched local directory and on a watched network mount, with nothing attached,
+    /// with empty programs on the same tracepoints (the floor), and with the daemon.
+    Overhead {
+        /// Rounds of each condition, interleaved (the median is shown).
+        #[arg(long, default_value_t = 5)]
+        rounds: usize,
+        /// Loop iterations per round on the unwatched directory.
+        #[arg(long, default_value_t = 300_000)]
+        iterations: usize,
+        /// Loop iterations per round on the watched mount (each waits on the network).
+        #[arg(long, default_value_t = 1_000)]
+        watched_iterations: usize,
+        /// Round trip between the client and the server of the network mount, in ms.
+        #[arg(long, default_value_t = 1.0)]
+        round_trip_ms: f64,
+        /// A smoke run (CI): one short round.
+        #[arg(long)]
+        quick: bool,
+    },
 }
 
 fn main() {
@@ -130,6 +150,27 @@ fn run(cli: Cli) -> Result<()> {
                 runs,
                 std::time::Duration::from_secs_f64(round_trip_ms.max(0.0) / 1000.0),
             )
+        }
+        Cmd::Bench(Bench::Overhead {
+            rounds,
+            iterations,
+            watched_iterations,
+            round_trip_ms,
+            quick,
+        }) => {
+            let agent = build(true)?;
+            let round_trip = std::time::Duration::from_secs_f64(round_trip_ms.max(0.0) / 1000.0);
+            let o = if quick {
+                bench::Overhead::quick(round_trip)
+            } else {
+                bench::Overhead {
+                    rounds: rounds.max(1),
+                    local_iterations: iterations.max(10),
+                    watched_iterations: watched_iterations.max(10),
+                    round_trip,
+                }
+            };
+            bench::overhead(&agent, &o)
         }
     }
 }
@@ -214,8 +255,19 @@ fn test(filter: Option<String>) -> Result<()> {
     cmd.args(["test", "--package", "hocus-tests", "--"])
         .args(["--test-threads", "1"])
         .env("HOCUS_AGENT_BIN", &agent);
+    let whole = filter.is_none();
     if let Some(f) = filter {
         cmd.arg(f);
     }
-    status(&mut cmd)
+    status(&mut cmd)?;
+    if whole {
+        // Benchmarks run in CI only as smoke runs: that they work, not what they say
+        // (the debug build of the daemon, one short round).
+        println!("== benchmarks, smoke runs (--quick)");
+        bench::overhead(
+            &agent,
+            &bench::Overhead::quick(std::time::Duration::from_millis(1)),
+        )?;
+    }
+    Ok(())
 }

@@ -11,12 +11,15 @@
 //! - owner, group, mode, POSIX ACLs, user xattrs, atime and mtime (ns) are kept.
 
 use std::{
-    ffi::CString,
+    ffi::{CString, OsString},
     fs::{self, File},
     io::{self, Read, Seek, Write},
     os::{
-        fd::{AsRawFd, FromRawFd, OwnedFd},
-        unix::{ffi::OsStrExt, fs::MetadataExt},
+        fd::{AsRawFd, FromRawFd, IntoRawFd, OwnedFd},
+        unix::{
+            ffi::{OsStrExt, OsStringExt},
+            fs::MetadataExt,
+        },
     },
     path::{Path, PathBuf},
 };
@@ -368,6 +371,41 @@ impl Tree {
     /// know of a tree users can write.
     pub fn stat(&self, path: &Path) -> io::Result<fs::Metadata> {
         File::from(self.open_beneath(path, libc::O_PATH)?).metadata()
+    }
+
+    /// Like [`Tree::stat`], but from the server: attributes the client cached (FUSE's
+    /// and NFS's attribute caches) are fetched again first (`AT_STATX_FORCE_SYNC`).
+    pub fn stat_now(&self, path: &Path) -> io::Result<fs::Metadata> {
+        let fd = self.open_beneath(path, libc::O_PATH)?;
+        // SAFETY: a valid descriptor, an empty path and a statx buffer of the right size.
+        let ret = unsafe {
+            let mut stx: libc::statx = std::mem::zeroed();
+            libc::statx(
+                fd.as_raw_fd(),
+                c"".as_ptr(),
+                libc::AT_EMPTY_PATH | libc::AT_STATX_FORCE_SYNC,
+                libc::STATX_BASIC_STATS,
+                &mut stx,
+            )
+        };
+        if ret != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        File::from(fd).metadata()
+    }
+
+    /// The names in directory `path` (inside the tree), without `.` and `..`.
+    pub fn names(&self, path: &Path) -> io::Result<std::collections::BTreeSet<OsString>> {
+        let fd = self.open_beneath(path, libc::O_RDONLY | libc::O_DIRECTORY)?;
+        let mut dir = nix::dir::Dir::from_fd(fd.into_raw_fd())?;
+        let mut names = std::collections::BTreeSet::new();
+        for entry in dir.iter() {
+            let name = entry?.file_name().to_bytes().to_vec();
+            if name != b"." && name != b".." {
+                names.insert(OsString::from_vec(name));
+            }
+        }
+        Ok(names)
     }
 
     /// The target of the symlink `path`.

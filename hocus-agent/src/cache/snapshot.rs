@@ -206,11 +206,33 @@ pub fn stamp(tree: &Path, root: &Path) -> io::Result<Stamp> {
 }
 
 /// What taking a snapshot cost: bytes copied from the network, bytes linked from copies
-/// the cache had.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+/// the cache had; and the directories whose stamp cannot vouch for them.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct Taken {
     pub copied: u64,
     pub linked: u64,
+    /// Directories changed so shortly before their stamp was read that a later change
+    /// may leave their mtime as it was (SFTP and older filesystems keep seconds; a
+    /// network client may answer from attributes cached for a second or more): only
+    /// their list of names can show they are unchanged.
+    pub racy: Vec<PathBuf>,
+}
+
+/// How close to the reading of its stamp a directory's mtime makes it racy: the mtime's
+/// granularity (1 s) plus what a client may have cached, with a margin.
+const RACY: std::time::Duration = std::time::Duration::from_secs(3);
+
+/// The directories of `stamp`, read at `read_at`, that changed within `RACY` of it.
+fn racy(stamp: &Stamp, read_at: std::time::SystemTime) -> Vec<PathBuf> {
+    let since = read_at
+        .checked_sub(RACY)
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .map_or(0, |d| d.as_nanos() as i64);
+    stamp
+        .iter()
+        .filter(|(_, id)| id.mode & libc::S_IFMT == libc::S_IFDIR && id.mtime_ns >= since)
+        .map(|(rel, _)| rel.clone())
+        .collect()
 }
 
 /// Copies the network tree `root` (inside the watched `tree`) to `dest`, via a staging
@@ -235,9 +257,13 @@ pub fn take(
         TAKEN.fetch_add(1, Ordering::Relaxed)
     ));
     let result = (|| {
+        let read_at = std::time::SystemTime::now();
         let stamp = stamp(tree, root).map_err(CopyError::Source)?;
         let beneath = Tree::open(tree).map_err(CopyError::Source)?;
-        let mut taken = Taken::default();
+        let mut taken = Taken {
+            racy: racy(&stamp, read_at),
+            ..Taken::default()
+        };
         // Parents come before children in a BTreeMap of paths.
         for (rel, id) in &stamp {
             let src = root.join(rel);
@@ -394,13 +420,14 @@ mod tests {
         fs::create_dir_all(&tmp).unwrap();
         let dest = dir.path().join("trees/env/site-packages");
         let (stamp_taken, taken) = take(&tree, &root, &dest, &tmp, &cached).unwrap();
-        assert_eq!(
-            taken,
-            Taken {
-                copied: 11,
-                linked: 6
-            }
-        );
+        assert_eq!((taken.copied, taken.linked), (11, 6));
+        // Every directory was just made: none of their stamps can vouch for them.
+        let dirs = stamp_taken
+            .iter()
+            .filter(|(_, id)| id.mode & libc::S_IFMT == libc::S_IFDIR)
+            .count();
+        assert_eq!(taken.racy.len(), dirs);
+        assert!(taken.racy.contains(&PathBuf::from("pkg/sub")));
         assert_eq!(
             fs::read(dest.join("pkg/sub/cold.py")).unwrap(),
             b"never read\n"

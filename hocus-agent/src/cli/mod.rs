@@ -5,6 +5,7 @@
 //! May use: everything below it.
 
 mod budget;
+mod floor;
 mod plan;
 mod prefetch;
 mod profile;
@@ -140,6 +141,11 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Attach a program that returns at once where hocus's programs go, print "ready",
+    /// and stay until killed: what tracing costs the node before any work is done
+    /// (`cargo xtask bench overhead`). Root.
+    #[command(hide = true)]
+    TraceFloor,
 }
 
 #[derive(Subcommand, Debug)]
@@ -231,6 +237,7 @@ pub fn main() -> ExitCode {
                         };
                     }
                     Command::Budget { ssd, ram } => budget::run(&ctx, ssd, ram),
+                    Command::TraceFloor => floor::run(),
                     Command::Plan {
                         profile,
                         csv,

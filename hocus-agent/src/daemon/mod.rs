@@ -634,9 +634,7 @@ async fn next_scrape(scrapes: &mut Option<metrics::Scrapes>) -> Option<oneshot::
 }
 
 fn lost(c: &Counters) -> u64 {
-    c[counter::LOST_RING_FULL as usize]
-        + c[counter::LOST_OPEN_FILES_FULL as usize]
-        + c[counter::LOST_PENDING_FULL as usize]
+    c[counter::LOST_RING_FULL as usize] + c[counter::LOST_OPEN_FILES_FULL as usize]
 }
 
 fn describe(c: &Counters) -> String {

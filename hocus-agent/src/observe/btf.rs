@@ -258,7 +258,29 @@ pub fn kernel_offsets(btf: &Btf) -> Result<KernelOffsets> {
         nsproxy_mnt_ns: o("nsproxy", "mnt_ns")?,
         mnt_ns_id,
         mnt_ns_inum: o("mnt_namespace", "ns.inum")?,
+        regs_nr: o("pt_regs", SYSCALL_NR_REGISTER)?,
+        thread_status: o("task_struct", "thread_info.status")?,
     })
+}
+
+/// The registers of a 64-bit syscall's arguments and number (x86-64's syscall ABI: the
+/// raw `sys_enter`/`sys_exit` tracepoints hand the programs the saved `pt_regs`).
+#[cfg(target_arch = "x86_64")]
+const SYSCALL_ARGUMENT_REGISTERS: [&str; 6] = ["di", "si", "dx", "r10", "r8", "r9"];
+#[cfg(target_arch = "x86_64")]
+const SYSCALL_NR_REGISTER: &str = "orig_ax";
+#[cfg(not(target_arch = "x86_64"))]
+compile_error!(
+    "hocus reads syscall arguments from x86-64 registers; other architectures need their pt_regs names here"
+);
+
+/// Where each of a syscall's six arguments is in `struct pt_regs`, by position.
+pub fn syscall_arguments(btf: &Btf) -> Result<[u16; 6]> {
+    let mut at = [0u16; 6];
+    for (slot, register) in at.iter_mut().zip(SYSCALL_ARGUMENT_REGISTERS) {
+        *slot = u16::try_from(btf.offset("pt_regs", register)?)?;
+    }
+    Ok(at)
 }
 
 #[cfg(test)]
@@ -272,5 +294,9 @@ mod tests {
         // d_name is a qstr: a 32-bit hash and length, then the name pointer.
         assert_eq!(o.dentry_name_len + 4, o.dentry_name);
         assert_ne!(o.task_files, o.task_fs);
+        // x86-64's pt_regs: r15 first, then down to di at 112; orig_ax after ax.
+        assert_eq!(o.regs_nr, 120);
+        let args = syscall_arguments(&Btf::from_kernel().unwrap()).unwrap();
+        assert_eq!(args, [112, 104, 96, 56, 72, 64]);
     }
 }

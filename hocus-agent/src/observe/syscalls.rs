@@ -1,5 +1,6 @@
 //! Which syscalls hocus traces, what each means for the profile, and where the kernel
-//! programs find their arguments (offsets read from tracefs at start-up).
+//! programs find their arguments: which argument each is (from its tracefs format, so
+//! by name) in which register (from BTF).
 
 use std::path::Path;
 
@@ -8,25 +9,12 @@ use hocus_common::{NO_FIELD, SyscallLayout, flags_from, op};
 
 use crate::observe::tracefs::Format;
 
-/// Which kernel program handles a syscall's enter and exit.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Programs {
-    /// `path_enter` + `path_exit`.
-    Path,
-    /// `fd_enter` only.
-    Fd,
-    /// `fd_enter` + `fd_exit`: reads (bytes are known at exit) and writes (whether they
-    /// happened is known at exit).
-    FdWithExit,
-}
-
 /// A traced syscall: its name (as in `sys_enter_<name>`), number, meaning and the names
 /// of its argument fields.
 pub struct Traced {
     pub name: &'static str,
     pub nr: i64,
     pub op: u8,
-    pub programs: Programs,
     pub flags_from: u8,
     pub dfd: Option<&'static str>,
     pub path: Option<&'static str>,
@@ -81,12 +69,11 @@ const fn rename_op(
     }
 }
 
-const fn fd_op(name: &'static str, nr: i64, op: u8, programs: Programs) -> Traced {
+const fn fd_op(name: &'static str, nr: i64, op: u8) -> Traced {
     Traced {
         name,
         nr,
         op,
-        programs,
         flags_from: flags_from::NONE,
         dfd: None,
         path: None,
@@ -103,7 +90,6 @@ const fn no_args(name: &'static str, nr: i64, op: u8) -> Traced {
         name,
         nr,
         op,
-        programs: Programs::Path,
         flags_from: flags_from::NONE,
         dfd: None,
         path: None,
@@ -167,23 +153,18 @@ pub fn all() -> Vec<Traced> {
         rename_op("rename", SYS_rename, None),
         rename_op("renameat", SYS_renameat, Some(("olddfd", "newdfd"))),
         rename_op("renameat2", SYS_renameat2, Some(("olddfd", "newdfd"))),
-        fd_op("read", SYS_read, op::READ, Programs::FdWithExit),
-        fd_op("pread64", SYS_pread64, op::READ, Programs::FdWithExit),
-        fd_op("readv", SYS_readv, op::READ, Programs::FdWithExit),
-        fd_op("preadv", SYS_preadv, op::READ, Programs::FdWithExit),
-        fd_op("preadv2", SYS_preadv2, op::READ, Programs::FdWithExit),
-        fd_op("write", SYS_write, op::WRITE, Programs::FdWithExit),
-        fd_op("pwrite64", SYS_pwrite64, op::WRITE, Programs::FdWithExit),
-        fd_op("writev", SYS_writev, op::WRITE, Programs::FdWithExit),
-        fd_op("pwritev", SYS_pwritev, op::WRITE, Programs::FdWithExit),
-        fd_op("pwritev2", SYS_pwritev2, op::WRITE, Programs::FdWithExit),
-        fd_op(
-            "ftruncate",
-            SYS_ftruncate,
-            op::FTRUNCATE,
-            Programs::FdWithExit,
-        ),
-        fd_op("close", SYS_close, op::CLOSE, Programs::Fd),
+        fd_op("read", SYS_read, op::READ),
+        fd_op("pread64", SYS_pread64, op::READ),
+        fd_op("readv", SYS_readv, op::READ),
+        fd_op("preadv", SYS_preadv, op::READ),
+        fd_op("preadv2", SYS_preadv2, op::READ),
+        fd_op("write", SYS_write, op::WRITE),
+        fd_op("pwrite64", SYS_pwrite64, op::WRITE),
+        fd_op("writev", SYS_writev, op::WRITE),
+        fd_op("pwritev", SYS_pwritev, op::WRITE),
+        fd_op("pwritev2", SYS_pwritev2, op::WRITE),
+        fd_op("ftruncate", SYS_ftruncate, op::FTRUNCATE),
+        fd_op("close", SYS_close, op::CLOSE),
         no_args("unshare", SYS_unshare, op::NEW_NAMESPACE),
         no_args("mount", SYS_mount, op::MOUNTS_CHANGE),
         no_args("umount", SYS_umount2, op::MOUNTS_CHANGE),
@@ -193,11 +174,15 @@ pub fn all() -> Vec<Traced> {
 }
 
 impl Traced {
-    /// Resolves the argument names to offsets in this kernel's `sys_enter_<name>` record.
-    pub fn layout(&self, tracefs: &Path) -> Result<SyscallLayout> {
+    /// Resolves the argument names to their positions in this kernel's
+    /// `sys_enter_<name>` record, and those to registers (`registers`: where each
+    /// position is in `struct pt_regs`).
+    pub fn layout(&self, tracefs: &Path, registers: &[u16; 6]) -> Result<SyscallLayout> {
         let format = Format::read(tracefs, "syscalls", &format!("sys_enter_{}", self.name))?;
         let offset = |field: Option<&str>| -> Result<u16> {
-            field.map_or(Ok(NO_FIELD), |f| format.offset(f))
+            field.map_or(Ok(NO_FIELD), |f| {
+                format.argument_position(f).map(|i| registers[i])
+            })
         };
         let layout = (|| -> Result<SyscallLayout> {
             Ok(SyscallLayout {
@@ -235,13 +220,27 @@ mod tests {
     #[test]
     fn every_path_op_names_a_path_and_every_fd_op_a_descriptor() {
         for t in all() {
-            match t.programs {
-                Programs::Path => {
-                    let no_path = matches!(t.op, op::NEW_NAMESPACE | op::MOUNTS_CHANGE);
-                    assert!(t.path.is_some() || no_path, "{}", t.name)
+            match t.op {
+                op::READ | op::WRITE | op::FTRUNCATE | op::CLOSE => {
+                    assert!(t.fd.is_some(), "{}", t.name)
                 }
-                Programs::Fd | Programs::FdWithExit => assert!(t.fd.is_some(), "{}", t.name),
+                op::NEW_NAMESPACE | op::MOUNTS_CHANGE => {}
+                _ => assert!(t.path.is_some(), "{}", t.name),
             }
         }
+    }
+
+    #[test]
+    fn arguments_are_found_in_this_kernels_registers() {
+        let tracefs = crate::observe::tracefs::root().unwrap();
+        let registers = [112, 104, 96, 56, 72, 64];
+        let openat = all().into_iter().find(|t| t.name == "openat").unwrap();
+        let l = openat.layout(&tracefs, &registers).unwrap();
+        // openat(dfd, filename, flags, mode): di, si, dx
+        assert_eq!((l.dfd, l.path, l.flags, l.fd), (112, 104, 96, NO_FIELD));
+        let renameat = all().into_iter().find(|t| t.name == "renameat").unwrap();
+        let l = renameat.layout(&tracefs, &registers).unwrap();
+        // renameat(olddfd, oldname, newdfd, newname): di, si, dx, r10
+        assert_eq!((l.dfd, l.path, l.dfd2, l.path2), (112, 104, 96, 56));
     }
 }

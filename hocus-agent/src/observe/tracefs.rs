@@ -104,6 +104,25 @@ impl Format {
             .map(|f| f.offset)
             .with_context(|| format!("the record has no field {field:?}"))
     }
+
+    /// Which argument of a `sys_enter_*` record `field` is (0 for the first): the
+    /// arguments follow `__syscall_nr`, 8 bytes each.
+    pub fn argument_position(&self, field: &str) -> Result<usize> {
+        let first = self
+            .fields
+            .iter()
+            .filter(|(name, _)| !name.starts_with("common_") && *name != "__syscall_nr")
+            .map(|(_, f)| f.offset)
+            .min()
+            .context("the record has no arguments")?;
+        let at = self.offset(field)?;
+        match at.checked_sub(first) {
+            Some(d) if d % 8 == 0 && d / 8 < 6 && self.fields[field].size == 8 => {
+                Ok(usize::from(d / 8))
+            }
+            _ => bail!("{field} at offset {at} is not a syscall argument"),
+        }
+    }
 }
 
 #[cfg(test)]
@@ -136,6 +155,9 @@ print fmt: \"dfd: 0x%08lx, filename: 0x%08lx\", ((unsigned long)(REC->dfd))
         assert_eq!(f.fields["filename"].size, 8);
         assert_eq!(f.offset("mode").unwrap(), 40);
         assert!(f.offset("how").is_err());
+        assert_eq!(f.argument_position("dfd").unwrap(), 0);
+        assert_eq!(f.argument_position("mode").unwrap(), 3);
+        assert!(f.argument_position("__syscall_nr").is_err());
     }
 
     #[test]

@@ -15,7 +15,10 @@ use anyhow::{Context, Result, bail};
 use aya::{
     Ebpf, EbpfLoader,
     maps::{Array, HashMap, MapData, PerCpuArray, RingBuf},
-    programs::{TracePoint, trace_point::TracePointLinkId},
+    programs::{
+        RawTracePoint, TracePoint, raw_trace_point::RawTracePointLinkId,
+        trace_point::TracePointLinkId,
+    },
 };
 use hocus_common::{
     Calibration, Event, FdKey, Home, MAX_PREFIX, MAX_ROOTS, MAX_TREES, MAX_WATCHED, NamespaceKey,
@@ -24,8 +27,7 @@ use hocus_common::{
 
 use crate::observe::{
     btf::{self, Btf},
-    syscalls::{self, Programs},
-    tracefs,
+    syscalls, tracefs,
 };
 
 /// A directory the kernel side places files under: a watched tree, or the cache's
@@ -41,7 +43,7 @@ pub struct Tracer {
     // Owns the programs and their tracepoint links: dropping it detaches everything.
     ebpf: Ebpf,
     /// Each program's tracepoint links, to detach them all at once.
-    links: Vec<(&'static str, TracePointLinkId)>,
+    links: Vec<(&'static str, Link)>,
     events: RingBuf<MapData>,
     open_files: HashMap<MapData, FdKey, OpenFile>,
     counters: PerCpuArray<MapData, u64>,
@@ -52,15 +54,39 @@ pub struct Tracer {
     pub skipped: Vec<String>,
 }
 
-/// The programs, and the syscalls each is attached to (None: its sched tracepoint).
-const PROGRAMS: [(&str, Option<Programs>); 6] = [
-    ("path_enter", Some(Programs::Path)),
-    ("path_exit", Some(Programs::Path)),
-    ("fd_enter", Some(Programs::Fd)),
-    ("fd_exit", Some(Programs::FdWithExit)),
-    ("process_fork", None),
-    ("process_exit", None),
+/// The programs and where each is attached. Syscalls are seen through the raw
+/// `sys_enter`/`sys_exit` tracepoints, one program each dispatching on the syscall
+/// number: the per-syscall tracepoints (`syscalls:sys_enter_openat` ...) would make the
+/// kernel build a record for every traced syscall of every process before any program
+/// runs, which cost the whole node ~1.8x on a syscall-heavy loop here (docs/overhead.md).
+const PROGRAMS: [(&str, Attach); 4] = [
+    ("syscall_enter", Attach::Raw(&["sys_enter"])),
+    ("syscall_exit", Attach::Raw(&["sys_exit"])),
+    ("process_fork", Attach::Sched("sched_process_fork")),
+    ("process_exit", Attach::Sched("sched_process_exit")),
 ];
+
+/// What `hocus-agent trace-floor` attaches: a program that returns at once, on the same
+/// syscall tracepoints. What any design on them costs, for `cargo xtask bench overhead`.
+const FLOOR: [(&str, Attach); 1] = [("floor", Attach::Raw(&["sys_enter", "sys_exit"]))];
+
+/// The floor program, attached while this lives (the links belong to the programs).
+pub struct Floor {
+    _programs: Ebpf,
+}
+
+#[derive(Clone, Copy)]
+enum Attach {
+    /// Raw tracepoints, by name.
+    Raw(&'static [&'static str]),
+    /// A tracepoint of the `sched` category.
+    Sched(&'static str),
+}
+
+enum Link {
+    Raw(RawTracePointLinkId),
+    Sched(TracePointLinkId),
+}
 
 /// Kernel-side counters, summed over CPUs, by `hocus_common::counter` index.
 pub type Counters = [u64; counter::COUNT as usize];
@@ -68,39 +94,18 @@ pub type Counters = [u64; counter::COUNT as usize];
 impl Tracer {
     /// Loads and attaches the programs for the given watched prefixes (canonical paths).
     pub fn start(prefixes: &[&Path]) -> Result<Self> {
-        raise_memlock_limit();
+        let (mut ebpf, btf) = load()?;
         let tracefs = tracefs::root()?;
-        let exit_format = tracefs::Format::read(&tracefs, "syscalls", "sys_exit_openat")?;
-        let nr_offset = u32::from(exit_format.offset("__syscall_nr")?);
-        let ret_offset = u32::from(exit_format.offset("ret")?);
-        let fork_format = tracefs::Format::read(&tracefs, "sched", "sched_process_fork")?;
-        let fork_parent = u32::from(fork_format.offset("parent_pid")?);
-        let fork_child = u32::from(fork_format.offset("child_pid")?);
-        let self_tgid = std::process::id();
-        let offsets = btf::kernel_offsets(&Btf::from_kernel()?)
-            .context("finding the kernel struct fields hocus reads")?;
-
-        let mut ebpf = EbpfLoader::new()
-            .override_global("OFFSETS", &offsets, true)
-            .override_global("SELF_TGID", &self_tgid, true)
-            .override_global("NR_OFFSET", &nr_offset, true)
-            .override_global("RET_OFFSET", &ret_offset, true)
-            .override_global("FORK_PARENT_OFFSET", &fork_parent, true)
-            .override_global("FORK_CHILD_OFFSET", &fork_child, true)
-            .load(aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/hocus")))
-            .context("loading the eBPF programs into the kernel (needs root, or CAP_BPF and CAP_PERFMON)")?;
+        let registers = btf::syscall_arguments(&btf)
+            .context("finding where the kernel keeps syscall arguments")?;
 
         // Where each syscall's arguments are, by syscall number.
         let mut table: Array<_, SyscallLayout> =
             Array::try_from(ebpf.map_mut("SYSCALLS").context("no SYSCALLS map")?)?;
-        let mut traced = Vec::new();
         let mut skipped = Vec::new();
         for t in syscalls::all() {
-            match t.layout(&tracefs) {
-                Ok(layout) => {
-                    table.set(t.nr as u32, layout, 0)?;
-                    traced.push(t);
-                }
+            match t.layout(&tracefs, &registers) {
+                Ok(layout) => table.set(t.nr as u32, layout, 0)?,
                 Err(e) => {
                     log::warn!("not tracing {}: {e:#}", t.name);
                     skipped.push(t.name.to_owned());
@@ -114,40 +119,7 @@ impl Tracer {
             table.set(i as u32, entry, 0)?;
         }
 
-        let mut links = Vec::new();
-        for (program, wants) in PROGRAMS {
-            let tp: &mut TracePoint = ebpf
-                .program_mut(program)
-                .with_context(|| format!("no program {program}"))?
-                .try_into()?;
-            tp.load()
-                .with_context(|| format!("the kernel's verifier rejected {program}"))?;
-            let Some(wants) = wants else {
-                let name = format!("sched_{program}");
-                let link = tp
-                    .attach("sched", &name)
-                    .with_context(|| format!("attaching {program} to sched:{name}"))?;
-                links.push((program, link));
-                continue;
-            };
-            for t in &traced {
-                let is_enter = program.ends_with("_enter");
-                let attach = match wants {
-                    Programs::Fd => matches!(t.programs, Programs::Fd | Programs::FdWithExit),
-                    other => t.programs == other,
-                };
-                if !attach {
-                    continue;
-                }
-                let tracepoint =
-                    format!("sys_{}_{}", if is_enter { "enter" } else { "exit" }, t.name);
-                let link = tp
-                    .attach("syscalls", &tracepoint)
-                    .with_context(|| format!("attaching {program} to syscalls:{tracepoint}"))?;
-                links.push((program, link));
-            }
-        }
-
+        let links = attach(&mut ebpf, &PROGRAMS)?;
         let events = RingBuf::try_from(ebpf.take_map("EVENTS").context("no EVENTS map")?)?;
         let open_files =
             HashMap::try_from(ebpf.take_map("OPEN_FILES").context("no OPEN_FILES map")?)?;
@@ -162,6 +134,14 @@ impl Tracer {
             held: Vec::new(),
             skipped,
         })
+    }
+
+    /// Attaches the floor program (returns at once) where the real ones go, until the
+    /// returned value is dropped: what tracing costs before any work is done.
+    pub fn floor() -> Result<Floor> {
+        let (mut ebpf, _) = load()?;
+        attach(&mut ebpf, &FLOOR)?;
+        Ok(Floor { _programs: ebpf })
     }
 
     /// Finds the roots in the kernel (through one of the agent's own syscalls on each,
@@ -304,31 +284,23 @@ impl Tracer {
     /// Detaches and unloads the programs: nothing more is traced. The maps stay readable.
     pub fn detach(&mut self) {
         let t0 = std::time::Instant::now();
-        let mut taken = Vec::new();
-        for (name, id) in self.links.drain(..) {
-            let program: Option<&mut TracePoint> =
-                self.ebpf.program_mut(name).and_then(|p| p.try_into().ok());
-            if let Some(link) = program.and_then(|tp| tp.take_link(id).ok()) {
-                taken.push(link);
-            }
-        }
-        // The kernel waits for a grace period as each tracepoint loses its last user: one
-        // link after another, ~70 links took 5 s here; in parallel 2.5 s.
-        std::thread::scope(|s| {
-            for link in taken {
-                s.spawn(move || drop(link));
-            }
-        });
-        log::debug!("tracepoint links detached in {:?}", t0.elapsed());
-        for (name, _) in PROGRAMS {
+        for (name, link) in self.links.drain(..) {
             let Some(program) = self.ebpf.program_mut(name) else {
                 continue;
             };
-            let tracepoint: Result<&mut TracePoint, _> = program.try_into();
-            if let Err(e) = tracepoint.map(|tp| tp.unload()) {
-                log::warn!("could not unload {name}: {e}");
+            let detached = match link {
+                Link::Raw(id) => <&mut RawTracePoint>::try_from(program)
+                    .map_err(anyhow::Error::from)
+                    .and_then(|p| Ok(p.detach(id)?)),
+                Link::Sched(id) => <&mut TracePoint>::try_from(program)
+                    .map_err(anyhow::Error::from)
+                    .and_then(|p| Ok(p.detach(id)?)),
+            };
+            if let Err(e) = detached {
+                log::warn!("could not detach {name}: {e:#}");
             }
         }
+        log::debug!("tracepoint links detached in {:?}", t0.elapsed());
     }
 
     /// Passes every waiting event to `f`, in the order the kernel reserved them.
@@ -370,6 +342,69 @@ impl AsRawFd for Tracer {
     fn as_raw_fd(&self) -> RawFd {
         self.events.as_raw_fd()
     }
+}
+
+/// Loads the programs embedded in this binary, with the kernel's struct offsets (from
+/// its BTF, returned for more) and the agent's own process id set.
+fn load() -> Result<(Ebpf, Btf)> {
+    raise_memlock_limit();
+    let tracefs = tracefs::root()?;
+    let fork_format = tracefs::Format::read(&tracefs, "sched", "sched_process_fork")?;
+    let fork_parent = u32::from(fork_format.offset("parent_pid")?);
+    let fork_child = u32::from(fork_format.offset("child_pid")?);
+    let self_tgid = std::process::id();
+    let btf = Btf::from_kernel()?;
+    let offsets =
+        btf::kernel_offsets(&btf).context("finding the kernel struct fields hocus reads")?;
+    let ebpf = EbpfLoader::new()
+        .override_global("OFFSETS", &offsets, true)
+        .override_global("SELF_TGID", &self_tgid, true)
+        .override_global("FORK_PARENT_OFFSET", &fork_parent, true)
+        .override_global("FORK_CHILD_OFFSET", &fork_child, true)
+        .load(aya::include_bytes_aligned!(concat!(
+            env!("OUT_DIR"),
+            "/hocus"
+        )))
+        .context(
+            "loading the eBPF programs into the kernel (needs root, or CAP_BPF and CAP_PERFMON)",
+        )?;
+    Ok((ebpf, btf))
+}
+
+/// Loads (through the verifier) and attaches `programs`.
+fn attach(
+    ebpf: &mut Ebpf,
+    programs: &[(&'static str, Attach)],
+) -> Result<Vec<(&'static str, Link)>> {
+    let mut links = Vec::new();
+    for &(name, at) in programs {
+        let program = ebpf
+            .program_mut(name)
+            .with_context(|| format!("no program {name}"))?;
+        match at {
+            Attach::Raw(tracepoints) => {
+                let p: &mut RawTracePoint = program.try_into()?;
+                p.load()
+                    .with_context(|| format!("the kernel's verifier rejected {name}"))?;
+                for tp in tracepoints {
+                    let link = p
+                        .attach(tp)
+                        .with_context(|| format!("attaching {name} to the raw tracepoint {tp}"))?;
+                    links.push((name, Link::Raw(link)));
+                }
+            }
+            Attach::Sched(tp) => {
+                let p: &mut TracePoint = program.try_into()?;
+                p.load()
+                    .with_context(|| format!("the kernel's verifier rejected {name}"))?;
+                let link = p
+                    .attach("sched", tp)
+                    .with_context(|| format!("attaching {name} to sched:{tp}"))?;
+                links.push((name, Link::Sched(link)));
+            }
+        }
+    }
+    Ok(links)
 }
 
 /// The kernel's prefix table: the watched trees, as the agent sees them.

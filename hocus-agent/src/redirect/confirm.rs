@@ -5,10 +5,15 @@
 //! copied at; a snapshot, every directory it was taken from (a name added, removed or
 //! renamed changes its directory). The checks run in parallel, bounded in time: what is
 //! not confirmed in time is not bound, and the job reads the network there.
+//!
+//! Each stat asks the server (`Tree::stat_now`): an attribute cached by the client is
+//! what the check must not trust. A directory changed just before its snapshot was
+//! stamped may change again without a new mtime (seconds on SFTP): its names are
+//! compared with the snapshot's too.
 
 use std::{
     collections::HashMap,
-    path::{Path, PathBuf},
+    path::PathBuf,
     sync::{
         Mutex,
         atomic::{AtomicUsize, Ordering},
@@ -21,6 +26,15 @@ use crate::{
     cache::copy::{Identity, Tree},
     redirect::mountns::{Bind, Expect},
 };
+
+/// One check: the network path, the identity it must still have, and for a racy
+/// directory the snapshot's copy of it, whose names it must still have.
+struct Item<'a> {
+    bind: usize,
+    path: PathBuf,
+    identity: &'a Identity,
+    names_of: Option<PathBuf>,
+}
 
 /// Checks running at once: the network's round trip, not its bandwidth, is what a
 /// stat costs.
@@ -48,15 +62,23 @@ pub fn confirm(binds: Vec<Bind>, allowed: Duration) -> Confirmed {
     }
     // One stat per item: a copied file, or one directory of a snapshot (a snapshot's
     // directories are checked in parallel too).
-    let mut items: Vec<(usize, PathBuf, &Identity)> = Vec::new();
+    let mut items: Vec<Item> = Vec::new();
     let mut checks = vec![0usize; binds.len()];
     for (i, b) in binds.iter().enumerate() {
         let before = items.len();
         match &b.expect {
-            Expect::File(id) => items.push((i, b.target.clone(), id)),
-            Expect::Dirs(dirs) => {
-                items.extend(dirs.iter().map(|(rel, id)| (i, b.target.join(rel), id)))
-            }
+            Expect::File(id) => items.push(Item {
+                bind: i,
+                path: b.target.clone(),
+                identity: id,
+                names_of: None,
+            }),
+            Expect::Dirs(dirs) => items.extend(dirs.iter().map(|d| Item {
+                bind: i,
+                path: b.target.join(&d.rel),
+                identity: &d.identity,
+                names_of: d.racy.then(|| b.local.join(&d.rel)),
+            })),
             Expect::Nothing => {}
         }
         checks[i] = items.len() - before;
@@ -68,17 +90,17 @@ pub fn confirm(binds: Vec<Bind>, allowed: Duration) -> Confirmed {
         for _ in 0..PARALLEL.min(items.len()) {
             s.spawn(|| {
                 while Instant::now() < deadline {
-                    let Some((i, path, id)) = items.get(next.fetch_add(1, Ordering::Relaxed))
-                    else {
+                    let Some(item) = items.get(next.fetch_add(1, Ordering::Relaxed)) else {
                         return;
                     };
-                    let tree = trees.get(&binds[*i].tree).and_then(Option::as_ref);
-                    let same = tree.is_some_and(|t| unchanged(t, path, id));
+                    let i = item.bind;
+                    let tree = trees.get(&binds[i].tree).and_then(Option::as_ref);
+                    let same = tree.is_some_and(|t| unchanged(t, item));
                     let mut r = results.lock().unwrap();
                     if same {
-                        r[*i].0 += 1;
+                        r[i].0 += 1;
                     } else {
-                        r[*i].1 = true;
+                        r[i].1 = true;
                     }
                 }
             });
@@ -98,15 +120,27 @@ pub fn confirm(binds: Vec<Bind>, allowed: Duration) -> Confirmed {
     out
 }
 
-/// Whether `path` still has the identity its copy (or its snapshot) was made at.
-fn unchanged(tree: &Tree, path: &Path, id: &Identity) -> bool {
-    tree.stat(path).is_ok_and(|m| tree.identity(&m) == *id)
+/// Whether the item's path still has the identity its copy (or its snapshot) was made
+/// at, and for a racy directory still the names of the snapshot's copy.
+fn unchanged(tree: &Tree, item: &Item) -> bool {
+    let same = tree
+        .stat_now(&item.path)
+        .is_ok_and(|m| tree.identity(&m) == *item.identity);
+    same && item.names_of.as_ref().is_none_or(|local| {
+        let local_names = std::fs::read_dir(local).and_then(|entries| {
+            entries
+                .map(|e| e.map(|e| e.file_name()))
+                .collect::<std::io::Result<std::collections::BTreeSet<_>>>()
+        });
+        matches!((tree.names(&item.path), local_names), (Ok(a), Ok(b)) if a == b)
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::fs;
+    use crate::redirect::mountns::SnapshotDir;
+    use std::{fs, path::Path};
 
     fn bind(tree: &Path, target: PathBuf, expect: Expect) -> Bind {
         Bind {
@@ -134,8 +168,16 @@ mod tests {
         let id = |p: &Path| tree.identity(&fs::symlink_metadata(p).unwrap());
         let dirs = |root: &Path| {
             Expect::Dirs(vec![
-                (PathBuf::new(), id(root)),
-                (PathBuf::from("sub"), id(&root.join("sub"))),
+                SnapshotDir {
+                    rel: PathBuf::new(),
+                    identity: id(root),
+                    racy: false,
+                },
+                SnapshotDir {
+                    rel: PathBuf::from("sub"),
+                    identity: id(&root.join("sub")),
+                    racy: false,
+                },
             ])
         };
         let binds = vec![
@@ -166,5 +208,50 @@ mod tests {
             (late.binds.len(), late.stale.len(), late.unchecked),
             (0, 0, 1)
         );
+    }
+
+    #[test]
+    fn a_racy_directory_is_confirmed_by_its_names_not_its_mtime() {
+        let dir = tempfile::tempdir().unwrap();
+        let (net, local) = (dir.path().join("net"), dir.path().join("local"));
+        for d in [&net, &local] {
+            fs::create_dir(d).unwrap();
+            fs::write(d.join("a.py"), "").unwrap();
+        }
+        let tree = Tree::open(dir.path()).unwrap();
+        let identity = tree.identity(&fs::symlink_metadata(&net).unwrap());
+        let expect = |racy| {
+            vec![Bind {
+                local: local.clone(),
+                target: net.clone(),
+                tree: dir.path().to_owned(),
+                expect: Expect::Dirs(vec![SnapshotDir {
+                    rel: PathBuf::new(),
+                    identity,
+                    racy,
+                }]),
+            }]
+        };
+        assert_eq!(confirm(expect(true), Duration::from_secs(5)).binds.len(), 1);
+        // A name added; the directory's identity is then taken as it is now, as a
+        // server keeping seconds would show the same identity as before.
+        fs::write(net.join("b.py"), "").unwrap();
+        let now = tree.identity(&fs::symlink_metadata(&net).unwrap());
+        let expect_now = |racy| {
+            let mut b = expect(racy);
+            if let Expect::Dirs(d) = &mut b[0].expect {
+                d[0].identity = now;
+            }
+            b
+        };
+        // Its identity vouches for it; only the names show the change.
+        assert_eq!(
+            confirm(expect_now(false), Duration::from_secs(5))
+                .binds
+                .len(),
+            1
+        );
+        let c = confirm(expect_now(true), Duration::from_secs(5));
+        assert_eq!((c.binds.len(), c.stale), (0, vec![net.clone()]));
     }
 }

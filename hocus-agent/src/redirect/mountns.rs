@@ -58,9 +58,19 @@ pub enum Expect {
     Nothing,
     /// A file, at this identity.
     File(Identity),
-    /// A snapshot: each directory of it (relative to the snapshot's root; "" is the
-    /// root), at its identity.
-    Dirs(Vec<(PathBuf, Identity)>),
+    /// A snapshot: each directory of it.
+    Dirs(Vec<SnapshotDir>),
+}
+
+/// A directory of a snapshot, as it was when the snapshot was taken.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct SnapshotDir {
+    /// Relative to the snapshot's root; "" is the root.
+    pub rel: PathBuf,
+    pub identity: Identity,
+    /// Changed just before it was stamped, so an unchanged identity does not prove it
+    /// unchanged: its names are compared too (`snapshot::Taken::racy`).
+    pub racy: bool,
 }
 
 fn check(ret: libc::c_long) -> io::Result<libc::c_long> {

@@ -322,10 +322,6 @@ impl Collector for Snapshot {
                     kernel("lost_open_files_map_full"),
                 ),
                 (
-                    vec![("cause", "pending_map_full".into())],
-                    kernel("lost_pending_map_full"),
-                ),
-                (
                     vec![("cause", "path_unreadable".into())],
                     kernel("path_unreadable"),
                 ),

@@ -43,7 +43,7 @@ use crate::{
     profile::format::Profile,
     redirect::{
         jobs::Job,
-        mountns::{self, Bind, Expect},
+        mountns::{self, Bind, Expect, SnapshotDir},
     },
     shared::{
         log_line::{self as logs, Process},
@@ -418,7 +418,11 @@ impl Keeper {
                         snap.stamp
                             .iter()
                             .filter(|(_, id)| id.mode & libc::S_IFMT == libc::S_IFDIR)
-                            .map(|(rel, id)| (rel.clone(), *id))
+                            .map(|(rel, id)| SnapshotDir {
+                                rel: rel.clone(),
+                                identity: *id,
+                                racy: snap.racy.contains(rel),
+                            })
                             .collect(),
                     ),
                 });

@@ -17,6 +17,8 @@ pub(super) struct Snapshot {
     pub local: PathBuf,
     pub tree: PathBuf,
     pub stamp: snapshot::Stamp,
+    /// Its directories whose stamp cannot vouch for them (`snapshot::Taken::racy`).
+    pub racy: std::collections::HashSet<PathBuf>,
     /// Bytes it holds beyond the files it shares with the cache.
     pub bytes: u64,
 }
@@ -182,6 +184,7 @@ impl Keeper {
                         local: self.cache.tree_local(&root),
                         tree,
                         stamp,
+                        racy: taken.racy.into_iter().collect(),
                         bytes: taken.copied,
                     },
                 );

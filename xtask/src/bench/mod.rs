@@ -15,6 +15,9 @@ use std::{
 use anyhow::{Result, bail};
 use hocus_tests::{Agent, NetworkMount};
 
+mod overhead;
+pub use overhead::{Overhead, overhead};
+
 const MIB: usize = 1 << 20;
 
 pub struct Dataset {

@@ -1,0 +1,184 @@
+//! `cargo xtask bench overhead`: what hocus costs processes, watched or not. A
+//! syscall-heavy loop (open, read 64 B, close, a failed stat) runs on an unwatched local
+//! directory and on a watched network mount, in three conditions interleaved round by
+//! round: no programs attached; **the floor** (a program that returns at once, on the
+//! tracepoints hocus uses: what any design on them pays); and the hocus daemon. The
+//! medians are shown as ratios to no programs, measured in this run.
+
+use std::{
+    ffi::CString,
+    io::{BufRead, BufReader},
+    os::unix::ffi::OsStrExt,
+    path::Path,
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context, Result, bail};
+use hocus_tests::{Agent, NetworkMount};
+
+pub struct Overhead {
+    pub rounds: usize,
+    /// Loop iterations on the unwatched local directory, per round.
+    pub local_iterations: usize,
+    /// Loop iterations on the watched network mount, per round.
+    pub watched_iterations: usize,
+    pub round_trip: Duration,
+}
+
+impl Overhead {
+    /// A smoke run for CI: every condition once, briefly.
+    pub fn quick(round_trip: Duration) -> Self {
+        Self {
+            rounds: 1,
+            local_iterations: 20_000,
+            watched_iterations: 100,
+            round_trip,
+        }
+    }
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Condition {
+    Nothing,
+    Floor,
+    Daemon,
+}
+
+const CONDITIONS: [(Condition, &str); 3] = [
+    (Condition::Nothing, "no programs attached"),
+    (Condition::Floor, "floor: programs that return at once"),
+    (Condition::Daemon, "hocus daemon"),
+];
+
+/// The loop, with the calls made directly: one syscall each, nothing else in between.
+fn syscall_loop(dir: &Path, iterations: usize) -> Result<Duration> {
+    let c = |name: &str| CString::new(dir.join(name).as_os_str().as_bytes()).unwrap();
+    let (file, missing) = (c("file.bin"), c("no-such-file"));
+    let mut buf = [0u8; 64];
+    // SAFETY: plain syscalls on valid C strings and buffers; a failed open is checked.
+    let t = Instant::now();
+    unsafe {
+        let mut st: libc::stat = std::mem::zeroed();
+        for _ in 0..iterations {
+            let fd = libc::open(file.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC);
+            if fd < 0 {
+                bail!(
+                    "opening {}: {}",
+                    dir.join("file.bin").display(),
+                    std::io::Error::last_os_error()
+                );
+            }
+            libc::read(fd, buf.as_mut_ptr().cast(), buf.len());
+            libc::close(fd);
+            libc::stat(missing.as_ptr(), &mut st);
+        }
+    }
+    Ok(t.elapsed())
+}
+
+/// `hocus-agent trace-floor`, once it says its program is attached.
+fn start_floor(agent_bin: &Path) -> Result<Child> {
+    let mut child = Command::new(agent_bin)
+        .arg("trace-floor")
+        .stdout(Stdio::piped())
+        .spawn()
+        .context("starting hocus-agent trace-floor")?;
+    let mut line = String::new();
+    BufReader::new(child.stdout.as_mut().unwrap()).read_line(&mut line)?;
+    if line.trim() != "ready" {
+        let _ = child.kill();
+        bail!("hocus-agent trace-floor did not attach its program");
+    }
+    Ok(child)
+}
+
+pub fn overhead(agent_bin: &Path, o: &Overhead) -> Result<()> {
+    if !crate::is_root() {
+        bail!("the benchmark loads eBPF programs and mounts filesystems: run it as root");
+    }
+    // SAFETY: single-threaded at this point.
+    unsafe { std::env::set_var("HOCUS_AGENT_BIN", agent_bin) };
+    let net = NetworkMount::start_with_round_trip(o.round_trip);
+    net.put("loop/file.bin", &[7u8; 4096]);
+    let watched = net.path("loop");
+    let local = tempfile::Builder::new()
+        .prefix("hocus-overhead")
+        .tempdir_in("/var/tmp")?;
+    std::fs::write(local.path().join("file.bin"), [7u8; 4096])?;
+    println!(
+        "overhead: a loop of open / read 64 B / close / failed stat; {} rounds, interleaved; \
+         unwatched: {} iterations on local disk; watched: {} on sshfs with a {:.1} ms round trip",
+        o.rounds,
+        o.local_iterations,
+        o.watched_iterations,
+        o.round_trip.as_secs_f64() * 1000.0
+    );
+    // Per condition: microseconds per iteration, unwatched and watched, one per round.
+    let mut times: Vec<(Vec<f64>, Vec<f64>)> = vec![(Vec::new(), Vec::new()); 3];
+    let per_iteration = |d: Duration, n: usize| d.as_secs_f64() * 1e6 / n as f64;
+    for round in 0..o.rounds {
+        for (i, (condition, _)) in CONDITIONS.iter().enumerate() {
+            let mut floor = None;
+            let mut agent = None;
+            match condition {
+                Condition::Nothing => {}
+                Condition::Floor => floor = Some(start_floor(agent_bin)?),
+                Condition::Daemon => {
+                    agent = Some(Agent::start(&["--watch", net.mount.to_str().unwrap()]))
+                }
+            }
+            // Warm the page cache, the dentry cache and the daemon's first copy.
+            syscall_loop(local.path(), o.local_iterations / 10)?;
+            syscall_loop(&watched, o.watched_iterations / 10 + 1)?;
+            let unwatched = syscall_loop(local.path(), o.local_iterations)?;
+            let on_watched = syscall_loop(&watched, o.watched_iterations)?;
+            times[i]
+                .0
+                .push(per_iteration(unwatched, o.local_iterations));
+            times[i]
+                .1
+                .push(per_iteration(on_watched, o.watched_iterations));
+            if let Some(mut f) = floor {
+                let _ = f.kill();
+                let _ = f.wait();
+            }
+            if let Some(mut a) = agent {
+                let log = a.stop();
+                if *condition == Condition::Daemon && round == 0 && !log.contains("watching") {
+                    eprintln!("the daemon's log:\n{log}");
+                }
+            }
+        }
+    }
+    let median = |v: &[f64]| {
+        let mut v = v.to_vec();
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let (base_local, base_watched) = (median(&times[0].0), median(&times[0].1));
+    println!(
+        "\n{:<38} {:>12} {:>9} {:>12} {:>9}",
+        "", "UNWATCHED", "RATIO", "WATCHED", "RATIO"
+    );
+    let mut ratios = Vec::new();
+    for (i, (_, name)) in CONDITIONS.iter().enumerate() {
+        let (l, w) = (median(&times[i].0), median(&times[i].1));
+        ratios.push((l / base_local, w / base_watched));
+        println!(
+            "{name:<38} {l:>9.2} µs {:>8.3}x {w:>9.1} µs {:>8.3}x",
+            l / base_local,
+            w / base_watched
+        );
+    }
+    let verdict = |ok: bool| if ok { "met" } else { "not met" };
+    let (floor, daemon) = (ratios[1], ratios[2]);
+    println!(
+        "\ngoals: floor on unwatched <= 1.05x: {}; daemon on unwatched within 2 points of the floor ({:+.1} points): {}; daemon on watched <= 1.10x: {}",
+        verdict(floor.0 <= 1.05),
+        (daemon.0 - floor.0) * 100.0,
+        verdict(daemon.0 - floor.0 <= 0.02),
+        verdict(daemon.1 <= 1.10),
+    );
+    Ok(())
+}
