@@ -90,6 +90,9 @@ enum Bench {
         /// A smoke run (CI): one short round.
         #[arg(long)]
         quick: bool,
+        /// Another build of hocus-agent to measure as well (e.g. the previous release).
+        #[arg(long, value_name = "BINARY")]
+        compare_with: Option<PathBuf>,
     },
 }
 
@@ -157,6 +160,7 @@ fn run(cli: Cli) -> Result<()> {
             watched_iterations,
             round_trip_ms,
             quick,
+            compare_with,
         }) => {
             let agent = build(true)?;
             let round_trip = std::time::Duration::from_secs_f64(round_trip_ms.max(0.0) / 1000.0);
@@ -168,6 +172,7 @@ fn run(cli: Cli) -> Result<()> {
                     local_iterations: iterations.max(10),
                     watched_iterations: watched_iterations.max(10),
                     round_trip,
+                    compare_with,
                 }
             };
             bench::overhead(&agent, &o)

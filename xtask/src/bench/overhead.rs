@@ -24,6 +24,9 @@ pub struct Overhead {
     /// Loop iterations on the watched network mount, per round.
     pub watched_iterations: usize,
     pub round_trip: Duration,
+    /// Another build of hocus-agent, measured as a fourth condition (e.g. the last
+    /// release, to see what a change did).
+    pub compare_with: Option<std::path::PathBuf>,
 }
 
 impl Overhead {
@@ -34,6 +37,7 @@ impl Overhead {
             local_iterations: 20_000,
             watched_iterations: 100,
             round_trip,
+            compare_with: None,
         }
     }
 }
@@ -43,12 +47,15 @@ enum Condition {
     Nothing,
     Floor,
     Daemon,
+    /// The daemon of `--compare-with`.
+    Other,
 }
 
-const CONDITIONS: [(Condition, &str); 3] = [
+const CONDITIONS: [(Condition, &str); 4] = [
     (Condition::Nothing, "no programs attached"),
     (Condition::Floor, "floor: programs that return at once"),
     (Condition::Daemon, "hocus daemon"),
+    (Condition::Other, "the daemon of --compare-with"),
 ];
 
 /// The loop, with the calls made directly: one syscall each, nothing else in between.
@@ -115,17 +122,26 @@ pub fn overhead(agent_bin: &Path, o: &Overhead) -> Result<()> {
         o.round_trip.as_secs_f64() * 1000.0
     );
     // Per condition: microseconds per iteration, unwatched and watched, one per round.
-    let mut times: Vec<(Vec<f64>, Vec<f64>)> = vec![(Vec::new(), Vec::new()); 3];
+    let conditions = if o.compare_with.is_some() { 4 } else { 3 };
+    let mut times: Vec<(Vec<f64>, Vec<f64>)> = vec![(Vec::new(), Vec::new()); conditions];
     let per_iteration = |d: Duration, n: usize| d.as_secs_f64() * 1e6 / n as f64;
+    let watch = ["--watch", net.mount.to_str().unwrap()];
     for round in 0..o.rounds {
-        for (i, (condition, _)) in CONDITIONS.iter().enumerate() {
+        for (i, (condition, _)) in CONDITIONS.iter().take(conditions).enumerate() {
             let mut floor = None;
             let mut agent = None;
             match condition {
                 Condition::Nothing => {}
                 Condition::Floor => floor = Some(start_floor(agent_bin)?),
-                Condition::Daemon => {
-                    agent = Some(Agent::start(&["--watch", net.mount.to_str().unwrap()]))
+                Condition::Daemon => agent = Some(Agent::start(&watch)),
+                Condition::Other => {
+                    // SAFETY: the benchmark is single-threaded here.
+                    unsafe {
+                        std::env::set_var("HOCUS_AGENT_BIN", o.compare_with.as_ref().unwrap())
+                    };
+                    agent = Some(Agent::start(&watch));
+                    // SAFETY: as above.
+                    unsafe { std::env::set_var("HOCUS_AGENT_BIN", agent_bin) };
                 }
             }
             // Warm the page cache, the dentry cache and the daemon's first copy.
@@ -145,7 +161,7 @@ pub fn overhead(agent_bin: &Path, o: &Overhead) -> Result<()> {
             }
             if let Some(mut a) = agent {
                 let log = a.stop();
-                if *condition == Condition::Daemon && round == 0 && !log.contains("watching") {
+                if round == 0 && !log.contains("watching") {
                     eprintln!("the daemon's log:\n{log}");
                 }
             }
@@ -162,7 +178,7 @@ pub fn overhead(agent_bin: &Path, o: &Overhead) -> Result<()> {
         "", "UNWATCHED", "RATIO", "WATCHED", "RATIO"
     );
     let mut ratios = Vec::new();
-    for (i, (_, name)) in CONDITIONS.iter().enumerate() {
+    for (i, (_, name)) in CONDITIONS.iter().take(conditions).enumerate() {
         let (l, w) = (median(&times[i].0), median(&times[i].1));
         ratios.push((l / base_local, w / base_watched));
         println!(
