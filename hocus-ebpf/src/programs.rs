@@ -765,11 +765,11 @@ fn absolute_target(user_path: u64, slot: u32) -> Option<Target> {
     let own = key.is_none_or(|(k, _)| unsafe { KNOWN_NAMESPACES.get(&k) }.is_some());
     if own {
         let word = first_word(user_path);
-        if !may_be_watched(word) {
+        if !any_watched(|w| may_match(word, w)) {
             return None;
         }
         let (path, t) = read_target(user_path, slot)?;
-        if !is_watched(path) {
+        if !any_watched(|w| matches(path, w)) {
             return None;
         }
         // A chroot (in a user namespace, anyone can) keeps the nsproxy: check the root.
@@ -830,7 +830,8 @@ fn absolute_target(user_path: u64, slot: u32) -> Option<Target> {
     }
 }
 
-fn may_be_watched(word: Option<u64>) -> bool {
+/// Whether any watched tree passes `test`.
+fn any_watched(test: impl Fn(&Watched) -> bool) -> bool {
     for i in 0..MAX_WATCHED {
         let Some(w) = WATCHED.get(i) else {
             return false;
@@ -838,22 +839,7 @@ fn may_be_watched(word: Option<u64>) -> bool {
         if w.len == 0 {
             return false;
         }
-        if may_match(word, w) {
-            return true;
-        }
-    }
-    false
-}
-
-fn is_watched(path: &PathBuf) -> bool {
-    for i in 0..MAX_WATCHED {
-        let Some(w) = WATCHED.get(i) else {
-            return false;
-        };
-        if w.len == 0 {
-            return false;
-        }
-        if matches(path, w) {
+        if test(w) {
             return true;
         }
     }

@@ -71,16 +71,8 @@ const fn rename_op(
 
 const fn fd_op(name: &'static str, nr: i64, op: u8) -> Traced {
     Traced {
-        name,
-        nr,
-        op,
-        flags_from: flags_from::NONE,
-        dfd: None,
-        path: None,
-        dfd2: None,
-        path2: None,
-        flags: None,
         fd: Some("fd"),
+        ..no_args(name, nr, op)
     }
 }
 

@@ -94,8 +94,8 @@ pub type Counters = [u64; counter::COUNT as usize];
 impl Tracer {
     /// Loads and attaches the programs for the given watched prefixes (canonical paths).
     pub fn start(prefixes: &[&Path]) -> Result<Self> {
-        let (mut ebpf, btf) = load()?;
         let tracefs = tracefs::root()?;
+        let (mut ebpf, btf) = load(&tracefs)?;
         let registers = btf::syscall_arguments(&btf)
             .context("finding where the kernel keeps syscall arguments")?;
 
@@ -139,7 +139,7 @@ impl Tracer {
     /// Attaches the floor program (returns at once) where the real ones go, until the
     /// returned value is dropped: what tracing costs before any work is done.
     pub fn floor() -> Result<Floor> {
-        let (mut ebpf, _) = load()?;
+        let (mut ebpf, _) = load(&tracefs::root()?)?;
         attach(&mut ebpf, &FLOOR)?;
         Ok(Floor { _programs: ebpf })
     }
@@ -281,7 +281,7 @@ impl Tracer {
         Ok(answer)
     }
 
-    /// Detaches and unloads the programs: nothing more is traced. The maps stay readable.
+    /// Detaches the programs: nothing more is traced. The maps stay readable.
     pub fn detach(&mut self) {
         let t0 = std::time::Instant::now();
         for (name, link) in self.links.drain(..) {
@@ -346,10 +346,9 @@ impl AsRawFd for Tracer {
 
 /// Loads the programs embedded in this binary, with the kernel's struct offsets (from
 /// its BTF, returned for more) and the agent's own process id set.
-fn load() -> Result<(Ebpf, Btf)> {
+fn load(tracefs: &Path) -> Result<(Ebpf, Btf)> {
     raise_memlock_limit();
-    let tracefs = tracefs::root()?;
-    let fork_format = tracefs::Format::read(&tracefs, "sched", "sched_process_fork")?;
+    let fork_format = tracefs::Format::read(tracefs, "sched", "sched_process_fork")?;
     let fork_parent = u32::from(fork_format.offset("parent_pid")?);
     let fork_child = u32::from(fork_format.offset("child_pid")?);
     let self_tgid = std::process::id();
