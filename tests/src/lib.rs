@@ -300,6 +300,19 @@ fn free_port() -> u16 {
 }
 
 /// The hocus-agent binary under test (built by `cargo xtask test`).
+/// The profile saved in a state directory, read as root with no daemon running (the
+/// state itself is binary: a snapshot and a journal).
+pub fn saved_profile(state_dir: &Path) -> serde_json::Value {
+    let out = std::process::Command::new(agent_bin())
+        .args(["--socket", "/nonexistent/agent.sock", "--state-dir"])
+        .arg(state_dir)
+        .args(["profile", "export"])
+        .output()
+        .unwrap();
+    assert_success(&out);
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
 pub fn agent_bin() -> PathBuf {
     if let Some(p) = std::env::var_os("HOCUS_AGENT_BIN") {
         return PathBuf::from(p);

@@ -491,8 +491,7 @@ fn sigterm_detaches_the_programs_saves_the_profile_and_removes_the_socket() {
         loaded("syscall_exit") == before
     });
     assert!(!socket.exists(), "the socket is removed");
-    let profile: Value =
-        serde_json::from_slice(&fs::read(state.join("profile.json")).unwrap()).unwrap();
+    let profile = hocus_tests::saved_profile(&state);
     let paths: Vec<&str> = profile["files"]
         .as_array()
         .unwrap()

@@ -3,7 +3,9 @@
 
 use std::fs;
 
-use hocus_tests::{Agent, NetworkMount, assert_success, file_entry, missing_lookups, read_all};
+use hocus_tests::{
+    Agent, NetworkMount, assert_success, file_entry, missing_lookups, read_all, saved_profile,
+};
 
 #[test]
 fn the_profile_survives_a_restart_and_keeps_growing() {
@@ -14,7 +16,10 @@ fn the_profile_survives_a_restart_and_keeps_growing() {
     assert!(fs::metadata(net.path("lib/gone.py")).is_err());
     let first = agent.export();
     let (dir, state_dir) = agent.stop_for_restart();
-    assert!(state_dir.join("profile.json").exists());
+    assert_eq!(
+        file_entry(&saved_profile(&state_dir), &file).unwrap()["opens"],
+        1
+    );
 
     let agent = Agent::start_with_state(dir, state_dir, &["--watch", net.mount.to_str().unwrap()]);
     assert!(
@@ -185,7 +190,6 @@ fn an_exported_profile_imports_into_another_daemon() {
         .output()
         .unwrap();
     assert_success(&out);
-    let saved: serde_json::Value =
-        serde_json::from_slice(&fs::read(state_dir.join("profile.json")).unwrap()).unwrap();
+    let saved = saved_profile(&state_dir);
     assert_eq!(file_entry(&saved, &file).unwrap()["opens"], 3);
 }

@@ -13,7 +13,7 @@ use crate::{
     control::protocol::{Request, Response},
     profile::{
         format::Profile,
-        store::{self, ReadError, StateDir, read_exported},
+        store::{self, StateDir, StateError, read_exported},
         working_set::WorkingSet,
     },
     report::show,
@@ -29,21 +29,23 @@ fn current_profile(ctx: &Context, root: Option<PathBuf>) -> Result<Profile> {
         };
         return Ok(p);
     }
-    let path = store::profile_path(&ctx.state_dir);
     if !nix::unistd::geteuid().is_root() {
         bail!(
             "no hocus-agent daemon is running (nothing at {}), and only root may read {} directly: start the daemon (sudo hocus-agent --watch PATH) or run this with sudo",
             ctx.socket.display(),
-            path.display()
+            ctx.state_dir.display()
         );
     }
-    let mut profile = match store::read_profile(&path, "repair or delete it") {
-        Ok(p) => p,
-        Err(ReadError::Missing) => bail!(
-            "no daemon is running and there is no profile at {} yet: start one with sudo hocus-agent --watch PATH",
-            path.display()
+    let mut profile = match store::read_state(&ctx.state_dir) {
+        Ok(Some(saved)) => saved.ws.to_profile(),
+        Ok(None) => bail!(
+            "no daemon is running and there is no profile in {} yet: start one with sudo hocus-agent --watch PATH",
+            ctx.state_dir.display()
         ),
-        Err(e) => return Err(e.into()),
+        Err(StateError::Io(e)) => bail!("cannot read {}: {e}", ctx.state_dir.display()),
+        Err(StateError::Bad { message, .. }) => {
+            bail!("{message}: start the daemon, which sets it aside and starts anew")
+        }
     };
     if let Some(root) = root {
         profile.retain_under(&root);
@@ -113,15 +115,14 @@ pub fn import(ctx: &Context, file: &Path) -> Result<()> {
     // Root's own import, but still only sound paths.
     let refused = profile.keep_valid(&[PathBuf::from("/")]);
     tell_refused(&refused, refused.len());
-    let state = StateDir::lock(&ctx.state_dir)?;
-    let mut ws = match state.load_or_set_aside() {
-        Ok(Some(p)) => WorkingSet::from_profile(p),
-        Ok(None) => WorkingSet::new(profile.started_unix_ns),
-        Err(message) => bail!("{message}"),
-    };
+    let mut state = StateDir::lock(&ctx.state_dir)?;
+    let mut ws = WorkingSet::new(profile.started_unix_ns);
+    if let Err(message) = state.load(&mut ws) {
+        bail!("{message}");
+    }
     let (files, missing) = (profile.files.len(), profile.missing.len());
     ws.merge(profile);
-    state.save(&ws.to_profile())?;
+    state.save(&mut ws)?;
     eprintln!(
         "merged {files} files and {missing} missing names into {}",
         state.profile_path().display()

@@ -180,21 +180,19 @@ impl Daemon {
             .collect();
 
         let state_dir = opts.settings.state_dir();
-        let state = StateDir::lock(&state_dir)?;
+        let mut state = StateDir::lock(&state_dir)?;
         let mut ws = WorkingSet::new(unix_now_ns());
         ws.set_limit(opts.settings.max_profile_entries());
-        match state.load_or_set_aside() {
-            Ok(Some(p)) => {
-                log::info!(
-                    "continuing the profile in {} ({} files, {} missing names)",
-                    state.profile_path().display(),
-                    p.files.len(),
-                    p.missing.len()
-                );
-                ws.started_unix_ns = p.started_unix_ns;
-                ws.merge(p);
+        match state.load(&mut ws) {
+            Ok(()) => {
+                let (files, missing, _) = ws.counts();
+                if files + missing > 0 {
+                    log::info!(
+                        "continuing the profile in {} ({files} files, {missing} missing names)",
+                        state.profile_path().display(),
+                    );
+                }
             }
-            Ok(None) => {}
             Err(message) => log::error!("{message}"),
         }
 
@@ -492,7 +490,7 @@ impl Daemon {
         if !self.dirty {
             return;
         }
-        match self.state.save(&self.ws.to_profile()) {
+        match self.state.save(&mut self.ws) {
             Ok(()) => {
                 self.dirty = false;
                 self.last_save_error = None;

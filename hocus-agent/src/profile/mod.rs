@@ -5,5 +5,6 @@
 //! May use: `shared`.
 
 pub mod format;
+pub mod paths;
 pub mod store;
 pub mod working_set;

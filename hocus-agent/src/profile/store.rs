@@ -1,10 +1,16 @@
-//! The state directory (default /var/lib/hocus): the profile file, written atomically so
-//! that a crash mid-write leaves the previous one, and a lock that keeps two daemons (or a
-//! daemon and an offline `profile import`) from writing it at once.
+//! The state directory (default /var/lib/hocus): the working set as a binary snapshot
+//! plus an append-only journal of the entries changed since, and a lock that keeps two
+//! daemons (or a daemon and an offline `profile import`) from writing it at once.
+//!
+//! A save appends only what changed (a million-file profile costs nothing to keep when
+//! idle); when the journal outgrows the snapshot, a new snapshot is written (temporary
+//! file, fsync, rename) under the next generation and the old journal removed. A crash
+//! loses at most the last save interval: a torn journal record is detected by its
+//! checksum and cut off, and the snapshot is only ever replaced whole.
 
 use std::{
     fs::{self, File, OpenOptions},
-    io::{self, Write},
+    io::{self, BufReader, BufWriter, Read, Write},
     os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt},
     path::{Path, PathBuf},
     time::{SystemTime, UNIX_EPOCH},
@@ -13,13 +19,31 @@ use std::{
 use anyhow::{Context, Result, bail};
 use nix::fcntl::{Flock, FlockArg};
 
-use crate::profile::format::{FormatError, Profile};
-const PROFILE_FILE: &str = "profile.json";
+use crate::profile::{
+    format::{DirEntry, FileEntry, FormatError, MissingEntry, Profile},
+    working_set::{Entry, WorkingSet},
+};
+
+const STATE_FILE: &str = "profile.state";
+const JOURNAL_FILE: &str = "profile.journal";
+/// The JSON file hocus kept its profile in before: read once, then replaced.
+const LEGACY_FILE: &str = "profile.json";
 const LOCK_FILE: &str = "lock";
+const STATE_MAGIC: &[u8; 8] = b"HOCUSST1";
+const JOURNAL_MAGIC: &[u8; 8] = b"HOCUSJR1";
+/// The journal is folded into a new snapshot once it is larger than this, or than the
+/// snapshot.
+const JOURNAL_FOLD_BYTES: u64 = 4 << 20;
 
 pub struct StateDir {
     dir: PathBuf,
     _lock: Flock<File>,
+    generation: u64,
+    journal: Option<File>,
+    journal_bytes: u64,
+    state_bytes: u64,
+    /// The working set's start, for a journal written before any snapshot.
+    started_unix_ns: u64,
 }
 
 impl StateDir {
@@ -51,55 +75,153 @@ impl StateDir {
         Ok(Self {
             dir: dir.to_owned(),
             _lock: lock,
+            generation: 0,
+            journal: None,
+            journal_bytes: 0,
+            state_bytes: 0,
+            started_unix_ns: 0,
         })
     }
 
+    /// Where the profile is kept (for messages).
     pub fn profile_path(&self) -> PathBuf {
-        profile_path(&self.dir)
+        self.dir.join(STATE_FILE)
     }
 
-    /// Writes the profile atomically: temporary file, fsync, rename, fsync of the directory.
-    pub fn save(&self, profile: &Profile) -> Result<()> {
-        let path = self.profile_path();
-        write_atomically(&path, &profile.to_json())
-            .with_context(|| format!("saving the profile to {}", path.display()))
-    }
-
-    /// Loads the saved profile. A missing file is `Ok(None)`; a bad one is moved aside to
-    /// `profile.json.bad-<time>` (never overwritten) and reported in the error.
-    pub fn load_or_set_aside(&self) -> Result<Option<Profile>, String> {
-        let path = self.profile_path();
-        match read_profile(&path, "") {
-            Ok(mut p) => {
-                // Written by hocus, but perhaps before paths were checked on import.
-                let refused = p.keep_valid(&[PathBuf::from("/")]);
-                if let Some(first) = refused.first() {
-                    log::warn!(
-                        "{}: dropped {} entries whose paths are not absolute and normalised, e.g. {}: {}",
-                        path.display(),
-                        refused.len(),
-                        first.path,
-                        first.why
-                    );
+    /// Saves what changed in `ws` since the last save: appended to the journal, or a new
+    /// snapshot when the journal has grown past it (or everything changed). On failure
+    /// nothing is lost: the next save writes everything.
+    pub fn save(&mut self, ws: &mut WorkingSet) -> Result<()> {
+        self.started_unix_ns = ws.started_unix_ns;
+        let result = match ws.take_changes() {
+            None => self.write_snapshot(ws),
+            Some(changes) if changes.is_empty() => return Ok(()),
+            Some(changes) => match self.append(&changes) {
+                Ok(()) if self.journal_bytes > JOURNAL_FOLD_BYTES.max(self.state_bytes) => {
+                    self.write_snapshot(ws)
                 }
-                Ok(Some(p))
+                other => other,
+            },
+        };
+        if result.is_err() {
+            ws.all_changed();
+        }
+        result.with_context(|| format!("saving the profile in {}", self.dir.display()))
+    }
+
+    fn journal_path(&self, generation: u64) -> PathBuf {
+        self.dir.join(format!("{JOURNAL_FILE}.{generation}"))
+    }
+
+    fn append(&mut self, changes: &[Entry]) -> Result<()> {
+        if self.journal.is_none() {
+            let path = self.journal_path(self.generation);
+            let mut f = OpenOptions::new()
+                .create(true)
+                .append(true)
+                .mode(0o600)
+                .open(&path)
+                .with_context(|| format!("opening {}", path.display()))?;
+            if f.metadata()?.len() == 0 {
+                f.write_all(JOURNAL_MAGIC)?;
+                f.write_all(&self.generation.to_le_bytes())?;
+                f.write_all(&self.started_unix_ns.to_le_bytes())?;
+                f.sync_all()?;
+                File::open(&self.dir)?.sync_all()?;
             }
-            Err(ReadError::Missing) => Ok(None),
-            Err(ReadError::Io(e)) => Err(format!("cannot read {}: {e}", path.display())),
-            Err(ReadError::Format(e)) => {
+            self.journal_bytes = f.metadata()?.len();
+            self.journal = Some(f);
+        }
+        let mut buf = Vec::new();
+        for e in changes {
+            frame(&mut buf, |b| encode(b, e));
+        }
+        let f = self.journal.as_mut().expect("opened above");
+        if let Err(e) = f.write_all(&buf).and_then(|()| f.sync_data()) {
+            // Whatever part was written is cut off at the next load; start a new one.
+            self.journal = None;
+            return Err(e.into());
+        }
+        self.journal_bytes += buf.len() as u64;
+        Ok(())
+    }
+
+    /// Writes the whole working set as the next generation's snapshot, then drops the
+    /// journal it replaces.
+    fn write_snapshot(&mut self, ws: &WorkingSet) -> Result<()> {
+        let next = self.generation + 1;
+        let path = self.profile_path();
+        let bytes = write_replacing(&path, |w| {
+            w.write_all(STATE_MAGIC)?;
+            w.write_all(&next.to_le_bytes())?;
+            w.write_all(&ws.started_unix_ns.to_le_bytes())?;
+            let mut buf = Vec::new();
+            let mut count = 0u64;
+            for e in ws.entries() {
+                buf.clear();
+                frame(&mut buf, |b| encode(b, &e));
+                w.write_all(&buf)?;
+                count += 1;
+            }
+            // The end: a record of the count, so that a cut file is never taken as whole.
+            buf.clear();
+            frame(&mut buf, |b| {
+                b.push(END);
+                b.extend_from_slice(&count.to_le_bytes());
+            });
+            w.write_all(&buf)
+        })?;
+        let old = self.journal_path(self.generation);
+        self.generation = next;
+        self.journal = None;
+        self.journal_bytes = 0;
+        self.state_bytes = bytes;
+        let _ = fs::remove_file(old);
+        Ok(())
+    }
+
+    /// Loads the saved working set into `ws`. A missing one loads nothing; a bad one is
+    /// moved aside (never overwritten), and the error says where and what to do.
+    pub fn load(&mut self, ws: &mut WorkingSet) -> Result<(), String> {
+        let path = self.profile_path();
+        match read_state(&self.dir) {
+            Ok(Some(state)) => {
+                self.generation = state.generation;
+                self.state_bytes = state.state_bytes;
+                if state.migrated {
+                    // The old JSON is replaced by a snapshot now, then removed.
+                    ws.merge_state(state.ws);
+                    ws.all_changed();
+                    self.save(ws).map_err(|e| format!("{e:#}"))?;
+                    let _ = fs::remove_file(self.dir.join(LEGACY_FILE));
+                    return Ok(());
+                }
+                ws.merge_state(state.ws);
+                if let Some(good) = state.journal_good_bytes {
+                    // A torn last record (a crash mid-save): cut it off before appending.
+                    let journal = self.journal_path(self.generation);
+                    if let Ok(f) = OpenOptions::new().write(true).open(&journal) {
+                        let _ = f.set_len(good);
+                    }
+                }
+                Ok(())
+            }
+            Ok(None) => Ok(()),
+            Err(StateError::Io(e)) => Err(format!("cannot read {}: {e}", path.display())),
+            Err(StateError::Bad { path, message }) => {
                 let secs = SystemTime::now()
                     .duration_since(UNIX_EPOCH)
                     .unwrap_or_default()
                     .as_secs();
-                let aside = path.with_file_name(format!("{PROFILE_FILE}.bad-{secs}"));
+                let name = path.file_name().unwrap_or_default().to_string_lossy();
+                let aside = path.with_file_name(format!("{name}.bad-{secs}"));
                 match fs::rename(&path, &aside) {
                     Ok(()) => Err(format!(
-                        "{e}. It was moved to {} and a new profile is started; `hocus-agent profile import {}` merges it back once repaired (or delete it)",
+                        "{message}. It was moved to {} and a new profile is started",
                         aside.display(),
-                        aside.display()
                     )),
                     Err(re) => Err(format!(
-                        "{e}. Moving it aside to {} failed too ({re}); the profile will not be saved until it is moved or deleted",
+                        "{message}. Moving it aside to {} failed too ({re}); the profile will not be saved until it is moved or deleted",
                         aside.display()
                     )),
                 }
@@ -108,8 +230,371 @@ impl StateDir {
     }
 }
 
-pub fn profile_path(state_dir: &Path) -> PathBuf {
-    state_dir.join(PROFILE_FILE)
+/// A saved working set, as read.
+pub struct SavedState {
+    pub ws: WorkingSet,
+    generation: u64,
+    state_bytes: u64,
+    /// Read from the old JSON file.
+    migrated: bool,
+    /// The journal ended in a torn record: the length of its good part.
+    journal_good_bytes: Option<u64>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StateError {
+    #[error(transparent)]
+    Io(io::Error),
+    #[error("{message}")]
+    Bad { path: PathBuf, message: String },
+}
+
+/// Reads the working set saved in `dir` (snapshot and journal, or the old JSON file);
+/// `None` when nothing was saved yet. Takes no lock: for a reader when no daemon runs.
+pub fn read_state(dir: &Path) -> Result<Option<SavedState>, StateError> {
+    let path = dir.join(STATE_FILE);
+    let (mut ws, generation, state_bytes) = match File::open(&path) {
+        Ok(f) => read_snapshot(f, &path)?,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            if dir.join(LEGACY_FILE).exists() {
+                return read_legacy(dir);
+            }
+            // Saves before the first snapshot are in generation 0's journal alone.
+            (WorkingSet::new(0), 0, 0)
+        }
+        Err(e) => return Err(StateError::Io(e)),
+    };
+    // The journal of this generation, up to its first bad record.
+    let mut journal_good_bytes = None;
+    let journal = dir.join(format!("{JOURNAL_FILE}.{generation}"));
+    match File::open(&journal) {
+        Ok(f) => {
+            let len = f.metadata().map_err(StateError::Io)?.len();
+            let mut r = BufReader::with_capacity(1 << 20, f);
+            let mut head = [0u8; 24];
+            let mut good = 0u64;
+            let mut payload = Vec::new();
+            if r.read_exact(&mut head).is_ok()
+                && &head[..8] == JOURNAL_MAGIC
+                && head[8..16] == generation.to_le_bytes()
+            {
+                good = head.len() as u64;
+                if state_bytes == 0 {
+                    ws.started_unix_ns = u64::from_le_bytes(head[16..].try_into().expect("8"));
+                }
+                while let Ok(true) = read_frame(&mut r, &mut payload) {
+                    let Some(entry) = decode(&payload) else { break };
+                    ws.restore(entry);
+                    good += 8 + payload.len() as u64;
+                }
+            }
+            if good < len {
+                log::warn!(
+                    "{}: the last {} bytes were cut off by a crash mid-save; dropped",
+                    journal.display(),
+                    len - good
+                );
+                journal_good_bytes = Some(good);
+            }
+        }
+        Err(e) if e.kind() == io::ErrorKind::NotFound && state_bytes == 0 => return Ok(None),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(StateError::Io(e)),
+    }
+    ws.take_changes();
+    Ok(Some(SavedState {
+        ws,
+        generation,
+        state_bytes,
+        migrated: false,
+        journal_good_bytes,
+    }))
+}
+
+/// Reads a snapshot: the working set, its generation and its size.
+fn read_snapshot(file: File, path: &Path) -> Result<(WorkingSet, u64, u64), StateError> {
+    let state_bytes = file.metadata().map_err(StateError::Io)?.len();
+    let bad = |message: String| StateError::Bad {
+        path: path.to_owned(),
+        message: format!(
+            "{} is not a hocus state file or is damaged ({message})",
+            path.display()
+        ),
+    };
+    let mut r = BufReader::with_capacity(1 << 20, file);
+    let mut head = [0u8; 24];
+    r.read_exact(&mut head)
+        .map_err(|e| bad(format!("its header: {e}")))?;
+    if &head[..8] != STATE_MAGIC {
+        return Err(bad("no hocus header".into()));
+    }
+    let generation = u64::from_le_bytes(head[8..16].try_into().expect("8 bytes"));
+    let mut ws = WorkingSet::new(u64::from_le_bytes(
+        head[16..24].try_into().expect("8 bytes"),
+    ));
+    let mut count = 0u64;
+    let mut payload = Vec::new();
+    while read_frame(&mut r, &mut payload).map_err(|e| bad(e.to_string()))? {
+        if payload.first() == Some(&END) {
+            let said = payload
+                .get(1..9)
+                .and_then(|b| b.try_into().ok())
+                .map(u64::from_le_bytes);
+            if said != Some(count) {
+                return Err(bad(format!(
+                    "it holds {count} entries, its end says {said:?}"
+                )));
+            }
+            return Ok((ws, generation, state_bytes.max(1)));
+        }
+        let entry = decode(&payload).ok_or_else(|| bad(format!("entry {count} is malformed")))?;
+        ws.restore(entry);
+        count += 1;
+    }
+    Err(bad("it ends early".into()))
+}
+
+/// The profile.json of hocus before the snapshot and journal.
+fn read_legacy(dir: &Path) -> Result<Option<SavedState>, StateError> {
+    let path = dir.join(LEGACY_FILE);
+    match read_profile(&path, "") {
+        Ok(mut p) => {
+            // Written by hocus, but perhaps before paths were checked on import.
+            let refused = p.keep_valid(&[PathBuf::from("/")]);
+            if let Some(first) = refused.first() {
+                log::warn!(
+                    "{}: dropped {} entries whose paths are not absolute and normalised, e.g. {}: {}",
+                    path.display(),
+                    refused.len(),
+                    first.path,
+                    first.why
+                );
+            }
+            Ok(Some(SavedState {
+                ws: WorkingSet::from_profile(p),
+                generation: 0,
+                state_bytes: 0,
+                migrated: true,
+                journal_good_bytes: None,
+            }))
+        }
+        Err(ReadError::Missing) => Ok(None),
+        Err(ReadError::Io(e)) => Err(StateError::Io(e)),
+        Err(ReadError::Format(e)) => Err(StateError::Bad {
+            path,
+            message: e.to_string(),
+        }),
+    }
+}
+
+const END: u8 = 0xff;
+const FILE: u8 = 1;
+const MISSING: u8 = 2;
+const DIR: u8 = 3;
+
+/// Appends a record: its length, its CRC-32, then what `fill` writes.
+fn frame(buf: &mut Vec<u8>, fill: impl FnOnce(&mut Vec<u8>)) {
+    let start = buf.len();
+    buf.extend_from_slice(&[0; 8]);
+    fill(buf);
+    let len = (buf.len() - start - 8) as u32;
+    let crc = crc32fast::hash(&buf[start + 8..]);
+    buf[start..start + 4].copy_from_slice(&len.to_le_bytes());
+    buf[start + 4..start + 8].copy_from_slice(&crc.to_le_bytes());
+}
+
+/// Reads the next record into `payload`: false at a clean end; an error for a cut or
+/// damaged one.
+fn read_frame(r: &mut impl Read, payload: &mut Vec<u8>) -> io::Result<bool> {
+    let mut head = [0u8; 8];
+    match r.read_exact(&mut head[..1]) {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(false),
+        Err(e) => return Err(e),
+    }
+    r.read_exact(&mut head[1..])?;
+    let len = u32::from_le_bytes(head[..4].try_into().expect("4 bytes")) as usize;
+    let crc = u32::from_le_bytes(head[4..].try_into().expect("4 bytes"));
+    // An entry holds a path (at most PATH_MAX) and a few numbers, and its users.
+    if len > 1 << 20 {
+        return Err(io::Error::other(format!("a record claims {len} bytes")));
+    }
+    payload.resize(len, 0);
+    r.read_exact(payload)?;
+    if crc32fast::hash(payload) != crc {
+        return Err(io::Error::other("a record's checksum does not match"));
+    }
+    Ok(true)
+}
+
+fn encode(b: &mut Vec<u8>, e: &Entry) {
+    let path = |b: &mut Vec<u8>, p: &str| {
+        b.extend_from_slice(&(p.len() as u32).to_le_bytes());
+        b.extend_from_slice(p.as_bytes());
+    };
+    let u64s = |b: &mut Vec<u8>, xs: &[u64]| {
+        xs.iter()
+            .for_each(|x| b.extend_from_slice(&x.to_le_bytes()))
+    };
+    match e {
+        Entry::File(f) => {
+            b.push(FILE);
+            path(b, &f.path);
+            u64s(
+                b,
+                &[
+                    f.size,
+                    f.mtime_ns as u64,
+                    f.opens,
+                    f.bytes_read,
+                    f.first_touch_ns,
+                    f.last_touch_ns,
+                    f.write_opens,
+                ],
+            );
+            b.push(u8::from(f.written) | u8::from(f.refused) << 1);
+            b.extend_from_slice(&(f.uids.len() as u32).to_le_bytes());
+            f.uids
+                .iter()
+                .for_each(|u| b.extend_from_slice(&u.to_le_bytes()));
+        }
+        Entry::Missing(m) => {
+            b.push(MISSING);
+            path(b, &m.path);
+            u64s(b, &[m.lookups, m.first_touch_ns]);
+        }
+        Entry::Dir(d) => {
+            b.push(DIR);
+            path(b, &d.path);
+            u64s(b, &[d.opens]);
+            b.push(u8::from(d.mutated));
+        }
+    }
+}
+
+/// Reads what [`encode`] wrote; None if it is not that.
+fn decode(b: &[u8]) -> Option<Entry> {
+    let mut r = Reader { b, at: 1 };
+    let kind = *b.first()?;
+    let path = r.path()?;
+    let entry = match kind {
+        FILE => {
+            let [size, mtime, opens, bytes_read, first, last, write_opens] = r.u64s()?;
+            let flags = r.u8()?;
+            let n = r.u32()? as usize;
+            let uids = (0..n.min(r.left() / 4))
+                .map(|_| r.u32())
+                .collect::<Option<Vec<u32>>>()?;
+            Entry::File(FileEntry {
+                path,
+                size,
+                mtime_ns: mtime as i64,
+                opens,
+                bytes_read,
+                first_touch_ns: first,
+                last_touch_ns: last,
+                users: uids.len() as u32,
+                uids,
+                written: flags & 1 != 0,
+                write_opens,
+                refused: flags & 2 != 0,
+            })
+        }
+        MISSING => {
+            let [lookups, first_touch_ns] = r.u64s()?;
+            Entry::Missing(MissingEntry {
+                path,
+                lookups,
+                first_touch_ns,
+            })
+        }
+        DIR => {
+            let [opens] = r.u64s()?;
+            let mutated = r.u8()? != 0;
+            Entry::Dir(DirEntry {
+                path,
+                opens,
+                mutated,
+            })
+        }
+        _ => return None,
+    };
+    (r.left() == 0).then_some(entry)
+}
+
+struct Reader<'a> {
+    b: &'a [u8],
+    at: usize,
+}
+
+impl Reader<'_> {
+    fn take(&mut self, n: usize) -> Option<&[u8]> {
+        let s = self.b.get(self.at..self.at.checked_add(n)?)?;
+        self.at += n;
+        Some(s)
+    }
+    fn left(&self) -> usize {
+        self.b.len() - self.at
+    }
+    fn u8(&mut self) -> Option<u8> {
+        Some(self.take(1)?[0])
+    }
+    fn u32(&mut self) -> Option<u32> {
+        Some(u32::from_le_bytes(self.take(4)?.try_into().ok()?))
+    }
+    fn u64s<const N: usize>(&mut self) -> Option<[u64; N]> {
+        let mut out = [0; N];
+        for x in &mut out {
+            *x = u64::from_le_bytes(self.take(8)?.try_into().ok()?);
+        }
+        Some(out)
+    }
+    fn path(&mut self) -> Option<String> {
+        let n = self.u32()? as usize;
+        let p = String::from_utf8(self.take(n)?.to_vec()).ok()?;
+        // What hocus wrote passed these checks; anything else is damage.
+        crate::profile::format::refuse_path(&p, &[PathBuf::from("/")])
+            .is_none()
+            .then_some(p)
+    }
+}
+
+/// Replaces `path` by what `write` produces (temporary file, fsync, rename, fsync of the
+/// directory), keeping the old file's mode; returns the bytes written.
+fn write_replacing(
+    path: &Path,
+    write: impl FnOnce(&mut BufWriter<&File>) -> io::Result<()>,
+) -> io::Result<u64> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let name = path.file_name().unwrap_or_default().to_string_lossy();
+    let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
+    let result = (|| {
+        let f = OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&tmp)?;
+        let mut w = BufWriter::with_capacity(1 << 20, &f);
+        write(&mut w)?;
+        w.flush()?;
+        drop(w);
+        f.sync_all()?;
+        // Keep the mode of the file being replaced (the state file is 0600).
+        if let Ok(meta) = fs::metadata(path) {
+            f.set_permissions(fs::Permissions::from_mode(
+                meta.permissions().mode() & 0o7777,
+            ))?;
+        }
+        let len = f.metadata()?.len();
+        fs::rename(&tmp, path)?;
+        File::open(dir)?.sync_all()?;
+        Ok(len)
+    })();
+    if result.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    result
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -134,31 +619,7 @@ pub fn read_profile(path: &Path, advice: &str) -> Result<Profile, ReadError> {
 /// Replaces `path` with `bytes` so that readers see the old or the new content, never a
 /// mix, even across a crash.
 pub fn write_atomically(path: &Path, bytes: &[u8]) -> io::Result<()> {
-    let dir = path.parent().unwrap_or(Path::new("."));
-    let name = path.file_name().unwrap_or_default().to_string_lossy();
-    let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
-    let result = (|| {
-        let mut f = OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .mode(0o600)
-            .open(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
-        // Keep the mode of the file being replaced (the state file is 0600).
-        if let Ok(meta) = fs::metadata(path) {
-            f.set_permissions(fs::Permissions::from_mode(
-                meta.permissions().mode() & 0o7777,
-            ))?;
-        }
-        fs::rename(&tmp, path)?;
-        File::open(dir)?.sync_all()
-    })();
-    if result.is_err() {
-        let _ = fs::remove_file(&tmp);
-    }
-    result
+    write_replacing(path, |w| w.write_all(bytes)).map(|_| ())
 }
 
 /// Reads a profile someone exported, with errors that say what to do.
@@ -174,40 +635,151 @@ pub fn read_exported(path: &Path) -> Result<Profile> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::profile::working_set::WorkingSet;
 
-    #[test]
-    fn saves_loads_and_sets_bad_files_aside() {
-        let dir = tempfile::tempdir().unwrap();
-        let state = StateDir::lock(dir.path()).unwrap();
-        assert!(state.load_or_set_aside().unwrap().is_none());
-
-        let mut ws = WorkingSet::new(1);
-        ws.open("/net/a", 0, 5);
-        state.save(&ws.to_profile()).unwrap();
-        assert_eq!(state.load_or_set_aside().unwrap().unwrap(), ws.to_profile());
-        // no temporary file is left behind
-        let names: Vec<_> = fs::read_dir(dir.path())
-            .unwrap()
-            .map(|e| e.unwrap().file_name())
-            .collect();
-        assert_eq!(names.len(), 2, "{names:?}");
-
-        fs::write(state.profile_path(), b"{\"version\": 1, \"files\": [").unwrap();
-        let err = state.load_or_set_aside().unwrap_err();
-        assert!(err.contains("moved to"), "{err}");
-        assert!(!state.profile_path().exists());
-        let aside: Vec<_> = fs::read_dir(dir.path())
+    fn names(dir: &Path) -> Vec<String> {
+        let mut v: Vec<String> = fs::read_dir(dir)
             .unwrap()
             .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-            .filter(|n| n.starts_with("profile.json.bad-"))
+            .collect();
+        v.sort();
+        v
+    }
+
+    fn reload(dir: &Path) -> WorkingSet {
+        let mut state = StateDir::lock(dir).unwrap();
+        let mut ws = WorkingSet::new(0);
+        state.load(&mut ws).unwrap();
+        ws
+    }
+
+    #[test]
+    fn saves_what_changed_and_loads_it_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut ws = WorkingSet::new(1);
+        {
+            let mut state = StateDir::lock(dir.path()).unwrap();
+            state.load(&mut ws).unwrap();
+            assert_eq!(ws.counts(), (0, 0, 0));
+            ws.open("/net/a", 0, 5);
+            ws.missing("/net/nope", 6);
+            ws.dir_mutated("/net/out");
+            // The first save of a fresh set rewrites nothing but appends the three.
+            state.save(&mut ws).unwrap();
+            assert_eq!(names(dir.path()), ["lock", "profile.journal.0"]);
+            ws.open("/net/a", 7, 9);
+            ws.add_bytes_read("/net/a", 100);
+            state.save(&mut ws).unwrap();
+            // Nothing changed: nothing written.
+            let len = fs::metadata(dir.path().join("profile.journal.0"))
+                .unwrap()
+                .len();
+            state.save(&mut ws).unwrap();
+            assert_eq!(
+                fs::metadata(dir.path().join("profile.journal.0"))
+                    .unwrap()
+                    .len(),
+                len
+            );
+        }
+        assert_eq!(reload(dir.path()).to_profile(), ws.to_profile());
+
+        // Everything changed: a snapshot of the next generation replaces the journal.
+        let mut state = StateDir::lock(dir.path()).unwrap();
+        let mut back = WorkingSet::new(0);
+        state.load(&mut back).unwrap();
+        back.all_changed();
+        state.save(&mut back).unwrap();
+        assert_eq!(names(dir.path()), ["lock", "profile.state"]);
+        back.open("/net/b", 0, 10);
+        state.save(&mut back).unwrap();
+        assert_eq!(
+            names(dir.path()),
+            ["lock", "profile.journal.1", "profile.state"]
+        );
+        drop(state);
+        assert_eq!(reload(dir.path()).to_profile(), back.to_profile());
+    }
+
+    #[test]
+    fn a_save_cut_by_a_crash_loses_only_itself() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut state = StateDir::lock(dir.path()).unwrap();
+        let mut ws = WorkingSet::new(0);
+        ws.open("/net/a", 0, 1);
+        ws.all_changed();
+        state.save(&mut ws).unwrap();
+        ws.open("/net/b", 0, 2);
+        state.save(&mut ws).unwrap();
+        let kept = ws.to_profile();
+        ws.open("/net/c", 0, 3);
+        state.save(&mut ws).unwrap();
+        drop(state);
+        // The last record loses its last bytes, as if the machine stopped mid-write.
+        let journal = dir.path().join("profile.journal.1");
+        let len = fs::metadata(&journal).unwrap().len();
+        OpenOptions::new()
+            .write(true)
+            .open(&journal)
+            .unwrap()
+            .set_len(len - 3)
+            .unwrap();
+        let mut back = reload(dir.path());
+        assert_eq!(back.to_profile(), kept);
+        // The torn record was cut off: what is appended next is read back.
+        let mut state = StateDir::lock(dir.path()).unwrap();
+        state.load(&mut WorkingSet::new(0)).unwrap();
+        back.open("/net/d", 0, 4);
+        state.save(&mut back).unwrap();
+        drop(state);
+        assert_eq!(reload(dir.path()).to_profile(), back.to_profile());
+    }
+
+    #[test]
+    fn a_damaged_state_file_is_set_aside_byte_for_byte() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut state = StateDir::lock(dir.path()).unwrap();
+        let mut ws = WorkingSet::new(0);
+        ws.open("/net/a", 0, 1);
+        ws.all_changed();
+        state.save(&mut ws).unwrap();
+        let path = state.profile_path();
+        let mut bytes = fs::read(&path).unwrap();
+        let last = bytes.len() - 20;
+        bytes[last] ^= 0xff;
+        fs::write(&path, &bytes).unwrap();
+        let err = state.load(&mut WorkingSet::new(0)).unwrap_err();
+        assert!(err.contains("moved to"), "{err}");
+        assert!(!path.exists());
+        let aside: Vec<_> = names(dir.path())
+            .into_iter()
+            .filter(|n| n.starts_with("profile.state.bad-"))
             .collect();
         assert_eq!(aside.len(), 1);
-        assert_eq!(
-            fs::read(dir.path().join(&aside[0])).unwrap(),
+        assert_eq!(fs::read(dir.path().join(&aside[0])).unwrap(), bytes);
+    }
+
+    #[test]
+    fn the_old_json_profile_is_taken_over_or_set_aside() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut old = WorkingSet::new(3);
+        old.open("/net/a", 1000, 5);
+        fs::write(dir.path().join("profile.json"), old.to_profile().to_json()).unwrap();
+        assert_eq!(reload(dir.path()).to_profile(), old.to_profile());
+        assert_eq!(names(dir.path()), ["lock", "profile.state"]);
+
+        let dir = tempfile::tempdir().unwrap();
+        fs::write(
+            dir.path().join("profile.json"),
             b"{\"version\": 1, \"files\": [",
-            "the bad file is kept byte for byte"
+        )
+        .unwrap();
+        let mut state = StateDir::lock(dir.path()).unwrap();
+        let err = state.load(&mut WorkingSet::new(0)).unwrap_err();
+        assert!(
+            err.contains("moved to") && err.contains("profile.json"),
+            "{err}"
         );
+        assert!(names(dir.path())[1].starts_with("profile.json.bad-"));
     }
 
     #[test]

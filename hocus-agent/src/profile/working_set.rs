@@ -1,35 +1,136 @@
 //! The working set: which files jobs touched, in what order, how much they read, which
 //! names they probed that do not exist, and what they wrote. The live, mutable form of a
-//! [`Profile`].
+//! [`Profile`], compact enough for a site-wide million files: paths are interned
+//! ([`Paths`]), a file's facts fit in 56 bytes, and the sets of users that opened files
+//! are held once each. What changed since the last save is tracked, so that a save
+//! writes only that (`store`).
 
-use std::{
-    collections::{BTreeSet, HashMap},
-    path::Path,
-};
+use std::{collections::BTreeSet, path::Path};
+
+use hashbrown::HashMap;
 
 use crate::{
-    profile::format::{DirEntry, FORMAT_VERSION, FileEntry, MissingEntry, Profile},
+    profile::{
+        format::{DirEntry, FORMAT_VERSION, FileEntry, MissingEntry, Profile},
+        paths::{PathId, Paths},
+    },
     shared::status::RootTotals,
 };
 
 /// The live, mutable form of a profile.
-#[derive(Debug, Clone, Default)]
+#[derive(Clone, Default)]
 pub struct WorkingSet {
     pub started_unix_ns: u64,
-    files: HashMap<String, FileState>,
-    missing: HashMap<String, MissingEntry>,
-    dirs: HashMap<String, DirEntry>,
+    paths: Paths,
+    files: Vec<FileRec>,
+    /// The index in `files` of each path's file, or [`NONE`].
+    file_of: Vec<u32>,
+    missing: HashMap<PathId, MissingRec>,
+    dirs: HashMap<PathId, DirRec>,
+    users: UserSets,
     /// At most this many entries (files, missing names, directories) are read ones; writes
     /// are always recorded. None: no bound.
     limit: Option<usize>,
     /// New entries not recorded because the bound was reached.
     dropped: u64,
+    /// Entries changed since [`WorkingSet::take_changes`] last ran.
+    changed: Vec<Changed>,
+    /// So many changed that the next save rewrites everything.
+    all_changed: bool,
 }
 
-#[derive(Debug, Clone, Default)]
-struct FileState {
-    entry: FileEntry,
-    uids: BTreeSet<u32>,
+const NONE: u32 = u32::MAX;
+const WRITTEN: u32 = 1 << 31;
+const REFUSED: u32 = 1 << 30;
+const DIRTY: u32 = 1 << 29;
+const USERS: u32 = DIRTY - 1;
+
+/// Past this many changed entries (or a quarter of all), a save rewrites the whole state
+/// rather than appending each.
+const MAX_CHANGED: usize = 1 << 16;
+
+#[derive(Clone, Copy, Default)]
+struct FileRec {
+    size: u64,
+    mtime_ns: i64,
+    bytes_read: u64,
+    first_touch_ns: u64,
+    last_touch_ns: u64,
+    /// Saturating at 2^32.
+    opens: u32,
+    write_opens: u32,
+    path: PathId,
+    /// The set of users ([`UserSets`]), and the WRITTEN, REFUSED and DIRTY bits.
+    bits: u32,
+}
+
+#[derive(Clone, Copy, Default)]
+struct MissingRec {
+    lookups: u64,
+    first_touch_ns: u64,
+    dirty: bool,
+}
+
+#[derive(Clone, Copy, Default)]
+struct DirRec {
+    opens: u64,
+    mutated: bool,
+    dirty: bool,
+}
+
+/// An entry changed since the last save.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Changed {
+    File(u32),
+    Missing(PathId),
+    Dir(PathId),
+}
+
+/// The distinct sets of uids that opened files, each held once; set 0 is empty.
+#[derive(Clone)]
+struct UserSets {
+    sets: Vec<Box<[u32]>>,
+    ids: HashMap<Box<[u32]>, u32>,
+}
+
+impl Default for UserSets {
+    fn default() -> Self {
+        let empty: Box<[u32]> = Box::new([]);
+        Self {
+            sets: vec![empty.clone()],
+            ids: HashMap::from_iter([(empty, 0)]),
+        }
+    }
+}
+
+impl UserSets {
+    fn get(&self, id: u32) -> &[u32] {
+        &self.sets[id as usize]
+    }
+
+    fn id_of(&mut self, set: Box<[u32]>) -> u32 {
+        if let Some(id) = self.ids.get(&set) {
+            return *id;
+        }
+        // Bounded by the files: a file adds at most one new set per user that opens it.
+        let id = (self.sets.len() as u32).min(USERS);
+        if id == USERS {
+            return 0;
+        }
+        self.sets.push(set.clone());
+        self.ids.insert(set, id);
+        id
+    }
+
+    /// The set `id` with `uids` added.
+    fn with(&mut self, id: u32, uids: &[u32]) -> u32 {
+        let have = self.get(id);
+        if uids.iter().all(|u| have.binary_search(u).is_ok()) {
+            return id;
+        }
+        let set: BTreeSet<u32> = have.iter().chain(uids).copied().collect();
+        self.id_of(set.into_iter().collect())
+    }
 }
 
 /// Facts about a file read from the filesystem.
@@ -43,6 +144,7 @@ impl WorkingSet {
     pub fn new(started_unix_ns: u64) -> Self {
         Self {
             started_unix_ns,
+            paths: Paths::new(),
             ..Default::default()
         }
     }
@@ -58,6 +160,10 @@ impl WorkingSet {
         (self.files.len(), self.missing.len(), self.dirs.len())
     }
 
+    fn len(&self) -> usize {
+        self.files.len() + self.missing.len() + self.dirs.len()
+    }
+
     /// Bounds the entries read ones may make (`max-profile-entries`).
     pub fn set_limit(&mut self, limit: usize) {
         self.limit = Some(limit);
@@ -70,8 +176,7 @@ impl WorkingSet {
 
     /// Whether a new entry may be made; counts one that may not.
     fn room(&mut self) -> bool {
-        let len = self.files.len() + self.missing.len() + self.dirs.len();
-        if self.limit.is_some_and(|l| len >= l) {
+        if self.limit.is_some_and(|l| self.len() >= l) {
             self.dropped = self.dropped.saturating_add(1);
             return false;
         }
@@ -82,84 +187,147 @@ impl WorkingSet {
         unix_ns.saturating_sub(self.started_unix_ns)
     }
 
+    fn note(&mut self, c: Changed) {
+        if self.all_changed {
+            return;
+        }
+        if self.changed.len() >= MAX_CHANGED.max(self.len() / 4) {
+            self.all_changed = true;
+            self.changed = Vec::new();
+            return;
+        }
+        self.changed.push(c);
+    }
+
+    fn file_index(&self, path: &str) -> Option<usize> {
+        let id = self.paths.find(path)?;
+        match self.file_of.get(id as usize) {
+            Some(&i) if i != NONE => Some(i as usize),
+            _ => None,
+        }
+    }
+
+    /// The file of `path`, marked changed; made (empty) if new.
+    fn file_mut(&mut self, path: &str) -> &mut FileRec {
+        let i = match self.file_index(path) {
+            Some(i) => i,
+            None => {
+                let id = self.paths.intern(path);
+                let i = self.files.len();
+                if self.file_of.len() <= id as usize {
+                    self.file_of.resize(id as usize + 1, NONE);
+                }
+                self.file_of[id as usize] = i as u32;
+                self.files.push(FileRec {
+                    path: id,
+                    first_touch_ns: u64::MAX,
+                    ..Default::default()
+                });
+                i
+            }
+        };
+        self.changed_file(i);
+        &mut self.files[i]
+    }
+
+    fn changed_file(&mut self, i: usize) {
+        if self.files[i].bits & DIRTY == 0 {
+            self.files[i].bits |= DIRTY;
+            self.note(Changed::File(i as u32));
+        }
+    }
+
     /// Records an open of a file; returns true when the file is new to the profile.
     pub fn open(&mut self, path: &str, uid: u32, at_unix_ns: u64) -> bool {
-        let new = !self.files.contains_key(path);
+        let new = self.file_index(path).is_none();
         if new && !self.room() {
             return false;
         }
-        let f = self.touch(path, at_unix_ns);
-        f.entry.opens = f.entry.opens.saturating_add(1);
-        f.uids.insert(uid);
+        let at = self.offset(at_unix_ns);
+        let f = *self.touch(path, at);
+        let users = self.users.with(f.bits & USERS, &[uid]);
+        let f = self.file_mut(path);
+        f.opens = f.opens.saturating_add(1);
+        f.bits = (f.bits & !USERS) | users;
         new
     }
 
-    /// The entry of `path`, created at its first touch, with `at` recorded as a touch.
-    fn touch(&mut self, path: &str, at_unix_ns: u64) -> &mut FileState {
-        let at = self.offset(at_unix_ns);
-        let f = self
-            .files
-            .entry(path.to_owned())
-            .or_insert_with(|| FileState {
-                entry: FileEntry {
-                    path: path.to_owned(),
-                    first_touch_ns: at,
-                    ..Default::default()
-                },
-                uids: BTreeSet::new(),
-            });
-        f.entry.first_touch_ns = f.entry.first_touch_ns.min(at);
-        f.entry.last_touch_ns = f.entry.last_touch_ns.max(at);
+    /// The entry of `path`, created at its first touch, with `at` (an offset) recorded
+    /// as a touch.
+    fn touch(&mut self, path: &str, at: u64) -> &mut FileRec {
+        let f = self.file_mut(path);
+        f.first_touch_ns = f.first_touch_ns.min(at);
+        f.last_touch_ns = f.last_touch_ns.max(at);
         f
     }
 
     pub fn set_attributes(&mut self, path: &str, a: Attributes) {
-        if let Some(f) = self.files.get_mut(path) {
-            f.entry.size = a.size;
-            f.entry.mtime_ns = a.mtime_ns;
+        if let Some(i) = self.file_index(path) {
+            self.changed_file(i);
+            let f = &mut self.files[i];
+            f.size = a.size;
+            f.mtime_ns = a.mtime_ns;
         }
     }
 
     pub fn add_bytes_read(&mut self, path: &str, bytes: u64) {
-        if let Some(f) = self.files.get_mut(path) {
-            f.entry.bytes_read = f.entry.bytes_read.saturating_add(bytes);
+        if let Some(i) = self.file_index(path) {
+            self.changed_file(i);
+            let f = &mut self.files[i];
+            f.bytes_read = f.bytes_read.saturating_add(bytes);
         }
     }
 
     /// A file was written, truncated, renamed or unlinked.
     pub fn mark_written(&mut self, path: &str, at_unix_ns: u64) {
-        self.touch(path, at_unix_ns).entry.written = true;
+        let at = self.offset(at_unix_ns);
+        self.touch(path, at).bits |= WRITTEN;
     }
 
     /// A file was opened with write access (counted also when nothing is written).
     pub fn opened_for_writing(&mut self, path: &str, at_unix_ns: u64) {
-        let e = &mut self.touch(path, at_unix_ns).entry;
-        e.write_opens = e.write_opens.saturating_add(1);
+        let at = self.offset(at_unix_ns);
+        let f = self.touch(path, at);
+        f.write_opens = f.write_opens.saturating_add(1);
     }
 
     /// A job got EROFS writing through a read-only copy of `path`.
     pub fn mark_refused(&mut self, path: &str, at_unix_ns: u64) {
-        self.touch(path, at_unix_ns).entry.refused = true;
+        let at = self.offset(at_unix_ns);
+        self.touch(path, at).bits |= REFUSED;
     }
 
     pub fn missing(&mut self, path: &str, at_unix_ns: u64) {
-        if !self.missing.contains_key(path) && !self.room() {
+        let known = self
+            .paths
+            .find(path)
+            .is_some_and(|id| self.missing.contains_key(&id));
+        if !known && !self.room() {
             return;
         }
         let at = self.offset(at_unix_ns);
-        let m = self
-            .missing
-            .entry(path.to_owned())
-            .or_insert_with(|| MissingEntry {
-                path: path.to_owned(),
-                lookups: 0,
-                first_touch_ns: at,
-            });
+        let m = self.missing_mut(path, at);
         m.lookups = m.lookups.saturating_add(1);
     }
 
+    fn missing_mut(&mut self, path: &str, first_touch_ns: u64) -> &mut MissingRec {
+        let id = self.paths.intern(path);
+        let m = self.missing.entry(id).or_insert(MissingRec {
+            first_touch_ns,
+            ..Default::default()
+        });
+        if !std::mem::replace(&mut m.dirty, true) {
+            self.note(Changed::Missing(id));
+        }
+        self.missing.get_mut(&id).expect("just made")
+    }
+
     pub fn dir_opened(&mut self, path: &str) {
-        if !self.dirs.contains_key(path) && !self.room() {
+        let known = self
+            .paths
+            .find(path)
+            .is_some_and(|id| self.dirs.contains_key(&id));
+        if !known && !self.room() {
             return;
         }
         let d = self.dir(path);
@@ -171,125 +339,340 @@ impl WorkingSet {
         self.dir(path).mutated = true;
     }
 
-    fn dir(&mut self, path: &str) -> &mut DirEntry {
-        self.dirs
-            .entry(path.to_owned())
-            .or_insert_with(|| DirEntry {
-                path: path.to_owned(),
-                ..Default::default()
-            })
+    fn dir(&mut self, path: &str) -> &mut DirRec {
+        let id = self.paths.intern(path);
+        let d = self.dirs.entry(id).or_default();
+        if !std::mem::replace(&mut d.dirty, true) {
+            self.note(Changed::Dir(id));
+        }
+        self.dirs.get_mut(&id).expect("just made")
     }
 
     /// Merges another profile: counts add up, first touches keep the earliest offset,
     /// the newest attributes win, the written flags and users accumulate.
     pub fn merge(&mut self, other: Profile) {
         for f in other.files {
-            if !f.written && !self.files.contains_key(&f.path) && !self.room() {
-                continue;
-            }
-            match self.files.get_mut(&f.path) {
-                None => {
-                    let uids = f.uids.iter().copied().collect();
-                    self.files
-                        .insert(f.path.clone(), FileState { entry: f, uids });
-                }
-                Some(s) => {
-                    let e = &mut s.entry;
-                    if f.mtime_ns > e.mtime_ns || (e.size == 0 && e.mtime_ns == 0) {
-                        e.size = f.size;
-                        e.mtime_ns = f.mtime_ns;
-                    }
-                    e.opens = e.opens.saturating_add(f.opens);
-                    e.bytes_read = e.bytes_read.saturating_add(f.bytes_read);
-                    e.first_touch_ns = e.first_touch_ns.min(f.first_touch_ns);
-                    e.last_touch_ns = e.last_touch_ns.max(f.last_touch_ns);
-                    e.written |= f.written;
-                    e.write_opens = e.write_opens.saturating_add(f.write_opens);
-                    e.refused |= f.refused;
-                    s.uids.extend(f.uids);
-                }
-            }
+            self.merge_file(f);
         }
         for m in other.missing {
-            if !self.missing.contains_key(&m.path) && !self.room() {
-                continue;
-            }
-            match self.missing.get_mut(&m.path) {
-                None => {
-                    self.missing.insert(m.path.clone(), m);
-                }
-                Some(e) => {
-                    e.lookups = e.lookups.saturating_add(m.lookups);
-                    e.first_touch_ns = e.first_touch_ns.min(m.first_touch_ns);
-                }
-            }
+            self.merge_missing(m);
         }
         for d in other.dirs {
-            if !d.mutated && !self.dirs.contains_key(&d.path) && !self.room() {
-                continue;
-            }
-            let e = self.dir(&d.path);
-            e.opens = e.opens.saturating_add(d.opens);
-            e.mutated |= d.mutated;
+            self.merge_dir(d);
         }
+    }
+
+    pub fn merge_file(&mut self, f: FileEntry) {
+        if !f.written && self.file_index(&f.path).is_none() && !self.room() {
+            return;
+        }
+        let mut uids = f.uids;
+        uids.sort_unstable();
+        uids.dedup();
+        let e = *self.file_mut(&f.path);
+        let users = self.users.with(e.bits & USERS, &uids);
+        let e = self.file_mut(&f.path);
+        if f.mtime_ns > e.mtime_ns || (e.size == 0 && e.mtime_ns == 0) {
+            e.size = f.size;
+            e.mtime_ns = f.mtime_ns;
+        }
+        e.opens = e
+            .opens
+            .saturating_add(f.opens.min(u64::from(u32::MAX)) as u32);
+        e.bytes_read = e.bytes_read.saturating_add(f.bytes_read);
+        e.first_touch_ns = e.first_touch_ns.min(f.first_touch_ns);
+        e.last_touch_ns = e.last_touch_ns.max(f.last_touch_ns);
+        e.write_opens = e
+            .write_opens
+            .saturating_add(f.write_opens.min(u64::from(u32::MAX)) as u32);
+        e.bits = (e.bits & !USERS)
+            | users
+            | if f.written { WRITTEN } else { 0 }
+            | if f.refused { REFUSED } else { 0 };
+    }
+
+    pub fn merge_missing(&mut self, m: MissingEntry) {
+        let known = self
+            .paths
+            .find(&m.path)
+            .is_some_and(|id| self.missing.contains_key(&id));
+        if !known && !self.room() {
+            return;
+        }
+        let e = self.missing_mut(&m.path, m.first_touch_ns);
+        e.lookups = e.lookups.saturating_add(m.lookups);
+        e.first_touch_ns = e.first_touch_ns.min(m.first_touch_ns);
+    }
+
+    pub fn merge_dir(&mut self, d: DirEntry) {
+        let known = self
+            .paths
+            .find(&d.path)
+            .is_some_and(|id| self.dirs.contains_key(&id));
+        if !d.mutated && !known && !self.room() {
+            return;
+        }
+        let e = self.dir(&d.path);
+        e.opens = e.opens.saturating_add(d.opens);
+        e.mutated |= d.mutated;
+    }
+
+    /// Takes in a working set read from the state directory: as it is when this one is
+    /// empty (keeping this one's bound), else merged entry by entry.
+    pub fn merge_state(&mut self, other: WorkingSet) {
+        if self.len() == 0 {
+            let (limit, dropped) = (self.limit, self.dropped);
+            *self = other;
+            (self.limit, self.dropped) = (limit, dropped);
+            return;
+        }
+        for e in other.entries() {
+            match e {
+                Entry::File(f) => self.merge_file(f),
+                Entry::Missing(m) => self.merge_missing(m),
+                Entry::Dir(d) => self.merge_dir(d),
+            }
+        }
+    }
+
+    /// Marks everything changed: the next save writes it all.
+    pub fn all_changed(&mut self) {
+        self.all_changed = true;
+        self.changed = Vec::new();
+    }
+
+    /// Sets an entry to exactly what a saved state says (loading the state directory).
+    pub fn restore(&mut self, entry: Entry) {
+        match entry {
+            Entry::File(f) => {
+                let mut uids = f.uids;
+                uids.sort_unstable();
+                uids.dedup();
+                let users = self.users.id_of(uids.into_boxed_slice());
+                let e = self.file_mut(&f.path);
+                *e = FileRec {
+                    size: f.size,
+                    mtime_ns: f.mtime_ns,
+                    bytes_read: f.bytes_read,
+                    first_touch_ns: f.first_touch_ns,
+                    last_touch_ns: f.last_touch_ns,
+                    opens: f.opens.min(u64::from(u32::MAX)) as u32,
+                    write_opens: f.write_opens.min(u64::from(u32::MAX)) as u32,
+                    path: e.path,
+                    bits: (e.bits & DIRTY)
+                        | users
+                        | if f.written { WRITTEN } else { 0 }
+                        | if f.refused { REFUSED } else { 0 },
+                };
+            }
+            Entry::Missing(m) => {
+                let e = self.missing_mut(&m.path, m.first_touch_ns);
+                e.lookups = m.lookups;
+                e.first_touch_ns = m.first_touch_ns;
+            }
+            Entry::Dir(d) => {
+                let e = self.dir(&d.path);
+                e.opens = d.opens;
+                e.mutated = d.mutated;
+            }
+        }
+    }
+
+    fn file_entry(&self, f: &FileRec) -> FileEntry {
+        let uids = self.users.get(f.bits & USERS).to_vec();
+        FileEntry {
+            path: self.paths.path(f.path),
+            size: f.size,
+            mtime_ns: f.mtime_ns,
+            opens: u64::from(f.opens),
+            bytes_read: f.bytes_read,
+            first_touch_ns: if f.first_touch_ns == u64::MAX {
+                0
+            } else {
+                f.first_touch_ns
+            },
+            last_touch_ns: f.last_touch_ns,
+            users: uids.len() as u32,
+            uids,
+            written: f.bits & WRITTEN != 0,
+            write_opens: u64::from(f.write_opens),
+            refused: f.bits & REFUSED != 0,
+        }
+    }
+
+    fn missing_entry(&self, id: PathId, m: &MissingRec) -> MissingEntry {
+        MissingEntry {
+            path: self.paths.path(id),
+            lookups: m.lookups,
+            first_touch_ns: m.first_touch_ns,
+        }
+    }
+
+    fn dir_entry(&self, id: PathId, d: &DirRec) -> DirEntry {
+        DirEntry {
+            path: self.paths.path(id),
+            opens: d.opens,
+            mutated: d.mutated,
+        }
+    }
+
+    /// What changed since the last call, as entries to save; `None` when so much changed
+    /// that everything should be (see [`WorkingSet::entries`]).
+    pub fn take_changes(&mut self) -> Option<Vec<Entry>> {
+        let all = std::mem::take(&mut self.all_changed);
+        let changed = std::mem::take(&mut self.changed);
+        if all {
+            for f in &mut self.files {
+                f.bits &= !DIRTY;
+            }
+            self.missing.values_mut().for_each(|m| m.dirty = false);
+            self.dirs.values_mut().for_each(|d| d.dirty = false);
+            return None;
+        }
+        let mut out = Vec::with_capacity(changed.len());
+        for c in changed {
+            match c {
+                Changed::File(i) => {
+                    let f = &mut self.files[i as usize];
+                    f.bits &= !DIRTY;
+                    let f = *f;
+                    out.push(Entry::File(self.file_entry(&f)));
+                }
+                Changed::Missing(id) => {
+                    if let Some(m) = self.missing.get_mut(&id) {
+                        m.dirty = false;
+                        let m = *m;
+                        out.push(Entry::Missing(self.missing_entry(id, &m)));
+                    }
+                }
+                Changed::Dir(id) => {
+                    if let Some(d) = self.dirs.get_mut(&id) {
+                        d.dirty = false;
+                        let d = *d;
+                        out.push(Entry::Dir(self.dir_entry(id, &d)));
+                    }
+                }
+            }
+        }
+        Some(out)
+    }
+
+    /// Every entry, one at a time: files in the order they were recorded, then missing
+    /// names and directories.
+    pub fn entries(&self) -> impl Iterator<Item = Entry> + '_ {
+        let files = self.files.iter().map(|f| Entry::File(self.file_entry(f)));
+        let missing = self
+            .missing
+            .iter()
+            .map(|(id, m)| Entry::Missing(self.missing_entry(*id, m)));
+        let dirs = self
+            .dirs
+            .iter()
+            .map(|(id, d)| Entry::Dir(self.dir_entry(*id, d)));
+        files.chain(missing).chain(dirs)
     }
 
     /// The files opened most (then read most), hottest first.
     pub fn hottest(&self, n: usize) -> Vec<FileEntry> {
-        let mut all: Vec<&FileEntry> = self.files.values().map(|s| &s.entry).collect();
-        let key = |f: &FileEntry| (std::cmp::Reverse(f.opens), std::cmp::Reverse(f.bytes_read));
+        let key = |f: &FileRec| (std::cmp::Reverse(f.opens), std::cmp::Reverse(f.bytes_read));
+        self.top_files(n, key)
+            .into_iter()
+            .map(|f| self.file_entry(f))
+            .collect()
+    }
+
+    /// The `n` files with the least `key`, in key order, ties by path.
+    fn top_files<K: Ord>(&self, n: usize, key: impl Fn(&FileRec) -> K) -> Vec<&FileRec> {
+        let mut all: Vec<&FileRec> = self.files.iter().collect();
         let n = n.min(all.len());
         if n == 0 {
             return Vec::new();
         }
         all.select_nth_unstable_by_key(n - 1, |f| key(f));
         all.truncate(n);
-        all.sort_by(|a, b| key(a).cmp(&key(b)).then_with(|| a.path.cmp(&b.path)));
-        all.into_iter().cloned().collect()
+        all.sort_by(|a, b| {
+            key(a)
+                .cmp(&key(b))
+                .then_with(|| self.paths.cmp(a.path, b.path))
+        });
+        all
     }
 
     /// How much of the working set is under `root`.
     pub fn totals_under(&self, root: &Path) -> RootTotals {
-        let under = |p: &str| Path::new(p).starts_with(root);
-        let files = self.files.values().filter(|f| under(&f.entry.path));
-        let (mut count, mut bytes) = (0, 0);
-        for f in files {
-            count += 1;
-            bytes = f.entry.size.saturating_add(bytes);
+        let root_id = root.to_str().and_then(|r| self.paths.find(r));
+        let (mut files, mut bytes, mut missing) = (0, 0u64, 0);
+        if let Some(r) = root_id {
+            for f in self.files.iter().filter(|f| self.paths.is_under(f.path, r)) {
+                files += 1;
+                bytes = bytes.saturating_add(f.size);
+            }
+            missing = self
+                .missing
+                .keys()
+                .filter(|id| self.paths.is_under(**id, r))
+                .count();
         }
         RootTotals {
             root: root.to_owned(),
-            files: count,
+            files,
             bytes,
-            missing: self.missing.keys().filter(|p| under(p)).count(),
+            missing,
         }
     }
 
     /// The profile in its file format: files in first-touch order, the rest by path.
     pub fn to_profile(&self) -> Profile {
+        self.profile_of(|_| true)
+    }
+
+    /// The profile of the entries whose paths pass `keep`.
+    pub fn profile_of(&self, keep: impl Fn(&str) -> bool) -> Profile {
         let mut files: Vec<FileEntry> = self
             .files
-            .values()
-            .map(|s| {
-                let mut e = s.entry.clone();
-                e.uids = s.uids.iter().copied().collect();
-                e.users = e.uids.len() as u32;
-                e
-            })
+            .iter()
+            .map(|f| self.file_entry(f))
+            .filter(|f| keep(&f.path))
             .collect();
         files.sort_by(|a, b| (a.first_touch_ns, &a.path).cmp(&(b.first_touch_ns, &b.path)));
-        let mut missing: Vec<MissingEntry> = self.missing.values().cloned().collect();
+        Profile {
+            files,
+            ..self.names_and_dirs(&keep)
+        }
+    }
+
+    /// A profile of the missing names and directories whose paths pass `keep`, by path.
+    pub fn names_and_dirs(&self, keep: &impl Fn(&str) -> bool) -> Profile {
+        let mut missing: Vec<MissingEntry> = self
+            .missing
+            .iter()
+            .map(|(id, m)| self.missing_entry(*id, m))
+            .filter(|m| keep(&m.path))
+            .collect();
         missing.sort_by(|a, b| a.path.cmp(&b.path));
-        let mut dirs: Vec<DirEntry> = self.dirs.values().cloned().collect();
+        let mut dirs: Vec<DirEntry> = self
+            .dirs
+            .iter()
+            .map(|(id, d)| self.dir_entry(*id, d))
+            .filter(|d| keep(&d.path))
+            .collect();
         dirs.sort_by(|a, b| a.path.cmp(&b.path));
         Profile {
             version: FORMAT_VERSION,
             started_unix_ns: self.started_unix_ns,
-            files,
+            files: Vec::new(),
             missing,
             dirs,
         }
     }
+}
+
+/// One entry of a profile, as saved and restored.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Entry {
+    File(FileEntry),
+    Missing(MissingEntry),
+    Dir(DirEntry),
 }
 
 #[cfg(test)]

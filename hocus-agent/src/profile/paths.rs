@@ -1,0 +1,207 @@
+//! Paths interned as a tree of components. A million files live under a few thousand
+//! directories: each directory's name is held once, and an entry names its path by a
+//! 4-byte id. The profile holds a path's entry by that id; the full string is built only
+//! to show or export it.
+
+use std::hash::BuildHasher;
+
+use hashbrown::{DefaultHashBuilder, HashTable};
+
+/// A path held in [`Paths`]; `Paths::ROOT` is `/`.
+pub type PathId = u32;
+
+#[derive(Clone, Copy)]
+struct Node {
+    parent: PathId,
+    /// Where the name starts in `names`: its length (one byte below 128, else two), then
+    /// its bytes.
+    name: u32,
+}
+
+#[derive(Clone, Default)]
+pub struct Paths {
+    nodes: Vec<Node>,
+    names: Vec<u8>,
+    /// The children of every node, found by (parent, name).
+    children: HashTable<PathId>,
+    hasher: DefaultHashBuilder,
+}
+
+impl Paths {
+    pub const ROOT: PathId = 0;
+
+    pub fn new() -> Self {
+        let mut p = Self::default();
+        p.nodes.push(Node { parent: 0, name: 0 });
+        p.names.push(0);
+        p
+    }
+
+    /// Nodes held (directories and leaves).
+    #[cfg(test)]
+    pub fn len(&self) -> usize {
+        self.nodes.len()
+    }
+
+    fn name(&self, id: PathId) -> &[u8] {
+        name_at(&self.names, self.nodes[id as usize].name)
+    }
+
+    fn hash(&self, parent: PathId, name: &[u8]) -> u64 {
+        self.hasher.hash_one((parent, name))
+    }
+
+    fn child(&self, parent: PathId, name: &[u8]) -> Option<PathId> {
+        let hash = self.hash(parent, name);
+        self.children
+            .find(hash, |&c| {
+                self.nodes[c as usize].parent == parent && self.name(c) == name
+            })
+            .copied()
+    }
+
+    /// The id of an absolute path, made if new. Empty components are skipped; callers
+    /// hold only normalised paths (`format::refuse_path`).
+    pub fn intern(&mut self, path: &str) -> PathId {
+        let mut at = Self::ROOT;
+        for name in components(path) {
+            at = match self.child(at, name) {
+                Some(c) => c,
+                None => self.add(at, name),
+            };
+        }
+        at
+    }
+
+    fn add(&mut self, parent: PathId, name: &[u8]) -> PathId {
+        let id = PathId::try_from(self.nodes.len()).expect("fewer than 2^32 paths");
+        let start = u32::try_from(self.names.len()).expect("fewer than 4 GiB of names");
+        // Names are at most NAME_MAX (255) bytes on Linux, paths at most PATH_MAX: a
+        // longer one is cut rather than mis-stored.
+        let name = &name[..name.len().min(0x7fff)];
+        if name.len() < 0x80 {
+            self.names.push(name.len() as u8);
+        } else {
+            self.names.push(0x80 | (name.len() >> 8) as u8);
+            self.names.push(name.len() as u8);
+        }
+        self.names.extend_from_slice(name);
+        self.nodes.push(Node {
+            parent,
+            name: start,
+        });
+        let hash = self.hash(parent, name);
+        let (nodes, names, hasher) = (&self.nodes, &self.names, &self.hasher);
+        self.children.insert_unique(hash, id, |&c| {
+            let n = nodes[c as usize];
+            hasher.hash_one((n.parent, name_at(names, n.name)))
+        });
+        id
+    }
+
+    /// The id of a path already held.
+    pub fn find(&self, path: &str) -> Option<PathId> {
+        components(path).try_fold(Self::ROOT, |at, name| self.child(at, name))
+    }
+
+    /// The path of `id`, as a string.
+    pub fn path(&self, id: PathId) -> String {
+        let mut out = Vec::new();
+        self.write_path(id, &mut out);
+        // Interned from &str, split at '/': always UTF-8.
+        String::from_utf8(out).unwrap_or_default()
+    }
+
+    /// Appends the path of `id` to `out`.
+    pub fn write_path(&self, id: PathId, out: &mut Vec<u8>) {
+        if id == Self::ROOT {
+            out.push(b'/');
+            return;
+        }
+        let mut chain = Vec::new();
+        let mut at = id;
+        while at != Self::ROOT {
+            chain.push(at);
+            at = self.nodes[at as usize].parent;
+        }
+        for c in chain.iter().rev() {
+            out.push(b'/');
+            out.extend_from_slice(self.name(*c));
+        }
+    }
+
+    /// Whether `id` is `root` or under it.
+    pub fn is_under(&self, mut id: PathId, root: PathId) -> bool {
+        loop {
+            if id == root {
+                return true;
+            }
+            if id == Self::ROOT {
+                return false;
+            }
+            id = self.nodes[id as usize].parent;
+        }
+    }
+
+    /// Orders two paths as their strings would be ordered, without building them.
+    pub fn cmp(&self, a: PathId, b: PathId) -> std::cmp::Ordering {
+        let (mut x, mut y) = (Vec::new(), Vec::new());
+        self.write_path(a, &mut x);
+        self.write_path(b, &mut y);
+        x.cmp(&y)
+    }
+}
+
+/// The name stored at `at` in a names arena.
+fn name_at(names: &[u8], at: u32) -> &[u8] {
+    let at = at as usize;
+    let (len, skip) = match names[at] {
+        b if b < 0x80 => (usize::from(b), 1),
+        b => (usize::from(b & 0x7f) << 8 | usize::from(names[at + 1]), 2),
+    };
+    &names[at + skip..at + skip + len]
+}
+
+fn components(path: &str) -> impl Iterator<Item = &[u8]> {
+    path.as_bytes()
+        .split(|b| *b == b'/')
+        .filter(|c| !c.is_empty())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn interns_finds_and_rebuilds_paths() {
+        let mut p = Paths::new();
+        let a = p.intern("/net/env/lib/a.py");
+        let b = p.intern("/net/env/lib/b.py");
+        let long = format!("/net/{}", "x".repeat(200));
+        let l = p.intern(&long);
+        assert_ne!(a, b);
+        assert_eq!(p.intern("/net/env/lib/a.py"), a);
+        assert_eq!(p.find("/net/env/lib/b.py"), Some(b));
+        assert_eq!(p.find("/net/env/lib/c.py"), None);
+        assert_eq!(p.path(a), "/net/env/lib/a.py");
+        assert_eq!(p.path(l), long);
+        assert_eq!(p.path(Paths::ROOT), "/");
+        let lib = p.find("/net/env/lib").unwrap();
+        assert!(p.is_under(a, lib));
+        assert!(!p.is_under(lib, a));
+        assert!(!p.is_under(l, lib));
+        // /, net, env, lib, a.py, b.py, the long one
+        assert_eq!(p.len(), 7);
+        assert_eq!(p.cmp(a, b), std::cmp::Ordering::Less);
+    }
+
+    #[test]
+    fn names_that_share_bytes_are_told_apart() {
+        let mut p = Paths::new();
+        let x = p.intern("/ab/c");
+        let y = p.intern("/a/bc");
+        assert_ne!(x, y);
+        assert_eq!(p.path(x), "/ab/c");
+        assert_eq!(p.path(y), "/a/bc");
+    }
+}
