@@ -94,6 +94,19 @@ enum Bench {
         #[arg(long, value_name = "BINARY")]
         compare_with: Option<PathBuf>,
     },
+    /// A site-wide profile imported into a running daemon: import time, the daemon's
+    /// memory above its empty size, status and export times, CPU while idle.
+    Scale {
+        /// Files in the synthetic profile (and a fifth as many missing names).
+        #[arg(long, default_value_t = 1_000_000)]
+        files: usize,
+        /// Seconds to watch the idle daemon's CPU.
+        #[arg(long, default_value_t = 12)]
+        idle_secs: u64,
+        /// A smoke run (CI): 20,000 files.
+        #[arg(long)]
+        quick: bool,
+    },
 }
 
 fn main() {
@@ -177,6 +190,22 @@ fn run(cli: Cli) -> Result<()> {
             };
             bench::overhead(&agent, &o)
         }
+        Cmd::Bench(Bench::Scale {
+            files,
+            idle_secs,
+            quick,
+        }) => {
+            let agent = build(true)?;
+            let s = if quick {
+                bench::Scale::quick()
+            } else {
+                bench::Scale {
+                    files: files.max(10),
+                    idle: std::time::Duration::from_secs(idle_secs.max(1)),
+                }
+            };
+            bench::scale(&agent, &s)
+        }
     }
 }
 
@@ -215,7 +244,7 @@ fn build(release: bool) -> Result<PathBuf> {
         .join("hocus-agent"))
 }
 
-fn target_dir() -> PathBuf {
+pub fn target_dir() -> PathBuf {
     std::env::var_os("CARGO_TARGET_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|| workspace().join("target"))
@@ -273,6 +302,7 @@ fn test(filter: Option<String>) -> Result<()> {
             &agent,
             &bench::Overhead::quick(std::time::Duration::from_millis(1)),
         )?;
+        bench::scale(&agent, &bench::Scale::quick())?;
     }
     Ok(())
 }

@@ -88,8 +88,9 @@ pub fn show(ctx: &Context, root: Option<PathBuf>, file: Option<PathBuf>, top: us
 }
 
 pub fn import(ctx: &Context, file: &Path) -> Result<()> {
-    // Read here first, for errors that say what is wrong; the daemon gets the descriptor.
-    let mut profile = read_exported(file)?;
+    // Read here first, for errors that say what is wrong (a batch at a time: nothing is
+    // held); the daemon gets the descriptor.
+    store::stream_exported(file, &mut |_| Ok(()))?;
     let sent = std::fs::File::open(file)?;
     if let Some(response) = ask_with(ctx, &Request::Import, Some(&sent))? {
         let Response::Imported {
@@ -112,16 +113,34 @@ pub fn import(ctx: &Context, file: &Path) -> Result<()> {
             ctx.state_dir.display()
         );
     }
-    // Root's own import, but still only sound paths.
-    let refused = profile.keep_valid(&[PathBuf::from("/")]);
-    tell_refused(&refused, refused.len());
     let mut state = StateDir::lock(&ctx.state_dir)?;
-    let mut ws = WorkingSet::new(profile.started_unix_ns);
+    let mut ws = WorkingSet::new(0);
     if let Err(message) = state.load(&mut ws) {
         bail!("{message}");
     }
-    let (files, missing) = (profile.files.len(), profile.missing.len());
-    ws.merge(profile);
+    // Root's own import, but still only sound paths.
+    let (mut files, mut missing) = (0, 0);
+    let mut refused = Vec::new();
+    let mut refused_total = 0;
+    let mut merged = WorkingSet::new(0);
+    let started = store::stream_exported(file, &mut |mut batch| {
+        let bad = batch.keep_valid(&[PathBuf::from("/")]);
+        refused_total += bad.len();
+        refused.extend(
+            bad.into_iter()
+                .take(REFUSED_SHOWN.saturating_sub(refused.len())),
+        );
+        files += batch.files.len();
+        missing += batch.missing.len();
+        merged.merge(batch);
+        Ok(())
+    })?;
+    tell_refused(&refused, refused_total);
+    if ws.counts() == (0, 0, 0) {
+        ws.started_unix_ns = started;
+    }
+    ws.merge_state(merged);
+    ws.all_changed();
     state.save(&mut ws)?;
     eprintln!(
         "merged {files} files and {missing} missing names into {}",

@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 
 use crate::{
-    profile::format::Profile,
+    profile::{format::Profile, working_set::WorkingSet},
     redirect::{access::Caller, mountns::Bind, spawn::JobCommand},
     shared::status::{Progress, Refused, Status},
 };
@@ -54,13 +54,34 @@ impl Request {
     }
 }
 
+/// A profile a client sent, read and checked by its connection: only sound, watched
+/// paths the caller may read, as the caller. What was refused is named (the first
+/// `REFUSED_SHOWN`) and counted.
+pub struct Staged {
+    pub set: WorkingSet,
+    pub files: usize,
+    pub missing: usize,
+    pub refused: Vec<Refused>,
+    pub refused_total: usize,
+}
+
+impl std::fmt::Debug for Staged {
+    fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        write!(
+            f,
+            "Staged({} files, {} missing names)",
+            self.files, self.missing
+        )
+    }
+}
+
 /// A client's request as the daemon's loop gets it, its profile read already.
 #[derive(Debug)]
 pub enum Query {
     Status,
     Export { root: Option<PathBuf> },
-    Import(Profile),
-    Prefetch(Profile),
+    Import(Box<Staged>),
+    Prefetch(Box<Staged>),
     Budgets { ssd: Option<u64>, ram: Option<u64> },
 }
 

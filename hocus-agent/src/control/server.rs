@@ -37,16 +37,22 @@ use tokio::sync::mpsc;
 
 use crate::{
     control::protocol::{
-        Ask, Call, Forward, MAX_PROFILE_BYTES, MAX_REQUEST_LINE, Query, Request, Response,
+        Ask, Call, Forward, MAX_PROFILE_BYTES, MAX_REQUEST_LINE, Query, Request, Response, Staged,
     },
-    profile::format::{Profile, refuse_path},
+    profile::{
+        format::{Profile, read_stream, refuse_path},
+        working_set::WorkingSet,
+    },
     redirect::{
-        access::Caller,
+        access::{self, Caller},
         confirm, identity, mountns,
         spawn::{self, JobCommand},
     },
-    shared::status::ControlStatus,
+    shared::status::{ControlStatus, REFUSED_SHOWN},
 };
+
+/// Entries of a profile sent checked at a time (one permission check each, as the user).
+const PROFILE_BATCH: usize = 16_384;
 
 /// How long a client has to send its whole request line.
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
@@ -157,7 +163,14 @@ impl Control {
 
 /// Binds the socket (replacing a stale one) and serves each connection on a thread of
 /// its own. Requests go to the daemon's loop through `calls`.
-pub fn serve(socket: &Path, calls: mpsc::Sender<Call>, limits: Limits) -> Result<Control> {
+/// Serves the control socket; `trees` are the watched trees, the only paths a profile
+/// sent may name.
+pub fn serve(
+    socket: &Path,
+    calls: mpsc::Sender<Call>,
+    limits: Limits,
+    trees: Arc<[PathBuf]>,
+) -> Result<Control> {
     if let Some(dir) = socket.parent() {
         fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }
@@ -179,11 +192,16 @@ pub fn serve(socket: &Path, calls: mpsc::Sender<Call>, limits: Limits) -> Result
     let accepting = Arc::clone(&gate);
     thread::Builder::new()
         .name("hocus-control".into())
-        .spawn(move || accept(&listener, &accepting, &calls))?;
+        .spawn(move || accept(&listener, &accepting, &calls, &trees))?;
     Ok(Control(gate))
 }
 
-fn accept(listener: &UnixListener, gate: &Arc<Gate>, calls: &mpsc::Sender<Call>) {
+fn accept(
+    listener: &UnixListener,
+    gate: &Arc<Gate>,
+    calls: &mpsc::Sender<Call>,
+    trees: &Arc<[PathBuf]>,
+) {
     loop {
         let stream = match listener.accept() {
             Ok((stream, _)) => stream,
@@ -218,13 +236,14 @@ fn accept(listener: &UnixListener, gate: &Arc<Gate>, calls: &mpsc::Sender<Call>)
             }
         };
         let calls = calls.clone();
+        let trees = Arc::clone(trees);
         let gate_of_thread = Arc::clone(gate);
         let spawned = thread::Builder::new()
             .name("hocus-client".into())
             .spawn(move || {
                 let _admitted = admitted;
                 let (pid, uid, gid) = (cred.pid(), cred.uid(), cred.gid());
-                if let Err(e) = answer(stream, pid, uid, gid, &gate_of_thread, &calls) {
+                if let Err(e) = answer(stream, (pid, uid, gid), &gate_of_thread, &calls, &trees) {
                     log::debug!("control connection of uid {uid}: {e:#}");
                 }
             });
@@ -250,11 +269,10 @@ fn refusal(reason: &'static str, message: impl Into<String>) -> Refusal {
 
 fn answer(
     stream: UnixStream,
-    pid: i32,
-    uid: u32,
-    gid: u32,
+    (pid, uid, gid): (i32, u32, u32),
     gate: &Gate,
     calls: &mpsc::Sender<Call>,
+    trees: &[PathBuf],
 ) -> Result<()> {
     stream.set_read_timeout(Some(REQUEST_TIMEOUT))?;
     stream.set_write_timeout(Some(WRITE_TIMEOUT))?;
@@ -292,14 +310,14 @@ fn answer(
         Request::Export { root } => Query::Export { root },
         Request::Budgets { ssd, ram } => Query::Budgets { ssd, ram },
         Request::Import | Request::Prefetch => {
-            let profile = match read_profile(fds.into_iter().next()) {
-                Ok(p) => p,
+            let staged = match read_profile(fds.into_iter().next(), trees, &caller) {
+                Ok(p) => Box::new(p),
                 Err(r) => return refuse(r),
             };
             if matches!(request, Request::Import) {
-                Query::Import(profile)
+                Query::Import(staged)
             } else {
-                Query::Prefetch(profile)
+                Query::Prefetch(staged)
             }
         }
     };
@@ -310,39 +328,84 @@ fn answer(
     Ok(())
 }
 
-/// Reads a profile from the descriptor a client sent: at most [`MAX_PROFILE_BYTES`], in
-/// the documented format.
-fn read_profile(fd: Option<OwnedFd>) -> Result<Profile, Refusal> {
+/// Reads a profile from the descriptor a client sent (at most [`MAX_PROFILE_BYTES`], in
+/// the documented format), a batch at a time, into a working set of its own: only sound
+/// paths inside `trees` that the caller may read, vouched for as the caller.
+fn read_profile(
+    fd: Option<OwnedFd>,
+    trees: &[PathBuf],
+    caller: &Caller,
+) -> Result<Staged, Refusal> {
     let Some(fd) = fd else {
         return Err(refusal(
             "wrong_descriptors",
             "send the profile's descriptor",
         ));
     };
-    let mut bytes = Vec::new();
     let file = fs::File::from(fd);
     // A pipe or socket could be held open and never written: only a file is read.
-    if !file.metadata().is_ok_and(|m| m.is_file()) {
-        return Err(refusal(
-            "bad_profile",
-            "send the profile as a regular file's descriptor",
-        ));
-    }
-    let read = file.take(MAX_PROFILE_BYTES + 1).read_to_end(&mut bytes);
-    if let Err(e) = read {
-        return Err(refusal(
-            "bad_profile",
-            format!("cannot read the profile: {e}"),
-        ));
-    }
-    if bytes.len() as u64 > MAX_PROFILE_BYTES {
+    let len = match file.metadata() {
+        Ok(m) if m.is_file() => m.len(),
+        _ => {
+            return Err(refusal(
+                "bad_profile",
+                "send the profile as a regular file's descriptor",
+            ));
+        }
+    };
+    if len > MAX_PROFILE_BYTES {
         return Err(refusal(
             "too_large",
             format!("a profile is at most {MAX_PROFILE_BYTES} bytes"),
         ));
     }
-    Profile::from_json(&bytes, Path::new("the profile sent"), "export it again")
-        .map_err(|e| refusal("bad_profile", e.to_string()))
+    let mut staged = Staged {
+        set: WorkingSet::new(0),
+        files: 0,
+        missing: 0,
+        refused: Vec::new(),
+        refused_total: 0,
+    };
+    let mut batch = |mut p: Profile| -> Result<(), String> {
+        let refused = p.keep_valid(trees);
+        staged.refused_total += refused.len();
+        let room = REFUSED_SHOWN.saturating_sub(staged.refused.len());
+        staged.refused.extend(refused.into_iter().take(room));
+        access::filter_for(&mut p, caller).map_err(|e| format!("{e:#}"))?;
+        if !caller.is_root() {
+            // An ordinary user vouches only for what they can read, and as themselves;
+            // what keeps a file off the cache for everyone (writes refused to a job,
+            // opens for writing) only the daemon's own observation, or root, says.
+            for f in &mut p.files {
+                f.uids = vec![caller.uid];
+                f.refused = false;
+                f.write_opens = 0;
+            }
+        }
+        staged.files += p.files.len();
+        staged.missing += p.missing.len();
+        staged.set.merge(p);
+        Ok(())
+    };
+    let started = read_stream(
+        file.take(MAX_PROFILE_BYTES),
+        Path::new("the profile sent"),
+        "export it again",
+        PROFILE_BATCH,
+        &mut batch,
+    )
+    .map_err(|e| refusal("bad_profile", e.to_string()))?;
+    staged.set.started_unix_ns = started;
+    if let Some(first) = staged.refused.first() {
+        log::warn!(
+            "refused {} entries of a profile from uid {}, e.g. {}: {}",
+            staged.refused_total,
+            caller.uid,
+            first.path,
+            first.why
+        );
+    }
+    Ok(staged)
 }
 
 /// Decodes a request line: JSON in the documented form, its paths absolute and

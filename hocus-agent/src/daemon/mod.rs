@@ -57,6 +57,9 @@ const POLL_INTERVAL: Duration = Duration::from_millis(20);
 const SWEEP_INTERVAL: Duration = Duration::from_secs(1);
 /// How often a changed working set is placed again.
 const PLACE_INTERVAL: Duration = Duration::from_secs(2);
+/// Files (and missing names) placement weighs at most: the keeper gets the most valuable
+/// of a site-wide profile, not all of it.
+const PLACE_CANDIDATES: usize = 100_000;
 /// The hottest files `status` lists.
 const STATUS_TOP_FILES: usize = 10;
 
@@ -99,9 +102,6 @@ struct Daemon {
     stats_pending: usize,
     /// Client requests waiting for those stats.
     waiting: Vec<requests::Waiting>,
-    /// Profiles back from their permission checks.
-    checked_tx: mpsc::UnboundedSender<requests::Checked>,
-    checked_rx: mpsc::UnboundedReceiver<requests::Checked>,
     reported_loss: u64,
     /// The working set's bound was reached and logged.
     said_profile_full: bool,
@@ -232,7 +232,6 @@ impl Daemon {
             .collect();
         let trees = watches.iter().map(|w| w.path.clone()).collect();
         let (stat_requests, stat_results) = spawn_stat_worker(trees)?;
-        let (checked_tx, checked_rx) = mpsc::unbounded_channel();
         // Where those roots are by device and path inside their filesystems: how other
         // namespaces' mounts are matched to them.
         let mut anchors = Vec::new();
@@ -268,8 +267,6 @@ impl Daemon {
             stat_results,
             stats_pending: 0,
             waiting: Vec::new(),
-            checked_tx,
-            checked_rx,
             reported_loss: 0,
             said_profile_full: false,
             keeper,
@@ -293,7 +290,9 @@ impl Daemon {
             total: self.opts.settings.max_clients.unwrap_or(256),
             per_user: self.opts.settings.max_clients_per_user.unwrap_or(16),
         };
-        self.control = Some(server::serve(&self.socket, calls_tx, limits)?);
+        let trees: std::sync::Arc<[PathBuf]> =
+            self.watched.iter().map(|w| w.path.clone()).collect();
+        self.control = Some(server::serve(&self.socket, calls_tx, limits, trees)?);
         log::info!(
             "ready: profile in {}, control socket {}{}",
             self.state.profile_path().display(),
@@ -332,7 +331,6 @@ impl Daemon {
                     }
                 }
                 Some(call) = calls.recv() => self.answer(call).await,
-                Some(checked) = self.checked_rx.recv() => self.checked(checked).await,
                 Some(reply) = next_scrape(&mut scrapes) => {
                     // What the workload did so far is counted first.
                     self.sweep().await;
@@ -433,7 +431,10 @@ impl Daemon {
 
     async fn place(&mut self) {
         if std::mem::take(&mut self.to_place) {
-            let sent = self.keeper.place(self.ws.to_profile()).await;
+            let sent = self
+                .keeper
+                .place(self.ws.for_placement(PLACE_CANDIDATES))
+                .await;
             self.check(sent);
         }
     }

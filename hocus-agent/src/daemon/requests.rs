@@ -6,7 +6,6 @@
 
 use std::{
     collections::HashSet,
-    path::PathBuf,
     time::{Duration, Instant},
 };
 
@@ -14,17 +13,14 @@ use tokio::sync::mpsc;
 
 use super::{Daemon, STATUS_TOP_FILES, keeper::KeeperError};
 use crate::{
-    control::protocol::{Ask, Call, Query, Response},
-    profile::format::{FileEntry, Profile},
+    control::protocol::{Ask, Call, Query, Response, Staged},
+    profile::{
+        format::{FileEntry, Profile},
+        working_set::WorkingSet,
+    },
     redirect::access::{self, Caller},
-    shared::status::{REFUSED_SHOWN, Refused, TopFile},
+    shared::status::TopFile,
 };
-
-/// The refused entries a reply names.
-fn shown(mut refused: Vec<Refused>) -> Vec<Refused> {
-    refused.truncate(REFUSED_SHOWN);
-    refused
-}
 
 /// How long a request waits for the sizes of files seen before it.
 pub const STATS_WAIT: Duration = Duration::from_secs(30);
@@ -38,22 +34,6 @@ pub struct Waiting {
     request: Query,
     reply: Reply,
     since: Instant,
-}
-
-/// A profile whose entries the caller may vouch for, back from its permission check.
-pub enum Checked {
-    Import {
-        profile: Profile,
-        caller: Caller,
-        reply: Reply,
-        refused: Vec<Refused>,
-    },
-    Prefetch {
-        profile: Profile,
-        caller: Caller,
-        reply: Reply,
-        refused: Vec<Refused>,
-    },
 }
 
 impl Daemon {
@@ -164,28 +144,24 @@ impl Daemon {
                 });
                 return;
             }
-            Query::Import(mut profile) => {
-                let refused = self.keep_valid(&mut profile, &caller);
-                self.check_then(profile, caller, reply, move |profile, caller, reply| {
-                    Checked::Import {
-                        profile,
-                        caller,
-                        reply,
-                        refused,
-                    }
-                });
-                return;
+            Query::Import(staged) => {
+                let Staged {
+                    set,
+                    files,
+                    missing,
+                    refused,
+                    refused_total,
+                } = *staged;
+                self.merge(set);
+                Response::Imported {
+                    files,
+                    missing,
+                    refused_total,
+                    refused,
+                }
             }
-            Query::Prefetch(mut profile) => {
-                let refused = self.keep_valid(&mut profile, &caller);
-                self.check_then(profile, caller, reply, move |profile, caller, reply| {
-                    Checked::Prefetch {
-                        profile,
-                        caller,
-                        reply,
-                        refused,
-                    }
-                });
+            Query::Prefetch(staged) => {
+                self.prefetch(*staged, reply).await;
                 return;
             }
             Query::Budgets { .. } if !caller.is_root() => Response::Error {
@@ -207,113 +183,51 @@ impl Daemon {
         let _ = reply.send(response);
     }
 
-    /// Keeps the entries of a profile from outside whose paths are sound and watched;
-    /// the others are logged and returned, to be named in the reply.
-    fn keep_valid(&self, profile: &mut Profile, caller: &Caller) -> Vec<Refused> {
-        let trees: Vec<PathBuf> = self.watched.iter().map(|w| w.path.clone()).collect();
-        let refused = profile.keep_valid(&trees);
-        if let Some(first) = refused.first() {
-            log::warn!(
-                "refused {} entries of a profile from uid {}, e.g. {}: {}",
-                refused.len(),
-                caller.uid,
-                first.path,
-                first.why
-            );
+    /// Merges a sent profile and warms the cache from it now, reporting progress.
+    async fn prefetch(&mut self, staged: Staged, reply: Reply) {
+        let Staged {
+            set,
+            refused,
+            refused_total,
+            ..
+        } = staged;
+        // What the daemon knows of those files (sizes, writes seen) decides, not only
+        // what the sender said.
+        let sent = set.clone();
+        self.merge(set);
+        self.to_place = false;
+        let mut refused = Some(refused);
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let profile = self.ws.profile_of(|path| sent.holds(path));
+        drop(sent);
+        if let Err(e) = self.keeper.prefetch(profile, tx).await {
+            let _ = reply.send(Response::Error {
+                message: e.to_string(),
+            });
+            return;
         }
-        refused
-    }
-
-    /// Checks `profile` for `caller` off the loop; the result comes back as a message.
-    fn check_then(
-        &self,
-        profile: Profile,
-        caller: Caller,
-        reply: Reply,
-        then: impl FnOnce(Profile, Caller, Reply) -> Checked + Send + 'static,
-    ) {
-        let checked = self.checked_tx.clone();
+        // Progress arrives from the keeper's thread until it is done.
         tokio::spawn(async move {
-            match checked_for(profile, &caller).await {
-                Ok(p) => {
-                    let _ = checked.send(then(p, caller, reply));
+            while let Some(mut progress) = rx.recv().await {
+                // The first report names what was refused.
+                if let Some(r) = refused.take() {
+                    progress.refused = r;
+                    progress.refused_total = refused_total;
                 }
-                Err(message) => {
-                    let _ = reply.send(Response::Error { message });
+                let finished = progress.finished;
+                if reply.send(Response::Progress(progress)).is_err() || finished {
+                    break;
                 }
             }
         });
     }
 
-    /// A profile came back from its permission check: merge it, and prefetch from it.
-    pub(super) async fn checked(&mut self, checked: Checked) {
-        match checked {
-            Checked::Import {
-                profile,
-                caller,
-                reply,
-                refused,
-            } => {
-                let (files, missing) = self.merge(profile, &caller);
-                let _ = reply.send(Response::Imported {
-                    files,
-                    missing,
-                    refused_total: refused.len(),
-                    refused: shown(refused),
-                });
-            }
-            Checked::Prefetch {
-                profile,
-                caller,
-                reply,
-                refused,
-            } => {
-                self.merge(profile, &caller);
-                self.to_place = false;
-                let refused_total = refused.len();
-                let mut refused = Some(shown(refused));
-                let (tx, mut rx) = mpsc::unbounded_channel();
-                if let Err(e) = self.keeper.prefetch(self.ws.to_profile(), tx).await {
-                    let _ = reply.send(Response::Error {
-                        message: e.to_string(),
-                    });
-                    return;
-                }
-                // Progress arrives from the keeper's thread until it is done.
-                tokio::spawn(async move {
-                    while let Some(mut progress) = rx.recv().await {
-                        // The first report names what was refused.
-                        if let Some(r) = refused.take() {
-                            progress.refused = r;
-                            progress.refused_total = refused_total;
-                        }
-                        let finished = progress.finished;
-                        if reply.send(Response::Progress(progress)).is_err() || finished {
-                            break;
-                        }
-                    }
-                });
-            }
-        }
-    }
-
-    /// Merges a checked profile. An ordinary user vouches only for what they can read,
-    /// and as themselves; what keeps a file off the cache for everyone (writes refused
-    /// to a job, opens for writing) only the daemon's own observation, or root, says.
-    fn merge(&mut self, mut profile: Profile, caller: &Caller) -> (usize, usize) {
-        if !caller.is_root() {
-            for f in &mut profile.files {
-                f.uids = vec![caller.uid];
-                f.refused = false;
-                f.write_opens = 0;
-            }
-        }
-        let counts = (profile.files.len(), profile.missing.len());
-        self.ws.merge(profile);
+    /// Merges a checked profile (see `control::server::read_profile`).
+    fn merge(&mut self, set: WorkingSet) {
+        self.ws.merge_state(set);
         self.dirty = true;
         self.to_place = true;
         self.save();
-        counts
     }
 }
 

@@ -622,6 +622,26 @@ pub fn write_atomically(path: &Path, bytes: &[u8]) -> io::Result<()> {
     write_replacing(path, |w| w.write_all(bytes)).map(|_| ())
 }
 
+/// Reads a profile someone exported a batch at a time (see `format::read_stream`), with
+/// errors that say what to do; returns its start.
+pub fn stream_exported(
+    path: &Path,
+    batch: &mut dyn FnMut(Profile) -> Result<(), String>,
+) -> Result<u64> {
+    let file = match File::open(path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => bail!("{} does not exist", path.display()),
+        Err(e) => bail!("cannot read {}: {e}", path.display()),
+    };
+    Ok(crate::profile::format::read_stream(
+        file,
+        path,
+        "export it again with `hocus-agent profile export`",
+        16_384,
+        batch,
+    )?)
+}
+
 /// Reads a profile someone exported, with errors that say what to do.
 pub fn read_exported(path: &Path) -> Result<Profile> {
     match read_profile(path, "export it again with `hocus-agent profile export`") {

@@ -237,6 +237,15 @@ impl WorkingSet {
         }
     }
 
+    /// Whether `path` has an entry (a file, a missing name or a directory).
+    pub fn holds(&self, path: &str) -> bool {
+        self.file_index(path).is_some()
+            || self
+                .paths
+                .find(path)
+                .is_some_and(|id| self.missing.contains_key(&id) || self.dirs.contains_key(&id))
+    }
+
     /// Records an open of a file; returns true when the file is new to the profile.
     pub fn open(&mut self, path: &str, uid: u32, at_unix_ns: u64) -> bool {
         let new = self.file_index(path).is_none();
@@ -598,6 +607,47 @@ impl WorkingSet {
         all
     }
 
+    /// What placement needs, bounded: the `n` files of most opens per page (what
+    /// placement ranks by), those written or opened for writing (they keep copies and
+    /// their directories off the cache), and the `n` missing names looked up most, with
+    /// the directories. A site-wide profile is not copied whole to the keeper.
+    pub fn for_placement(&self, n: usize) -> Profile {
+        if self.files.len() <= n && self.missing.len() <= n {
+            return self.to_profile();
+        }
+        let per_page = |f: &FileRec| {
+            let pages = f.size.div_ceil(4096).max(1);
+            std::cmp::Reverse((u64::from(f.opens) << 20) / pages)
+        };
+        let mut chosen: Vec<&FileRec> = self.top_files(n, per_page);
+        let writes = self
+            .files
+            .iter()
+            .filter(|f| f.write_opens > 0 || f.bits & (WRITTEN | REFUSED) != 0)
+            .take(n);
+        chosen.extend(writes);
+        let mut files: Vec<FileEntry> = chosen.into_iter().map(|f| self.file_entry(f)).collect();
+        files.sort_by(|a, b| (a.first_touch_ns, &a.path).cmp(&(b.first_touch_ns, &b.path)));
+        files.dedup_by(|a, b| a.path == b.path);
+        let mut missing: Vec<(&PathId, &MissingRec)> = self.missing.iter().collect();
+        if missing.len() > n {
+            missing.select_nth_unstable_by_key(n - 1, |(_, m)| std::cmp::Reverse(m.lookups));
+            missing.truncate(n);
+        }
+        let mut missing: Vec<MissingEntry> = missing
+            .into_iter()
+            .map(|(id, m)| self.missing_entry(*id, m))
+            .collect();
+        missing.sort_by(|a, b| a.path.cmp(&b.path));
+        Profile {
+            version: FORMAT_VERSION,
+            started_unix_ns: self.started_unix_ns,
+            files,
+            missing,
+            dirs: self.dir_entries(&|_: &str| true),
+        }
+    }
+
     /// How much of the working set is under `root`.
     pub fn totals_under(&self, root: &Path) -> RootTotals {
         let root_id = root.to_str().and_then(|r| self.paths.find(r));
@@ -650,6 +700,17 @@ impl WorkingSet {
             .filter(|m| keep(&m.path))
             .collect();
         missing.sort_by(|a, b| a.path.cmp(&b.path));
+        Profile {
+            version: FORMAT_VERSION,
+            started_unix_ns: self.started_unix_ns,
+            files: Vec::new(),
+            missing,
+            dirs: self.dir_entries(keep),
+        }
+    }
+
+    /// The directories whose paths pass `keep`, by path.
+    fn dir_entries(&self, keep: &impl Fn(&str) -> bool) -> Vec<DirEntry> {
         let mut dirs: Vec<DirEntry> = self
             .dirs
             .iter()
@@ -657,13 +718,7 @@ impl WorkingSet {
             .filter(|d| keep(&d.path))
             .collect();
         dirs.sort_by(|a, b| a.path.cmp(&b.path));
-        Profile {
-            version: FORMAT_VERSION,
-            started_unix_ns: self.started_unix_ns,
-            files: Vec::new(),
-            missing,
-            dirs,
-        }
+        dirs
     }
 }
 

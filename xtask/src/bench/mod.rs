@@ -16,7 +16,9 @@ use anyhow::{Result, bail};
 use hocus_tests::{Agent, NetworkMount};
 
 mod overhead;
+mod scale;
 pub use overhead::{Overhead, overhead};
+pub use scale::{Scale, scale};
 
 const MIB: usize = 1 << 20;
 

@@ -1,0 +1,273 @@
+//! `cargo xtask bench scale`: a site-wide profile (N files, N/5 missing names) imported
+//! into a running daemon, then what it costs: import time, the daemon's memory above its
+//! empty size, `status` and `profile export` times, and CPU while idle. Baselines from
+//! the same run: reading the profile file once (import), and the daemon's own size
+//! before the import (memory).
+
+use std::{
+    fs::File,
+    io::{BufWriter, Write},
+    path::{Path, PathBuf},
+    process::Command,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context, Result, bail};
+use hocus_tests::{Agent, NetworkMount};
+
+pub struct Scale {
+    pub files: usize,
+    /// How long to watch the idle daemon's CPU.
+    pub idle: Duration,
+}
+
+impl Scale {
+    /// A smoke run for CI.
+    pub fn quick() -> Self {
+        Self {
+            files: 20_000,
+            idle: Duration::from_secs(3),
+        }
+    }
+}
+
+/// Writes a synthetic profile in the export format: N files 100 to a directory in a
+/// tree like a site's Python environments, N/5 names that were not found.
+fn write_profile(path: &Path, root: &Path, n: usize) -> Result<()> {
+    let mut w = BufWriter::with_capacity(1 << 20, File::create(path)?);
+    let dir = |i: usize| {
+        let d = i / 100;
+        format!(
+            "{}/site/env{}/lib/python3.11/site-packages/pkg{}",
+            root.display(),
+            d / 100,
+            d % 100
+        )
+    };
+    writeln!(
+        w,
+        "{{\"version\": 1, \"started_unix_ns\": 1700000000000000000, \"files\": ["
+    )?;
+    for i in 0..n {
+        let sep = if i + 1 < n { "," } else { "" };
+        writeln!(
+            w,
+            "{{\"path\": \"{}/module_{i}.py\", \"size\": {}, \"mtime_ns\": {}, \"opens\": {}, \"bytes_read\": {}, \"first_touch_ns\": {}, \"last_touch_ns\": {}, \"users\": 1, \"uids\": [{}], \"written\": false}}{sep}",
+            dir(i),
+            (i * 37) % 100_000 + 1,
+            1_690_000_000_000_000_000u64 + i as u64,
+            1 + i % 7,
+            (i * 11) % 50_000,
+            i as u64 * 1000,
+            i as u64 * 1000 + 500,
+            1000 + i % 50,
+        )?;
+    }
+    writeln!(w, "], \"missing\": [")?;
+    let m = n / 5;
+    for i in 0..m {
+        let sep = if i + 1 < m { "," } else { "" };
+        writeln!(
+            w,
+            "{{\"path\": \"{}/module_{i}.so\", \"lookups\": {}, \"first_touch_ns\": {}}}{sep}",
+            dir(i * 5),
+            1 + i % 3,
+            i as u64 * 5000,
+        )?;
+    }
+    writeln!(w, "], \"dirs\": []}}")?;
+    w.flush()?;
+    Ok(())
+}
+
+/// A field of /proc/PID/status, in KiB.
+fn proc_kib(pid: u32, field: &str) -> Result<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    status
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix(field)?
+                .trim()
+                .strip_suffix("kB")?
+                .trim()
+                .parse()
+                .ok()
+        })
+        .with_context(|| format!("no {field} in /proc/{pid}/status"))
+}
+
+/// CPU time used by `pid` so far (user + system).
+fn cpu_time(pid: u32) -> Result<Duration> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    let after = &stat[stat.rfind(')').context("a /proc stat line")? + 2..];
+    let f: Vec<&str> = after.split(' ').collect();
+    let ticks: u64 = f[11].parse::<u64>()? + f[12].parse::<u64>()?;
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
+    Ok(Duration::from_millis(ticks * 1000 / hz))
+}
+
+/// Runs `cmd` to its end: the time it took and its peak memory (KiB).
+fn timed(cmd: &mut Command) -> Result<(Duration, u64)> {
+    let t = Instant::now();
+    let child = cmd.stdout(std::process::Stdio::null()).spawn()?;
+    let mut status = 0;
+    // SAFETY: an all-zero rusage is valid; wait4 on our own child.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    let pid = unsafe { libc::wait4(child.id() as i32, &mut status, 0, &mut usage) };
+    let took = t.elapsed();
+    if pid < 0 || !libc::WIFEXITED(status) || libc::WEXITSTATUS(status) != 0 {
+        bail!("{cmd:?} failed (status {status})");
+    }
+    Ok((took, usage.ru_maxrss as u64))
+}
+
+pub fn scale(agent_bin: &Path, s: &Scale) -> Result<()> {
+    if !crate::is_root() {
+        bail!("the benchmark runs the daemon: run it as root");
+    }
+    // SAFETY: single-threaded at this point.
+    unsafe { std::env::set_var("HOCUS_AGENT_BIN", agent_bin) };
+    let net = NetworkMount::start();
+    let work = tempfile::Builder::new()
+        .prefix("hocus-scale")
+        .tempdir_in("/var/tmp")?;
+    let profile = work.path().join("site.json");
+    write_profile(&profile, &net.mount, s.files)?;
+    let profile_bytes = std::fs::metadata(&profile)?.len();
+    println!(
+        "scale: a profile of {} files and {} missing names ({:.0} MB of JSON) imported into a daemon",
+        s.files,
+        s.files / 5,
+        profile_bytes as f64 / 1e6
+    );
+    // Baseline: reading the file once, from the page cache.
+    let t = Instant::now();
+    let read = std::fs::read(&profile)?.len();
+    let read_time = t.elapsed();
+    assert_eq!(read as u64, profile_bytes);
+
+    let mut agent = Agent::start(&[
+        "--watch",
+        net.mount.to_str().unwrap(),
+        "--save-interval",
+        "2",
+    ]);
+    let pid = agent.pid();
+    std::thread::sleep(Duration::from_millis(500));
+    let empty_kib = proc_kib(pid, "VmRSS:")?;
+
+    let (import, cli_kib) =
+        timed(&mut agent.cli(&["profile", "import", profile.to_str().unwrap()]))?;
+    let imported = agent.status();
+    if imported["files"].as_u64() != Some(s.files as u64) {
+        bail!(
+            "the daemon holds {} files after the import, not {}",
+            imported["files"],
+            s.files
+        );
+    }
+
+    let mut status_times: Vec<Duration> = (0..5)
+        .map(|_| timed(&mut agent.cli(&["status"])).map(|(t, _)| t))
+        .collect::<Result<_>>()?;
+    status_times.sort();
+    let status = status_times[status_times.len() / 2];
+
+    let out = work.path().join("export.json");
+    let (export, export_cli_kib) =
+        timed(&mut agent.cli(&["profile", "export", "--out", out.to_str().unwrap()]))?;
+    let exported: serde_json::Value = serde_json::from_slice(&std::fs::read(&out)?)?;
+    let exported_files = exported["files"].as_array().map_or(0, Vec::len);
+    if exported_files != s.files {
+        bail!("the export holds {exported_files} files, not {}", s.files);
+    }
+    drop(exported);
+
+    // Idle: after a save of everything, nothing changes.
+    std::thread::sleep(Duration::from_secs(3));
+    let before = cpu_time(pid)?;
+    std::thread::sleep(s.idle);
+    let idle_cpu = (cpu_time(pid)? - before).as_secs_f64() / s.idle.as_secs_f64();
+    let peak_kib = proc_kib(pid, "VmHWM:")?;
+    let steady_kib = proc_kib(pid, "VmRSS:")?;
+    agent.stop();
+
+    let mib = |kib: u64| kib as f64 / 1024.0;
+    let above = mib(peak_kib.saturating_sub(empty_kib));
+    let verdict = |ok: bool| if ok { "met" } else { "NOT met" };
+    println!("\n{:<44} {:>12} {:>24}  goal", "", "MEASURED", "BASELINE");
+    println!(
+        "{:<44} {:>10.2} s {:>15.1}x reading  <= 10 s: {}",
+        "profile import",
+        import.as_secs_f64(),
+        import.as_secs_f64() / read_time.as_secs_f64().max(1e-6),
+        verdict(import <= Duration::from_secs(10))
+    );
+    println!(
+        "{:<44} {:>8.1} MiB {:>20.1} MiB  <= 64 MiB above: {}",
+        "daemon peak memory above its empty size",
+        above,
+        mib(empty_kib),
+        verdict(above <= 64.0)
+    );
+    println!(
+        "{:<44} {:>8.1} MiB",
+        "daemon memory after (steady)",
+        mib(steady_kib)
+    );
+    println!(
+        "{:<44} {:>8.1} MiB {:>8.1} MiB (export)",
+        "CLI peak memory: import",
+        mib(cli_kib),
+        mib(export_cli_kib)
+    );
+    println!(
+        "{:<44} {:>9.1} ms {:>24}  <= 50 ms: {}",
+        "status (median of 5)",
+        status.as_secs_f64() * 1000.0,
+        "",
+        verdict(status <= Duration::from_millis(50))
+    );
+    println!(
+        "{:<44} {:>10.2} s {:>15.1}x reading  <= 5 s: {}",
+        "profile export (to a file)",
+        export.as_secs_f64(),
+        export.as_secs_f64() / read_time.as_secs_f64().max(1e-6),
+        verdict(export <= Duration::from_secs(5))
+    );
+    println!(
+        "{:<44} {:>10.2} % {:>24}  ~0: {}",
+        "daemon CPU while idle (of one core)",
+        idle_cpu * 100.0,
+        "",
+        verdict(idle_cpu < 0.01)
+    );
+    let figures = serde_json::json!({
+        "files": s.files,
+        "missing": s.files / 5,
+        "profile_bytes": profile_bytes,
+        "read_seconds": read_time.as_secs_f64(),
+        "import_seconds": import.as_secs_f64(),
+        "daemon_empty_mib": mib(empty_kib),
+        "daemon_peak_mib": mib(peak_kib),
+        "daemon_peak_above_empty_mib": above,
+        "daemon_steady_mib": mib(steady_kib),
+        "cli_import_peak_mib": mib(cli_kib),
+        "cli_export_peak_mib": mib(export_cli_kib),
+        "status_ms": status.as_secs_f64() * 1000.0,
+        "export_seconds": export.as_secs_f64(),
+        "idle_cpu_fraction": idle_cpu,
+    });
+    let json = figures_path("scale");
+    std::fs::write(&json, serde_json::to_vec_pretty(&figures)?)?;
+    println!("\nfigures: {}", json.display());
+    Ok(())
+}
+
+/// Where a benchmark writes its figures (target/bench/NAME.json).
+pub fn figures_path(name: &str) -> PathBuf {
+    let dir = crate::target_dir().join("bench");
+    let _ = std::fs::create_dir_all(&dir);
+    dir.join(format!("{name}.json"))
+}
