@@ -136,11 +136,9 @@ pub fn import(ctx: &Context, file: &Path) -> Result<()> {
         Ok(())
     })?;
     tell_refused(&refused, refused_total);
-    if ws.counts() == (0, 0, 0) {
-        ws.started_unix_ns = started;
-    }
+    // Into an empty state, the profile comes whole, its start with it.
+    merged.started_unix_ns = started;
     ws.merge_state(merged);
-    ws.all_changed();
     state.save(&mut ws)?;
     eprintln!(
         "merged {files} files and {missing} missing names into {}",

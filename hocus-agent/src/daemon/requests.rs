@@ -191,15 +191,16 @@ impl Daemon {
             refused_total,
             ..
         } = staged;
-        // What the daemon knows of those files (sizes, writes seen) decides, not only
-        // what the sender said.
-        let sent = set.clone();
-        self.merge(set);
+        // Placed now, from what the daemon knows of those files (sizes, writes seen),
+        // not only from what the sender said.
+        self.ws.merge_set(&set);
+        self.dirty = true;
         self.to_place = false;
+        self.save();
+        let profile = self.ws.profile_for(&set);
+        drop(set);
         let mut refused = Some(refused);
         let (tx, mut rx) = mpsc::unbounded_channel();
-        let profile = self.ws.profile_of(|path| sent.holds(path));
-        drop(sent);
         if let Err(e) = self.keeper.prefetch(profile, tx).await {
             let _ = reply.send(Response::Error {
                 message: e.to_string(),
@@ -222,7 +223,7 @@ impl Daemon {
         });
     }
 
-    /// Merges a checked profile (see `control::server::read_profile`).
+    /// Merges a checked profile (see `control::server::read_profile`), to be placed.
     fn merge(&mut self, set: WorkingSet) {
         self.ws.merge_state(set);
         self.dirty = true;

@@ -167,7 +167,7 @@ pub fn read_stream(
         pending: Profile,
         version: Option<u64>,
         started: u64,
-        /// Set when the sink refused a batch, or the version is too new.
+        /// A version too new to read: reported as such, not as a parse error.
         stop: Option<FormatError>,
         path: &'a Path,
     }
@@ -193,8 +193,14 @@ pub fn read_stream(
         }
     }
 
+    enum Kind {
+        Files,
+        Missing,
+        Dirs,
+    }
+
     /// One of the three lists, element by element.
-    struct List<'s, 'a>(&'s mut Stream<'a>, u8);
+    struct List<'s, 'a>(&'s mut Stream<'a>, Kind);
 
     impl<'de> DeserializeSeed<'de> for List<'_, '_> {
         type Value = ();
@@ -213,15 +219,9 @@ pub fn read_stream(
             let s = self.0;
             loop {
                 let more = match self.1 {
-                    0 => seq
-                        .next_element::<FileEntry>()?
-                        .map(|e| s.pending.files.push(e)),
-                    1 => seq
-                        .next_element::<MissingEntry>()?
-                        .map(|e| s.pending.missing.push(e)),
-                    _ => seq
-                        .next_element::<DirEntry>()?
-                        .map(|e| s.pending.dirs.push(e)),
+                    Kind::Files => seq.next_element()?.map(|e| s.pending.files.push(e)),
+                    Kind::Missing => seq.next_element()?.map(|e| s.pending.missing.push(e)),
+                    Kind::Dirs => seq.next_element()?.map(|e| s.pending.dirs.push(e)),
                 };
                 if more.is_none() {
                     return Ok(());
@@ -252,9 +252,9 @@ pub fn read_stream(
                         self.version = Some(v);
                     }
                     "started_unix_ns" => self.started = map.next_value()?,
-                    "files" => map.next_value_seed(List(self, 0))?,
-                    "missing" => map.next_value_seed(List(self, 1))?,
-                    "dirs" => map.next_value_seed(List(self, 2))?,
+                    "files" => map.next_value_seed(List(self, Kind::Files))?,
+                    "missing" => map.next_value_seed(List(self, Kind::Missing))?,
+                    "dirs" => map.next_value_seed(List(self, Kind::Dirs))?,
                     _ => {
                         map.next_value::<IgnoredAny>()?;
                     }

@@ -18,7 +18,7 @@ struct Node {
     name: u32,
 }
 
-#[derive(Clone, Default)]
+#[derive(Clone)]
 pub struct Paths {
     nodes: Vec<Node>,
     names: Vec<u8>,
@@ -30,11 +30,14 @@ pub struct Paths {
 impl Paths {
     pub const ROOT: PathId = 0;
 
+    /// Holding `/` alone (node 0, with an empty name).
     pub fn new() -> Self {
-        let mut p = Self::default();
-        p.nodes.push(Node { parent: 0, name: 0 });
-        p.names.push(0);
-        p
+        Self {
+            nodes: vec![Node { parent: 0, name: 0 }],
+            names: vec![0],
+            children: HashTable::new(),
+            hasher: DefaultHashBuilder::default(),
+        }
     }
 
     /// Nodes held (directories and leaves).
@@ -149,6 +152,12 @@ impl Paths {
         self.write_path(a, &mut x);
         self.write_path(b, &mut y);
         x.cmp(&y)
+    }
+}
+
+impl Default for Paths {
+    fn default() -> Self {
+        Self::new()
     }
 }
 

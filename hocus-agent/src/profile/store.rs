@@ -42,8 +42,6 @@ pub struct StateDir {
     journal: Option<File>,
     journal_bytes: u64,
     state_bytes: u64,
-    /// The working set's start, for a journal written before any snapshot.
-    started_unix_ns: u64,
 }
 
 impl StateDir {
@@ -79,7 +77,6 @@ impl StateDir {
             journal: None,
             journal_bytes: 0,
             state_bytes: 0,
-            started_unix_ns: 0,
         })
     }
 
@@ -92,11 +89,10 @@ impl StateDir {
     /// snapshot when the journal has grown past it (or everything changed). On failure
     /// nothing is lost: the next save writes everything.
     pub fn save(&mut self, ws: &mut WorkingSet) -> Result<()> {
-        self.started_unix_ns = ws.started_unix_ns;
         let result = match ws.take_changes() {
             None => self.write_snapshot(ws),
             Some(changes) if changes.is_empty() => return Ok(()),
-            Some(changes) => match self.append(&changes) {
+            Some(changes) => match self.append(&changes, ws.started_unix_ns) {
                 Ok(()) if self.journal_bytes > JOURNAL_FOLD_BYTES.max(self.state_bytes) => {
                     self.write_snapshot(ws)
                 }
@@ -113,7 +109,9 @@ impl StateDir {
         self.dir.join(format!("{JOURNAL_FILE}.{generation}"))
     }
 
-    fn append(&mut self, changes: &[Entry]) -> Result<()> {
+    /// Appends `changes` to the journal, made if new (its header holds the working
+    /// set's start, for a journal written before any snapshot).
+    fn append(&mut self, changes: &[Entry], started_unix_ns: u64) -> Result<()> {
         if self.journal.is_none() {
             let path = self.journal_path(self.generation);
             let mut f = OpenOptions::new()
@@ -125,7 +123,7 @@ impl StateDir {
             if f.metadata()?.len() == 0 {
                 f.write_all(JOURNAL_MAGIC)?;
                 f.write_all(&self.generation.to_le_bytes())?;
-                f.write_all(&self.started_unix_ns.to_le_bytes())?;
+                f.write_all(&started_unix_ns.to_le_bytes())?;
                 f.sync_all()?;
                 File::open(&self.dir)?.sync_all()?;
             }
@@ -188,16 +186,13 @@ impl StateDir {
             Ok(Some(state)) => {
                 self.generation = state.generation;
                 self.state_bytes = state.state_bytes;
+                ws.merge_state(state.ws);
                 if state.migrated {
                     // The old JSON is replaced by a snapshot now, then removed.
-                    ws.merge_state(state.ws);
                     ws.all_changed();
                     self.save(ws).map_err(|e| format!("{e:#}"))?;
                     let _ = fs::remove_file(self.dir.join(LEGACY_FILE));
-                    return Ok(());
-                }
-                ws.merge_state(state.ws);
-                if let Some(good) = state.journal_good_bytes {
+                } else if let Some(good) = state.journal_good_bytes {
                     // A torn last record (a crash mid-save): cut it off before appending.
                     let journal = self.journal_path(self.generation);
                     if let Ok(f) = OpenOptions::new().write(true).open(&journal) {
@@ -253,17 +248,19 @@ pub enum StateError {
 /// `None` when nothing was saved yet. Takes no lock: for a reader when no daemon runs.
 pub fn read_state(dir: &Path) -> Result<Option<SavedState>, StateError> {
     let path = dir.join(STATE_FILE);
-    let (mut ws, generation, state_bytes) = match File::open(&path) {
-        Ok(f) => read_snapshot(f, &path)?,
+    let snapshot = match File::open(&path) {
+        Ok(f) => Some(read_snapshot(f, &path)?),
         Err(e) if e.kind() == io::ErrorKind::NotFound => {
             if dir.join(LEGACY_FILE).exists() {
                 return read_legacy(dir);
             }
-            // Saves before the first snapshot are in generation 0's journal alone.
-            (WorkingSet::new(0), 0, 0)
+            None
         }
         Err(e) => return Err(StateError::Io(e)),
     };
+    let from_snapshot = snapshot.is_some();
+    // Without one, saves are in generation 0's journal alone.
+    let (mut ws, generation, state_bytes) = snapshot.unwrap_or((WorkingSet::new(0), 0, 0));
     // The journal of this generation, up to its first bad record.
     let mut journal_good_bytes = None;
     let journal = dir.join(format!("{JOURNAL_FILE}.{generation}"));
@@ -279,7 +276,7 @@ pub fn read_state(dir: &Path) -> Result<Option<SavedState>, StateError> {
                 && head[8..16] == generation.to_le_bytes()
             {
                 good = head.len() as u64;
-                if state_bytes == 0 {
+                if !from_snapshot {
                     ws.started_unix_ns = u64::from_le_bytes(head[16..].try_into().expect("8"));
                 }
                 while let Ok(true) = read_frame(&mut r, &mut payload) {
@@ -297,7 +294,7 @@ pub fn read_state(dir: &Path) -> Result<Option<SavedState>, StateError> {
                 journal_good_bytes = Some(good);
             }
         }
-        Err(e) if e.kind() == io::ErrorKind::NotFound && state_bytes == 0 => return Ok(None),
+        Err(e) if e.kind() == io::ErrorKind::NotFound && !from_snapshot => return Ok(None),
         Err(e) if e.kind() == io::ErrorKind::NotFound => {}
         Err(e) => return Err(StateError::Io(e)),
     }
@@ -345,7 +342,7 @@ fn read_snapshot(file: File, path: &Path) -> Result<(WorkingSet, u64, u64), Stat
                     "it holds {count} entries, its end says {said:?}"
                 )));
             }
-            return Ok((ws, generation, state_bytes.max(1)));
+            return Ok((ws, generation, state_bytes));
         }
         let entry = decode(&payload).ok_or_else(|| bad(format!("entry {count} is malformed")))?;
         ws.restore(entry);

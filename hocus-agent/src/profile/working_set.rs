@@ -144,7 +144,6 @@ impl WorkingSet {
     pub fn new(started_unix_ns: u64) -> Self {
         Self {
             started_unix_ns,
-            paths: Paths::new(),
             ..Default::default()
         }
     }
@@ -207,27 +206,26 @@ impl WorkingSet {
         }
     }
 
-    /// The file of `path`, marked changed; made (empty) if new.
-    fn file_mut(&mut self, path: &str) -> &mut FileRec {
-        let i = match self.file_index(path) {
-            Some(i) => i,
-            None => {
-                let id = self.paths.intern(path);
-                let i = self.files.len();
-                if self.file_of.len() <= id as usize {
-                    self.file_of.resize(id as usize + 1, NONE);
-                }
-                self.file_of[id as usize] = i as u32;
+    /// The index of `path`'s file, made (empty) if new, marked changed.
+    fn file_at(&mut self, path: &str) -> usize {
+        let id = self.paths.intern(path);
+        if self.file_of.len() <= id as usize {
+            self.file_of.resize(id as usize + 1, NONE);
+        }
+        let i = match self.file_of[id as usize] {
+            NONE => {
+                self.file_of[id as usize] = self.files.len() as u32;
                 self.files.push(FileRec {
                     path: id,
                     first_touch_ns: u64::MAX,
                     ..Default::default()
                 });
-                i
+                self.files.len() - 1
             }
+            i => i as usize,
         };
         self.changed_file(i);
-        &mut self.files[i]
+        i
     }
 
     fn changed_file(&mut self, i: usize) {
@@ -237,13 +235,16 @@ impl WorkingSet {
         }
     }
 
-    /// Whether `path` has an entry (a file, a missing name or a directory).
-    pub fn holds(&self, path: &str) -> bool {
-        self.file_index(path).is_some()
-            || self
-                .paths
-                .find(path)
-                .is_some_and(|id| self.missing.contains_key(&id) || self.dirs.contains_key(&id))
+    fn has_missing(&self, path: &str) -> bool {
+        self.paths
+            .find(path)
+            .is_some_and(|id| self.missing.contains_key(&id))
+    }
+
+    fn has_dir(&self, path: &str) -> bool {
+        self.paths
+            .find(path)
+            .is_some_and(|id| self.dirs.contains_key(&id))
     }
 
     /// Records an open of a file; returns true when the file is new to the profile.
@@ -252,22 +253,22 @@ impl WorkingSet {
         if new && !self.room() {
             return false;
         }
-        let at = self.offset(at_unix_ns);
-        let f = *self.touch(path, at);
-        let users = self.users.with(f.bits & USERS, &[uid]);
-        let f = self.file_mut(path);
+        let i = self.touch(path, at_unix_ns);
+        let f = &mut self.files[i];
         f.opens = f.opens.saturating_add(1);
-        f.bits = (f.bits & !USERS) | users;
+        f.bits = (f.bits & !USERS) | self.users.with(f.bits & USERS, &[uid]);
         new
     }
 
-    /// The entry of `path`, created at its first touch, with `at` (an offset) recorded
-    /// as a touch.
-    fn touch(&mut self, path: &str, at: u64) -> &mut FileRec {
-        let f = self.file_mut(path);
+    /// The index of `path`'s file, created at its first touch, with a touch at
+    /// `at_unix_ns` recorded.
+    fn touch(&mut self, path: &str, at_unix_ns: u64) -> usize {
+        let at = self.offset(at_unix_ns);
+        let i = self.file_at(path);
+        let f = &mut self.files[i];
         f.first_touch_ns = f.first_touch_ns.min(at);
         f.last_touch_ns = f.last_touch_ns.max(at);
-        f
+        i
     }
 
     pub fn set_attributes(&mut self, path: &str, a: Attributes) {
@@ -289,72 +290,69 @@ impl WorkingSet {
 
     /// A file was written, truncated, renamed or unlinked.
     pub fn mark_written(&mut self, path: &str, at_unix_ns: u64) {
-        let at = self.offset(at_unix_ns);
-        self.touch(path, at).bits |= WRITTEN;
+        let i = self.touch(path, at_unix_ns);
+        self.files[i].bits |= WRITTEN;
     }
 
     /// A file was opened with write access (counted also when nothing is written).
     pub fn opened_for_writing(&mut self, path: &str, at_unix_ns: u64) {
-        let at = self.offset(at_unix_ns);
-        let f = self.touch(path, at);
+        let i = self.touch(path, at_unix_ns);
+        let f = &mut self.files[i];
         f.write_opens = f.write_opens.saturating_add(1);
     }
 
     /// A job got EROFS writing through a read-only copy of `path`.
     pub fn mark_refused(&mut self, path: &str, at_unix_ns: u64) {
-        let at = self.offset(at_unix_ns);
-        self.touch(path, at).bits |= REFUSED;
+        let i = self.touch(path, at_unix_ns);
+        self.files[i].bits |= REFUSED;
     }
 
     pub fn missing(&mut self, path: &str, at_unix_ns: u64) {
-        let known = self
-            .paths
-            .find(path)
-            .is_some_and(|id| self.missing.contains_key(&id));
-        if !known && !self.room() {
+        if !self.has_missing(path) && !self.room() {
             return;
         }
         let at = self.offset(at_unix_ns);
-        let m = self.missing_mut(path, at);
+        let m = self.missing_at(path, at);
         m.lookups = m.lookups.saturating_add(1);
     }
 
-    fn missing_mut(&mut self, path: &str, first_touch_ns: u64) -> &mut MissingRec {
+    /// The missing name `path`, made if new (first looked up at `first_touch_ns`),
+    /// marked changed.
+    fn missing_at(&mut self, path: &str, first_touch_ns: u64) -> &mut MissingRec {
         let id = self.paths.intern(path);
+        if self.missing.get(&id).is_none_or(|m| !m.dirty) {
+            self.note(Changed::Missing(id));
+        }
         let m = self.missing.entry(id).or_insert(MissingRec {
             first_touch_ns,
             ..Default::default()
         });
-        if !std::mem::replace(&mut m.dirty, true) {
-            self.note(Changed::Missing(id));
-        }
-        self.missing.get_mut(&id).expect("just made")
+        m.dirty = true;
+        m
     }
 
     pub fn dir_opened(&mut self, path: &str) {
-        let known = self
-            .paths
-            .find(path)
-            .is_some_and(|id| self.dirs.contains_key(&id));
-        if !known && !self.room() {
+        if !self.has_dir(path) && !self.room() {
             return;
         }
-        let d = self.dir(path);
+        let d = self.dir_at(path);
         d.opens = d.opens.saturating_add(1);
     }
 
     /// Something in the directory (or the directory itself) was created, renamed or removed.
     pub fn dir_mutated(&mut self, path: &str) {
-        self.dir(path).mutated = true;
+        self.dir_at(path).mutated = true;
     }
 
-    fn dir(&mut self, path: &str) -> &mut DirRec {
+    /// The directory `path`, made if new, marked changed.
+    fn dir_at(&mut self, path: &str) -> &mut DirRec {
         let id = self.paths.intern(path);
-        let d = self.dirs.entry(id).or_default();
-        if !std::mem::replace(&mut d.dirty, true) {
+        if self.dirs.get(&id).is_none_or(|d| !d.dirty) {
             self.note(Changed::Dir(id));
         }
-        self.dirs.get_mut(&id).expect("just made")
+        let d = self.dirs.entry(id).or_default();
+        d.dirty = true;
+        d
     }
 
     /// Merges another profile: counts add up, first touches keep the earliest offset,
@@ -378,50 +376,36 @@ impl WorkingSet {
         let mut uids = f.uids;
         uids.sort_unstable();
         uids.dedup();
-        let e = *self.file_mut(&f.path);
-        let users = self.users.with(e.bits & USERS, &uids);
-        let e = self.file_mut(&f.path);
+        let i = self.file_at(&f.path);
+        let e = &mut self.files[i];
         if f.mtime_ns > e.mtime_ns || (e.size == 0 && e.mtime_ns == 0) {
             e.size = f.size;
             e.mtime_ns = f.mtime_ns;
         }
-        e.opens = e
-            .opens
-            .saturating_add(f.opens.min(u64::from(u32::MAX)) as u32);
+        e.opens = e.opens.saturating_add(saturated(f.opens));
         e.bytes_read = e.bytes_read.saturating_add(f.bytes_read);
         e.first_touch_ns = e.first_touch_ns.min(f.first_touch_ns);
         e.last_touch_ns = e.last_touch_ns.max(f.last_touch_ns);
-        e.write_opens = e
-            .write_opens
-            .saturating_add(f.write_opens.min(u64::from(u32::MAX)) as u32);
+        e.write_opens = e.write_opens.saturating_add(saturated(f.write_opens));
         e.bits = (e.bits & !USERS)
-            | users
-            | if f.written { WRITTEN } else { 0 }
-            | if f.refused { REFUSED } else { 0 };
+            | self.users.with(e.bits & USERS, &uids)
+            | flags(f.written, f.refused);
     }
 
     pub fn merge_missing(&mut self, m: MissingEntry) {
-        let known = self
-            .paths
-            .find(&m.path)
-            .is_some_and(|id| self.missing.contains_key(&id));
-        if !known && !self.room() {
+        if !self.has_missing(&m.path) && !self.room() {
             return;
         }
-        let e = self.missing_mut(&m.path, m.first_touch_ns);
+        let e = self.missing_at(&m.path, m.first_touch_ns);
         e.lookups = e.lookups.saturating_add(m.lookups);
         e.first_touch_ns = e.first_touch_ns.min(m.first_touch_ns);
     }
 
     pub fn merge_dir(&mut self, d: DirEntry) {
-        let known = self
-            .paths
-            .find(&d.path)
-            .is_some_and(|id| self.dirs.contains_key(&id));
-        if !d.mutated && !known && !self.room() {
+        if !d.mutated && !self.has_dir(&d.path) && !self.room() {
             return;
         }
-        let e = self.dir(&d.path);
+        let e = self.dir_at(&d.path);
         e.opens = e.opens.saturating_add(d.opens);
         e.mutated |= d.mutated;
     }
@@ -435,6 +419,11 @@ impl WorkingSet {
             (self.limit, self.dropped) = (limit, dropped);
             return;
         }
+        self.merge_set(&other);
+    }
+
+    /// Merges another working set, entry by entry (as [`WorkingSet::merge`]).
+    pub fn merge_set(&mut self, other: &WorkingSet) {
         for e in other.entries() {
             match e {
                 Entry::File(f) => self.merge_file(f),
@@ -458,29 +447,27 @@ impl WorkingSet {
                 uids.sort_unstable();
                 uids.dedup();
                 let users = self.users.id_of(uids.into_boxed_slice());
-                let e = self.file_mut(&f.path);
+                let i = self.file_at(&f.path);
+                let e = &mut self.files[i];
                 *e = FileRec {
                     size: f.size,
                     mtime_ns: f.mtime_ns,
                     bytes_read: f.bytes_read,
                     first_touch_ns: f.first_touch_ns,
                     last_touch_ns: f.last_touch_ns,
-                    opens: f.opens.min(u64::from(u32::MAX)) as u32,
-                    write_opens: f.write_opens.min(u64::from(u32::MAX)) as u32,
+                    opens: saturated(f.opens),
+                    write_opens: saturated(f.write_opens),
                     path: e.path,
-                    bits: (e.bits & DIRTY)
-                        | users
-                        | if f.written { WRITTEN } else { 0 }
-                        | if f.refused { REFUSED } else { 0 },
+                    bits: (e.bits & DIRTY) | users | flags(f.written, f.refused),
                 };
             }
             Entry::Missing(m) => {
-                let e = self.missing_mut(&m.path, m.first_touch_ns);
+                let e = self.missing_at(&m.path, m.first_touch_ns);
                 e.lookups = m.lookups;
                 e.first_touch_ns = m.first_touch_ns;
             }
             Entry::Dir(d) => {
-                let e = self.dir(&d.path);
+                let e = self.dir_at(&d.path);
                 e.opens = d.opens;
                 e.mutated = d.mutated;
             }
@@ -626,26 +613,17 @@ impl WorkingSet {
             .filter(|f| f.write_opens > 0 || f.bits & (WRITTEN | REFUSED) != 0)
             .take(n);
         chosen.extend(writes);
-        let mut files: Vec<FileEntry> = chosen.into_iter().map(|f| self.file_entry(f)).collect();
-        files.sort_by(|a, b| (a.first_touch_ns, &a.path).cmp(&(b.first_touch_ns, &b.path)));
-        files.dedup_by(|a, b| a.path == b.path);
+        let files = chosen.into_iter().map(|f| self.file_entry(f)).collect();
         let mut missing: Vec<(&PathId, &MissingRec)> = self.missing.iter().collect();
         if missing.len() > n {
             missing.select_nth_unstable_by_key(n - 1, |(_, m)| std::cmp::Reverse(m.lookups));
             missing.truncate(n);
         }
-        let mut missing: Vec<MissingEntry> = missing
+        let missing = missing
             .into_iter()
             .map(|(id, m)| self.missing_entry(*id, m))
             .collect();
-        missing.sort_by(|a, b| a.path.cmp(&b.path));
-        Profile {
-            version: FORMAT_VERSION,
-            started_unix_ns: self.started_unix_ns,
-            files,
-            missing,
-            dirs: self.dir_entries(&|_: &str| true),
-        }
+        self.profile(files, missing)
     }
 
     /// How much of the working set is under `root`.
@@ -673,53 +651,65 @@ impl WorkingSet {
 
     /// The profile in its file format: files in first-touch order, the rest by path.
     pub fn to_profile(&self) -> Profile {
-        self.profile_of(|_| true)
-    }
-
-    /// The profile of the entries whose paths pass `keep`.
-    pub fn profile_of(&self, keep: impl Fn(&str) -> bool) -> Profile {
-        let mut files: Vec<FileEntry> = self
-            .files
-            .iter()
-            .map(|f| self.file_entry(f))
-            .filter(|f| keep(&f.path))
-            .collect();
-        files.sort_by(|a, b| (a.first_touch_ns, &a.path).cmp(&(b.first_touch_ns, &b.path)));
-        Profile {
-            files,
-            ..self.names_and_dirs(&keep)
-        }
-    }
-
-    /// A profile of the missing names and directories whose paths pass `keep`, by path.
-    pub fn names_and_dirs(&self, keep: &impl Fn(&str) -> bool) -> Profile {
-        let mut missing: Vec<MissingEntry> = self
+        let files = self.files.iter().map(|f| self.file_entry(f)).collect();
+        let missing = self
             .missing
             .iter()
-            .map(|(id, m)| self.missing_entry(*id, m))
-            .filter(|m| keep(&m.path))
-            .collect();
-        missing.sort_by(|a, b| a.path.cmp(&b.path));
-        Profile {
-            version: FORMAT_VERSION,
-            started_unix_ns: self.started_unix_ns,
-            files: Vec::new(),
-            missing,
-            dirs: self.dir_entries(keep),
-        }
+            .map(|(id, m)| self.missing_entry(*id, m));
+        self.profile(files, missing.collect())
     }
 
-    /// The directories whose paths pass `keep`, by path.
-    fn dir_entries(&self, keep: &impl Fn(&str) -> bool) -> Vec<DirEntry> {
+    /// The entries this set holds for the paths `other` holds, as a profile: what the
+    /// daemon knows of the files a profile sent names.
+    pub fn profile_for(&self, other: &WorkingSet) -> Profile {
+        let here = |id: PathId| self.paths.find(&other.paths.path(id));
+        let files = other
+            .files
+            .iter()
+            .filter_map(|f| {
+                let i = *self.file_of.get(here(f.path)? as usize)?;
+                (i != NONE).then(|| self.file_entry(&self.files[i as usize]))
+            })
+            .collect();
+        let missing = other
+            .missing
+            .keys()
+            .filter_map(|id| here(*id))
+            .filter_map(|id| Some(self.missing_entry(id, self.missing.get(&id)?)))
+            .collect();
+        let mut p = self.profile(files, missing);
+        p.dirs.retain(|d| other.has_dir(&d.path));
+        p
+    }
+
+    /// A profile of these files and missing names (put in order, a file once) and every
+    /// directory.
+    fn profile(&self, mut files: Vec<FileEntry>, mut missing: Vec<MissingEntry>) -> Profile {
+        files.sort_by(|a, b| (a.first_touch_ns, &a.path).cmp(&(b.first_touch_ns, &b.path)));
+        files.dedup_by(|a, b| a.path == b.path);
+        missing.sort_by(|a, b| a.path.cmp(&b.path));
         let mut dirs: Vec<DirEntry> = self
             .dirs
             .iter()
             .map(|(id, d)| self.dir_entry(*id, d))
-            .filter(|d| keep(&d.path))
             .collect();
         dirs.sort_by(|a, b| a.path.cmp(&b.path));
-        dirs
+        Profile {
+            version: FORMAT_VERSION,
+            started_unix_ns: self.started_unix_ns,
+            files,
+            missing,
+            dirs,
+        }
     }
+}
+
+fn saturated(count: u64) -> u32 {
+    count.min(u64::from(u32::MAX)) as u32
+}
+
+fn flags(written: bool, refused: bool) -> u32 {
+    (if written { WRITTEN } else { 0 }) | if refused { REFUSED } else { 0 }
 }
 
 /// One entry of a profile, as saved and restored.

@@ -282,7 +282,7 @@ pub fn scale(agent_bin: &Path, s: &Scale) -> Result<()> {
 }
 
 /// Where a benchmark writes its figures (target/bench/NAME.json).
-pub fn figures_path(name: &str) -> PathBuf {
+fn figures_path(name: &str) -> PathBuf {
     let dir = crate::target_dir().join("bench");
     let _ = std::fs::create_dir_all(&dir);
     dir.join(format!("{name}.json"))
