@@ -193,3 +193,74 @@ fn an_exported_profile_imports_into_another_daemon() {
     let saved = saved_profile(&state_dir);
     assert_eq!(file_entry(&saved, &file).unwrap()["opens"], 3);
 }
+
+/// An export is sent and written a part at a time: one far larger than a part comes out
+/// whole and in first-touch order, from the daemon and from the state directory alike,
+/// and a failed export leaves the file it was to replace as it was.
+#[test]
+fn a_profile_of_many_parts_exports_whole_in_order_and_a_failed_export_replaces_nothing() {
+    let net = NetworkMount::start();
+    let agent = Agent::start(&["--watch", net.mount.to_str().unwrap()]);
+    let root = net.mount.to_str().unwrap();
+    // Files touched in the reverse of their names' order; 20k files, 5k missing names.
+    let files: Vec<serde_json::Value> = (0..20_000u64)
+        .map(|i| {
+            serde_json::json!({"path": format!("{root}/d{}/f{i:05}.py", i % 50),
+                "size": i, "opens": 1, "bytes_read": i, "first_touch_ns": 20_000 - i,
+                "written": false})
+        })
+        .collect();
+    let missing: Vec<serde_json::Value> = (0..5_000u64)
+        .map(|i| serde_json::json!({"path": format!("{root}/m/{i}.so"), "lookups": 2}))
+        .collect();
+    let work = tempfile::tempdir().unwrap();
+    let sent = work.path().join("sent.json");
+    let profile = serde_json::json!({"version": 1, "started_unix_ns": 5, "files": files, "missing": missing});
+    fs::write(&sent, serde_json::to_vec(&profile).unwrap()).unwrap();
+    assert_success(
+        &agent
+            .cli(&["profile", "import", sent.to_str().unwrap()])
+            .output()
+            .unwrap(),
+    );
+
+    let check = |p: &serde_json::Value| {
+        let got = p["files"].as_array().unwrap();
+        assert_eq!(got.len(), 20_000);
+        assert_eq!(p["missing"].as_array().unwrap().len(), 5_000);
+        assert_eq!(p["started_unix_ns"], 5);
+        let touches: Vec<u64> = got
+            .iter()
+            .map(|f| f["first_touch_ns"].as_u64().unwrap())
+            .collect();
+        assert!(touches.windows(2).all(|w| w[0] < w[1]), "first-touch order");
+        assert!(got[0]["path"].as_str().unwrap().ends_with("/f19999.py"));
+        assert_eq!(got[0]["size"], 19_999);
+    };
+    let out = work.path().join("out.json");
+    assert_success(
+        &agent
+            .cli(&["profile", "export", "--out", out.to_str().unwrap()])
+            .output()
+            .unwrap(),
+    );
+    let live: serde_json::Value = serde_json::from_slice(&fs::read(&out).unwrap()).unwrap();
+    check(&live);
+
+    // A refused export (its root is not absolute) leaves the old file as it was, no
+    // temporary beside it.
+    let before = fs::read(&out).unwrap();
+    let refused = agent
+        .cli(&["profile", "export", "--root", "relative/dir", "--out", out.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(!refused.status.success());
+    assert_eq!(fs::read(&out).unwrap(), before);
+    assert_eq!(fs::read_dir(work.path()).unwrap().count(), 2);
+
+    // Without a daemon, root exports from the state directory: the same profile.
+    let (_keep, state_dir) = agent.stop_for_restart();
+    let saved = saved_profile(&state_dir);
+    check(&saved);
+    assert_eq!(saved, live);
+}

@@ -44,9 +44,13 @@ pub fn run(ctx: &Context, file: &Path) -> Result<()> {
                     first = Some(p.clone());
                 }
                 last = Some(p);
+                Ok(())
             }
-            Response::Error { message } => refused = Some(message),
-            _ => {}
+            Response::Error { message } => {
+                refused = Some(message);
+                Ok(())
+            }
+            _ => Ok(()),
         });
     bar.finish_and_clear();
     match result {

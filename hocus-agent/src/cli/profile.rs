@@ -9,10 +9,13 @@ use std::{
 use anyhow::{Result, bail};
 
 use crate::{
-    cli::{Context, ask, ask_with},
-    control::protocol::{Request, Response},
+    cli::{Context, ask_with},
+    control::{
+        client::{self, ClientError},
+        protocol::{Request, Response},
+    },
     profile::{
-        format::Profile,
+        format::{Profile, ProfileWriter},
         store::{self, StateDir, StateError, read_exported},
         working_set::WorkingSet,
     },
@@ -20,14 +23,34 @@ use crate::{
     shared::status::{REFUSED_SHOWN, Refused},
 };
 
-/// The profile, from the daemon or else from the state directory (root only).
-fn current_profile(ctx: &Context, root: Option<PathBuf>) -> Result<Profile> {
+/// Entries handed over per part when the state directory is read directly.
+const PART: usize = 16_384;
+
+/// The profile, from the daemon or else from the state directory (root only), a part at
+/// a time in file order (the first part carries the start): never held whole.
+fn each_part(
+    ctx: &Context,
+    root: Option<PathBuf>,
+    sink: &mut dyn FnMut(Profile) -> Result<()>,
+) -> Result<()> {
     let request = Request::Export { root: root.clone() };
-    if let Some(response) = ask(ctx, &request)? {
-        let Response::Profile(p) = response else {
-            bail!("unexpected answer from the daemon");
-        };
-        return Ok(p);
+    let mut complete = false;
+    let asked = client::call_streaming(&ctx.socket, &request, None, |response| match response {
+        Response::Profile(part) => sink(part),
+        Response::Exported { .. } => {
+            complete = true;
+            Ok(())
+        }
+        Response::Error { message } => bail!("the daemon refused: {message}"),
+        _ => bail!("unexpected answer from the daemon"),
+    });
+    match asked {
+        Ok(()) if complete => return Ok(()),
+        Ok(()) => bail!(
+            "the daemon closed the connection before the whole profile was sent (was it stopped?); nothing was written: try again"
+        ),
+        Err(ClientError::Other(e)) => return Err(e),
+        Err(ClientError::NoDaemon(_)) => {}
     }
     if !nix::unistd::geteuid().is_root() {
         bail!(
@@ -36,8 +59,8 @@ fn current_profile(ctx: &Context, root: Option<PathBuf>) -> Result<Profile> {
             ctx.state_dir.display()
         );
     }
-    let mut profile = match store::read_state(&ctx.state_dir) {
-        Ok(Some(saved)) => saved.ws.to_profile(),
+    let ws = match store::read_state(&ctx.state_dir) {
+        Ok(Some(saved)) => saved.ws,
         Ok(None) => bail!(
             "no daemon is running and there is no profile in {} yet: start one with sudo hocus-agent --watch PATH",
             ctx.state_dir.display()
@@ -47,27 +70,48 @@ fn current_profile(ctx: &Context, root: Option<PathBuf>) -> Result<Profile> {
             bail!("{message}: start the daemon, which sets it aside and starts anew")
         }
     };
-    if let Some(root) = root {
-        profile.retain_under(&root);
+    let mut order = ws.export_order(root.as_deref());
+    while let Some(part) = ws.export_part(&mut order, PART) {
+        sink(part)?;
     }
-    Ok(profile)
+    Ok(())
 }
 
+/// Writes the profile as it arrives: to `out` (replaced whole, only once all of it came),
+/// or to standard output.
 pub fn export(ctx: &Context, root: Option<PathBuf>, out: Option<PathBuf>) -> Result<()> {
-    let profile = current_profile(ctx, root)?;
-    let bytes = profile.to_json();
+    let write = |to: &mut dyn Write| -> Result<[usize; 3]> {
+        let mut writer: Option<ProfileWriter<&mut dyn Write>> = None;
+        let mut to = Some(to);
+        each_part(ctx, root.clone(), &mut |part| {
+            let w = match &mut writer {
+                Some(w) => w,
+                None => writer.insert(ProfileWriter::new(
+                    to.take().expect("taken once"),
+                    part.started_unix_ns,
+                )?),
+            };
+            Ok(w.part(&part)?)
+        })?;
+        let writer = writer.expect("the first part always comes");
+        let written = writer.written;
+        writer.finish()?;
+        Ok(written)
+    };
     match out {
         Some(path) => {
-            store::write_atomically(&path, &bytes)
-                .map_err(|e| anyhow::anyhow!("writing {}: {e}", path.display()))?;
+            let [files, missing, _] = store::replace_with(&path, |w| write(w))
+                .map_err(|e| e.context(format!("writing {}", path.display())))?;
             eprintln!(
-                "exported {} files and {} missing names to {}",
-                profile.files.len(),
-                profile.missing.len(),
+                "exported {files} files and {missing} missing names to {}",
                 path.display()
             );
         }
-        None => std::io::stdout().lock().write_all(&bytes)?,
+        None => {
+            let stdout = std::io::stdout();
+            let mut out = std::io::BufWriter::with_capacity(1 << 20, stdout.lock());
+            write(&mut out)?;
+        }
     }
     Ok(())
 }
@@ -81,7 +125,17 @@ pub fn show(ctx: &Context, root: Option<PathBuf>, file: Option<PathBuf>, top: us
             }
             p
         }
-        None => current_profile(ctx, root)?,
+        None => {
+            let mut whole = Profile::default();
+            each_part(ctx, root, &mut |part| {
+                whole.started_unix_ns = part.started_unix_ns;
+                whole.files.extend(part.files);
+                whole.missing.extend(part.missing);
+                whole.dirs.extend(part.dirs);
+                Ok(())
+            })?;
+            whole
+        }
     };
     print!("{}", show::render(&profile, top));
     Ok(())

@@ -58,17 +58,20 @@ pub fn call_with(
     file: Option<&File>,
 ) -> Result<Response, ClientError> {
     let mut last = None;
-    call_streaming(socket, request, file, |r| last = Some(r))?;
+    call_streaming(socket, request, file, |r| {
+        last = Some(r);
+        Ok(())
+    })?;
     last.ok_or_else(|| anyhow::anyhow!("the daemon closed the connection without answering").into())
 }
 
 /// Sends one request (with `file`'s descriptor, for requests that read one) and passes
-/// every answer line to `each` until the daemon is done.
+/// every answer line to `each` until the daemon is done, or `each` fails.
 pub fn call_streaming(
     socket: &Path,
     request: &Request,
     file: Option<&File>,
-    mut each: impl FnMut(Response),
+    mut each: impl FnMut(Response) -> Result<()>,
 ) -> Result<(), ClientError> {
     let stream = connect(socket)?;
     let io = |e: std::io::Error| {
@@ -86,7 +89,7 @@ pub fn call_streaming(
         let response = serde_json::from_str(&line).map_err(|e| {
             ClientError::Other(anyhow::anyhow!("unreadable answer from the daemon: {e}"))
         })?;
-        each(response);
+        each(response)?;
     }
     Ok(())
 }

@@ -9,7 +9,10 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 
 use crate::{
-    profile::{format::Profile, working_set::WorkingSet},
+    profile::{
+        format::Profile,
+        working_set::{ExportOrder, WorkingSet},
+    },
     redirect::{access::Caller, mountns::Bind, spawn::JobCommand},
     shared::status::{Progress, Refused, Status},
 };
@@ -89,7 +92,15 @@ pub enum Query {
 #[serde(tag = "response", rename_all = "snake_case")]
 pub enum Response {
     Status(Box<Status>),
+    /// A part of an exported profile, in file order (the first carries the start); an
+    /// export ends with `Exported`.
     Profile(Profile),
+    /// The export is complete: so many entries were sent.
+    Exported {
+        files: usize,
+        missing: usize,
+        dirs: usize,
+    },
     Imported {
         files: usize,
         missing: usize,
@@ -117,6 +128,12 @@ pub enum Response {
     },
     /// Internal: a request was carried out.
     Ready,
+    /// Internal: an export's order, and its next part (none when all were given).
+    #[serde(skip)]
+    Export {
+        order: Box<ExportOrder>,
+        part: Option<Profile>,
+    },
 }
 
 /// What a connection asks of the daemon's loop: a client's request, or one of the
@@ -135,6 +152,8 @@ pub enum Ask {
     JobEnded {
         id: u32,
     },
+    /// The next part of an export under way (its order comes back with it).
+    ExportPart(Box<ExportOrder>),
     /// Copies a job-start check found changed or gone on the network: drop them.
     Stale {
         sources: Vec<PathBuf>,

@@ -307,7 +307,7 @@ fn answer(
             return session(stream, caller, run, fds, rest, calls);
         }
         Request::Status => Query::Status,
-        Request::Export { root } => Query::Export { root },
+        Request::Export { root } => return export(&stream, calls, caller, root),
         Request::Budgets { ssd, ram } => Query::Budgets { ssd, ram },
         Request::Import | Request::Prefetch => {
             let staged = match read_profile(fds.into_iter().next(), trees, &caller) {
@@ -326,6 +326,39 @@ fn answer(
         send(&stream, &response)?;
     }
     Ok(())
+}
+
+/// Sends the profile a part at a time: the loop fixes the order once and hands out the
+/// next part only when this connection asks, after the last one was checked as the
+/// caller and written, so a slow reader holds back only itself and nothing is held whole.
+fn export(
+    stream: &UnixStream,
+    calls: &mpsc::Sender<Call>,
+    caller: Caller,
+    root: Option<PathBuf>,
+) -> Result<()> {
+    let mut ask_for = Ask::Client(Query::Export { root });
+    let mut sent = [0usize; 3];
+    loop {
+        let answer = ask(calls, caller.clone(), ask_for)?.blocking_recv();
+        let (order, part) = match answer {
+            Some(Response::Export { order, part }) => (order, part),
+            Some(other) => return send(stream, &other),
+            None => bail!("the daemon is shutting down"),
+        };
+        let Some(mut part) = part else {
+            let [files, missing, dirs] = sent;
+            return send(stream, &Response::Exported { files, missing, dirs });
+        };
+        if let Err(e) = access::filter_for(&mut part, &caller) {
+            return send(stream, &Response::Error { message: format!("{e:#}") });
+        }
+        sent[0] += part.files.len();
+        sent[1] += part.missing.len();
+        sent[2] += part.dirs.len();
+        send(stream, &Response::Profile(part))?;
+        ask_for = Ask::ExportPart(order);
+    }
 }
 
 /// Reads a profile from the descriptor a client sent (at most [`MAX_PROFILE_BYTES`], in

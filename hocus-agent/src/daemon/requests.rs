@@ -25,6 +25,9 @@ use crate::{
 /// How long a request waits for the sizes of files seen before it.
 pub const STATS_WAIT: Duration = Duration::from_secs(30);
 
+/// Entries of an export handed to its connection per turn of the loop.
+const EXPORT_PART: usize = 8192;
+
 /// Where a request's answers go.
 type Reply = mpsc::UnboundedSender<Response>;
 
@@ -85,6 +88,10 @@ impl Daemon {
                     self.check(sent);
                 }
             }
+            Ask::ExportPart(mut order) => {
+                let part = self.ws.export_part(&mut order, EXPORT_PART);
+                let _ = reply.send(Response::Export { order, part });
+            }
             Ask::JobEnded { id } => {
                 // What the job did is read before it is forgotten.
                 self.sweep().await;
@@ -131,18 +138,10 @@ impl Daemon {
                 return;
             }
             Query::Export { root } => {
-                let mut profile = self.ws.to_profile();
-                if let Some(root) = root {
-                    profile.retain_under(&root);
-                }
-                tokio::spawn(async move {
-                    let response = match checked_for(profile, &caller).await {
-                        Ok(p) => Response::Profile(p),
-                        Err(message) => Response::Error { message },
-                    };
-                    let _ = reply.send(response);
-                });
-                return;
+                let mut order = self.ws.export_order(root.as_deref());
+                let part = self.ws.export_part(&mut order, EXPORT_PART);
+                let order = Box::new(order);
+                Response::Export { order, part }
             }
             Query::Import(staged) => {
                 let Staged {

@@ -1,7 +1,10 @@
 //! The profile file format (docs/profile-format.md): versioned JSON, what `profile
 //! export` writes and `import`, `prefetch` and `plan` read.
 
-use std::path::{Path, PathBuf};
+use std::{
+    io::{self, Write},
+    path::{Path, PathBuf},
+};
 
 use serde::{Deserialize, Serialize};
 
@@ -129,11 +132,19 @@ impl Profile {
         serde_json::from_value(value).map_err(|e| corrupt(e.to_string()))
     }
 
+    #[cfg(test)]
     pub fn to_json(&self) -> Vec<u8> {
-        let mut out = serde_json::to_vec_pretty(self).expect("a profile always serializes");
-        out.push(b'\n');
-        out
+        let mut w = ProfileWriter::new(Vec::new(), self.started_unix_ns).expect("in memory");
+        w.part(self).expect("in memory");
+        w.finish().expect("in memory")
     }
+
+    /// Entries held: files, missing names and directories.
+    #[cfg(test)]
+    pub fn len(&self) -> usize {
+        self.files.len() + self.missing.len() + self.dirs.len()
+    }
+
 
     /// Keeps only entries under `root` (a directory path).
     pub fn retain_under(&mut self, root: &Path) {
@@ -145,6 +156,84 @@ impl Profile {
         self.files.retain(|f| keep(&f.path));
         self.missing.retain(|m| keep(&m.path));
         self.dirs.retain(|d| keep(&d.path));
+    }
+}
+
+/// Writes a profile in the file format as it comes, part by part (files, then missing
+/// names, then directories), so that no whole profile need be held: one entry per line.
+pub struct ProfileWriter<W: Write> {
+    out: W,
+    /// The list being written: 0 files, 1 missing names, 2 directories, 3 closed.
+    list: usize,
+    first: bool,
+    /// Files, missing names and directories written.
+    pub written: [usize; 3],
+}
+
+const LISTS: [&str; 3] = ["files", "missing", "dirs"];
+
+impl<W: Write> ProfileWriter<W> {
+    pub fn new(mut out: W, started_unix_ns: u64) -> io::Result<Self> {
+        write!(
+            out,
+            "{{\n  \"version\": {FORMAT_VERSION},\n  \"started_unix_ns\": {started_unix_ns},\n  \"files\": ["
+        )?;
+        Ok(Self {
+            out,
+            list: 0,
+            first: true,
+            written: [0; 3],
+        })
+    }
+
+    /// Appends a part's entries; a part's lists come after those already written.
+    pub fn part(&mut self, p: &Profile) -> io::Result<()> {
+        for f in &p.files {
+            self.entry(0, f)?;
+        }
+        for m in &p.missing {
+            self.entry(1, m)?;
+        }
+        for d in &p.dirs {
+            self.entry(2, d)?;
+        }
+        Ok(())
+    }
+
+    fn entry(&mut self, list: usize, e: &impl Serialize) -> io::Result<()> {
+        if list < self.list {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("a {} entry came after the {} list", LISTS[list], LISTS[self.list]),
+            ));
+        }
+        self.open(list)?;
+        self.out.write_all(if self.first { b"\n    " } else { b",\n    " })?;
+        self.first = false;
+        serde_json::to_writer(&mut self.out, e)?;
+        self.written[list] += 1;
+        Ok(())
+    }
+
+    /// Closes the lists before `list` and opens it.
+    fn open(&mut self, list: usize) -> io::Result<()> {
+        while self.list < list {
+            self.out.write_all(if self.first { b"]" } else { b"\n  ]" })?;
+            self.list += 1;
+            self.first = true;
+            if let Some(name) = LISTS.get(self.list) {
+                write!(self.out, ",\n  \"{name}\": [")?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Closes the profile; returns the writer, flushed.
+    pub fn finish(mut self) -> io::Result<W> {
+        self.open(LISTS.len())?;
+        self.out.write_all(b"\n}\n")?;
+        self.out.flush()?;
+        Ok(self.out)
     }
 }
 
@@ -488,6 +577,63 @@ mod tests {
             let e = read_stream(bytes, Path::new("x"), "", 2, &mut none).unwrap_err();
             assert!(e.to_string().contains(want), "{e}");
         }
+    }
+
+    #[test]
+    fn a_profile_written_part_by_part_is_one_document() {
+        let p = Profile {
+            version: FORMAT_VERSION,
+            started_unix_ns: 7,
+            files: (0..3)
+                .map(|i| FileEntry {
+                    path: format!("/net/home/\"{i}\""),
+                    size: i,
+                    ..Default::default()
+                })
+                .collect(),
+            missing: vec![MissingEntry {
+                path: "/net/home/no".into(),
+                ..Default::default()
+            }],
+            dirs: vec![DirEntry {
+                path: "/net/home".into(),
+                opens: 1,
+                mutated: true,
+            }],
+        };
+        let mut w = ProfileWriter::new(Vec::new(), 7).unwrap();
+        for f in &p.files {
+            w.part(&Profile {
+                files: vec![f.clone()],
+                ..Default::default()
+            })
+            .unwrap();
+        }
+        w.part(&Profile {
+            missing: p.missing.clone(),
+            dirs: p.dirs.clone(),
+            ..Default::default()
+        })
+        .unwrap();
+        assert_eq!(w.written, [3, 1, 1]);
+        let bytes = w.finish().unwrap();
+        assert_eq!(Profile::from_json(&bytes, Path::new("x"), "").unwrap(), p);
+        assert_eq!(bytes, p.to_json());
+        // An empty profile, and a file after the missing names, which the format cannot say.
+        let empty = ProfileWriter::new(Vec::new(), 1).unwrap().finish().unwrap();
+        let back = Profile::from_json(&empty, Path::new("x"), "").unwrap();
+        assert_eq!((back.started_unix_ns, back.len()), (1, 0));
+        let mut w = ProfileWriter::new(Vec::new(), 1).unwrap();
+        w.part(&Profile {
+            missing: p.missing.clone(),
+            ..Default::default()
+        })
+        .unwrap();
+        let late = Profile {
+            files: p.files.clone(),
+            ..Default::default()
+        };
+        assert!(w.part(&late).is_err());
     }
 
     proptest! {

@@ -3,7 +3,7 @@
 //! 4-byte id. The profile holds a path's entry by that id; the full string is built only
 //! to show or export it.
 
-use std::hash::BuildHasher;
+use std::{cmp::Ordering, hash::BuildHasher};
 
 use hashbrown::{DefaultHashBuilder, HashTable};
 
@@ -115,22 +115,41 @@ impl Paths {
         String::from_utf8(out).unwrap_or_default()
     }
 
-    /// Appends the path of `id` to `out`.
+    /// Appends the path of `id` to `out`, written from its end (no list of ancestors).
     pub fn write_path(&self, id: PathId, out: &mut Vec<u8>) {
         if id == Self::ROOT {
             out.push(b'/');
             return;
         }
-        let mut chain = Vec::new();
+        let mut len = 0;
         let mut at = id;
         while at != Self::ROOT {
-            chain.push(at);
-            at = self.nodes[at as usize].parent;
+            len += 1 + self.name(at).len();
+            at = self.parent(at);
         }
-        for c in chain.iter().rev() {
-            out.push(b'/');
-            out.extend_from_slice(self.name(*c));
+        let start = out.len();
+        out.resize(start + len, b'/');
+        let mut end = start + len;
+        let mut at = id;
+        while at != Self::ROOT {
+            let name = self.name(at);
+            out[end - name.len()..end].copy_from_slice(name);
+            end -= name.len() + 1;
+            at = self.parent(at);
         }
+    }
+
+    fn parent(&self, id: PathId) -> PathId {
+        self.nodes[id as usize].parent
+    }
+
+    fn depth(&self, mut id: PathId) -> usize {
+        let mut depth = 0;
+        while id != Self::ROOT {
+            depth += 1;
+            id = self.parent(id);
+        }
+        depth
     }
 
     /// Whether `id` is `root` or under it.
@@ -146,12 +165,38 @@ impl Paths {
         }
     }
 
-    /// Orders two paths as their strings would be ordered, without building them.
-    pub fn cmp(&self, a: PathId, b: PathId) -> std::cmp::Ordering {
-        let (mut x, mut y) = (Vec::new(), Vec::new());
-        self.write_path(a, &mut x);
-        self.write_path(b, &mut y);
-        x.cmp(&y)
+    /// Orders two paths as their strings would be ordered, without building them: up to
+    /// the two ancestors that differ below a common one, then by their names and the byte
+    /// that follows the shorter name (`/` if its path goes on).
+    pub fn cmp(&self, a: PathId, b: PathId) -> Ordering {
+        let (da, db) = (self.depth(a), self.depth(b));
+        let (mut x, mut y) = (a, b);
+        for _ in db..da {
+            x = self.parent(x);
+        }
+        for _ in da..db {
+            y = self.parent(y);
+        }
+        if x == y {
+            // One is the other or under it: the shorter string is a prefix.
+            return da.cmp(&db);
+        }
+        while self.parent(x) != self.parent(y) {
+            x = self.parent(x);
+            y = self.parent(y);
+        }
+        let (nx, ny) = (self.name(x), self.name(y));
+        let common = nx.len().min(ny.len());
+        match nx[..common].cmp(&ny[..common]) {
+            Ordering::Equal => {}
+            o => return o,
+        }
+        // One name is a prefix of the other (siblings' names differ).
+        let next = |id: PathId, end: PathId, name: &[u8]| match name.get(common) {
+            Some(b) => Some(*b),
+            None => (id != end).then_some(b'/'),
+        };
+        next(x, a, nx).cmp(&next(y, b, ny))
     }
 }
 
@@ -201,7 +246,7 @@ mod tests {
         assert!(!p.is_under(l, lib));
         // /, net, env, lib, a.py, b.py, the long one
         assert_eq!(p.len(), 7);
-        assert_eq!(p.cmp(a, b), std::cmp::Ordering::Less);
+        assert_eq!(p.cmp(a, b), Ordering::Less);
     }
 
     #[test]
@@ -212,5 +257,21 @@ mod tests {
         assert_ne!(x, y);
         assert_eq!(p.path(x), "/ab/c");
         assert_eq!(p.path(y), "/a/bc");
+    }
+
+    proptest::proptest! {
+        /// Paths order as their strings do, including names that are prefixes of others
+        /// followed by bytes below `/` (`b.c` before `b/x`).
+        #[test]
+        fn orders_as_strings(paths in proptest::collection::vec("(/[ab.-]{1,3}){1,4}", 1..12)) {
+            let mut p = Paths::new();
+            let ids: Vec<PathId> = paths.iter().map(|s| p.intern(s)).collect();
+            for (i, a) in ids.iter().enumerate() {
+                proptest::prop_assert_eq!(p.path(*a), paths[i].clone());
+                for (j, b) in ids.iter().enumerate() {
+                    proptest::prop_assert_eq!(p.cmp(*a, *b), paths[i].cmp(&paths[j]), "{} vs {}", paths[i], paths[j]);
+                }
+            }
+        }
     }
 }

@@ -558,10 +558,10 @@ impl Reader<'_> {
 
 /// Replaces `path` by what `write` produces (temporary file, fsync, rename, fsync of the
 /// directory), keeping the old file's mode; returns the bytes written.
-fn write_replacing(
+fn write_replacing<E: From<io::Error>>(
     path: &Path,
-    write: impl FnOnce(&mut BufWriter<&File>) -> io::Result<()>,
-) -> io::Result<u64> {
+    write: impl FnOnce(&mut BufWriter<&File>) -> Result<(), E>,
+) -> Result<u64, E> {
     let dir = path.parent().unwrap_or(Path::new("."));
     let name = path.file_name().unwrap_or_default().to_string_lossy();
     let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
@@ -617,6 +617,17 @@ pub fn read_profile(path: &Path, advice: &str) -> Result<Profile, ReadError> {
 /// mix, even across a crash.
 pub fn write_atomically(path: &Path, bytes: &[u8]) -> io::Result<()> {
     write_replacing(path, |w| w.write_all(bytes)).map(|_| ())
+}
+
+/// Replaces `path` with what `write` writes, as [`write_atomically`] does; on an error
+/// `path` is left as it was.
+pub fn replace_with<T>(path: &Path, write: impl FnOnce(&mut dyn Write) -> Result<T>) -> Result<T> {
+    let mut value = None;
+    write_replacing(path, |w| -> Result<()> {
+        value = Some(write(w)?);
+        Ok(())
+    })?;
+    Ok(value.expect("written"))
 }
 
 /// Reads a profile someone exported a batch at a time (see `format::read_stream`), with

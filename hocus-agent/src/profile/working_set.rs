@@ -651,12 +651,79 @@ impl WorkingSet {
 
     /// The profile in its file format: files in first-touch order, the rest by path.
     pub fn to_profile(&self) -> Profile {
-        let files = self.files.iter().map(|f| self.file_entry(f)).collect();
-        let missing = self
-            .missing
-            .iter()
-            .map(|(id, m)| self.missing_entry(*id, m));
-        self.profile(files, missing.collect())
+        let mut order = self.export_order(None);
+        self.export_part(&mut order, usize::MAX)
+            .unwrap_or_default()
+    }
+
+    /// What an export of the entries under `root` (all when none) writes, in order.
+    pub fn export_order(&self, root: Option<&Path>) -> ExportOrder {
+        let root = match root {
+            None => Some(Paths::ROOT),
+            Some(r) => self.paths.find(&r.to_string_lossy()),
+        };
+        let under = |id: PathId| root.is_some_and(|r| self.paths.is_under(id, r));
+        let mut files: Vec<u32> = (0..self.files.len() as u32)
+            .filter(|i| under(self.files[*i as usize].path))
+            .collect();
+        let first = |f: &FileRec| match f.first_touch_ns {
+            u64::MAX => 0,
+            t => t,
+        };
+        files.sort_by(|a, b| {
+            let (x, y) = (&self.files[*a as usize], &self.files[*b as usize]);
+            first(x)
+                .cmp(&first(y))
+                .then_with(|| self.paths.cmp(x.path, y.path))
+        });
+        let by_path = |ids: &mut Vec<PathId>| ids.sort_by(|a, b| self.paths.cmp(*a, *b));
+        let mut missing: Vec<PathId> = self.missing.keys().copied().filter(|id| under(*id)).collect();
+        by_path(&mut missing);
+        let mut dirs: Vec<PathId> = self.dirs.keys().copied().filter(|id| under(*id)).collect();
+        by_path(&mut dirs);
+        ExportOrder {
+            files,
+            missing,
+            dirs,
+            next: 0,
+            begun: false,
+        }
+    }
+
+    /// The next at most `n` entries of an export, as a profile; none once all were
+    /// given. The first part is given even when empty: it carries the start.
+    pub fn export_part(&self, order: &mut ExportOrder, n: usize) -> Option<Profile> {
+        if order.begun && order.next >= order.len() {
+            return None;
+        }
+        order.begun = true;
+        let mut p = Profile {
+            version: FORMAT_VERSION,
+            started_unix_ns: self.started_unix_ns,
+            ..Default::default()
+        };
+        let end = order.next.saturating_add(n).min(order.len());
+        let (nf, nm) = (order.files.len(), order.missing.len());
+        for k in order.next..end {
+            // Entries are never removed; `get` only so that a stale order cannot panic.
+            if k < nf {
+                if let Some(f) = self.files.get(order.files[k] as usize) {
+                    p.files.push(self.file_entry(f));
+                }
+            } else if k < nf + nm {
+                let id = order.missing[k - nf];
+                if let Some(m) = self.missing.get(&id) {
+                    p.missing.push(self.missing_entry(id, m));
+                }
+            } else {
+                let id = order.dirs[k - nf - nm];
+                if let Some(d) = self.dirs.get(&id) {
+                    p.dirs.push(self.dir_entry(id, d));
+                }
+            }
+        }
+        order.next = end;
+        Some(p)
     }
 
     /// The entries this set holds for the paths `other` holds, as a profile: what the
@@ -712,6 +779,27 @@ fn flags(written: bool, refused: bool) -> u32 {
     (if written { WRITTEN } else { 0 }) | if refused { REFUSED } else { 0 }
 }
 
+/// The entries an export writes, in the order it writes them, fixed when it starts:
+/// files by first touch, then missing names and directories by path. It stays valid while
+/// the daemon goes on recording (entries are never removed), so an export is taken a part
+/// at a time between other work.
+#[derive(Debug)]
+pub struct ExportOrder {
+    files: Vec<u32>,
+    missing: Vec<PathId>,
+    dirs: Vec<PathId>,
+    /// Entries given so far, across the three lists.
+    next: usize,
+    begun: bool,
+}
+
+impl ExportOrder {
+    /// Entries in all.
+    fn len(&self) -> usize {
+        self.files.len() + self.missing.len() + self.dirs.len()
+    }
+}
+
 /// One entry of a profile, as saved and restored.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Entry {
@@ -746,6 +834,40 @@ mod tests {
         ws.dir_opened("/net/env");
         ws.dir_mutated("/net/out");
         ws
+    }
+
+    #[test]
+    fn an_export_in_parts_is_the_profile_as_it_began() {
+        let mut ws = sample();
+        ws.missing("/net/env/a.py-x", T0 + 7);
+        ws.missing("/net/env/a.py/x", T0 + 8);
+        let whole = ws.to_profile();
+        let mut order = ws.export_order(None);
+        let mut all = ws.export_part(&mut order, 2).unwrap();
+        // Recorded mid-export: facts of entries in the order show, new entries do not.
+        ws.add_bytes_read("/net/out/log.txt", 5);
+        ws.open("/net/env/late.py", 1000, T0 + 1);
+        while let Some(part) = ws.export_part(&mut order, 2) {
+            assert!((1..=2).contains(&part.len()));
+            all.files.extend(part.files);
+            all.missing.extend(part.missing);
+            all.dirs.extend(part.dirs);
+        }
+        let mut want = whole.clone();
+        want.files[2].bytes_read += 5;
+        assert_eq!(all, want);
+        // Names ordered as strings: `a.py-x` and `a.py/x` around `nope.py`.
+        let names: Vec<&str> = whole.missing.iter().map(|m| m.path.as_str()).collect();
+        assert_eq!(names, ["/net/env/a.py-x", "/net/env/a.py/x", "/net/env/nope.py"]);
+        // Under a root, as `retain_under` keeps; an empty export still carries the start.
+        let mut order = ws.export_order(Some(Path::new("/net/env")));
+        let under = ws.export_part(&mut order, usize::MAX).unwrap();
+        let mut want = ws.to_profile();
+        want.retain_under(Path::new("/net/env"));
+        assert_eq!(under, want);
+        let mut order = ws.export_order(Some(Path::new("/elsewhere")));
+        assert_eq!(ws.export_part(&mut order, 9).unwrap().started_unix_ns, T0);
+        assert!(ws.export_part(&mut order, 9).is_none());
     }
 
     #[test]
