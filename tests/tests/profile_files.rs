@@ -215,7 +215,8 @@ fn a_profile_of_many_parts_exports_whole_in_order_and_a_failed_export_replaces_n
         .collect();
     let work = tempfile::tempdir().unwrap();
     let sent = work.path().join("sent.json");
-    let profile = serde_json::json!({"version": 1, "started_unix_ns": 5, "files": files, "missing": missing});
+    let profile =
+        serde_json::json!({"version": 1, "started_unix_ns": 5, "files": files, "missing": missing});
     fs::write(&sent, serde_json::to_vec(&profile).unwrap()).unwrap();
     assert_success(
         &agent
@@ -251,7 +252,14 @@ fn a_profile_of_many_parts_exports_whole_in_order_and_a_failed_export_replaces_n
     // temporary beside it.
     let before = fs::read(&out).unwrap();
     let refused = agent
-        .cli(&["profile", "export", "--root", "relative/dir", "--out", out.to_str().unwrap()])
+        .cli(&[
+            "profile",
+            "export",
+            "--root",
+            "relative/dir",
+            "--out",
+            out.to_str().unwrap(),
+        ])
         .output()
         .unwrap();
     assert!(!refused.status.success());

@@ -348,10 +348,22 @@ fn export(
         };
         let Some(mut part) = part else {
             let [files, missing, dirs] = sent;
-            return send(stream, &Response::Exported { files, missing, dirs });
+            return send(
+                stream,
+                &Response::Exported {
+                    files,
+                    missing,
+                    dirs,
+                },
+            );
         };
         if let Err(e) = access::filter_for(&mut part, &caller) {
-            return send(stream, &Response::Error { message: format!("{e:#}") });
+            return send(
+                stream,
+                &Response::Error {
+                    message: format!("{e:#}"),
+                },
+            );
         }
         sent[0] += part.files.len();
         sent[1] += part.missing.len();

@@ -561,6 +561,7 @@ impl Daemon {
             files,
             missing,
             dirs,
+            profile_bytes: self.ws.heap_bytes() as u64,
             max_profile_entries: self.opts.settings.max_profile_entries(),
             profile_entries_dropped: self.ws.dropped(),
             tally: self.observer.tally.clone(),

@@ -145,7 +145,6 @@ impl Profile {
         self.files.len() + self.missing.len() + self.dirs.len()
     }
 
-
     /// Keeps only entries under `root` (a directory path).
     pub fn retain_under(&mut self, root: &Path) {
         self.retain(|p| Path::new(p).starts_with(root));
@@ -204,11 +203,15 @@ impl<W: Write> ProfileWriter<W> {
         if list < self.list {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidData,
-                format!("a {} entry came after the {} list", LISTS[list], LISTS[self.list]),
+                format!(
+                    "a {} entry came after the {} list",
+                    LISTS[list], LISTS[self.list]
+                ),
             ));
         }
         self.open(list)?;
-        self.out.write_all(if self.first { b"\n    " } else { b",\n    " })?;
+        self.out
+            .write_all(if self.first { b"\n    " } else { b",\n    " })?;
         self.first = false;
         serde_json::to_writer(&mut self.out, e)?;
         self.written[list] += 1;
@@ -218,7 +221,8 @@ impl<W: Write> ProfileWriter<W> {
     /// Closes the lists before `list` and opens it.
     fn open(&mut self, list: usize) -> io::Result<()> {
         while self.list < list {
-            self.out.write_all(if self.first { b"]" } else { b"\n  ]" })?;
+            self.out
+                .write_all(if self.first { b"]" } else { b"\n  ]" })?;
             self.list += 1;
             self.first = true;
             if let Some(name) = LISTS.get(self.list) {

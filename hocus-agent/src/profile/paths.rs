@@ -40,6 +40,13 @@ impl Paths {
         }
     }
 
+    /// Bytes held on the heap (what was reserved, used or not).
+    pub fn heap_bytes(&self) -> usize {
+        self.nodes.capacity() * size_of::<Node>()
+            + self.names.capacity()
+            + table_bytes::<PathId>(self.children.capacity())
+    }
+
     /// Nodes held (directories and leaves).
     #[cfg(test)]
     pub fn len(&self) -> usize {
@@ -204,6 +211,13 @@ impl Default for Paths {
     fn default() -> Self {
         Self::new()
     }
+}
+
+/// Bytes a hashbrown table with room for `capacity` entries of `T` reserves: a power of
+/// two of buckets at most 7/8 full, each with its entry and a control byte.
+pub fn table_bytes<T>(capacity: usize) -> usize {
+    let buckets = (capacity * 8 / 7).next_power_of_two();
+    buckets * (size_of::<T>() + 1)
 }
 
 /// The name stored at `at` in a names arena.

@@ -12,7 +12,7 @@ use hashbrown::HashMap;
 use crate::{
     profile::{
         format::{DirEntry, FORMAT_VERSION, FileEntry, MissingEntry, Profile},
-        paths::{PathId, Paths},
+        paths::{PathId, Paths, table_bytes},
     },
     shared::status::RootTotals,
 };
@@ -161,6 +161,23 @@ impl WorkingSet {
 
     fn len(&self) -> usize {
         self.files.len() + self.missing.len() + self.dirs.len()
+    }
+
+    /// Bytes the set holds on the heap, as reserved (an estimate of its share of the
+    /// daemon's memory: allocator overhead aside).
+    pub fn heap_bytes(&self) -> usize {
+        self.paths.heap_bytes()
+            + self.files.capacity() * size_of::<FileRec>()
+            + self.file_of.capacity() * size_of::<u32>()
+            + table_bytes::<(PathId, MissingRec)>(self.missing.capacity())
+            + table_bytes::<(PathId, DirRec)>(self.dirs.capacity())
+            + self
+                .users
+                .sets
+                .iter()
+                .map(|s| 2 * 4 * s.len())
+                .sum::<usize>()
+            + self.changed.capacity() * size_of::<Changed>()
     }
 
     /// Bounds the entries read ones may make (`max-profile-entries`).
@@ -652,8 +669,7 @@ impl WorkingSet {
     /// The profile in its file format: files in first-touch order, the rest by path.
     pub fn to_profile(&self) -> Profile {
         let mut order = self.export_order(None);
-        self.export_part(&mut order, usize::MAX)
-            .unwrap_or_default()
+        self.export_part(&mut order, usize::MAX).unwrap_or_default()
     }
 
     /// What an export of the entries under `root` (all when none) writes, in order.
@@ -677,7 +693,12 @@ impl WorkingSet {
                 .then_with(|| self.paths.cmp(x.path, y.path))
         });
         let by_path = |ids: &mut Vec<PathId>| ids.sort_by(|a, b| self.paths.cmp(*a, *b));
-        let mut missing: Vec<PathId> = self.missing.keys().copied().filter(|id| under(*id)).collect();
+        let mut missing: Vec<PathId> = self
+            .missing
+            .keys()
+            .copied()
+            .filter(|id| under(*id))
+            .collect();
         by_path(&mut missing);
         let mut dirs: Vec<PathId> = self.dirs.keys().copied().filter(|id| under(*id)).collect();
         by_path(&mut dirs);
@@ -858,7 +879,10 @@ mod tests {
         assert_eq!(all, want);
         // Names ordered as strings: `a.py-x` and `a.py/x` around `nope.py`.
         let names: Vec<&str> = whole.missing.iter().map(|m| m.path.as_str()).collect();
-        assert_eq!(names, ["/net/env/a.py-x", "/net/env/a.py/x", "/net/env/nope.py"]);
+        assert_eq!(
+            names,
+            ["/net/env/a.py-x", "/net/env/a.py/x", "/net/env/nope.py"]
+        );
         // Under a root, as `retain_under` keeps; an empty export still carries the start.
         let mut order = ws.export_order(Some(Path::new("/net/env")));
         let under = ws.export_part(&mut order, usize::MAX).unwrap();

@@ -249,6 +249,13 @@ impl Collector for Snapshot {
             one(s.started_unix_secs as i64),
         )?;
 
+        gauge(
+            e,
+            "profile_memory",
+            "Memory the working set takes in the daemon (an estimate from what it reserved).",
+            bytes,
+            one(s.profile_bytes as i64),
+        )?;
         counter(
             e,
             "profile_entries_dropped",

@@ -265,6 +265,14 @@ pub fn render_status(s: &Status) -> String {
             "containers: {foreign} absolute lookups made before hocus knew their mount namespace (most are off the watched trees)"
         );
     }
+    let _ = writeln!(
+        out,
+        "working set: {} files, {} missing names, {} directories, {} in memory",
+        s.files,
+        s.missing,
+        s.dirs,
+        bytes(s.profile_bytes)
+    );
     if s.profile_entries_dropped > 0 {
         let _ = writeln!(
             out,

@@ -38,6 +38,9 @@ pub struct Status {
     pub files: usize,
     pub missing: usize,
     pub dirs: usize,
+    /// Memory the working set takes in the daemon, in bytes (an estimate).
+    #[serde(default)]
+    pub profile_bytes: u64,
     /// The bound on files + missing + dirs, and the new names not recorded beyond it.
     #[serde(default)]
     pub max_profile_entries: usize,

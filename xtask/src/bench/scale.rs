@@ -107,19 +107,27 @@ fn cpu_time(pid: u32) -> Result<Duration> {
     Ok(Duration::from_millis(ticks * 1000 / hz))
 }
 
-/// Runs `cmd` to its end: the time it took and its peak memory (KiB).
+/// Runs `cmd` to its end: the time it took and its peak memory (KiB). The peak is read
+/// from its /proc status every few ms until it exits: `wait4`'s ru_maxrss would carry
+/// this process's own peak into the child's across fork and exec.
 fn timed(cmd: &mut Command) -> Result<(Duration, u64)> {
     let t = Instant::now();
-    let child = cmd.stdout(std::process::Stdio::null()).spawn()?;
-    let mut status = 0;
-    // SAFETY: an all-zero rusage is valid; wait4 on our own child.
-    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
-    let pid = unsafe { libc::wait4(child.id() as i32, &mut status, 0, &mut usage) };
+    let mut child = cmd.stdout(std::process::Stdio::null()).spawn()?;
+    let mut peak = 0;
+    let status = loop {
+        if let Ok(kib) = proc_kib(child.id(), "VmHWM:") {
+            peak = peak.max(kib);
+        }
+        if let Some(status) = child.try_wait()? {
+            break status;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    };
     let took = t.elapsed();
-    if pid < 0 || !libc::WIFEXITED(status) || libc::WEXITSTATUS(status) != 0 {
-        bail!("{cmd:?} failed (status {status})");
+    if !status.success() {
+        bail!("{cmd:?} failed ({status})");
     }
-    Ok((took, usage.ru_maxrss as u64))
+    Ok((took, peak))
 }
 
 pub fn scale(agent_bin: &Path, s: &Scale) -> Result<()> {
@@ -167,6 +175,8 @@ pub fn scale(agent_bin: &Path, s: &Scale) -> Result<()> {
             s.files
         );
     }
+
+    let profile_mib = imported["profile_bytes"].as_f64().unwrap_or(0.0) / f64::from(1 << 20);
 
     let mut status_times: Vec<Duration> = (0..5)
         .map(|_| timed(&mut agent.cli(&["status"])).map(|(t, _)| t))
@@ -227,6 +237,10 @@ pub fn scale(agent_bin: &Path, s: &Scale) -> Result<()> {
         mib(steady_kib)
     );
     println!(
+        "{:<44} {:>8.1} MiB",
+        "  of which the working set (its own count)", profile_mib
+    );
+    println!(
         "{:<44} {:>8.1} MiB {:>8.1} MiB (export)",
         "CLI peak memory: import",
         mib(cli_kib),
@@ -268,6 +282,7 @@ pub fn scale(agent_bin: &Path, s: &Scale) -> Result<()> {
         "daemon_peak_mib": mib(peak_kib),
         "daemon_peak_above_empty_mib": above,
         "daemon_steady_mib": mib(steady_kib),
+        "working_set_mib": profile_mib,
         "cli_import_peak_mib": mib(cli_kib),
         "cli_export_peak_mib": mib(export_cli_kib),
         "status_ms": status.as_secs_f64() * 1000.0,
