@@ -367,7 +367,18 @@ fn a_python_environment_is_served_from_its_snapshot_without_touching_the_network
         "{}",
         &net.server_log()[before..]
     );
-    // A cold module is in the snapshot too.
+    // A cold module is in the snapshot too, as a name: its bytes stayed on the server
+    // (a lazy snapshot holds the working set's) until a job reads it, through the
+    // snapshot's overlay.
+    let opened_cold = |log: &str| {
+        let cold = format!(
+            "open \"{}",
+            net.server_path("env/lib/mypkg/cold.py").display()
+        );
+        log.lines().any(|l| l.contains(&cold))
+    };
+    assert!(!opened_cold(&net.server_log()), "{}", net.server_log());
+    let before = net.server_log().len();
     let out = agent
         .cli(&[
             "run",
@@ -379,6 +390,11 @@ fn a_python_environment_is_served_from_its_snapshot_without_touching_the_network
         .output()
         .unwrap();
     assert_eq!(text(&out.stdout), "raise SystemExit('never imported')\n");
+    assert!(
+        opened_cold(&net.server_log()[before..]),
+        "{}",
+        &net.server_log()[before..]
+    );
 }
 
 #[test]

@@ -490,7 +490,7 @@ pub fn times_of(m: &fs::Metadata) -> [libc::timespec; 2] {
     ]
 }
 
-fn set_times(f: &File, m: &fs::Metadata) -> io::Result<()> {
+pub fn set_times(f: &File, m: &fs::Metadata) -> io::Result<()> {
     let times = times_of(m);
     // SAFETY: valid pointer to two timespecs.
     if unsafe { libc::futimens(f.as_raw_fd(), times.as_ptr()) } != 0 {
@@ -501,11 +501,14 @@ fn set_times(f: &File, m: &fs::Metadata) -> io::Result<()> {
 
 /// Copies the POSIX ACLs (access, and a directory's default) and the user xattrs. An
 /// ACL that cannot be copied fails the copy: a copy keeps its source's permissions or is
-/// not made. Filesystems without xattrs (sshfs) have none.
-pub fn copy_xattrs(src: &File, dst: &File) -> io::Result<()> {
+/// not made. Filesystems without xattrs (sshfs) have none. `src` may be an O_PATH
+/// descriptor: it is read through its /proc/self/fd link, which names it and nothing else.
+pub fn copy_xattrs(src: &impl AsRawFd, dst: &File) -> io::Result<()> {
+    let link =
+        CString::new(format!("/proc/self/fd/{}", src.as_raw_fd())).expect("no NUL in a number");
     let mut names = vec![0u8; 64 << 10];
-    // SAFETY: buffer of the given size.
-    let n = unsafe { libc::flistxattr(src.as_raw_fd(), names.as_mut_ptr().cast(), names.len()) };
+    // SAFETY: NUL-terminated path, buffer of the given size.
+    let n = unsafe { libc::listxattr(link.as_ptr(), names.as_mut_ptr().cast(), names.len()) };
     if n < 0 {
         let e = io::Error::last_os_error();
         return match e.raw_os_error() {
@@ -525,10 +528,10 @@ pub fn copy_xattrs(src: &File, dst: &File) -> io::Result<()> {
             continue;
         };
         let mut value = vec![0u8; 64 << 10];
-        // SAFETY: buffers of the given sizes, NUL-terminated name.
+        // SAFETY: buffers of the given sizes, NUL-terminated strings.
         let len = unsafe {
-            libc::fgetxattr(
-                src.as_raw_fd(),
+            libc::getxattr(
+                link.as_ptr(),
                 cname.as_ptr(),
                 value.as_mut_ptr().cast(),
                 value.len(),

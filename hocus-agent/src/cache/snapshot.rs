@@ -18,7 +18,7 @@ use std::{
         fd::{AsRawFd, FromRawFd, IntoRawFd, OwnedFd},
         unix::{
             ffi::OsStrExt,
-            fs::{MetadataExt, PermissionsExt},
+            fs::{MetadataExt, OpenOptionsExt, PermissionsExt},
         },
     },
     path::{Path, PathBuf},
@@ -38,6 +38,29 @@ use crate::{
 
 /// Every entry's identity, by path relative to the tree's root ("" is the root).
 pub type Stamp = BTreeMap<PathBuf, Identity>;
+
+/// Which files' bytes a snapshot holds.
+#[derive(Debug, Clone, Default)]
+pub enum Fill {
+    /// Every file's: the snapshot is bound as it is.
+    #[default]
+    Whole,
+    /// Those of the files named (the working set), and of those not readable by everyone
+    /// (the overlay reads as root, and root may be squashed on the network); every other
+    /// file is a stub whose bytes are read from the network on demand, through an overlay
+    /// (`redirect::mountns::lazy_view`).
+    Lazy(HashSet<PathBuf>),
+}
+
+impl Fill {
+    /// Whether the snapshot holds the bytes of the file `path` of mode `mode`.
+    fn holds(&self, path: &Path, mode: u32) -> bool {
+        match self {
+            Fill::Whole => true,
+            Fill::Lazy(hot) => mode & 0o004 == 0 || hot.contains(path),
+        }
+    }
+}
 
 /// Where snapshots could go. For every directory where jobs opened files or probed
 /// names, the directories above it that are clean (nothing in them was written, changed
@@ -167,12 +190,13 @@ fn identity(e: &Entry) -> Identity {
     }
 }
 
-/// Measures a network tree: its bytes and entries, or None when it exceeds the limits,
+/// Measures a network tree: the bytes a snapshot of it holds (`fill`) and its entries, or None when it exceeds the limits,
 /// holds something a snapshot cannot (devices, sockets, fifos), or cannot be reached
 /// beneath `tree` without a symlink.
 pub fn measure(
     tree: &Path,
     root: &Path,
+    fill: &Fill,
     max_bytes: u64,
     max_entries: usize,
 ) -> Option<(u64, usize)> {
@@ -184,8 +208,10 @@ pub fn measure(
         }
         entries += 1;
         match e.stat.st_mode & libc::S_IFMT {
-            libc::S_IFREG => bytes = bytes.saturating_add(e.stat.st_size as u64),
-            libc::S_IFDIR | libc::S_IFLNK => {}
+            libc::S_IFREG if fill.holds(&root.join(&e.rel), e.stat.st_mode) => {
+                bytes = bytes.saturating_add(e.stat.st_size as u64)
+            }
+            libc::S_IFREG | libc::S_IFDIR | libc::S_IFLNK => {}
             _ => fits = false,
         }
         fits &= bytes <= max_bytes && entries <= max_entries;
@@ -211,6 +237,9 @@ pub fn stamp(tree: &Path, root: &Path) -> io::Result<Stamp> {
 pub struct Taken {
     pub copied: u64,
     pub linked: u64,
+    /// Files left on the network (stubs of a lazy snapshot), and their bytes.
+    pub stubs: usize,
+    pub left: u64,
     /// Directories changed so shortly before their stamp was read that a later change
     /// may leave their mtime as it was (SFTP and older filesystems keep seconds; a
     /// network client may answer from attributes cached for a second or more): only
@@ -236,10 +265,11 @@ fn racy(stamp: &Stamp, read_at: std::time::SystemTime) -> Vec<PathBuf> {
 }
 
 /// Copies the network tree `root` (inside the watched `tree`) to `dest`, via a staging
-/// directory next to it. `cached` gives the cache's copy of a file and its identity.
+/// directory next to it; of its files, those `fill` says, the others as stubs. `cached` gives the cache's copy of a file and its identity.
 pub fn take(
     tree: &Path,
     root: &Path,
+    fill: &Fill,
     dest: &Path,
     tmp_dir: &Path,
     cached: &dyn Fn(&Path) -> Option<(PathBuf, Identity)>,
@@ -298,6 +328,14 @@ pub fn take(
                     {
                         taken.linked += m.len();
                     }
+                    _ if !fill.holds(&src, m.mode()) => {
+                        let from = beneath
+                            .open_beneath(&src, libc::O_PATH | libc::O_NOFOLLOW)
+                            .map_err(CopyError::Source)?;
+                        write_stub(&from, rel, &dst, &m).map_err(CopyError::Local)?;
+                        taken.stubs += 1;
+                        taken.left += m.len();
+                    }
                     _ => {
                         // Cold files are read as their owner: root may be squashed.
                         let reader = Reader::lookup(m.uid()).unwrap_or_else(Reader::root);
@@ -331,6 +369,43 @@ pub fn take(
         let _ = fs::remove_dir_all(&staging);
     }
     result
+}
+
+/// Writes the stub of a cold file into a lazy snapshot: a sparse file of its size, owner,
+/// mode, ACLs and times, marked for overlayfs as metadata only (`trusted.overlay.metacopy`)
+/// with its bytes at `/rel` in the data layer, the snapshot's network directory
+/// (`trusted.overlay.redirect`). `from` is the network file, opened without following.
+pub fn write_stub(from: &OwnedFd, rel: &Path, dst: &Path, m: &fs::Metadata) -> io::Result<()> {
+    let f = fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(dst)?;
+    f.set_len(m.len())?;
+    let redirect = Path::new("/").join(rel);
+    for (name, value) in [
+        (c"trusted.overlay.metacopy", &b""[..]),
+        (c"trusted.overlay.redirect", redirect.as_os_str().as_bytes()),
+    ] {
+        // SAFETY: a valid descriptor, NUL-terminated name, value of the given length.
+        let ret = unsafe {
+            libc::fsetxattr(
+                f.as_raw_fd(),
+                name.as_ptr(),
+                value.as_ptr().cast(),
+                value.len(),
+                0,
+            )
+        };
+        if ret != 0 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    copy::copy_xattrs(from, &f)?;
+    std::os::unix::fs::fchown(&f, Some(m.uid()), Some(m.gid()))?;
+    // After chown, which clears set-id bits.
+    f.set_permissions(fs::Permissions::from_mode(m.mode() & 0o7777))?;
+    copy::set_times(&f, m)
 }
 
 fn set_times(path: &Path, m: &fs::Metadata) {
@@ -398,16 +473,26 @@ mod tests {
         fs::write(root.join("hot.py"), b"x = 1\n").unwrap();
         std::os::unix::fs::symlink("pkg", root.join("alias")).unwrap();
         fs::set_permissions(root.join("pkg/sub"), fs::Permissions::from_mode(0o750)).unwrap();
-        assert_eq!(measure(&tree, &root, u64::MAX, 100), Some((17, 6)));
-        assert_eq!(measure(&tree, &root, 10, 100), None, "over the byte limit");
         assert_eq!(
-            measure(&tree, &root, u64::MAX, 3),
+            measure(&tree, &root, &Fill::Whole, u64::MAX, 100),
+            Some((17, 6))
+        );
+        assert_eq!(
+            measure(&tree, &root, &Fill::Whole, 10, 100),
+            None,
+            "over the byte limit"
+        );
+        assert_eq!(
+            measure(&tree, &root, &Fill::Whole, u64::MAX, 3),
             None,
             "over the entry limit"
         );
         // A symlink on the way from the watched tree is never followed.
         std::os::unix::fs::symlink(&root, tree.join("link")).unwrap();
-        assert_eq!(measure(&tree, &tree.join("link"), u64::MAX, 100), None);
+        assert_eq!(
+            measure(&tree, &tree.join("link"), &Fill::Whole, u64::MAX, 100),
+            None
+        );
         assert!(stamp(&tree, &tree.join("link/pkg")).is_err());
         assert!(stamp(&tree, Path::new("/etc")).is_err(), "outside the tree");
 
@@ -419,7 +504,7 @@ mod tests {
         let tmp = dir.path().join("tmp");
         fs::create_dir_all(&tmp).unwrap();
         let dest = dir.path().join("trees/env/site-packages");
-        let (stamp_taken, taken) = take(&tree, &root, &dest, &tmp, &cached).unwrap();
+        let (stamp_taken, taken) = take(&tree, &root, &Fill::Whole, &dest, &tmp, &cached).unwrap();
         assert_eq!((taken.copied, taken.linked), (11, 6));
         // Every directory was just made: none of their stamps can vouch for them.
         let dirs = stamp_taken
@@ -452,5 +537,50 @@ mod tests {
         // A new entry anywhere changes the stamp.
         fs::write(root.join("pkg/sub/new.py"), b"").unwrap();
         assert_ne!(stamp(&tree, &root).unwrap(), stamp_taken);
+    }
+
+    #[test]
+    fn a_lazy_snapshot_holds_the_working_set_and_stubs_for_the_rest() {
+        let dir = tempfile::tempdir().unwrap();
+        let tree = dir.path().join("net");
+        let root = tree.join("env");
+        fs::create_dir_all(root.join("pkg")).unwrap();
+        fs::write(root.join("pkg/hot.py"), b"x = 1\n").unwrap();
+        fs::write(root.join("pkg/cold.py"), b"never read, 26 bytes long\n").unwrap();
+        fs::write(root.join("pkg/secret.py"), b"k = 2\n").unwrap();
+        fs::set_permissions(root.join("pkg/cold.py"), fs::Permissions::from_mode(0o644)).unwrap();
+        // Not readable by everyone: its bytes are held, since the overlay reads as root.
+        fs::set_permissions(
+            root.join("pkg/secret.py"),
+            fs::Permissions::from_mode(0o640),
+        )
+        .unwrap();
+        let fill = Fill::Lazy([root.join("pkg/hot.py")].into_iter().collect());
+        assert_eq!(measure(&tree, &root, &fill, u64::MAX, 100), Some((12, 4)));
+        let tmp = dir.path().join("tmp");
+        fs::create_dir_all(&tmp).unwrap();
+        let dest = dir.path().join("trees/env");
+        let (_, taken) = take(&tree, &root, &fill, &dest, &tmp, &|_| None).unwrap();
+        assert_eq!((taken.copied, taken.stubs, taken.left), (12, 1, 26));
+        let stub = dest.join("pkg/cold.py");
+        let m = fs::metadata(&stub).unwrap();
+        assert_eq!((m.len(), m.mode() & 0o7777), (26, 0o644));
+        assert_eq!(m.blocks(), 0, "sparse: no bytes held");
+        let xattr = |name: &std::ffi::CStr| {
+            let path = std::ffi::CString::new(stub.as_os_str().as_bytes()).unwrap();
+            let mut v = vec![0u8; 256];
+            // SAFETY: valid C strings and buffer.
+            let n = unsafe {
+                libc::getxattr(path.as_ptr(), name.as_ptr(), v.as_mut_ptr().cast(), v.len())
+            };
+            (n >= 0).then(|| v[..n as usize].to_vec())
+        };
+        assert_eq!(xattr(c"trusted.overlay.metacopy"), Some(Vec::new()));
+        assert_eq!(
+            xattr(c"trusted.overlay.redirect"),
+            Some(b"/pkg/cold.py".to_vec())
+        );
+        assert_eq!(fs::read(dest.join("pkg/hot.py")).unwrap(), b"x = 1\n");
+        assert_eq!(fs::read(dest.join("pkg/secret.py")).unwrap(), b"k = 2\n");
     }
 }

@@ -148,6 +148,7 @@ mod tests {
             target,
             tree: tree.to_owned(),
             expect,
+            lazy: false,
         }
     }
 
@@ -230,6 +231,7 @@ mod tests {
                     identity,
                     racy,
                 }]),
+                lazy: false,
             }]
         };
         assert_eq!(confirm(expect(true), Duration::from_secs(5)).binds.len(), 1);

@@ -104,6 +104,7 @@ mod tests {
             target: target.into(),
             tree: "/net".into(),
             expect: Default::default(),
+            lazy: false,
         };
         let binds = vec![
             bind("/cache/trees/net/env", "/net/env"),

@@ -5,7 +5,7 @@
 //! symlink, so a symlink swapped in cannot redirect a mount.
 
 use std::{
-    ffi::CString,
+    ffi::{CStr, CString},
     io,
     os::{
         fd::{AsRawFd, FromRawFd, OwnedFd},
@@ -19,7 +19,15 @@ use crate::cache::copy::{self, CopyError, Identity};
 // The unified syscall numbers of the new mount API (all architectures but alpha/mips).
 const SYS_OPEN_TREE: libc::c_long = 428;
 const SYS_MOVE_MOUNT: libc::c_long = 429;
+const SYS_FSOPEN: libc::c_long = 430;
+const SYS_FSCONFIG: libc::c_long = 431;
+const SYS_FSMOUNT: libc::c_long = 432;
 const SYS_MOUNT_SETATTR: libc::c_long = 442;
+const FSOPEN_CLOEXEC: libc::c_uint = 1;
+const FSMOUNT_CLOEXEC: libc::c_uint = 1;
+const FSCONFIG_SET_STRING: libc::c_uint = 1;
+const FSCONFIG_SET_FD: libc::c_uint = 5;
+const FSCONFIG_CMD_CREATE: libc::c_uint = 6;
 const OPEN_TREE_CLONE: libc::c_uint = 1;
 const OPEN_TREE_CLOEXEC: libc::c_uint = libc::O_CLOEXEC as libc::c_uint;
 const MOVE_MOUNT_F_EMPTY_PATH: libc::c_uint = 0x4;
@@ -49,6 +57,10 @@ pub struct Bind {
     /// What the network held when the copy was made, checked as a job starts.
     #[serde(default)]
     pub expect: Expect,
+    /// A lazy snapshot: `local` holds every name but only some files' bytes; the others
+    /// are read from `target` on demand, through an overlay (see [`lazy_view`]).
+    #[serde(default)]
+    pub lazy: bool,
 }
 
 /// What a local copy was made from.
@@ -107,33 +119,47 @@ pub fn enter_new_namespace() -> io::Result<()> {
     Ok(())
 }
 
-/// Binds `b.local` read-only, nosuid, nodev over `b.target`.
+/// Binds `b.local` read-only, nosuid, nodev over `b.target`; for a lazy snapshot, the
+/// overlay of `b.local` over the network directory.
 pub fn bind_read_only(b: &Bind) -> io::Result<()> {
     let local = cstr(&b.local)?;
+    // Opened before anything is mounted over it: the network directory itself.
+    let target = open_target(b)?;
     // SAFETY: valid C strings and struct pointers; descriptors are owned on success.
     unsafe {
-        let source = check(libc::syscall(
-            SYS_OPEN_TREE,
-            libc::AT_FDCWD,
-            local.as_ptr(),
-            OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC | libc::AT_SYMLINK_NOFOLLOW as libc::c_uint,
-        ))?;
-        let source = OwnedFd::from_raw_fd(source as i32);
-        let attr = MountAttr {
-            attr_set: MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV,
-            attr_clr: 0,
-            propagation: 0,
-            userns_fd: 0,
+        let source = if b.lazy {
+            let meta = check(
+                libc::open(
+                    local.as_ptr(),
+                    libc::O_PATH | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+                )
+                .into(),
+            )?;
+            lazy_view(&OwnedFd::from_raw_fd(meta as i32), &target)?
+        } else {
+            let source = check(libc::syscall(
+                SYS_OPEN_TREE,
+                libc::AT_FDCWD,
+                local.as_ptr(),
+                OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC | libc::AT_SYMLINK_NOFOLLOW as libc::c_uint,
+            ))?;
+            let source = OwnedFd::from_raw_fd(source as i32);
+            let attr = MountAttr {
+                attr_set: MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV,
+                attr_clr: 0,
+                propagation: 0,
+                userns_fd: 0,
+            };
+            check(libc::syscall(
+                SYS_MOUNT_SETATTR,
+                source.as_raw_fd(),
+                c"".as_ptr(),
+                libc::AT_EMPTY_PATH,
+                &attr as *const MountAttr,
+                size_of::<MountAttr>(),
+            ))?;
+            source
         };
-        check(libc::syscall(
-            SYS_MOUNT_SETATTR,
-            source.as_raw_fd(),
-            c"".as_ptr(),
-            libc::AT_EMPTY_PATH,
-            &attr as *const MountAttr,
-            size_of::<MountAttr>(),
-        ))?;
-        let target = open_target(b)?;
         check(libc::syscall(
             SYS_MOVE_MOUNT,
             source.as_raw_fd(),
@@ -144,6 +170,110 @@ pub fn bind_read_only(b: &Bind) -> io::Result<()> {
         ))?;
     }
     Ok(())
+}
+
+/// A detached, read-only, nosuid, nodev overlay of `meta` (a lazy snapshot's local tree:
+/// directories, symlinks, hot files, and cold files as metacopy stubs redirecting to
+/// their path in `data`) over `data` (the network directory) as a data-only layer
+/// (Linux 6.5; layers given as descriptors, 6.13). Names, attributes, listings and failed
+/// lookups come from `meta` alone; only a cold file's bytes come from `data`, when read.
+/// Both layers are descriptors opened without following a symlink.
+pub fn lazy_view(meta: &OwnedFd, data: &OwnedFd) -> io::Result<OwnedFd> {
+    // SAFETY: plain syscalls with valid C strings; descriptors owned on success.
+    unsafe {
+        let fs = check(libc::syscall(
+            SYS_FSOPEN,
+            c"overlay".as_ptr(),
+            FSOPEN_CLOEXEC,
+        ))?;
+        let fs = OwnedFd::from_raw_fd(fs as i32);
+        let config = |cmd: libc::c_uint, key: &CStr, value: *const libc::c_char, fd: i32| {
+            check(libc::syscall(
+                SYS_FSCONFIG,
+                fs.as_raw_fd(),
+                cmd,
+                key.as_ptr(),
+                value,
+                fd,
+            ))
+            .map_err(|e| io::Error::new(e.kind(), format!("overlay {key:?}: {e}")))
+        };
+        config(
+            FSCONFIG_SET_FD,
+            c"lowerdir+",
+            std::ptr::null(),
+            meta.as_raw_fd(),
+        )?;
+        config(
+            FSCONFIG_SET_FD,
+            c"datadir+",
+            std::ptr::null(),
+            data.as_raw_fd(),
+        )?;
+        // Metacopy stubs and their redirects are what make the layer lazy; they are
+        // trusted only in `meta`, which only root can write.
+        config(FSCONFIG_SET_STRING, c"metacopy", c"on".as_ptr(), 0)?;
+        config(FSCONFIG_SET_STRING, c"redirect_dir", c"follow".as_ptr(), 0)?;
+        check(libc::syscall(
+            SYS_FSCONFIG,
+            fs.as_raw_fd(),
+            FSCONFIG_CMD_CREATE,
+            std::ptr::null::<libc::c_char>(),
+            std::ptr::null::<libc::c_char>(),
+            0,
+        ))
+        .map_err(|e| io::Error::new(e.kind(), format!("overlay: {e}")))?;
+        let mnt = check(libc::syscall(
+            SYS_FSMOUNT,
+            fs.as_raw_fd(),
+            FSMOUNT_CLOEXEC,
+            (MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV) as libc::c_uint,
+        ))?;
+        Ok(OwnedFd::from_raw_fd(mnt as i32))
+    }
+}
+
+/// Whether this kernel shows lazy snapshots: a stub and its file in `tmp` are put
+/// together by [`lazy_view`] and read back through it (the view is never attached).
+pub fn lazy_views_work(tmp: &Path) -> io::Result<()> {
+    let dir = tmp.join(format!("lazy-probe-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let (meta, data) = (dir.join("meta"), dir.join("data"));
+    let result = (|| {
+        std::fs::create_dir_all(&meta)?;
+        std::fs::create_dir_all(&data)?;
+        std::fs::write(data.join("f"), b"read through the overlay")?;
+        let file = std::fs::File::open(data.join("f"))?;
+        let m = file.metadata()?;
+        crate::cache::snapshot::write_stub(
+            &OwnedFd::from(file),
+            Path::new("f"),
+            &meta.join("f"),
+            &m,
+        )?;
+        let open_dir =
+            |p: &Path| -> io::Result<OwnedFd> { Ok(OwnedFd::from(std::fs::File::open(p)?)) };
+        let view = lazy_view(&open_dir(&meta)?, &open_dir(&data)?)?;
+        // SAFETY: a valid descriptor and C string; owned on success.
+        let f = unsafe {
+            let fd = check(
+                libc::openat(
+                    view.as_raw_fd(),
+                    c"f".as_ptr(),
+                    libc::O_RDONLY | libc::O_CLOEXEC,
+                )
+                .into(),
+            )?;
+            std::fs::File::from(OwnedFd::from_raw_fd(fd as i32))
+        };
+        let got = std::io::read_to_string(f)?;
+        if got != "read through the overlay" {
+            return Err(io::Error::other(format!("the view read back {got:?}")));
+        }
+        Ok(())
+    })();
+    let _ = std::fs::remove_dir_all(&dir);
+    result
 }
 
 fn open_target(b: &Bind) -> io::Result<OwnedFd> {
@@ -192,4 +322,22 @@ pub fn detach_in(ns: &OwnedFd, targets: &[PathBuf]) -> io::Result<usize> {
         })?
         .join()
         .map_err(|_| io::Error::other("the detaching thread panicked"))?
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// On this kernel (CI's too) a lazy view is put together and read through; run as
+    /// root, as the daemon is.
+    #[test]
+    fn a_lazy_view_reads_a_stubs_bytes_from_the_data_layer() {
+        let dir = tempfile::tempdir().unwrap();
+        lazy_views_work(dir.path()).unwrap();
+        assert_eq!(
+            std::fs::read_dir(dir.path()).unwrap().count(),
+            0,
+            "cleaned up"
+        );
+    }
 }

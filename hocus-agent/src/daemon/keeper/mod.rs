@@ -160,12 +160,27 @@ pub fn start(config: Config) -> Result<(Handle, thread::JoinHandle<()>)> {
     // so that a worker never waits on the keeper.
     let (done_tx, done_rx) = tokio_mpsc::unbounded_channel::<Done>();
     let (order_tx, order_rx) = tokio_mpsc::channel::<Order>(ORDER_QUEUE);
+    let lazy_views = match mountns::lazy_views_work(cache.tmp_dir()) {
+        Ok(()) => {
+            log::info!(
+                "snapshots are lazy: they hold the working set's bytes, and the other files are read from the network when opened (overlayfs, the network as a data-only layer)"
+            );
+            true
+        }
+        Err(e) => {
+            log::info!(
+                "snapshots copy every file of their tree: this kernel cannot show lazy ones ({e}; overlayfs with data-only layers given as descriptors needs Linux 6.13)"
+            );
+            false
+        }
+    };
     let workers = Workers::start(config.copy_workers, cache.tmp_dir(), done_tx)?;
     let unverified = cache.sources().map(|(s, _)| s.clone()).collect();
     let latest = Latest::default();
     let mut keeper = Keeper {
         latest: latest.clone(),
         effective_ssd_budget: config.ssd_budget,
+        lazy_views,
         config,
         cache,
         pins: Pins::new(),
@@ -211,6 +226,8 @@ struct Keeper {
     config: Config,
     /// The SSD budget, lowered when the cache filesystem turned out to be full.
     effective_ssd_budget: u64,
+    /// Snapshots may leave cold files on the network (`mountns::lazy_view` works here).
+    lazy_views: bool,
     cache: Cache,
     pins: Pins,
     workers: Workers,
@@ -425,6 +442,7 @@ impl Keeper {
                             })
                             .collect(),
                     ),
+                    lazy: snap.lazy,
                 });
                 // A snapshot still being taken is not bound yet: its files are, meanwhile.
                 // Copies from before a restart are bound only once revalidated.
@@ -440,6 +458,7 @@ impl Keeper {
                             target: PathBuf::from(source),
                             tree: tree.clone(),
                             expect: Expect::File(cached.identity),
+                            lazy: false,
                         })
                     });
                 let _ = tx.send(trees.chain(files).collect());

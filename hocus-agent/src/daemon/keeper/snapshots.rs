@@ -21,6 +21,8 @@ pub(super) struct Snapshot {
     pub racy: std::collections::HashSet<PathBuf>,
     /// Bytes it holds beyond the files it shares with the cache.
     pub bytes: u64,
+    /// It holds stubs of files left on the network: shown through an overlay.
+    pub lazy: bool,
 }
 
 impl Keeper {
@@ -35,6 +37,23 @@ impl Keeper {
     pub(super) fn snapshot_of(&self, path: &Path) -> Option<PathBuf> {
         let roots = self.snapshots.keys().chain(self.snapshots_in_flight.keys());
         decide::snapshot_holding(path, roots).cloned()
+    }
+
+    /// Which files a snapshot of `root` holds the bytes of: with lazy views, those of
+    /// the working set under it; else all.
+    fn fill(&self, root: &Path) -> snapshot::Fill {
+        if !self.lazy_views {
+            return snapshot::Fill::Whole;
+        }
+        snapshot::Fill::Lazy(
+            self.profile
+                .files
+                .iter()
+                .map(|f| Path::new(&f.path))
+                .filter(|p| p.starts_with(root))
+                .map(Path::to_owned)
+                .collect(),
+        )
     }
 
     pub(super) fn snapshot_bytes(&self) -> u64 {
@@ -81,7 +100,13 @@ impl Keeper {
             if !self.measuring.insert(chain[0].clone()) {
                 continue;
             }
-            self.workers.send(Work::Measure { tree, chain, room });
+            let fill = self.fill(&chain[0]);
+            self.workers.send(Work::Measure {
+                tree,
+                chain,
+                fill,
+                room,
+            });
         }
     }
 
@@ -151,6 +176,7 @@ impl Keeper {
             }
         }
         self.workers.send(Work::Snapshot {
+            fill: self.fill(&root),
             dest: self.cache.tree_local(&root),
             root,
             tree,
@@ -172,10 +198,12 @@ impl Keeper {
         match result {
             Ok((stamp, taken)) => {
                 log::info!(
-                    "snapshot of {} in place: {} copied, {} shared with cached files",
+                    "snapshot of {} in place: {} copied, {} shared with cached files, {} files ({}) left on the network until read",
                     root.display(),
                     human(taken.copied),
-                    human(taken.linked)
+                    human(taken.linked),
+                    taken.stubs,
+                    human(taken.left)
                 );
                 let tree = self.tree_of(&root).cloned().unwrap_or_default();
                 self.snapshots.insert(
@@ -186,6 +214,7 @@ impl Keeper {
                         stamp,
                         racy: taken.racy.into_iter().collect(),
                         bytes: taken.copied,
+                        lazy: taken.stubs > 0,
                     },
                 );
                 // Pins of files in it move to the snapshot's inodes (the same ones where

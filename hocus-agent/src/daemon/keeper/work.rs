@@ -21,7 +21,7 @@ use tokio::sync::mpsc as tokio_mpsc;
 use crate::cache::{
     copy::{self, CopyError, Identity, Reader, Tree},
     pins,
-    snapshot::{self, Stamp, Taken},
+    snapshot::{self, Fill, Stamp, Taken},
 };
 
 /// A snapshot holds at most this many entries (directories, files, symlinks).
@@ -42,6 +42,7 @@ pub enum Work {
     Snapshot {
         root: PathBuf,
         tree: PathBuf,
+        fill: Fill,
         dest: PathBuf,
         cached: HashMap<PathBuf, (PathBuf, Identity)>,
     },
@@ -61,6 +62,7 @@ pub enum Work {
     Measure {
         tree: PathBuf,
         chain: Vec<PathBuf>,
+        fill: Fill,
         room: u64,
     },
 }
@@ -160,11 +162,12 @@ fn run(work: Work, tmp: &Path) -> Option<Done> {
         Work::Snapshot {
             root,
             tree,
+            fill,
             dest,
             cached,
         } => {
             let cached = |p: &Path| cached.get(p).cloned();
-            let result = snapshot::take(&tree, &root, &dest, tmp, &cached);
+            let result = snapshot::take(&tree, &root, &fill, &dest, tmp, &cached);
             Done::Snapshotted(root, result)
         }
         Work::Pin { source, local } => Done::Pinned(source, pins::map_locked(&local)),
@@ -207,11 +210,16 @@ fn run(work: Work, tmp: &Path) -> Option<Done> {
                 changed_trees,
             }
         }
-        Work::Measure { tree, chain, room } => {
+        Work::Measure {
+            tree,
+            chain,
+            fill,
+            room,
+        } => {
             let mut unsuitable = Vec::new();
             let mut chosen = None;
             for root in &chain {
-                match snapshot::measure(&tree, root, room, SNAPSHOT_MAX_ENTRIES) {
+                match snapshot::measure(&tree, root, &fill, room, SNAPSHOT_MAX_ENTRIES) {
                     Some((bytes, _)) => {
                         chosen = Some((root.clone(), bytes));
                         break;
