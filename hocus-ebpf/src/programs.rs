@@ -396,6 +396,22 @@ pub fn syscall_exit(ctx: RawTracePointContext) -> i32 {
     0
 }
 
+/// The open watched file the descriptor argument of a read, write or ftruncate names:
+/// looked up first (almost every descriptor is not one), then refused for a 32-bit
+/// syscall, whose arguments are not where `l` says.
+#[inline(always)]
+fn watched_file(regs: u64, l: &SyscallLayout, tgid: u32) -> Option<*mut OpenFile> {
+    let key = FdKey {
+        tgid,
+        fd: arg(regs, l.fd)? as u32,
+    };
+    let file = OPEN_FILES.get_ptr_mut(&key)?;
+    if is_compat() {
+        return None;
+    }
+    Some(file)
+}
+
 /// The checks of `is_compat` (a read of kernel memory) come after the cheap tests that
 /// turn away almost every syscall on the node, and before anything is changed or sent.
 fn try_syscall_exit(ctx: &RawTracePointContext) -> Option<()> {
@@ -422,14 +438,7 @@ fn try_syscall_exit(ctx: &RawTracePointContext) -> Option<()> {
     match l.op {
         op::MOUNTS_CHANGE => mounts_change(),
         op::READ if ret > 0 => {
-            let key = FdKey {
-                tgid,
-                fd: arg(regs, l.fd)? as u32,
-            };
-            let file = OPEN_FILES.get_ptr_mut(&key)?;
-            if is_compat() {
-                return None;
-            }
+            let file = watched_file(regs, l, tgid)?;
             // SAFETY: map value pointer; the add is atomic (threads of one process may
             // read one descriptor at once).
             unsafe {
@@ -442,14 +451,7 @@ fn try_syscall_exit(ctx: &RawTracePointContext) -> Option<()> {
         }
         // A failed write changes nothing.
         op::WRITE | op::FTRUNCATE if (l.op == op::WRITE && ret > 0) || ret == 0 => {
-            let key = FdKey {
-                tgid,
-                fd: arg(regs, l.fd)? as u32,
-            };
-            let file = OPEN_FILES.get_ptr_mut(&key)?;
-            if is_compat() {
-                return None;
-            }
+            let file = watched_file(regs, l, tgid)?;
             // SAFETY: map value pointer, valid for this program run.
             let file = unsafe { &mut *file };
             if file.written != 0 {

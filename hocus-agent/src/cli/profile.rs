@@ -81,21 +81,10 @@ fn each_part(
 /// or to standard output.
 pub fn export(ctx: &Context, root: Option<PathBuf>, out: Option<PathBuf>) -> Result<()> {
     let write = |to: &mut dyn Write| -> Result<[usize; 3]> {
-        let mut writer: Option<ProfileWriter<&mut dyn Write>> = None;
-        let mut to = Some(to);
-        each_part(ctx, root.clone(), &mut |part| {
-            let w = match &mut writer {
-                Some(w) => w,
-                None => writer.insert(ProfileWriter::new(
-                    to.take().expect("taken once"),
-                    part.started_unix_ns,
-                )?),
-            };
-            Ok(w.part(&part)?)
-        })?;
-        let writer = writer.expect("the first part always comes");
-        let written = writer.written;
-        writer.finish()?;
+        let mut w = ProfileWriter::new(to);
+        each_part(ctx, root.clone(), &mut |part| Ok(w.part(&part)?))?;
+        let written = w.written;
+        w.finish()?;
         Ok(written)
     };
     match out {

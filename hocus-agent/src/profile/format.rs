@@ -134,7 +134,7 @@ impl Profile {
 
     #[cfg(test)]
     pub fn to_json(&self) -> Vec<u8> {
-        let mut w = ProfileWriter::new(Vec::new(), self.started_unix_ns).expect("in memory");
+        let mut w = ProfileWriter::new(Vec::new());
         w.part(self).expect("in memory");
         w.finish().expect("in memory")
     }
@@ -162,6 +162,8 @@ impl Profile {
 /// names, then directories), so that no whole profile need be held: one entry per line.
 pub struct ProfileWriter<W: Write> {
     out: W,
+    /// The head (version, start) is written: with the first part, which says the start.
+    begun: bool,
     /// The list being written: 0 files, 1 missing names, 2 directories, 3 closed.
     list: usize,
     first: bool,
@@ -172,21 +174,30 @@ pub struct ProfileWriter<W: Write> {
 const LISTS: [&str; 3] = ["files", "missing", "dirs"];
 
 impl<W: Write> ProfileWriter<W> {
-    pub fn new(mut out: W, started_unix_ns: u64) -> io::Result<Self> {
-        write!(
+    pub fn new(out: W) -> Self {
+        Self {
             out,
-            "{{\n  \"version\": {FORMAT_VERSION},\n  \"started_unix_ns\": {started_unix_ns},\n  \"files\": ["
-        )?;
-        Ok(Self {
-            out,
+            begun: false,
             list: 0,
             first: true,
             written: [0; 3],
-        })
+        }
+    }
+
+    fn begin(&mut self, started_unix_ns: u64) -> io::Result<()> {
+        if !self.begun {
+            self.begun = true;
+            write!(
+                self.out,
+                "{{\n  \"version\": {FORMAT_VERSION},\n  \"started_unix_ns\": {started_unix_ns},\n  \"files\": ["
+            )?;
+        }
+        Ok(())
     }
 
     /// Appends a part's entries; a part's lists come after those already written.
     pub fn part(&mut self, p: &Profile) -> io::Result<()> {
+        self.begin(p.started_unix_ns)?;
         for f in &p.files {
             self.entry(0, f)?;
         }
@@ -234,6 +245,7 @@ impl<W: Write> ProfileWriter<W> {
 
     /// Closes the profile; returns the writer, flushed.
     pub fn finish(mut self) -> io::Result<W> {
+        self.begin(0)?;
         self.open(LISTS.len())?;
         self.out.write_all(b"\n}\n")?;
         self.out.flush()?;
@@ -605,9 +617,10 @@ mod tests {
                 mutated: true,
             }],
         };
-        let mut w = ProfileWriter::new(Vec::new(), 7).unwrap();
+        let mut w = ProfileWriter::new(Vec::new());
         for f in &p.files {
             w.part(&Profile {
+                started_unix_ns: 7,
                 files: vec![f.clone()],
                 ..Default::default()
             })
@@ -624,10 +637,16 @@ mod tests {
         assert_eq!(Profile::from_json(&bytes, Path::new("x"), "").unwrap(), p);
         assert_eq!(bytes, p.to_json());
         // An empty profile, and a file after the missing names, which the format cannot say.
-        let empty = ProfileWriter::new(Vec::new(), 1).unwrap().finish().unwrap();
+        let mut w = ProfileWriter::new(Vec::new());
+        w.part(&Profile {
+            started_unix_ns: 1,
+            ..Default::default()
+        })
+        .unwrap();
+        let empty = w.finish().unwrap();
         let back = Profile::from_json(&empty, Path::new("x"), "").unwrap();
         assert_eq!((back.started_unix_ns, back.len()), (1, 0));
-        let mut w = ProfileWriter::new(Vec::new(), 1).unwrap();
+        let mut w = ProfileWriter::new(Vec::new());
         w.part(&Profile {
             missing: p.missing.clone(),
             ..Default::default()

@@ -149,7 +149,7 @@ impl StateDir {
     fn write_snapshot(&mut self, ws: &WorkingSet) -> Result<()> {
         let next = self.generation + 1;
         let path = self.profile_path();
-        let bytes = write_replacing(&path, |w| {
+        let ((), bytes) = write_replacing(&path, |w| {
             w.write_all(STATE_MAGIC)?;
             w.write_all(&next.to_le_bytes())?;
             w.write_all(&ws.started_unix_ns.to_le_bytes())?;
@@ -557,11 +557,12 @@ impl Reader<'_> {
 }
 
 /// Replaces `path` by what `write` produces (temporary file, fsync, rename, fsync of the
-/// directory), keeping the old file's mode; returns the bytes written.
-fn write_replacing<E: From<io::Error>>(
+/// directory), keeping the old file's mode; returns what `write` returned and the bytes
+/// written.
+fn write_replacing<T, E: From<io::Error>>(
     path: &Path,
-    write: impl FnOnce(&mut BufWriter<&File>) -> Result<(), E>,
-) -> Result<u64, E> {
+    write: impl FnOnce(&mut BufWriter<&File>) -> Result<T, E>,
+) -> Result<(T, u64), E> {
     let dir = path.parent().unwrap_or(Path::new("."));
     let name = path.file_name().unwrap_or_default().to_string_lossy();
     let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
@@ -573,7 +574,7 @@ fn write_replacing<E: From<io::Error>>(
             .mode(0o600)
             .open(&tmp)?;
         let mut w = BufWriter::with_capacity(1 << 20, &f);
-        write(&mut w)?;
+        let written = write(&mut w)?;
         w.flush()?;
         drop(w);
         f.sync_all()?;
@@ -586,7 +587,7 @@ fn write_replacing<E: From<io::Error>>(
         let len = f.metadata()?.len();
         fs::rename(&tmp, path)?;
         File::open(dir)?.sync_all()?;
-        Ok(len)
+        Ok((written, len))
     })();
     if result.is_err() {
         let _ = fs::remove_file(&tmp);
@@ -622,12 +623,7 @@ pub fn write_atomically(path: &Path, bytes: &[u8]) -> io::Result<()> {
 /// Replaces `path` with what `write` writes, as [`write_atomically`] does; on an error
 /// `path` is left as it was.
 pub fn replace_with<T>(path: &Path, write: impl FnOnce(&mut dyn Write) -> Result<T>) -> Result<T> {
-    let mut value = None;
-    write_replacing(path, |w| -> Result<()> {
-        value = Some(write(w)?);
-        Ok(())
-    })?;
-    Ok(value.expect("written"))
+    write_replacing(path, |w| write(w)).map(|(written, _)| written)
 }
 
 /// Reads a profile someone exported a batch at a time (see `format::read_stream`), with
@@ -671,6 +667,17 @@ mod tests {
             .collect();
         v.sort();
         v
+    }
+
+    /// A state directory whose snapshot holds one file, its lock, and that working set.
+    fn saved_snapshot_of_one_file() -> (tempfile::TempDir, StateDir, WorkingSet) {
+        let dir = tempfile::tempdir().unwrap();
+        let mut state = StateDir::lock(dir.path()).unwrap();
+        let mut ws = WorkingSet::new(0);
+        ws.open("/net/a", 0, 1);
+        ws.all_changed();
+        state.save(&mut ws).unwrap();
+        (dir, state, ws)
     }
 
     fn reload(dir: &Path) -> WorkingSet {
@@ -730,12 +737,7 @@ mod tests {
 
     #[test]
     fn a_save_cut_by_a_crash_loses_only_itself() {
-        let dir = tempfile::tempdir().unwrap();
-        let mut state = StateDir::lock(dir.path()).unwrap();
-        let mut ws = WorkingSet::new(0);
-        ws.open("/net/a", 0, 1);
-        ws.all_changed();
-        state.save(&mut ws).unwrap();
+        let (dir, mut state, mut ws) = saved_snapshot_of_one_file();
         ws.open("/net/b", 0, 2);
         state.save(&mut ws).unwrap();
         let kept = ws.to_profile();
@@ -764,12 +766,7 @@ mod tests {
 
     #[test]
     fn a_damaged_state_file_is_set_aside_byte_for_byte() {
-        let dir = tempfile::tempdir().unwrap();
-        let mut state = StateDir::lock(dir.path()).unwrap();
-        let mut ws = WorkingSet::new(0);
-        ws.open("/net/a", 0, 1);
-        ws.all_changed();
-        state.save(&mut ws).unwrap();
+        let (dir, mut state, _) = saved_snapshot_of_one_file();
         let path = state.profile_path();
         let mut bytes = fs::read(&path).unwrap();
         let last = bytes.len() - 20;

@@ -64,6 +64,16 @@ struct FileRec {
     bits: u32,
 }
 
+impl FileRec {
+    /// When it was first opened; 0 for a file known only by its attributes or a write.
+    fn first_touch(&self) -> u64 {
+        match self.first_touch_ns {
+            u64::MAX => 0,
+            t => t,
+        }
+    }
+}
+
 #[derive(Clone, Copy, Default)]
 struct MissingRec {
     lookups: u64,
@@ -499,11 +509,7 @@ impl WorkingSet {
             mtime_ns: f.mtime_ns,
             opens: u64::from(f.opens),
             bytes_read: f.bytes_read,
-            first_touch_ns: if f.first_touch_ns == u64::MAX {
-                0
-            } else {
-                f.first_touch_ns
-            },
+            first_touch_ns: f.first_touch(),
             last_touch_ns: f.last_touch_ns,
             users: uids.len() as u32,
             uids,
@@ -682,14 +688,10 @@ impl WorkingSet {
         let mut files: Vec<u32> = (0..self.files.len() as u32)
             .filter(|i| under(self.files[*i as usize].path))
             .collect();
-        let first = |f: &FileRec| match f.first_touch_ns {
-            u64::MAX => 0,
-            t => t,
-        };
         files.sort_by(|a, b| {
             let (x, y) = (&self.files[*a as usize], &self.files[*b as usize]);
-            first(x)
-                .cmp(&first(y))
+            x.first_touch()
+                .cmp(&y.first_touch())
                 .then_with(|| self.paths.cmp(x.path, y.path))
         });
         let by_path = |ids: &mut Vec<PathId>| ids.sort_by(|a, b| self.paths.cmp(*a, *b));
