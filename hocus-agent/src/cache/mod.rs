@@ -9,3 +9,4 @@ pub mod copy;
 pub mod directory;
 pub mod pins;
 pub mod snapshot;
+pub mod walk;

@@ -12,27 +12,31 @@
 
 use std::{
     collections::{BTreeMap, HashSet},
-    ffi::OsStr,
     fs, io,
     os::{
-        fd::{AsRawFd, FromRawFd, IntoRawFd, OwnedFd},
+        fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd},
         unix::{
             ffi::OsStrExt,
-            fs::{MetadataExt, OpenOptionsExt, PermissionsExt},
+            fs::{OpenOptionsExt, PermissionsExt},
         },
     },
     path::{Path, PathBuf},
-    sync::atomic::{AtomicU64, Ordering},
+    sync::{
+        Mutex,
+        atomic::{AtomicBool, AtomicU64, Ordering},
+    },
 };
 
 use nix::{
-    dir::Dir,
-    fcntl::{AtFlags, OFlag, openat},
-    sys::stat::{FileStat, Mode, fstat, fstatat},
+    fcntl::{OFlag, openat, readlinkat},
+    sys::stat::{FileStat, Mode},
 };
 
 use crate::{
-    cache::copy::{self, CopyError, Identity, Reader, Tree},
+    cache::{
+        copy::{self, CopyError, Identity, Reader},
+        walk::{self, At, Met, WALKERS},
+    },
     profile::format::Profile,
 };
 
@@ -113,77 +117,13 @@ pub fn candidates(profile: &Profile, trees: &[PathBuf], unclean: &[&Path]) -> Ve
     out
 }
 
-/// One entry met by [`walk`]: its path below the root, and its attributes (not
-/// following it if it is a symlink).
-struct Entry {
-    rel: PathBuf,
-    stat: FileStat,
-    /// Whether the tree's inode numbers identify files (not on FUSE).
-    stable_inodes: bool,
-}
-
-/// Walks the tree `root` (inside the watched `tree`) from descriptors: the root is opened
-/// beneath the tree with no symlink on the way, and each subdirectory from its parent's
-/// descriptor with O_NOFOLLOW, so no path a user can change is ever resolved. `visit`
-/// sees every entry, the root first (with an empty `rel`); returning false stops the walk.
-fn walk(tree: &Path, root: &Path, mut visit: impl FnMut(&Entry) -> bool) -> io::Result<()> {
-    let tree = Tree::open(tree)?;
-    let stable_inodes = tree.stable_inodes();
-    let top = tree.open_beneath(root, libc::O_RDONLY | libc::O_DIRECTORY)?;
-    let stat = fstat(top.as_raw_fd())?;
-    if !visit(&Entry {
-        rel: PathBuf::new(),
-        stat,
-        stable_inodes,
-    }) {
-        return Ok(());
-    }
-    let mut stack = vec![(PathBuf::new(), top)];
-    while let Some((rel, fd)) = stack.pop() {
-        let mut dir = Dir::from_fd(fd.into_raw_fd())?;
-        let dir_fd = dir.as_raw_fd();
-        let mut subdirs = Vec::new();
-        for entry in dir.iter() {
-            let entry = entry?;
-            let name = entry.file_name();
-            let bytes = name.to_bytes();
-            if bytes == b"." || bytes == b".." {
-                continue;
-            }
-            let stat = fstatat(Some(dir_fd), name, AtFlags::AT_SYMLINK_NOFOLLOW)?;
-            let child = rel.join(OsStr::from_bytes(bytes));
-            if stat.st_mode & libc::S_IFMT == libc::S_IFDIR {
-                subdirs.push((child.clone(), name.to_owned()));
-            }
-            if !visit(&Entry {
-                rel: child,
-                stat,
-                stable_inodes,
-            }) {
-                return Ok(());
-            }
-        }
-        for (child, name) in subdirs {
-            let fd = openat(
-                Some(dir_fd),
-                name.as_c_str(),
-                OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
-                Mode::empty(),
-            )?;
-            // SAFETY: a new descriptor we own.
-            stack.push((child, unsafe { OwnedFd::from_raw_fd(fd) }));
-        }
-    }
-    Ok(())
-}
-
-fn identity(e: &Entry) -> Identity {
-    let s = &e.stat;
+fn identity(m: &Met) -> Identity {
+    let s = &m.stat;
     Identity {
         size: s.st_size as u64,
         mtime_ns: s.st_mtime * 1_000_000_000 + s.st_mtime_nsec,
         ctime_ns: s.st_ctime * 1_000_000_000 + s.st_ctime_nsec,
-        ino: if e.stable_inodes { s.st_ino } else { 0 },
+        ino: if m.stable_inodes { s.st_ino } else { 0 },
         mode: s.st_mode,
         uid: s.st_uid,
         gid: s.st_gid,
@@ -200,35 +140,45 @@ pub fn measure(
     max_bytes: u64,
     max_entries: usize,
 ) -> Option<(u64, usize)> {
-    let (mut bytes, mut entries) = (0u64, 0usize);
-    let mut fits = true;
-    walk(tree, root, |e| {
-        if e.rel.as_os_str().is_empty() {
-            return true;
+    let bytes = AtomicU64::new(0);
+    let entries = AtomicU64::new(0);
+    let fits = AtomicBool::new(true);
+    walk::walk::<io::Error>(tree, root, WALKERS, |m| {
+        if m.rel.as_os_str().is_empty() {
+            return Ok(true);
         }
-        entries += 1;
-        match e.stat.st_mode & libc::S_IFMT {
-            libc::S_IFREG if fill.holds(&root.join(&e.rel), e.stat.st_mode) => {
-                bytes = bytes.saturating_add(e.stat.st_size as u64)
+        let n = entries.fetch_add(1, Ordering::Relaxed) + 1;
+        let mut held = 0;
+        match m.stat.st_mode & libc::S_IFMT {
+            libc::S_IFREG if fill.holds(&root.join(m.rel), m.stat.st_mode) => {
+                held = m.stat.st_size as u64
             }
             libc::S_IFREG | libc::S_IFDIR | libc::S_IFLNK => {}
-            _ => fits = false,
+            _ => fits.store(false, Ordering::Relaxed),
         }
-        fits &= bytes <= max_bytes && entries <= max_entries;
-        fits
+        let b = bytes.fetch_add(held, Ordering::Relaxed).saturating_add(held);
+        if b > max_bytes || n > max_entries as u64 {
+            fits.store(false, Ordering::Relaxed);
+        }
+        Ok(fits.load(Ordering::Relaxed))
     })
     .ok()?;
-    fits.then_some((bytes, entries))
+    fits.into_inner().then(|| {
+        (
+            bytes.into_inner(),
+            entries.into_inner() as usize,
+        )
+    })
 }
 
 /// Reads the stamp of a network tree (inside the watched `tree`).
 pub fn stamp(tree: &Path, root: &Path) -> io::Result<Stamp> {
-    let mut out = Stamp::new();
-    walk(tree, root, |e| {
-        out.insert(e.rel.clone(), identity(e));
-        true
+    let out = Mutex::new(Stamp::new());
+    walk::walk::<io::Error>(tree, root, WALKERS, |m| {
+        out.lock().unwrap().insert(m.rel.to_owned(), identity(m));
+        Ok(true)
     })?;
-    Ok(out)
+    Ok(out.into_inner().unwrap())
 }
 
 /// What taking a snapshot cost: bytes copied from the network, bytes linked from copies
@@ -272,7 +222,7 @@ pub fn take(
     fill: &Fill,
     dest: &Path,
     tmp_dir: &Path,
-    cached: &dyn Fn(&Path) -> Option<(PathBuf, Identity)>,
+    cached: &(dyn Fn(&Path) -> Option<(PathBuf, Identity)> + Sync),
 ) -> Result<(Stamp, Taken), CopyError> {
     let parent = dest
         .parent()
@@ -288,79 +238,78 @@ pub fn take(
     ));
     let result = (|| {
         let read_at = std::time::SystemTime::now();
-        let stamp = stamp(tree, root).map_err(CopyError::Source)?;
-        let beneath = Tree::open(tree).map_err(CopyError::Source)?;
-        let mut taken = Taken {
-            racy: racy(&stamp, read_at),
-            ..Taken::default()
-        };
-        // Parents come before children in a BTreeMap of paths.
-        for (rel, id) in &stamp {
-            let src = root.join(rel);
-            let dst = staging.join(rel);
-            let m = beneath.stat(&src).map_err(CopyError::Source)?;
-            if beneath.identity(&m) != *id {
-                return Err(CopyError::Changed);
-            }
-            let kind = m.file_type();
-            if kind.is_dir() {
-                fs::create_dir(&dst).map_err(CopyError::Local)?;
-                std::os::unix::fs::lchown(&dst, Some(m.uid()), Some(m.gid()))
-                    .map_err(CopyError::Local)?;
-                // Its ACLs (access and default), read from the directory opened beneath
-                // the watched tree; then the mode (after chown, which clears set-id bits).
-                let from = beneath
-                    .open_beneath(&src, libc::O_RDONLY | libc::O_DIRECTORY)
-                    .map_err(CopyError::Source)?;
-                let to = fs::File::open(&dst).map_err(CopyError::Local)?;
-                copy::copy_xattrs(&fs::File::from(from), &to).map_err(CopyError::Local)?;
-                fs::set_permissions(&dst, fs::Permissions::from_mode(m.mode() & 0o7777))
-                    .map_err(CopyError::Local)?;
-            } else if kind.is_symlink() {
-                let target = beneath.readlink(&src).map_err(CopyError::Source)?;
-                std::os::unix::fs::symlink(&target, &dst).map_err(CopyError::Local)?;
-                std::os::unix::fs::lchown(&dst, Some(m.uid()), Some(m.gid()))
-                    .map_err(CopyError::Local)?;
-            } else if kind.is_file() {
-                match cached(&src) {
-                    Some((local, cached_id))
-                        if cached_id == *id && fs::hard_link(&local, &dst).is_ok() =>
-                    {
-                        taken.linked += m.len();
+        let stamp = Mutex::new(Stamp::new());
+        let taken = Mutex::new(Taken::default());
+        let dirs = Mutex::new(Vec::new());
+        // One walk: each entry is made in the staging tree as it is met, from the
+        // attributes and descriptors the walk holds (nothing is looked up again).
+        walk::walk(tree, root, WALKERS, |m| {
+            let dst = staging.join(m.rel);
+            let id = identity(m);
+            match m.at {
+                At::Dir(fd) => {
+                    make_dir(fd, &dst, &m.stat).map_err(CopyError::Local)?;
+                    dirs.lock().unwrap().push((dst, times_of(&m.stat)));
+                }
+                At::Entry { dir, name } => match m.stat.st_mode & libc::S_IFMT {
+                    libc::S_IFLNK => {
+                        let target = readlinkat(Some(dir.as_raw_fd()), name)
+                            .map_err(|e| CopyError::Source(e.into()))?;
+                        std::os::unix::fs::symlink(&target, &dst).map_err(CopyError::Local)?;
+                        std::os::unix::fs::lchown(&dst, Some(m.stat.st_uid), Some(m.stat.st_gid))
+                            .map_err(CopyError::Local)?;
                     }
-                    _ if !fill.holds(&src, m.mode()) => {
-                        let from = beneath
-                            .open_beneath(&src, libc::O_PATH | libc::O_NOFOLLOW)
-                            .map_err(CopyError::Source)?;
-                        write_stub(&from, rel, &dst, &m).map_err(CopyError::Local)?;
-                        taken.stubs += 1;
-                        taken.left += m.len();
+                    libc::S_IFREG => {
+                        let src = root.join(m.rel);
+                        let size = m.stat.st_size as u64;
+                        let cached = cached(&src).filter(|(_, c)| *c == id);
+                        if cached.is_some_and(|(local, _)| fs::hard_link(&local, &dst).is_ok()) {
+                            taken.lock().unwrap().linked += size;
+                        } else if !fill.holds(&src, m.stat.st_mode) {
+                            let from = openat(
+                                Some(dir.as_raw_fd()),
+                                name,
+                                OFlag::O_PATH | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+                                Mode::empty(),
+                            )
+                            .map_err(|e| CopyError::Source(e.into()))?;
+                            // SAFETY: a new descriptor we own.
+                            let from = unsafe { OwnedFd::from_raw_fd(from) };
+                            write_stub(&from, m.rel, &dst, &m.stat).map_err(CopyError::Local)?;
+                            let mut t = taken.lock().unwrap();
+                            t.stubs += 1;
+                            t.left += size;
+                        } else {
+                            // Read as their owner: root may be squashed.
+                            let reader = Reader::lookup(m.stat.st_uid).unwrap_or_else(Reader::root);
+                            // The tree was measured against the room for it.
+                            let got = copy::copy(tree, &src, &reader, tmp_dir, &dst, u64::MAX)?;
+                            if got != id {
+                                return Err(CopyError::Changed);
+                            }
+                            taken.lock().unwrap().copied += size;
+                        }
                     }
                     _ => {
-                        // Cold files are read as their owner: root may be squashed.
-                        let reader = Reader::lookup(m.uid()).unwrap_or_else(Reader::root);
-                        // The tree was measured against the room for it; its stamp holds each size.
-                        let got = copy::copy(tree, &src, &reader, tmp_dir, &dst, u64::MAX)?;
-                        if got != *id {
-                            return Err(CopyError::Changed);
-                        }
-                        taken.copied += m.len();
+                        return Err(CopyError::Unsafe(format!(
+                            "{} is neither a file, a directory nor a symlink",
+                            root.join(m.rel).display()
+                        )));
                     }
-                }
-            } else {
-                return Err(CopyError::Unsafe(format!(
-                    "{} is neither a file, a directory nor a symlink",
-                    src.display()
-                )));
+                },
             }
+            stamp.lock().unwrap().insert(m.rel.to_owned(), id);
+            Ok(true)
+        })?;
+        // Directory times last, deepest first: making their entries changed them.
+        let mut dirs = dirs.into_inner().unwrap();
+        dirs.sort_by(|a, b| b.0.cmp(&a.0));
+        for (dst, times) in dirs {
+            set_times(&dst, &times);
         }
-        // Directory times last: creating their entries changed them.
-        for (rel, _) in stamp.iter().rev() {
-            let src = beneath.stat(&root.join(rel)).map_err(CopyError::Source)?;
-            if src.is_dir() {
-                set_times(&staging.join(rel), &src);
-            }
-        }
+        let stamp = stamp.into_inner().unwrap();
+        let mut taken = taken.into_inner().unwrap();
+        taken.racy = racy(&stamp, read_at);
         let _ = fs::remove_dir_all(dest);
         fs::rename(&staging, dest).map_err(CopyError::Local)?;
         Ok((stamp, taken))
@@ -371,17 +320,41 @@ pub fn take(
     result
 }
 
+/// Makes the directory `dst` of a snapshot like the network directory `from` (open):
+/// owner, ACLs (access and default), then mode (chown clears set-id bits).
+fn make_dir(from: BorrowedFd, dst: &Path, stat: &FileStat) -> io::Result<()> {
+    fs::create_dir(dst)?;
+    std::os::unix::fs::lchown(dst, Some(stat.st_uid), Some(stat.st_gid))?;
+    let to = fs::File::open(dst)?;
+    copy::copy_xattrs(&from, &to)?;
+    to.set_permissions(fs::Permissions::from_mode(stat.st_mode & 0o7777))
+}
+
+/// The access and modification times of `s`, as futimens/utimensat take them.
+fn times_of(s: &FileStat) -> [libc::timespec; 2] {
+    [
+        libc::timespec {
+            tv_sec: s.st_atime,
+            tv_nsec: s.st_atime_nsec,
+        },
+        libc::timespec {
+            tv_sec: s.st_mtime,
+            tv_nsec: s.st_mtime_nsec,
+        },
+    ]
+}
+
 /// Writes the stub of a cold file into a lazy snapshot: a sparse file of its size, owner,
 /// mode, ACLs and times, marked for overlayfs as metadata only (`trusted.overlay.metacopy`)
 /// with its bytes at `/rel` in the data layer, the snapshot's network directory
 /// (`trusted.overlay.redirect`). `from` is the network file, opened without following.
-pub fn write_stub(from: &OwnedFd, rel: &Path, dst: &Path, m: &fs::Metadata) -> io::Result<()> {
+pub fn write_stub(from: &OwnedFd, rel: &Path, dst: &Path, m: &FileStat) -> io::Result<()> {
     let f = fs::OpenOptions::new()
         .write(true)
         .create_new(true)
         .mode(0o600)
         .open(dst)?;
-    f.set_len(m.len())?;
+    f.set_len(m.st_size as u64)?;
     let redirect = Path::new("/").join(rel);
     for (name, value) in [
         (c"trusted.overlay.metacopy", &b""[..]),
@@ -402,18 +375,21 @@ pub fn write_stub(from: &OwnedFd, rel: &Path, dst: &Path, m: &fs::Metadata) -> i
         }
     }
     copy::copy_xattrs(from, &f)?;
-    std::os::unix::fs::fchown(&f, Some(m.uid()), Some(m.gid()))?;
+    std::os::unix::fs::fchown(&f, Some(m.st_uid), Some(m.st_gid))?;
     // After chown, which clears set-id bits.
-    f.set_permissions(fs::Permissions::from_mode(m.mode() & 0o7777))?;
-    copy::set_times(&f, m)
+    f.set_permissions(fs::Permissions::from_mode(m.st_mode & 0o7777))?;
+    let times = times_of(m);
+    // SAFETY: valid pointer to two timespecs.
+    if unsafe { libc::futimens(f.as_raw_fd(), times.as_ptr()) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
 }
 
-fn set_times(path: &Path, m: &fs::Metadata) {
-    let Ok(c) = std::ffi::CString::new(std::os::unix::ffi::OsStrExt::as_bytes(path.as_os_str()))
-    else {
+fn set_times(path: &Path, times: &[libc::timespec; 2]) {
+    let Ok(c) = std::ffi::CString::new(path.as_os_str().as_bytes()) else {
         return;
     };
-    let times = copy::times_of(m);
     // SAFETY: valid C string and two timespecs.
     unsafe {
         libc::utimensat(
@@ -429,6 +405,7 @@ fn set_times(path: &Path, m: &fs::Metadata) {
 mod tests {
     use super::*;
     use crate::profile::working_set::WorkingSet;
+    use std::os::unix::fs::MetadataExt;
 
     #[test]
     fn candidates_are_the_highest_clean_directories_above_activity() {

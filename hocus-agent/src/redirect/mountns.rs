@@ -244,7 +244,7 @@ pub fn lazy_views_work(tmp: &Path) -> io::Result<()> {
         std::fs::create_dir_all(&data)?;
         std::fs::write(data.join("f"), b"read through the overlay")?;
         let file = std::fs::File::open(data.join("f"))?;
-        let m = file.metadata()?;
+        let m = nix::sys::stat::fstat(file.as_raw_fd())?;
         crate::cache::snapshot::write_stub(
             &OwnedFd::from(file),
             Path::new("f"),

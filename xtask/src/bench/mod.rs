@@ -319,6 +319,7 @@ fn run_case(
         .cli(&["prefetch", "--profile", profile.to_str().unwrap()])
         .output()?;
     let prefetch_s = t.elapsed().as_secs_f64();
+    eprintln!("TMPLOG\n{}", agent.log());
     if !exported.status.success() || !warmed.status.success() {
         bail!(
             "prefetching failed: {}",
