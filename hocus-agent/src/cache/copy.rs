@@ -123,6 +123,8 @@ pub enum CopyError {
     Unsafe(String),
     #[error("at {size} bytes it is larger than the {room} bytes left for it")]
     TooLarge { size: u64, room: u64 },
+    #[error("it holds more than {limit} entries")]
+    TooMany { limit: usize },
     #[error("reading it failed: {0}")]
     Source(io::Error),
     #[error("writing the copy failed: {0}")]
@@ -136,7 +138,7 @@ impl CopyError {
             CopyError::Changed => "changed",
             CopyError::NoSpace => "no_space",
             CopyError::Unsafe(_) => "refused",
-            CopyError::TooLarge { .. } => "too_large",
+            CopyError::TooLarge { .. } | CopyError::TooMany { .. } => "too_large",
             CopyError::Source(_) => "read_error",
             CopyError::Local(_) => "write_error",
         }

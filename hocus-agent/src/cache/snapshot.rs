@@ -24,6 +24,7 @@ use std::{
     sync::{
         Mutex,
         atomic::{AtomicBool, AtomicU64, Ordering},
+        mpsc,
     },
 };
 
@@ -156,19 +157,17 @@ pub fn measure(
             libc::S_IFREG | libc::S_IFDIR | libc::S_IFLNK => {}
             _ => fits.store(false, Ordering::Relaxed),
         }
-        let b = bytes.fetch_add(held, Ordering::Relaxed).saturating_add(held);
+        let b = bytes
+            .fetch_add(held, Ordering::Relaxed)
+            .saturating_add(held);
         if b > max_bytes || n > max_entries as u64 {
             fits.store(false, Ordering::Relaxed);
         }
         Ok(fits.load(Ordering::Relaxed))
     })
     .ok()?;
-    fits.into_inner().then(|| {
-        (
-            bytes.into_inner(),
-            entries.into_inner() as usize,
-        )
-    })
+    fits.into_inner()
+        .then(|| (bytes.into_inner(), entries.into_inner() as usize))
 }
 
 /// Reads the stamp of a network tree (inside the watched `tree`).
@@ -187,6 +186,8 @@ pub fn stamp(tree: &Path, root: &Path) -> io::Result<Stamp> {
 pub struct Taken {
     pub copied: u64,
     pub linked: u64,
+    /// Files copied whole from the network (not linked): the cache may adopt them.
+    pub held: Vec<PathBuf>,
     /// Files left on the network (stubs of a lazy snapshot), and their bytes.
     pub stubs: usize,
     pub left: u64,
@@ -214,12 +215,22 @@ fn racy(stamp: &Stamp, read_at: std::time::SystemTime) -> Vec<PathBuf> {
         .collect()
 }
 
+/// What a snapshot may hold at most: the bytes of the files it fills, and entries.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    pub bytes: u64,
+    pub entries: usize,
+}
+
 /// Copies the network tree `root` (inside the watched `tree`) to `dest`, via a staging
-/// directory next to it; of its files, those `fill` says, the others as stubs. `cached` gives the cache's copy of a file and its identity.
+/// directory next to it; of its files, those `fill` says, the others as stubs. `cached`
+/// gives the cache's copy of a file and its identity. A tree beyond `limits` is given up
+/// as soon as the walk knows it (`TooLarge`, `TooMany`): no measuring walk goes first.
 pub fn take(
     tree: &Path,
     root: &Path,
     fill: &Fill,
+    limits: Limits,
     dest: &Path,
     tmp_dir: &Path,
     cached: &(dyn Fn(&Path) -> Option<(PathBuf, Identity)> + Sync),
@@ -241,66 +252,127 @@ pub fn take(
         let stamp = Mutex::new(Stamp::new());
         let taken = Mutex::new(Taken::default());
         let dirs = Mutex::new(Vec::new());
+        // Files whose bytes are copied go to copiers working beside the walk: a
+        // directory is listed by one walker, and its hot files (a __pycache__ of a
+        // hundred) must not be fetched one after another.
+        let (to_copy, copies) = mpsc::channel::<(PathBuf, Identity)>();
+        let copies = Mutex::new(copies);
+        let failed: Mutex<Option<CopyError>> = Mutex::new(None);
+        let copier = || {
+            loop {
+                // The lock only while waiting for the next file.
+                let next = copies.lock().unwrap().recv();
+                let Ok((rel, id)) = next else { break };
+                if failed.lock().unwrap().is_some() {
+                    continue;
+                }
+                // Read as its owner: root may be squashed.
+                let reader = Reader::lookup(id.uid).unwrap_or_else(Reader::root);
+                // The tree was measured against the room for it.
+                match copy::copy(
+                    tree,
+                    &root.join(&rel),
+                    &reader,
+                    tmp_dir,
+                    &staging.join(&rel),
+                    u64::MAX,
+                ) {
+                    Ok(got) if got == id => {
+                        let mut t = taken.lock().unwrap();
+                        t.copied += id.size;
+                        t.held.push(rel);
+                    }
+                    Ok(_) => {
+                        failed.lock().unwrap().get_or_insert(CopyError::Changed);
+                    }
+                    Err(e) => {
+                        failed.lock().unwrap().get_or_insert(e);
+                    }
+                }
+            }
+        };
         // One walk: each entry is made in the staging tree as it is met, from the
         // attributes and descriptors the walk holds (nothing is looked up again).
-        walk::walk(tree, root, WALKERS, |m| {
-            let dst = staging.join(m.rel);
-            let id = identity(m);
-            match m.at {
-                At::Dir(fd) => {
-                    make_dir(fd, &dst, &m.stat).map_err(CopyError::Local)?;
-                    dirs.lock().unwrap().push((dst, times_of(&m.stat)));
-                }
-                At::Entry { dir, name } => match m.stat.st_mode & libc::S_IFMT {
-                    libc::S_IFLNK => {
-                        let target = readlinkat(Some(dir.as_raw_fd()), name)
-                            .map_err(|e| CopyError::Source(e.into()))?;
-                        std::os::unix::fs::symlink(&target, &dst).map_err(CopyError::Local)?;
-                        std::os::unix::fs::lchown(&dst, Some(m.stat.st_uid), Some(m.stat.st_gid))
-                            .map_err(CopyError::Local)?;
-                    }
-                    libc::S_IFREG => {
-                        let src = root.join(m.rel);
-                        let size = m.stat.st_size as u64;
-                        let cached = cached(&src).filter(|(_, c)| *c == id);
-                        if cached.is_some_and(|(local, _)| fs::hard_link(&local, &dst).is_ok()) {
-                            taken.lock().unwrap().linked += size;
-                        } else if !fill.holds(&src, m.stat.st_mode) {
-                            let from = openat(
-                                Some(dir.as_raw_fd()),
-                                name,
-                                OFlag::O_PATH | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
-                                Mode::empty(),
-                            )
-                            .map_err(|e| CopyError::Source(e.into()))?;
-                            // SAFETY: a new descriptor we own.
-                            let from = unsafe { OwnedFd::from_raw_fd(from) };
-                            write_stub(&from, m.rel, &dst, &m.stat).map_err(CopyError::Local)?;
-                            let mut t = taken.lock().unwrap();
-                            t.stubs += 1;
-                            t.left += size;
-                        } else {
-                            // Read as their owner: root may be squashed.
-                            let reader = Reader::lookup(m.stat.st_uid).unwrap_or_else(Reader::root);
-                            // The tree was measured against the room for it.
-                            let got = copy::copy(tree, &src, &reader, tmp_dir, &dst, u64::MAX)?;
-                            if got != id {
-                                return Err(CopyError::Changed);
-                            }
-                            taken.lock().unwrap().copied += size;
-                        }
-                    }
-                    _ => {
-                        return Err(CopyError::Unsafe(format!(
-                            "{} is neither a file, a directory nor a symlink",
-                            root.join(m.rel).display()
-                        )));
-                    }
-                },
+        let walked = std::thread::scope(|s| {
+            for _ in 0..8 {
+                s.spawn(copier);
             }
-            stamp.lock().unwrap().insert(m.rel.to_owned(), id);
-            Ok(true)
-        })?;
+            let (entries, filled) = (AtomicU64::new(0), AtomicU64::new(0));
+            let walked = walk::walk(tree, root, WALKERS, |m| {
+                let dst = staging.join(m.rel);
+                let id = identity(m);
+                if entries.fetch_add(1, Ordering::Relaxed) > limits.entries as u64 {
+                    return Err(CopyError::TooMany {
+                        limit: limits.entries,
+                    });
+                }
+                let file = id.mode & libc::S_IFMT == libc::S_IFREG;
+                if file && fill.holds(&root.join(m.rel), id.mode) {
+                    let size = filled.fetch_add(id.size, Ordering::Relaxed) + id.size;
+                    if size > limits.bytes {
+                        return Err(CopyError::TooLarge {
+                            size,
+                            room: limits.bytes,
+                        });
+                    }
+                }
+                match m.at {
+                    At::Dir(fd) => {
+                        make_dir(fd, &dst, &m.stat).map_err(CopyError::Local)?;
+                        dirs.lock().unwrap().push((dst, times_of(&m.stat)));
+                    }
+                    At::Entry { dir, name } => match m.stat.st_mode & libc::S_IFMT {
+                        libc::S_IFLNK => {
+                            let target = readlinkat(Some(dir.as_raw_fd()), name)
+                                .map_err(|e| CopyError::Source(e.into()))?;
+                            std::os::unix::fs::symlink(&target, &dst).map_err(CopyError::Local)?;
+                            std::os::unix::fs::lchown(&dst, Some(id.uid), Some(id.gid))
+                                .map_err(CopyError::Local)?;
+                        }
+                        libc::S_IFREG => {
+                            let src = root.join(m.rel);
+                            let cached = cached(&src).filter(|(_, c)| *c == id);
+                            if cached.is_some_and(|(local, _)| fs::hard_link(&local, &dst).is_ok())
+                            {
+                                taken.lock().unwrap().linked += id.size;
+                            } else if !fill.holds(&src, id.mode) {
+                                let from = openat(
+                                    Some(dir.as_raw_fd()),
+                                    name,
+                                    OFlag::O_PATH | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+                                    Mode::empty(),
+                                )
+                                .map_err(|e| CopyError::Source(e.into()))?;
+                                // SAFETY: a new descriptor we own.
+                                let from = unsafe { OwnedFd::from_raw_fd(from) };
+                                write_stub(&from, m.rel, &dst, &m.stat)
+                                    .map_err(CopyError::Local)?;
+                                let mut t = taken.lock().unwrap();
+                                t.stubs += 1;
+                                t.left += id.size;
+                            } else {
+                                let _ = to_copy.send((m.rel.to_owned(), id));
+                            }
+                        }
+                        _ => {
+                            return Err(CopyError::Unsafe(format!(
+                                "{} is neither a file, a directory nor a symlink",
+                                root.join(m.rel).display()
+                            )));
+                        }
+                    },
+                }
+                stamp.lock().unwrap().insert(m.rel.to_owned(), id);
+                Ok(failed.lock().unwrap().is_none())
+            });
+            // The copiers finish what was sent, then stop.
+            drop(to_copy);
+            walked
+        });
+        walked?;
+        if let Some(e) = failed.into_inner().unwrap() {
+            return Err(e);
+        }
         // Directory times last, deepest first: making their entries changed them.
         let mut dirs = dirs.into_inner().unwrap();
         dirs.sort_by(|a, b| b.0.cmp(&a.0));
@@ -407,6 +479,11 @@ mod tests {
     use crate::profile::working_set::WorkingSet;
     use std::os::unix::fs::MetadataExt;
 
+    const NONE: Limits = Limits {
+        bytes: u64::MAX,
+        entries: usize::MAX,
+    };
+
     #[test]
     fn candidates_are_the_highest_clean_directories_above_activity() {
         let mut ws = WorkingSet::new(0);
@@ -481,7 +558,8 @@ mod tests {
         let tmp = dir.path().join("tmp");
         fs::create_dir_all(&tmp).unwrap();
         let dest = dir.path().join("trees/env/site-packages");
-        let (stamp_taken, taken) = take(&tree, &root, &Fill::Whole, &dest, &tmp, &cached).unwrap();
+        let (stamp_taken, taken) =
+            take(&tree, &root, &Fill::Whole, NONE, &dest, &tmp, &cached).unwrap();
         assert_eq!((taken.copied, taken.linked), (11, 6));
         // Every directory was just made: none of their stamps can vouch for them.
         let dirs = stamp_taken
@@ -537,7 +615,16 @@ mod tests {
         let tmp = dir.path().join("tmp");
         fs::create_dir_all(&tmp).unwrap();
         let dest = dir.path().join("trees/env");
-        let (_, taken) = take(&tree, &root, &fill, &dest, &tmp, &|_| None).unwrap();
+        // Over a limit, it is given up, and nothing is left behind.
+        for limits in [Limits { bytes: 11, ..NONE }, Limits { entries: 2, ..NONE }] {
+            assert!(matches!(
+                take(&tree, &root, &fill, limits, &dest, &tmp, &|_| None),
+                Err(CopyError::TooLarge { .. } | CopyError::TooMany { .. })
+            ));
+            assert!(!dest.exists());
+            assert_eq!(fs::read_dir(&tmp).unwrap().count(), 0, "staging left");
+        }
+        let (_, taken) = take(&tree, &root, &fill, NONE, &dest, &tmp, &|_| None).unwrap();
         assert_eq!((taken.copied, taken.stubs, taken.left), (12, 1, 26));
         let stub = dest.join("pkg/cold.py");
         let m = fs::metadata(&stub).unwrap();

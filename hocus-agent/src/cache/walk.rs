@@ -49,17 +49,31 @@ pub enum At<'a> {
     Entry { dir: BorrowedFd<'a>, name: &'a CStr },
 }
 
-/// A directory listed but not yet opened: its parent stays open until it is.
-struct Pending {
-    parent: Arc<OwnedFd>,
-    name: CString,
-    rel: PathBuf,
-    stat: FileStat,
+/// Work for a walker: a directory to open and list, or names listed in one to look at.
+enum Task {
+    /// A directory listed but not yet opened: its parent stays open until it is.
+    Dir {
+        parent: Arc<OwnedFd>,
+        name: CString,
+        rel: PathBuf,
+        stat: FileStat,
+    },
+    /// Names in the open directory `dir` (at `rel`), to stat and meet. A directory's
+    /// names are shared out in batches: attributes are a round trip each over the
+    /// network, and a directory of a thousand files must not be one walker's alone.
+    Names {
+        dir: Arc<OwnedFd>,
+        rel: Arc<PathBuf>,
+        names: Vec<CString>,
+    },
 }
 
+/// Names per `Task::Names`.
+const BATCH: usize = 16;
+
 struct Queue {
-    todo: Vec<Pending>,
-    /// Directories being read: while any is, more may come.
+    todo: Vec<Task>,
+    /// Tasks being done: while any is, more may come.
     busy: usize,
     stop: bool,
 }
@@ -91,9 +105,7 @@ where
         return Ok(());
     }
     let mut todo = Vec::new();
-    if !list(&top, Path::new(""), stable_inodes, &visit, &mut todo)? {
-        return Ok(());
-    }
+    list(&top, Path::new(""), &mut todo)?;
     let queue = Mutex::new(Queue {
         todo,
         busy: 0,
@@ -111,9 +123,9 @@ where
                             if q.stop {
                                 return;
                             }
-                            if let Some(p) = q.todo.pop() {
+                            if let Some(t) = q.todo.pop() {
                                 q.busy += 1;
-                                break p;
+                                break t;
                             }
                             if q.busy == 0 {
                                 return;
@@ -122,9 +134,10 @@ where
                         }
                     };
                     let mut found = Vec::new();
-                    let went_on = read_dir(next, stable_inodes, &visit, &mut found);
+                    let went_on = run(next, stable_inodes, &visit, &mut found);
                     let mut q = queue.lock().unwrap();
                     q.busy -= 1;
+                    let (more, idle) = (!found.is_empty(), q.busy == 0);
                     q.todo.append(&mut found);
                     match went_on {
                         Ok(true) => {}
@@ -134,7 +147,9 @@ where
                             failed.lock().unwrap().get_or_insert(e);
                         }
                     }
-                    wake.notify_all();
+                    if more || idle || q.stop {
+                        wake.notify_all();
+                    }
                 }
             });
         }
@@ -145,75 +160,106 @@ where
     }
 }
 
-/// Opens a pending directory from its parent, meets it, and lists it.
-fn read_dir<E: From<io::Error>>(
-    p: Pending,
+/// Does one task; the tasks it makes go to `found`.
+fn run<E: From<io::Error>>(
+    task: Task,
     stable_inodes: bool,
     visit: &impl Fn(&Met) -> Result<bool, E>,
-    found: &mut Vec<Pending>,
+    found: &mut Vec<Task>,
 ) -> Result<bool, E> {
-    let fd = openat(
-        Some(p.parent.as_raw_fd()),
-        p.name.as_c_str(),
-        OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
-        Mode::empty(),
-    )
-    .map_err(io::Error::from)?;
-    drop(p.parent);
-    // SAFETY: a new descriptor we own.
-    let fd = Arc::new(unsafe { OwnedFd::from_raw_fd(fd) });
-    let met = Met {
-        rel: &p.rel,
-        stat: p.stat,
-        stable_inodes,
-        at: At::Dir(fd.as_fd()),
-    };
-    Ok(visit(&met)? && list(&fd, &p.rel, stable_inodes, visit, found)?)
+    match task {
+        Task::Dir {
+            parent,
+            name,
+            rel,
+            stat,
+        } => {
+            let fd = openat(
+                Some(parent.as_raw_fd()),
+                name.as_c_str(),
+                OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+                Mode::empty(),
+            )
+            .map_err(io::Error::from)?;
+            drop(parent);
+            // SAFETY: a new descriptor we own.
+            let fd = Arc::new(unsafe { OwnedFd::from_raw_fd(fd) });
+            let met = Met {
+                rel: &rel,
+                stat,
+                stable_inodes,
+                at: At::Dir(fd.as_fd()),
+            };
+            if !visit(&met)? {
+                return Ok(false);
+            }
+            list(&fd, &rel, found)?;
+            Ok(true)
+        }
+        Task::Names { dir, rel, names } => {
+            for name in names {
+                let stat = fstatat(
+                    Some(dir.as_raw_fd()),
+                    name.as_c_str(),
+                    AtFlags::AT_SYMLINK_NOFOLLOW,
+                )
+                .map_err(io::Error::from)?;
+                let child = rel.join(OsStr::from_bytes(name.to_bytes()));
+                if stat.st_mode & libc::S_IFMT == libc::S_IFDIR {
+                    found.push(Task::Dir {
+                        parent: dir.clone(),
+                        name,
+                        rel: child,
+                        stat,
+                    });
+                    continue;
+                }
+                let met = Met {
+                    rel: &child,
+                    stat,
+                    stable_inodes,
+                    at: At::Entry {
+                        dir: dir.as_fd(),
+                        name: &name,
+                    },
+                };
+                if !visit(&met)? {
+                    return Ok(false);
+                }
+            }
+            Ok(true)
+        }
+    }
 }
 
-/// Meets every entry of the open directory `dir` but its subdirectories, which go to
-/// `found` to be opened and met later.
-fn list<E: From<io::Error>>(
-    dir: &Arc<OwnedFd>,
-    rel: &Path,
-    stable_inodes: bool,
-    visit: &impl Fn(&Met) -> Result<bool, E>,
-    found: &mut Vec<Pending>,
-) -> Result<bool, E> {
-    // The listing reads through its own descriptor; `dir` stays for the opens.
-    let mut names = Dir::from_fd(dir.try_clone()?.into_raw_fd()).map_err(io::Error::from)?;
-    for entry in names.iter() {
-        let entry = entry.map_err(io::Error::from)?;
-        let name = entry.file_name();
+/// Reads the names in the open directory `dir` into batches for the walkers.
+fn list(dir: &Arc<OwnedFd>, rel: &Path, found: &mut Vec<Task>) -> io::Result<()> {
+    // The listing reads through its own descriptor; `dir` stays for the lookups.
+    let mut listing = Dir::from_fd(dir.try_clone()?.into_raw_fd())?;
+    let rel = Arc::new(rel.to_owned());
+    let mut names = Vec::new();
+    for entry in listing.iter() {
+        let name = entry?.file_name().to_owned();
         if matches!(name.to_bytes(), b"." | b"..") {
             continue;
         }
-        let stat = fstatat(Some(dir.as_raw_fd()), name, AtFlags::AT_SYMLINK_NOFOLLOW)
-            .map_err(io::Error::from)?;
-        let child = rel.join(OsStr::from_bytes(name.to_bytes()));
-        if stat.st_mode & libc::S_IFMT == libc::S_IFDIR {
-            found.push(Pending {
-                parent: dir.clone(),
-                name: name.to_owned(),
-                rel: child,
-                stat,
+        names.push(name);
+        if names.len() == BATCH {
+            found.push(Task::Names {
+                dir: dir.clone(),
+                rel: rel.clone(),
+                names: std::mem::take(&mut names),
             });
-            continue;
-        }
-        let met = Met {
-            rel: &child,
-            stat,
-            stable_inodes,
-            at: At::Entry {
-                dir: dir.as_fd(),
-                name,
-            },
-        };
-        if !visit(&met)? {
-            return Ok(false);
         }
     }
-    Ok(true)
+    if !names.is_empty() {
+        found.push(Task::Names {
+            dir: dir.clone(),
+            rel,
+            names,
+        });
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -23,7 +23,7 @@ pub fn init() {
                 writeln!(
                     buf,
                     "[{} {:<5}] {}",
-                    buf.timestamp_seconds(),
+                    buf.timestamp_millis(),
                     record.level(),
                     record.args()
                 )

@@ -73,7 +73,7 @@ pub struct Settings {
     #[arg(long, value_name = "SECONDS")]
     pub revalidate: Option<u64>,
 
-    /// Copies made at once [default: 4].
+    /// Copies made at once: they wait on the network more than they work [default: 8].
     #[arg(long, value_name = "N")]
     pub copy_workers: Option<usize>,
 
@@ -145,7 +145,7 @@ impl Settings {
             include_ext: None,
             exclude: Some(Vec::new()),
             revalidate: Some(30),
-            copy_workers: Some(4),
+            copy_workers: Some(8),
             max_profile_entries: Some(2_000_000),
             max_clients: Some(256),
             max_clients_per_user: Some(16),

@@ -312,14 +312,21 @@ fn run_case(
         ])
         .output()?;
     drop(learner);
-    let agent = Agent::start(&["--watch", net.mount.to_str().unwrap()]);
+    // The cache on a disk of its own, as on a node (see `LocalDisk`).
+    let disk = hocus_tests::LocalDisk::new(4096);
+    let cache_dir = disk.path.join("cache");
+    let agent = Agent::start(&[
+        "--watch",
+        net.mount.to_str().unwrap(),
+        "--cache-dir",
+        cache_dir.to_str().unwrap(),
+    ]);
     drop_caches()?;
     let t = Instant::now();
     let warmed = agent
         .cli(&["prefetch", "--profile", profile.to_str().unwrap()])
         .output()?;
     let prefetch_s = t.elapsed().as_secs_f64();
-    eprintln!("TMPLOG\n{}", agent.log());
     if !exported.status.success() || !warmed.status.success() {
         bail!(
             "prefetching failed: {}",

@@ -77,7 +77,7 @@ impl Config {
             filters: Filters::of(settings),
             revalidate: settings.revalidate(),
             trees: Vec::new(),
-            copy_workers: settings.copy_workers.unwrap_or(4),
+            copy_workers: settings.copy_workers.unwrap_or(8),
         })
     }
 }
@@ -353,8 +353,9 @@ impl Keeper {
             }
             Order::Prefetch(profile, tx) => {
                 self.remember(profile);
-                self.place();
+                // Trees first: files under one being measured are copied by its snapshot.
                 self.consider_snapshots();
+                self.place();
                 let remaining: HashSet<String> = self.in_flight.keys().cloned().collect();
                 let trees: HashSet<PathBuf> = self.snapshots_in_flight.keys().cloned().collect();
                 let progress = Progress {
@@ -609,6 +610,9 @@ impl Keeper {
         let Some(tree) = self.tree_of(Path::new(source)).cloned() else {
             return;
         };
+        if self.snapshot_coming(Path::new(source)) {
+            return; // the snapshot copies it, with the rest of its tree
+        }
         let Some(reader) = self.reader_of(source) else {
             log::debug!("not copying {source}: no user is known to read it");
             return;
@@ -618,6 +622,13 @@ impl Keeper {
             .effective_ssd_budget
             .saturating_sub(self.cache.used().saturating_add(reserved));
         self.in_flight.insert(source.to_owned(), size);
+        // A prefetch under way waits for it too.
+        for w in &mut self.prefetches {
+            if w.remaining.insert(source.to_owned()) {
+                w.progress.files_total += 1;
+                w.progress.bytes_total += size;
+            }
+        }
         self.workers.send(Work::Copy {
             source: source.to_owned(),
             tree,

@@ -2,6 +2,7 @@
 //! pinning through them, and dropping them when their tree changes.
 
 use std::{
+    collections::HashMap,
     path::{Path, PathBuf},
     time::Instant,
 };
@@ -9,7 +10,7 @@ use std::{
 use super::{Keeper, decide, work::Work};
 use crate::{
     cache::{copy::CopyError, snapshot},
-    shared::size::human,
+    shared::{log_line as logs, size::human},
 };
 
 /// A snapshot in place: where it is, and what the network tree was.
@@ -39,6 +40,15 @@ impl Keeper {
         decide::snapshot_holding(path, roots).cloned()
     }
 
+    /// Whether a snapshot holding `path` is being measured or taken: its copy waits,
+    /// and is adopted from the snapshot (or started if none is taken).
+    pub(super) fn snapshot_coming(&self, path: &Path) -> bool {
+        self.measuring
+            .iter()
+            .chain(self.snapshots_in_flight.keys())
+            .any(|root| path.starts_with(root))
+    }
+
     /// Which files a snapshot of `root` holds the bytes of: with lazy views, those of
     /// the working set under it; else all.
     fn fill(&self, root: &Path) -> snapshot::Fill {
@@ -54,6 +64,20 @@ impl Keeper {
                 .map(Path::to_owned)
                 .collect(),
         )
+    }
+
+    /// The bytes of the working set's files under each directory of `chains`.
+    fn hot_bytes(&self, chains: &[Vec<PathBuf>]) -> HashMap<PathBuf, u64> {
+        let mut hot: HashMap<PathBuf, u64> =
+            chains.iter().flatten().map(|d| (d.clone(), 0)).collect();
+        for f in &self.profile.files {
+            for dir in Path::new(&f.path).ancestors().skip(1) {
+                if let Some(bytes) = hot.get_mut(dir) {
+                    *bytes += f.size;
+                }
+            }
+        }
+        hot
     }
 
     pub(super) fn snapshot_bytes(&self) -> u64 {
@@ -74,6 +98,11 @@ impl Keeper {
             .collect();
         let unclean: Vec<&Path> = unclean.iter().map(PathBuf::as_path).collect();
         let chains = snapshot::candidates(&self.profile, &self.config.trees, &unclean);
+        let hot = if self.lazy_views {
+            self.hot_bytes(&chains)
+        } else {
+            HashMap::new()
+        };
         for chain in chains {
             if chain.iter().any(|d| self.snapshot_of(d).is_some()) {
                 continue; // held already, or being taken
@@ -97,6 +126,20 @@ impl Keeper {
             let Some(tree) = chain.first().and_then(|top| self.tree_of(top)).cloned() else {
                 continue;
             };
+            if self.lazy_views {
+                // What a lazy snapshot fills is known: the working set under it (and
+                // files not readable by everyone, few). The highest directory whose
+                // working set fits is taken at once, the walk giving it up if it is too
+                // big after all, and a lower one is tried next.
+                let fits = chain
+                    .iter()
+                    .map(|root| (root, hot.get(root).copied().unwrap_or(0)))
+                    .find(|(_, bytes)| *bytes <= room);
+                if let Some((root, bytes)) = fits {
+                    self.start_snapshot(root.clone(), bytes);
+                }
+                continue;
+            }
             if !self.measuring.insert(chain[0].clone()) {
                 continue;
             }
@@ -122,6 +165,8 @@ impl Keeper {
             self.measuring.remove(top);
         }
         self.start_measured(&chain, chosen, unsuitable);
+        // Copies that waited for this measurement, and are not in the snapshot.
+        self.place();
         if !self.settling() {
             // Prefetches that waited for this measurement may be done.
             self.advance(|_| true);
@@ -175,8 +220,13 @@ impl Keeper {
                 w.progress.tree_bytes_total += bytes;
             }
         }
+        let room = self
+            .effective_ssd_budget
+            .saturating_sub(self.cache.used() + self.snapshot_bytes())
+            / 2;
         self.workers.send(Work::Snapshot {
             fill: self.fill(&root),
+            room,
             dest: self.cache.tree_local(&root),
             root,
             tree,
@@ -206,14 +256,27 @@ impl Keeper {
                     human(taken.left)
                 );
                 let tree = self.tree_of(&root).cloned().unwrap_or_default();
+                let local = self.cache.tree_local(&root);
+                let (files, adopted) = self.adopt(&root, &local, &stamp, &taken.held);
+                // A prefetch waiting for the tree got these files with it.
+                for w in self
+                    .prefetches
+                    .iter_mut()
+                    .filter(|w| w.trees.contains(&root))
+                {
+                    w.progress.files_total += files;
+                    w.progress.files_done += files;
+                    w.progress.bytes_total += adopted;
+                    w.progress.bytes_done += adopted;
+                }
                 self.snapshots.insert(
                     root.clone(),
                     Snapshot {
-                        local: self.cache.tree_local(&root),
+                        local,
                         tree,
                         stamp,
                         racy: taken.racy.into_iter().collect(),
-                        bytes: taken.copied,
+                        bytes: taken.copied - adopted,
                         lazy: taken.stubs > 0,
                     },
                 );
@@ -229,17 +292,76 @@ impl Keeper {
                     self.unpin(&source);
                     self.pin(&source);
                 }
+                // Pins of the files adopted; copies of the wanted files it holds as stubs.
+                self.place();
                 self.report_tree(&root, expected, true);
+            }
+            Err(
+                e @ (CopyError::TooLarge { .. } | CopyError::TooMany { .. } | CopyError::Unsafe(_)),
+            ) => {
+                log::info!(
+                    "no snapshot of {}: {e}; a directory below it may do",
+                    root.display()
+                );
+                self.unsuitable.insert(root.clone(), Instant::now());
+                // Before the report: a prefetch waits for the one tried next.
+                self.consider_snapshots();
+                self.place();
+                self.report_tree(&root, 0, true);
             }
             Err(e) => {
                 log::info!(
                     "no snapshot of {}: {e}; its files are served one by one",
                     root.display()
                 );
+                self.unsuitable.insert(root.clone(), Instant::now());
+                self.place();
                 self.report_tree(&root, expected, false);
-                self.unsuitable.insert(root, Instant::now());
             }
         }
+    }
+
+    /// Makes the wanted files a snapshot copied whole (`held`, below its root) copies
+    /// of the cache too: hard links, so they are held once and pinned through the
+    /// snapshot's inodes, as files the cache had are linked into a snapshot. Returns
+    /// how many, and their bytes, which the cache counts from now on.
+    fn adopt(
+        &mut self,
+        root: &Path,
+        local: &Path,
+        stamp: &snapshot::Stamp,
+        held: &[PathBuf],
+    ) -> (usize, u64) {
+        let (mut files, mut adopted) = (0, 0);
+        for rel in held {
+            let source = root.join(rel).to_string_lossy().into_owned();
+            let Some(id) = stamp.get(rel) else { continue };
+            if !self.wanted.contains_key(&source) || self.cache.contains(&source) {
+                continue;
+            }
+            let dest = self.cache.local(&source);
+            let linked = dest
+                .parent()
+                .map_or(Ok(()), std::fs::create_dir_all)
+                .and_then(|()| std::fs::hard_link(local.join(rel), &dest));
+            match linked {
+                Ok(()) => {
+                    self.cache.insert(&source, *id);
+                    files += 1;
+                    adopted += id.size;
+                    if logs::writes() {
+                        let opener = self.last_opener.remove(&source);
+                        let what = format!(
+                            "copied to SSD with its tree's snapshot ({})",
+                            human(id.size)
+                        );
+                        logs::file_line("cache write", &source, opener.as_ref(), &what);
+                    }
+                }
+                Err(e) => log::debug!("not adopting {source} from its snapshot: {e}"),
+            }
+        }
+        (files, adopted)
     }
 
     pub(super) fn drop_snapshot(&mut self, root: &Path, why: &str) {

@@ -43,6 +43,8 @@ pub enum Work {
         root: PathBuf,
         tree: PathBuf,
         fill: Fill,
+        /// The most bytes it may fill.
+        room: u64,
         dest: PathBuf,
         cached: HashMap<PathBuf, (PathBuf, Identity)>,
     },
@@ -163,11 +165,16 @@ fn run(work: Work, tmp: &Path) -> Option<Done> {
             root,
             tree,
             fill,
+            room,
             dest,
             cached,
         } => {
             let cached = |p: &Path| cached.get(p).cloned();
-            let result = snapshot::take(&tree, &root, &fill, &dest, tmp, &cached);
+            let limits = snapshot::Limits {
+                bytes: room,
+                entries: SNAPSHOT_MAX_ENTRIES,
+            };
+            let result = snapshot::take(&tree, &root, &fill, limits, &dest, tmp, &cached);
             Done::Snapshotted(root, result)
         }
         Work::Pin { source, local } => Done::Pinned(source, pins::map_locked(&local)),
