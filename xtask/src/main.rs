@@ -59,6 +59,13 @@ enum Bench {
         file_mib: usize,
         #[arg(long, default_value_t = 4)]
         epochs: usize,
+        /// Round trip between the client and the server of the network mount, in ms
+        /// (1: a cluster's link; 0: bare loopback).
+        #[arg(long, default_value_t = 1.0)]
+        round_trip_ms: f64,
+        /// A smoke run (CI): 8 files of 1 MiB, two epochs.
+        #[arg(long)]
+        quick: bool,
     },
     /// `import numpy, scipy, pandas` from a network mount with the page cache emptied
     /// every second: local disk, plain, warm and under `hocus-agent run`.
@@ -70,6 +77,9 @@ enum Bench {
         /// (1: a cluster's link; 0: bare loopback).
         #[arg(long, default_value_t = 1.0)]
         round_trip_ms: f64,
+        /// A smoke run (CI): one run of each.
+        #[arg(long)]
+        quick: bool,
     },
     /// What hocus costs processes: a loop of open / read / close / failed stat on an
     /// unwatched local directory and on a watched network mount, with nothing attached,
@@ -104,6 +114,24 @@ enum Bench {
         #[arg(long, default_value_t = 12)]
         idle_secs: u64,
         /// A smoke run (CI): 20,000 files.
+        #[arg(long)]
+        quick: bool,
+    },
+    /// Threads opening a file and failing lookups on a watched tmpfs as fast as they
+    /// can: events the daemon handles per second, and whether what it lost is exactly
+    /// what the ring buffer dropped.
+    Events {
+        #[arg(long, default_value_t = 2)]
+        threads: usize,
+        #[arg(long, default_value_t = 5.0)]
+        seconds: f64,
+        /// A smoke run (CI): one second.
+        #[arg(long)]
+        quick: bool,
+    },
+    /// Every benchmark above, one after the other, with their defaults (or, with
+    /// --quick, their smoke runs: what CI runs so that none of them rots).
+    All {
         #[arg(long)]
         quick: bool,
     },
@@ -145,27 +173,50 @@ fn run(cli: Cli) -> Result<()> {
             files,
             file_mib,
             epochs,
+            round_trip_ms,
+            quick,
         }) => {
             let agent = build(true)?;
-            bench::dataset(
-                &agent,
-                &bench::Dataset {
-                    files,
-                    file_mib,
-                    epochs,
-                },
-            )
+            let d = if quick {
+                bench::Dataset::quick()
+            } else {
+                bench::Dataset {
+                    files: files.max(2),
+                    file_mib: file_mib.max(1),
+                    epochs: epochs.max(2),
+                    round_trip: millis(round_trip_ms),
+                }
+            };
+            bench::dataset(&agent, &d)
         }
         Cmd::Bench(Bench::Imports {
             runs,
             round_trip_ms,
+            quick,
         }) => {
             let agent = build(true)?;
-            bench::imports(
-                &agent,
-                runs,
-                std::time::Duration::from_secs_f64(round_trip_ms.max(0.0) / 1000.0),
-            )
+            let runs = if quick { 1 } else { runs.max(1) };
+            bench::imports(&agent, runs, millis(round_trip_ms))
+        }
+        Cmd::Bench(Bench::Events {
+            threads,
+            seconds,
+            quick,
+        }) => {
+            let agent = build(true)?;
+            let e = if quick {
+                bench::Events::quick()
+            } else {
+                bench::Events {
+                    threads: threads.max(1),
+                    duration: std::time::Duration::from_secs_f64(seconds.max(0.1)),
+                }
+            };
+            bench::events(&agent, &e)
+        }
+        Cmd::Bench(Bench::All { quick }) => {
+            let agent = build(true)?;
+            benchmarks(&agent, quick)
         }
         Cmd::Bench(Bench::Overhead {
             rounds,
@@ -176,7 +227,7 @@ fn run(cli: Cli) -> Result<()> {
             compare_with,
         }) => {
             let agent = build(true)?;
-            let round_trip = std::time::Duration::from_secs_f64(round_trip_ms.max(0.0) / 1000.0);
+            let round_trip = millis(round_trip_ms);
             let o = if quick {
                 bench::Overhead::quick(round_trip)
             } else {
@@ -207,6 +258,65 @@ fn run(cli: Cli) -> Result<()> {
             bench::scale(&agent, &s)
         }
     }
+}
+
+fn millis(ms: f64) -> std::time::Duration {
+    std::time::Duration::from_secs_f64(ms.max(0.0) / 1000.0)
+}
+
+/// Every benchmark, with its defaults or its smoke run.
+fn benchmarks(agent: &Path, quick: bool) -> Result<()> {
+    let round_trip = millis(1.0);
+    let defaults = |quick| if quick { 1 } else { 5 };
+    println!("== bench dataset");
+    if quick {
+        bench::dataset(agent, &bench::Dataset::quick())?;
+    } else {
+        bench::dataset(
+            agent,
+            &bench::Dataset {
+                files: 64,
+                file_mib: 4,
+                epochs: 4,
+                round_trip,
+            },
+        )?;
+    }
+    println!("\n== bench imports");
+    bench::imports(agent, defaults(quick), round_trip)?;
+    println!("\n== bench overhead");
+    let o = if quick {
+        bench::Overhead::quick(round_trip)
+    } else {
+        bench::Overhead {
+            rounds: 5,
+            local_iterations: 300_000,
+            watched_iterations: 1_000,
+            round_trip,
+            compare_with: None,
+        }
+    };
+    bench::overhead(agent, &o)?;
+    println!("\n== bench events");
+    let e = if quick {
+        bench::Events::quick()
+    } else {
+        bench::Events {
+            threads: 2,
+            duration: std::time::Duration::from_secs(5),
+        }
+    };
+    bench::events(agent, &e)?;
+    println!("\n== bench scale");
+    let s = if quick {
+        bench::Scale::quick()
+    } else {
+        bench::Scale {
+            files: 1_000_000,
+            idle: std::time::Duration::from_secs(12),
+        }
+    };
+    bench::scale(agent, &s)
 }
 
 pub fn workspace() -> PathBuf {
@@ -297,12 +407,8 @@ fn test(filter: Option<String>) -> Result<()> {
     if whole {
         // Benchmarks run in CI only as smoke runs: that they work, not what they say
         // (the debug build of the daemon, one short round).
-        println!("== benchmarks, smoke runs (--quick)");
-        bench::overhead(
-            &agent,
-            &bench::Overhead::quick(std::time::Duration::from_millis(1)),
-        )?;
-        bench::scale(&agent, &bench::Scale::quick())?;
+        println!("== benchmarks, smoke runs (bench all --quick)");
+        benchmarks(&agent, true)?;
     }
     Ok(())
 }

@@ -1,49 +1,72 @@
-//! `cargo xtask bench dataset`: epochs over a dataset on a real network mount (sshfs
-//! over loopback), twice the RAM budget, with the page cache emptied before every epoch,
-//! as on a misbehaving node. Plain reads of the network files, then the same epochs with
-//! hocus: after the first epoch, a file hocus holds is read from its local copy (what
-//! `hocus-agent run` redirects to), every other file from the network. Both are measured
-//! in this run; the ratio is what matters, not the seconds.
+//! `cargo xtask bench ...`: benchmarks that print ratios against baselines measured in
+//! the same run, and write their figures as JSON beside their table.
+//!
+//! `dataset`: epochs over a dataset on a real network mount with a realistic round
+//! trip, twice the RAM budget, the page cache emptied before every epoch, as on a
+//! misbehaving node. Each epoch is read twice, interleaved: plainly, and by the same
+//! command under `hocus-agent run` (what a user's job gets). The ratio is what matters,
+//! not the seconds.
 
 use std::{
     fs,
-    io::Read,
     path::{Path, PathBuf},
-    time::Instant,
+    process::{Command, Stdio},
+    time::{Duration, Instant},
 };
 
 use anyhow::{Result, bail};
 use hocus_tests::{Agent, NetworkMount};
 
+mod events;
 mod overhead;
 mod scale;
+pub use events::{Events, events};
 pub use overhead::{Overhead, overhead};
 pub use scale::{Scale, scale};
 
 const MIB: usize = 1 << 20;
 
+/// Writes a benchmark's figures as JSON beside its table (target/bench/NAME.json).
+pub fn write_figures(name: &str, figures: &serde_json::Value) -> Result<()> {
+    let dir = crate::target_dir().join("bench");
+    fs::create_dir_all(&dir)?;
+    let path = dir.join(format!("{name}.json"));
+    fs::write(&path, serde_json::to_vec_pretty(figures)?)?;
+    println!("\nfigures: {}", path.display());
+    Ok(())
+}
+
+/// A share with the given round trip (0: bare loopback).
+fn network(round_trip: Duration) -> NetworkMount {
+    if round_trip.is_zero() {
+        NetworkMount::start()
+    } else {
+        NetworkMount::start_with_round_trip(round_trip)
+    }
+}
+
 pub struct Dataset {
     pub files: usize,
     pub file_mib: usize,
     pub epochs: usize,
+    pub round_trip: Duration,
+}
+
+impl Dataset {
+    /// A smoke run (CI): small files, two epochs.
+    pub fn quick() -> Self {
+        Self {
+            files: 8,
+            file_mib: 1,
+            epochs: 2,
+            round_trip: Duration::from_millis(1),
+        }
+    }
 }
 
 fn drop_caches() -> Result<()> {
     fs::write("/proc/sys/vm/drop_caches", "1")?;
     Ok(())
-}
-
-fn read(path: &Path) -> Result<u64> {
-    let mut f = fs::File::open(path)?;
-    let mut buf = vec![0u8; MIB];
-    let mut total = 0;
-    loop {
-        let n = f.read(&mut buf)?;
-        if n == 0 {
-            return Ok(total);
-        }
-        total += n as u64;
-    }
 }
 
 fn order(n: usize, epoch: usize) -> Vec<usize> {
@@ -58,18 +81,33 @@ fn order(n: usize, epoch: usize) -> Vec<usize> {
     v
 }
 
+/// Runs `cmd` to its end and says how long it took.
+fn timed(cmd: &mut Command) -> Result<f64> {
+    let t = Instant::now();
+    let out = cmd.stdout(Stdio::null()).output()?;
+    if !out.status.success() {
+        bail!("{cmd:?} failed: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    Ok(t.elapsed().as_secs_f64())
+}
+
 pub fn dataset(agent_bin: &Path, d: &Dataset) -> Result<()> {
     if !crate::is_root() {
         bail!("the benchmark mounts filesystems and loads eBPF programs: run it as root");
     }
     // SAFETY: single-threaded at this point.
     unsafe { std::env::set_var("HOCUS_AGENT_BIN", agent_bin) };
-    let net = NetworkMount::start();
+    let net = network(d.round_trip);
     let total_mib = d.files * d.file_mib;
-    let ram_mib = total_mib / 2;
+    let ram_mib = (total_mib / 2).max(1);
     println!(
-        "dataset: {} files of {} MiB ({} MiB) on sshfs over loopback; RAM budget {} MiB; page cache emptied before every epoch",
-        d.files, d.file_mib, total_mib, ram_mib
+        "dataset: {} files of {} MiB ({} MiB) on sshfs with a {:.1} ms round trip; RAM budget {} MiB; \
+         page cache emptied before every read; each epoch read plainly, then by the same `cat` under `hocus-agent run`",
+        d.files,
+        d.file_mib,
+        total_mib,
+        d.round_trip.as_secs_f64() * 1000.0,
+        ram_mib
     );
     let files: Vec<PathBuf> = (0..d.files)
         .map(|i| {
@@ -78,17 +116,6 @@ pub fn dataset(agent_bin: &Path, d: &Dataset) -> Result<()> {
             net.put(&format!("dataset/shard-{i:04}.bin"), &content)
         })
         .collect();
-
-    let mut plain = Vec::new();
-    for epoch in 0..d.epochs {
-        drop_caches()?;
-        let t = Instant::now();
-        for i in order(files.len(), epoch) {
-            read(&files[i])?;
-        }
-        plain.push(t.elapsed().as_secs_f64());
-    }
-
     let agent = Agent::start(&[
         "--watch",
         net.mount.to_str().unwrap(),
@@ -96,56 +123,61 @@ pub fn dataset(agent_bin: &Path, d: &Dataset) -> Result<()> {
         &format!("{ram_mib}M"),
     ]);
     println!(
-        "\n{:>5} {:>10} {:>10} {:>8} {:>10} {:>10}",
-        "EPOCH", "PLAIN", "HOCUS", "SPEEDUP", "FROM RAM", "FROM SSD"
+        "\n{:>5} {:>10} {:>10} {:>8} {:>12} {:>12}",
+        "EPOCH", "PLAIN", "HOCUS", "SPEEDUP", "HELD IN RAM", "HELD ON SSD"
     );
-    let mut ratios = Vec::new();
-    for (epoch, plain_secs) in plain.iter().enumerate() {
+    let (mut ratios, mut epochs) = (Vec::new(), Vec::new());
+    for epoch in 0..d.epochs {
+        let names: Vec<&PathBuf> = order(files.len(), epoch)
+            .into_iter()
+            .map(|i| &files[i])
+            .collect();
+        drop_caches()?;
+        let plain = timed(Command::new("cat").args(&names))?;
         if epoch == 1 {
             agent.settled(); // the first epoch taught hocus the working set
         }
+        // What hocus holds as the epoch starts, as a share of the dataset.
+        let c = agent.cache();
+        let share =
+            |key: &str| c[key].as_u64().unwrap_or(0) as f64 / (total_mib * MIB) as f64 * 100.0;
+        let (ram, ssd) = (
+            share("pinned_bytes"),
+            share("cached_bytes") + share("snapshot_bytes"),
+        );
         drop_caches()?;
-        let status = agent.cache();
-        let (mut ram, mut ssd, mut all) = (0u64, 0u64, 0u64);
-        let t = Instant::now();
-        for i in order(files.len(), epoch) {
-            let copy = agent.local_copy(&files[i]);
-            let bytes = if epoch > 0 && copy.exists() {
-                read(&copy)?
-            } else {
-                read(&files[i])?
-            };
-            all += bytes;
-            if epoch > 0 && copy.exists() {
-                ssd += bytes;
-            }
-        }
-        let secs = t.elapsed().as_secs_f64();
-        if epoch > 0 {
-            // Pinned copies are the cache's RAM tier; the rest of the local reads hit SSD.
-            let pinned = status["pinned_bytes"].as_u64().unwrap_or(0).min(ssd);
-            ram = pinned;
-            ssd -= pinned;
-        }
-        let ratio = plain_secs / secs;
+        let hocus = timed(agent.cli(&["run", "--", "cat"]).args(&names))?;
+        let ratio = plain / hocus;
         if epoch > 0 {
             ratios.push(ratio);
         }
         println!(
-            "{:>5} {:>9.3}s {:>9.3}s {:>7.2}x {:>9.0}% {:>9.0}%",
-            epoch + 1,
-            plain_secs,
-            secs,
-            ratio,
-            100.0 * ram as f64 / all as f64,
-            100.0 * ssd as f64 / all as f64
+            "{:>5} {plain:>9.3}s {hocus:>9.3}s {ratio:>7.2}x {ram:>11.0}% {ssd:>11.0}%",
+            epoch + 1
         );
+        epochs.push(serde_json::json!({
+            "plain_seconds": plain,
+            "hocus_seconds": hocus,
+            "speedup": ratio,
+            "held_in_ram_percent": ram,
+            "held_on_ssd_percent": ssd,
+        }));
     }
     let mean = ratios.iter().sum::<f64>() / ratios.len().max(1) as f64;
     println!(
-        "\nspeed-up from epoch 2 on: {mean:.2}x (plain time / hocus time, same machine, same run)"
+        "\nspeed-up from epoch 2 on: {mean:.2}x (plain time / time under hocus-agent run, same machine, same run)"
     );
-    Ok(())
+    write_figures(
+        "dataset",
+        &serde_json::json!({
+            "files": d.files,
+            "file_mib": d.file_mib,
+            "round_trip_ms": d.round_trip.as_secs_f64() * 1000.0,
+            "ram_budget_mib": ram_mib,
+            "epochs": epochs,
+            "speedup_from_epoch_2": mean,
+        }),
+    )
 }
 
 /// `cargo xtask bench imports`: `import numpy, scipy, pandas` from a directory on a real
@@ -153,7 +185,7 @@ pub fn dataset(agent_bin: &Path, d: &Dataset) -> Result<()> {
 /// misbehaving node): from local disk (the same files, on the server's side), plain from
 /// the network, warm (again right away), and under `hocus-agent run`, each as a ratio to
 /// local disk, in the same run. The goal is within 1.2x of local disk.
-pub fn imports(agent_bin: &Path, runs: usize, round_trip: std::time::Duration) -> Result<()> {
+pub fn imports(agent_bin: &Path, runs: usize, round_trip: Duration) -> Result<()> {
     if !crate::is_root() {
         bail!("the benchmark mounts filesystems and loads eBPF programs: run it as root");
     }
@@ -176,11 +208,8 @@ pub fn imports(agent_bin: &Path, runs: usize, round_trip: std::time::Duration) -
         }
     }
     let jax = hocus_tests::python_packages("jax-0.10.2", &["jax[cpu]==0.10.2", "filelock==3.20.0"]);
-    let net = if round_trip.is_zero() {
-        NetworkMount::start()
-    } else {
-        NetworkMount::start_with_round_trip(round_trip)
-    };
+    let net = network(round_trip);
+    let mut cases = Vec::new();
     for case in [
         Case {
             name: "import numpy, scipy, pandas",
@@ -197,9 +226,16 @@ pub fn imports(agent_bin: &Path, runs: usize, round_trip: std::time::Duration) -
             env: &[("JAX_PLATFORMS", "cpu")],
         },
     ] {
-        run_case(&net, runs, round_trip, &case)?;
+        cases.push(run_case(&net, runs, round_trip, &case)?);
     }
-    Ok(())
+    write_figures(
+        "imports",
+        &serde_json::json!({
+            "runs": runs,
+            "round_trip_ms": round_trip.as_secs_f64() * 1000.0,
+            "cases": cases,
+        }),
+    )
 }
 
 /// One program of the imports benchmark: its packages are copied to the share at
@@ -228,9 +264,9 @@ for f in (lambda v: jnp.sin(v) * 2, lambda v: jnp.cos(v) + v, lambda v: (v ** 2)
 fn run_case(
     net: &NetworkMount,
     runs: usize,
-    round_trip: std::time::Duration,
+    round_trip: Duration,
     case: &Case,
-) -> Result<()> {
+) -> Result<serde_json::Value> {
     let copied = std::process::Command::new("cp")
         .arg("-a")
         .arg(&case.packages)
@@ -252,7 +288,7 @@ fn run_case(
         std::thread::spawn(move || {
             while !stop.load(std::sync::atomic::Ordering::Relaxed) {
                 let _ = drop_caches();
-                std::thread::sleep(std::time::Duration::from_secs(1));
+                std::thread::sleep(Duration::from_secs(1));
             }
         })
     };
@@ -434,7 +470,23 @@ fn run_case(
             "not met"
         }
     );
-    Ok(())
+    Ok(serde_json::json!({
+        "case": case.name,
+        "working_set_files": working_set.len(),
+        "working_set_bytes": ws_bytes,
+        "tree_bytes": tree_bytes,
+        "held_bytes": held,
+        "prefetch_seconds": prefetch_s,
+        "parallel_readers_seconds": parallel_s,
+        "prefetch_vs_readers": prefetch_s / parallel_s,
+        "local_alone_seconds": local_alone_s,
+        "local_seconds": local_s,
+        "plain_seconds": plain_s,
+        "warm_seconds": warm_s,
+        "hocus_run_seconds": hocus_s,
+        "hocus_run_vs_local": hocus_s / local_s,
+        "job_start_check_ms": checks.get(checks.len() / 2),
+    }))
 }
 
 /// Reads every file of `files` to its end, `readers` at a time.

@@ -196,5 +196,28 @@ pub fn overhead(agent_bin: &Path, o: &Overhead) -> Result<()> {
         verdict(daemon.0 - floor.0 <= 0.02),
         verdict(daemon.1 <= 1.10),
     );
-    Ok(())
+    let conditions: Vec<serde_json::Value> = CONDITIONS
+        .iter()
+        .take(conditions)
+        .enumerate()
+        .map(|(i, (_, name))| {
+            serde_json::json!({
+                "condition": name,
+                "unwatched_us": median(&times[i].0),
+                "unwatched_ratio": ratios[i].0,
+                "watched_us": median(&times[i].1),
+                "watched_ratio": ratios[i].1,
+            })
+        })
+        .collect();
+    super::write_figures(
+        "overhead",
+        &serde_json::json!({
+            "rounds": o.rounds,
+            "unwatched_iterations": o.local_iterations,
+            "watched_iterations": o.watched_iterations,
+            "round_trip_ms": o.round_trip.as_secs_f64() * 1000.0,
+            "conditions": conditions,
+        }),
+    )
 }

@@ -7,7 +7,7 @@
 use std::{
     fs::File,
     io::{BufWriter, Write},
-    path::{Path, PathBuf},
+    path::Path,
     process::Command,
     time::{Duration, Instant},
 };
@@ -290,15 +290,5 @@ pub fn scale(agent_bin: &Path, s: &Scale) -> Result<()> {
         "idle_cpu_fraction": idle_cpu,
         "settle_seconds": settled.as_secs_f64(),
     });
-    let json = figures_path("scale");
-    std::fs::write(&json, serde_json::to_vec_pretty(&figures)?)?;
-    println!("\nfigures: {}", json.display());
-    Ok(())
-}
-
-/// Where a benchmark writes its figures (target/bench/NAME.json).
-fn figures_path(name: &str) -> PathBuf {
-    let dir = crate::target_dir().join("bench");
-    let _ = std::fs::create_dir_all(&dir);
-    dir.join(format!("{name}.json"))
+    super::write_figures("scale", &figures)
 }
