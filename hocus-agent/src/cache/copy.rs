@@ -382,27 +382,6 @@ impl Tree {
         File::from(self.open_beneath(path, libc::O_PATH)?).metadata()
     }
 
-    /// Like [`Tree::stat`], but from the server: attributes the client cached (FUSE's
-    /// and NFS's attribute caches) are fetched again first (`AT_STATX_FORCE_SYNC`).
-    pub fn stat_now(&self, path: &Path) -> io::Result<fs::Metadata> {
-        let fd = self.open_beneath(path, libc::O_PATH)?;
-        // SAFETY: a valid descriptor, an empty path and a statx buffer of the right size.
-        let ret = unsafe {
-            let mut stx: libc::statx = std::mem::zeroed();
-            libc::statx(
-                fd.as_raw_fd(),
-                c"".as_ptr(),
-                libc::AT_EMPTY_PATH | libc::AT_STATX_FORCE_SYNC,
-                libc::STATX_BASIC_STATS,
-                &mut stx,
-            )
-        };
-        if ret != 0 {
-            return Err(io::Error::last_os_error());
-        }
-        File::from(fd).metadata()
-    }
-
     /// The names in directory `path` (inside the tree), without `.` and `..`.
     pub fn names(&self, path: &Path) -> io::Result<std::collections::BTreeSet<OsString>> {
         let fd = self.open_beneath(path, libc::O_RDONLY | libc::O_DIRECTORY)?;
@@ -416,6 +395,27 @@ impl Tree {
         }
         Ok(names)
     }
+}
+
+/// The attributes of the open file `fd` (an O_PATH descriptor will do) from the server:
+/// what the client cached (FUSE's and NFS's attribute caches) is fetched again first
+/// (`AT_STATX_FORCE_SYNC`).
+pub fn stat_now(f: &File) -> io::Result<fs::Metadata> {
+    // SAFETY: a valid descriptor, an empty path and a statx buffer of the right size.
+    let ret = unsafe {
+        let mut stx: libc::statx = std::mem::zeroed();
+        libc::statx(
+            f.as_raw_fd(),
+            c"".as_ptr(),
+            libc::AT_EMPTY_PATH | libc::AT_STATX_FORCE_SYNC,
+            libc::STATX_BASIC_STATS,
+            &mut stx,
+        )
+    };
+    if ret != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    f.metadata()
 }
 
 /// This thread's filesystem identity as `reader` until dropped. Raw syscalls: glibc's

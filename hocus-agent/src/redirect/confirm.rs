@@ -6,16 +6,24 @@
 //! renamed changes its directory). The checks run in parallel, bounded in time: what is
 //! not confirmed in time is not bound, and the job reads the network there.
 //!
-//! Each stat asks the server (`Tree::stat_now`): an attribute cached by the client is
-//! what the check must not trust. A directory changed just before its snapshot was
+//! Each stat asks the server (`copy::stat_now`): an attribute cached by the client is
+//! what the check must not trust. A snapshot's directories are checked level by level,
+//! each opened from its parent's descriptor: over a network every component looked up
+//! is a round trip, and a job's start waits for them. A directory changed just before its snapshot was
 //! stamped may change again without a new mtime (seconds on SFTP): its names are
 //! compared with the snapshot's too.
 
 use std::{
     collections::HashMap,
-    path::PathBuf,
+    ffi::CString,
+    fs::File,
+    os::{
+        fd::{AsRawFd, FromRawFd, OwnedFd},
+        unix::ffi::OsStrExt,
+    },
+    path::{Path, PathBuf},
     sync::{
-        Mutex,
+        Arc, Mutex,
         atomic::{AtomicUsize, Ordering},
     },
     thread,
@@ -23,15 +31,17 @@ use std::{
 };
 
 use crate::{
-    cache::copy::{Identity, Tree},
+    cache::copy::{Identity, Tree, stat_now},
     redirect::mountns::{Bind, Expect},
 };
 
 /// One check: the network path, the identity it must still have, and for a racy
-/// directory the snapshot's copy of it, whose names it must still have.
+/// directory the snapshot's copy of it, whose names it must still have. A snapshot's
+/// directory also says where it is below the snapshot's root.
 struct Item<'a> {
     bind: usize,
     path: PathBuf,
+    dir: Option<&'a Path>,
     identity: &'a Identity,
     names_of: Option<PathBuf>,
 }
@@ -39,6 +49,10 @@ struct Item<'a> {
 /// Checks running at once: the network's round trip, not its bandwidth, is what a
 /// stat costs.
 const PARALLEL: usize = 32;
+
+/// Directories held open for their subdirectories' checks at most: beyond, a directory
+/// is looked up from the tree's root.
+const HELD_OPEN: usize = 4096;
 
 /// What the check found.
 #[derive(Debug, Default)]
@@ -51,6 +65,10 @@ pub struct Confirmed {
     pub unchecked: usize,
 }
 
+/// A snapshot's directory, held open (O_PATH) so that those below it are opened from
+/// it: one lookup each, not a resolution of every component from the tree's root.
+type Opened = HashMap<(usize, PathBuf), Arc<File>>;
+
 /// Checks `binds` against the network within `allowed`.
 pub fn confirm(binds: Vec<Bind>, allowed: Duration) -> Confirmed {
     let deadline = Instant::now() + allowed;
@@ -60,52 +78,82 @@ pub fn confirm(binds: Vec<Bind>, allowed: Duration) -> Confirmed {
             .entry(b.tree.clone())
             .or_insert_with(|| Tree::open(&b.tree).ok());
     }
-    // One stat per item: a copied file, or one directory of a snapshot (a snapshot's
-    // directories are checked in parallel too).
-    let mut items: Vec<Item> = Vec::new();
+    // One stat per item: a copied file, or one directory of a snapshot, by depth: the
+    // items of a level are checked in parallel, each directory from its parent's
+    // descriptor, opened on the level before.
+    let mut levels: Vec<Vec<Item>> = Vec::new();
     let mut checks = vec![0usize; binds.len()];
     for (i, b) in binds.iter().enumerate() {
-        let before = items.len();
         match &b.expect {
-            Expect::File(id) => items.push(Item {
-                bind: i,
-                path: b.target.clone(),
-                identity: id,
-                names_of: None,
-            }),
-            Expect::Dirs(dirs) => items.extend(dirs.iter().map(|d| Item {
-                bind: i,
-                path: b.target.join(&d.rel),
-                identity: &d.identity,
-                names_of: d.racy.then(|| b.local.join(&d.rel)),
-            })),
+            Expect::File(id) => {
+                checks[i] = 1;
+                at(
+                    &mut levels,
+                    0,
+                    Item {
+                        bind: i,
+                        path: b.target.clone(),
+                        dir: None,
+                        identity: id,
+                        names_of: None,
+                    },
+                );
+            }
+            Expect::Dirs(dirs) => {
+                checks[i] = dirs.len();
+                for d in dirs {
+                    at(
+                        &mut levels,
+                        d.rel.components().count(),
+                        Item {
+                            bind: i,
+                            path: b.target.join(&d.rel),
+                            dir: Some(&d.rel),
+                            identity: &d.identity,
+                            names_of: d.racy.then(|| b.local.join(&d.rel)),
+                        },
+                    );
+                }
+            }
             Expect::Nothing => {}
         }
-        checks[i] = items.len() - before;
     }
-    let next = AtomicUsize::new(0);
     // Per bind: the checks passed, and whether one failed.
     let results: Mutex<Vec<(usize, bool)>> = Mutex::new(vec![(0, false); binds.len()]);
-    thread::scope(|s| {
-        for _ in 0..PARALLEL.min(items.len()) {
-            s.spawn(|| {
-                while Instant::now() < deadline {
-                    let Some(item) = items.get(next.fetch_add(1, Ordering::Relaxed)) else {
-                        return;
-                    };
-                    let i = item.bind;
-                    let tree = trees.get(&binds[i].tree).and_then(Option::as_ref);
-                    let same = tree.is_some_and(|t| unchanged(t, item));
-                    let mut r = results.lock().unwrap();
-                    if same {
-                        r[i].0 += 1;
-                    } else {
-                        r[i].1 = true;
+    let mut opened = Opened::new();
+    for level in &levels {
+        let next = AtomicUsize::new(0);
+        let now_open = Mutex::new(Opened::new());
+        thread::scope(|s| {
+            for _ in 0..PARALLEL.min(level.len()) {
+                s.spawn(|| {
+                    while Instant::now() < deadline {
+                        let Some(item) = level.get(next.fetch_add(1, Ordering::Relaxed)) else {
+                            return;
+                        };
+                        let i = item.bind;
+                        let tree = trees.get(&binds[i].tree).and_then(Option::as_ref);
+                        let same = tree.and_then(|t| check(t, item, &opened));
+                        let mut r = results.lock().unwrap();
+                        match same {
+                            Some(fd) => {
+                                r[i].0 += 1;
+                                let mut held = now_open.lock().unwrap();
+                                if let (Some(rel), Some(fd)) = (item.dir, fd) {
+                                    if held.len() < HELD_OPEN {
+                                        held.insert((i, rel.to_owned()), Arc::new(fd));
+                                    }
+                                }
+                            }
+                            None => r[i].1 = true,
+                        }
                     }
-                }
-            });
-        }
-    });
+                });
+            }
+        });
+        // Only the level above is needed from here on.
+        opened = now_open.into_inner().unwrap();
+    }
     let results = results.into_inner().unwrap();
     let mut out = Confirmed::default();
     for ((b, (passed, failed)), needed) in binds.into_iter().zip(results).zip(checks) {
@@ -120,20 +168,47 @@ pub fn confirm(binds: Vec<Bind>, allowed: Duration) -> Confirmed {
     out
 }
 
+fn at<'a>(levels: &mut Vec<Vec<Item<'a>>>, depth: usize, item: Item<'a>) {
+    if levels.len() <= depth {
+        levels.resize_with(depth + 1, Vec::new);
+    }
+    levels[depth].push(item);
+}
+
 /// Whether the item's path still has the identity its copy (or its snapshot) was made
-/// at, and for a racy directory still the names of the snapshot's copy.
-fn unchanged(tree: &Tree, item: &Item) -> bool {
-    let same = tree
-        .stat_now(&item.path)
-        .is_ok_and(|m| tree.identity(&m) == *item.identity);
-    same && item.names_of.as_ref().is_none_or(|local| {
+/// at, and for a racy directory still the names of the snapshot's copy: Some, with the
+/// directory held open for those below it; None if not.
+fn check(tree: &Tree, item: &Item, opened: &Opened) -> Option<Option<File>> {
+    let parent = item
+        .dir
+        .and_then(|rel| Some((rel.parent()?, rel.file_name()?)))
+        .and_then(|(parent, name)| Some((opened.get(&(item.bind, parent.to_owned()))?, name)));
+    let fd = match parent {
+        Some((parent, name)) => {
+            let name = CString::new(name.as_bytes()).ok()?;
+            // SAFETY: a valid directory descriptor and C string; owned on success.
+            let fd = unsafe {
+                libc::openat(
+                    parent.as_raw_fd(),
+                    name.as_ptr(),
+                    libc::O_PATH | libc::O_NOFOLLOW | libc::O_DIRECTORY | libc::O_CLOEXEC,
+                )
+            };
+            // SAFETY: as above.
+            (fd >= 0).then(|| File::from(unsafe { OwnedFd::from_raw_fd(fd) }))?
+        }
+        None => File::from(tree.open_beneath(&item.path, libc::O_PATH).ok()?),
+    };
+    let same = stat_now(&fd).is_ok_and(|m| tree.identity(&m) == *item.identity);
+    let names_same = item.names_of.as_ref().is_none_or(|local| {
         let local_names = std::fs::read_dir(local).and_then(|entries| {
             entries
                 .map(|e| e.map(|e| e.file_name()))
                 .collect::<std::io::Result<std::collections::BTreeSet<_>>>()
         });
         matches!((tree.names(&item.path), local_names), (Ok(a), Ok(b)) if a == b)
-    })
+    });
+    (same && names_same).then(|| item.dir.map(|_| fd))
 }
 
 #[cfg(test)]
