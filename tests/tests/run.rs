@@ -395,6 +395,26 @@ fn a_python_environment_is_served_from_its_snapshot_without_touching_the_network
         "{}",
         &net.server_log()[before..]
     );
+    // Read on the node, it joins the working set after the snapshot was taken: its
+    // copy fills the snapshot's stub, and later jobs read it locally.
+    let cold = net.path("env/lib/mypkg/cold.py");
+    read_all(&cold);
+    cached(&agent, &cold);
+    wait_until(30, "the cold file's copy", || agent.local_copy(&cold).exists());
+    agent.settled();
+    let before = net.server_log().len();
+    let out = agent
+        .cli(&["run", "--", "cat", cold.to_str().unwrap()])
+        .current_dir("/")
+        .output()
+        .unwrap();
+    assert_eq!(text(&out.stdout), "raise SystemExit('never imported')\n");
+    assert!(
+        !opened_cold(&net.server_log()[before..]),
+        "a file copied after its snapshot was taken is still read from the server:\n{}\n{}",
+        &net.server_log()[before..],
+        agent.log()
+    );
 }
 
 #[test]

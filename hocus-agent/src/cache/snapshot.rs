@@ -458,6 +458,22 @@ pub fn write_stub(from: &OwnedFd, rel: &Path, dst: &Path, m: &FileStat) -> io::R
     Ok(())
 }
 
+/// Whether `path` (in a snapshot) is a stub: its bytes are on the network.
+pub fn is_stub(path: &Path) -> bool {
+    let Ok(c) = std::ffi::CString::new(path.as_os_str().as_bytes()) else {
+        return false;
+    };
+    // SAFETY: a valid C string; a zero-sized query reads nothing.
+    unsafe {
+        libc::lgetxattr(
+            c.as_ptr(),
+            c"trusted.overlay.metacopy".as_ptr(),
+            std::ptr::null_mut(),
+            0,
+        ) >= 0
+    }
+}
+
 fn set_times(path: &Path, times: &[libc::timespec; 2]) {
     let Ok(c) = std::ffi::CString::new(path.as_os_str().as_bytes()) else {
         return;
@@ -630,6 +646,7 @@ mod tests {
         let m = fs::metadata(&stub).unwrap();
         assert_eq!((m.len(), m.mode() & 0o7777), (26, 0o644));
         assert_eq!(m.blocks(), 0, "sparse: no bytes held");
+        assert!(is_stub(&stub) && !is_stub(&dest.join("pkg/hot.py")));
         let xattr = |name: &std::ffi::CStr| {
             let path = std::ffi::CString::new(stub.as_os_str().as_bytes()).unwrap();
             let mut v = vec![0u8; 256];

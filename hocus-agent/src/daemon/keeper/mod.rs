@@ -686,6 +686,8 @@ impl Keeper {
                     self.cache.remove(&source); // no longer wanted
                 } else {
                     ok = true;
+                    // Before the pin: it goes through the snapshot's inode.
+                    self.fill_stub(&source, &identity);
                     if wanted == Some(true) {
                         self.pin(&source);
                     }

@@ -9,7 +9,10 @@ use std::{
 
 use super::{Keeper, decide, work::Work};
 use crate::{
-    cache::{copy::CopyError, snapshot},
+    cache::{
+        copy::{self, CopyError},
+        snapshot,
+    },
     shared::{log_line as logs, size::human},
 };
 
@@ -362,6 +365,34 @@ impl Keeper {
             }
         }
         (files, adopted)
+    }
+
+    /// A file copied into the cache that a lazy snapshot holds as a stub (it became hot
+    /// after the snapshot was taken): the stub is replaced by a hard link to the copy,
+    /// so that later jobs read it locally, as if the snapshot had held it from the
+    /// start. Only at the identity the snapshot was stamped with; a job already running
+    /// may see either, whose bytes are the same.
+    pub(super) fn fill_stub(&mut self, source: &str, identity: &copy::Identity) {
+        let Some((root, snap)) = self.held_snapshot(Path::new(source)) else {
+            return;
+        };
+        let Ok(rel) = Path::new(source).strip_prefix(root) else {
+            return;
+        };
+        if !snap.lazy || snap.stamp.get(rel) != Some(identity) {
+            return;
+        }
+        let stub = snap.local.join(rel);
+        if !snapshot::is_stub(&stub) {
+            return; // held already
+        }
+        let staged = stub.with_file_name(format!(".hocus-fill-{}", std::process::id()));
+        let filled = std::fs::hard_link(self.cache.local(source), &staged)
+            .and_then(|()| std::fs::rename(&staged, &stub));
+        if let Err(e) = filled {
+            let _ = std::fs::remove_file(&staged);
+            log::debug!("could not fill the stub of {source} in its snapshot: {e}");
+        }
     }
 
     pub(super) fn drop_snapshot(&mut self, root: &Path, why: &str) {
