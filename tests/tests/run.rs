@@ -400,7 +400,9 @@ fn a_python_environment_is_served_from_its_snapshot_without_touching_the_network
     let cold = net.path("env/lib/mypkg/cold.py");
     read_all(&cold);
     cached(&agent, &cold);
-    wait_until(30, "the cold file's copy", || agent.local_copy(&cold).exists());
+    wait_until(30, "the cold file's copy", || {
+        agent.local_copy(&cold).exists()
+    });
     agent.settled();
     let before = net.server_log().len();
     let out = agent
@@ -414,6 +416,67 @@ fn a_python_environment_is_served_from_its_snapshot_without_touching_the_network
         "a file copied after its snapshot was taken is still read from the server:\n{}\n{}",
         &net.server_log()[before..],
         agent.log()
+    );
+}
+
+#[test]
+fn whole_snapshots_hold_cold_files_too() {
+    // What kernels without lazy views get; here asked for.
+    let net = NetworkMount::start();
+    net.put("env/mypkg/__init__.py", b"VALUE = 41\n");
+    net.put("env/mypkg/cold.py", b"never imported\n");
+    let agent = Agent::start(&["--watch", net.mount.to_str().unwrap(), "--whole-snapshots"]);
+    assert!(
+        agent
+            .log()
+            .contains("snapshots copy every file of their tree (whole-snapshots)")
+    );
+    let script = "import mypkg; print(mypkg.VALUE + 1)";
+    let python = |cmd: &mut Command| {
+        let out = cmd
+            .env("PYTHONPATH", net.path("env"))
+            .env("PYTHONDONTWRITEBYTECODE", "1")
+            .current_dir("/")
+            .output()
+            .unwrap();
+        assert_success(&out);
+        text(&out.stdout)
+    };
+    assert_eq!(python(Command::new("python3").args(["-c", script])), "42\n");
+    let env = net.path("env");
+    wait_until(30, "a snapshot of the environment", || {
+        agent.cache()["snapshots"]
+            .as_array()
+            .is_some_and(|s| s.iter().any(|p| p == env.to_str().unwrap()))
+    });
+    assert!(
+        agent.log().contains("0 files (0 B) left on the network"),
+        "{}",
+        agent.log()
+    );
+    assert_eq!(
+        python(&mut agent.cli(&["run", "--", "python3", "-c", script])),
+        "42\n"
+    );
+    // The cold file's bytes are local: a job reads it without the server.
+    let cold = format!("open \"{}", net.server_path("env/mypkg/cold.py").display());
+    let before = net.server_log().len();
+    let out = agent
+        .cli(&[
+            "run",
+            "--",
+            "cat",
+            env.join("mypkg/cold.py").to_str().unwrap(),
+        ])
+        .current_dir("/")
+        .output()
+        .unwrap();
+    assert_eq!(text(&out.stdout), "never imported\n");
+    let log = net.server_log();
+    assert!(
+        !log[before..].lines().any(|l| l.contains(&cold)),
+        "{}",
+        &log[before..]
     );
 }
 

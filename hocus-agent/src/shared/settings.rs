@@ -77,6 +77,12 @@ pub struct Settings {
     #[arg(long, value_name = "N")]
     pub copy_workers: Option<usize>,
 
+    /// Snapshots copy every file of their tree, cold ones too, instead of leaving cold
+    /// files on the network behind an overlay (what kernels without overlayfs data-only
+    /// layers given as descriptors get anyway) [default: false].
+    #[arg(long, value_name = "BOOL", num_args = 0..=1, require_equals = true, default_missing_value = "true")]
+    pub whole_snapshots: Option<bool>,
+
     /// Entries (files, missing names, directories) the working set holds at most; beyond,
     /// new names read are not recorded (writes always are) [default: 2000000].
     #[arg(long, value_name = "N")]
@@ -127,7 +133,8 @@ impl Settings {
     /// These settings, with the unset ones taken from `other`.
     pub fn or(self, other: Settings) -> Settings {
         either!(self, other; watch, state_dir, socket, save_interval, cache_dir, ssd_budget,
-            ram_budget, include_ext, exclude, revalidate, copy_workers, max_profile_entries, max_clients,
+            ram_budget, include_ext, exclude, revalidate, copy_workers, whole_snapshots,
+            max_profile_entries, max_clients,
             max_clients_per_user, metrics_addr, no_metrics, log_hits, log_misses, log_writes,
             log_format)
     }
@@ -146,6 +153,7 @@ impl Settings {
             exclude: Some(Vec::new()),
             revalidate: Some(30),
             copy_workers: Some(8),
+            whole_snapshots: Some(false),
             max_profile_entries: Some(2_000_000),
             max_clients: Some(256),
             max_clients_per_user: Some(16),
@@ -272,6 +280,10 @@ impl Settings {
         check("socket", self.socket != other.socket);
         check("cache-dir", self.cache_dir != other.cache_dir);
         check("copy-workers", self.copy_workers != other.copy_workers);
+        check(
+            "whole-snapshots",
+            self.whole_snapshots != other.whole_snapshots,
+        );
         check("max-clients", self.max_clients != other.max_clients);
         check(
             "max-clients-per-user",

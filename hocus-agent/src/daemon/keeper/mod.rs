@@ -64,6 +64,8 @@ pub struct Config {
     pub revalidate: Duration,
     pub trees: Vec<PathBuf>,
     pub copy_workers: usize,
+    /// Snapshots hold every file's bytes, even where lazy ones would work.
+    pub whole_snapshots: bool,
 }
 
 impl Config {
@@ -78,6 +80,7 @@ impl Config {
             revalidate: settings.revalidate(),
             trees: Vec::new(),
             copy_workers: settings.copy_workers.unwrap_or(8),
+            whole_snapshots: settings.whole_snapshots.unwrap_or(false),
         })
     }
 }
@@ -160,19 +163,11 @@ pub fn start(config: Config) -> Result<(Handle, thread::JoinHandle<()>)> {
     // so that a worker never waits on the keeper.
     let (done_tx, done_rx) = tokio_mpsc::unbounded_channel::<Done>();
     let (order_tx, order_rx) = tokio_mpsc::channel::<Order>(ORDER_QUEUE);
-    let lazy_views = match mountns::lazy_views_work(cache.tmp_dir()) {
-        Ok(()) => {
-            log::info!(
-                "snapshots are lazy: they hold the working set's bytes, and the other files are read from the network when opened (overlayfs, the network as a data-only layer)"
-            );
-            true
-        }
-        Err(e) => {
-            log::info!(
-                "snapshots copy every file of their tree: this kernel cannot show lazy ones ({e}; overlayfs with data-only layers given as descriptors needs Linux 6.13)"
-            );
-            false
-        }
+    let lazy_views = if config.whole_snapshots {
+        log::info!("snapshots copy every file of their tree (whole-snapshots)");
+        false
+    } else {
+        lazy_views_here(cache.tmp_dir())
     };
     let workers = Workers::start(config.copy_workers, cache.tmp_dir(), done_tx)?;
     let unverified = cache.sources().map(|(s, _)| s.clone()).collect();
@@ -218,6 +213,24 @@ pub fn start(config: Config) -> Result<(Handle, thread::JoinHandle<()>)> {
         .name("hocus-keeper".into())
         .spawn(move || keeper.run(order_rx, done_rx))?;
     Ok((Handle::new(order_tx, latest), handle))
+}
+
+/// Whether this kernel shows lazy snapshots, said in the log either way.
+fn lazy_views_here(tmp: &std::path::Path) -> bool {
+    match mountns::lazy_views_work(tmp) {
+        Ok(()) => {
+            log::info!(
+                "snapshots are lazy: they hold the working set's bytes, and the other files are read from the network when opened (overlayfs, the network as a data-only layer)"
+            );
+            true
+        }
+        Err(e) => {
+            log::info!(
+                "snapshots copy every file of their tree: this kernel cannot show lazy ones ({e}; overlayfs with data-only layers given as descriptors needs Linux 6.13)"
+            );
+            false
+        }
+    }
 }
 
 struct Keeper {
