@@ -27,6 +27,23 @@ fn text(b: &[u8]) -> String {
 /// The mountinfo lines of the job's own namespace that bind onto the mount.
 const BINDS: &str = "awk '$5 ~ \"^/\" {print $5, $6}' /proc/self/mountinfo";
 
+/// `cat PATH` as a job under hocus: what it printed, and the server's log meanwhile.
+fn cat_in_job(agent: &Agent, net: &NetworkMount, path: &Path) -> (String, String) {
+    let before = net.server_log().len();
+    let out = agent
+        .cli(&["run", "--", "cat", path.to_str().unwrap()])
+        .current_dir("/")
+        .output()
+        .unwrap();
+    (text(&out.stdout), net.server_log()[before..].to_owned())
+}
+
+/// Whether the server's `log` shows the file `rel` (of the share) opened.
+fn opened(net: &NetworkMount, log: &str, rel: &str) -> bool {
+    let open = format!("open \"{}", net.server_path(rel).display());
+    log.lines().any(|l| l.contains(&open))
+}
+
 fn cached(agent: &Agent, path: &std::path::Path) {
     let copy = agent.local_copy(path);
     // On disk, and taken into the daemon's cache (what jobs get bound).
@@ -370,51 +387,22 @@ fn a_python_environment_is_served_from_its_snapshot_without_touching_the_network
     // A cold module is in the snapshot too, as a name: its bytes stayed on the server
     // (a lazy snapshot holds the working set's) until a job reads it, through the
     // snapshot's overlay.
-    let opened_cold = |log: &str| {
-        let cold = format!(
-            "open \"{}",
-            net.server_path("env/lib/mypkg/cold.py").display()
-        );
-        log.lines().any(|l| l.contains(&cold))
-    };
+    let cold = net.path("env/lib/mypkg/cold.py");
+    let opened_cold = |log: &str| opened(&net, log, "env/lib/mypkg/cold.py");
     assert!(!opened_cold(&net.server_log()), "{}", net.server_log());
-    let before = net.server_log().len();
-    let out = agent
-        .cli(&[
-            "run",
-            "--",
-            "cat",
-            net.path("env/lib/mypkg/cold.py").to_str().unwrap(),
-        ])
-        .current_dir("/")
-        .output()
-        .unwrap();
-    assert_eq!(text(&out.stdout), "raise SystemExit('never imported')\n");
-    assert!(
-        opened_cold(&net.server_log()[before..]),
-        "{}",
-        &net.server_log()[before..]
-    );
+    let (out, log) = cat_in_job(&agent, &net, &cold);
+    assert_eq!(out, "raise SystemExit('never imported')\n");
+    assert!(opened_cold(&log), "{log}");
     // Read on the node, it joins the working set after the snapshot was taken: its
     // copy fills the snapshot's stub, and later jobs read it locally.
-    let cold = net.path("env/lib/mypkg/cold.py");
     read_all(&cold);
     cached(&agent, &cold);
-    wait_until(30, "the cold file's copy", || {
-        agent.local_copy(&cold).exists()
-    });
     agent.settled();
-    let before = net.server_log().len();
-    let out = agent
-        .cli(&["run", "--", "cat", cold.to_str().unwrap()])
-        .current_dir("/")
-        .output()
-        .unwrap();
-    assert_eq!(text(&out.stdout), "raise SystemExit('never imported')\n");
+    let (out, log) = cat_in_job(&agent, &net, &cold);
+    assert_eq!(out, "raise SystemExit('never imported')\n");
     assert!(
-        !opened_cold(&net.server_log()[before..]),
-        "a file copied after its snapshot was taken is still read from the server:\n{}\n{}",
-        &net.server_log()[before..],
+        !opened_cold(&log),
+        "a file copied after its snapshot was taken is still read from the server:\n{log}\n{}",
         agent.log()
     );
 }
@@ -459,25 +447,9 @@ fn whole_snapshots_hold_cold_files_too() {
         "42\n"
     );
     // The cold file's bytes are local: a job reads it without the server.
-    let cold = format!("open \"{}", net.server_path("env/mypkg/cold.py").display());
-    let before = net.server_log().len();
-    let out = agent
-        .cli(&[
-            "run",
-            "--",
-            "cat",
-            env.join("mypkg/cold.py").to_str().unwrap(),
-        ])
-        .current_dir("/")
-        .output()
-        .unwrap();
-    assert_eq!(text(&out.stdout), "never imported\n");
-    let log = net.server_log();
-    assert!(
-        !log[before..].lines().any(|l| l.contains(&cold)),
-        "{}",
-        &log[before..]
-    );
+    let (out, log) = cat_in_job(&agent, &net, &env.join("mypkg/cold.py"));
+    assert_eq!(out, "never imported\n");
+    assert!(!opened(&net, &log, "env/mypkg/cold.py"), "{log}");
 }
 
 #[test]

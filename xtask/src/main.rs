@@ -169,14 +169,23 @@ fn run(cli: Cli) -> Result<()> {
             Err(err).context("starting hocus-agent")
         }
         Cmd::Test { filter } => test(filter),
-        Cmd::Bench(Bench::Dataset {
+        Cmd::Bench(b) => {
+            let agent = build(true)?;
+            bench(&agent, b)
+        }
+    }
+}
+
+/// Runs one benchmark (or all) against the hocus-agent binary `agent`.
+fn bench(agent: &Path, b: Bench) -> Result<()> {
+    match b {
+        Bench::Dataset {
             files,
             file_mib,
             epochs,
             round_trip_ms,
             quick,
-        }) => {
-            let agent = build(true)?;
+        } => {
             let d = if quick {
                 bench::Dataset::quick()
             } else {
@@ -187,46 +196,24 @@ fn run(cli: Cli) -> Result<()> {
                     round_trip: millis(round_trip_ms),
                 }
             };
-            bench::dataset(&agent, &d)
+            bench::dataset(agent, &d)
         }
-        Cmd::Bench(Bench::Imports {
+        Bench::Imports {
             runs,
             round_trip_ms,
             quick,
-        }) => {
-            let agent = build(true)?;
+        } => {
             let runs = if quick { 1 } else { runs.max(1) };
-            bench::imports(&agent, runs, millis(round_trip_ms))
+            bench::imports(agent, runs, millis(round_trip_ms))
         }
-        Cmd::Bench(Bench::Events {
-            threads,
-            seconds,
-            quick,
-        }) => {
-            let agent = build(true)?;
-            let e = if quick {
-                bench::Events::quick()
-            } else {
-                bench::Events {
-                    threads: threads.max(1),
-                    duration: std::time::Duration::from_secs_f64(seconds.max(0.1)),
-                }
-            };
-            bench::events(&agent, &e)
-        }
-        Cmd::Bench(Bench::All { quick }) => {
-            let agent = build(true)?;
-            benchmarks(&agent, quick)
-        }
-        Cmd::Bench(Bench::Overhead {
+        Bench::Overhead {
             rounds,
             iterations,
             watched_iterations,
             round_trip_ms,
             quick,
             compare_with,
-        }) => {
-            let agent = build(true)?;
+        } => {
             let round_trip = millis(round_trip_ms);
             let o = if quick {
                 bench::Overhead::quick(round_trip)
@@ -239,14 +226,28 @@ fn run(cli: Cli) -> Result<()> {
                     compare_with,
                 }
             };
-            bench::overhead(&agent, &o)
+            bench::overhead(agent, &o)
         }
-        Cmd::Bench(Bench::Scale {
+        Bench::Events {
+            threads,
+            seconds,
+            quick,
+        } => {
+            let e = if quick {
+                bench::Events::quick()
+            } else {
+                bench::Events {
+                    threads: threads.max(1),
+                    duration: std::time::Duration::from_secs_f64(seconds.max(0.1)),
+                }
+            };
+            bench::events(agent, &e)
+        }
+        Bench::Scale {
             files,
             idle_secs,
             quick,
-        }) => {
-            let agent = build(true)?;
+        } => {
             let s = if quick {
                 bench::Scale::quick()
             } else {
@@ -255,68 +256,34 @@ fn run(cli: Cli) -> Result<()> {
                     idle: std::time::Duration::from_secs(idle_secs.max(1)),
                 }
             };
-            bench::scale(&agent, &s)
+            bench::scale(agent, &s)
         }
+        Bench::All { quick } => {
+            // Each with the defaults its command line has (or its smoke run).
+            for name in BENCHMARKS {
+                println!("\n== bench {name}");
+                bench(agent, parsed(name, quick)?)?;
+            }
+            Ok(())
+        }
+    }
+}
+
+/// What `bench all` runs, in this order.
+const BENCHMARKS: [&str; 5] = ["dataset", "imports", "overhead", "events", "scale"];
+
+/// The benchmark `name` with the defaults of its command line, or its smoke run.
+fn parsed(name: &str, quick: bool) -> Result<Bench> {
+    let quick = quick.then_some("--quick");
+    let cli = Cli::try_parse_from(["cargo xtask", "bench", name].into_iter().chain(quick))?;
+    match cli.command {
+        Cmd::Bench(b) => Ok(b),
+        _ => bail!("{name} is not a benchmark"),
     }
 }
 
 fn millis(ms: f64) -> std::time::Duration {
     std::time::Duration::from_secs_f64(ms.max(0.0) / 1000.0)
-}
-
-/// Every benchmark, with its defaults or its smoke run.
-fn benchmarks(agent: &Path, quick: bool) -> Result<()> {
-    let round_trip = millis(1.0);
-    let defaults = |quick| if quick { 1 } else { 5 };
-    println!("== bench dataset");
-    if quick {
-        bench::dataset(agent, &bench::Dataset::quick())?;
-    } else {
-        bench::dataset(
-            agent,
-            &bench::Dataset {
-                files: 64,
-                file_mib: 4,
-                epochs: 4,
-                round_trip,
-            },
-        )?;
-    }
-    println!("\n== bench imports");
-    bench::imports(agent, defaults(quick), round_trip)?;
-    println!("\n== bench overhead");
-    let o = if quick {
-        bench::Overhead::quick(round_trip)
-    } else {
-        bench::Overhead {
-            rounds: 5,
-            local_iterations: 300_000,
-            watched_iterations: 1_000,
-            round_trip,
-            compare_with: None,
-        }
-    };
-    bench::overhead(agent, &o)?;
-    println!("\n== bench events");
-    let e = if quick {
-        bench::Events::quick()
-    } else {
-        bench::Events {
-            threads: 2,
-            duration: std::time::Duration::from_secs(5),
-        }
-    };
-    bench::events(agent, &e)?;
-    println!("\n== bench scale");
-    let s = if quick {
-        bench::Scale::quick()
-    } else {
-        bench::Scale {
-            files: 1_000_000,
-            idle: std::time::Duration::from_secs(12),
-        }
-    };
-    bench::scale(agent, &s)
 }
 
 pub fn workspace() -> PathBuf {
@@ -408,7 +375,24 @@ fn test(filter: Option<String>) -> Result<()> {
         // Benchmarks run in CI only as smoke runs: that they work, not what they say
         // (the debug build of the daemon, one short round).
         println!("== benchmarks, smoke runs (bench all --quick)");
-        benchmarks(&agent, true)?;
+        bench(&agent, Bench::All { quick: true })?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bench_all_runs_every_benchmark_with_its_command_line_defaults() {
+        for name in BENCHMARKS {
+            assert!(matches!(parsed(name, true), Ok(b) if !matches!(b, Bench::All { .. })));
+        }
+        let Ok(Bench::Dataset { files, quick, .. }) = parsed("dataset", false) else {
+            panic!("dataset parses");
+        };
+        assert_eq!((files, quick), (64, false));
+        assert!(parsed("nonsense", true).is_err());
+    }
 }

@@ -131,43 +131,30 @@ fn identity(m: &Met) -> Identity {
     }
 }
 
-/// Measures a network tree: the bytes a snapshot of it holds (`fill`) and its entries, or None when it exceeds the limits,
-/// holds something a snapshot cannot (devices, sockets, fifos), or cannot be reached
-/// beneath `tree` without a symlink.
-pub fn measure(
-    tree: &Path,
-    root: &Path,
-    fill: &Fill,
-    max_bytes: u64,
-    max_entries: usize,
-) -> Option<(u64, usize)> {
-    let bytes = AtomicU64::new(0);
-    let entries = AtomicU64::new(0);
-    let fits = AtomicBool::new(true);
-    walk::walk::<io::Error>(tree, root, WALKERS, |m| {
-        if m.rel.as_os_str().is_empty() {
-            return Ok(true);
+/// Measures a network tree: the bytes a snapshot of it holds (`fill`) and its entries,
+/// or None when it exceeds `limits`, holds something a snapshot cannot (devices,
+/// sockets, fifos), or cannot be reached beneath `tree` without a symlink.
+pub fn measure(tree: &Path, root: &Path, fill: &Fill, limits: Limits) -> Option<(u64, usize)> {
+    let count = Count::default();
+    let odd = AtomicBool::new(false);
+    walk::walk::<CopyError>(tree, root, WALKERS, |m| {
+        if !matches!(
+            m.stat.st_mode & libc::S_IFMT,
+            libc::S_IFREG | libc::S_IFDIR | libc::S_IFLNK
+        ) {
+            odd.store(true, Ordering::Relaxed);
+            return Ok(false);
         }
-        let n = entries.fetch_add(1, Ordering::Relaxed) + 1;
-        let mut held = 0;
-        match m.stat.st_mode & libc::S_IFMT {
-            libc::S_IFREG if fill.holds(&root.join(m.rel), m.stat.st_mode) => {
-                held = m.stat.st_size as u64
-            }
-            libc::S_IFREG | libc::S_IFDIR | libc::S_IFLNK => {}
-            _ => fits.store(false, Ordering::Relaxed),
-        }
-        let b = bytes
-            .fetch_add(held, Ordering::Relaxed)
-            .saturating_add(held);
-        if b > max_bytes || n > max_entries as u64 {
-            fits.store(false, Ordering::Relaxed);
-        }
-        Ok(fits.load(Ordering::Relaxed))
+        count.add(m, root, fill, limits)?;
+        Ok(true)
     })
     .ok()?;
-    fits.into_inner()
-        .then(|| (bytes.into_inner(), entries.into_inner() as usize))
+    (!odd.into_inner()).then(|| {
+        (
+            count.bytes.into_inner(),
+            count.entries.into_inner() as usize,
+        )
+    })
 }
 
 /// Reads the stamp of a network tree (inside the watched `tree`).
@@ -221,6 +208,45 @@ pub struct Limits {
     pub bytes: u64,
     pub entries: usize,
 }
+
+/// What a walk has met so far (the root aside): entries, and the bytes of the files the
+/// snapshot fills.
+#[derive(Default)]
+struct Count {
+    entries: AtomicU64,
+    bytes: AtomicU64,
+}
+
+impl Count {
+    /// Counts the entry `m`, and says whether the snapshot fills its bytes; an error as
+    /// soon as the tree is past `limits`.
+    fn add(&self, m: &Met, root: &Path, fill: &Fill, limits: Limits) -> Result<bool, CopyError> {
+        if m.rel.as_os_str().is_empty() {
+            return Ok(false);
+        }
+        if self.entries.fetch_add(1, Ordering::Relaxed) >= limits.entries as u64 {
+            return Err(CopyError::TooMany {
+                limit: limits.entries,
+            });
+        }
+        let mode = m.stat.st_mode;
+        let filled = mode & libc::S_IFMT == libc::S_IFREG && fill.holds(&root.join(m.rel), mode);
+        if filled {
+            let size = m.stat.st_size as u64;
+            let bytes = self.bytes.fetch_add(size, Ordering::Relaxed) + size;
+            if bytes > limits.bytes {
+                return Err(CopyError::TooLarge {
+                    size: bytes,
+                    room: limits.bytes,
+                });
+            }
+        }
+        Ok(filled)
+    }
+}
+
+/// Threads copying a snapshot's files beside its walk.
+const COPIERS: usize = 8;
 
 /// Copies the network tree `root` (inside the watched `tree`) to `dest`, via a staging
 /// directory next to it; of its files, those `fill` says, the others as stubs. `cached`
@@ -294,28 +320,14 @@ pub fn take(
         // One walk: each entry is made in the staging tree as it is met, from the
         // attributes and descriptors the walk holds (nothing is looked up again).
         let walked = std::thread::scope(|s| {
-            for _ in 0..8 {
+            for _ in 0..COPIERS {
                 s.spawn(copier);
             }
-            let (entries, filled) = (AtomicU64::new(0), AtomicU64::new(0));
+            let count = Count::default();
             let walked = walk::walk(tree, root, WALKERS, |m| {
+                let filled = count.add(m, root, fill, limits)?;
                 let dst = staging.join(m.rel);
                 let id = identity(m);
-                if entries.fetch_add(1, Ordering::Relaxed) > limits.entries as u64 {
-                    return Err(CopyError::TooMany {
-                        limit: limits.entries,
-                    });
-                }
-                let file = id.mode & libc::S_IFMT == libc::S_IFREG;
-                if file && fill.holds(&root.join(m.rel), id.mode) {
-                    let size = filled.fetch_add(id.size, Ordering::Relaxed) + id.size;
-                    if size > limits.bytes {
-                        return Err(CopyError::TooLarge {
-                            size,
-                            room: limits.bytes,
-                        });
-                    }
-                }
                 match m.at {
                     At::Dir(fd) => {
                         make_dir(fd, &dst, &m.stat).map_err(CopyError::Local)?;
@@ -335,7 +347,7 @@ pub fn take(
                             if cached.is_some_and(|(local, _)| fs::hard_link(&local, &dst).is_ok())
                             {
                                 taken.lock().unwrap().linked += id.size;
-                            } else if !fill.holds(&src, id.mode) {
+                            } else if !filled {
                                 let from = openat(
                                     Some(dir.as_raw_fd()),
                                     name,
@@ -543,26 +555,15 @@ mod tests {
         fs::write(root.join("hot.py"), b"x = 1\n").unwrap();
         std::os::unix::fs::symlink("pkg", root.join("alias")).unwrap();
         fs::set_permissions(root.join("pkg/sub"), fs::Permissions::from_mode(0o750)).unwrap();
-        assert_eq!(
-            measure(&tree, &root, &Fill::Whole, u64::MAX, 100),
-            Some((17, 6))
-        );
-        assert_eq!(
-            measure(&tree, &root, &Fill::Whole, 10, 100),
-            None,
-            "over the byte limit"
-        );
-        assert_eq!(
-            measure(&tree, &root, &Fill::Whole, u64::MAX, 3),
-            None,
-            "over the entry limit"
-        );
+        let whole = |root: &Path, bytes, entries| {
+            measure(&tree, root, &Fill::Whole, Limits { bytes, entries })
+        };
+        assert_eq!(whole(&root, u64::MAX, 100), Some((17, 6)));
+        assert_eq!(whole(&root, 10, 100), None, "over the byte limit");
+        assert_eq!(whole(&root, u64::MAX, 3), None, "over the entry limit");
         // A symlink on the way from the watched tree is never followed.
         std::os::unix::fs::symlink(&root, tree.join("link")).unwrap();
-        assert_eq!(
-            measure(&tree, &tree.join("link"), &Fill::Whole, u64::MAX, 100),
-            None
-        );
+        assert_eq!(whole(&tree.join("link"), u64::MAX, 100), None);
         assert!(stamp(&tree, &tree.join("link/pkg")).is_err());
         assert!(stamp(&tree, Path::new("/etc")).is_err(), "outside the tree");
 
@@ -627,7 +628,18 @@ mod tests {
         )
         .unwrap();
         let fill = Fill::Lazy([root.join("pkg/hot.py")].into_iter().collect());
-        assert_eq!(measure(&tree, &root, &fill, u64::MAX, 100), Some((12, 4)));
+        assert_eq!(
+            measure(
+                &tree,
+                &root,
+                &fill,
+                Limits {
+                    bytes: u64::MAX,
+                    entries: 100
+                }
+            ),
+            Some((12, 4))
+        );
         let tmp = dir.path().join("tmp");
         fs::create_dir_all(&tmp).unwrap();
         let dest = dir.path().join("trees/env");

@@ -83,6 +83,13 @@ impl Keeper {
         hot
     }
 
+    /// What one snapshot may fill: half of what the SSD budget leaves.
+    fn snapshot_room(&self) -> u64 {
+        self.effective_ssd_budget
+            .saturating_sub(self.cache.used() + self.snapshot_bytes())
+            / 2
+    }
+
     pub(super) fn snapshot_bytes(&self) -> u64 {
         self.snapshots.values().map(|s| s.bytes).sum()
     }
@@ -118,10 +125,7 @@ impl Keeper {
             {
                 continue;
             }
-            let room = self
-                .effective_ssd_budget
-                .saturating_sub(self.cache.used() + self.snapshot_bytes())
-                / 2;
+            let room = self.snapshot_room();
             let chain: Vec<PathBuf> = chain
                 .into_iter()
                 .filter(|root| !self.unsuitable.contains_key(root))
@@ -195,10 +199,7 @@ impl Keeper {
                 .in_flight
                 .keys()
                 .any(|s| Path::new(s).starts_with(&root));
-        let room = self
-            .effective_ssd_budget
-            .saturating_sub(self.cache.used() + self.snapshot_bytes())
-            / 2;
+        let room = self.snapshot_room();
         if !busy && bytes <= room {
             self.start_snapshot(root, bytes);
         }
@@ -223,10 +224,7 @@ impl Keeper {
                 w.progress.tree_bytes_total += bytes;
             }
         }
-        let room = self
-            .effective_ssd_budget
-            .saturating_sub(self.cache.used() + self.snapshot_bytes())
-            / 2;
+        let room = self.snapshot_room();
         self.workers.send(Work::Snapshot {
             fill: self.fill(&root),
             room,

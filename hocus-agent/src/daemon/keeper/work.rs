@@ -226,7 +226,11 @@ fn run(work: Work, tmp: &Path) -> Option<Done> {
             let mut unsuitable = Vec::new();
             let mut chosen = None;
             for root in &chain {
-                match snapshot::measure(&tree, root, &fill, room, SNAPSHOT_MAX_ENTRIES) {
+                let limits = snapshot::Limits {
+                    bytes: room,
+                    entries: SNAPSHOT_MAX_ENTRIES,
+                };
+                match snapshot::measure(&tree, root, &fill, limits) {
                     Some((bytes, _)) => {
                         chosen = Some((root.clone(), bytes));
                         break;
