@@ -41,6 +41,9 @@ pub const ROOT_VIEW: u32 = u32::MAX - 1;
 pub const MAX_VIEWS: u32 = 1024;
 /// Paths at which one namespace sees watched trees.
 pub const VIEW_PREFIXES: usize = 4;
+/// Watched files whose mapped pages the kernel side counts (by inode; least recently
+/// touched forgotten first).
+pub const MAX_MAPPED: u32 = 8192;
 
 /// What a traced syscall means for the profile.
 pub mod op {
@@ -67,6 +70,9 @@ pub mod op {
     /// mount, umount2, move_mount, pivot_root: what absolute paths mean may change, in
     /// this namespace and (by propagation) in others; every learned view is stale.
     pub const MOUNTS_CHANGE: u8 = 13;
+    /// mmap of a descriptor: a watched file mapped is read by page faults, not `read`,
+    /// so the pages that enter its page cache from then on are counted.
+    pub const MMAP: u8 = 14;
 }
 
 /// What the kernel side knows about a superblock (`SUPERBLOCKS`).
@@ -113,6 +119,10 @@ pub struct KernelOffsets {
     /// task_struct.thread_info.status, whose `TS_COMPAT` bit marks a 32-bit syscall
     /// (numbered and passed differently: it must not be read as a 64-bit one).
     pub thread_status: u32,
+    /// dentry.d_inode
+    pub dentry_inode: u32,
+    /// inode.i_ino
+    pub inode_ino: u32,
 }
 
 /// How another mount namespace sees the watched trees, learned by the agent from
@@ -165,6 +175,8 @@ pub struct Calibration {
     pub nsproxy: u64,
     pub ns_inum: u32,
     pub _pad: u32,
+    /// The inode number of the descriptor's file.
+    pub ino: u64,
     pub name: [u8; 64],
 }
 
@@ -184,6 +196,7 @@ impl Default for Calibration {
             nsproxy: 0,
             ns_inum: 0,
             _pad: 0,
+            ino: 0,
             name: [0; 64],
         }
     }
@@ -271,6 +284,25 @@ pub struct OpenFile {
     pub _pad: u32,
 }
 
+/// A file's page cache, as `filemap:mm_filemap_add_to_page_cache` names it: the
+/// superblock's `s_dev` (the kernel's encoding) and the inode number.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct InodeKey {
+    pub dev: u32,
+    pub _pad: u32,
+    pub ino: u64,
+}
+
+/// A watched file some process mapped: the pages that entered its page cache since
+/// (the first mapping's open file and job name it for the agent).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Mapped {
+    pub file_id: u64,
+    pub pages: u64,
+}
+
 /// Scratch space for one path; 8-byte aligned so it can be read a word at a time.
 #[repr(C, align(8))]
 pub struct PathBuf {
@@ -295,6 +327,9 @@ pub mod kind {
     /// A process in a mount namespace whose view the kernel does not hold (or holds from
     /// before a mount changed) looked up an absolute path: learn its view.
     pub const LEARN_VIEW: u8 = 14;
+    /// A watched open file (`Event::file_id`) was mapped for the first time: the pages
+    /// that enter its page cache are counted in `MAPPED` under it from now on.
+    pub const MAPPED: u8 = 15;
 }
 
 /// Event flags.
@@ -383,4 +418,6 @@ mod user {
     unsafe impl aya::Pod for Calibration {}
     unsafe impl aya::Pod for View {}
     unsafe impl aya::Pod for Home {}
+    unsafe impl aya::Pod for InodeKey {}
+    unsafe impl aya::Pod for Mapped {}
 }

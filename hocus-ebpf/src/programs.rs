@@ -10,10 +10,11 @@ use aya_ebpf::{
     programs::{RawTracePointContext, TracePointContext},
 };
 use hocus_common::{
-    AT_FDCWD, Calibration, Event, FdKey, Home, KernelOffsets, MAX_KNOWN_NAMESPACES, MAX_OPEN_FILES,
-    MAX_PATH, MAX_PREFIX, MAX_PROCESSES, MAX_ROOTS, MAX_SUPERBLOCKS, MAX_SYSCALL_NR, MAX_VIEWS,
-    MAX_WATCHED, NO_FIELD, NamespaceKey, OpenFile, PREFIX_WORDS, PathBuf, RING_BYTES, ROOT_NONE,
-    ROOT_VIEW, SyscallLayout, View, Watched, counter, ev, flags_from, kind, op, superblock,
+    AT_FDCWD, Calibration, Event, FdKey, Home, InodeKey, KernelOffsets, MAX_KNOWN_NAMESPACES,
+    MAX_MAPPED, MAX_OPEN_FILES, MAX_PATH, MAX_PREFIX, MAX_PROCESSES, MAX_ROOTS, MAX_SUPERBLOCKS,
+    MAX_SYSCALL_NR, MAX_VIEWS, MAX_WATCHED, Mapped, NO_FIELD, NamespaceKey, OpenFile, PREFIX_WORDS,
+    PathBuf, RING_BYTES, ROOT_NONE, ROOT_VIEW, SyscallLayout, View, Watched, counter, ev,
+    flags_from, kind, op, superblock,
 };
 
 const ENOENT: i64 = 2;
@@ -27,6 +28,10 @@ const TS_COMPAT: u32 = 0x0002;
 const BPF_RB_NO_WAKEUP: u64 = 1;
 const BPF_RB_FORCE_WAKEUP: u64 = 2;
 const BPF_RB_AVAIL_DATA: u64 = 0;
+/// `bpf_map_update_elem` flag: only if there is no entry yet.
+const BPF_NOEXIST: u64 = 1;
+/// mmap's results above this are errors (-4095..-1).
+const MAX_ERRNO: u64 = 4095;
 /// Wake the agent only once this much is waiting; it also polls on a short timer. An
 /// import storm then costs a handful of wakeups instead of one per event.
 const WAKEUP_BYTES: u64 = 256 << 10;
@@ -43,6 +48,14 @@ static SELF_TGID: u32 = 0;
 static FORK_PARENT_OFFSET: u32 = 12;
 #[unsafe(no_mangle)]
 static FORK_CHILD_OFFSET: u32 = 20;
+/// Offsets of `i_ino`, `s_dev` and `order` (`u32::MAX`: none) in
+/// mm_filemap_add_to_page_cache records.
+#[unsafe(no_mangle)]
+static FILEMAP_INO_OFFSET: u32 = 16;
+#[unsafe(no_mangle)]
+static FILEMAP_DEV_OFFSET: u32 = 32;
+#[unsafe(no_mangle)]
+static FILEMAP_ORDER_OFFSET: u32 = 36;
 /// Where the kernel keeps the fields read below, from its BTF.
 #[unsafe(no_mangle)]
 static OFFSETS: KernelOffsets = KernelOffsets {
@@ -65,6 +78,8 @@ static OFFSETS: KernelOffsets = KernelOffsets {
     mnt_ns_inum: 0,
     regs_nr: 0,
     thread_status: 0,
+    dentry_inode: 0,
+    inode_ino: 0,
 };
 
 #[map]
@@ -106,6 +121,9 @@ static OPEN_FILES: HashMap<FdKey, OpenFile> = HashMap::with_max_entries(MAX_OPEN
 /// forked the job's first process. Set at fork, inherited by every descendant.
 #[map]
 static JOBS: LruHashMap<u32, u32> = LruHashMap::with_max_entries(MAX_PROCESSES, 0);
+/// Watched files some process mapped, by inode: pages entering their page cache.
+#[map]
+static MAPPED: LruHashMap<InodeKey, Mapped> = LruHashMap::with_max_entries(MAX_MAPPED, 0);
 #[map]
 static EVENTS: RingBuf = RingBuf::with_byte_size(RING_BYTES, 0);
 #[map]
@@ -221,6 +239,18 @@ fn file_place(fd: u32) -> Option<Place> {
     // f_path is a struct path: mnt then dentry, read at once (checked by the agent).
     let [mnt, dentry] = field::<[u64; 2]>(file, offset(|o| &o.file_mnt))?;
     Some(Place { mnt, dentry })
+}
+
+/// The page cache key of what a descriptor is open on: its superblock's device and its
+/// inode's number.
+fn inode_of(place: &Place) -> Option<InodeKey> {
+    let [_, sb] = field::<[u64; 2]>(place.mnt, offset(|o| &o.vfsmount_root))?;
+    let inode: u64 = field(place.dentry, offset(|o| &o.dentry_inode))?;
+    Some(InodeKey {
+        dev: field(sb, offset(|o| &o.sb_dev))?,
+        _pad: 0,
+        ino: field(inode, offset(|o| &o.inode_ino))?,
+    })
 }
 
 /// The current process's working directory.
@@ -465,6 +495,18 @@ fn try_syscall_exit(ctx: &RawTracePointContext) -> Option<()> {
             };
             emit(&header(k, file.file_id, 0), &no_path(), 0);
         }
+        op::MMAP if (ret as u64) < u64::MAX - MAX_ERRNO => {
+            let file = watched_file(regs, l, tgid)?;
+            // SAFETY: map value pointer, valid for this program run.
+            let file_id = unsafe { (*file).file_id };
+            let inode = inode_of(&file_place(arg(regs, l.fd)? as u32)?)?;
+            // The first mapping names the inode; later ones (every process loading the
+            // same library) add to it.
+            let fresh = Mapped { file_id, pages: 0 };
+            if MAPPED.insert(&inode, &fresh, BPF_NOEXIST).is_ok() {
+                emit(&header(kind::MAPPED, file_id, 0), &no_path(), 0);
+            }
+        }
         op::OPEN if ret >= 0 => {
             let key = FdKey {
                 tgid,
@@ -587,6 +629,7 @@ fn calibrate(c: &mut Calibration) {
         let name: u64 = field(f.dentry, offset(|o| &o.dentry_name)).unwrap_or(0);
         // SAFETY: fault-tolerant read into the map value.
         let _ = unsafe { bpf_probe_read_kernel_str_bytes(name as *const u8, &mut c.name) };
+        c.ino = inode_of(&f).map_or(0, |i| i.ino);
     }
     c.cwd = cwd_place().map_or(0, |p| p.dentry);
     c.nsproxy = nsproxy().unwrap_or(0);
@@ -640,6 +683,49 @@ fn try_process_fork(ctx: &TracePointContext) -> Option<()> {
     if let Some(job) = job {
         let _ = JOBS.insert(&child, &job, 0);
     }
+    Some(())
+}
+
+/// filemap_add, on `filemap:mm_filemap_add_to_page_cache`: a page (or a folio of
+/// `1 << order` pages) entered a file's page cache. For a mapped watched file that is
+/// what a job read by faulting it in (shared objects, `numpy.memmap`); for every other
+/// file on the node it costs one lookup. The agent's own copies and pins are not the
+/// workload.
+///
+/// ```text
+/// field:unsigned long pfn;                   offset:8;  size:8; signed:0;
+/// field:unsigned long i_ino;                 offset:16; size:8; signed:0;
+/// field:unsigned long index;                 offset:24; size:8; signed:0;
+/// field:dev_t s_dev;                         offset:32; size:4; signed:0;
+/// field:unsigned char order;                 offset:36; size:1; signed:0;
+/// ```
+#[tracepoint]
+pub fn filemap_add(ctx: TracePointContext) -> u32 {
+    let _ = try_filemap_add(&ctx);
+    0
+}
+
+fn try_filemap_add(ctx: &TracePointContext) -> Option<()> {
+    // SAFETY: offsets come from the tracepoint's format file.
+    let key = InodeKey {
+        dev: unsafe { ctx.read_at(global(&FILEMAP_DEV_OFFSET) as usize) }.ok()?,
+        _pad: 0,
+        ino: unsafe { ctx.read_at(global(&FILEMAP_INO_OFFSET) as usize) }.ok()?,
+    };
+    let mapped = MAPPED.get_ptr_mut(&key)?;
+    current()?;
+    // SAFETY: as above; `u32::MAX`: this kernel adds one page at a time.
+    let order: u8 = match global(&FILEMAP_ORDER_OFFSET) {
+        u32::MAX => 0,
+        at => unsafe { ctx.read_at(at as usize) }.ok()?,
+    };
+    // SAFETY: map value pointer; the add is atomic (faults on several CPUs at once).
+    unsafe {
+        core::intrinsics::atomic_xadd::<u64, u64, { core::intrinsics::AtomicOrdering::Relaxed }>(
+            &raw mut (*mapped).pages,
+            1 << (order & 31),
+        )
+    };
     Some(())
 }
 

@@ -130,6 +130,75 @@ fn known_workload_gives_exactly_the_expected_profile() {
     assert_eq!(order[2], net.path("out/result.txt").to_str().unwrap());
 }
 
+/// Shared objects and memory-mapped data are read by page faults, not `read`: the pages
+/// that enter a mapped watched file's page cache count as bytes read. Real programs:
+/// Python mapping a data file (what `numpy.memmap` does) and importing a C extension
+/// module from the mount (ld.so reads its ELF header, then maps it).
+#[test]
+fn pages_faulted_in_through_a_mapping_count_as_bytes_read() {
+    let net = NetworkMount::start();
+    let frames: Vec<u8> = (0..8u32 << 20).map(|i| (i % 251) as u8).collect();
+    let data = net.put("data/frames.bin", &frames);
+    let out = Command::new("python3")
+        .args(["-c", "import _decimal; print(_decimal.__file__)"])
+        .output()
+        .unwrap();
+    assert_success(&out);
+    let module = std::path::PathBuf::from(String::from_utf8(out.stdout).unwrap().trim());
+    let module_bytes = fs::read(&module).unwrap();
+    let so = net.put(
+        &format!("env/lib/{}", module.file_name().unwrap().to_str().unwrap()),
+        &module_bytes,
+    );
+    // Only .py files are copied: the daemon's own copy would fill the page cache first.
+    let agent = Agent::start(&[
+        "--watch",
+        net.mount.to_str().unwrap(),
+        "--include-ext",
+        ".py",
+    ]);
+
+    let touch_every_page = format!(
+        "import mmap\n\
+         with open('{}', 'rb') as f:\n    m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)\n\
+         print(sum(m[i] for i in range(0, len(m), 4096)))",
+        data.display()
+    );
+    let out = Command::new("python3")
+        .args(["-c", &touch_every_page])
+        .output()
+        .unwrap();
+    assert_success(&out);
+    let import = format!(
+        "import sys; sys.path.insert(0, '{}'); import _decimal\n\
+         assert _decimal.__file__.startswith(sys.path[0]), _decimal.__file__\n\
+         print(_decimal.Decimal(1) / _decimal.Decimal(7))",
+        so.parent().unwrap().display()
+    );
+    let out = Command::new("python3")
+        .args(["-c", &import])
+        .output()
+        .unwrap();
+    assert_success(&out);
+    assert!(String::from_utf8_lossy(&out.stdout).starts_with("0.142857"));
+
+    let p = agent.export();
+    let f =
+        file_entry(&p, &data).unwrap_or_else(|| panic!("{} not profiled: {p:#}", data.display()));
+    // Every page entered the page cache once, through the mapping; nothing was read().
+    assert_eq!(
+        (f["opens"].as_u64(), f["bytes_read"].as_u64()),
+        (Some(1), Some(8 << 20)),
+        "{f}"
+    );
+    let s = file_entry(&p, &so).unwrap_or_else(|| panic!("{} not profiled: {p:#}", so.display()));
+    let read = s["bytes_read"].as_u64().unwrap();
+    let pages = (module_bytes.len() as u64).div_ceil(4096) * 4096;
+    // ld.so reads the 832-byte ELF header; the rest came in as the module was mapped
+    // and run, a page or more, never more than the file holds.
+    assert!(read > 832 + 4096 && read <= 832 + pages, "{s}");
+}
+
 #[test]
 fn mutations_mark_files_and_directories_mutable() {
     let net = NetworkMount::start();

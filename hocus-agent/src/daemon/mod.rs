@@ -462,6 +462,16 @@ impl Daemon {
         for key in self.observer.sweep(&open, &mut self.ws) {
             self.tracer.get_mut().forget_open_file(&key);
         }
+        let mapped = self.tracer.get_ref().mapped_files();
+        for key in self.observer.sweep_mapped(&mapped, &mut self.ws) {
+            self.tracer.get_mut().forget_mapped(&key);
+        }
+        if !self.observer.accesses.is_empty() {
+            // Bytes read (through descriptors or mapped pages) count in the profile and
+            // in placement.
+            self.dirty = true;
+            self.to_place = true;
+        }
         self.report_loss();
     }
 

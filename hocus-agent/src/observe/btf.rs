@@ -260,6 +260,8 @@ pub fn kernel_offsets(btf: &Btf) -> Result<KernelOffsets> {
         mnt_ns_inum: o("mnt_namespace", "ns.inum")?,
         regs_nr: o("pt_regs", SYSCALL_NR_REGISTER)?,
         thread_status: o("task_struct", "thread_info.status")?,
+        dentry_inode: o("dentry", "d_inode")?,
+        inode_ino: o("inode", "i_ino")?,
     })
 }
 

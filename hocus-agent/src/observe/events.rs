@@ -19,7 +19,9 @@ use crate::{
         status::Tally,
     },
 };
-use hocus_common::{Event, FdKey, NamespaceKey, OpenFile, ROOT_NONE, ROOT_VIEW, ev, kind};
+use hocus_common::{
+    Event, FdKey, InodeKey, Mapped, NamespaceKey, OpenFile, ROOT_NONE, ROOT_VIEW, ev, kind,
+};
 
 const O_ACCMODE: u32 = 0o3;
 const O_CREAT: u32 = 0o100;
@@ -42,6 +44,15 @@ struct OpenInfo {
     written: bool,
     job: u32,
     process: Process,
+}
+
+/// A watched file mapped by a process: who mapped it first (its pages are counted as
+/// that job's reads), and the pages already added to the working set.
+struct MappedInfo {
+    path: String,
+    job: u32,
+    process: Process,
+    counted: u64,
 }
 
 /// A job (or any process) opened, missed or read a watched file: the keeper decides
@@ -80,6 +91,11 @@ pub struct Observer {
     bytes_counted: HashMap<u64, u64>,
     /// Open files the kernel did not have at the last sweep.
     missing_from_kernel: HashSet<u64>,
+    /// Mapped files, by the open file that first mapped them.
+    mapped: HashMap<u64, MappedInfo>,
+    /// Mapped inodes the kernel had at the last sweep whose file was not known.
+    unknown_mapped: HashSet<InodeKey>,
+    page_size: u64,
     /// Files whose size and mtime should be (re)read.
     pub to_stat: HashSet<String>,
     /// Opens, failed lookups and reads since last drained.
@@ -102,6 +118,10 @@ impl Observer {
             open: HashMap::new(),
             bytes_counted: HashMap::new(),
             missing_from_kernel: HashSet::new(),
+            mapped: HashMap::new(),
+            unknown_mapped: HashSet::new(),
+            // SAFETY: no arguments.
+            page_size: u64::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(4096),
             to_stat: HashSet::new(),
             accesses: Vec::new(),
             changed: Vec::new(),
@@ -145,6 +165,20 @@ impl Observer {
                             self.to_stat.insert(info.path);
                         }
                     }
+                }
+                return;
+            }
+            kind::MAPPED => {
+                if let Some(info) = self.open.get(&e.file_id).filter(|i| !i.is_dir) {
+                    self.mapped.insert(
+                        e.file_id,
+                        MappedInfo {
+                            path: info.path.clone(),
+                            job: info.job,
+                            process: info.process.clone(),
+                            counted: 0,
+                        },
+                    );
                 }
                 return;
             }
@@ -338,6 +372,45 @@ impl Observer {
         }
         self.missing_from_kernel = missing;
         gone
+    }
+
+    /// Adds the pages that entered mapped files' page caches since last time as bytes
+    /// read, and forgets the files the kernel forgot. Returns the kernel entries whose
+    /// file is not known (their mapping's event was lost): forgotten there, the next
+    /// mapping names them again.
+    pub fn sweep_mapped(
+        &mut self,
+        mapped: &[(InodeKey, Mapped)],
+        ws: &mut WorkingSet,
+    ) -> Vec<InodeKey> {
+        let mut in_kernel = HashSet::new();
+        let mut unknown = HashSet::new();
+        for (key, m) in mapped {
+            in_kernel.insert(m.file_id);
+            let Some(info) = self.mapped.get_mut(&m.file_id) else {
+                // Its event may still be on its way (the entry is made first).
+                unknown.insert(*key);
+                continue;
+            };
+            if m.pages > info.counted {
+                let bytes = (m.pages - info.counted) * self.page_size;
+                info.counted = m.pages;
+                ws.add_bytes_read(&info.path, bytes);
+                self.accesses.push(Access {
+                    path: info.path.clone(),
+                    job: info.job,
+                    process: info.process.clone(),
+                    what: What::Read(bytes),
+                });
+            }
+        }
+        self.mapped.retain(|id, _| in_kernel.contains(id));
+        let lost = unknown
+            .intersection(&self.unknown_mapped)
+            .copied()
+            .collect();
+        self.unknown_mapped = unknown;
+        lost
     }
 
     /// Forgets an open file whose close will not be reported.

@@ -156,6 +156,7 @@ pub fn all() -> Vec<Traced> {
         fd_op("pwritev", SYS_pwritev, op::WRITE),
         fd_op("pwritev2", SYS_pwritev2, op::WRITE),
         fd_op("ftruncate", SYS_ftruncate, op::FTRUNCATE),
+        fd_op("mmap", SYS_mmap, op::MMAP),
         fd_op("close", SYS_close, op::CLOSE),
         no_args("unshare", SYS_unshare, op::NEW_NAMESPACE),
         no_args("mount", SYS_mount, op::MOUNTS_CHANGE),
@@ -213,7 +214,7 @@ mod tests {
     fn every_path_op_names_a_path_and_every_fd_op_a_descriptor() {
         for t in all() {
             match t.op {
-                op::READ | op::WRITE | op::FTRUNCATE | op::CLOSE => {
+                op::READ | op::WRITE | op::FTRUNCATE | op::CLOSE | op::MMAP => {
                     assert!(t.fd.is_some(), "{}", t.name)
                 }
                 op::NEW_NAMESPACE | op::MOUNTS_CHANGE => {}

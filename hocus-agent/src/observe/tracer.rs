@@ -21,8 +21,8 @@ use aya::{
     },
 };
 use hocus_common::{
-    Calibration, Event, FdKey, Home, MAX_PREFIX, MAX_ROOTS, MAX_TREES, MAX_WATCHED, NamespaceKey,
-    OpenFile, SyscallLayout, View, Watched, counter,
+    Calibration, Event, FdKey, Home, InodeKey, MAX_PREFIX, MAX_ROOTS, MAX_TREES, MAX_WATCHED,
+    Mapped, NamespaceKey, OpenFile, SyscallLayout, View, Watched, counter,
 };
 
 use crate::observe::{
@@ -46,6 +46,7 @@ pub struct Tracer {
     links: Vec<(&'static str, Link)>,
     events: RingBuf<MapData>,
     open_files: HashMap<MapData, FdKey, OpenFile>,
+    mapped: HashMap<MapData, InodeKey, Mapped>,
     counters: PerCpuArray<MapData, u64>,
     /// The roots, held open for as long as the programs run: their dentries and
     /// superblocks stay allocated, so the addresses the kernel side compares stay theirs.
@@ -59,11 +60,16 @@ pub struct Tracer {
 /// number: the per-syscall tracepoints (`syscalls:sys_enter_openat` ...) would make the
 /// kernel build a record for every traced syscall of every process before any program
 /// runs, which cost the whole node ~1.8x on a syscall-heavy loop here (docs/overhead.md).
-const PROGRAMS: [(&str, Attach); 4] = [
+/// Pages entering the page cache are counted for mapped watched files.
+const PROGRAMS: [(&str, Attach); 5] = [
     ("syscall_enter", Attach::Raw(&["sys_enter"])),
     ("syscall_exit", Attach::Raw(&["sys_exit"])),
-    ("process_fork", Attach::Sched("sched_process_fork")),
-    ("process_exit", Attach::Sched("sched_process_exit")),
+    ("process_fork", Attach::Event("sched", "sched_process_fork")),
+    ("process_exit", Attach::Event("sched", "sched_process_exit")),
+    (
+        "filemap_add",
+        Attach::Event("filemap", "mm_filemap_add_to_page_cache"),
+    ),
 ];
 
 /// What `hocus-agent trace-floor` attaches: a program that returns at once, on the same
@@ -79,13 +85,13 @@ pub struct Floor {
 enum Attach {
     /// Raw tracepoints, by name.
     Raw(&'static [&'static str]),
-    /// A tracepoint of the `sched` category.
-    Sched(&'static str),
+    /// A tracepoint, by category and name.
+    Event(&'static str, &'static str),
 }
 
 enum Link {
     Raw(RawTracePointLinkId),
-    Sched(TracePointLinkId),
+    Event(TracePointLinkId),
 }
 
 /// Kernel-side counters, summed over CPUs, by `hocus_common::counter` index.
@@ -123,6 +129,7 @@ impl Tracer {
         let events = RingBuf::try_from(ebpf.take_map("EVENTS").context("no EVENTS map")?)?;
         let open_files =
             HashMap::try_from(ebpf.take_map("OPEN_FILES").context("no OPEN_FILES map")?)?;
+        let mapped = HashMap::try_from(ebpf.take_map("MAPPED").context("no MAPPED map")?)?;
         let counters =
             PerCpuArray::try_from(ebpf.take_map("COUNTERS").context("no COUNTERS map")?)?;
         Ok(Self {
@@ -130,6 +137,7 @@ impl Tracer {
             links,
             events,
             open_files,
+            mapped,
             counters,
             held: Vec::new(),
             skipped,
@@ -168,12 +176,14 @@ impl Tracer {
             // A filesystem's root directory is named "/" in the kernel, whatever it is
             // mounted on.
             let named = name == expected || name == b"/";
-            if c.dev != dev || !named || c.dentry == 0 || c.superblock == 0 {
+            if c.dev != dev || c.ino != meta.ino() || !named || c.dentry == 0 || c.superblock == 0 {
                 bail!(
-                    "the kernel's structs are not where its BTF says (hocus read device {:#x} and name {:?} for {}, which is device {dev:#x}): this kernel is not supported, please report it",
+                    "the kernel's structs are not where its BTF says (hocus read device {:#x}, inode {} and name {:?} for {}, which is device {dev:#x}, inode {}): this kernel is not supported, please report it",
                     c.dev,
+                    c.ino,
                     String::from_utf8_lossy(name),
-                    root.path.display()
+                    root.path.display(),
+                    meta.ino()
                 );
             }
             table.push((c.dentry, i as u32));
@@ -292,7 +302,7 @@ impl Tracer {
                 Link::Raw(id) => <&mut RawTracePoint>::try_from(program)
                     .map_err(anyhow::Error::from)
                     .and_then(|p| Ok(p.detach(id)?)),
-                Link::Sched(id) => <&mut TracePoint>::try_from(program)
+                Link::Event(id) => <&mut TracePoint>::try_from(program)
                     .map_err(anyhow::Error::from)
                     .and_then(|p| Ok(p.detach(id)?)),
             };
@@ -323,6 +333,16 @@ impl Tracer {
         self.open_files.iter().filter_map(Result::ok).collect()
     }
 
+    /// The watched files processes mapped, with the pages that entered their page cache
+    /// since.
+    pub fn mapped_files(&self) -> Vec<(InodeKey, Mapped)> {
+        self.mapped.iter().filter_map(Result::ok).collect()
+    }
+
+    pub fn forget_mapped(&mut self, key: &InodeKey) {
+        let _ = self.mapped.remove(key);
+    }
+
     pub fn forget_open_file(&mut self, key: &FdKey) {
         let _ = self.open_files.remove(key);
     }
@@ -351,6 +371,11 @@ fn load(tracefs: &Path) -> Result<(Ebpf, Btf)> {
     let fork_format = tracefs::Format::read(tracefs, "sched", "sched_process_fork")?;
     let fork_parent = u32::from(fork_format.offset("parent_pid")?);
     let fork_child = u32::from(fork_format.offset("child_pid")?);
+    let filemap = tracefs::Format::read(tracefs, "filemap", "mm_filemap_add_to_page_cache")?;
+    let filemap_ino = u32::from(filemap.offset("i_ino")?);
+    let filemap_dev = u32::from(filemap.offset("s_dev")?);
+    // Kernels before folios (6.x) add one page at a time and have no `order`.
+    let filemap_order = filemap.offset("order").map_or(u32::MAX, u32::from);
     let self_tgid = std::process::id();
     let btf = Btf::from_kernel()?;
     let offsets =
@@ -360,6 +385,9 @@ fn load(tracefs: &Path) -> Result<(Ebpf, Btf)> {
         .override_global("SELF_TGID", &self_tgid, true)
         .override_global("FORK_PARENT_OFFSET", &fork_parent, true)
         .override_global("FORK_CHILD_OFFSET", &fork_child, true)
+        .override_global("FILEMAP_INO_OFFSET", &filemap_ino, true)
+        .override_global("FILEMAP_DEV_OFFSET", &filemap_dev, true)
+        .override_global("FILEMAP_ORDER_OFFSET", &filemap_order, true)
         .load(aya::include_bytes_aligned!(concat!(
             env!("OUT_DIR"),
             "/hocus"
@@ -392,14 +420,14 @@ fn attach(
                     links.push((name, Link::Raw(link)));
                 }
             }
-            Attach::Sched(tp) => {
+            Attach::Event(category, tp) => {
                 let p: &mut TracePoint = program.try_into()?;
                 p.load()
                     .with_context(|| format!("the kernel's verifier rejected {name}"))?;
                 let link = p
-                    .attach("sched", tp)
-                    .with_context(|| format!("attaching {name} to sched:{tp}"))?;
-                links.push((name, Link::Sched(link)));
+                    .attach(category, tp)
+                    .with_context(|| format!("attaching {name} to {category}:{tp}"))?;
+                links.push((name, Link::Event(link)));
             }
         }
     }
