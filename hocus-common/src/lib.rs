@@ -28,13 +28,17 @@ pub const MAX_PROCESSES: u32 = 65536;
 /// Directories the kernel places files under: the watched trees, then the cache's
 /// copies (`files/`) and snapshots (`trees/`).
 pub const MAX_ROOTS: usize = 12;
+/// Snapshot views in jobs' namespaces (lazy snapshots' overlays) the kernel side places
+/// files under, beside the roots: `Event::root` `FIRST_VIEW_ROOT` and up.
+pub const MAX_VIEW_ROOTS: u32 = 4096;
+pub const FIRST_VIEW_ROOT: u32 = MAX_ROOTS as u32;
 /// `Event::root` of a path that is absolute in the agent's own view of the mounts.
 pub const ROOT_NONE: u32 = u32::MAX;
 /// Mount namespaces whose paths the kernel side takes as the agent's own: the agent's,
 /// and those it makes for jobs.
 pub const MAX_KNOWN_NAMESPACES: u32 = 4096;
 /// Superblocks the kernel side looks at.
-pub const MAX_SUPERBLOCKS: u32 = 32;
+pub const MAX_SUPERBLOCKS: u32 = 32 + MAX_VIEW_ROOTS;
 /// `Event::root` of an absolute path in another mount namespace's view (`Event::namespace`).
 pub const ROOT_VIEW: u32 = u32::MAX - 1;
 /// Other mount namespaces (containers) whose view of the watched trees the kernel holds.
@@ -82,6 +86,9 @@ pub mod superblock {
     /// The cache is on it: only files reached through a bind mount (hocus's binds of
     /// local copies) are placed, so other opens on the same disk cost one comparison.
     pub const CACHE: u32 = 2;
+    /// A snapshot's view in a job (an overlay hocus made): every file opened on it is
+    /// placed, under the view's root.
+    pub const SNAPSHOT_VIEW: u32 = 4;
 }
 
 /// Where the kernel keeps the fields the programs read, from the kernel's BTF (Rust eBPF

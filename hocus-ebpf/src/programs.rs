@@ -12,9 +12,9 @@ use aya_ebpf::{
 use hocus_common::{
     AT_FDCWD, Calibration, Event, FdKey, Home, InodeKey, KernelOffsets, MAX_KNOWN_NAMESPACES,
     MAX_MAPPED, MAX_OPEN_FILES, MAX_PATH, MAX_PREFIX, MAX_PROCESSES, MAX_ROOTS, MAX_SUPERBLOCKS,
-    MAX_SYSCALL_NR, MAX_VIEWS, MAX_WATCHED, Mapped, NO_FIELD, NamespaceKey, OpenFile, PREFIX_WORDS,
-    PathBuf, RING_BYTES, ROOT_NONE, ROOT_VIEW, SyscallLayout, View, Watched, counter, ev,
-    flags_from, kind, op, superblock,
+    MAX_SYSCALL_NR, MAX_VIEW_ROOTS, MAX_VIEWS, MAX_WATCHED, Mapped, NO_FIELD, NamespaceKey,
+    OpenFile, PREFIX_WORDS, PathBuf, RING_BYTES, ROOT_NONE, ROOT_VIEW, SyscallLayout, View,
+    Watched, counter, ev, flags_from, kind, op, superblock,
 };
 
 const ENOENT: i64 = 2;
@@ -88,9 +88,10 @@ static SYSCALLS: Array<SyscallLayout> = Array::with_max_entries(MAX_SYSCALL_NR, 
 /// mutations (opens are placed by what they opened).
 #[map]
 static WATCHED: Array<Watched> = Array::with_max_entries(MAX_WATCHED, 0);
-/// The directories files are placed under: dentry address to `Event::root`.
+/// The directories files are placed under: dentry address to `Event::root` (the roots,
+/// then the roots of snapshot views in jobs).
 #[map]
-static ROOTS: HashMap<u64, u32> = HashMap::with_max_entries(MAX_ROOTS as u32, 0);
+static ROOTS: HashMap<u64, u32> = HashMap::with_max_entries(MAX_ROOTS as u32 + MAX_VIEW_ROOTS, 0);
 /// The superblocks those directories are on (`hocus_common::superblock` flags).
 #[map]
 static SUPERBLOCKS: HashMap<u64, u32> = HashMap::with_max_entries(MAX_SUPERBLOCKS, 0);
@@ -312,7 +313,7 @@ fn locate(place: &Place) -> Option<Located> {
     let [mnt_root, sb] = field::<[u64; 2]>(place.mnt, offset(|o| &o.vfsmount_root))?;
     // SAFETY: plain value copy.
     let flags = unsafe { *SUPERBLOCKS.get(&sb)? };
-    if flags & superblock::WATCHED == 0 {
+    if flags & (superblock::WATCHED | superblock::SNAPSHOT_VIEW) == 0 {
         // Only the cache is on this disk: what matters is reached through hocus's binds
         // (mounts rooted inside the cache), not through the disk's own mount.
         let s_root: u64 = field(sb, offset(|o| &o.sb_root))?;

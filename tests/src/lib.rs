@@ -15,6 +15,8 @@ use std::{
 
 use serde_json::Value;
 
+pub mod slurm;
+
 /// Panics unless we are root: the tests load eBPF programs and mount filesystems.
 pub fn require_root() {
     // SAFETY: geteuid has no preconditions.
@@ -329,7 +331,7 @@ fn delayed_pipe(mut from: std::net::TcpStream, mut to: std::net::TcpStream, dela
     });
 }
 
-fn free_port() -> u16 {
+pub(crate) fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()

@@ -1054,3 +1054,82 @@ fn the_accept_loop_does_not_spin_when_descriptors_run_out() {
         "{failed} failed accepts: {status:#}"
     );
 }
+
+/// Asks the daemon (socket: argv[1]) to bind into the asking process's namespace, as
+/// hocus's Slurm plugin does, and says what came back and whether something is mounted
+/// on the file argv[2] or a directory above it, below the mount argv[3], in the asker's
+/// namespace then.
+const ATTACH: &str = r#"
+import socket, sys
+s = socket.socket(socket.AF_UNIX)
+s.connect(sys.argv[1])
+s.sendall(b'{"request":"attach","uid":0,"gid":0}\n')
+print(s.makefile().readline().strip())
+points = [l.split()[4] for l in open("/proc/self/mountinfo")]
+over = [p for p in points if p.startswith(sys.argv[3] + "/") and (sys.argv[2] + "/").startswith(p + "/")]
+print("mounted" if over else "not mounted")
+"#;
+
+/// Whether something is mounted on `path` or a directory above it, below `mount`, in
+/// the node's namespace.
+fn mounted_on_the_node(path: &Path, mount: &Path) -> bool {
+    fs::read_to_string("/proc/self/mountinfo")
+        .unwrap()
+        .lines()
+        .filter_map(|l| l.split(' ').nth(4).map(Path::new))
+        .any(|p| p.starts_with(mount) && p != mount && path.starts_with(p))
+}
+
+/// Binds made in the caller's own namespace are for hocus's Slurm plugin (root, in a
+/// task that made a namespace of its own): an ordinary user asking, plainly or from a
+/// user and mount namespace of their own, gets nothing; root asking from the node's
+/// namespace, where a bind would reach every process, gets nothing either.
+#[test]
+fn only_root_in_a_namespace_of_its_own_gets_binds_made_in_it() {
+    let net = NetworkMount::start();
+    let file = net.put("env/lib/mod.py", b"X = 1\n");
+    let agent = Agent::start(&["--watch", net.mount.to_str().unwrap()]);
+    read_all(&file);
+    let copy = agent.local_copy(&file);
+    hocus_tests::wait_until(30, "the copy", || {
+        copy.exists() && agent.cache()["cached_files"].as_u64() > Some(0)
+    });
+    let (uid, gid) = test_user();
+    let ask = |wrapper: &[&str], as_user: bool| -> String {
+        let mut cmd = std::process::Command::new(wrapper.first().copied().unwrap_or("python3"));
+        if !wrapper.is_empty() {
+            cmd.args(&wrapper[1..]).arg("python3");
+        }
+        cmd.args(["-c", ATTACH])
+            .arg(&agent.socket)
+            .arg(&file)
+            .arg(&net.mount);
+        if as_user {
+            cmd.uid(uid).gid(gid);
+        }
+        let out = cmd.output().unwrap();
+        assert_success(&out);
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+
+    for said in [
+        ask(&[], true),
+        ask(&["unshare", "--user", "--map-root-user", "--mount"], true),
+    ] {
+        assert!(said.contains("only root"), "{said}");
+        assert!(said.ends_with("not mounted\n"), "{said}");
+    }
+    let said = ask(&[], false);
+    assert!(said.contains("shares the node's mount namespace"), "{said}");
+    assert!(!mounted_on_the_node(&file, &net.mount));
+
+    // What the plugin does: root, in a namespace of its own, gets the bind there alone.
+    let said = ask(&["unshare", "--mount", "--propagation", "slave"], false);
+    assert!(said.contains(r#""attached","binds":1"#), "{said}");
+    assert!(said.ends_with("\nmounted\n"), "{said}");
+    assert!(
+        !mounted_on_the_node(&file, &net.mount),
+        "the bind reached the node"
+    );
+    assert_eq!(fs::read_to_string(&file).unwrap(), "X = 1\n");
+}

@@ -311,7 +311,14 @@ fn status(cmd: &mut Command) -> Result<()> {
 fn build(release: bool) -> Result<PathBuf> {
     setup::ensure()?;
     let mut cmd = cargo();
-    cmd.args(["build", "--package", "hocus-agent"]);
+    // The agent and its Slurm plugin.
+    cmd.args([
+        "build",
+        "--package",
+        "hocus-agent",
+        "--package",
+        "hocus-spank",
+    ]);
     if release {
         cmd.arg("--release");
     }
@@ -353,6 +360,8 @@ fn test(filter: Option<String>) -> Result<()> {
         "--package",
         "hocus-agent",
         "--package",
+        "hocus-spank",
+        "--package",
         "xtask",
     ]))?;
 
@@ -365,7 +374,11 @@ fn test(filter: Option<String>) -> Result<()> {
     let mut cmd = cargo();
     cmd.args(["test", "--package", "hocus-tests", "--"])
         .args(["--test-threads", "1"])
-        .env("HOCUS_AGENT_BIN", &agent);
+        .env("HOCUS_AGENT_BIN", &agent)
+        .env(
+            "HOCUS_SPANK_PLUGIN",
+            agent.with_file_name("libhocus_spank.so"),
+        );
     let whole = filter.is_none();
     if let Some(f) = filter {
         cmd.arg(f);

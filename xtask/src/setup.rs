@@ -7,6 +7,8 @@
 //! - bpf-linker 0.13 built against Debian's LLVM 22;
 //! - sshfs and an OpenSSH server for the tests' real network mount, python3 for the
 //!   import tests, Prometheus (server and promtool) for the metrics tests;
+//! - Slurm (slurmctld, slurmd, the clients, munge) and its headers with libclang, for the
+//!   SPANK plugin and its tests;
 //! - tracefs mounted.
 
 use std::{
@@ -37,6 +39,14 @@ const PACKAGES: &[&str] = &[
     "bubblewrap",
     // The metrics tests: promtool, and a real Prometheus server scraping the agent.
     "prometheus",
+    // The SPANK plugin builds against Slurm's headers (bindgen: libclang); its tests
+    // run a real one-node cluster.
+    "libslurm-dev",
+    "libclang-dev",
+    "slurmctld",
+    "slurmd",
+    "slurm-client",
+    "munge",
 ];
 const BPF_LINKER_VERSION: &str = "0.13.0";
 const LLVM_PREFIX: &str = "/usr/lib/llvm-22";

@@ -1,9 +1,10 @@
 //! Face **control**: the control socket. Its language (`protocol`), the daemon's side
-//! (`server`: a thread per connection, requests handed to the daemon's loop) and the
-//! CLI's (`client`).
+//! (`server`: a thread per connection, requests handed to the daemon's loop; `session`:
+//! a job's, `hocus-agent run`'s or an attached Slurm task's) and the CLI's (`client`).
 //!
 //! May use: the stages, `shared`.
 
 pub mod client;
 pub mod protocol;
 pub mod server;
+pub mod session;

@@ -3,7 +3,7 @@
 //! hands the daemon's loop. Anyone may connect; every request is answered according to
 //! the caller's credentials, taken from the socket.
 
-use std::path::PathBuf;
+use std::{os::fd::OwnedFd, path::PathBuf, sync::Arc};
 
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
@@ -44,6 +44,20 @@ pub enum Request {
     /// Run a command in a namespace where local copies stand in for network files; the
     /// standard descriptors come along (SCM_RIGHTS).
     Run(JobCommand),
+    /// Make the binds in the caller's own mount namespace (root only: hocus's Slurm
+    /// plugin, as a task starts). The namespace is the connecting process's.
+    Attach(AttachTask),
+}
+
+/// Whose task asks to be attached, as Slurm says.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct AttachTask {
+    pub uid: u32,
+    pub gid: u32,
+    #[serde(default)]
+    pub groups: Vec<u32>,
+    #[serde(default)]
+    pub job_id: Option<u32>,
 }
 
 impl Request {
@@ -118,6 +132,10 @@ pub enum Response {
         pid: i32,
         binds: usize,
     },
+    /// The caller's namespace has `binds` local copies in place.
+    Attached {
+        binds: usize,
+    },
     /// The job ended: its exit code, or the signal that ended it.
     Exited {
         code: Option<i32>,
@@ -142,12 +160,18 @@ pub enum Ask {
     Client(Query),
     /// The binds to make in a new job's namespace.
     Binds,
-    /// The calling thread (`id`) is about to fork a job in its namespace, with these
-    /// binds (to detach on changes, and to tell hits from misses). Answered with
-    /// `Response::Ready`.
+    /// A job starts in namespace `ns` with these binds (to detach on changes, and to
+    /// tell hits from misses). Its id is the thread about to fork it (`hocus-agent run`),
+    /// or the attached `task`'s pid, which is followed until that process exits.
+    /// Answered with `Response::Ready`, or `Error` if it cannot be followed.
     JobStarting {
         id: u32,
         binds: Vec<Bind>,
+        ns: OwnedFd,
+        task: Option<Arc<OwnedFd>>,
+        /// The snapshot views among the binds (their mounts), with the network
+        /// directory each stands for: files opened in them are placed there.
+        views: Vec<(OwnedFd, PathBuf)>,
     },
     JobEnded {
         id: u32,

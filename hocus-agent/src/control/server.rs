@@ -11,7 +11,7 @@
 use std::{
     collections::{BTreeMap, HashMap},
     fs,
-    io::{BufRead, BufReader, IoSliceMut, Read, Write},
+    io::{IoSliceMut, Read, Write},
     os::{
         fd::{AsRawFd, FromRawFd, OwnedFd, RawFd},
         unix::{
@@ -22,22 +22,19 @@ use std::{
     path::{Path, PathBuf},
     sync::{Arc, Mutex},
     thread,
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use anyhow::{Context, Result, bail};
-use nix::{
-    sys::{
-        socket::{ControlMessageOwned, MsgFlags, getsockopt, recvmsg, sockopt},
-        wait::{Id, WaitPidFlag, waitid},
-    },
-    unistd::Pid,
-};
+use nix::sys::socket::{ControlMessageOwned, MsgFlags, getsockopt, recvmsg, sockopt};
 use tokio::sync::mpsc;
 
 use crate::{
-    control::protocol::{
-        Ask, Call, Forward, MAX_PROFILE_BYTES, MAX_REQUEST_LINE, Query, Request, Response, Staged,
+    control::{
+        protocol::{
+            Ask, Call, MAX_PROFILE_BYTES, MAX_REQUEST_LINE, Query, Request, Response, Staged,
+        },
+        session,
     },
     profile::{
         format::{Profile, read_stream, refuse_path},
@@ -45,8 +42,7 @@ use crate::{
     },
     redirect::{
         access::{self, Caller},
-        confirm, identity, mountns,
-        spawn::{self, JobCommand},
+        identity,
     },
     shared::status::{ControlStatus, REFUSED_SHOWN},
 };
@@ -58,9 +54,6 @@ const PROFILE_BATCH: usize = 16_384;
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long an answer may wait for the client to read it.
 pub const WRITE_TIMEOUT: Duration = Duration::from_secs(30);
-/// How long a job's start may wait for its copies to be checked against the network;
-/// what is not checked by then is not bound.
-const JOB_START_CHECK: Duration = Duration::from_secs(2);
 /// Descriptors a request may carry at most (a run's three).
 const MAX_DESCRIPTORS: usize = 3;
 /// The most descriptors one message can carry (the kernel's SCM_MAX_FD): room is made for
@@ -304,8 +297,9 @@ fn answer(
         Request::Run(run) => {
             // The session lasts as long as the job: no read timeout from here on.
             stream.set_read_timeout(None)?;
-            return session(stream, caller, run, fds, rest, calls);
+            return session::run(stream, caller, run, fds, rest, calls);
         }
+        Request::Attach(task) => return session::attach(&stream, caller, task, calls),
         Request::Status => Query::Status,
         Request::Export { root } => return export(&stream, calls, caller, root),
         Request::Budgets { ssd, ram } => Query::Budgets { ssd, ram },
@@ -567,173 +561,6 @@ fn read_request(stream: &UnixStream) -> Result<(Request, Vec<OwnedFd>, Vec<u8>),
                 "too_large",
                 format!("a request line is at most {MAX_REQUEST_LINE} bytes"),
             ));
-        }
-    }
-}
-
-/// A job session, on the connection's own thread: the job's namespace and binds, the
-/// job itself, the signals its client forwards, and its exit status.
-fn session(
-    stream: UnixStream,
-    caller: Caller,
-    run: JobCommand,
-    fds: Vec<OwnedFd>,
-    rest: Vec<u8>,
-    calls: &mpsc::Sender<Call>,
-) -> Result<()> {
-    let refuse = |message: String| send(&stream, &Response::Error { message });
-    if run.argv.is_empty() {
-        return refuse("no command to run".into());
-    }
-    let Ok([stdin, stdout, stderr]) = <[OwnedFd; 3]>::try_from(fds) else {
-        return refuse("send the standard input, output and error along with the request".into());
-    };
-    let binds = match ask(calls, caller.clone(), Ask::Binds)?.blocking_recv() {
-        Some(Response::Binds(b)) => b,
-        _ => return refuse("the daemon has no binds to give".into()),
-    };
-    // The job sees what the network holds now: what changed since it was copied is not
-    // bound (and its copy goes).
-    let started = Instant::now();
-    let checked = confirm::confirm(binds, JOB_START_CHECK);
-    log::info!(
-        "job start: {} local copies confirmed against the network in {:.1} ms ({} stale, {} not checked in time)",
-        checked.binds.len(),
-        started.elapsed().as_secs_f64() * 1000.0,
-        checked.stale.len(),
-        checked.unchecked,
-    );
-    if !checked.stale.is_empty() {
-        let _ = ask(
-            calls,
-            caller.clone(),
-            Ask::Stale {
-                sources: checked.stale,
-            },
-        );
-    }
-    let binds = checked.binds;
-    // This thread moves to the job's namespace and forks the job from there.
-    if let Err(e) = mountns::enter_new_namespace() {
-        return refuse(format!("cannot make a mount namespace: {e}"));
-    }
-    let mut made = Vec::new();
-    for b in binds {
-        match mountns::bind_read_only(&b) {
-            Ok(()) => made.push(b),
-            Err(e) => log::debug!("not binding {}: {e}", b.target.display()),
-        }
-    }
-    // The kernel marks whatever this thread forks as job `id`; the daemon learns the job
-    // before it starts, so its first opens are attributed.
-    // SAFETY: gettid has no preconditions.
-    let id = unsafe { libc::gettid() } as u32;
-    let job = Ask::JobStarting {
-        id,
-        binds: made.clone(),
-    };
-    ask(calls, caller.clone(), job)?.blocking_recv();
-    // From here on the keeper follows the job: it is forgotten however this ends.
-    let result = run_job(
-        &stream,
-        &caller,
-        &run,
-        [stdin, stdout, stderr],
-        made.len(),
-        rest,
-    );
-    let _ = ask(calls, caller, Ask::JobEnded { id });
-    result
-}
-
-/// Starts the job and sees it to its end: it is reaped however its client behaves.
-fn run_job(
-    stream: &UnixStream,
-    caller: &Caller,
-    run: &JobCommand,
-    std_fds: [OwnedFd; 3],
-    binds: usize,
-    rest: Vec<u8>,
-) -> Result<()> {
-    let mut child = match spawn::spawn(caller, run, std_fds) {
-        Ok(child) => child,
-        Err(e) => {
-            let message = format!("cannot start {}: {e}", run.argv[0]);
-            return send(stream, &Response::Error { message });
-        }
-    };
-    let pid = child.id() as i32;
-    log::info!(
-        "job {pid} ({}) for uid {} with {binds} local copies in place",
-        run.argv[0],
-        caller.uid,
-    );
-    // A client already gone is told nothing more; its job is hung up below, as by a
-    // closed terminal, when the forwarder meets the end of the connection.
-    let told = send(stream, &Response::Started { pid, binds });
-
-    // Signals from the client go to the job's process group. Once the job has exited (its
-    // leader still unreaped, so its process group id cannot be anyone else's),
-    // forwarding stops for good before the job is reaped.
-    let ended = Arc::new(Mutex::new(false));
-    let forwarding = stream
-        .try_clone()
-        .map_err(anyhow::Error::from)
-        .and_then(|reader| {
-            let ended = Arc::clone(&ended);
-            Ok(thread::Builder::new()
-                .name("hocus-signals".into())
-                .spawn(move || forward_signals(pid, rest, reader, &ended))?)
-        });
-    if let Err(e) = &forwarding {
-        log::warn!("job {pid}: its client's signals cannot reach it ({e}); hanging it up");
-        // SAFETY: plain kill(2) on the job's process group, whose leader is unreaped.
-        unsafe { libc::kill(-pid, libc::SIGHUP) };
-    }
-    let exited = waitid(
-        Id::Pid(Pid::from_raw(pid)),
-        WaitPidFlag::WEXITED | WaitPidFlag::WNOWAIT,
-    );
-    *ended.lock().unwrap_or_else(|e| e.into_inner()) = true;
-    let _ = stream.shutdown(std::net::Shutdown::Read);
-    if let Ok(t) = forwarding {
-        let _ = t.join();
-    }
-    if let Err(e) = exited {
-        log::warn!("job {pid}: waiting for it failed: {e}");
-    }
-    let status = child.wait()?;
-    told?;
-    use std::os::unix::process::ExitStatusExt;
-    send(
-        stream,
-        &Response::Exited {
-            code: status.code(),
-            signal: status.signal(),
-        },
-    )
-}
-
-/// Forwards the signals the client sends (one JSON line each) to the job's process group
-/// until the job has ended; a client that goes away hangs the job up.
-fn forward_signals(pid: i32, rest: Vec<u8>, reader: UnixStream, ended: &Mutex<bool>) {
-    let mut lines = BufReader::new(Read::chain(std::io::Cursor::new(rest), reader)).lines();
-    loop {
-        let signal = match lines.next() {
-            Some(Ok(line)) => match serde_json::from_str::<Forward>(&line) {
-                Ok(f) if (1..=64).contains(&f.signal) => f.signal,
-                _ => continue,
-            },
-            _ => libc::SIGHUP,
-        };
-        // Checked and sent under the lock the reaper takes: never after the job ended.
-        let ended = ended.lock().unwrap_or_else(|e| e.into_inner());
-        if *ended {
-            return;
-        }
-        // SAFETY: plain kill(2) on the job's process group, whose leader is unreaped.
-        if unsafe { libc::kill(-pid, signal) } != 0 || signal == libc::SIGHUP {
-            return;
         }
     }
 }

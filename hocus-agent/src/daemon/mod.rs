@@ -38,6 +38,7 @@ use crate::{
     },
 };
 
+mod jobs;
 mod keeper;
 mod requests;
 
@@ -108,6 +109,8 @@ struct Daemon {
     keeper: Keeper,
     /// When the keeper last failed to take an order (logged at most every 10 s).
     keeper_failed_at: Option<Instant>,
+    /// Jobs' snapshot views and attached tasks.
+    jobs: jobs::Jobs,
     keeper_thread: Option<std::thread::JoinHandle<()>>,
     /// The working set changed since it was last placed.
     to_place: bool,
@@ -271,6 +274,7 @@ impl Daemon {
             said_profile_full: false,
             keeper,
             keeper_failed_at: None,
+            jobs: jobs::Jobs::default(),
             keeper_thread: Some(keeper_thread),
             to_place: true,
         })
@@ -318,6 +322,7 @@ impl Daemon {
                 _ = poll.tick() => self.drain().await,
                 _ = sweep.tick() => {
                     self.sweep().await;
+                    self.reap_tasks().await;
                     if !self.waiting.is_empty() {
                         self.answer_waiting().await;
                     }
@@ -349,6 +354,7 @@ impl Daemon {
         self.sweep().await;
         self.tracer.get_mut().detach();
         self.sweep().await;
+        self.reap_tasks().await;
         log::info!("stopping: eBPF programs detached; saving the profile");
         self.dirty = true;
         self.save();

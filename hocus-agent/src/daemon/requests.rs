@@ -69,11 +69,24 @@ impl Daemon {
                 };
                 let _ = reply.send(response);
             }
-            Ask::JobStarting { id, binds } => {
+            Ask::JobStarting {
+                id,
+                binds,
+                ns,
+                task,
+                views,
+            } => {
                 // Events already read belong to earlier jobs; the keeper learns of this
                 // one before anything it does.
                 self.drain().await;
-                let started = self.keeper.job_starting(id, binds).await;
+                if let Some(pidfd) = task {
+                    if let Err(message) = self.follow_task(id, pidfd) {
+                        let _ = reply.send(Response::Error { message });
+                        return;
+                    }
+                }
+                self.place_views(id, views);
+                let started = self.keeper.job_starting(id, binds, ns).await;
                 // A job the keeper does not follow still runs: its accesses count as
                 // misses.
                 self.check(started);
@@ -92,12 +105,7 @@ impl Daemon {
                 let part = self.ws.export_part(&mut order, EXPORT_PART);
                 let _ = reply.send(Response::Export { order, part });
             }
-            Ask::JobEnded { id } => {
-                // What the job did is read before it is forgotten.
-                self.sweep().await;
-                let ended = self.keeper.job_ended(id).await;
-                self.check(ended);
-            }
+            Ask::JobEnded { id } => self.job_ended(id).await,
         }
     }
 

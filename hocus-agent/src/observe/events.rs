@@ -80,6 +80,9 @@ pub struct Observer {
     /// Where each of the kernel's roots is, by `Event::root`: a watched tree's path, or
     /// `/` for the cache's directories (the path below them is the network path).
     roots: Vec<PathBuf>,
+    /// The network directory each snapshot view in a job stands for, by `Event::root`
+    /// (`FIRST_VIEW_ROOT` and up).
+    view_roots: HashMap<u32, PathBuf>,
     /// How other mount namespaces see the watched trees.
     pub views: Views,
     /// Namespaces whose view the kernel asked for since last drained: (a process in it,
@@ -112,6 +115,7 @@ impl Observer {
         Self {
             watches,
             roots,
+            view_roots: HashMap::new(),
             views,
             to_learn: Vec::new(),
             clock_offset_ns: monotonic_to_unix_offset(),
@@ -413,6 +417,16 @@ impl Observer {
         lost
     }
 
+    /// Files opened under kernel root `index` are under `dir` (a snapshot view's network
+    /// directory), until forgotten.
+    pub fn add_view_root(&mut self, index: u32, dir: PathBuf) {
+        self.view_roots.insert(index, dir);
+    }
+
+    pub fn forget_view_root(&mut self, index: u32) {
+        self.view_roots.remove(&index);
+    }
+
     /// Forgets an open file whose close will not be reported.
     fn close(&mut self, file_id: u64) {
         if let Some(info) = self.open.remove(&file_id) {
@@ -448,7 +462,11 @@ impl Observer {
             };
             placed
         } else {
-            let Some(root) = self.roots.get(e.root as usize) else {
+            let root = match self.roots.get(e.root as usize) {
+                Some(root) => Some(root),
+                None => self.view_roots.get(&e.root),
+            };
+            let Some(root) = root else {
                 self.tally.unresolved += 1;
                 return None;
             };

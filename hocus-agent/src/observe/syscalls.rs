@@ -159,6 +159,9 @@ pub fn all() -> Vec<Traced> {
         fd_op("mmap", SYS_mmap, op::MMAP),
         fd_op("close", SYS_close, op::CLOSE),
         no_args("unshare", SYS_unshare, op::NEW_NAMESPACE),
+        // The agent entering an attached task's namespace: paths there mean what they
+        // mean to it (the task made it from the node's; hocus binds in it).
+        no_args("setns", SYS_setns, op::NEW_NAMESPACE),
         no_args("mount", SYS_mount, op::MOUNTS_CHANGE),
         no_args("umount", SYS_umount2, op::MOUNTS_CHANGE),
         no_args("move_mount", SYS_move_mount, op::MOUNTS_CHANGE),

@@ -22,7 +22,7 @@ use aya::{
 };
 use hocus_common::{
     Calibration, Event, FdKey, Home, InodeKey, MAX_PREFIX, MAX_ROOTS, MAX_TREES, MAX_WATCHED,
-    Mapped, NamespaceKey, OpenFile, SyscallLayout, View, Watched, counter,
+    Mapped, NamespaceKey, OpenFile, SyscallLayout, View, Watched, counter, superblock,
 };
 
 use crate::observe::{
@@ -92,6 +92,13 @@ enum Attach {
 enum Link {
     Raw(RawTracePointLinkId),
     Event(TracePointLinkId),
+}
+
+/// A snapshot view's root as the kernel side knows it.
+#[derive(Debug, Clone, Copy)]
+pub struct ViewRoot {
+    dentry: u64,
+    superblock: u64,
 }
 
 /// Kernel-side counters, summed over CPUs, by `hocus_common::counter` index.
@@ -239,6 +246,51 @@ impl Tracer {
         Ok(())
     }
 
+    /// Places files opened under the snapshot view `view` (the root of an overlay hocus
+    /// mounted in a job's namespace) as `Event::root` `index`, until forgotten. The
+    /// caller keeps `view` open meanwhile: its dentry and superblock stay allocated, so
+    /// the addresses stay theirs.
+    pub fn add_view_root(&mut self, view: &OwnedFd, index: u32) -> Result<ViewRoot> {
+        let c = self.calibrate(view)?;
+        if c.dentry == 0 || c.superblock == 0 {
+            bail!("the kernel side could not read the view's root");
+        }
+        let root = ViewRoot {
+            dentry: c.dentry,
+            superblock: c.superblock,
+        };
+        let mut sb_map: HashMap<_, u64, u32> = HashMap::try_from(
+            self.ebpf
+                .map_mut("SUPERBLOCKS")
+                .context("no SUPERBLOCKS map")?,
+        )?;
+        sb_map.insert(root.superblock, superblock::SNAPSHOT_VIEW, 0)?;
+        let mut roots: HashMap<_, u64, u32> =
+            HashMap::try_from(self.ebpf.map_mut("ROOTS").context("no ROOTS map")?)?;
+        if let Err(e) = roots.insert(root.dentry, index, 0) {
+            self.remove_view_root(&root);
+            return Err(e.into());
+        }
+        Ok(root)
+    }
+
+    pub fn remove_view_root(&mut self, root: &ViewRoot) {
+        if let Some(Ok(mut roots)) = self
+            .ebpf
+            .map_mut("ROOTS")
+            .map(HashMap::<_, u64, u32>::try_from)
+        {
+            let _ = roots.remove(&root.dentry);
+        }
+        if let Some(Ok(mut sb)) = self
+            .ebpf
+            .map_mut("SUPERBLOCKS")
+            .map(HashMap::<_, u64, u32>::try_from)
+        {
+            let _ = sb.remove(&root.superblock);
+        }
+    }
+
     /// How many times a mount has started or ended: a view learned before is stale.
     pub fn mount_generation(&self) -> Result<u64> {
         let map: Array<_, u64> = Array::try_from(
@@ -337,6 +389,15 @@ impl Tracer {
     /// since.
     pub fn mapped_files(&self) -> Vec<(InodeKey, Mapped)> {
         self.mapped.iter().filter_map(Result::ok).collect()
+    }
+
+    /// Counts process `pid` (and whatever it forks from now on) as job `job`: a process
+    /// the daemon did not fork (an attached Slurm task).
+    pub fn mark_job(&mut self, pid: u32, job: u32) -> Result<()> {
+        let mut jobs: HashMap<_, u32, u32> =
+            HashMap::try_from(self.ebpf.map_mut("JOBS").context("no JOBS map")?)?;
+        jobs.insert(pid, job, 0)?;
+        Ok(())
     }
 
     pub fn forget_mapped(&mut self, key: &InodeKey) {

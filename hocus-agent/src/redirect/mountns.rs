@@ -9,7 +9,7 @@ use std::{
     io,
     os::{
         fd::{AsRawFd, FromRawFd, OwnedFd},
-        unix::ffi::OsStrExt,
+        unix::{ffi::OsStrExt, fs::MetadataExt},
     },
     path::{Path, PathBuf},
 };
@@ -98,30 +98,81 @@ fn cstr(p: &Path) -> io::Result<CString> {
 }
 
 /// Moves the calling thread (only it) into a new mount namespace, a slave of the
-/// current one. Whatever this thread forks afterwards lives there.
-pub fn enter_new_namespace() -> io::Result<()> {
-    // SAFETY: plain syscalls; CLONE_FS first, so that this thread alone moves.
+/// current one, and returns its descriptor. Whatever this thread forks afterwards
+/// lives there.
+pub fn enter_new_namespace() -> io::Result<OwnedFd> {
+    // SAFETY: plain syscall; CLONE_FS first, so that this thread alone moves.
     unsafe {
         check(libc::unshare(libc::CLONE_FS).into())?;
         check(libc::unshare(libc::CLONE_NEWNS).into())?;
-        let root = c"/";
+    }
+    make_slave()?;
+    this_threads_namespace()
+}
+
+/// Moves the calling thread (only it) into the mount namespace of the process `pidfd`
+/// names, which must be a namespace of its own: not this daemon's, not the init
+/// process's (a bind there would reach every process of the node). Made a slave of its
+/// parent again, in case its maker did not, before anything is mounted in it. Returns
+/// its descriptor.
+pub fn enter_namespace_of(pidfd: &OwnedFd) -> io::Result<OwnedFd> {
+    // The init process's may be out of reach (a sandbox's init): then the daemon's own
+    // is the node's.
+    let node = [
+        Some(namespace_id("/proc/self/ns/mnt")?),
+        namespace_id("/proc/1/ns/mnt").ok(),
+    ];
+    // SAFETY: plain syscalls; CLONE_FS first, so that this thread alone moves.
+    unsafe {
+        check(libc::unshare(libc::CLONE_FS).into())?;
+        check(libc::setns(pidfd.as_raw_fd(), libc::CLONE_NEWNS).into())
+            .map_err(|e| io::Error::new(e.kind(), format!("setns: {e}")))?;
+    }
+    let ns = this_threads_namespace()
+        .map_err(|e| io::Error::new(e.kind(), format!("/proc/thread-self/ns/mnt: {e}")))?;
+    let id = std::fs::File::from(ns.try_clone()?).metadata()?;
+    if node.contains(&Some((id.dev(), id.ino()))) {
+        return Err(io::Error::other(
+            "the process shares the node's mount namespace (make one of its own first: unshare -m)",
+        ));
+    }
+    make_slave().map_err(|e| io::Error::new(e.kind(), format!("making it a slave: {e}")))?;
+    Ok(ns)
+}
+
+fn namespace_id(path: &str) -> io::Result<(u64, u64)> {
+    let m =
+        std::fs::metadata(path).map_err(|e| io::Error::new(e.kind(), format!("{path}: {e}")))?;
+    Ok((m.dev(), m.ino()))
+}
+
+fn this_threads_namespace() -> io::Result<OwnedFd> {
+    Ok(std::fs::File::open("/proc/thread-self/ns/mnt")?.into())
+}
+
+/// Makes every mount of this thread's namespace a slave: mounts made here propagate
+/// nowhere, the node's mounts (automounts) still arrive.
+fn make_slave() -> io::Result<()> {
+    // SAFETY: plain syscall with valid arguments.
+    unsafe {
         check(
             libc::mount(
                 std::ptr::null(),
-                root.as_ptr(),
+                c"/".as_ptr(),
                 std::ptr::null(),
                 libc::MS_SLAVE | libc::MS_REC,
                 std::ptr::null(),
             )
             .into(),
-        )?;
+        )
+        .map(drop)
     }
-    Ok(())
 }
 
 /// Binds `b.local` read-only, nosuid, nodev over `b.target`; for a lazy snapshot, the
-/// overlay of `b.local` over the network directory.
-pub fn bind_read_only(b: &Bind) -> io::Result<()> {
+/// overlay of `b.local` over the network directory, whose mount is returned (the
+/// daemon tells the kernel side to place files under its root).
+pub fn bind_read_only(b: &Bind) -> io::Result<Option<OwnedFd>> {
     let local = cstr(&b.local)?;
     // Opened before anything is mounted over it: the network directory itself.
     let target = open_target(b)?;
@@ -168,8 +219,8 @@ pub fn bind_read_only(b: &Bind) -> io::Result<()> {
             c"".as_ptr(),
             MOVE_MOUNT_F_EMPTY_PATH | MOVE_MOUNT_T_EMPTY_PATH,
         ))?;
+        Ok(b.lazy.then_some(source))
     }
-    Ok(())
 }
 
 /// A detached, read-only, nosuid, nodev overlay of `meta` (a lazy snapshot's local tree:

@@ -3,7 +3,7 @@
 //! by [`ANSWER_TIMEOUT`] so that a keeper busy elsewhere becomes a clear error, never a
 //! stalled event loop.
 
-use std::time::Duration;
+use std::{os::fd::OwnedFd, time::Duration};
 
 use tokio::sync::{mpsc, oneshot};
 
@@ -129,8 +129,14 @@ impl Handle {
 
     /// A job is about to be forked by the daemon thread `id`, in that thread's mount
     /// namespace, with these binds; returns once the keeper follows it.
-    pub async fn job_starting(&self, id: u32, binds: Vec<Bind>) -> Result<(), KeeperError> {
-        self.ask(|ack| Order::JobStarting { id, binds, ack }).await
+    pub async fn job_starting(
+        &self,
+        id: u32,
+        binds: Vec<Bind>,
+        ns: OwnedFd,
+    ) -> Result<(), KeeperError> {
+        self.ask(|ack| Order::JobStarting { id, binds, ns, ack })
+            .await
     }
 
     pub async fn job_ended(&self, id: u32) -> Result<(), KeeperError> {

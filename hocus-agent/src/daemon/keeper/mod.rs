@@ -16,7 +16,7 @@ pub use handle::{Handle, KeeperError};
 
 use std::{
     collections::{HashMap, HashSet},
-    fs::File,
+    os::fd::OwnedFd,
     path::{Path, PathBuf},
     thread,
     time::{Duration, Instant},
@@ -117,12 +117,12 @@ pub enum Order {
     },
     /// The binds a new job's namespace gets: every valid copy.
     Binds(oneshot::Sender<Vec<Bind>>),
-    /// A job is about to be forked by the daemon thread `id`, in that thread's mount
-    /// namespace, with these binds; `ack` answers once it is registered (so the job's
-    /// first opens find it).
+    /// Job `id` starts in the mount namespace `ns` with these binds; `ack` answers once
+    /// it is registered (so the job's first opens find it).
     JobStarting {
         id: u32,
         binds: Vec<Bind>,
+        ns: OwnedFd,
         ack: oneshot::Sender<()>,
     },
     JobEnded {
@@ -477,17 +477,10 @@ impl Keeper {
                     });
                 let _ = tx.send(trees.chain(files).collect());
             }
-            Order::JobStarting { id, binds, ack } => {
-                // The forking thread is ours and lives as long as the job.
-                let ns = format!("/proc/self/task/{id}/ns/mnt");
-                match File::open(&ns) {
-                    Ok(ns) => {
-                        let job = Job::new(ns.into(), binds, |b| self.cache.is_snapshot(&b.local));
-                        self.jobs.insert(id, job);
-                        self.status.jobs_started += 1;
-                    }
-                    Err(e) => log::warn!("cannot follow the namespace of job {id} ({ns}): {e}"),
-                }
+            Order::JobStarting { id, binds, ns, ack } => {
+                let job = Job::new(ns, binds, |b| self.cache.is_snapshot(&b.local));
+                self.jobs.insert(id, job);
+                self.status.jobs_started += 1;
                 let _ = ack.send(());
             }
             Order::JobEnded { id } => {

@@ -1,0 +1,279 @@
+//! Job sessions, each on its connection's own thread. `run`: the job's namespace and
+//! binds, the job itself (forked from this thread, in that namespace), the signals its
+//! client forwards, and its exit status. `attach`: a process that made a mount
+//! namespace of its own (a Slurm task, through hocus's SPANK plugin) gets the binds in
+//! it; its end is noticed by its pidfd.
+
+use std::{
+    io::{BufRead, BufReader, Read},
+    os::{fd::OwnedFd, unix::net::UnixStream},
+    path::PathBuf,
+    sync::{Arc, Mutex},
+    thread,
+    time::{Duration, Instant},
+};
+
+use anyhow::Result;
+use nix::{
+    sys::wait::{Id, WaitPidFlag, waitid},
+    unistd::Pid,
+};
+use tokio::sync::mpsc;
+
+use crate::{
+    control::{
+        protocol::{Ask, AttachTask, Call, Forward, Response},
+        server::{ask, send},
+    },
+    redirect::{
+        access::Caller,
+        confirm,
+        mountns::{self, Bind},
+        spawn::{self, JobCommand},
+    },
+};
+
+/// How long a job's start may wait for its copies to be checked against the network;
+/// what is not checked by then is not bound.
+const JOB_START_CHECK: Duration = Duration::from_secs(2);
+
+/// The binds for a job starting now: the daemon's, each confirmed against the network
+/// (what changed since it was copied is not bound, and its copy goes).
+fn confirmed_binds(
+    calls: &mpsc::Sender<Call>,
+    caller: &Caller,
+) -> Result<Result<Vec<Bind>, String>> {
+    let binds = match ask(calls, caller.clone(), Ask::Binds)?.blocking_recv() {
+        Some(Response::Binds(b)) => b,
+        _ => return Ok(Err("the daemon has no binds to give".into())),
+    };
+    let started = Instant::now();
+    let checked = confirm::confirm(binds, JOB_START_CHECK);
+    log::info!(
+        "job start: {} local copies confirmed against the network in {:.1} ms ({} stale, {} not checked in time)",
+        checked.binds.len(),
+        started.elapsed().as_secs_f64() * 1000.0,
+        checked.stale.len(),
+        checked.unchecked,
+    );
+    if !checked.stale.is_empty() {
+        let _ = ask(
+            calls,
+            caller.clone(),
+            Ask::Stale {
+                sources: checked.stale,
+            },
+        );
+    }
+    Ok(Ok(checked.binds))
+}
+
+/// Makes each bind it can in this thread's namespace; returns those made, and the
+/// snapshot views among them with the network directory each stands for.
+fn bind_all(binds: Vec<Bind>) -> (Vec<Bind>, Vec<(OwnedFd, PathBuf)>) {
+    let mut made = Vec::new();
+    let mut views = Vec::new();
+    for b in binds {
+        match mountns::bind_read_only(&b) {
+            Ok(view) => {
+                views.extend(view.map(|v| (v, b.target.clone())));
+                made.push(b);
+            }
+            Err(e) => log::debug!("not binding {}: {e}", b.target.display()),
+        }
+    }
+    (made, views)
+}
+
+/// Gives the caller's own mount namespace the binds. Only root may ask (hocus's SPANK
+/// plugin, in a Slurm task not yet its user's): the namespace is the calling process's,
+/// taken from its pidfd, and never the node's own. The task is followed as a job until
+/// it exits, its accesses counted as hits or misses.
+pub fn attach(
+    stream: &UnixStream,
+    caller: Caller,
+    task: AttachTask,
+    calls: &mpsc::Sender<Call>,
+) -> Result<()> {
+    let refuse = |message: String| send(stream, &Response::Error { message });
+    if !caller.is_root() {
+        return refuse(
+            "only root gives a namespace hocus's binds (hocus's Slurm plugin does, as a task starts); use hocus-agent run".into(),
+        );
+    }
+    let Some(pidfd) = caller.pidfd.clone() else {
+        return refuse("the kernel did not say which process connected (SO_PEERPIDFD)".into());
+    };
+    let binds = match confirmed_binds(calls, &caller)? {
+        Ok(b) => b,
+        Err(message) => return refuse(message),
+    };
+    // This thread moves into the task's namespace (it ends with the connection).
+    let ns = match mountns::enter_namespace_of(&pidfd) {
+        Ok(ns) => ns,
+        Err(e) => return refuse(format!("cannot enter the task's mount namespace: {e}")),
+    };
+    let (made, views) = bind_all(binds);
+    let id = caller.pid as u32;
+    log::info!(
+        "task {id} of Slurm job {} for uid {}: {} local copies in place",
+        task.job_id.map_or("?".into(), |j| j.to_string()),
+        task.uid,
+        made.len()
+    );
+    let job = Ask::JobStarting {
+        id,
+        binds: made.clone(),
+        ns,
+        task: Some(pidfd),
+        views,
+    };
+    match ask(calls, caller, job)?.blocking_recv() {
+        Some(Response::Error { message }) => refuse(message),
+        _ => send(stream, &Response::Attached { binds: made.len() }),
+    }
+}
+
+/// A `hocus-agent run` session: the job's namespace and binds, the job itself, the
+/// signals its client forwards, and its exit status.
+pub fn run(
+    stream: UnixStream,
+    caller: Caller,
+    run: JobCommand,
+    fds: Vec<OwnedFd>,
+    rest: Vec<u8>,
+    calls: &mpsc::Sender<Call>,
+) -> Result<()> {
+    let refuse = |message: String| send(&stream, &Response::Error { message });
+    if run.argv.is_empty() {
+        return refuse("no command to run".into());
+    }
+    let Ok([stdin, stdout, stderr]) = <[OwnedFd; 3]>::try_from(fds) else {
+        return refuse("send the standard input, output and error along with the request".into());
+    };
+    let binds = match confirmed_binds(calls, &caller)? {
+        Ok(b) => b,
+        Err(message) => return refuse(message),
+    };
+    // This thread moves to the job's namespace and forks the job from there.
+    let ns = match mountns::enter_new_namespace() {
+        Ok(ns) => ns,
+        Err(e) => return refuse(format!("cannot make a mount namespace: {e}")),
+    };
+    let (made, views) = bind_all(binds);
+    // The kernel marks whatever this thread forks as job `id`; the daemon learns the job
+    // before it starts, so its first opens are attributed.
+    // SAFETY: gettid has no preconditions.
+    let id = unsafe { libc::gettid() } as u32;
+    let job = Ask::JobStarting {
+        id,
+        binds: made.clone(),
+        ns,
+        task: None,
+        views,
+    };
+    ask(calls, caller.clone(), job)?.blocking_recv();
+    // From here on the keeper follows the job: it is forgotten however this ends.
+    let result = run_job(
+        &stream,
+        &caller,
+        &run,
+        [stdin, stdout, stderr],
+        made.len(),
+        rest,
+    );
+    let _ = ask(calls, caller, Ask::JobEnded { id });
+    result
+}
+
+/// Starts the job and sees it to its end: it is reaped however its client behaves.
+fn run_job(
+    stream: &UnixStream,
+    caller: &Caller,
+    run: &JobCommand,
+    std_fds: [OwnedFd; 3],
+    binds: usize,
+    rest: Vec<u8>,
+) -> Result<()> {
+    let mut child = match spawn::spawn(caller, run, std_fds) {
+        Ok(child) => child,
+        Err(e) => {
+            let message = format!("cannot start {}: {e}", run.argv[0]);
+            return send(stream, &Response::Error { message });
+        }
+    };
+    let pid = child.id() as i32;
+    log::info!(
+        "job {pid} ({}) for uid {} with {binds} local copies in place",
+        run.argv[0],
+        caller.uid,
+    );
+    // A client already gone is told nothing more; its job is hung up below, as by a
+    // closed terminal, when the forwarder meets the end of the connection.
+    let told = send(stream, &Response::Started { pid, binds });
+
+    // Signals from the client go to the job's process group. Once the job has exited (its
+    // leader still unreaped, so its process group id cannot be anyone else's),
+    // forwarding stops for good before the job is reaped.
+    let ended = Arc::new(Mutex::new(false));
+    let forwarding = stream
+        .try_clone()
+        .map_err(anyhow::Error::from)
+        .and_then(|reader| {
+            let ended = Arc::clone(&ended);
+            Ok(thread::Builder::new()
+                .name("hocus-signals".into())
+                .spawn(move || forward_signals(pid, rest, reader, &ended))?)
+        });
+    if let Err(e) = &forwarding {
+        log::warn!("job {pid}: its client's signals cannot reach it ({e}); hanging it up");
+        // SAFETY: plain kill(2) on the job's process group, whose leader is unreaped.
+        unsafe { libc::kill(-pid, libc::SIGHUP) };
+    }
+    let exited = waitid(
+        Id::Pid(Pid::from_raw(pid)),
+        WaitPidFlag::WEXITED | WaitPidFlag::WNOWAIT,
+    );
+    *ended.lock().unwrap_or_else(|e| e.into_inner()) = true;
+    let _ = stream.shutdown(std::net::Shutdown::Read);
+    if let Ok(t) = forwarding {
+        let _ = t.join();
+    }
+    if let Err(e) = exited {
+        log::warn!("job {pid}: waiting for it failed: {e}");
+    }
+    let status = child.wait()?;
+    told?;
+    use std::os::unix::process::ExitStatusExt;
+    send(
+        stream,
+        &Response::Exited {
+            code: status.code(),
+            signal: status.signal(),
+        },
+    )
+}
+
+/// Forwards the signals the client sends (one JSON line each) to the job's process group
+/// until the job has ended; a client that goes away hangs the job up.
+fn forward_signals(pid: i32, rest: Vec<u8>, reader: UnixStream, ended: &Mutex<bool>) {
+    let mut lines = BufReader::new(Read::chain(std::io::Cursor::new(rest), reader)).lines();
+    loop {
+        let signal = match lines.next() {
+            Some(Ok(line)) => match serde_json::from_str::<Forward>(&line) {
+                Ok(f) if (1..=64).contains(&f.signal) => f.signal,
+                _ => continue,
+            },
+            _ => libc::SIGHUP,
+        };
+        // Checked and sent under the lock the reaper takes: never after the job ended.
+        let ended = ended.lock().unwrap_or_else(|e| e.into_inner());
+        if *ended {
+            return;
+        }
+        // SAFETY: plain kill(2) on the job's process group, whose leader is unreaped.
+        if unsafe { libc::kill(-pid, signal) } != 0 || signal == libc::SIGHUP {
+            return;
+        }
+    }
+}

@@ -1,0 +1,259 @@
+//! A real one-node Slurm cluster for the tests: its own munged (with a key made here),
+//! slurmctld and slurmd, from Debian's packages, on ports of its own, started once per
+//! test binary and gone with it. Jobs are submitted as the ordinary test user with
+//! `srun` and `sbatch`.
+
+use std::{
+    fs,
+    os::unix::{fs::PermissionsExt, process::CommandExt},
+    path::{Path, PathBuf},
+    process::{Child, Command, Output, Stdio},
+    sync::{OnceLock, mpsc},
+    thread,
+    time::{Duration, Instant},
+};
+
+use crate::{free_port, require_root, test_user};
+
+/// Where the cluster lives: under /run, root-owned (munged refuses a world-writable
+/// parent such as /tmp).
+const HOME: &str = "/run/hocus-test-slurm";
+/// The test user's name (see `test_user`).
+const USER: &str = "hocus-test";
+
+pub struct Slurm {
+    pub dir: PathBuf,
+    pub conf: PathBuf,
+    plugstack: PathBuf,
+    /// munged, slurmctld, slurmd: killed with this test binary (see `slurm`).
+    _daemons: Vec<Child>,
+}
+
+static CLUSTER: OnceLock<Slurm> = OnceLock::new();
+
+/// The cluster of this test binary, started on first use.
+pub fn slurm() -> &'static Slurm {
+    CLUSTER.get_or_init(|| {
+        // The daemons are children of a thread that never ends: they get SIGKILL when it
+        // does, i.e. when this test binary exits, whatever way it exits.
+        let (tx, rx) = mpsc::channel();
+        thread::Builder::new()
+            .name("slurm-cluster".into())
+            .spawn(move || {
+                tx.send(Slurm::start()).unwrap();
+                loop {
+                    thread::park();
+                }
+            })
+            .unwrap();
+        match rx.recv() {
+            Ok(s) => s,
+            Err(_) => panic!("the Slurm cluster did not start (see the panic above)"),
+        }
+    })
+}
+
+fn die_with_parent(cmd: &mut Command) -> &mut Command {
+    // SAFETY: prctl in the child before exec; async-signal-safe.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        })
+    }
+}
+
+fn hostname() -> String {
+    let out = Command::new("hostname")
+        .arg("-s")
+        .output()
+        .expect("hostname");
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
+impl Slurm {
+    fn start() -> Slurm {
+        require_root();
+        test_user();
+        for tool in ["munged", "slurmctld", "slurmd", "srun", "sbatch", "sinfo"] {
+            let found = Command::new("sh")
+                .args(["-c", &format!("command -v {tool}")])
+                .env(
+                    "PATH",
+                    "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+                )
+                .output()
+                .is_ok_and(|o| o.status.success());
+            assert!(
+                found,
+                "{tool} is missing: cargo xtask setup installs slurmd, slurmctld, slurm-client and munge"
+            );
+        }
+        let dir = PathBuf::from(HOME).join(std::process::id().to_string());
+        let _ = fs::remove_dir_all(&dir);
+        for sub in ["state", "spool", "log", "munge"] {
+            fs::create_dir_all(dir.join(sub)).unwrap();
+        }
+        for d in [Path::new(HOME), &dir, &dir.join("log")] {
+            fs::set_permissions(d, fs::Permissions::from_mode(0o755)).unwrap();
+        }
+        // munged: a key of its own, its socket reachable by everyone (srun as the user).
+        let munge = dir.join("munge");
+        fs::write(munge.join("munge.key"), random_key()).unwrap();
+        fs::set_permissions(munge.join("munge.key"), fs::Permissions::from_mode(0o400)).unwrap();
+        fs::set_permissions(&munge, fs::Permissions::from_mode(0o755)).unwrap();
+        let chown = Command::new("chown")
+            .args(["-R", "munge:munge"])
+            .arg(&munge)
+            .status()
+            .unwrap();
+        assert!(chown.success());
+        let socket = munge.join("munge.socket.2");
+        let mut munged = Command::new("runuser");
+        munged
+            .args(["-u", "munge", "--", "munged", "--foreground", "--force"])
+            .arg(format!("--socket={}", socket.display()))
+            .arg(format!("--key-file={}", munge.join("munge.key").display()))
+            .arg(format!("--pid-file={}", munge.join("munged.pid").display()))
+            .arg(format!("--log-file={}", munge.join("munged.log").display()))
+            .arg(format!(
+                "--seed-file={}",
+                munge.join("munged.seed").display()
+            ))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        let mut daemons = vec![die_with_parent(&mut munged).spawn().expect("munged")];
+        wait_for(10, "munged's socket", || socket.exists());
+
+        let host = hostname();
+        let (ctld_port, slurmd_port) = (free_port(), free_port());
+        let plugstack = dir.join("plugstack.conf");
+        fs::write(&plugstack, "").unwrap();
+        let conf = dir.join("slurm.conf");
+        let d = dir.display();
+        fs::write(
+            &conf,
+            format!(
+                "ClusterName=hocus-test\n\
+                 SlurmctldHost={host}(127.0.0.1)\n\
+                 SlurmUser=root\nSlurmdUser=root\n\
+                 SlurmctldPort={ctld_port}\nSlurmdPort={slurmd_port}\n\
+                 AuthType=auth/munge\nCredType=cred/munge\n\
+                 AuthInfo=socket={socket}\n\
+                 StateSaveLocation={d}/state\nSlurmdSpoolDir={d}/spool\n\
+                 SlurmctldPidFile={d}/slurmctld.pid\nSlurmdPidFile={d}/slurmd.pid\n\
+                 SlurmctldLogFile={d}/log/slurmctld.log\nSlurmdLogFile={d}/log/slurmd.log\n\
+                 SlurmdDebug=verbose\n\
+                 ProctrackType=proctrack/linuxproc\nTaskPlugin=task/none\n\
+                 JobAcctGatherType=jobacct_gather/none\n\
+                 AccountingStorageType=accounting_storage/none\nJobCompType=jobcomp/none\n\
+                 SchedulerType=sched/builtin\n\
+                 SelectType=select/cons_tres\nSelectTypeParameters=CR_Core\n\
+                 MpiDefault=none\nSwitchType=switch/none\nReturnToService=2\n\
+                 PlugStackConfig={plugstack}\n\
+                 NodeName={host} NodeAddr=127.0.0.1 CPUs=2 RealMemory=1000 State=UNKNOWN\n\
+                 PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP\n",
+                socket = socket.display(),
+                plugstack = plugstack.display(),
+            ),
+        )
+        .unwrap();
+        fs::set_permissions(&conf, fs::Permissions::from_mode(0o644)).unwrap();
+        for daemon in ["slurmctld", "slurmd"] {
+            let mut cmd = Command::new(daemon);
+            cmd.args(["-D", "-f"])
+                .arg(&conf)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null());
+            daemons.push(
+                die_with_parent(&mut cmd)
+                    .spawn()
+                    .unwrap_or_else(|e| panic!("{daemon}: {e}")),
+            );
+        }
+        let slurm = Slurm {
+            dir,
+            conf,
+            plugstack,
+            _daemons: daemons,
+        };
+        wait_for(60, "the Slurm node to be idle", || {
+            slurm
+                .command("sinfo")
+                .args(["-h", "-o", "%T"])
+                .output()
+                .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "idle")
+        });
+        slurm
+    }
+
+    /// A Slurm client command (as root) against this cluster.
+    pub fn command(&self, program: &str) -> Command {
+        let mut cmd = Command::new(program);
+        cmd.env("SLURM_CONF", &self.conf).current_dir("/");
+        cmd
+    }
+
+    /// A Slurm client command run by the ordinary test user, from `/tmp`, with `env`
+    /// added to its environment (which Slurm passes on to the job).
+    pub fn as_user(&self, program: &str, args: &[&str], env: &[(&str, &str)]) -> Output {
+        let mut cmd = Command::new("runuser");
+        cmd.args(["-u", USER, "--", "env"])
+            .arg(format!("SLURM_CONF={}", self.conf.display()));
+        for (k, v) in env {
+            cmd.arg(format!("{k}={v}"));
+        }
+        cmd.arg(program)
+            .args(args)
+            .current_dir("/tmp")
+            .stdin(Stdio::null())
+            .output()
+            .unwrap_or_else(|e| panic!("{program}: {e}"))
+    }
+
+    /// Loads hocus's plugin with this plugstack line's arguments (none: no plugin).
+    /// Each job step's slurmstepd reads the file as it starts.
+    pub fn plugin(&self, args: Option<&str>) {
+        let line = args.map_or(String::new(), |a| {
+            format!("optional {} {a}\n", plugin_path().display())
+        });
+        fs::write(&self.plugstack, line).unwrap();
+    }
+
+    /// What slurmd and the job steps logged.
+    pub fn slurmd_log(&self) -> String {
+        fs::read_to_string(self.dir.join("log/slurmd.log")).unwrap_or_default()
+    }
+}
+
+/// The plugin built beside the agent (`cargo xtask test` builds both).
+pub fn plugin_path() -> PathBuf {
+    if let Some(p) = std::env::var_os("HOCUS_SPANK_PLUGIN") {
+        return PathBuf::from(p);
+    }
+    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/debug/libhocus_spank.so");
+    assert!(
+        p.exists(),
+        "no SPANK plugin at {}: run the tests with cargo xtask test",
+        p.display()
+    );
+    p
+}
+
+fn wait_for(secs: u64, what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    while !cond() {
+        assert!(Instant::now() < deadline, "waited {secs} s for {what}");
+        thread::sleep(Duration::from_millis(200));
+    }
+}
+
+fn random_key() -> Vec<u8> {
+    let mut key = vec![0u8; 1024];
+    // SAFETY: fills a buffer of the length given.
+    let n = unsafe { libc::getrandom(key.as_mut_ptr().cast(), key.len(), 0) };
+    assert_eq!(n, 1024, "getrandom");
+    key
+}

@@ -1,0 +1,187 @@
+//! Slurm jobs get hocus's local copies through its SPANK plugin, with nothing changed in
+//! how users submit them; and a job never breaks because of hocus. A real one-node
+//! cluster (munged, slurmctld, slurmd), jobs submitted by an ordinary user with `srun`
+//! and `sbatch`.
+
+use std::{fs, path::Path, process::Output};
+
+use hocus_tests::{Agent, NetworkMount, assert_success, file_entry, slurm::slurm, wait_until};
+
+/// Debian's interpreter: the test user's environment has no other.
+const PYTHON: &str = "/usr/bin/python3";
+const SCRIPT: &str = "import mypkg.core; print(mypkg.core.VALUE + 1)";
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// A Python environment on the mount, as the test user imports it.
+fn environment(net: &NetworkMount) -> String {
+    net.put("env/lib/mypkg/__init__.py", b"from . import core\n");
+    net.put("env/lib/mypkg/core.py", b"VALUE = 41\n");
+    net.put("env/empty/README", b"nothing to import here\n");
+    // Installed long before the jobs run: no directory changed within the seconds that
+    // make the job-start check list it from the server (mtimes are whole seconds there).
+    let aged = std::process::Command::new("find")
+        .arg(net.server_path("env"))
+        .args(["-exec", "touch", "-h", "-d", "2 hours ago", "{}", "+"])
+        .status()
+        .unwrap();
+    assert!(aged.success());
+    format!(
+        "{}:{}",
+        net.path("env/empty").display(),
+        net.path("env/lib").display()
+    )
+}
+
+fn srun(args: &[&str], pythonpath: &str) -> Output {
+    let mut all = vec!["--quiet"];
+    all.extend_from_slice(args);
+    all.extend_from_slice(&[PYTHON, "-c", SCRIPT]);
+    slurm().as_user(
+        "srun",
+        &all,
+        &[("PYTHONPATH", pythonpath), ("PYTHONDONTWRITEBYTECODE", "1")],
+    )
+}
+
+/// The server's requests inside `rel` of the share since `before` (a log offset).
+fn requests_inside(net: &NetworkMount, rel: &str, before: usize) -> Vec<String> {
+    let inside = format!("\"{}/", net.server_path(rel).display());
+    net.server_log()[before..]
+        .lines()
+        .filter(|l| l.contains(&inside))
+        .map(str::to_owned)
+        .collect()
+}
+
+fn snapshot_of(agent: &Agent, dir: &Path) {
+    wait_until(30, "a snapshot of the environment", || {
+        agent.cache()["snapshots"]
+            .as_array()
+            .is_some_and(|s| s.iter().any(|p| p == dir.to_str().unwrap()))
+    });
+}
+
+fn served(agent: &Agent) -> (u64, u64) {
+    let s = agent.cache();
+    let sum = |key: &str| {
+        s["served"]
+            .as_array()
+            .map_or(0, |a| a.iter().map(|t| t[key].as_u64().unwrap_or(0)).sum())
+    };
+    (sum("opens_local"), sum("lookups_local"))
+}
+
+#[test]
+fn a_plain_srun_job_imports_from_local_copies_and_off_jobs_are_untouched() {
+    let cluster = slurm();
+    let net = NetworkMount::start();
+    let pythonpath = environment(&net);
+    let agent = Agent::start(&["--watch", net.mount.to_str().unwrap()]);
+    cluster.plugin(Some(&format!("socket={}", agent.socket.display())));
+
+    // A first job teaches hocus the working set (it reads the network: nothing is
+    // copied yet).
+    let out = srun(&[], &pythonpath);
+    assert_success(&out);
+    assert_eq!(text(&out.stdout), "42\n");
+    snapshot_of(&agent, &net.path("env"));
+
+    // The next job, submitted the same way, imports from the local snapshot: the same
+    // output, and no request of it reaches the server.
+    let before = net.server_log().len();
+    let (opens, lookups) = served(&agent);
+    let out = srun(&[], &pythonpath);
+    assert_success(&out);
+    assert_eq!(text(&out.stdout), "42\n", "{}", text(&out.stderr));
+    let reached = requests_inside(&net, "env", before);
+    assert!(
+        reached.is_empty(),
+        "the job's imports reached the server:\n{}\n{}",
+        reached.join("\n"),
+        cluster.slurmd_log()
+    );
+    let (opens_now, lookups_now) = served(&agent);
+    assert!(
+        opens_now > opens && lookups_now > lookups,
+        "the daemon counted no local opens and failed lookups for the job: {:#}",
+        agent.cache()
+    );
+    assert!(agent.log().contains("task "), "{}", agent.log());
+    // Opened in the snapshot's view, the modules still count in the profile, under
+    // their network paths.
+    let p = agent.export();
+    let core = file_entry(&p, &net.path("env/lib/mypkg/core.py")).unwrap();
+    assert_eq!(core["opens"], 2, "{core}");
+
+    // --hocus=off: the same job reads the network, as without hocus.
+    let before = net.server_log().len();
+    let out = srun(&["--hocus=off"], &pythonpath);
+    assert_success(&out);
+    assert_eq!(text(&out.stdout), "42\n");
+    assert!(
+        !requests_inside(&net, "env", before).is_empty(),
+        "a --hocus=off job was served locally"
+    );
+
+    // A value the plugin does not know is the user's mistake, said by srun at once;
+    // the job runs without hocus.
+    let before = net.server_log().len();
+    let out = srun(&["--hocus=maybe"], &pythonpath);
+    assert_success(&out);
+    assert!(
+        text(&out.stderr).contains("--hocus=maybe: say on or off; this job runs without hocus"),
+        "{}",
+        text(&out.stderr)
+    );
+    assert!(!requests_inside(&net, "env", before).is_empty());
+}
+
+#[test]
+fn jobs_run_as_without_hocus_when_the_daemon_is_down_or_the_plugin_is_off() {
+    let cluster = slurm();
+    let net = NetworkMount::start();
+    let pythonpath = environment(&net);
+
+    // No daemon at the socket: the job runs, and the node's log says why once.
+    let gone = tempfile::tempdir().unwrap();
+    let socket = gone.path().join("agent.sock");
+    cluster.plugin(Some(&format!("socket={}", socket.display())));
+    let out = srun(&[], &pythonpath);
+    assert_success(&out);
+    assert_eq!(text(&out.stdout), "42\n");
+    wait_until(10, "the plugin's line in slurmd's log", || {
+        cluster.slurmd_log().contains(&format!(
+            "hocus-agent is not running (nothing at {})",
+            socket.display()
+        ))
+    });
+
+    // A socket that accepts and never answers: the task waits its timeout, then runs.
+    let listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+    cluster.plugin(Some(&format!("socket={} timeout=1", socket.display())));
+    let out = srun(&[], &pythonpath);
+    assert_success(&out);
+    assert_eq!(text(&out.stdout), "42\n");
+    drop(listener);
+    wait_until(10, "the plugin's timeout in slurmd's log", || {
+        cluster.slurmd_log().contains("did not answer within 1.0 s")
+    });
+
+    // Turned off on the node: the plugin does nothing, even when the daemon is up.
+    let agent = Agent::start(&["--watch", net.mount.to_str().unwrap()]);
+    cluster.plugin(Some(&format!("socket={} off", agent.socket.display())));
+    let out = srun(&["--hocus=on"], &pythonpath);
+    assert_success(&out);
+    assert_eq!(text(&out.stdout), "42\n");
+    assert!(!agent.log().contains("task "), "{}", agent.log());
+
+    // A plugstack line with a mistake: jobs still run.
+    cluster.plugin(Some("sokket=/nowhere"));
+    let out = srun(&[], &pythonpath);
+    assert_success(&out);
+    cluster.plugin(None);
+    let _ = fs::remove_file(&socket);
+}
