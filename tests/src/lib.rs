@@ -73,11 +73,22 @@ impl NetworkMount {
         Self::start_with(owner, None)
     }
 
+    /// A share whose directories are made under `parent` instead of the temporary
+    /// directory (a job whose /tmp is private, under Slurm's job_container/tmpfs, must
+    /// still see it).
+    pub fn start_under(parent: &Path) -> Self {
+        Self::start_in(parent, None, None)
+    }
+
     fn start_with(owner: Option<(u32, u32)>, round_trip: Option<Duration>) -> Self {
+        Self::start_in(&std::env::temp_dir(), owner, round_trip)
+    }
+
+    fn start_in(parent: &Path, owner: Option<(u32, u32)>, round_trip: Option<Duration>) -> Self {
         require_root();
         let dir = tempfile::Builder::new()
             .prefix("hocus-net-")
-            .tempdir()
+            .tempdir_in(parent)
             .expect("temporary directory");
         // Ordinary users in the tests must be able to reach the mount.
         fs::set_permissions(dir.path(), fs::Permissions::from_mode(0o755)).unwrap();
@@ -223,6 +234,27 @@ impl NetworkMount {
     /// the server.
     pub fn server_log(&self) -> String {
         fs::read_to_string(self.dir.path().join("sftp.log")).unwrap_or_default()
+    }
+
+    /// What a job asked the server inside `rel` of the share since the log was `before`
+    /// bytes long, leaving out what hocus's job-start check asks: it stats each directory
+    /// of a snapshot from the server as a job starts (so the job sees what the network
+    /// holds). A job served by a snapshot sends nothing else: no open, no listing, no
+    /// lookup of a missing name.
+    pub fn job_requests_inside(&self, rel: &str, before: usize) -> Vec<String> {
+        let inside = format!("\"{}/", self.server_path(rel).display());
+        self.server_log()[before..]
+            .lines()
+            .filter(|l| l.contains(&inside))
+            .filter(|l| {
+                let checked_dir = l
+                    .strip_prefix("lstat name \"")
+                    .and_then(|p| p.strip_suffix('"'))
+                    .is_some_and(|p| Path::new(p).is_dir());
+                !checked_dir
+            })
+            .map(str::to_owned)
+            .collect()
     }
 }
 
@@ -377,11 +409,11 @@ pub struct Agent {
     log: PathBuf,
 }
 
-/// A daemon's own directory (socket, state, cache, log).
-fn agent_dir() -> tempfile::TempDir {
+/// A daemon's own directory (socket, state, cache, log), under `parent`.
+fn agent_dir(parent: &Path) -> tempfile::TempDir {
     let dir = tempfile::Builder::new()
         .prefix("hocus-agent-")
-        .tempdir()
+        .tempdir_in(parent)
         .unwrap();
     // Ordinary users in the tests must reach the control socket.
     fs::set_permissions(dir.path(), fs::Permissions::from_mode(0o755)).unwrap();
@@ -391,14 +423,20 @@ fn agent_dir() -> tempfile::TempDir {
 impl Agent {
     /// Starts the daemon with `args` (e.g. `["--watch", path]`) and waits until it answers.
     pub fn start(args: &[&str]) -> Self {
-        let dir = agent_dir();
+        Self::start_under(&std::env::temp_dir(), args)
+    }
+
+    /// Starts the daemon with its directories under `parent` (see
+    /// `NetworkMount::start_under`).
+    pub fn start_under(parent: &Path, args: &[&str]) -> Self {
+        let dir = agent_dir(parent);
         let state_dir = dir.path().join("state");
         Self::start_with_state(dir, state_dir, args)
     }
 
     /// Starts the daemon in the mount namespace of process `holder` (through nsenter).
     pub fn start_in_namespace_of(holder: u32, args: &[&str]) -> Self {
-        let dir = agent_dir();
+        let dir = agent_dir(&std::env::temp_dir());
         let state_dir = dir.path().join("state");
         let holder = holder.to_string();
         Self::launch(

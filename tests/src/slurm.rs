@@ -29,28 +29,43 @@ pub struct Slurm {
     _daemons: Vec<Child>,
 }
 
-static CLUSTER: OnceLock<Slurm> = OnceLock::new();
+/// How the cluster is configured.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Options {
+    /// `JobContainerType=job_container/tmpfs`: each job in a mount namespace of its own
+    /// with a private /tmp and /dev/shm (what many sites run).
+    pub job_container_tmpfs: bool,
+}
+
+static CLUSTER: OnceLock<(Options, Slurm)> = OnceLock::new();
 
 /// The cluster of this test binary, started on first use.
 pub fn slurm() -> &'static Slurm {
-    CLUSTER.get_or_init(|| {
+    slurm_with(Options::default())
+}
+
+/// The cluster of this test binary, configured so (one configuration per binary).
+pub fn slurm_with(options: Options) -> &'static Slurm {
+    let (had, cluster) = CLUSTER.get_or_init(|| {
         // The daemons are children of a thread that never ends: they get SIGKILL when it
         // does, i.e. when this test binary exits, whatever way it exits.
         let (tx, rx) = mpsc::channel();
         thread::Builder::new()
             .name("slurm-cluster".into())
             .spawn(move || {
-                tx.send(Slurm::start()).unwrap();
+                tx.send(Slurm::start(options)).unwrap();
                 loop {
                     thread::park();
                 }
             })
             .unwrap();
         match rx.recv() {
-            Ok(s) => s,
+            Ok(s) => (options, s),
             Err(_) => panic!("the Slurm cluster did not start (see the panic above)"),
         }
-    })
+    });
+    assert_eq!(*had, options, "one cluster configuration per test binary");
+    cluster
 }
 
 fn die_with_parent(cmd: &mut Command) -> &mut Command {
@@ -74,7 +89,7 @@ fn hostname() -> String {
 }
 
 impl Slurm {
-    fn start() -> Slurm {
+    fn start(options: Options) -> Slurm {
         require_root();
         test_user();
         for tool in ["munged", "slurmctld", "slurmd", "srun", "sbatch", "sinfo"] {
@@ -160,6 +175,20 @@ impl Slurm {
             ),
         )
         .unwrap();
+        if options.job_container_tmpfs {
+            // Read from beside slurm.conf.
+            fs::write(
+                dir.join("job_container.conf"),
+                format!("AutoBasePath=true\nBasePath={}/containers\n", dir.display()),
+            )
+            .unwrap();
+            let mut f = fs::OpenOptions::new().append(true).open(&conf).unwrap();
+            std::io::Write::write_all(
+                &mut f,
+                b"JobContainerType=job_container/tmpfs\nPrologFlags=Contain\n",
+            )
+            .unwrap();
+        }
         fs::set_permissions(&conf, fs::Permissions::from_mode(0o644)).unwrap();
         for daemon in ["slurmctld", "slurmd"] {
             let mut cmd = Command::new(daemon);

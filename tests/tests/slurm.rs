@@ -3,7 +3,7 @@
 //! cluster (munged, slurmctld, slurmd), jobs submitted by an ordinary user with `srun`
 //! and `sbatch`.
 
-use std::{fs, path::Path, process::Output};
+use std::{fs, os::unix::fs::PermissionsExt, path::Path, process::Output};
 
 use hocus_tests::{Agent, NetworkMount, assert_success, file_entry, slurm::slurm, wait_until};
 
@@ -46,16 +46,6 @@ fn srun(args: &[&str], pythonpath: &str) -> Output {
     )
 }
 
-/// The server's requests inside `rel` of the share since `before` (a log offset).
-fn requests_inside(net: &NetworkMount, rel: &str, before: usize) -> Vec<String> {
-    let inside = format!("\"{}/", net.server_path(rel).display());
-    net.server_log()[before..]
-        .lines()
-        .filter(|l| l.contains(&inside))
-        .map(str::to_owned)
-        .collect()
-}
-
 fn snapshot_of(agent: &Agent, dir: &Path) {
     wait_until(30, "a snapshot of the environment", || {
         agent.cache()["snapshots"]
@@ -96,7 +86,7 @@ fn a_plain_srun_job_imports_from_local_copies_and_off_jobs_are_untouched() {
     let out = srun(&[], &pythonpath);
     assert_success(&out);
     assert_eq!(text(&out.stdout), "42\n", "{}", text(&out.stderr));
-    let reached = requests_inside(&net, "env", before);
+    let reached = net.job_requests_inside("env", before);
     assert!(
         reached.is_empty(),
         "the job's imports reached the server:\n{}\n{}",
@@ -122,7 +112,7 @@ fn a_plain_srun_job_imports_from_local_copies_and_off_jobs_are_untouched() {
     assert_success(&out);
     assert_eq!(text(&out.stdout), "42\n");
     assert!(
-        !requests_inside(&net, "env", before).is_empty(),
+        !net.job_requests_inside("env", before).is_empty(),
         "a --hocus=off job was served locally"
     );
 
@@ -136,7 +126,7 @@ fn a_plain_srun_job_imports_from_local_copies_and_off_jobs_are_untouched() {
         "{}",
         text(&out.stderr)
     );
-    assert!(!requests_inside(&net, "env", before).is_empty());
+    assert!(!net.job_requests_inside("env", before).is_empty());
 }
 
 #[test]
@@ -184,4 +174,57 @@ fn jobs_run_as_without_hocus_when_the_daemon_is_down_or_the_plugin_is_off() {
     assert_success(&out);
     cluster.plugin(None);
     let _ = fs::remove_file(&socket);
+}
+
+#[test]
+fn a_batch_script_and_the_steps_it_starts_get_the_local_copies() {
+    let cluster = slurm();
+    let net = NetworkMount::start();
+    let pythonpath = environment(&net);
+    let agent = Agent::start(&["--watch", net.mount.to_str().unwrap()]);
+    cluster.plugin(Some(&format!("socket={}", agent.socket.display())));
+    assert_success(&srun(&[], &pythonpath));
+    snapshot_of(&agent, &net.path("env"));
+
+    // The script imports, then starts a step that imports: both are tasks.
+    let dir = tempfile::tempdir().unwrap();
+    fs::set_permissions(dir.path(), fs::Permissions::from_mode(0o777)).unwrap();
+    let script = dir.path().join("job.sh");
+    fs::write(
+        &script,
+        format!("#!/bin/sh\n{PYTHON} -c '{SCRIPT}'\nsrun --quiet {PYTHON} -c '{SCRIPT}'\n"),
+    )
+    .unwrap();
+    fs::set_permissions(&script, fs::Permissions::from_mode(0o755)).unwrap();
+    let output = dir.path().join("out.txt");
+    let before = net.server_log().len();
+    let out = cluster.as_user(
+        "sbatch",
+        &[
+            "--wait",
+            "--quiet",
+            "-o",
+            output.to_str().unwrap(),
+            script.to_str().unwrap(),
+        ],
+        &[
+            ("PYTHONPATH", pythonpath.as_str()),
+            ("PYTHONDONTWRITEBYTECODE", "1"),
+        ],
+    );
+    assert_success(&out);
+    assert_eq!(fs::read_to_string(&output).unwrap(), "42\n42\n");
+    let reached = net.job_requests_inside("env", before);
+    assert!(
+        reached.is_empty(),
+        "the batch job's imports reached the server:\n{}",
+        reached.join("\n")
+    );
+    // The batch script's task and the step's task, each attached.
+    let attached = agent
+        .log()
+        .lines()
+        .filter(|l| l.contains("of Slurm job") && l.contains("1 local copies in place"))
+        .count();
+    assert_eq!(attached, 2, "{}", agent.log());
 }
