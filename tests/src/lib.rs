@@ -3,6 +3,7 @@
 //! test panics. Tests run as root; they fail, never skip, when something is missing.
 
 use std::{
+    collections::BTreeSet,
     fs,
     io::Read,
     net::TcpListener,
@@ -840,4 +841,27 @@ pub fn python_packages(name: &str, specs: &[&str]) -> PathBuf {
         .arg("/var/cache/hocus-tests"));
     fs::write(&done, wanted).unwrap();
     dir
+}
+
+/// Sample names on a metrics page (classic text format).
+pub fn sample_names(page: &str) -> BTreeSet<String> {
+    page.lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+        .map(|l| l.split(['{', ' ']).next().unwrap().to_owned())
+        .collect()
+}
+
+/// Every `hocus_...` name in a text.
+pub fn names_in(text: &str) -> BTreeSet<String> {
+    let mut out = BTreeSet::new();
+    let mut rest = text;
+    while let Some(i) = rest.find("hocus_") {
+        let tail = &rest[i..];
+        let end = tail
+            .find(|c: char| !(c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_'))
+            .unwrap_or(tail.len());
+        out.insert(tail[..end].to_owned());
+        rest = &tail[end..];
+    }
+    out
 }

@@ -5,7 +5,10 @@
 
 use std::{fs, os::unix::fs::PermissionsExt, path::Path, process::Output};
 
-use hocus_tests::{Agent, NetworkMount, assert_success, file_entry, slurm::slurm, wait_until};
+use hocus_tests::{
+    Agent, NetworkMount, assert_success, file_entry, names_in, sample_names, slurm::slurm,
+    wait_until,
+};
 
 /// Debian's interpreter: the test user's environment has no other.
 const PYTHON: &str = "/usr/bin/python3";
@@ -100,6 +103,45 @@ fn a_plain_srun_job_imports_from_local_copies_and_off_jobs_are_untouched() {
         agent.cache()
     );
     assert!(agent.log().contains("task "), "{}", agent.log());
+    // Counted for the Slurm job too, in status and the metrics, until and after it ends.
+    let job = agent.cache()["slurm_jobs"]
+        .as_array()
+        .and_then(|j| j.last().cloned())
+        .unwrap_or_else(|| panic!("no Slurm job in {:#}", agent.cache()));
+    let served = &job["served"];
+    assert_eq!(served["opens_network"], 0, "{job}");
+    assert!(served["opens_local"].as_u64() >= Some(2), "{job}");
+    assert!(served["lookups_local"].as_u64() >= Some(1), "{job}");
+    assert_eq!(job["tasks"], 1, "{job}");
+    let id = job["job_id"].as_u64().unwrap();
+    wait_until(10, "the task's end", || {
+        agent.cache()["slurm_jobs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|j| j["job_id"] == id && j["tasks_running"] == 0)
+    });
+    let metrics = agent.metrics();
+    let local = format!("hocus_slurm_job_opens_total{{job=\"{id}\",served=\"local\"}} ");
+    assert!(metrics.contains(&local), "{metrics}");
+    // The per-job families are documented, and only they.
+    let per_job = |names: std::collections::BTreeSet<String>| -> Vec<String> {
+        names
+            .into_iter()
+            .filter(|n| n.starts_with("hocus_slurm_job_"))
+            .collect()
+    };
+    let docs = fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/metrics.md"));
+    assert_eq!(
+        per_job(sample_names(&metrics)),
+        per_job(names_in(&docs.unwrap()))
+    );
+    let out = agent.cli(&["status"]).output().unwrap();
+    assert!(
+        text(&out.stdout).contains(&format!("Slurm job {id} (uid ")),
+        "{}",
+        text(&out.stdout)
+    );
     // Opened in the snapshot's view, the modules still count in the profile, under
     // their network paths.
     let p = agent.export();
@@ -227,4 +269,36 @@ fn a_batch_script_and_the_steps_it_starts_get_the_local_copies() {
         .filter(|l| l.contains("of Slurm job") && l.contains("1 local copies in place"))
         .count();
     assert_eq!(attached, 2, "{}", agent.log());
+}
+
+#[test]
+fn a_bind_that_fails_leaves_the_job_reading_the_network() {
+    let cluster = slurm();
+    let net = NetworkMount::start();
+    let pythonpath = environment(&net);
+    let agent = Agent::start(&["--watch", net.mount.to_str().unwrap()]);
+    cluster.plugin(Some(&format!("socket={}", agent.socket.display())));
+    assert_success(&srun(&[], &pythonpath));
+    let env = net.path("env");
+    snapshot_of(&agent, &env);
+    // The snapshot's local tree vanishes behind the daemon's back (a failing cache
+    // disk): its bind cannot be made.
+    let local = agent
+        .cache_dir
+        .join("trees")
+        .join(env.strip_prefix("/").unwrap());
+    assert!(local.is_dir(), "no snapshot at {}", local.display());
+    fs::remove_dir_all(&local).unwrap();
+    let before = net.server_log().len();
+    let out = srun(&[], &pythonpath);
+    assert_success(&out);
+    assert_eq!(text(&out.stdout), "42\n");
+    assert!(!net.job_requests_inside("env", before).is_empty());
+    // Both tasks, the first (nothing learned yet) and this one, ran without binds.
+    let bare = agent
+        .log()
+        .lines()
+        .filter(|l| l.contains("of Slurm job") && l.contains(": 0 local copies in place"))
+        .count();
+    assert_eq!(bare, 2, "{}", agent.log());
 }

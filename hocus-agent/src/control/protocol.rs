@@ -13,7 +13,7 @@ use crate::{
         format::Profile,
         working_set::{ExportOrder, WorkingSet},
     },
-    redirect::{access::Caller, mountns::Bind, spawn::JobCommand},
+    redirect::{access::Caller, jobs::SlurmTask, mountns::Bind, spawn::JobCommand},
     shared::status::{Progress, Refused, Status},
 };
 
@@ -172,6 +172,8 @@ pub enum Ask {
         /// The snapshot views among the binds (their mounts), with the network
         /// directory each stands for: files opened in them are placed there.
         views: Vec<(OwnedFd, PathBuf)>,
+        /// The Slurm job, for an attached task.
+        slurm: Option<SlurmTask>,
     },
     JobEnded {
         id: u32,

@@ -28,6 +28,7 @@ use crate::{
     redirect::{
         access::Caller,
         confirm,
+        jobs::SlurmTask,
         mountns::{self, Bind},
         spawn::{self, JobCommand},
     },
@@ -127,6 +128,10 @@ pub fn attach(
         ns,
         task: Some(pidfd),
         views,
+        slurm: task.job_id.map(|job_id| SlurmTask {
+            job_id,
+            uid: task.uid,
+        }),
     };
     match ask(calls, caller, job)?.blocking_recv() {
         Some(Response::Error { message }) => refuse(message),
@@ -171,6 +176,7 @@ pub fn run(
         ns,
         task: None,
         views,
+        slurm: None,
     };
     ask(calls, caller.clone(), job)?.blocking_recv();
     // From here on the keeper follows the job: it is forgotten however this ends.

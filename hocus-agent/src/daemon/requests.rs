@@ -75,6 +75,7 @@ impl Daemon {
                 ns,
                 task,
                 views,
+                slurm,
             } => {
                 // Events already read belong to earlier jobs; the keeper learns of this
                 // one before anything it does.
@@ -86,7 +87,7 @@ impl Daemon {
                     }
                 }
                 self.place_views(id, views);
-                let started = self.keeper.job_starting(id, binds, ns).await;
+                let started = self.keeper.job_starting(id, binds, ns, slurm).await;
                 // A job the keeper does not follow still runs: its accesses count as
                 // misses.
                 self.check(started);

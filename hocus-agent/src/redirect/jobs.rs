@@ -13,9 +13,18 @@ use crate::{observe::events::What, redirect::mountns::Bind, shared::status::Serv
 pub struct Job {
     pub ns: OwnedFd,
     pub binds: Vec<Bind>,
+    /// The Slurm job this is a task of, if it was attached through the SPANK plugin.
+    pub slurm_job: Option<u32>,
     /// The targets of `binds`: single files, and whole trees (snapshots).
     files: HashSet<PathBuf>,
     trees: Vec<PathBuf>,
+}
+
+/// A Slurm task attached through the SPANK plugin: its job, and whose it is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SlurmTask {
+    pub job_id: u32,
+    pub uid: u32,
 }
 
 /// What serves a path in a job.
@@ -37,6 +46,7 @@ impl Job {
             trees: trees.iter().map(|b| b.target.clone()).collect(),
             ns,
             binds,
+            slurm_job: None,
         }
     }
 

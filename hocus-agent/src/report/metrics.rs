@@ -383,7 +383,8 @@ impl Collector for Snapshot {
             return Ok(());
         };
         cache(e, c)?;
-        served(e, c)
+        served(e, c)?;
+        slurm_jobs(e, c)
     }
 }
 
@@ -533,20 +534,28 @@ fn cache(e: &mut DescriptorEncoder, c: &CacheStatus) -> std::fmt::Result {
     )
 }
 
+/// One sample per row and per value `pick` gives of its counts, labelled with the row's
+/// labels and `label` = that value's name.
+fn split<'a>(
+    rows: &[(Labels<'a>, &Served)],
+    label: &'static str,
+    pick: &dyn Fn(&Served) -> Vec<(&'static str, u64)>,
+) -> Vec<(Labels<'a>, u64)> {
+    rows.iter()
+        .flat_map(|(labels, s)| {
+            pick(s).into_iter().map(move |(value, n)| {
+                let mut l = labels.clone();
+                l.push((label, value.to_owned()));
+                (l, n)
+            })
+        })
+        .collect()
+}
+
 /// Hits and misses: what local copies served, per watched tree.
 fn served(e: &mut DescriptorEncoder, c: &CacheStatus) -> std::fmt::Result {
-    let by = |label: &'static str, pick: &dyn Fn(&Served) -> Vec<(&'static str, u64)>| {
-        c.served
-            .iter()
-            .flat_map(|s| {
-                pick(s).into_iter().map(move |(value, n)| {
-                    let mut l = root(&s.root);
-                    l.push((label, value.to_owned()));
-                    (l, n)
-                })
-            })
-            .collect::<Vec<_>>()
-    };
+    let rows: Vec<_> = c.served.iter().map(|s| (root(&s.root), s)).collect();
+    let by = |label, pick: &dyn Fn(&Served) -> Vec<(&'static str, u64)>| split(&rows, label, pick);
     counter(
         e,
         "opens",
@@ -579,6 +588,58 @@ fn served(e: &mut DescriptorEncoder, c: &CacheStatus) -> std::fmt::Result {
         e,
         "read",
         "Bytes read from watched files, by where they came from: a pinned local copy (ram), another local copy (ssd), or the network.",
+        Some(&Unit::Bytes),
+        by("served", &|s| {
+            vec![
+                ("ram", s.read_ram),
+                ("ssd", s.read_ssd),
+                ("network", s.read_network),
+            ]
+        }),
+    )
+}
+
+/// The last Slurm jobs attached on this node (at most `SLURM_JOBS_SHOWN`: the labels are
+/// bounded), and what was served to each.
+fn slurm_jobs(e: &mut DescriptorEncoder, c: &CacheStatus) -> std::fmt::Result {
+    let rows: Vec<_> = c
+        .slurm_jobs
+        .iter()
+        .map(|j| (vec![("job", j.job_id.to_string())], &j.served))
+        .collect();
+    let by = |label, pick: &dyn Fn(&Served) -> Vec<(&'static str, u64)>| split(&rows, label, pick);
+    gauge(
+        e,
+        "slurm_job_tasks_running",
+        "Tasks of each of the last Slurm jobs attached on this node that are running.",
+        None,
+        c.slurm_jobs
+            .iter()
+            .map(|j| (vec![("job", j.job_id.to_string())], j.tasks_running as i64))
+            .collect(),
+    )?;
+    counter(
+        e,
+        "slurm_job_opens",
+        "Opens of watched files by each of the last Slurm jobs, by who served them.",
+        None,
+        by("served", &|s| {
+            vec![("local", s.opens_local), ("network", s.opens_network)]
+        }),
+    )?;
+    counter(
+        e,
+        "slurm_job_failed_lookups",
+        "Failed lookups by each of the last Slurm jobs, by who answered them.",
+        None,
+        by("answered", &|s| {
+            vec![("local", s.lookups_local), ("network", s.lookups_network)]
+        }),
+    )?;
+    counter(
+        e,
+        "slurm_job_read",
+        "Bytes each of the last Slurm jobs read from watched files, by where they came from.",
         Some(&Unit::Bytes),
         by("served", &|s| {
             vec![

@@ -176,6 +176,23 @@ pub fn render_status(s: &Status) -> String {
             bytes(sum(|x| x.read_ssd)),
             bytes(sum(|x| x.read_network)),
         );
+        for j in &c.slurm_jobs {
+            let s = &j.served;
+            let _ = writeln!(
+                out,
+                "Slurm job {} (uid {}): {} tasks ({} running); opens {} local of {}; failed lookups {} local of {}; read {} local, {} from the network",
+                j.job_id,
+                j.uid,
+                j.tasks,
+                j.tasks_running,
+                s.opens_local,
+                s.opens_local + s.opens_network,
+                s.lookups_local,
+                s.lookups_local + s.lookups_network,
+                bytes(s.read_ram + s.read_ssd),
+                bytes(s.read_network),
+            );
+        }
         let _ = writeln!(
             out,
             "cache {}: SSD {} of {} ({} files{}); RAM {} of {} ({} files pinned){}; {} copying",

@@ -188,6 +188,25 @@ pub struct CacheStatus {
     pub snapshots: Vec<PathBuf>,
     #[serde(default)]
     pub snapshot_bytes: u64,
+    /// The last Slurm jobs whose tasks were attached (at most `SLURM_JOBS_SHOWN`, the
+    /// oldest finished ones forgotten first), with what was served to them.
+    #[serde(default)]
+    pub slurm_jobs: Vec<SlurmJob>,
+}
+
+/// Slurm jobs `status` and the metrics show at most: a bound on the metrics' labels.
+pub const SLURM_JOBS_SHOWN: usize = 32;
+
+/// A Slurm job seen through hocus's SPANK plugin on this node.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct SlurmJob {
+    pub job_id: u32,
+    pub uid: u32,
+    /// Tasks attached, and of those still running.
+    pub tasks: u64,
+    pub tasks_running: u64,
+    /// What the job's processes were served, on every watched tree (`root` is empty).
+    pub served: Served,
 }
 
 /// An entry of a profile refused, and why (its path escaped for display).

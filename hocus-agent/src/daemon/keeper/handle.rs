@@ -9,7 +9,9 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::{Latest, Order, Progressing, Reconfigure};
 use crate::{
-    observe::events::Access, profile::format::Profile, redirect::mountns::Bind,
+    observe::events::Access,
+    profile::format::Profile,
+    redirect::{jobs::SlurmTask, mountns::Bind},
     shared::status::CacheStatus,
 };
 
@@ -134,9 +136,16 @@ impl Handle {
         id: u32,
         binds: Vec<Bind>,
         ns: OwnedFd,
+        slurm: Option<SlurmTask>,
     ) -> Result<(), KeeperError> {
-        self.ask(|ack| Order::JobStarting { id, binds, ns, ack })
-            .await
+        self.ask(|ack| Order::JobStarting {
+            id,
+            binds,
+            ns,
+            slurm,
+            ack,
+        })
+        .await
     }
 
     pub async fn job_ended(&self, id: u32) -> Result<(), KeeperError> {

@@ -42,7 +42,7 @@ use crate::{
     place::{budget::Budgets, placement::Filters},
     profile::format::Profile,
     redirect::{
-        jobs::Job,
+        jobs::{Job, SlurmTask},
         mountns::{self, Bind, Expect, SnapshotDir},
     },
     shared::{
@@ -123,6 +123,8 @@ pub enum Order {
         id: u32,
         binds: Vec<Bind>,
         ns: OwnedFd,
+        /// An attached Slurm task's job: its counts are kept per Slurm job too.
+        slurm: Option<SlurmTask>,
         ack: oneshot::Sender<()>,
     },
     JobEnded {
@@ -477,14 +479,26 @@ impl Keeper {
                     });
                 let _ = tx.send(trees.chain(files).collect());
             }
-            Order::JobStarting { id, binds, ns, ack } => {
-                let job = Job::new(ns, binds, |b| self.cache.is_snapshot(&b.local));
+            Order::JobStarting {
+                id,
+                binds,
+                ns,
+                slurm,
+                ack,
+            } => {
+                let mut job = Job::new(ns, binds, |b| self.cache.is_snapshot(&b.local));
+                if let Some(task) = slurm {
+                    job.slurm_job = Some(task.job_id);
+                    served::task_started(&mut self.status.slurm_jobs, task);
+                }
                 self.jobs.insert(id, job);
                 self.status.jobs_started += 1;
                 let _ = ack.send(());
             }
             Order::JobEnded { id } => {
-                self.jobs.remove(&id);
+                if let Some(j) = self.jobs.remove(&id).and_then(|j| j.slurm_job) {
+                    served::task_ended(&mut self.status.slurm_jobs, j);
+                }
             }
             Order::Stop => {}
         }

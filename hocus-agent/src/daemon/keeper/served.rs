@@ -6,8 +6,11 @@ use std::path::Path;
 use super::Keeper;
 use crate::{
     observe::events::{Access, What},
-    redirect::jobs::{self, Server},
-    shared::log_line as logs,
+    redirect::jobs::{self, Server, SlurmTask},
+    shared::{
+        log_line as logs,
+        status::{SLURM_JOBS_SHOWN, SlurmJob},
+    },
 };
 
 impl Keeper {
@@ -29,6 +32,12 @@ impl Keeper {
             pinned,
             a.job != 0,
         );
+        let slurm_job = self.jobs.get(&a.job).and_then(|j| j.slurm_job);
+        if let Some(entry) =
+            slurm_job.and_then(|id| self.status.slurm_jobs.iter_mut().find(|s| s.job_id == id))
+        {
+            jobs::count(&mut entry.served, a.what, server, pinned, true);
+        }
         if a.what == What::Open && !self.cache.contains(&a.path) {
             self.last_opener.insert(a.path.clone(), a.process.clone());
         }
@@ -84,5 +93,62 @@ impl Keeper {
         } else {
             "first seen: not in the working set yet"
         }
+    }
+}
+
+/// A task of a Slurm job was attached: the job is counted among the last ones shown,
+/// the oldest finished job forgotten first when there are too many.
+pub(super) fn task_started(shown: &mut Vec<SlurmJob>, task: SlurmTask) {
+    if let Some(j) = shown.iter_mut().find(|j| j.job_id == task.job_id) {
+        j.tasks += 1;
+        j.tasks_running += 1;
+        return;
+    }
+    if shown.len() >= SLURM_JOBS_SHOWN {
+        let oldest = shown.iter().position(|j| j.tasks_running == 0).unwrap_or(0);
+        shown.remove(oldest);
+    }
+    shown.push(SlurmJob {
+        job_id: task.job_id,
+        uid: task.uid,
+        tasks: 1,
+        tasks_running: 1,
+        served: Default::default(),
+    });
+}
+
+/// A task of Slurm job `job_id` ended.
+pub(super) fn task_ended(shown: &mut [SlurmJob], job_id: u32) {
+    if let Some(j) = shown.iter_mut().find(|j| j.job_id == job_id) {
+        j.tasks_running = j.tasks_running.saturating_sub(1);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_last_slurm_jobs_are_shown_finished_ones_forgotten_first() {
+        let mut shown = Vec::new();
+        let task = |job_id| SlurmTask { job_id, uid: 1000 };
+        for id in 0..SLURM_JOBS_SHOWN as u32 {
+            task_started(&mut shown, task(id));
+        }
+        task_started(&mut shown, task(0)); // a second task of job 0
+        for id in 1..SLURM_JOBS_SHOWN as u32 {
+            task_ended(&mut shown, id);
+        }
+        // Full: job 0 still runs, so the oldest finished one (1) goes.
+        task_started(&mut shown, task(100));
+        assert_eq!(shown.len(), SLURM_JOBS_SHOWN);
+        assert!(!shown.iter().any(|j| j.job_id == 1));
+        let zero = shown.iter().find(|j| j.job_id == 0).unwrap();
+        assert_eq!((zero.tasks, zero.tasks_running), (2, 2));
+        task_ended(&mut shown, 0);
+        assert_eq!(
+            shown.iter().find(|j| j.job_id == 0).unwrap().tasks_running,
+            1
+        );
     }
 }
