@@ -3,19 +3,12 @@
 //! asked to bind its local copies in it. The daemon takes the namespace from the
 //! connection's own process (its pidfd), never from anything this side says.
 
-use std::{
-    ffi::CString,
-    io::{self, BufRead, BufReader, Read, Write},
-    os::unix::{ffi::OsStrExt, net::UnixStream},
-    path::Path,
+use std::{ffi::CString, io, os::unix::ffi::OsStrExt, path::Path};
+
+use crate::{
+    daemon::{Answer, Daemon},
+    settings::Settings,
 };
-
-use serde::Deserialize;
-
-use crate::settings::Settings;
-
-/// The daemon answers in one line; anything longer is not it.
-const MAX_ANSWER: u64 = 64 << 10;
 
 /// Whose task this is, as Slurm says.
 #[derive(Debug, Clone)]
@@ -26,72 +19,23 @@ pub struct Job {
     pub job_id: Option<u32>,
 }
 
-/// The daemon's answer (a subset of hocus-agent's control protocol).
-#[derive(Debug, Deserialize)]
-#[serde(tag = "response", rename_all = "snake_case")]
-enum Answer {
-    Attached {
-        binds: usize,
-    },
-    Error {
-        message: String,
-    },
-    #[serde(other)]
-    Unexpected,
-}
-
 /// Gives the calling process (a Slurm task, still root) hocus's binds; returns how many.
 /// `Err` says why the task runs without them; the task is then exactly as it was, but
 /// for a namespace of its own that sees every mount of the node.
 pub fn attach(settings: &Settings, job: &Job) -> Result<usize, String> {
-    let stream = UnixStream::connect(&settings.socket).map_err(|e| match e.kind() {
-        io::ErrorKind::NotFound | io::ErrorKind::ConnectionRefused => format!(
-            "hocus-agent is not running (nothing at {})",
-            settings.socket.display()
-        ),
-        _ => format!(
-            "cannot reach hocus-agent at {}: {e}",
-            settings.socket.display()
-        ),
-    })?;
-    let timeouts = stream
-        .set_read_timeout(Some(settings.timeout))
-        .and_then(|()| stream.set_write_timeout(Some(settings.timeout)));
-    timeouts.map_err(|e| format!("socket timeouts: {e}"))?;
+    let mut daemon = Daemon::connect(&settings.socket, settings.timeout)?;
     let cwd = std::env::current_dir().ok();
     own_namespace().map_err(|e| format!("cannot make the task a mount namespace: {e}"))?;
-
-    let request = serde_json::json!({
+    daemon.send(&serde_json::json!({
         "request": "attach",
         "uid": job.uid,
         "gid": job.gid,
         "groups": job.groups,
         "job_id": job.job_id,
-    });
-    let mut line = request.to_string();
-    line.push('\n');
-    (&stream)
-        .write_all(line.as_bytes())
-        .map_err(|e| format!("asking hocus-agent: {e}"))?;
-    let mut answer = String::new();
-    BufReader::new((&stream).take(MAX_ANSWER))
-        .read_line(&mut answer)
-        .map_err(|e| match e.kind() {
-            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => format!(
-                "hocus-agent did not answer within {:.1} s",
-                settings.timeout.as_secs_f64()
-            ),
-            _ => format!("reading hocus-agent's answer: {e}"),
-        })?;
-    let binds = match serde_json::from_str::<Answer>(answer.trim()) {
-        Ok(Answer::Attached { binds }) => binds,
-        Ok(Answer::Error { message }) => return Err(format!("hocus-agent refused: {message}")),
-        Ok(Answer::Unexpected) | Err(_) => {
-            return Err(format!(
-                "unexpected answer from hocus-agent: {:.200}",
-                answer.trim()
-            ));
-        }
+    }))?;
+    let binds = match daemon.answer()? {
+        Answer::Attached { binds } => binds,
+        other => return Err(format!("unexpected answer from hocus-agent: {other:?}")),
     };
     // The task's working directory was entered before the binds: entered again by its
     // path, it is the local copy when one is bound there now.

@@ -8,11 +8,17 @@ pub const DEFAULT_SOCKET: &str = "/run/hocus/agent.sock";
 /// How long a task waits for the daemon before it runs without local copies. The
 /// daemon's own job-start check takes at most 2 s.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a job's prolog waits for the prefetch of its saved profile; the job starts
+/// when it is done or this is up. Slurm runs the prolog as the first step launches and
+/// srun gives that launch `MessageTimeout` (10 s by default): waiting longer would fail
+/// the job, so the default stays well below (raise both together).
+pub const DEFAULT_PREFETCH_TIMEOUT: Duration = Duration::from_secs(5);
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Settings {
     pub socket: PathBuf,
     pub timeout: Duration,
+    pub prefetch_timeout: Duration,
     /// `off` on the plugstack line turns hocus off for every job on the node; a user's
     /// `--hocus=off` for theirs.
     pub enabled: bool,
@@ -23,6 +29,7 @@ impl Default for Settings {
         Self {
             socket: DEFAULT_SOCKET.into(),
             timeout: DEFAULT_TIMEOUT,
+            prefetch_timeout: DEFAULT_PREFETCH_TIMEOUT,
             enabled: true,
         }
     }
@@ -36,33 +43,37 @@ impl Settings {
         }
     }
 
-    /// The plugstack line's arguments: `socket=PATH`, `timeout=SECONDS`, `off`.
+    /// The plugstack line's arguments: `socket=PATH`, `timeout=SECONDS`,
+    /// `prefetch_timeout=SECONDS`, `off`.
     pub fn parse(args: &[&str]) -> Result<Self, String> {
         let mut s = Self::default();
         for arg in args {
             match arg.split_once('=') {
                 Some(("socket", path)) if path.starts_with('/') => s.socket = path.into(),
-                Some(("timeout", secs)) => {
-                    let secs: f64 = secs
-                        .parse()
-                        .ok()
-                        .filter(|t: &f64| t.is_finite() && *t > 0.0 && *t <= 600.0)
-                        .ok_or_else(|| {
-                            format!("plugstack: timeout={secs} is not a number of seconds (0-600)")
-                        })?;
-                    s.timeout = Duration::from_secs_f64(secs);
+                Some(("timeout", secs)) => s.timeout = seconds("timeout", secs)?,
+                Some(("prefetch_timeout", secs)) => {
+                    s.prefetch_timeout = seconds("prefetch_timeout", secs)?;
                 }
                 None if *arg == "off" => s.enabled = false,
                 None if *arg == "on" => s.enabled = true,
                 _ => {
                     return Err(format!(
-                        "plugstack: unknown argument {arg:?} (known: socket=/ABSOLUTE/PATH, timeout=SECONDS, off)"
+                        "plugstack: unknown argument {arg:?} (known: socket=/ABSOLUTE/PATH, timeout=SECONDS, prefetch_timeout=SECONDS, off)"
                     ));
                 }
             }
         }
         Ok(s)
     }
+}
+
+fn seconds(name: &str, value: &str) -> Result<Duration, String> {
+    value
+        .parse()
+        .ok()
+        .filter(|t: &f64| t.is_finite() && *t > 0.0 && *t <= 3600.0)
+        .map(Duration::from_secs_f64)
+        .ok_or_else(|| format!("plugstack: {name}={value} is not a number of seconds (0-3600)"))
 }
 
 /// A user's `--hocus` value.

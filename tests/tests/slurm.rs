@@ -191,15 +191,19 @@ fn jobs_run_as_without_hocus_when_the_daemon_is_down_or_the_plugin_is_off() {
         ))
     });
 
-    // A socket that accepts and never answers: the task waits its timeout, then runs.
+    // A socket that accepts and never answers: the prolog waits its prefetch's time (the
+    // default, 5 s, within srun's wait for the launch), the task its timeout, and the
+    // job runs.
     let listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
     cluster.plugin(Some(&format!("socket={} timeout=1", socket.display())));
     let out = srun(&[], &pythonpath);
     assert_success(&out);
     assert_eq!(text(&out.stdout), "42\n");
     drop(listener);
-    wait_until(10, "the plugin's timeout in slurmd's log", || {
-        cluster.slurmd_log().contains("did not answer within 1.0 s")
+    wait_until(10, "the plugin's timeouts in slurmd's log", || {
+        let log = cluster.slurmd_log();
+        log.contains("running without local copies: hocus-agent did not answer within 1.0 s")
+            && log.contains("no prefetch: hocus-agent did not answer within 5.0 s")
     });
 
     // Turned off on the node: the plugin does nothing, even when the daemon is up.
@@ -301,4 +305,124 @@ fn a_bind_that_fails_leaves_the_job_reading_the_network() {
         .filter(|l| l.contains("of Slurm job") && l.contains(": 0 local copies in place"))
         .count();
     assert_eq!(bare, 2, "{}", agent.log());
+}
+
+/// A directory where each user may make their own profile directory (`{user}` below it).
+fn profiles_home() -> tempfile::TempDir {
+    let dir = tempfile::Builder::new()
+        .prefix("hocus-profiles-")
+        .tempdir_in("/var/tmp")
+        .unwrap();
+    fs::set_permissions(dir.path(), fs::Permissions::from_mode(0o1777)).unwrap();
+    dir
+}
+
+#[test]
+fn the_epilog_saves_the_jobs_profile_as_its_user_and_the_next_job_starts_prefetched() {
+    use std::os::unix::fs::MetadataExt;
+    let cluster = slurm();
+    let net = NetworkMount::start();
+    let pythonpath = environment(&net);
+    let home = profiles_home();
+    let template = format!("{}/{{user}}", home.path().display());
+    let watch = [
+        "--watch",
+        net.mount.to_str().unwrap(),
+        "--job-profiles",
+        &template,
+    ];
+    let mut agent = Agent::start(&watch);
+    cluster.plugin(Some(&format!("socket={}", agent.socket.display())));
+
+    // A first job named "trainer": nothing kept yet; its epilog keeps what it used.
+    assert_success(&srun(&["--job-name=trainer"], &pythonpath));
+    let saved = home.path().join("hocus-test/trainer.json");
+    wait_until(30, "the epilog's profile", || saved.exists());
+    let (uid, _) = hocus_tests::test_user();
+    let meta = fs::metadata(&saved).unwrap();
+    assert_eq!(meta.uid(), uid, "written as the job's user");
+    assert_eq!(meta.mode() & 0o777, 0o600);
+    let profile: serde_json::Value = serde_json::from_slice(&fs::read(&saved).unwrap()).unwrap();
+    let core = net.path("env/lib/mypkg/core.py");
+    assert!(file_entry(&profile, &core).is_some(), "{profile:#}");
+    assert!(
+        cluster
+            .slurmd_log()
+            .contains(r#"no prefetch: hocus-agent refused: no profile at"#),
+        "{}",
+        cluster.slurmd_log()
+    );
+
+    // Another node: a daemon that has never seen the environment. The next job named
+    // "trainer" finds it prefetched before its first task (by its prolog, which reads
+    // the server meanwhile): every open and failed lookup of the job is local.
+    agent.stop();
+    let agent = Agent::start(&watch);
+    cluster.plugin(Some(&format!("socket={}", agent.socket.display())));
+    let out = srun(&["--job-name=trainer"], &pythonpath);
+    assert_success(&out);
+    assert_eq!(text(&out.stdout), "42\n");
+    let job = agent.cache()["slurm_jobs"][0].clone();
+    let served = &job["served"];
+    assert!(served["opens_local"].as_u64() >= Some(2), "{job}");
+    assert!(served["lookups_local"].as_u64() >= Some(1), "{job}");
+    assert_eq!(
+        (&served["opens_network"], &served["lookups_network"]),
+        (&serde_json::json!(0), &serde_json::json!(0)),
+        "{job}\n{}",
+        cluster.slurmd_log()
+    );
+    assert!(
+        cluster
+            .slurmd_log()
+            .contains(r#"prefetched 2 of 2 files and 1 of 1 trees from profile "trainer""#),
+        "{}",
+        cluster.slurmd_log()
+    );
+
+    // A hostile or broken profile in the user's directory: refused, the job still runs.
+    let (uid, gid) = hocus_tests::test_user();
+    let as_user = |script: &str| {
+        use std::os::unix::process::CommandExt;
+        let out = std::process::Command::new("sh")
+            .args(["-c", script])
+            .uid(uid)
+            .gid(gid)
+            .output()
+            .unwrap();
+        assert_success(&out);
+    };
+    let dir = saved.parent().unwrap().display().to_string();
+    for (name, make) in [
+        ("shadow", format!("ln -s /etc/shadow {dir}/shadow.json")),
+        ("garbage", format!("printf 'not json' > {dir}/garbage.json")),
+        (
+            "outside",
+            format!(
+                "sed 's|{}|/etc/shadow|' {} > {dir}/outside.json",
+                core.display(),
+                saved.display()
+            ),
+        ),
+    ] {
+        as_user(&make);
+        let out = srun(&[&format!("--hocus-profile={name}")], &pythonpath);
+        assert_success(&out);
+        assert_eq!(text(&out.stdout), "42\n", "{name}");
+    }
+    wait_until(10, "the refusals in slurmd's log", || {
+        let log = cluster.slurmd_log();
+        log.contains("shadow.json as uid 999: Too many levels of symbolic links")
+            && log.contains("garbage.json: the profile sent is not a hocus profile")
+    });
+    // The profile naming a file outside the watched tree is taken without it.
+    assert!(
+        agent
+            .log()
+            .contains("e.g. /etc/shadow: is outside every watched tree"),
+        "{}",
+        agent.log()
+    );
+    let p = agent.export();
+    assert!(file_entry(&p, std::path::Path::new("/etc/shadow")).is_none());
 }

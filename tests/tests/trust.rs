@@ -1133,3 +1133,42 @@ fn only_root_in_a_namespace_of_its_own_gets_binds_made_in_it() {
     );
     assert_eq!(fs::read_to_string(&file).unwrap(), "X = 1\n");
 }
+
+/// A Slurm job's profile is saved and read as its user only at root's request (hocus's
+/// plugin, in the job's prolog and epilog): an ordinary user asking to have root's or
+/// anyone's profile written or read is refused, and nothing is written.
+#[test]
+fn only_root_saves_or_prefetches_a_slurm_jobs_profile() {
+    let net = NetworkMount::start();
+    let home = tempfile::tempdir().unwrap();
+    let template = format!("{}/{{user}}", home.path().display());
+    let agent = Agent::start(&[
+        "--watch",
+        net.mount.to_str().unwrap(),
+        "--job-profiles",
+        &template,
+    ]);
+    let said = python_as_user(
+        &agent,
+        r#"
+import socket, sys
+for kind in ["save_job_profile", "prefetch_job_profile"]:
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(sys.argv[1])
+    s.sendall(b'{"request":"%s","job_id":1,"uid":0,"gid":0,"key":"x"}\n' % kind.encode())
+    print(s.makefile().readline().strip())
+"#,
+    );
+    assert_eq!(said.lines().count(), 2, "{said}");
+    for line in said.lines() {
+        assert!(
+            line.contains("only root keeps Slurm jobs' profiles"),
+            "{line}"
+        );
+    }
+    assert_eq!(
+        fs::read_dir(home.path()).unwrap().count(),
+        0,
+        "nothing written"
+    );
+}

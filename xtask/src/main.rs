@@ -1,6 +1,7 @@
 //! `cargo xtask`: set up a machine, build, run and test hocus.
 
 mod bench;
+mod package;
 mod setup;
 
 use std::{
@@ -28,10 +29,12 @@ enum Cmd {
         #[arg(long)]
         release: bool,
     },
-    /// Build and run hocus-agent as root, e.g. `cargo xtask run -- --watch /home`.
+    /// Build and run hocus-agent as root, e.g. `cargo xtask run -- --watch /home`: the
+    /// release build, the binary the package ships.
     Run {
+        /// Run the debug build instead.
         #[arg(long)]
-        release: bool,
+        debug: bool,
         /// Arguments for hocus-agent.
         #[arg(last = true)]
         args: Vec<String>,
@@ -42,6 +45,10 @@ enum Cmd {
         /// Only integration tests whose name contains this.
         filter: Option<String>,
     },
+    /// Build the Debian package (target/package/hocus_VERSION_amd64.deb): the daemon,
+    /// its systemd unit (not enabled), /etc/hocus/agent.toml, the Slurm plugin and its
+    /// plugstack snippet, man pages, shell completions, the docs.
+    Package,
     /// Benchmarks that print ratios against a baseline measured in the same run.
     #[command(subcommand)]
     Bench(Bench),
@@ -160,8 +167,8 @@ fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Cmd::Setup => setup::run(),
         Cmd::Build { release } => build(release).map(drop),
-        Cmd::Run { release, args } => {
-            let agent = build(release)?;
+        Cmd::Run { debug, args } => {
+            let agent = build(!debug)?;
             let mut cmd = as_root(&agent);
             cmd.args(&args);
             // exec, so that Ctrl-C and the exit status are the agent's own
@@ -169,6 +176,10 @@ fn run(cli: Cli) -> Result<()> {
             Err(err).context("starting hocus-agent")
         }
         Cmd::Test { filter } => test(filter),
+        Cmd::Package => {
+            let agent = build(true)?;
+            package::build(&agent).map(drop)
+        }
         Cmd::Bench(b) => {
             let agent = build(true)?;
             bench(&agent, b)
@@ -385,6 +396,21 @@ fn test(filter: Option<String>) -> Result<()> {
     }
     status(&mut cmd)?;
     if whole {
+        // The package an admin installs: built, installed, the Slurm tests run against
+        // the installed daemon and plugin, then removed and purged.
+        println!("== the Debian package: install, Slurm tests on the installed files, remove");
+        let release = build(true)?;
+        let deb = package::build(&release)?;
+        package::install(&deb)?;
+        status(
+            cargo()
+                .args(["test", "--package", "hocus-tests"])
+                .args(["--test", "slurm", "--test", "slurm_containers", "--"])
+                .args(["--test-threads", "1"])
+                .env("HOCUS_AGENT_BIN", package::AGENT)
+                .env("HOCUS_SPANK_PLUGIN", package::PLUGIN),
+        )?;
+        package::remove()?;
         // Benchmarks run in CI only as smoke runs: that they work, not what they say
         // (the debug build of the daemon, one short round).
         println!("== benchmarks, smoke runs (bench all --quick)");

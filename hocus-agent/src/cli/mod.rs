@@ -6,6 +6,7 @@
 
 mod budget;
 mod floor;
+mod generate;
 mod plan;
 mod prefetch;
 mod profile;
@@ -15,7 +16,7 @@ mod status;
 use std::{path::PathBuf, process::ExitCode};
 
 use anyhow::{Result, bail};
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 
 use crate::{
     control::{
@@ -146,6 +147,28 @@ enum Command {
     /// (`cargo xtask bench overhead`). Root.
     #[command(hide = true)]
     TraceFloor,
+    /// Write the man pages or a shell's completions of hocus-agent into a directory
+    /// (what the package installs).
+    #[command(hide = true)]
+    Generate {
+        #[command(subcommand)]
+        what: GenerateCommand,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum GenerateCommand {
+    /// hocus-agent.1 and a page per command.
+    Man {
+        #[arg(value_name = "DIR")]
+        dir: PathBuf,
+    },
+    /// The completion script for a shell.
+    Completions {
+        shell: clap_complete::Shell,
+        #[arg(value_name = "DIR")]
+        dir: PathBuf,
+    },
 }
 
 #[derive(Subcommand, Debug)]
@@ -238,6 +261,12 @@ pub fn main() -> ExitCode {
                     }
                     Command::Budget { ssd, ram } => budget::run(&ctx, ssd, ram),
                     Command::TraceFloor => floor::run(),
+                    Command::Generate { what } => match what {
+                        GenerateCommand::Man { dir } => generate::man(Cli::command(), &dir),
+                        GenerateCommand::Completions { shell, dir } => {
+                            generate::completions(Cli::command(), shell, &dir)
+                        }
+                    },
                     Command::Plan {
                         profile,
                         csv,

@@ -5,6 +5,7 @@
 //! May use: the stages, `shared`.
 
 pub mod client;
+pub mod job_profiles;
 pub mod protocol;
 pub mod server;
 pub mod session;

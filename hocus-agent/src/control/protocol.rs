@@ -47,6 +47,23 @@ pub enum Request {
     /// Make the binds in the caller's own mount namespace (root only: hocus's Slurm
     /// plugin, as a task starts). The namespace is the connecting process's.
     Attach(AttachTask),
+    /// Save a Slurm job's own working set for the user's next job with the same key
+    /// (root only: the plugin, in the job's epilog).
+    SaveJobProfile(JobProfile),
+    /// Prefetch from the profile the user's last job with this key saved, reporting
+    /// progress (root only: the plugin, in the job's prolog).
+    PrefetchJobProfile(JobProfile),
+}
+
+/// A Slurm job's profile: whose job, and under which key it is kept.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct JobProfile {
+    pub job_id: u32,
+    pub uid: u32,
+    pub gid: u32,
+    #[serde(default)]
+    pub groups: Vec<u32>,
+    pub key: String,
 }
 
 /// Whose task asks to be attached, as Slurm says.
@@ -132,6 +149,15 @@ pub enum Response {
         pid: i32,
         binds: usize,
     },
+    /// A job's profile was saved: where, and what it holds.
+    Saved {
+        path: PathBuf,
+        files: usize,
+        missing: usize,
+    },
+    /// Internal: a Slurm job's own working set.
+    #[serde(skip)]
+    JobProfile(Profile),
     /// The caller's namespace has `binds` local copies in place.
     Attached {
         binds: usize,
@@ -180,6 +206,10 @@ pub enum Ask {
     },
     /// The next part of an export under way (its order comes back with it).
     ExportPart(Box<ExportOrder>),
+    /// Slurm job `slurm_job`'s own working set, taken: its epilog saves it.
+    TakeJobProfile {
+        slurm_job: u32,
+    },
     /// Copies a job-start check found changed or gone on the network: drop them.
     Stale {
         sources: Vec<PathBuf>,

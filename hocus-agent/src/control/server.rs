@@ -31,6 +31,7 @@ use tokio::sync::mpsc;
 
 use crate::{
     control::{
+        job_profiles,
         protocol::{
             Ask, Call, MAX_PROFILE_BYTES, MAX_REQUEST_LINE, Query, Request, Response, Staged,
         },
@@ -154,16 +155,24 @@ impl Control {
     }
 }
 
+/// What connections need to know of the daemon's settings.
+#[derive(Debug, Clone)]
+pub struct Setup {
+    /// The watched trees: the only paths a profile sent may name.
+    pub trees: Vec<PathBuf>,
+    /// Where Slurm jobs' own profiles are kept (`job-profiles`: a template).
+    pub job_profiles: String,
+}
+
 /// Binds the socket (replacing a stale one) and serves each connection on a thread of
 /// its own. Requests go to the daemon's loop through `calls`.
-/// Serves the control socket; `trees` are the watched trees, the only paths a profile
-/// sent may name.
 pub fn serve(
     socket: &Path,
     calls: mpsc::Sender<Call>,
     limits: Limits,
-    trees: Arc<[PathBuf]>,
+    setup: Setup,
 ) -> Result<Control> {
+    let setup = Arc::new(setup);
     if let Some(dir) = socket.parent() {
         fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }
@@ -185,7 +194,7 @@ pub fn serve(
     let accepting = Arc::clone(&gate);
     thread::Builder::new()
         .name("hocus-control".into())
-        .spawn(move || accept(&listener, &accepting, &calls, &trees))?;
+        .spawn(move || accept(&listener, &accepting, &calls, &setup))?;
     Ok(Control(gate))
 }
 
@@ -193,7 +202,7 @@ fn accept(
     listener: &UnixListener,
     gate: &Arc<Gate>,
     calls: &mpsc::Sender<Call>,
-    trees: &Arc<[PathBuf]>,
+    setup: &Arc<Setup>,
 ) {
     loop {
         let stream = match listener.accept() {
@@ -229,14 +238,14 @@ fn accept(
             }
         };
         let calls = calls.clone();
-        let trees = Arc::clone(trees);
+        let setup = Arc::clone(setup);
         let gate_of_thread = Arc::clone(gate);
         let spawned = thread::Builder::new()
             .name("hocus-client".into())
             .spawn(move || {
                 let _admitted = admitted;
                 let (pid, uid, gid) = (cred.pid(), cred.uid(), cred.gid());
-                if let Err(e) = answer(stream, (pid, uid, gid), &gate_of_thread, &calls, &trees) {
+                if let Err(e) = answer(stream, (pid, uid, gid), &gate_of_thread, &calls, &setup) {
                     log::debug!("control connection of uid {uid}: {e:#}");
                 }
             });
@@ -248,9 +257,9 @@ fn accept(
 }
 
 /// Why a request was refused before it reached the daemon's loop.
-struct Refusal {
+pub(super) struct Refusal {
     reason: &'static str,
-    message: String,
+    pub(super) message: String,
 }
 
 fn refusal(reason: &'static str, message: impl Into<String>) -> Refusal {
@@ -265,7 +274,7 @@ fn answer(
     (pid, uid, gid): (i32, u32, u32),
     gate: &Gate,
     calls: &mpsc::Sender<Call>,
-    trees: &[PathBuf],
+    setup: &Setup,
 ) -> Result<()> {
     stream.set_read_timeout(Some(REQUEST_TIMEOUT))?;
     stream.set_write_timeout(Some(WRITE_TIMEOUT))?;
@@ -300,11 +309,17 @@ fn answer(
             return session::run(stream, caller, run, fds, rest, calls);
         }
         Request::Attach(task) => return session::attach(&stream, caller, task, calls),
+        Request::SaveJobProfile(job) => {
+            return job_profiles::save(&stream, &caller, job, calls, setup);
+        }
+        Request::PrefetchJobProfile(job) => {
+            return job_profiles::prefetch(&stream, &caller, job, calls, setup);
+        }
         Request::Status => Query::Status,
         Request::Export { root } => return export(&stream, calls, caller, root),
         Request::Budgets { ssd, ram } => Query::Budgets { ssd, ram },
         Request::Import | Request::Prefetch => {
-            let staged = match read_profile(fds.into_iter().next(), trees, &caller) {
+            let staged = match read_profile(fds.into_iter().next(), &setup.trees, &caller) {
                 Ok(p) => Box::new(p),
                 Err(r) => return refuse(r),
             };
@@ -370,7 +385,7 @@ fn export(
 /// Reads a profile from the descriptor a client sent (at most [`MAX_PROFILE_BYTES`], in
 /// the documented format), a batch at a time, into a working set of its own: only sound
 /// paths inside `trees` that the caller may read, vouched for as the caller.
-fn read_profile(
+pub(super) fn read_profile(
     fd: Option<OwnedFd>,
     trees: &[PathBuf],
     caller: &Caller,

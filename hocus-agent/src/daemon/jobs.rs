@@ -2,7 +2,8 @@
 //! namespace, whose files the kernel side places under their network directories (so a
 //! job's opens in a lazy snapshot count as hits and teach the profile), and for an
 //! attached task (Slurm's, through hocus's SPANK plugin; a process the daemon did not
-//! fork) its pidfd, polled at each sweep to see it end.
+//! fork) its pidfd, polled at each sweep to see it end, and its Slurm job's own working
+//! set, which the job's epilog saves for the user's next job with the same key.
 
 use std::{
     collections::HashMap,
@@ -14,17 +15,30 @@ use std::{
 use hocus_common::{FIRST_VIEW_ROOT, MAX_VIEW_ROOTS};
 use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 
-use super::Daemon;
-use crate::observe::tracer::ViewRoot;
+use super::{Daemon, unix_now_ns};
+use crate::{
+    observe::{
+        events::{Access, What},
+        tracer::ViewRoot,
+    },
+    profile::{format::Profile, working_set::WorkingSet},
+};
 
 /// Attached tasks followed at once; more are refused (and run without hocus).
 pub const MAX_TASKS: usize = 4096;
+/// Slurm jobs whose own working set is kept at once (until their epilog takes it): the
+/// oldest job with no task running is forgotten first.
+pub const MAX_JOB_PROFILES: usize = 64;
+/// Entries one Slurm job's working set holds at most.
+pub const MAX_JOB_PROFILE_ENTRIES: usize = 200_000;
 
 /// The loop's side of the jobs.
 #[derive(Default)]
 pub struct Jobs {
-    /// Attached tasks: (job id = pid, pidfd).
-    tasks: Vec<(u32, Arc<OwnedFd>)>,
+    /// Attached tasks: (job id = pid, pidfd, their Slurm job).
+    tasks: Vec<(u32, Arc<OwnedFd>, u32)>,
+    /// Each Slurm job's own working set, in the order the jobs were first seen.
+    profiles: Vec<(u32, WorkingSet)>,
     /// Each job's snapshot views: the kernel root index, the kernel's addresses, and the
     /// view's mount, held open so those addresses stay the view's.
     views: HashMap<u32, Vec<(u32, ViewRoot, OwnedFd)>>,
@@ -45,9 +59,14 @@ impl Jobs {
 }
 
 impl Daemon {
-    /// Follows the attached process `id` (its pidfd) as job `id`: the kernel side counts
-    /// it and whatever it forks as the job's.
-    pub(super) fn follow_task(&mut self, id: u32, pidfd: Arc<OwnedFd>) -> Result<(), String> {
+    /// Follows the attached process `id` (its pidfd), a task of Slurm job `slurm_job`,
+    /// as job `id`: the kernel side counts it and whatever it forks as the job's.
+    pub(super) fn follow_task(
+        &mut self,
+        id: u32,
+        pidfd: Arc<OwnedFd>,
+        slurm_job: u32,
+    ) -> Result<(), String> {
         if self.jobs.tasks.len() >= MAX_TASKS {
             return Err(format!(
                 "{MAX_TASKS} tasks are attached on this node already"
@@ -57,8 +76,62 @@ impl Daemon {
             .get_mut()
             .mark_job(id, id)
             .map_err(|e| format!("the kernel side cannot follow the task: {e:#}"))?;
-        self.jobs.tasks.push((id, pidfd));
+        self.jobs.tasks.push((id, pidfd, slurm_job));
+        if !self.jobs.profiles.iter().any(|(j, _)| *j == slurm_job) {
+            if self.jobs.profiles.len() >= MAX_JOB_PROFILES {
+                let running = |j: u32| self.jobs.tasks.iter().any(|t| t.2 == j);
+                let oldest = (0..self.jobs.profiles.len())
+                    .find(|&i| !running(self.jobs.profiles[i].0))
+                    .unwrap_or(0);
+                let (gone, _) = self.jobs.profiles.remove(oldest);
+                log::warn!(
+                    "the working sets of {MAX_JOB_PROFILES} Slurm jobs are kept already: Slurm job {gone}'s is forgotten before its epilog took it"
+                );
+            }
+            let mut ws = WorkingSet::new(unix_now_ns());
+            ws.set_limit(MAX_JOB_PROFILE_ENTRIES);
+            self.jobs.profiles.push((slurm_job, ws));
+        }
         Ok(())
+    }
+
+    /// Adds an access of an attached task's process to its Slurm job's working set.
+    pub(super) fn record_for_slurm_job(&mut self, a: &Access) {
+        if a.job == 0 {
+            return;
+        }
+        let Some(&(_, _, slurm_job)) = self.jobs.tasks.iter().find(|t| t.0 == a.job) else {
+            return;
+        };
+        let Some((_, ws)) = self.jobs.profiles.iter_mut().find(|(j, _)| *j == slurm_job) else {
+            return;
+        };
+        match a.what {
+            What::Open => {
+                ws.open(&a.path, a.uid, a.at_ns);
+            }
+            What::Missing => ws.missing(&a.path, a.at_ns),
+            What::Read(bytes) => ws.add_bytes_read(&a.path, bytes),
+        }
+    }
+
+    /// Slurm job `slurm_job`'s own working set, taken (its epilog saves it), with the
+    /// sizes and mtimes the node's working set knows of its files.
+    pub(super) fn take_job_profile(&mut self, slurm_job: u32) -> Option<Profile> {
+        let i = self
+            .jobs
+            .profiles
+            .iter()
+            .position(|(j, _)| *j == slurm_job)?;
+        let (_, ws) = self.jobs.profiles.remove(i);
+        let mut p = ws.to_profile();
+        for f in &mut p.files {
+            if let Some(known) = self.ws.attributes(&f.path) {
+                f.size = known.size;
+                f.mtime_ns = known.mtime_ns;
+            }
+        }
+        Some(p)
     }
 
     /// Has the kernel side place files opened in job `id`'s snapshot views under the
@@ -114,7 +187,7 @@ impl Daemon {
                 .jobs
                 .tasks
                 .iter()
-                .map(|(_, fd)| PollFd::new(fd.as_fd(), PollFlags::POLLIN))
+                .map(|(_, fd, _)| PollFd::new(fd.as_fd(), PollFlags::POLLIN))
                 .collect();
             if poll(&mut fds, PollTimeout::ZERO).is_err() {
                 return;
@@ -123,11 +196,11 @@ impl Daemon {
             fds.iter()
                 .zip(&self.jobs.tasks)
                 .filter(|(fd, _)| fd.revents().is_some_and(|r| !r.is_empty()))
-                .map(|(_, (id, _))| *id)
+                .map(|(_, (id, _, _))| *id)
                 .collect()
         };
         for id in ended {
-            self.jobs.tasks.retain(|(t, _)| *t != id);
+            self.jobs.tasks.retain(|(t, _, _)| *t != id);
             self.job_ended(id).await;
         }
     }

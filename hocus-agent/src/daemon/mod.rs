@@ -294,9 +294,11 @@ impl Daemon {
             total: self.opts.settings.max_clients.unwrap_or(256),
             per_user: self.opts.settings.max_clients_per_user.unwrap_or(16),
         };
-        let trees: std::sync::Arc<[PathBuf]> =
-            self.watched.iter().map(|w| w.path.clone()).collect();
-        self.control = Some(server::serve(&self.socket, calls_tx, limits, trees)?);
+        let setup = server::Setup {
+            trees: self.watched.iter().map(|w| w.path.clone()).collect(),
+            job_profiles: self.opts.settings.job_profiles(),
+        };
+        self.control = Some(server::serve(&self.socket, calls_tx, limits, setup)?);
         log::info!(
             "ready: profile in {}, control socket {}{}",
             self.state.profile_path().display(),
@@ -384,6 +386,7 @@ impl Daemon {
         }
         let accesses = std::mem::take(&mut self.observer.accesses);
         for access in accesses {
+            self.record_for_slurm_job(&access);
             let sent = self.keeper.access(access).await;
             self.check(sent);
         }

@@ -81,7 +81,8 @@ impl Daemon {
                 // one before anything it does.
                 self.drain().await;
                 if let Some(pidfd) = task {
-                    if let Err(message) = self.follow_task(id, pidfd) {
+                    let slurm_job = slurm.map_or(0, |s| s.job_id);
+                    if let Err(message) = self.follow_task(id, pidfd, slurm_job) {
                         let _ = reply.send(Response::Error { message });
                         return;
                     }
@@ -107,6 +108,19 @@ impl Daemon {
                 let _ = reply.send(Response::Export { order, part });
             }
             Ask::JobEnded { id } => self.job_ended(id).await,
+            Ask::TakeJobProfile { slurm_job } => {
+                // What the job's last processes did is read first.
+                self.sweep().await;
+                let response = match self.take_job_profile(slurm_job) {
+                    Some(p) => Response::JobProfile(p),
+                    None => Response::Error {
+                        message: format!(
+                            "no task of Slurm job {slurm_job} was attached on this node"
+                        ),
+                    },
+                };
+                let _ = reply.send(response);
+            }
         }
     }
 

@@ -60,10 +60,13 @@ struct MappedInfo {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Access {
     pub path: String,
-    /// The `hocus-agent run` job of the process, or 0.
+    /// The job of the process (`hocus-agent run`'s, or an attached Slurm task's), or 0.
     pub job: u32,
     pub process: Process,
     pub what: What,
+    /// Who opened it and when (unix ns): for opens and failed lookups; 0 for reads.
+    pub uid: u32,
+    pub at_ns: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -161,6 +164,8 @@ impl Observer {
                                 job: info.job,
                                 process: info.process.clone(),
                                 what: What::Read(bytes),
+                                uid: 0,
+                                at_ns: 0,
                             });
                         }
                         if info.written {
@@ -253,6 +258,8 @@ impl Observer {
                         job: e.job,
                         process: who.clone(),
                         what: What::Open,
+                        uid,
+                        at_ns: at,
                     });
                 }
                 if creates {
@@ -277,6 +284,8 @@ impl Observer {
                     job: e.job,
                     process: process(e),
                     what: What::Missing,
+                    uid,
+                    at_ns: at,
                 });
             }
             kind::REFUSED_WRITE => {
@@ -342,6 +351,8 @@ impl Observer {
                     job: info.job,
                     process: info.process.clone(),
                     what: What::Read(file.bytes_read - *counted),
+                    uid: 0,
+                    at_ns: 0,
                 });
                 *counted = file.bytes_read;
             }
@@ -405,6 +416,8 @@ impl Observer {
                     job: info.job,
                     process: info.process.clone(),
                     what: What::Read(bytes),
+                    uid: 0,
+                    at_ns: 0,
                 });
             }
         }

@@ -298,6 +298,15 @@ impl WorkingSet {
         i
     }
 
+    /// The size and mtime known of a file, if it is held.
+    pub fn attributes(&self, path: &str) -> Option<Attributes> {
+        let f = &self.files[self.file_index(path)?];
+        Some(Attributes {
+            size: f.size,
+            mtime_ns: f.mtime_ns,
+        })
+    }
+
     pub fn set_attributes(&mut self, path: &str, a: Attributes) {
         if let Some(i) = self.file_index(path) {
             self.changed_file(i);

@@ -67,26 +67,40 @@ pub fn filter_for(profile: &mut Profile, caller: &Caller) -> Result<()> {
     if caller.is_root() {
         return Ok(());
     }
-    let caller = caller.clone();
+    let uid = caller.uid;
     let mut p = std::mem::take(profile);
+    *profile = as_caller(caller, move || {
+        p.files
+            .retain(|f| can(&f.path, libc::R_OK) || gone_but_parent_searchable(&f.path));
+        p.dirs.retain(|d| can(&d.path, libc::R_OK | libc::X_OK));
+        p.missing.retain(|m| parent_searchable(&m.path));
+        for f in &mut p.files {
+            f.uids.retain(|u| *u == uid);
+        }
+        p
+    })?;
+    Ok(())
+}
+
+/// Runs `f` with `caller`'s filesystem identity (uid, gid, groups), on a thread of its
+/// own that ends with it: every path `f` touches is resolved with the caller's rights,
+/// never root's.
+pub fn as_caller<T: Send + 'static>(
+    caller: &Caller,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> Result<T> {
+    let uid = caller.uid;
+    let caller = caller.clone();
     let handle = std::thread::Builder::new()
-        .name("hocus-access".into())
-        .spawn(move || -> Result<Profile> {
+        .name("hocus-as-user".into())
+        .spawn(move || -> Result<T> {
             become_on_this_thread(&caller)?;
-            p.files
-                .retain(|f| can(&f.path, libc::R_OK) || gone_but_parent_searchable(&f.path));
-            p.dirs.retain(|d| can(&d.path, libc::R_OK | libc::X_OK));
-            p.missing.retain(|m| parent_searchable(&m.path));
-            for f in &mut p.files {
-                f.uids.retain(|u| *u == caller.uid);
-            }
-            Ok(p)
+            Ok(f())
         })?;
     // The thread exits with the caller's identity; nothing else ever runs on it.
-    *profile = handle
+    handle
         .join()
-        .map_err(|_| anyhow::anyhow!("the permission check thread panicked"))??;
-    Ok(())
+        .map_err(|_| anyhow::anyhow!("a thread working as uid {uid} panicked"))?
 }
 
 /// Switches this thread's filesystem identity. Raw syscalls on purpose: glibc's wrappers

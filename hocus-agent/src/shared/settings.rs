@@ -20,6 +20,7 @@ use crate::shared::{
 pub const DEFAULT_CONFIG: &str = "/etc/hocus/agent.toml";
 pub const DEFAULT_STATE_DIR: &str = "/var/lib/hocus";
 pub const DEFAULT_SOCKET: &str = "/run/hocus/agent.sock";
+pub const DEFAULT_JOB_PROFILES: &str = "{home}/.cache/hocus/profiles";
 pub const DEFAULT_CACHE_DIR: &str = "/var/cache/hocus";
 pub const DEFAULT_METRICS_ADDR: &str = "127.0.0.1:9742";
 /// The kernel side compares against at most this many watched trees.
@@ -88,6 +89,12 @@ pub struct Settings {
     #[arg(long, value_name = "N")]
     pub max_profile_entries: Option<usize>,
 
+    /// Where a Slurm job's own profile is kept for the user's next job with the same key
+    /// (`KEY.json`; written and read as the user): {home}, {user} and {uid} are the
+    /// job's user's [default: {home}/.cache/hocus/profiles].
+    #[arg(long, value_name = "TEMPLATE")]
+    pub job_profiles: Option<String>,
+
     /// Clients of the control socket served at once [default: 256].
     #[arg(long, value_name = "N")]
     pub max_clients: Option<usize>,
@@ -134,7 +141,7 @@ impl Settings {
     pub fn or(self, other: Settings) -> Settings {
         either!(self, other; watch, state_dir, socket, save_interval, cache_dir, ssd_budget,
             ram_budget, include_ext, exclude, revalidate, copy_workers, whole_snapshots,
-            max_profile_entries, max_clients,
+            max_profile_entries, job_profiles, max_clients,
             max_clients_per_user, metrics_addr, no_metrics, log_hits, log_misses, log_writes,
             log_format)
     }
@@ -155,6 +162,7 @@ impl Settings {
             copy_workers: Some(8),
             whole_snapshots: Some(false),
             max_profile_entries: Some(2_000_000),
+            job_profiles: Some(DEFAULT_JOB_PROFILES.into()),
             max_clients: Some(256),
             max_clients_per_user: Some(16),
             metrics_addr: Some(DEFAULT_METRICS_ADDR.parse().expect("a valid address")),
@@ -225,6 +233,12 @@ impl Settings {
         self.state_dir
             .clone()
             .unwrap_or_else(|| DEFAULT_STATE_DIR.into())
+    }
+
+    pub fn job_profiles(&self) -> String {
+        self.job_profiles
+            .clone()
+            .unwrap_or_else(|| DEFAULT_JOB_PROFILES.into())
     }
 
     pub fn socket(&self) -> PathBuf {

@@ -1,0 +1,307 @@
+//! A Slurm job's own profile, kept where the same user's next job with the same key finds
+//! it on any node: `KEY.json` in a directory of the user's (`job-profiles`: by default
+//! `~/.cache/hocus/profiles` in their home; an admin may name one on a shared
+//! filesystem). The job's epilog saves it, the next job's prolog prefetches from it.
+//!
+//! Both run as the user: the file is written and opened on a thread that took the user's
+//! filesystem identity, so root never follows a path the user controls, and a profile
+//! read is checked like any profile a user sends (watched paths only, what they may
+//! read). Only root may ask (hocus's SPANK plugin, in the job's prolog and epilog).
+
+use std::{
+    ffi::CString,
+    fs::{self, File},
+    io::BufWriter,
+    os::{
+        fd::OwnedFd,
+        unix::{
+            ffi::OsStrExt,
+            fs::{DirBuilderExt, OpenOptionsExt},
+            net::UnixStream,
+        },
+    },
+    path::{Path, PathBuf},
+};
+
+use anyhow::Result;
+use tokio::sync::mpsc;
+
+use crate::{
+    control::{
+        protocol::{Ask, Call, JobProfile, Query, Response},
+        server::{Setup, ask, read_profile, send},
+    },
+    profile::format::{Profile, ProfileWriter},
+    redirect::access::{Caller, as_caller},
+};
+
+/// Keys name files: letters, digits, `.`, `_`, `-`, not starting with a dot.
+const MAX_KEY: usize = 128;
+
+/// Whether `key` may name a profile file.
+pub fn check_key(key: &str) -> Result<(), String> {
+    let fine = !key.is_empty()
+        && key.len() <= MAX_KEY
+        && !key.starts_with('.')
+        && key
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
+    if fine {
+        Ok(())
+    } else {
+        Err(format!(
+            "the profile key {key:?} is not a name: letters, digits, '.', '_', '-' (at most {MAX_KEY}, not starting with '.')"
+        ))
+    }
+}
+
+/// The user's profile directory: `template` with {home}, {user} and {uid} filled in.
+pub fn dir_for(template: &str, uid: u32) -> Result<PathBuf, String> {
+    let user = nix::unistd::User::from_uid(uid.into())
+        .map_err(|e| format!("looking up uid {uid}: {e}"))?
+        .ok_or_else(|| format!("uid {uid} has no entry in the user database"))?;
+    let dir = template
+        .replace("{home}", &user.dir.to_string_lossy())
+        .replace("{user}", &user.name)
+        .replace("{uid}", &uid.to_string());
+    if !dir.starts_with('/') {
+        return Err(format!("job-profiles gives {dir:?}, not an absolute path"));
+    }
+    Ok(PathBuf::from(dir))
+}
+
+/// The job's user, as the files are written and read: the groups Slurm gave, else
+/// those of the user database.
+fn user(job: &JobProfile) -> Caller {
+    let groups = if job.groups.is_empty() {
+        database_groups(job.uid, job.gid)
+    } else {
+        job.groups.clone()
+    };
+    Caller {
+        pid: 0,
+        uid: job.uid,
+        gid: job.gid,
+        groups,
+        pidfd: None,
+    }
+}
+
+fn database_groups(uid: u32, gid: u32) -> Vec<u32> {
+    let name = nix::unistd::User::from_uid(uid.into())
+        .ok()
+        .flatten()
+        .and_then(|u| CString::new(u.name).ok());
+    let groups = name.and_then(|n| nix::unistd::getgrouplist(&n, gid.into()).ok());
+    groups.map_or_else(
+        || vec![gid],
+        |g| g.into_iter().map(|g| g.as_raw()).collect(),
+    )
+}
+
+/// Where `job`'s profile is, checked; `Err` is the message for the plugin.
+fn place(caller: &Caller, job: &JobProfile, setup: &Setup) -> Result<PathBuf, String> {
+    if !caller.is_root() {
+        return Err("only root keeps Slurm jobs' profiles (hocus's SPANK plugin does, in a job's prolog and epilog)".into());
+    }
+    check_key(&job.key)?;
+    dir_for(&setup.job_profiles, job.uid)
+}
+
+/// The epilog's request: writes the job's own working set to `DIR/KEY.json` as the user
+/// (a temporary file renamed over it once whole).
+pub fn save(
+    stream: &UnixStream,
+    caller: &Caller,
+    job: JobProfile,
+    calls: &mpsc::Sender<Call>,
+    setup: &Setup,
+) -> Result<()> {
+    let refuse = |message: String| send(stream, &Response::Error { message });
+    let dir = match place(caller, &job, setup) {
+        Ok(d) => d,
+        Err(m) => return refuse(m),
+    };
+    let taken = ask(
+        calls,
+        caller.clone(),
+        Ask::TakeJobProfile {
+            slurm_job: job.job_id,
+        },
+    )?
+    .blocking_recv();
+    let profile = match taken {
+        Some(Response::JobProfile(p)) => p,
+        Some(Response::Error { message }) => return refuse(message),
+        _ => return refuse("the daemon is stopping".into()),
+    };
+    let (files, missing) = (profile.files.len(), profile.missing.len());
+    if files == 0 {
+        // An empty profile would only replace a useful one.
+        return refuse(format!(
+            "Slurm job {} opened no watched file on this node: nothing saved",
+            job.job_id
+        ));
+    }
+    let path = dir.join(format!("{}.json", job.key));
+    let written = as_caller(&user(&job), {
+        let (dir, path) = (dir.clone(), path.clone());
+        move || write_profile(&dir, &path, &profile)
+    });
+    match written {
+        Ok(Ok(())) => {
+            log::info!(
+                "Slurm job {}: its profile ({files} files, {missing} missing names) saved as uid {} to {}",
+                job.job_id,
+                job.uid,
+                path.display()
+            );
+            send(
+                stream,
+                &Response::Saved {
+                    path,
+                    files,
+                    missing,
+                },
+            )
+        }
+        Ok(Err(e)) => refuse(format!(
+            "writing {} as uid {}: {e}",
+            path.display(),
+            job.uid
+        )),
+        Err(e) => refuse(format!("{e:#}")),
+    }
+}
+
+/// Writes `profile` to `path` in `dir` (made if missing, 0700), through a temporary file
+/// renamed over it once whole. Runs as the user.
+fn write_profile(dir: &Path, path: &Path, profile: &Profile) -> std::io::Result<()> {
+    fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)?;
+    let tmp = dir.join(format!(
+        ".{}.{}.tmp",
+        path.file_name()
+            .map_or("profile".into(), |n| n.to_string_lossy()),
+        std::process::id()
+    ));
+    let _ = fs::remove_file(&tmp);
+    let file = fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(&tmp)?;
+    let done = (|| {
+        let mut w = ProfileWriter::new(BufWriter::new(file));
+        w.part(profile)?;
+        let file = w.finish()?.into_inner().map_err(|e| e.into_error())?;
+        file.sync_all()?;
+        fs::rename(&tmp, path)
+    })();
+    if done.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    done
+}
+
+/// The prolog's request: opens `DIR/KEY.json` as the user, checks it as a profile the
+/// user sent, and prefetches from it, passing on the progress.
+pub fn prefetch(
+    stream: &UnixStream,
+    caller: &Caller,
+    job: JobProfile,
+    calls: &mpsc::Sender<Call>,
+    setup: &Setup,
+) -> Result<()> {
+    let refuse = |message: String| send(stream, &Response::Error { message });
+    let path = match place(caller, &job, setup) {
+        Ok(dir) => dir.join(format!("{}.json", job.key)),
+        Err(m) => return refuse(m),
+    };
+    let user = user(&job);
+    let opened = as_caller(&user, {
+        let path = path.clone();
+        move || open_profile(&path)
+    });
+    let fd = match opened {
+        Ok(Ok(fd)) => fd,
+        Ok(Err(e)) if e.kind() == std::io::ErrorKind::NotFound => {
+            return refuse(format!("no profile at {} yet", path.display()));
+        }
+        Ok(Err(e)) => {
+            return refuse(format!(
+                "opening {} as uid {}: {e}",
+                path.display(),
+                job.uid
+            ));
+        }
+        Err(e) => return refuse(format!("{e:#}")),
+    };
+    let staged = match read_profile(Some(fd), &setup.trees, &user) {
+        Ok(s) => s,
+        Err(r) => return refuse(format!("{}: {}", path.display(), r.message)),
+    };
+    log::info!(
+        "Slurm job {}: prefetching from {} ({} files, {} missing names)",
+        job.job_id,
+        path.display(),
+        staged.files,
+        staged.missing
+    );
+    let mut answers = ask(calls, user, Ask::Client(Query::Prefetch(Box::new(staged))))?;
+    while let Some(response) = answers.blocking_recv() {
+        // The plugin gives up at its own time: the prefetch goes on without it.
+        send(stream, &response)?;
+    }
+    Ok(())
+}
+
+/// Opens a profile file without following a symlink at its name (as the user).
+fn open_profile(path: &Path) -> std::io::Result<OwnedFd> {
+    let c = CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
+    // SAFETY: valid C string; the descriptor is owned on success. O_NONBLOCK: a FIFO
+    // put there does not hang the open (read_profile refuses anything but a file).
+    let fd = unsafe {
+        libc::open(
+            c.as_ptr(),
+            libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC,
+        )
+    };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: just opened, owned by nobody else.
+    Ok(OwnedFd::from(unsafe {
+        <File as std::os::fd::FromRawFd>::from_raw_fd(fd)
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_are_plain_file_names() {
+        for good in ["train", "resnet-50_v2.1", "A"] {
+            assert!(check_key(good).is_ok(), "{good}");
+        }
+        for bad in ["", ".hidden", "../x", "a/b", "a b", "x\0", &"k".repeat(200)] {
+            assert!(check_key(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn the_directory_template_names_the_users_home() {
+        let dir = dir_for("{home}/.cache/hocus/profiles", 0).unwrap();
+        assert_eq!(dir, PathBuf::from("/root/.cache/hocus/profiles"));
+        assert_eq!(
+            dir_for("/shared/hocus/{user}/{uid}", 0).unwrap(),
+            PathBuf::from("/shared/hocus/root/0")
+        );
+        assert!(dir_for("relative/{user}", 0).is_err());
+    }
+}
