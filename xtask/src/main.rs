@@ -88,6 +88,20 @@ enum Bench {
         #[arg(long)]
         quick: bool,
     },
+    /// `import numpy, scipy, pandas` as an ordinary user's srun job on a real one-node
+    /// Slurm cluster, page cache emptied every second: from local disk, from the
+    /// network with --hocus=off, and with hocus's SPANK plugin (nothing added).
+    Slurm {
+        /// Runs of each (the median is shown).
+        #[arg(long, default_value_t = 5)]
+        runs: usize,
+        /// Round trip between the client and the server of the network mount, in ms.
+        #[arg(long, default_value_t = 1.0)]
+        round_trip_ms: f64,
+        /// A smoke run (CI): one run of each.
+        #[arg(long)]
+        quick: bool,
+    },
     /// What hocus costs processes: a loop of open / read / close / failed stat on an
     /// unwatched local directory and on a watched network mount, with nothing attached,
     /// with empty programs on the same tracepoints (the floor), and with the daemon.
@@ -217,6 +231,14 @@ fn bench(agent: &Path, b: Bench) -> Result<()> {
             let runs = if quick { 1 } else { runs.max(1) };
             bench::imports(agent, runs, millis(round_trip_ms))
         }
+        Bench::Slurm {
+            runs,
+            round_trip_ms,
+            quick,
+        } => {
+            let runs = if quick { 1 } else { runs.max(1) };
+            bench::slurm_imports(agent, runs, millis(round_trip_ms))
+        }
         Bench::Overhead {
             rounds,
             iterations,
@@ -281,7 +303,7 @@ fn bench(agent: &Path, b: Bench) -> Result<()> {
 }
 
 /// What `bench all` runs, in this order.
-const BENCHMARKS: [&str; 5] = ["dataset", "imports", "overhead", "events", "scale"];
+const BENCHMARKS: [&str; 6] = ["dataset", "imports", "overhead", "events", "scale", "slurm"];
 
 /// The benchmark `name` with the defaults of its command line, or its smoke run.
 fn parsed(name: &str, quick: bool) -> Result<Bench> {

@@ -20,9 +20,11 @@ use hocus_tests::{Agent, NetworkMount};
 mod events;
 mod overhead;
 mod scale;
+mod slurm;
 pub use events::{Events, events};
 pub use overhead::{Overhead, overhead};
 pub use scale::{Scale, scale};
+pub use slurm::slurm_imports;
 
 const MIB: usize = 1 << 20;
 
@@ -191,22 +193,7 @@ pub fn imports(agent_bin: &Path, runs: usize, round_trip: Duration) -> Result<()
     }
     // SAFETY: single-threaded at this point.
     unsafe { std::env::set_var("HOCUS_AGENT_BIN", agent_bin) };
-    let numpy = crate::workspace().join("target/bench-packages");
-    if !numpy.join("scipy").is_dir() {
-        println!(
-            "installing numpy, scipy and pandas into {} (once)",
-            numpy.display()
-        );
-        let status = std::process::Command::new("python3")
-            .args(["-m", "pip", "install", "--quiet", "--break-system-packages"])
-            .arg("--target")
-            .arg(&numpy)
-            .args(["numpy", "scipy", "pandas"])
-            .status()?;
-        if !status.success() {
-            bail!("pip could not install numpy, scipy and pandas");
-        }
-    }
+    let numpy = numpy_packages()?;
     let jax = hocus_tests::python_packages("jax-0.10.2", &["jax[cpu]==0.10.2", "filelock==3.20.0"]);
     let net = network(round_trip);
     let mut cases = Vec::new();
@@ -236,6 +223,61 @@ pub fn imports(agent_bin: &Path, runs: usize, round_trip: Duration) -> Result<()
             "cases": cases,
         }),
     )
+}
+
+/// numpy, scipy and pandas, installed with pip into a directory of their own (once).
+fn numpy_packages() -> Result<PathBuf> {
+    let dir = crate::workspace().join("target/bench-packages");
+    if !dir.join("scipy").is_dir() {
+        println!(
+            "installing numpy, scipy and pandas into {} (once)",
+            dir.display()
+        );
+        let status = std::process::Command::new("python3")
+            .args(["-m", "pip", "install", "--quiet", "--break-system-packages"])
+            .arg("--target")
+            .arg(&dir)
+            .args(["numpy", "scipy", "pandas"])
+            .status()?;
+        if !status.success() {
+            bail!("pip could not install numpy, scipy and pandas");
+        }
+    }
+    Ok(dir)
+}
+
+/// Empties the page cache once a second until dropped: the misbehaving node.
+struct EmptyingPageCache {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl EmptyingPageCache {
+    fn start() -> Self {
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let thread = {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let _ = drop_caches();
+                    std::thread::sleep(Duration::from_secs(1));
+                }
+            })
+        };
+        Self {
+            stop,
+            thread: Some(thread),
+        }
+    }
+}
+
+impl Drop for EmptyingPageCache {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
 }
 
 /// One program of the imports benchmark: its packages are copied to the share at
@@ -282,16 +324,7 @@ fn run_case(
     let script = case.script;
 
     // Empty the page cache once a second while the runs go on.
-    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let dropper = {
-        let stop = stop.clone();
-        std::thread::spawn(move || {
-            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                let _ = drop_caches();
-                std::thread::sleep(Duration::from_secs(1));
-            }
-        })
-    };
+    let emptying = EmptyingPageCache::start();
     let time = |cmd: &mut std::process::Command| -> Result<f64> {
         let t = Instant::now();
         let out = cmd.output()?;
@@ -430,8 +463,7 @@ fn run_case(
         median(warm_v),
         median(hocus_v),
     );
-    stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    let _ = dropper.join();
+    drop(emptying);
     println!("\n{:<28} {:>9} {:>12}", "", "SECONDS", "VS LOCAL");
     for (name, s) in [
         ("local disk, no daemon", local_alone_s),
