@@ -237,6 +237,22 @@ impl NetworkMount {
         fs::read_to_string(self.dir.path().join("sftp.log")).unwrap_or_default()
     }
 
+    /// Dates everything under `rel` of the share two hours back, as an environment
+    /// installed long before the jobs run: no directory changed within the seconds that
+    /// make hocus's job-start check list it from the server (mtimes are whole seconds
+    /// there).
+    pub fn installed_long_ago(&self, rel: &str) {
+        run(Command::new("find").arg(self.server_path(rel)).args([
+            "-exec",
+            "touch",
+            "-h",
+            "-d",
+            "2 hours ago",
+            "{}",
+            "+",
+        ]));
+    }
+
     /// What a job asked the server inside `rel` of the share since the log was `before`
     /// bytes long, leaving out what hocus's job-start check asks: it stats each directory
     /// of a snapshot from the server as a job starts (so the job sees what the network

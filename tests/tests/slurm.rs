@@ -23,14 +23,7 @@ fn environment(net: &NetworkMount) -> String {
     net.put("env/lib/mypkg/__init__.py", b"from . import core\n");
     net.put("env/lib/mypkg/core.py", b"VALUE = 41\n");
     net.put("env/empty/README", b"nothing to import here\n");
-    // Installed long before the jobs run: no directory changed within the seconds that
-    // make the job-start check list it from the server (mtimes are whole seconds there).
-    let aged = std::process::Command::new("find")
-        .arg(net.server_path("env"))
-        .args(["-exec", "touch", "-h", "-d", "2 hours ago", "{}", "+"])
-        .status()
-        .unwrap();
-    assert!(aged.success());
+    net.installed_long_ago("env");
     format!(
         "{}:{}",
         net.path("env/empty").display(),
@@ -65,6 +58,24 @@ fn served(agent: &Agent) -> (u64, u64) {
             .map_or(0, |a| a.iter().map(|t| t[key].as_u64().unwrap_or(0)).sum())
     };
     (sum("opens_local"), sum("lookups_local"))
+}
+
+/// The cluster with the plugin talking to a daemon that learned the environment from a
+/// first job and holds its snapshot.
+fn learned() -> (
+    &'static hocus_tests::slurm::Slurm,
+    NetworkMount,
+    String,
+    Agent,
+) {
+    let cluster = slurm();
+    let net = NetworkMount::start();
+    let pythonpath = environment(&net);
+    let agent = Agent::start(&["--watch", net.mount.to_str().unwrap()]);
+    cluster.plugin(Some(&format!("socket={}", agent.socket.display())));
+    assert_success(&srun(&[], &pythonpath));
+    snapshot_of(&agent, &net.path("env"));
+    (cluster, net, pythonpath, agent)
 }
 
 #[test]
@@ -224,13 +235,7 @@ fn jobs_run_as_without_hocus_when_the_daemon_is_down_or_the_plugin_is_off() {
 
 #[test]
 fn a_batch_script_and_the_steps_it_starts_get_the_local_copies() {
-    let cluster = slurm();
-    let net = NetworkMount::start();
-    let pythonpath = environment(&net);
-    let agent = Agent::start(&["--watch", net.mount.to_str().unwrap()]);
-    cluster.plugin(Some(&format!("socket={}", agent.socket.display())));
-    assert_success(&srun(&[], &pythonpath));
-    snapshot_of(&agent, &net.path("env"));
+    let (cluster, net, pythonpath, agent) = learned();
 
     // The script imports, then starts a step that imports: both are tasks.
     let dir = tempfile::tempdir().unwrap();
@@ -277,14 +282,8 @@ fn a_batch_script_and_the_steps_it_starts_get_the_local_copies() {
 
 #[test]
 fn a_bind_that_fails_leaves_the_job_reading_the_network() {
-    let cluster = slurm();
-    let net = NetworkMount::start();
-    let pythonpath = environment(&net);
-    let agent = Agent::start(&["--watch", net.mount.to_str().unwrap()]);
-    cluster.plugin(Some(&format!("socket={}", agent.socket.display())));
-    assert_success(&srun(&[], &pythonpath));
+    let (_cluster, net, pythonpath, agent) = learned();
     let env = net.path("env");
-    snapshot_of(&agent, &env);
     // The snapshot's local tree vanishes behind the daemon's back (a failing cache
     // disk): its bind cannot be made.
     let local = agent

@@ -3,7 +3,7 @@
 //! makes each task a namespace inside it and binds there; the job keeps its private /tmp.
 //! (The mount and the daemon live under /var/tmp here: a job cannot see the node's /tmp.)
 
-use std::{path::Path, process::Command};
+use std::path::Path;
 
 use hocus_tests::{
     Agent, NetworkMount, assert_success,
@@ -22,12 +22,7 @@ fn tasks_in_a_private_tmp_job_container_get_the_local_copies() {
     let net = NetworkMount::start_under(parent);
     net.put("env/lib/mypkg/__init__.py", b"from . import core\n");
     net.put("env/lib/mypkg/core.py", b"VALUE = 41\n");
-    let aged = Command::new("find")
-        .arg(net.server_path("env"))
-        .args(["-exec", "touch", "-h", "-d", "2 hours ago", "{}", "+"])
-        .status()
-        .unwrap();
-    assert!(aged.success());
+    net.installed_long_ago("env");
     let agent = Agent::start_under(parent, &["--watch", net.mount.to_str().unwrap()]);
     cluster.plugin(Some(&format!("socket={}", agent.socket.display())));
     // The node's /tmp holds a marker the job must not see: its /tmp is its own.

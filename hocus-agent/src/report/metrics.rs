@@ -24,7 +24,7 @@ use prometheus_client::{
 };
 use tokio::sync::{mpsc, oneshot};
 
-use crate::shared::status::{CacheStatus, Served, Status};
+use crate::shared::status::{CacheStatus, Served, SlurmJob, Status};
 
 const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 const CLASSIC: &str = "text/plain; version=0.0.4; charset=utf-8";
@@ -552,14 +552,22 @@ fn split<'a>(
         .collect()
 }
 
-/// Hits and misses: what local copies served, per watched tree.
-fn served(e: &mut DescriptorEncoder, c: &CacheStatus) -> std::fmt::Result {
-    let rows: Vec<_> = c.served.iter().map(|s| (root(&s.root), s)).collect();
-    let by = |label, pick: &dyn Fn(&Served) -> Vec<(&'static str, u64)>| split(&rows, label, pick);
+/// Who served what, per row (a watched tree, a Slurm job): opens, failed lookups and
+/// bytes read, as the families `{prefix}opens`, `{prefix}failed_lookups`, `{prefix}read`;
+/// `whose` completes their help ("of watched files" ...).
+fn served_families(
+    e: &mut DescriptorEncoder,
+    prefix: &str,
+    whose: &str,
+    rows: &[(Labels<'_>, &Served)],
+) -> std::fmt::Result {
+    let by = |label, pick: &dyn Fn(&Served) -> Vec<(&'static str, u64)>| split(rows, label, pick);
     counter(
         e,
-        "opens",
-        "Opens of watched files, by who served them: a local copy (hit) or the network (miss).",
+        &format!("{prefix}opens"),
+        &format!(
+            "Opens of watched files{whose}, by who served them: a local copy (hit) or the network (miss)."
+        ),
         None,
         by("served", &|s| {
             vec![("local", s.opens_local), ("network", s.opens_network)]
@@ -567,18 +575,10 @@ fn served(e: &mut DescriptorEncoder, c: &CacheStatus) -> std::fmt::Result {
     )?;
     counter(
         e,
-        "job_opens",
-        "Opens of watched files by processes of hocus-agent run jobs.",
-        None,
-        c.served
-            .iter()
-            .map(|s| (root(&s.root), s.job_opens))
-            .collect(),
-    )?;
-    counter(
-        e,
-        "failed_lookups",
-        "Lookups of names that do not exist, by who answered: a snapshot (local) or the network.",
+        &format!("{prefix}failed_lookups"),
+        &format!(
+            "Lookups of names that do not exist{whose}, by who answered: a snapshot (local) or the network."
+        ),
         None,
         by("answered", &|s| {
             vec![("local", s.lookups_local), ("network", s.lookups_network)]
@@ -586,8 +586,10 @@ fn served(e: &mut DescriptorEncoder, c: &CacheStatus) -> std::fmt::Result {
     )?;
     counter(
         e,
-        "read",
-        "Bytes read from watched files, by where they came from: a pinned local copy (ram), another local copy (ssd), or the network.",
+        &format!("{prefix}read"),
+        &format!(
+            "Bytes read from watched files{whose}, by where they came from: a pinned local copy (ram), another local copy (ssd), or the network."
+        ),
         Some(&Unit::Bytes),
         by("served", &|s| {
             vec![
@@ -599,15 +601,26 @@ fn served(e: &mut DescriptorEncoder, c: &CacheStatus) -> std::fmt::Result {
     )
 }
 
+/// Hits and misses: what local copies served, per watched tree.
+fn served(e: &mut DescriptorEncoder, c: &CacheStatus) -> std::fmt::Result {
+    let rows: Vec<_> = c.served.iter().map(|s| (root(&s.root), s)).collect();
+    served_families(e, "", "", &rows)?;
+    counter(
+        e,
+        "job_opens",
+        "Opens of watched files by processes of hocus-agent run jobs.",
+        None,
+        c.served
+            .iter()
+            .map(|s| (root(&s.root), s.job_opens))
+            .collect(),
+    )
+}
+
 /// The last Slurm jobs attached on this node (at most `SLURM_JOBS_SHOWN`: the labels are
 /// bounded), and what was served to each.
 fn slurm_jobs(e: &mut DescriptorEncoder, c: &CacheStatus) -> std::fmt::Result {
-    let rows: Vec<_> = c
-        .slurm_jobs
-        .iter()
-        .map(|j| (vec![("job", j.job_id.to_string())], &j.served))
-        .collect();
-    let by = |label, pick: &dyn Fn(&Served) -> Vec<(&'static str, u64)>| split(&rows, label, pick);
+    let job = |j: &SlurmJob| vec![("job", j.job_id.to_string())];
     gauge(
         e,
         "slurm_job_tasks_running",
@@ -615,40 +628,11 @@ fn slurm_jobs(e: &mut DescriptorEncoder, c: &CacheStatus) -> std::fmt::Result {
         None,
         c.slurm_jobs
             .iter()
-            .map(|j| (vec![("job", j.job_id.to_string())], j.tasks_running as i64))
+            .map(|j| (job(j), j.tasks_running as i64))
             .collect(),
     )?;
-    counter(
-        e,
-        "slurm_job_opens",
-        "Opens of watched files by each of the last Slurm jobs, by who served them.",
-        None,
-        by("served", &|s| {
-            vec![("local", s.opens_local), ("network", s.opens_network)]
-        }),
-    )?;
-    counter(
-        e,
-        "slurm_job_failed_lookups",
-        "Failed lookups by each of the last Slurm jobs, by who answered them.",
-        None,
-        by("answered", &|s| {
-            vec![("local", s.lookups_local), ("network", s.lookups_network)]
-        }),
-    )?;
-    counter(
-        e,
-        "slurm_job_read",
-        "Bytes each of the last Slurm jobs read from watched files, by where they came from.",
-        Some(&Unit::Bytes),
-        by("served", &|s| {
-            vec![
-                ("ram", s.read_ram),
-                ("ssd", s.read_ssd),
-                ("network", s.read_network),
-            ]
-        }),
-    )
+    let rows: Vec<_> = c.slurm_jobs.iter().map(|j| (job(j), &j.served)).collect();
+    served_families(e, "slurm_job_", " by each of the last Slurm jobs", &rows)
 }
 
 #[cfg(test)]

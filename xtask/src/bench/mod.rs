@@ -225,6 +225,20 @@ pub fn imports(agent_bin: &Path, runs: usize, round_trip: Duration) -> Result<()
     )
 }
 
+/// A daemon watching `net` with its cache on a disk of its own, as on a node (see
+/// `LocalDisk`); the disk lives as long as the first value.
+fn agent_on_local_disk(net: &NetworkMount) -> (hocus_tests::LocalDisk, Agent) {
+    let disk = hocus_tests::LocalDisk::new(4096);
+    let cache_dir = disk.path.join("cache");
+    let agent = Agent::start(&[
+        "--watch",
+        net.mount.to_str().unwrap(),
+        "--cache-dir",
+        cache_dir.to_str().unwrap(),
+    ]);
+    (disk, agent)
+}
+
 /// numpy, scipy and pandas, installed with pip into a directory of their own (once).
 fn numpy_packages() -> Result<PathBuf> {
     let dir = crate::workspace().join("target/bench-packages");
@@ -381,15 +395,7 @@ fn run_case(
         ])
         .output()?;
     drop(learner);
-    // The cache on a disk of its own, as on a node (see `LocalDisk`).
-    let disk = hocus_tests::LocalDisk::new(4096);
-    let cache_dir = disk.path.join("cache");
-    let agent = Agent::start(&[
-        "--watch",
-        net.mount.to_str().unwrap(),
-        "--cache-dir",
-        cache_dir.to_str().unwrap(),
-    ]);
+    let (_disk, agent) = agent_on_local_disk(net);
     drop_caches()?;
     let t = Instant::now();
     let warmed = agent

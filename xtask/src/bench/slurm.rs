@@ -12,9 +12,9 @@ use std::{
 };
 
 use anyhow::{Result, bail};
-use hocus_tests::{Agent, LocalDisk, slurm::slurm};
+use hocus_tests::slurm::slurm;
 
-use super::{EmptyingPageCache, network, numpy_packages, write_figures};
+use super::{EmptyingPageCache, agent_on_local_disk, network, numpy_packages, write_figures};
 
 /// Debian's interpreter: the test user's environment has no other.
 const PYTHON: &str = "/usr/bin/python3";
@@ -44,14 +44,7 @@ pub fn slurm_imports(agent_bin: &Path, runs: usize, round_trip: Duration) -> Res
         bail!("copying the packages to the server side failed");
     }
     let (local, remote) = (net.server_path("site"), net.path("site"));
-    let disk = LocalDisk::new(4096);
-    let cache_dir = disk.path.join("cache");
-    let agent = Agent::start(&[
-        "--watch",
-        net.mount.to_str().unwrap(),
-        "--cache-dir",
-        cache_dir.to_str().unwrap(),
-    ]);
+    let (_disk, agent) = agent_on_local_disk(&net);
     cluster.plugin(Some(&format!("socket={}", agent.socket.display())));
 
     let job = |site: &Path, extra: &[&str]| -> Result<f64> {
