@@ -28,8 +28,8 @@ use tokio::sync::mpsc;
 
 use crate::{
     control::{
+        calls::{Setup, ask, read_profile, send},
         protocol::{Ask, Call, JobProfile, Query, Response},
-        server::{Setup, ask, read_profile, send},
     },
     profile::format::{Profile, ProfileWriter},
     redirect::access::{Caller, as_caller},

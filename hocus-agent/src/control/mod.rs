@@ -1,9 +1,11 @@
 //! Face **control**: the control socket. Its language (`protocol`), the daemon's side
-//! (`server`: a thread per connection, requests handed to the daemon's loop; `session`:
-//! a job's, `hocus-agent run`'s or an attached Slurm task's) and the CLI's (`client`).
+//! (`server`: a thread per connection, requests handed to the daemon's loop through
+//! `calls`; `session`: a job's, `hocus-agent run`'s or an attached Slurm task's;
+//! `job_profiles`: a Slurm job's profile, kept as its user) and the CLI's (`client`).
 //!
 //! May use: the stages, `shared`.
 
+pub mod calls;
 pub mod client;
 pub mod job_profiles;
 pub mod protocol;

@@ -11,7 +11,7 @@
 use std::{
     collections::{BTreeMap, HashMap},
     fs,
-    io::{IoSliceMut, Read, Write},
+    io::IoSliceMut,
     os::{
         fd::{AsRawFd, FromRawFd, OwnedFd, RawFd},
         unix::{
@@ -31,25 +31,18 @@ use tokio::sync::mpsc;
 
 use crate::{
     control::{
+        calls::{Refusal, Setup, ask, read_profile, refusal, send},
         job_profiles,
-        protocol::{
-            Ask, Call, MAX_PROFILE_BYTES, MAX_REQUEST_LINE, Query, Request, Response, Staged,
-        },
+        protocol::{Ask, Call, MAX_REQUEST_LINE, Query, Request, Response},
         session,
     },
-    profile::{
-        format::{Profile, read_stream, refuse_path},
-        working_set::WorkingSet,
-    },
+    profile::format::refuse_path,
     redirect::{
         access::{self, Caller},
         identity,
     },
-    shared::status::{ControlStatus, REFUSED_SHOWN},
+    shared::status::ControlStatus,
 };
-
-/// Entries of a profile sent checked at a time (one permission check each, as the user).
-const PROFILE_BATCH: usize = 16_384;
 
 /// How long a client has to send its whole request line.
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
@@ -155,15 +148,6 @@ impl Control {
     }
 }
 
-/// What connections need to know of the daemon's settings.
-#[derive(Debug, Clone)]
-pub struct Setup {
-    /// The watched trees: the only paths a profile sent may name.
-    pub trees: Vec<PathBuf>,
-    /// Where Slurm jobs' own profiles are kept (`job-profiles`: a template).
-    pub job_profiles: String,
-}
-
 /// Binds the socket (replacing a stale one) and serves each connection on a thread of
 /// its own. Requests go to the daemon's loop through `calls`.
 pub fn serve(
@@ -253,19 +237,6 @@ fn accept(
             // The connection (and its admission) went with the closure.
             gate.refuse("no_thread", &e.to_string());
         }
-    }
-}
-
-/// Why a request was refused before it reached the daemon's loop.
-pub(super) struct Refusal {
-    reason: &'static str,
-    pub(super) message: String,
-}
-
-fn refusal(reason: &'static str, message: impl Into<String>) -> Refusal {
-    Refusal {
-        reason,
-        message: message.into(),
     }
 }
 
@@ -382,86 +353,6 @@ fn export(
     }
 }
 
-/// Reads a profile from the descriptor a client sent (at most [`MAX_PROFILE_BYTES`], in
-/// the documented format), a batch at a time, into a working set of its own: only sound
-/// paths inside `trees` that the caller may read, vouched for as the caller.
-pub(super) fn read_profile(
-    fd: Option<OwnedFd>,
-    trees: &[PathBuf],
-    caller: &Caller,
-) -> Result<Staged, Refusal> {
-    let Some(fd) = fd else {
-        return Err(refusal(
-            "wrong_descriptors",
-            "send the profile's descriptor",
-        ));
-    };
-    let file = fs::File::from(fd);
-    // A pipe or socket could be held open and never written: only a file is read.
-    let len = match file.metadata() {
-        Ok(m) if m.is_file() => m.len(),
-        _ => {
-            return Err(refusal(
-                "bad_profile",
-                "send the profile as a regular file's descriptor",
-            ));
-        }
-    };
-    if len > MAX_PROFILE_BYTES {
-        return Err(refusal(
-            "too_large",
-            format!("a profile is at most {MAX_PROFILE_BYTES} bytes"),
-        ));
-    }
-    let mut staged = Staged {
-        set: WorkingSet::new(0),
-        files: 0,
-        missing: 0,
-        refused: Vec::new(),
-        refused_total: 0,
-    };
-    let mut batch = |mut p: Profile| -> Result<(), String> {
-        let refused = p.keep_valid(trees);
-        staged.refused_total += refused.len();
-        let room = REFUSED_SHOWN.saturating_sub(staged.refused.len());
-        staged.refused.extend(refused.into_iter().take(room));
-        access::filter_for(&mut p, caller).map_err(|e| format!("{e:#}"))?;
-        if !caller.is_root() {
-            // An ordinary user vouches only for what they can read, and as themselves;
-            // what keeps a file off the cache for everyone (writes refused to a job,
-            // opens for writing) only the daemon's own observation, or root, says.
-            for f in &mut p.files {
-                f.uids = vec![caller.uid];
-                f.refused = false;
-                f.write_opens = 0;
-            }
-        }
-        staged.files += p.files.len();
-        staged.missing += p.missing.len();
-        staged.set.merge(p);
-        Ok(())
-    };
-    let started = read_stream(
-        file.take(MAX_PROFILE_BYTES),
-        Path::new("the profile sent"),
-        "export it again",
-        PROFILE_BATCH,
-        &mut batch,
-    )
-    .map_err(|e| refusal("bad_profile", e.to_string()))?;
-    staged.set.started_unix_ns = started;
-    if let Some(first) = staged.refused.first() {
-        log::warn!(
-            "refused {} entries of a profile from uid {}, e.g. {}: {}",
-            staged.refused_total,
-            caller.uid,
-            first.path,
-            first.why
-        );
-    }
-    Ok(staged)
-}
-
 /// Decodes a request line: JSON in the documented form, its paths absolute and
 /// normalised (a job's working directory, an export's root).
 fn decode(line: &[u8]) -> Result<Request, Refusal> {
@@ -482,26 +373,6 @@ fn decode(line: &[u8]) -> Result<Request, Refusal> {
         }
     }
     Ok(request)
-}
-
-/// Hands `ask` to the daemon's loop; its answers arrive on the returned receiver.
-pub fn ask(
-    calls: &mpsc::Sender<Call>,
-    caller: Caller,
-    ask: Ask,
-) -> Result<mpsc::UnboundedReceiver<Response>> {
-    let (reply, answers) = mpsc::unbounded_channel();
-    calls
-        .blocking_send(Call { caller, ask, reply })
-        .map_err(|_| anyhow::anyhow!("the daemon is shutting down"))?;
-    Ok(answers)
-}
-
-pub fn send(mut stream: &UnixStream, response: &Response) -> Result<()> {
-    let mut out = serde_json::to_vec(response)?;
-    out.push(b'\n');
-    stream.write_all(&out)?;
-    Ok(())
 }
 
 /// Reads the request line (at most [`MAX_REQUEST_LINE`] bytes), with the descriptors sent

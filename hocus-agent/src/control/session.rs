@@ -22,8 +22,8 @@ use tokio::sync::mpsc;
 
 use crate::{
     control::{
+        calls::{ask, send},
         protocol::{Ask, AttachTask, Call, Forward, Response},
-        server::{ask, send},
     },
     redirect::{
         access::Caller,

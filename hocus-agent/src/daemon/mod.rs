@@ -19,7 +19,7 @@ use tokio::{
 
 use crate::{
     cache::{copy, directory::Cache},
-    control::{protocol::Call, server},
+    control::{calls, protocol::Call, server},
     observe::{
         events::{Observer, Watch},
         mounts,
@@ -294,7 +294,7 @@ impl Daemon {
             total: self.opts.settings.max_clients.unwrap_or(256),
             per_user: self.opts.settings.max_clients_per_user.unwrap_or(16),
         };
-        let setup = server::Setup {
+        let setup = calls::Setup {
             trees: self.watched.iter().map(|w| w.path.clone()).collect(),
             job_profiles: self.opts.settings.job_profiles(),
         };
