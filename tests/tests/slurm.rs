@@ -425,3 +425,32 @@ fn the_epilog_saves_the_jobs_profile_as_its_user_and_the_next_job_starts_prefetc
     let p = agent.export();
     assert!(file_entry(&p, std::path::Path::new("/etc/shadow")).is_none());
 }
+
+#[test]
+fn tasks_starting_together_ask_the_server_once() {
+    let (_cluster, _net, pythonpath, agent) = learned();
+    // Two tasks of one step start at once: one checks the snapshot against the server,
+    // the other is given its confirmation (less than a second old).
+    let out = srun(&["--ntasks=2"], &pythonpath);
+    assert_success(&out);
+    assert_eq!(text(&out.stdout), "42\n42\n");
+    let starts: Vec<String> = agent
+        .log()
+        .lines()
+        .filter(|l| l.contains("job start: 1 local copies confirmed"))
+        .map(str::to_owned)
+        .collect();
+    assert_eq!(starts.len(), 2, "{}", agent.log());
+    // Logged as each ends: in either order.
+    let by = |n: u32| {
+        starts
+            .iter()
+            .filter(|l| {
+                l.contains(&format!(
+                    ", {n} confirmed by another job's start just before"
+                ))
+            })
+            .count()
+    };
+    assert_eq!((by(0), by(1)), (1, 1), "{starts:#?}");
+}

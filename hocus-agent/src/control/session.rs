@@ -49,9 +49,9 @@ fn confirmed_binds(
         _ => return Ok(Err("the daemon has no binds to give".into())),
     };
     let started = Instant::now();
-    let checked = confirm::confirm(binds, JOB_START_CHECK);
+    let (checked, reused) = confirm::confirm_reusing(binds, JOB_START_CHECK);
     log::info!(
-        "job start: {} local copies confirmed against the network in {:.1} ms ({} stale, {} not checked in time)",
+        "job start: {} local copies confirmed against the network in {:.1} ms ({} stale, {} not checked in time, {reused} confirmed by another job's start just before)",
         checked.binds.len(),
         started.elapsed().as_secs_f64() * 1000.0,
         checked.stale.len(),

@@ -69,6 +69,36 @@ pub struct Confirmed {
 /// it: one lookup each, not a resolution of every component from the tree's root.
 type Opened = HashMap<(usize, PathBuf), Arc<File>>;
 
+/// A confirmation this recent is not asked of the server again: within the time a
+/// network client trusts its cached attributes (NFS's acregmin is 3 s, sshfs's cache 1 s
+/// in the tests), so a job sees nothing older than a plain process would.
+pub const REUSE: Duration = Duration::from_secs(1);
+
+/// Binds confirmed lately, by (local copy, network path), with when their check began.
+static RECENT: Mutex<Option<HashMap<(PathBuf, PathBuf), Instant>>> = Mutex::new(None);
+
+/// Like [`confirm`], for job starts that may come together (a Slurm step's tasks on a
+/// node start at once, and each would ask the server the same thing): checks run one at
+/// a time, and a bind confirmed less than [`REUSE`] ago is given without asking again.
+/// Returns also how many were given so.
+pub fn confirm_reusing(binds: Vec<Bind>, allowed: Duration) -> (Confirmed, usize) {
+    let mut guard = RECENT.lock().unwrap_or_else(|e| e.into_inner());
+    let recent = guard.get_or_insert_with(HashMap::new);
+    let began = Instant::now();
+    recent.retain(|_, at| began.duration_since(*at) < REUSE);
+    let key = |b: &Bind| (b.local.clone(), b.target.clone());
+    let (fresh, to_check): (Vec<Bind>, Vec<Bind>) = binds
+        .into_iter()
+        .partition(|b| recent.contains_key(&key(b)));
+    let mut checked = confirm(to_check, allowed);
+    for b in &checked.binds {
+        recent.insert(key(b), began);
+    }
+    let reused = fresh.len();
+    checked.binds.extend(fresh);
+    (checked, reused)
+}
+
 /// Checks `binds` against the network within `allowed`.
 pub fn confirm(binds: Vec<Bind>, allowed: Duration) -> Confirmed {
     let deadline = Instant::now() + allowed;
