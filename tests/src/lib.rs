@@ -50,6 +50,8 @@ pub struct NetworkMount {
     pub server: PathBuf,
     pub mount: PathBuf,
     sshd: Child,
+    /// Where clients reach the server: 127.0.0.1, or an address in a network namespace.
+    host: String,
     port: u16,
     owner: Option<(u32, u32)>,
 }
@@ -85,7 +87,23 @@ impl NetworkMount {
         Self::start_in(&std::env::temp_dir(), owner, round_trip)
     }
 
+    /// A server in the network namespace of process `holder`, listening on `addr`
+    /// there, with no client yet: nodes mount it with `mount_in_namespace_of` (at
+    /// `mount`, the same path on every node).
+    pub fn start_serving_from(holder: u32, addr: &str) -> Self {
+        Self::start_at(&std::env::temp_dir(), None, None, Some((holder, addr)))
+    }
+
     fn start_in(parent: &Path, owner: Option<(u32, u32)>, round_trip: Option<Duration>) -> Self {
+        Self::start_at(parent, owner, round_trip, None)
+    }
+
+    fn start_at(
+        parent: &Path,
+        owner: Option<(u32, u32)>,
+        round_trip: Option<Duration>,
+        remote: Option<(u32, &str)>,
+    ) -> Self {
         require_root();
         let dir = tempfile::Builder::new()
             .prefix("hocus-net-")
@@ -107,12 +125,15 @@ impl NetworkMount {
                 .arg(root.join(key)));
         }
         fs::copy(root.join("client_key.pub"), root.join("authorized_keys")).unwrap();
-        let port = free_port();
+        let (host, port) = match remote {
+            Some((_, addr)) => (addr.to_owned(), 22),
+            None => ("127.0.0.1".to_owned(), free_port()),
+        };
         let config = root.join("sshd_config");
         fs::write(
             &config,
             format!(
-                "Port {port}\nListenAddress 127.0.0.1\nHostKey {root}/host_key\n\
+                "Port {port}\nListenAddress {host}\nHostKey {root}/host_key\n\
                  PermitRootLogin prohibit-password\nAuthorizedKeysFile {root}/authorized_keys\n\
                  StrictModes no\nPasswordAuthentication no\nKbdInteractiveAuthentication no\n\
                  UsePAM no\nPidFile {root}/sshd.pid\n\
@@ -121,7 +142,12 @@ impl NetworkMount {
             ),
         )
         .unwrap();
-        let sshd = Command::new("/usr/sbin/sshd")
+        let mut sshd = Command::new("nsenter");
+        if let Some((holder, _)) = remote {
+            sshd.args(["-t", &holder.to_string(), "-n"]);
+        }
+        let sshd = sshd
+            .arg("/usr/sbin/sshd")
             .args(["-D", "-e", "-f"])
             .arg(&config)
             .stdout(Stdio::null())
@@ -129,7 +155,13 @@ impl NetworkMount {
             .spawn()
             .expect("starting /usr/sbin/sshd (cargo xtask setup installs openssh-server)");
         let deadline = Instant::now() + Duration::from_secs(10);
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        let listening = || match remote {
+            // Out of reach from here: its log says when it listens.
+            Some(_) => fs::read_to_string(root.join("sshd.log"))
+                .is_ok_and(|l| l.contains("Server listening")),
+            None => std::net::TcpStream::connect(("127.0.0.1", port)).is_ok(),
+        };
+        while !listening() {
             assert!(
                 Instant::now() < deadline,
                 "sshd did not start: {}",
@@ -147,9 +179,13 @@ impl NetworkMount {
             server,
             mount,
             sshd,
+            host,
             port,
             owner,
         };
+        if remote.is_some() {
+            return this;
+        }
         run(&mut this.sshfs(&this.mount));
         let mounts = fs::read_to_string("/proc/self/mountinfo").unwrap();
         assert!(
@@ -173,7 +209,7 @@ impl NetworkMount {
                 self.owner
                     .map_or(String::new(), |(u, g)| format!(",uid={u},gid={g}"))
             ))
-            .arg(format!("root@127.0.0.1:{}", self.server.display()))
+            .arg(format!("root@{}:{}", self.host, self.server.display()))
             .arg(at);
         cmd
     }
@@ -183,7 +219,7 @@ impl NetworkMount {
     pub fn mount_in_namespace_of(&self, holder: u32, at: &Path) {
         let sshfs = self.sshfs(at);
         run(Command::new("nsenter")
-            .args(["-t", &holder.to_string(), "-m", "--"])
+            .args(["-t", &holder.to_string(), "-m", "-n", "--"])
             .arg(sshfs.get_program())
             .args(sshfs.get_args()));
     }
@@ -315,6 +351,16 @@ impl Drop for LocalDisk {
 
 impl Drop for NetworkMount {
     fn drop(&mut self) {
+        if self.host != "127.0.0.1" {
+            // Mounted only in nodes' namespaces: their sshfs clients go with the server.
+            let _ = Command::new("pkill")
+                .arg("-f")
+                .arg(format!("sshfs .*{}:{}", self.host, self.server.display()))
+                .status();
+            let _ = self.sshd.kill();
+            let _ = self.sshd.wait();
+            return;
+        }
         // Lazy unmount: a test may have left a process with a file open on it.
         let _ = Command::new("fusermount3")
             .arg("-uz")
@@ -460,7 +506,7 @@ impl Agent {
             dir,
             state_dir,
             args,
-            &["nsenter", "-t", &holder, "-m", "--"],
+            &["nsenter", "-t", &holder, "-m", "-n", "--"],
         )
     }
 

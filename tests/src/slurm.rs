@@ -25,6 +25,12 @@ pub struct Slurm {
     pub dir: PathBuf,
     pub conf: PathBuf,
     plugstack: PathBuf,
+    /// A many-node cluster's nodes (`Options::nodes`); empty for the one-node cluster.
+    pub nodes: Vec<Node>,
+    /// A many-node cluster's login namespace (bridge, slurmctld, the clients) and file
+    /// server's, as processes holding them.
+    login: Option<u32>,
+    pub server: Option<u32>,
     /// munged, slurmctld, slurmd: killed with this test binary (see `slurm`).
     _daemons: Vec<Child>,
 }
@@ -35,7 +41,26 @@ pub struct Options {
     /// `JobContainerType=job_container/tmpfs`: each job in a mount namespace of its own
     /// with a private /tmp and /dev/shm (what many sites run).
     pub job_container_tmpfs: bool,
+    /// 0: one node, this machine on loopback. N: N nodes, each a network namespace and a
+    /// mount namespace of its own (its own slurmd, `node1` ... at 10.77.0.11 ...), on a
+    /// bridge in a login namespace (slurmctld and the clients, 10.77.0.254), with a file
+    /// server's namespace beside them (10.77.0.1). No address is the machine's: nothing
+    /// leaves these namespaces, and they go with the test binary.
+    pub nodes: usize,
 }
+
+/// A node of a many-node cluster.
+#[derive(Debug, Clone)]
+pub struct Node {
+    pub name: String,
+    pub addr: String,
+    /// The process holding its network and mount namespaces (`nsenter -t` it).
+    pub holder: u32,
+}
+
+/// The file server's address in a many-node cluster.
+pub const SERVER_ADDR: &str = "10.77.0.1";
+const LOGIN_ADDR: &str = "10.77.0.254";
 
 static CLUSTER: OnceLock<(Options, Slurm)> = OnceLock::new();
 
@@ -78,6 +103,85 @@ fn die_with_parent(cmd: &mut Command) -> &mut Command {
             Ok(())
         })
     }
+}
+
+/// A process holding new namespaces (`unshare` flags) until the test binary exits.
+fn holder(flags: &[&str], daemons: &mut Vec<Child>) -> u32 {
+    let mut cmd = Command::new("unshare");
+    cmd.args(flags).args(["sleep", "infinity"]);
+    let child = die_with_parent(&mut cmd).spawn().expect("unshare");
+    let pid = child.id();
+    daemons.push(child);
+    // Until unshare has made them, the pid's namespaces are ours.
+    let ours = fs::read_link("/proc/self/ns/net").unwrap();
+    wait_for(10, "the namespaces", || {
+        fs::read_link(format!("/proc/{pid}/ns/net")).is_ok_and(|n| n != ours)
+    });
+    pid
+}
+
+fn ip_in(holder: u32, args: &str) {
+    let ok = Command::new("nsenter")
+        .args(["-t", &holder.to_string(), "-n", "ip"])
+        .args(args.split(' '))
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(ok, "ip {args} in the namespace of {holder}");
+}
+
+/// The namespaces of a many-node cluster: a bridge in the login namespace, and each
+/// other namespace on it through a veth pair.
+fn network(n: usize, daemons: &mut Vec<Child>) -> (u32, u32, Vec<Node>) {
+    let login = holder(&["-n"], daemons);
+    ip_in(login, "link add br0 type bridge");
+    ip_in(login, &format!("addr add {LOGIN_ADDR}/24 dev br0"));
+    ip_in(login, "link set br0 up");
+    ip_in(login, "link set lo up");
+    let join = |pid: u32, k: usize, addr: &str| {
+        ip_in(
+            login,
+            &format!("link add v{k} type veth peer name eth0 netns {pid}"),
+        );
+        ip_in(login, &format!("link set v{k} master br0 up"));
+        ip_in(pid, &format!("addr add {addr}/24 dev eth0"));
+        ip_in(pid, "link set eth0 up");
+        ip_in(pid, "link set lo up");
+    };
+    let server = holder(&["-n"], daemons);
+    join(server, 0, SERVER_ADDR);
+    let nodes = (1..=n)
+        .map(|k| {
+            let pid = holder(&["-n", "-m", "--propagation", "slave"], daemons);
+            let addr = format!("10.77.0.{}", 10 + k);
+            join(pid, k, &addr);
+            Node {
+                name: format!("node{k}"),
+                addr,
+                holder: pid,
+            }
+        })
+        .collect();
+    (login, server, nodes)
+}
+
+/// `cmd` run in the network (and mount, `mount`) namespace of `holder`.
+fn inside(holder: u32, mount: bool, cmd: Command) -> Command {
+    let mut c = Command::new("nsenter");
+    c.args(["-t", &holder.to_string(), "-n"]);
+    if mount {
+        c.arg("-m");
+    }
+    c.arg("--").arg(cmd.get_program()).args(cmd.get_args());
+    for (k, v) in cmd.get_envs() {
+        match v {
+            Some(v) => c.env(k, v),
+            None => c.env_remove(k),
+        };
+    }
+    if let Some(d) = cmd.get_current_dir() {
+        c.current_dir(d);
+    }
+    c
 }
 
 fn hostname() -> String {
@@ -144,6 +248,39 @@ impl Slurm {
 
         let host = hostname();
         let (ctld_port, slurmd_port) = (free_port(), free_port());
+        let (login, server, nodes) = match options.nodes {
+            0 => (None, None, Vec::new()),
+            n => {
+                let (login, server, nodes) = network(n, &mut daemons);
+                (Some(login), Some(server), nodes)
+            }
+        };
+        let (ctld_addr, node_lines, partition, each) = if nodes.is_empty() {
+            (
+                "127.0.0.1".to_owned(),
+                format!(
+                    "NodeName={host} NodeAddr=127.0.0.1 CPUs=2 RealMemory=1000 State=UNKNOWN\n"
+                ),
+                host.clone(),
+                "",
+            )
+        } else {
+            let lines: String = nodes
+                .iter()
+                .map(|n| {
+                    format!(
+                        "NodeName={} NodeAddr={} CPUs=2 RealMemory=1000 State=UNKNOWN\n",
+                        n.name, n.addr
+                    )
+                })
+                .collect();
+            (
+                LOGIN_ADDR.to_owned(),
+                lines,
+                format!("node[1-{}]", nodes.len()),
+                "-%n",
+            )
+        };
         // slurmd runs the plugins' job prolog and epilog only if it found a plugin with
         // them when it started: it starts with hocus's (off until a test says more).
         let plugstack = dir.join("plugstack.conf");
@@ -158,14 +295,14 @@ impl Slurm {
             &conf,
             format!(
                 "ClusterName=hocus-test\n\
-                 SlurmctldHost={host}(127.0.0.1)\n\
+                 SlurmctldHost={host}({ctld_addr})\n\
                  SlurmUser=root\nSlurmdUser=root\n\
                  SlurmctldPort={ctld_port}\nSlurmdPort={slurmd_port}\n\
                  AuthType=auth/munge\nCredType=cred/munge\n\
                  AuthInfo=socket={socket}\n\
-                 StateSaveLocation={d}/state\nSlurmdSpoolDir={d}/spool\n\
-                 SlurmctldPidFile={d}/slurmctld.pid\nSlurmdPidFile={d}/slurmd.pid\n\
-                 SlurmctldLogFile={d}/log/slurmctld.log\nSlurmdLogFile={d}/log/slurmd.log\n\
+                 StateSaveLocation={d}/state\nSlurmdSpoolDir={d}/spool{each}\n\
+                 SlurmctldPidFile={d}/slurmctld.pid\nSlurmdPidFile={d}/slurmd{each}.pid\n\
+                 SlurmctldLogFile={d}/log/slurmctld.log\nSlurmdLogFile={d}/log/slurmd{each}.log\n\
                  SlurmdDebug=verbose\n\
                  ProctrackType=proctrack/linuxproc\nTaskPlugin=task/none\n\
                  JobAcctGatherType=jobacct_gather/none\n\
@@ -174,8 +311,8 @@ impl Slurm {
                  SelectType=select/cons_tres\nSelectTypeParameters=CR_Core\n\
                  MpiDefault=none\nSwitchType=switch/none\nReturnToService=2\n\
                  PlugStackConfig={plugstack}\n\
-                 NodeName={host} NodeAddr=127.0.0.1 CPUs=2 RealMemory=1000 State=UNKNOWN\n\
-                 PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP\n",
+                 {node_lines}\
+                 PartitionName=debug Nodes={partition} Default=YES MaxTime=INFINITE State=UP\n",
                 socket = socket.display(),
                 plugstack = plugstack.display(),
             ),
@@ -196,22 +333,41 @@ impl Slurm {
             .unwrap();
         }
         fs::set_permissions(&conf, fs::Permissions::from_mode(0o644)).unwrap();
-        for daemon in ["slurmctld", "slurmd"] {
-            let mut cmd = Command::new(daemon);
-            cmd.args(["-D", "-f"])
-                .arg(&conf)
-                .stdout(Stdio::null())
-                .stderr(Stdio::null());
+        let mut start = |cmd: Command, at: Option<(u32, bool)>| {
+            let mut cmd = match at {
+                Some((holder, mount)) => inside(holder, mount, cmd),
+                None => cmd,
+            };
+            cmd.stdout(Stdio::null()).stderr(Stdio::null());
+            let what = format!("{cmd:?}");
             daemons.push(
                 die_with_parent(&mut cmd)
                     .spawn()
-                    .unwrap_or_else(|e| panic!("{daemon}: {e}")),
+                    .unwrap_or_else(|e| panic!("{what}: {e}")),
             );
+        };
+        let daemon = |name: &str, node: Option<&str>| {
+            let mut cmd = Command::new(name);
+            cmd.args(["-D", "-f"]).arg(&conf);
+            if let Some(node) = node {
+                cmd.args(["-N", node]);
+            }
+            cmd
+        };
+        start(daemon("slurmctld", None), login.map(|l| (l, false)));
+        if nodes.is_empty() {
+            start(daemon("slurmd", None), None);
+        }
+        for n in &nodes {
+            start(daemon("slurmd", Some(&n.name)), Some((n.holder, true)));
         }
         let slurm = Slurm {
             dir,
             conf,
             plugstack,
+            nodes,
+            login,
+            server,
             _daemons: daemons,
         };
         wait_for(60, "the Slurm node to be idle", || {
@@ -224,11 +380,18 @@ impl Slurm {
         slurm
     }
 
-    /// A Slurm client command (as root) against this cluster.
+    /// A Slurm client command (as root) against this cluster (in its login namespace).
     pub fn command(&self, program: &str) -> Command {
         let mut cmd = Command::new(program);
         cmd.env("SLURM_CONF", &self.conf).current_dir("/");
-        cmd
+        self.at_login(cmd)
+    }
+
+    fn at_login(&self, cmd: Command) -> Command {
+        match self.login {
+            Some(login) => inside(login, false, cmd),
+            None => cmd,
+        }
     }
 
     /// A Slurm client command run by the ordinary test user, from `/tmp`, with `env`
@@ -240,9 +403,8 @@ impl Slurm {
         for (k, v) in env {
             cmd.arg(format!("{k}={v}"));
         }
-        cmd.arg(program)
-            .args(args)
-            .current_dir("/tmp")
+        cmd.arg(program).args(args).current_dir("/tmp");
+        self.at_login(cmd)
             .stdin(Stdio::null())
             .output()
             .unwrap_or_else(|e| panic!("{program}: {e}"))
@@ -257,9 +419,19 @@ impl Slurm {
         fs::write(&self.plugstack, line).unwrap();
     }
 
-    /// What slurmd and the job steps logged.
+    /// What slurmd and the job steps logged (every node's).
     pub fn slurmd_log(&self) -> String {
-        fs::read_to_string(self.dir.join("log/slurmd.log")).unwrap_or_default()
+        let mut logs: Vec<PathBuf> = fs::read_dir(self.dir.join("log"))
+            .map(|d| d.flatten().map(|e| e.path()).collect())
+            .unwrap_or_default();
+        logs.sort();
+        logs.iter()
+            .filter(|p| {
+                p.file_name()
+                    .is_some_and(|n| n.to_string_lossy().starts_with("slurmd"))
+            })
+            .map(|p| fs::read_to_string(p).unwrap_or_default())
+            .collect()
     }
 }
 

@@ -17,6 +17,7 @@ const PYTHON: &str = "/usr/bin/python3";
 fn tasks_in_a_private_tmp_job_container_get_the_local_copies() {
     let cluster = slurm_with(Options {
         job_container_tmpfs: true,
+        ..Options::default()
     });
     let parent = Path::new("/var/tmp");
     let net = NetworkMount::start_under(parent);
