@@ -390,9 +390,24 @@ fn a_python_environment_is_served_from_its_snapshot_without_touching_the_network
     let cold = net.path("env/lib/mypkg/cold.py");
     let opened_cold = |log: &str| opened(&net, log, "env/lib/mypkg/cold.py");
     assert!(!opened_cold(&net.server_log()), "{}", net.server_log());
+    let reads = |agent: &Agent| {
+        let s = &agent.cache()["served"][0];
+        let n = |k: &str| s[k].as_u64().unwrap_or(0);
+        (n("read_ram") + n("read_ssd"), n("read_network"))
+    };
+    let (local_before, network_before) = reads(&agent);
     let (out, log) = cat_in_job(&agent, &net, &cold);
     assert_eq!(out, "raise SystemExit('never imported')\n");
     assert!(opened_cold(&log), "{log}");
+    // Its bytes count as the network's, though its name was the snapshot's.
+    let (local_after, network_after) = reads(&agent);
+    assert_eq!(local_after, local_before, "{:#}", agent.cache());
+    assert_eq!(
+        network_after - network_before,
+        out.len() as u64,
+        "{:#}",
+        agent.cache()
+    );
     // Read on the node, it joins the working set after the snapshot was taken: its
     // copy fills the snapshot's stub, and later jobs read it locally.
     read_all(&cold);

@@ -20,10 +20,20 @@ impl Keeper {
         let Some(i) = self.config.trees.iter().position(|t| path.starts_with(t)) else {
             return;
         };
-        let server = self
+        let mut server = self
             .jobs
             .get(&a.job)
             .map_or(Server::Network, |j| j.server_of(path));
+        // A lazy snapshot holds the bytes of the files it filled (copies the cache
+        // adopted); a stub's are read from the network through the overlay.
+        if let (What::Read(_), Server::Snapshot(_)) = (a.what, server) {
+            let stub = self
+                .held_snapshot(path)
+                .is_some_and(|(_, s)| s.lazy && !self.cache.contains(&a.path));
+            if stub {
+                server = Server::Network;
+            }
+        }
         let pinned = server != Server::Network && self.pins.is_pinned(&a.path);
         let hit = jobs::count(
             &mut self.status.served[i],
