@@ -664,6 +664,15 @@ impl Agent {
         self.status()["cache"].clone()
     }
 
+    /// Waits (at most 30 s) until the daemon holds a snapshot of `dir`.
+    pub fn wait_for_snapshot(&self, dir: &Path) {
+        wait_until(30, &format!("a snapshot of {}", dir.display()), || {
+            self.cache()["snapshots"]
+                .as_array()
+                .is_some_and(|s| s.iter().any(|p| p == dir.to_str().unwrap()))
+        });
+    }
+
     /// Waits until the keeper has no copy under way and its counts stop changing.
     pub fn settled(&self) -> Value {
         let deadline = Instant::now() + Duration::from_secs(60);

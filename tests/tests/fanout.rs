@@ -9,7 +9,6 @@ use std::{fs, path::Path, process::Command};
 use hocus_tests::{
     Agent, NetworkMount, assert_success,
     slurm::{Node, Options, SERVER_ADDR, Slurm, slurm_with},
-    wait_until,
 };
 
 const NODES: usize = 3;
@@ -104,11 +103,7 @@ fn a_job_across_three_nodes_runs_on_each_nodes_local_copies() {
     assert_eq!(job(), "42\n".repeat(NODES));
     let env = net.path("env");
     for agent in &agents {
-        wait_until(30, "each node's snapshot", || {
-            agent.cache()["snapshots"]
-                .as_array()
-                .is_some_and(|s| s.iter().any(|p| p == env.to_str().unwrap()))
-        });
+        agent.wait_for_snapshot(&env);
     }
     // Each node read the working set from the server itself: what issue 14 is to
     // share (today every node's daemon and job ask the server on their own).

@@ -356,11 +356,7 @@ fn a_python_environment_is_served_from_its_snapshot_without_touching_the_network
     // The first run teaches hocus the working set.
     assert_eq!(python(false), "42\n");
     let env = net.path("env");
-    wait_until(30, "a snapshot of the environment", || {
-        agent.cache()["snapshots"]
-            .as_array()
-            .is_some_and(|s| s.iter().any(|p| p == env.to_str().unwrap()))
-    });
+    agent.wait_for_snapshot(&env);
     let inside = format!("\"{}/", net.server_path("env").display());
     let before = net.server_log().len();
     assert_eq!(python(true), "42\n", "the same output under hocus");
@@ -447,11 +443,7 @@ fn whole_snapshots_hold_cold_files_too() {
     };
     assert_eq!(python(Command::new("python3").args(["-c", script])), "42\n");
     let env = net.path("env");
-    wait_until(30, "a snapshot of the environment", || {
-        agent.cache()["snapshots"]
-            .as_array()
-            .is_some_and(|s| s.iter().any(|p| p == env.to_str().unwrap()))
-    });
+    agent.wait_for_snapshot(&env);
     assert!(
         agent.log().contains("0 files (0 B) left on the network"),
         "{}",

@@ -3,7 +3,7 @@
 //! cluster (munged, slurmctld, slurmd), jobs submitted by an ordinary user with `srun`
 //! and `sbatch`.
 
-use std::{fs, os::unix::fs::PermissionsExt, path::Path, process::Output};
+use std::{fs, os::unix::fs::PermissionsExt, process::Output};
 
 use hocus_tests::{
     Agent, NetworkMount, assert_success, file_entry, names_in, sample_names, slurm::slurm,
@@ -42,14 +42,6 @@ fn srun(args: &[&str], pythonpath: &str) -> Output {
     )
 }
 
-fn snapshot_of(agent: &Agent, dir: &Path) {
-    wait_until(30, "a snapshot of the environment", || {
-        agent.cache()["snapshots"]
-            .as_array()
-            .is_some_and(|s| s.iter().any(|p| p == dir.to_str().unwrap()))
-    });
-}
-
 fn served(agent: &Agent) -> (u64, u64) {
     let s = agent.cache();
     let sum = |key: &str| {
@@ -74,7 +66,7 @@ fn learned() -> (
     let agent = Agent::start(&["--watch", net.mount.to_str().unwrap()]);
     cluster.plugin(Some(&format!("socket={}", agent.socket.display())));
     assert_success(&srun(&[], &pythonpath));
-    snapshot_of(&agent, &net.path("env"));
+    agent.wait_for_snapshot(&net.path("env"));
     (cluster, net, pythonpath, agent)
 }
 
@@ -91,7 +83,7 @@ fn a_plain_srun_job_imports_from_local_copies_and_off_jobs_are_untouched() {
     let out = srun(&[], &pythonpath);
     assert_success(&out);
     assert_eq!(text(&out.stdout), "42\n");
-    snapshot_of(&agent, &net.path("env"));
+    agent.wait_for_snapshot(&net.path("env"));
 
     // The next job, submitted the same way, imports from the local snapshot: the same
     // output, and no request of it reaches the server.

@@ -8,7 +8,6 @@ use std::path::Path;
 use hocus_tests::{
     Agent, NetworkMount, assert_success,
     slurm::{Options, slurm_with},
-    wait_until,
 };
 
 const PYTHON: &str = "/usr/bin/python3";
@@ -50,11 +49,7 @@ fn tasks_in_a_private_tmp_job_container_get_the_local_copies() {
     };
     assert_eq!(job(), "42 False\n");
     let env = net.path("env");
-    wait_until(30, "a snapshot of the environment", || {
-        agent.cache()["snapshots"]
-            .as_array()
-            .is_some_and(|s| s.iter().any(|p| p == env.to_str().unwrap()))
-    });
+    agent.wait_for_snapshot(&env);
     let before = net.server_log().len();
     assert_eq!(job(), "42 False\n");
     let reached = net.job_requests_inside("env", before);
