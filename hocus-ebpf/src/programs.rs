@@ -427,16 +427,12 @@ pub fn syscall_exit(ctx: RawTracePointContext) -> i32 {
     0
 }
 
-/// The open watched file the descriptor argument of a read, write or ftruncate names:
+/// The open watched file descriptor `fd` of a read, write, ftruncate or mmap names:
 /// looked up first (almost every descriptor is not one), then refused for a 32-bit
 /// syscall, whose arguments are not where `l` says.
 #[inline(always)]
-fn watched_file(regs: u64, l: &SyscallLayout, tgid: u32) -> Option<*mut OpenFile> {
-    let key = FdKey {
-        tgid,
-        fd: arg(regs, l.fd)? as u32,
-    };
-    let file = OPEN_FILES.get_ptr_mut(&key)?;
+fn watched_file(fd: u32, tgid: u32) -> Option<*mut OpenFile> {
+    let file = OPEN_FILES.get_ptr_mut(&FdKey { tgid, fd })?;
     if is_compat() {
         return None;
     }
@@ -469,7 +465,7 @@ fn try_syscall_exit(ctx: &RawTracePointContext) -> Option<()> {
     match l.op {
         op::MOUNTS_CHANGE => mounts_change(),
         op::READ if ret > 0 => {
-            let file = watched_file(regs, l, tgid)?;
+            let file = watched_file(arg(regs, l.fd)? as u32, tgid)?;
             // SAFETY: map value pointer; the add is atomic (threads of one process may
             // read one descriptor at once).
             unsafe {
@@ -482,7 +478,7 @@ fn try_syscall_exit(ctx: &RawTracePointContext) -> Option<()> {
         }
         // A failed write changes nothing.
         op::WRITE | op::FTRUNCATE if (l.op == op::WRITE && ret > 0) || ret == 0 => {
-            let file = watched_file(regs, l, tgid)?;
+            let file = watched_file(arg(regs, l.fd)? as u32, tgid)?;
             // SAFETY: map value pointer, valid for this program run.
             let file = unsafe { &mut *file };
             if file.written != 0 {
@@ -497,10 +493,15 @@ fn try_syscall_exit(ctx: &RawTracePointContext) -> Option<()> {
             emit(&header(k, file.file_id, 0), &no_path(), 0);
         }
         op::MMAP if (ret as u64) < u64::MAX - MAX_ERRNO => {
-            let file = watched_file(regs, l, tgid)?;
+            // Anonymous memory (fd -1) is almost every mmap on the node: no lookup.
+            let fd = arg(regs, l.fd)? as i32;
+            if fd < 0 {
+                return None;
+            }
+            let file = watched_file(fd as u32, tgid)?;
             // SAFETY: map value pointer, valid for this program run.
             let file_id = unsafe { (*file).file_id };
-            let inode = inode_of(&file_place(arg(regs, l.fd)? as u32)?)?;
+            let inode = inode_of(&file_place(fd as u32)?)?;
             // The first mapping names the inode; later ones (every process loading the
             // same library) add to it.
             let fresh = Mapped { file_id, pages: 0 };

@@ -29,8 +29,6 @@ pub fn attach(settings: &Settings, job: &Job) -> Result<usize, String> {
     daemon.send(&serde_json::json!({
         "request": "attach",
         "uid": job.uid,
-        "gid": job.gid,
-        "groups": job.groups,
         "job_id": job.job_id,
     }))?;
     let binds = match daemon.answer()? {

@@ -273,6 +273,20 @@ impl NetworkMount {
         fs::read_to_string(self.dir.path().join("sftp.log")).unwrap_or_default()
     }
 
+    /// A Python package `mypkg` (`import mypkg.core; mypkg.core.VALUE` is 41) in the
+    /// directory `lib` of the share, installed long ago (see `installed_long_ago`, for
+    /// `env`). Returns the bytes of its files.
+    pub fn put_python_package(&self, lib: &str) -> u64 {
+        const FILES: [(&str, &[u8]); 2] = [
+            ("mypkg/__init__.py", b"from . import core\n"),
+            ("mypkg/core.py", b"VALUE = 41\n"),
+        ];
+        for (name, content) in FILES {
+            self.put(&format!("{lib}/{name}"), content);
+        }
+        FILES.iter().map(|(_, c)| c.len() as u64).sum()
+    }
+
     /// Dates everything under `rel` of the share two hours back, as an environment
     /// installed long before the jobs run: no directory changed within the seconds that
     /// make hocus's job-start check list it from the server (mtimes are whole seconds

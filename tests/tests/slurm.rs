@@ -20,8 +20,7 @@ fn text(b: &[u8]) -> String {
 
 /// A Python environment on the mount, as the test user imports it.
 fn environment(net: &NetworkMount) -> String {
-    net.put("env/lib/mypkg/__init__.py", b"from . import core\n");
-    net.put("env/lib/mypkg/core.py", b"VALUE = 41\n");
+    net.put_python_package("env/lib");
     net.put("env/empty/README", b"nothing to import here\n");
     net.installed_long_ago("env");
     format!(

@@ -20,8 +20,7 @@ fn tasks_in_a_private_tmp_job_container_get_the_local_copies() {
     });
     let parent = Path::new("/var/tmp");
     let net = NetworkMount::start_under(parent);
-    net.put("env/lib/mypkg/__init__.py", b"from . import core\n");
-    net.put("env/lib/mypkg/core.py", b"VALUE = 41\n");
+    net.put_python_package("env/lib");
     net.installed_long_ago("env");
     let agent = Agent::start_under(parent, &["--watch", net.mount.to_str().unwrap()]);
     cluster.plugin(Some(&format!("socket={}", agent.socket.display())));

@@ -76,32 +76,11 @@ enum Bench {
     },
     /// `import numpy, scipy, pandas` from a network mount with the page cache emptied
     /// every second: local disk, plain, warm and under `hocus-agent run`.
-    Imports {
-        /// Runs of each (the median is shown).
-        #[arg(long, default_value_t = 5)]
-        runs: usize,
-        /// Round trip between the client and the server of the network mount, in ms
-        /// (1: a cluster's link; 0: bare loopback).
-        #[arg(long, default_value_t = 1.0)]
-        round_trip_ms: f64,
-        /// A smoke run (CI): one run of each.
-        #[arg(long)]
-        quick: bool,
-    },
+    Imports(Runs),
     /// `import numpy, scipy, pandas` as an ordinary user's srun job on a real one-node
     /// Slurm cluster, page cache emptied every second: from local disk, from the
     /// network with --hocus=off, and with hocus's SPANK plugin (nothing added).
-    Slurm {
-        /// Runs of each (the median is shown).
-        #[arg(long, default_value_t = 5)]
-        runs: usize,
-        /// Round trip between the client and the server of the network mount, in ms.
-        #[arg(long, default_value_t = 1.0)]
-        round_trip_ms: f64,
-        /// A smoke run (CI): one run of each.
-        #[arg(long)]
-        quick: bool,
-    },
+    Slurm(Runs),
     /// What hocus costs processes: a loop of open / read / close / failed stat on an
     /// unwatched local directory and on a watched network mount, with nothing attached,
     /// with empty programs on the same tracepoints (the floor), and with the daemon.
@@ -223,22 +202,8 @@ fn bench(agent: &Path, b: Bench) -> Result<()> {
             };
             bench::dataset(agent, &d)
         }
-        Bench::Imports {
-            runs,
-            round_trip_ms,
-            quick,
-        } => {
-            let runs = if quick { 1 } else { runs.max(1) };
-            bench::imports(agent, runs, millis(round_trip_ms))
-        }
-        Bench::Slurm {
-            runs,
-            round_trip_ms,
-            quick,
-        } => {
-            let runs = if quick { 1 } else { runs.max(1) };
-            bench::slurm_imports(agent, runs, millis(round_trip_ms))
-        }
+        Bench::Imports(r) => bench::imports(agent, r.runs(), millis(r.round_trip_ms)),
+        Bench::Slurm(r) => bench::slurm_imports(agent, r.runs(), millis(r.round_trip_ms)),
         Bench::Overhead {
             rounds,
             iterations,
@@ -312,6 +277,27 @@ fn parsed(name: &str, quick: bool) -> Result<Bench> {
     match cli.command {
         Cmd::Bench(b) => Ok(b),
         _ => bail!("{name} is not a benchmark"),
+    }
+}
+
+/// How the import benchmarks run.
+#[derive(clap::Args, Debug)]
+struct Runs {
+    /// Runs of each (the median is shown).
+    #[arg(long, default_value_t = 5)]
+    runs: usize,
+    /// Round trip between the client and the server of the network mount, in ms
+    /// (1: a cluster's link; 0: bare loopback).
+    #[arg(long, default_value_t = 1.0)]
+    round_trip_ms: f64,
+    /// A smoke run (CI): one run of each.
+    #[arg(long)]
+    quick: bool,
+}
+
+impl Runs {
+    fn runs(&self) -> usize {
+        if self.quick { 1 } else { self.runs.max(1) }
     }
 }
 

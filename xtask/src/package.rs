@@ -155,7 +155,7 @@ pub fn build(agent: &Path) -> Result<PathBuf> {
     // Control files.
     let debian = stage.join("DEBIAN");
     fs::create_dir_all(&debian)?;
-    let size_kib = du_kib(&stage)?;
+    let size_kib = bytes_under(&stage)?.div_ceil(1024);
     fs::write(
         debian.join("control"),
         CONTROL
@@ -182,18 +182,19 @@ pub fn build(agent: &Path) -> Result<PathBuf> {
     Ok(deb)
 }
 
-fn du_kib(dir: &Path) -> Result<u64> {
+/// The bytes of the files under `dir`.
+fn bytes_under(dir: &Path) -> Result<u64> {
     let mut total = 0;
     for entry in fs::read_dir(dir)? {
         let entry = entry?;
         let meta = entry.metadata()?;
         total += if meta.is_dir() {
-            du_kib(&entry.path())? * 1024
+            bytes_under(&entry.path())?
         } else {
             meta.len()
         };
     }
-    Ok(total.div_ceil(1024))
+    Ok(total)
 }
 
 /// The Slurm the plugin is built for (its headers' `SLURM_VERSION_NUMBER`, 0xMMmmuu).

@@ -11,14 +11,9 @@
 use std::{
     ffi::CString,
     fs::{self, File},
-    io::BufWriter,
     os::{
         fd::OwnedFd,
-        unix::{
-            ffi::OsStrExt,
-            fs::{DirBuilderExt, OpenOptionsExt},
-            net::UnixStream,
-        },
+        unix::{ffi::OsStrExt, fs::DirBuilderExt, net::UnixStream},
     },
     path::{Path, PathBuf},
 };
@@ -31,7 +26,10 @@ use crate::{
         calls::{Setup, ask, read_profile, send},
         protocol::{Ask, Call, JobProfile, Query, Response},
     },
-    profile::format::{Profile, ProfileWriter},
+    profile::{
+        format::{Profile, ProfileWriter},
+        store,
+    },
     redirect::access::{Caller, as_caller},
 };
 
@@ -99,13 +97,16 @@ fn database_groups(uid: u32, gid: u32) -> Vec<u32> {
     )
 }
 
-/// Where `job`'s profile is, checked; `Err` is the message for the plugin.
-fn place(caller: &Caller, job: &JobProfile, setup: &Setup) -> Result<PathBuf, String> {
+/// Where `job`'s profile is, checked: the user's directory, and the file in it; `Err`
+/// is the message for the plugin.
+fn place(caller: &Caller, job: &JobProfile, setup: &Setup) -> Result<(PathBuf, PathBuf), String> {
     if !caller.is_root() {
         return Err("only root keeps Slurm jobs' profiles (hocus's SPANK plugin does, in a job's prolog and epilog)".into());
     }
     check_key(&job.key)?;
-    dir_for(&setup.job_profiles, job.uid)
+    let dir = dir_for(&setup.job_profiles, job.uid)?;
+    let file = dir.join(format!("{}.json", job.key));
+    Ok((dir, file))
 }
 
 /// The epilog's request: writes the job's own working set to `DIR/KEY.json` as the user
@@ -118,8 +119,8 @@ pub fn save(
     setup: &Setup,
 ) -> Result<()> {
     let refuse = |message: String| send(stream, &Response::Error { message });
-    let dir = match place(caller, &job, setup) {
-        Ok(d) => d,
+    let (dir, path) = match place(caller, &job, setup) {
+        Ok(p) => p,
         Err(m) => return refuse(m),
     };
     let taken = ask(
@@ -143,9 +144,8 @@ pub fn save(
             job.job_id
         ));
     }
-    let path = dir.join(format!("{}.json", job.key));
     let written = as_caller(&user(&job), {
-        let (dir, path) = (dir.clone(), path.clone());
+        let path = path.clone();
         move || write_profile(&dir, &path, &profile)
     });
     match written {
@@ -166,7 +166,7 @@ pub fn save(
             )
         }
         Ok(Err(e)) => refuse(format!(
-            "writing {} as uid {}: {e}",
+            "writing {} as uid {}: {e:#}",
             path.display(),
             job.uid
         )),
@@ -174,37 +174,19 @@ pub fn save(
     }
 }
 
-/// Writes `profile` to `path` in `dir` (made if missing, 0700), through a temporary file
-/// renamed over it once whole. Runs as the user.
-fn write_profile(dir: &Path, path: &Path, profile: &Profile) -> std::io::Result<()> {
+/// Writes `profile` to `path` in `dir` (made if missing, 0700), replacing it only once
+/// whole (`store::replace_with`). Runs as the user.
+fn write_profile(dir: &Path, path: &Path, profile: &Profile) -> Result<()> {
     fs::DirBuilder::new()
         .recursive(true)
         .mode(0o700)
         .create(dir)?;
-    let tmp = dir.join(format!(
-        ".{}.{}.tmp",
-        path.file_name()
-            .map_or("profile".into(), |n| n.to_string_lossy()),
-        std::process::id()
-    ));
-    let _ = fs::remove_file(&tmp);
-    let file = fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-        .open(&tmp)?;
-    let done = (|| {
-        let mut w = ProfileWriter::new(BufWriter::new(file));
+    store::replace_with(path, |out| {
+        let mut w = ProfileWriter::new(out);
         w.part(profile)?;
-        let file = w.finish()?.into_inner().map_err(|e| e.into_error())?;
-        file.sync_all()?;
-        fs::rename(&tmp, path)
-    })();
-    if done.is_err() {
-        let _ = fs::remove_file(&tmp);
-    }
-    done
+        w.finish()?;
+        Ok(())
+    })
 }
 
 /// The prolog's request: opens `DIR/KEY.json` as the user, checks it as a profile the
@@ -218,7 +200,7 @@ pub fn prefetch(
 ) -> Result<()> {
     let refuse = |message: String| send(stream, &Response::Error { message });
     let path = match place(caller, &job, setup) {
-        Ok(dir) => dir.join(format!("{}.json", job.key)),
+        Ok((_, path)) => path,
         Err(m) => return refuse(m),
     };
     let user = user(&job);

@@ -66,13 +66,11 @@ pub struct JobProfile {
     pub key: String,
 }
 
-/// Whose task asks to be attached, as Slurm says.
+/// Whose task asks to be attached, and of which job, as Slurm says: for the counts
+/// and the job's profile (the binds are the same for everyone).
 #[derive(Debug, Serialize, Deserialize)]
 pub struct AttachTask {
     pub uid: u32,
-    pub gid: u32,
-    #[serde(default)]
-    pub groups: Vec<u32>,
     #[serde(default)]
     pub job_id: Option<u32>,
 }

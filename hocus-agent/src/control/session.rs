@@ -116,12 +116,6 @@ pub fn attach(
     };
     let (made, views) = bind_all(binds);
     let id = caller.pid as u32;
-    log::info!(
-        "task {id} of Slurm job {} for uid {}: {} local copies in place",
-        task.job_id.map_or("?".into(), |j| j.to_string()),
-        task.uid,
-        made.len()
-    );
     let job = Ask::JobStarting {
         id,
         binds: made.clone(),
@@ -134,8 +128,21 @@ pub fn attach(
         }),
     };
     match ask(calls, caller, job)?.blocking_recv() {
-        Some(Response::Error { message }) => refuse(message),
-        _ => send(stream, &Response::Attached { binds: made.len() }),
+        Some(Response::Error { message }) => {
+            // A job the daemon cannot follow would keep binds nobody detaches when
+            // their files change: the task runs on the network instead.
+            mountns::unbind_here(&made);
+            refuse(message)
+        }
+        _ => {
+            log::info!(
+                "task {id} of Slurm job {} for uid {}: {} local copies in place",
+                task.job_id.map_or("?".into(), |j| j.to_string()),
+                task.uid,
+                made.len()
+            );
+            send(stream, &Response::Attached { binds: made.len() })
+        }
     }
 }
 

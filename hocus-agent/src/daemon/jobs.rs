@@ -35,8 +35,8 @@ pub const MAX_JOB_PROFILE_ENTRIES: usize = 200_000;
 /// The loop's side of the jobs.
 #[derive(Default)]
 pub struct Jobs {
-    /// Attached tasks: (job id = pid, pidfd, their Slurm job).
-    tasks: Vec<(u32, Arc<OwnedFd>, u32)>,
+    /// Attached tasks, by job id (= pid): their pidfd, and their Slurm job.
+    tasks: HashMap<u32, (Arc<OwnedFd>, Option<u32>)>,
     /// Each Slurm job's own working set, in the order the jobs were first seen.
     profiles: Vec<(u32, WorkingSet)>,
     /// Each job's snapshot views: the kernel root index, the kernel's addresses, and the
@@ -65,7 +65,7 @@ impl Daemon {
         &mut self,
         id: u32,
         pidfd: Arc<OwnedFd>,
-        slurm_job: u32,
+        slurm_job: Option<u32>,
     ) -> Result<(), String> {
         if self.jobs.tasks.len() >= MAX_TASKS {
             return Err(format!(
@@ -76,10 +76,13 @@ impl Daemon {
             .get_mut()
             .mark_job(id, id)
             .map_err(|e| format!("the kernel side cannot follow the task: {e:#}"))?;
-        self.jobs.tasks.push((id, pidfd, slurm_job));
+        self.jobs.tasks.insert(id, (pidfd, slurm_job));
+        let Some(slurm_job) = slurm_job else {
+            return Ok(());
+        };
         if !self.jobs.profiles.iter().any(|(j, _)| *j == slurm_job) {
             if self.jobs.profiles.len() >= MAX_JOB_PROFILES {
-                let running = |j: u32| self.jobs.tasks.iter().any(|t| t.2 == j);
+                let running = |j: u32| self.jobs.tasks.values().any(|t| t.1 == Some(j));
                 let oldest = (0..self.jobs.profiles.len())
                     .find(|&i| !running(self.jobs.profiles[i].0))
                     .unwrap_or(0);
@@ -97,10 +100,7 @@ impl Daemon {
 
     /// Adds an access of an attached task's process to its Slurm job's working set.
     pub(super) fn record_for_slurm_job(&mut self, a: &Access) {
-        if a.job == 0 {
-            return;
-        }
-        let Some(&(_, _, slurm_job)) = self.jobs.tasks.iter().find(|t| t.0 == a.job) else {
+        let Some(&(_, Some(slurm_job))) = self.jobs.tasks.get(&a.job) else {
             return;
         };
         let Some((_, ws)) = self.jobs.profiles.iter_mut().find(|(j, _)| *j == slurm_job) else {
@@ -183,24 +183,24 @@ impl Daemon {
             return;
         }
         let ended: Vec<u32> = {
-            let mut fds: Vec<PollFd> = self
+            let (ids, mut fds): (Vec<u32>, Vec<PollFd>) = self
                 .jobs
                 .tasks
                 .iter()
-                .map(|(_, fd, _)| PollFd::new(fd.as_fd(), PollFlags::POLLIN))
-                .collect();
+                .map(|(id, (fd, _))| (*id, PollFd::new(fd.as_fd(), PollFlags::POLLIN)))
+                .unzip();
             if poll(&mut fds, PollTimeout::ZERO).is_err() {
                 return;
             }
             // A pidfd is readable once its process has exited.
-            fds.iter()
-                .zip(&self.jobs.tasks)
-                .filter(|(fd, _)| fd.revents().is_some_and(|r| !r.is_empty()))
-                .map(|(_, (id, _, _))| *id)
+            ids.into_iter()
+                .zip(&fds)
+                .filter(|(_, fd)| fd.revents().is_some_and(|r| !r.is_empty()))
+                .map(|(id, _)| id)
                 .collect()
         };
         for id in ended {
-            self.jobs.tasks.retain(|(t, _, _)| *t != id);
+            self.jobs.tasks.remove(&id);
             self.job_ended(id).await;
         }
     }

@@ -81,8 +81,7 @@ impl Daemon {
                 // one before anything it does.
                 self.drain().await;
                 if let Some(pidfd) = task {
-                    let slurm_job = slurm.map_or(0, |s| s.job_id);
-                    if let Err(message) = self.follow_task(id, pidfd, slurm_job) {
+                    if let Err(message) = self.follow_task(id, pidfd, slurm.map(|s| s.job_id)) {
                         let _ = reply.send(Response::Error { message });
                         return;
                     }

@@ -159,14 +159,8 @@ impl Observer {
                         let bytes = e.bytes.saturating_sub(counted);
                         ws.add_bytes_read(&info.path, bytes);
                         if bytes > 0 {
-                            self.accesses.push(Access {
-                                path: info.path.clone(),
-                                job: info.job,
-                                process: info.process.clone(),
-                                what: What::Read(bytes),
-                                uid: 0,
-                                at_ns: 0,
-                            });
+                            self.accesses
+                                .push(read(&info.path, info.job, &info.process, bytes));
                         }
                         if info.written {
                             // Stable only from the last write on: count from the close.
@@ -345,15 +339,10 @@ impl Observer {
             };
             let counted = self.bytes_counted.entry(file.file_id).or_insert(0);
             if !info.is_dir && file.bytes_read > *counted {
-                ws.add_bytes_read(&info.path, file.bytes_read - *counted);
-                self.accesses.push(Access {
-                    path: info.path.clone(),
-                    job: info.job,
-                    process: info.process.clone(),
-                    what: What::Read(file.bytes_read - *counted),
-                    uid: 0,
-                    at_ns: 0,
-                });
+                let bytes = file.bytes_read - *counted;
+                ws.add_bytes_read(&info.path, bytes);
+                self.accesses
+                    .push(read(&info.path, info.job, &info.process, bytes));
                 *counted = file.bytes_read;
             }
             if info.written {
@@ -411,14 +400,8 @@ impl Observer {
                 let bytes = (m.pages - info.counted) * self.page_size;
                 info.counted = m.pages;
                 ws.add_bytes_read(&info.path, bytes);
-                self.accesses.push(Access {
-                    path: info.path.clone(),
-                    job: info.job,
-                    process: info.process.clone(),
-                    what: What::Read(bytes),
-                    uid: 0,
-                    at_ns: 0,
-                });
+                self.accesses
+                    .push(read(&info.path, info.job, &info.process, bytes));
             }
         }
         self.mapped.retain(|id, _| in_kernel.contains(id));
@@ -543,6 +526,18 @@ fn parent(path: &str) -> &str {
         Some(0) => "/",
         Some(i) => &path[..i],
         None => path,
+    }
+}
+
+/// `bytes` read from `path` by `process` of `job`.
+fn read(path: &str, job: u32, process: &Process, bytes: u64) -> Access {
+    Access {
+        path: path.to_owned(),
+        job,
+        process: process.clone(),
+        what: What::Read(bytes),
+        uid: 0,
+        at_ns: 0,
     }
 }
 

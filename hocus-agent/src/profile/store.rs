@@ -567,19 +567,22 @@ fn write_replacing<T, E: From<io::Error>>(
     let name = path.file_name().unwrap_or_default().to_string_lossy();
     let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
     let result = (|| {
+        // Never through a symlink someone put at the temporary name.
         let f = OpenOptions::new()
             .write(true)
             .create(true)
             .truncate(true)
             .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW)
             .open(&tmp)?;
         let mut w = BufWriter::with_capacity(1 << 20, &f);
         let written = write(&mut w)?;
         w.flush()?;
         drop(w);
         f.sync_all()?;
-        // Keep the mode of the file being replaced (the state file is 0600).
-        if let Ok(meta) = fs::metadata(path) {
+        // Keep the mode of the file being replaced (the state file is 0600); of the file
+        // itself, not of what a symlink there points to.
+        if let Some(meta) = fs::symlink_metadata(path).ok().filter(|m| m.is_file()) {
             f.set_permissions(fs::Permissions::from_mode(
                 meta.permissions().mode() & 0o7777,
             ))?;

@@ -365,14 +365,27 @@ pub fn detach_in(ns: &OwnedFd, targets: &[PathBuf]) -> io::Result<usize> {
             unsafe {
                 check(libc::unshare(libc::CLONE_FS).into())?;
                 check(libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNS).into())?;
-                Ok(targets
-                    .iter()
-                    .filter(|t| libc::umount2(t.as_ptr(), libc::MNT_DETACH) == 0)
-                    .count())
             }
+            Ok(detach_here(&targets))
         })?
         .join()
         .map_err(|_| io::Error::other("the detaching thread panicked"))?
+}
+
+/// Detaches mounts at `targets` in the calling thread's mount namespace; returns how
+/// many went.
+fn detach_here(targets: &[CString]) -> usize {
+    targets
+        .iter()
+        // SAFETY: valid C strings.
+        .filter(|t| unsafe { libc::umount2(t.as_ptr(), libc::MNT_DETACH) } == 0)
+        .count()
+}
+
+/// Takes `binds` (made by this thread, in its namespace) away again.
+pub fn unbind_here(binds: &[Bind]) -> usize {
+    let targets: Vec<CString> = binds.iter().filter_map(|b| cstr(&b.target).ok()).collect();
+    detach_here(&targets)
 }
 
 #[cfg(test)]

@@ -38,6 +38,13 @@ pub fn write_figures(name: &str, figures: &serde_json::Value) -> Result<()> {
     Ok(())
 }
 
+/// The median of some timings.
+fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
 /// A share with the given round trip (0: bare loopback).
 fn network(round_trip: Duration) -> NetworkMount {
     if round_trip.is_zero() {
@@ -359,16 +366,12 @@ fn run_case(
             .current_dir("/");
         c
     };
-    let median = |mut v: Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
     let runs_of = |f: &mut dyn FnMut() -> Result<f64>| -> Result<f64> {
         let mut v = Vec::new();
         for _ in 0..runs {
             v.push(f()?);
         }
-        Ok(median(v))
+        Ok(median(&v))
     };
     println!(
         "\n{}; {runs} rounds of each (median), interleaved; page cache emptied every second; network round trip {:.1} ms",
@@ -464,10 +467,10 @@ fn run_case(
         hocus_v.push(time(&mut cmd)?);
     }
     let (local_s, plain_s, warm_s, hocus_s) = (
-        median(local_v),
-        median(plain_v),
-        median(warm_v),
-        median(hocus_v),
+        median(&local_v),
+        median(&plain_v),
+        median(&warm_v),
+        median(&hocus_v),
     );
     drop(emptying);
     println!("\n{:<28} {:>9} {:>12}", "", "SECONDS", "VS LOCAL");

@@ -17,6 +17,8 @@ use std::{
 use anyhow::{Context, Result, bail};
 use hocus_tests::{Agent, NetworkMount};
 
+use super::median;
+
 pub struct Overhead {
     pub rounds: usize,
     /// Loop iterations on the unwatched local directory, per round.
@@ -167,11 +169,6 @@ pub fn overhead(agent_bin: &Path, o: &Overhead) -> Result<()> {
             }
         }
     }
-    let median = |v: &[f64]| {
-        let mut v = v.to_vec();
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
     let (base_local, base_watched) = (median(&times[0].0), median(&times[0].1));
     println!(
         "\n{:<38} {:>12} {:>9} {:>12} {:>9}",

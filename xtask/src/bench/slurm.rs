@@ -14,7 +14,9 @@ use std::{
 use anyhow::{Result, bail};
 use hocus_tests::slurm::slurm;
 
-use super::{EmptyingPageCache, agent_on_local_disk, network, numpy_packages, write_figures};
+use super::{
+    EmptyingPageCache, agent_on_local_disk, median, network, numpy_packages, write_figures,
+};
 
 /// Debian's interpreter: the test user's environment has no other.
 const PYTHON: &str = "/usr/bin/python3";
@@ -97,11 +99,7 @@ pub fn slurm_imports(agent_bin: &Path, runs: usize, round_trip: Duration) -> Res
         on_v.push(job(&remote, &[])?);
     }
     drop(emptying);
-    let median = |mut v: Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
-    let (local_s, off_s, on_s) = (median(local_v), median(off_v), median(on_v));
+    let (local_s, off_s, on_s) = (median(&local_v), median(&off_v), median(&on_v));
     println!("\n{:<36} {:>9} {:>12}", "", "SECONDS", "VS LOCAL");
     for (name, s) in [
         ("srun, local disk", local_s),
