@@ -58,7 +58,10 @@ pub fn key(option: Option<&str>, job_id: u32) -> Result<String, String> {
     Ok(name)
 }
 
+/// The request; a prolog's names the job's nodes and this one (from the prolog's
+/// environment), so that they share the job's files (docs/fanout.md).
 fn request(kind: &str, job: &Job, job_id: u32, key: &str) -> serde_json::Value {
+    let env = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
     serde_json::json!({
         "request": kind,
         "job_id": job_id,
@@ -66,6 +69,8 @@ fn request(kind: &str, job: &Job, job_id: u32, key: &str) -> serde_json::Value {
         "gid": job.gid,
         "groups": job.groups,
         "key": key,
+        "nodes": env("SLURM_JOB_NODELIST").or_else(|| env("SLURM_NODELIST")),
+        "node": env("SLURMD_NODENAME"),
     })
 }
 

@@ -24,6 +24,8 @@ const USER: &str = "hocus-test";
 pub struct Slurm {
     pub dir: PathBuf,
     pub conf: PathBuf,
+    /// The cluster's munged, for every node.
+    pub munge_socket: PathBuf,
     plugstack: PathBuf,
     /// A many-node cluster's nodes (`Options::nodes`); empty for the one-node cluster.
     pub nodes: Vec<Node>,
@@ -358,12 +360,32 @@ impl Slurm {
         if nodes.is_empty() {
             start(daemon("slurmd", None), None);
         }
+        if !nodes.is_empty() {
+            // Nodes find each other by name, as on a cluster: /etc/hosts of their own.
+            let hosts = dir.join("hosts");
+            let names: String = nodes
+                .iter()
+                .map(|n| format!("{} {}\n", n.addr, n.name))
+                .collect();
+            fs::write(&hosts, format!("127.0.0.1 localhost\n{names}")).unwrap();
+            fs::set_permissions(&hosts, fs::Permissions::from_mode(0o644)).unwrap();
+            for n in &nodes {
+                let bound = Command::new("nsenter")
+                    .args(["-t", &n.holder.to_string(), "-m", "--", "mount", "--bind"])
+                    .arg(&hosts)
+                    .arg("/etc/hosts")
+                    .status()
+                    .unwrap();
+                assert!(bound.success(), "/etc/hosts for {}", n.name);
+            }
+        }
         for n in &nodes {
             start(daemon("slurmd", Some(&n.name)), Some((n.holder, true)));
         }
         let slurm = Slurm {
             dir,
             conf,
+            munge_socket: socket,
             plugstack,
             nodes,
             login,
@@ -387,7 +409,8 @@ impl Slurm {
         self.at_login(cmd)
     }
 
-    fn at_login(&self, cmd: Command) -> Command {
+    /// `cmd` in the login namespace (not one of the nodes).
+    pub fn at_login(&self, cmd: Command) -> Command {
         match self.login {
             Some(login) => inside(login, false, cmd),
             None => cmd,

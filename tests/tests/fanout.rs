@@ -4,11 +4,17 @@
 //! (its /run/hocus its own, so the plugin's default socket is that node's). A job spans
 //! the three nodes, submitted by an ordinary user.
 
-use std::{fs, process::Command};
+use std::{
+    fs,
+    os::unix::fs::PermissionsExt,
+    process::{Command, Stdio},
+    thread,
+};
 
 use hocus_tests::{
     Agent, NetworkMount, assert_success,
     slurm::{Node, Options, SERVER_ADDR, Slurm, slurm_with},
+    wait_until,
 };
 
 const NODES: usize = 3;
@@ -33,20 +39,35 @@ fn cluster() -> (&'static Slurm, NetworkMount, u64) {
 
 /// Node `node`'s daemon, its control socket at /run/hocus/agent.sock on that node.
 fn daemon(node: &Node, net: &NetworkMount) -> Agent {
-    let agent =
-        Agent::start_in_namespace_of(node.holder, &["--watch", net.mount.to_str().unwrap()]);
+    daemon_with(node, net, &[])
+}
+
+/// The same, with more flags.
+fn daemon_with(node: &Node, net: &NetworkMount, more: &[&str]) -> Agent {
+    let munge = slurm_with(Options {
+        nodes: NODES,
+        ..Options::default()
+    })
+    .munge_socket
+    .to_str()
+    .unwrap()
+    .to_owned();
+    let mut args = vec![
+        "--watch",
+        net.mount.to_str().unwrap(),
+        "--munge-socket",
+        &munge,
+    ];
+    args.extend_from_slice(more);
+    let agent = Agent::start_in_namespace_of(node.holder, &args);
     fs::create_dir_all("/run/hocus").unwrap();
+    // Over an earlier daemon's (its directory gone): that one is taken away first.
     let bound = Command::new("nsenter")
-        .args([
-            "-t",
-            &node.holder.to_string(),
-            "-m",
-            "--",
-            "mount",
-            "--bind",
-        ])
-        .arg(agent.dir.path())
-        .arg("/run/hocus")
+        .args(["-t", &node.holder.to_string(), "-m", "--", "sh", "-c"])
+        .arg(format!(
+            "while umount -l /run/hocus 2>/dev/null; do :; done; mount --bind {} /run/hocus",
+            agent.dir.path().display()
+        ))
         .status()
         .unwrap();
     assert!(
@@ -132,4 +153,314 @@ fn a_job_across_three_nodes_runs_on_each_nodes_local_copies() {
             .sum();
         assert!(local >= 2, "{}: {jobs}", node.name);
     }
+}
+
+/// What the relay tests share: the cluster, the server with the package and a data
+/// file the job reads (the working set, of `working_set` bytes), and a directory where
+/// the user's job profiles are kept (the same on every node, as a network home is).
+struct Shared {
+    cluster: &'static Slurm,
+    net: NetworkMount,
+    working_set: u64,
+    profiles: tempfile::TempDir,
+}
+
+/// 2 MiB the job reads besides the modules.
+const DATA: usize = 2 << 20;
+const READ_DATA: &str = "import os, mypkg.core; d = open(os.path.join(os.path.dirname(mypkg.core.__file__), 'data.bin'), 'rb').read(); print(mypkg.core.VALUE + 1, len(d))";
+
+fn shared() -> Shared {
+    let (cluster, net, package) = cluster();
+    let data: Vec<u8> = (0..DATA).map(|i| (i * 7 % 251) as u8).collect();
+    net.put("env/lib/mypkg/data.bin", &data);
+    net.installed_long_ago("env");
+    let profiles = tempfile::Builder::new()
+        .prefix("hocus-profiles-")
+        .tempdir_in("/var/tmp")
+        .unwrap();
+    fs::set_permissions(profiles.path(), fs::Permissions::from_mode(0o1777)).unwrap();
+    Shared {
+        cluster,
+        net,
+        working_set: package + DATA as u64,
+        profiles,
+    }
+}
+
+impl Shared {
+    fn template(&self) -> String {
+        format!("{}/{{user}}", self.profiles.path().display())
+    }
+
+    /// A fresh daemon on every node: empty caches, as nodes that never ran the job.
+    fn daemons(&self) -> Vec<Agent> {
+        let template = self.template();
+        self.cluster
+            .nodes
+            .iter()
+            .map(|n| daemon_with(n, &self.net, &["--job-profiles", &template]))
+            .collect()
+    }
+
+    /// The job, on every node, keyed `fan`: its output.
+    fn job(&self) -> std::process::Output {
+        let lib = self.net.path("env/lib");
+        self.cluster.as_user(
+            "srun",
+            &[
+                "--quiet",
+                &format!("--nodes={NODES}"),
+                "--hocus-profile=fan",
+                "/usr/bin/python3",
+                "-c",
+                READ_DATA,
+            ],
+            &[
+                ("PYTHONPATH", lib.to_str().unwrap()),
+                ("PYTHONDONTWRITEBYTECODE", "1"),
+            ],
+        )
+    }
+
+    /// A first job on other daemons saved the profile under `fan`.
+    fn learned(&self) {
+        let agents = self.daemons();
+        self.cluster.plugin(Some(""));
+        let out = self.job();
+        assert_success(&out);
+        let saved = self.profiles.path().join("hocus-test/fan.json");
+        wait_until(30, "the epilog's profile", || saved.exists());
+        drop(agents);
+    }
+
+    /// Every copy `agent` holds is the network file's bytes; how many it holds.
+    fn copies_are_the_sources(&self, agent: &Agent, node: &Node) -> usize {
+        let mut checked = 0;
+        for rel in ["mypkg/__init__.py", "mypkg/core.py", "mypkg/data.bin"] {
+            let source = self.net.path(&format!("env/lib/{rel}"));
+            let copy = agent.local_copy(&source);
+            if let Ok(bytes) = fs::read(&copy) {
+                let want = fs::read(self.net.server_path(&format!("env/lib/{rel}"))).unwrap();
+                assert!(bytes == want, "{}: {} differs", node.name, copy.display());
+                checked += 1;
+            }
+        }
+        // Nothing half-written is left where copies are made.
+        let tmp = agent.dir.path().join("cache/tmp");
+        let left: Vec<_> = fs::read_dir(&tmp)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| {
+                p.file_name()
+                    .is_some_and(|n| n.to_string_lossy().starts_with("copy-"))
+            })
+            .collect();
+        assert!(left.is_empty(), "{}: {left:?}", node.name);
+        checked
+    }
+}
+
+/// The metrics of `node`'s daemon, served in the node's network namespace.
+fn metrics_of(agent: &Agent, node: &Node) -> String {
+    let url = format!("http://{}/metrics", agent.metrics_addr());
+    let out = Command::new("nsenter")
+        .args(["-t", &node.holder.to_string(), "-n", "--", "python3", "-c"])
+        .arg("import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1]).read().decode())")
+        .arg(url)
+        .output()
+        .unwrap();
+    assert_success(&out);
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn copied_from_peers(agent: &Agent) -> u64 {
+    agent.cache()["copied_from_peers_bytes"]
+        .as_u64()
+        .unwrap_or(0)
+}
+
+#[test]
+fn a_jobs_nodes_read_its_saved_working_set_from_the_server_once() {
+    let s = shared();
+    s.learned();
+    // Nodes that never ran the job: each prolog prefetches from the saved profile,
+    // node1 from the server, node2 and node3 from node1.
+    let agents = s.daemons();
+    let before = s.net.server_log().len();
+    let out = s.job();
+    assert_success(&out);
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        format!("42 {DATA}\n").repeat(NODES)
+    );
+    for agent in &agents {
+        agent.settled();
+    }
+    let served = served_bytes(&s.net, "env", before);
+    assert!(
+        served * 10 <= s.working_set * 12,
+        "the server sent {served} bytes of a {} byte working set to {NODES} nodes",
+        s.working_set
+    );
+    for (i, (agent, node)) in agents.iter().zip(&s.cluster.nodes).enumerate() {
+        assert_eq!(s.copies_are_the_sources(agent, node), 3, "{}", agent.log());
+        let from_peers = copied_from_peers(agent);
+        if i == 0 {
+            assert_eq!(from_peers, 0, "node1 reads the server");
+        } else {
+            assert!(
+                from_peers >= s.working_set,
+                "{}: {from_peers} bytes from node1\n{}",
+                node.name,
+                agent.log()
+            );
+            let sample = format!("hocus_copied_bytes_total{{from=\"peer\"}} {from_peers}");
+            let metrics = metrics_of(agent, node);
+            assert!(metrics.contains(&sample), "{}: {metrics}", node.name);
+        }
+    }
+}
+
+#[test]
+fn a_relaying_node_killed_mid_job_leaves_its_children_on_the_server() {
+    let s = shared();
+    s.learned();
+    let mut agents = s.daemons();
+    // node1's daemon stalls as the job starts (stopped: it answers no one, its kernel
+    // still accepts connections), and is killed while node2 and node3 wait on it: their
+    // copies go to the server instead, and the job, node1's task too, runs (there
+    // without hocus).
+    agents[0].signal(libc::SIGSTOP);
+    let job = thread::scope(|scope| {
+        let job = scope.spawn(|| s.job());
+        for child in &agents[1..] {
+            wait_until(30, "the node to ask node1", || {
+                child.log().contains("fetches its files from node node1")
+            });
+        }
+        thread::sleep(std::time::Duration::from_millis(500));
+        agents[0].kill9();
+        job.join().unwrap()
+    });
+    assert_success(&job);
+    assert_eq!(
+        String::from_utf8_lossy(&job.stdout),
+        format!("42 {DATA}\n").repeat(NODES)
+    );
+    for (agent, node) in agents.iter().zip(&s.cluster.nodes).skip(1) {
+        wait_until(60, "the node's copies", || {
+            agent.settled();
+            s.copies_are_the_sources(agent, node) == 3
+        });
+        let log = agent.log();
+        assert!(
+            log.contains("this node fetches the rest from the network"),
+            "{}: {log}",
+            node.name
+        );
+        assert_eq!(copied_from_peers(agent), 0, "{}", node.name);
+    }
+}
+
+/// Asks node1's relay, from the login namespace (no node of the job), as `user`, with
+/// a credential saying `payload`: the relay's first answer line.
+fn ask_relay(s: &Shared, user: &str, payload: &str, path: &str) -> String {
+    const CLIENT: &str = r#"
+import socket, subprocess, struct, sys
+sock, payload, path = sys.argv[1:4]
+cred = subprocess.run(["munge", "-S", sock, "-s", payload], capture_output=True, text=True, check=True).stdout.strip()
+c = socket.create_connection(("10.77.0.11", 9743), timeout=20)
+c.sendall(("HOCUS-RELAY 1\n" + cred + "\n").encode())
+f = c.makefile("rb")
+line = f.readline().decode().strip()
+if line == "OK":
+    c.sendall(struct.pack(">I", len(path)) + path.encode())
+    status = f.read(1)
+    line += " status=%d" % (status[0] if status else -1)
+print(line)
+"#;
+    let mut cmd = Command::new("runuser");
+    cmd.args(["-u", user, "--", "python3", "-c", CLIENT])
+        .arg(&s.cluster.munge_socket)
+        .args([payload, path]);
+    let out = s
+        .cluster
+        .at_login(cmd)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert_success(&out);
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
+#[test]
+fn no_one_outside_the_job_fetches_from_a_node() {
+    let s = shared();
+    s.learned();
+    let agents = s.daemons();
+    let out = s.job();
+    assert_success(&out);
+    let job_id: u32 = agents[0]
+        .log()
+        .lines()
+        .find_map(|l| {
+            l.split("Slurm job ")
+                .nth(1)?
+                .split(':')
+                .next()?
+                .parse()
+                .ok()
+        })
+        .expect("node1 logged the job");
+    let data = s.net.path("env/lib/mypkg/data.bin");
+    let data = data.to_str().unwrap();
+    // An ordinary user's credential, naming a node of the job: refused.
+    let as_user = ask_relay(
+        &s,
+        "hocus-test",
+        &format!("hocus-relay job={job_id} from=node2 to=node1"),
+        data,
+    );
+    assert!(
+        as_user.starts_with("NO ") && as_user.contains("uid"),
+        "{as_user}"
+    );
+    // Root, but not a node of the job: refused.
+    let outsider = ask_relay(
+        &s,
+        "root",
+        &format!("hocus-relay job={job_id} from=login to=node1"),
+        data,
+    );
+    assert!(
+        outsider.starts_with("NO ") && outsider.contains("not one of"),
+        "{outsider}"
+    );
+    // Another job's: refused.
+    let other_job = ask_relay(
+        &s,
+        "root",
+        &format!("hocus-relay job={} from=node2 to=node1", job_id + 1000),
+        data,
+    );
+    assert!(other_job.starts_with("NO "), "{other_job}");
+    // A node of the job gets the job's files, and nothing else (/etc/shadow).
+    let member = ask_relay(
+        &s,
+        "root",
+        &format!("hocus-relay job={job_id} from=node2 to=node1"),
+        data,
+    );
+    assert_eq!(member, "OK status=0");
+    let shadow = ask_relay(
+        &s,
+        "root",
+        &format!("hocus-relay job={job_id} from=node2 to=node1"),
+        "/etc/shadow",
+    );
+    assert_eq!(shadow, "OK status=1");
+    let log = agents[0].log();
+    assert!(log.contains("relay: refused"), "{log}");
 }

@@ -13,7 +13,7 @@
 use std::{
     ffi::{CString, OsString},
     fs::{self, File},
-    io::{self, Read, Seek, Write},
+    io,
     os::{
         fd::{AsRawFd, FromRawFd, IntoRawFd, OwnedFd},
         unix::{
@@ -25,6 +25,11 @@ use std::{
 };
 
 use serde::{Deserialize, Serialize};
+
+use super::{
+    pour::{PourError, pour},
+    relay::{self, Parent},
+};
 
 /// What identifies a version of a file: a copy is valid while these are unchanged. The
 /// mode and owner are part of it: a permission change must reach jobs, and some network
@@ -129,6 +134,9 @@ pub enum CopyError {
     Source(io::Error),
     #[error("writing the copy failed: {0}")]
     Local(io::Error),
+    /// Not from the job's parent node: the copy is made from the network instead.
+    #[error("not from the parent node: {0}")]
+    Peer(relay::Miss),
 }
 
 impl CopyError {
@@ -141,6 +149,7 @@ impl CopyError {
             CopyError::TooLarge { .. } | CopyError::TooMany { .. } => "too_large",
             CopyError::Source(_) => "read_error",
             CopyError::Local(_) => "write_error",
+            CopyError::Peer(_) => "peer",
         }
     }
 }
@@ -165,6 +174,14 @@ fn local(e: io::Error) -> CopyError {
 /// size is read from the opened file, never taken from a profile's word. Runs on the
 /// calling thread, whose filesystem identity it changes for the open and restores
 /// afterwards.
+/// Where a copy's bytes come from: the network file itself, or the job's parent node
+/// (docs/fanout.md), which offers them only if it holds what the network holds now.
+#[derive(Clone, Copy)]
+pub enum Via<'a> {
+    Network,
+    Parent(&'a Parent),
+}
+
 pub fn copy(
     tree: &Path,
     source: &Path,
@@ -172,6 +189,7 @@ pub fn copy(
     tmp_dir: &Path,
     dest: &Path,
     room: u64,
+    via: Via,
 ) -> Result<Identity, CopyError> {
     let rel = source.strip_prefix(tree).map_err(|_| {
         CopyError::Unsafe(format!(
@@ -186,7 +204,13 @@ pub fn copy(
         open_beneath(&tree_fd, rel, libc::O_RDONLY)?
     };
     let src = File::from(src);
-    let before = src.metadata().map_err(CopyError::Source)?;
+    // From a parent, the network's own word on size and mtime is what its copy must
+    // match: asked of the server now, not of the client's attribute cache.
+    let before = match via {
+        Via::Network => src.metadata(),
+        Via::Parent(_) => stat_now(&src),
+    }
+    .map_err(CopyError::Source)?;
     if !before.is_file() {
         return Err(CopyError::Unsafe(format!(
             "{} is not a regular file",
@@ -206,7 +230,22 @@ pub fn copy(
             .create_new(true)
             .open(&tmp)
             .map_err(local)?;
-        let copied = copy_sparse(&src, &mut out)?;
+        let poured = match via {
+            Via::Network => pour(&src, &mut out).map_err(|e| match e {
+                PourError::Read(e) => CopyError::Source(e),
+                PourError::Write(e) => local(e),
+            })?,
+            Via::Parent(parent) => {
+                let mtime_ns = before.mtime() * 1_000_000_000 + before.mtime_nsec();
+                parent
+                    .fetch(source, before.size(), mtime_ns, &mut out)
+                    .map_err(|miss| match miss {
+                        relay::Miss::Write(e) => local(e),
+                        miss => CopyError::Peer(miss),
+                    })?
+            }
+        };
+        let copied = poured.bytes;
         // Changed while we read? Look at the open file and at the name again.
         let after = src.metadata().map_err(CopyError::Source)?;
         let by_name = {
@@ -222,6 +261,7 @@ pub fn copy(
             return Err(CopyError::Changed);
         }
         copy_xattrs(&src, &out).map_err(local)?;
+        relay::keep_hash(&out, &poured.hash);
         fchown(&out, before.uid(), before.gid()).map_err(local)?;
         // chown clears set-id bits: the mode comes after it.
         fchmod(&out, before.mode() & 0o7777).map_err(local)?;
@@ -240,33 +280,6 @@ pub fn copy(
         let _ = fs::remove_file(&tmp);
     }
     result
-}
-
-/// Copies `src` into `out`, leaving holes where the source reads as zeros: a sparse
-/// file (a disk image, a preallocated dataset) costs the cache only its data. The copy
-/// grows to its full length as it goes. Returns the bytes read.
-fn copy_sparse(mut src: &File, out: &mut File) -> Result<u64, CopyError> {
-    const CHUNK: usize = 1 << 20;
-    let mut buf = vec![0u8; CHUNK];
-    let mut at = 0u64;
-    loop {
-        let n = match src.read(&mut buf) {
-            Ok(0) => return Ok(at),
-            Ok(n) => n,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(CopyError::Source(e)),
-        };
-        let data = &buf[..n];
-        if data.iter().all(|b| *b == 0) {
-            // A hole: extend the copy without writing.
-            out.set_len(at + n as u64).map_err(local)?;
-            out.seek(io::SeekFrom::Start(at + n as u64))
-                .map_err(local)?;
-        } else {
-            out.write_all(data).map_err(local)?;
-        }
-        at += n as u64;
-    }
 }
 
 /// Opens a directory as an O_PATH descriptor (the anchor for openat2).
@@ -582,7 +595,10 @@ pub fn local_path(files_root: &Path, source: &str) -> PathBuf {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::os::unix::fs::{PermissionsExt, symlink};
+    use std::{
+        io::{Seek, Write},
+        os::unix::fs::{PermissionsExt, symlink},
+    };
 
     #[test]
     fn keeps_user_xattrs() {
@@ -610,11 +626,28 @@ mod tests {
         // Its real size decides, not what a profile said.
         let size = fs::metadata(&src).unwrap().len();
         assert!(matches!(
-            copy(&tree, &src, &Reader::root(), &tmp, &dest, size - 1),
+            copy(
+                &tree,
+                &src,
+                &Reader::root(),
+                &tmp,
+                &dest,
+                size - 1,
+                Via::Network
+            ),
             Err(CopyError::TooLarge { .. })
         ));
         assert!(!dest.exists());
-        copy(&tree, &src, &Reader::root(), &tmp, &dest, size).unwrap();
+        copy(
+            &tree,
+            &src,
+            &Reader::root(),
+            &tmp,
+            &dest,
+            size,
+            Via::Network,
+        )
+        .unwrap();
         let dest_c = CString::new(dest.as_os_str().as_bytes()).unwrap();
         let mut value = [0u8; 8];
         // SAFETY: as above.
@@ -649,7 +682,15 @@ mod tests {
             })
         };
         let dest = dir.path().join("copy");
-        let result = copy(&tree, &src, &Reader::root(), &tmp, &dest, u64::MAX);
+        let result = copy(
+            &tree,
+            &src,
+            &Reader::root(),
+            &tmp,
+            &dest,
+            u64::MAX,
+            Via::Network,
+        );
         stop.store(true, std::sync::atomic::Ordering::Relaxed);
         writer.join().unwrap();
         assert!(matches!(result, Err(CopyError::Changed)), "{result:?}");
@@ -676,7 +717,16 @@ mod tests {
         unsafe { libc::utimensat(libc::AT_FDCWD, c.as_ptr(), [t, t].as_ptr(), 0) };
 
         let dest = dir.path().join("cache/sub/a.py");
-        let id = copy(&tree, &src, &Reader::root(), &tmp, &dest, u64::MAX).unwrap();
+        let id = copy(
+            &tree,
+            &src,
+            &Reader::root(),
+            &tmp,
+            &dest,
+            u64::MAX,
+            Via::Network,
+        )
+        .unwrap();
         assert_eq!(fs::read(&dest).unwrap(), b"print(1)\n");
         let m = fs::metadata(&dest).unwrap();
         assert_eq!(m.mode() & 0o7777, 0o640);
@@ -699,6 +749,7 @@ mod tests {
             &tmp,
             &dir.path().join("x"),
             u64::MAX,
+            Via::Network,
         )
         .unwrap_err();
         assert!(matches!(err, CopyError::Unsafe(_)), "{err}");
@@ -710,6 +761,7 @@ mod tests {
             &tmp,
             &dir.path().join("y"),
             u64::MAX,
+            Via::Network,
         )
         .unwrap_err();
         assert!(matches!(err, CopyError::Unsafe(_)), "{err}");
@@ -729,7 +781,16 @@ mod tests {
         f.write_all(b"data in the middle").unwrap();
         drop(f);
         let dest = dir.path().join("copy");
-        copy(&tree, &src, &Reader::root(), &tmp, &dest, u64::MAX).unwrap();
+        copy(
+            &tree,
+            &src,
+            &Reader::root(),
+            &tmp,
+            &dest,
+            u64::MAX,
+            Via::Network,
+        )
+        .unwrap();
         assert_eq!(fs::read(&dest).unwrap(), fs::read(&src).unwrap());
         let allocated = fs::metadata(&dest).unwrap().blocks() * 512;
         assert!(

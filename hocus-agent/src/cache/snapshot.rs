@@ -302,6 +302,7 @@ pub fn take(
                     tmp_dir,
                     &staging.join(&rel),
                     u64::MAX,
+                    copy::Via::Network,
                 ) {
                     Ok(got) if got == id => {
                         let mut t = taken.lock().unwrap();

@@ -84,6 +84,7 @@ pub fn read_profile(
         missing: 0,
         refused: Vec::new(),
         refused_total: 0,
+        relay: None,
     };
     let mut batch = |mut p: Profile| -> Result<(), String> {
         let refused = p.keep_valid(trees);

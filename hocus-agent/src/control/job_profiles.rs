@@ -24,7 +24,8 @@ use tokio::sync::mpsc;
 use crate::{
     control::{
         calls::{Setup, ask, read_profile, send},
-        protocol::{Ask, Call, JobProfile, Query, Response},
+        fanout,
+        protocol::{Ask, Call, JobNodes, JobProfile, Query, Response},
     },
     profile::{
         format::{Profile, ProfileWriter},
@@ -222,10 +223,11 @@ pub fn prefetch(
         }
         Err(e) => return refuse(format!("{e:#}")),
     };
-    let staged = match read_profile(Some(fd), &setup.trees, &user) {
+    let mut staged = match read_profile(Some(fd), &setup.trees, &user) {
         Ok(s) => s,
         Err(r) => return refuse(format!("{}: {}", path.display(), r.message)),
     };
+    staged.relay = job_nodes(&job);
     log::info!(
         "Slurm job {}: prefetching from {} ({} files, {} missing names)",
         job.job_id,
@@ -239,6 +241,27 @@ pub fn prefetch(
         send(stream, &response)?;
     }
     Ok(())
+}
+
+/// The job's nodes, if it has several and this one is among them: they share the
+/// working set (docs/fanout.md). A list that cannot be read only means no sharing.
+fn job_nodes(job: &JobProfile) -> Option<JobNodes> {
+    let (list, me) = (job.nodes.as_deref()?, job.node.clone()?);
+    let nodes = match fanout::expand(list) {
+        Ok(n) => n,
+        Err(e) => {
+            log::warn!(
+                "Slurm job {}: {e}; its nodes do not share its files",
+                job.job_id
+            );
+            return None;
+        }
+    };
+    (nodes.len() > 1 && nodes.contains(&me)).then_some(JobNodes {
+        job_id: job.job_id,
+        nodes,
+        me,
+    })
 }
 
 /// Opens a profile file without following a symlink at its name (as the user).

@@ -64,6 +64,31 @@ pub struct JobProfile {
     #[serde(default)]
     pub groups: Vec<u32>,
     pub key: String,
+    /// The job's nodes as Slurm writes them (`SLURM_NODELIST`, e.g. `node[1-3]`) and
+    /// this one's name: the prolog's prefetch then shares the working set among them.
+    #[serde(default)]
+    pub nodes: Option<String>,
+    #[serde(default)]
+    pub node: Option<String>,
+}
+
+/// A multi-node job whose nodes pass its working set among themselves
+/// (docs/fanout.md): every node of it in Slurm's order, and this one.
+#[derive(Debug, Clone)]
+pub struct JobNodes {
+    pub job_id: u32,
+    pub nodes: Vec<String>,
+    pub me: String,
+}
+
+/// What a node holds of a file another node of the job asks for.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Holding {
+    /// Its copy, valid when last checked.
+    Copy(PathBuf),
+    /// Not yet: a copy or a prefetch is under way.
+    Coming,
+    No,
 }
 
 /// Whose task asks to be attached, and of which job, as Slurm says: for the counts
@@ -95,6 +120,8 @@ pub struct Staged {
     pub missing: usize,
     pub refused: Vec<Refused>,
     pub refused_total: usize,
+    /// A Slurm job's prolog prefetch on one of its several nodes.
+    pub relay: Option<JobNodes>,
 }
 
 impl std::fmt::Debug for Staged {
@@ -156,6 +183,7 @@ pub enum Response {
     /// Internal: a Slurm job's own working set.
     #[serde(skip)]
     JobProfile(Profile),
+    Relay(Holding),
     /// The caller's namespace has `binds` local copies in place.
     Attached {
         binds: usize,
@@ -211,6 +239,19 @@ pub enum Ask {
     /// Copies a job-start check found changed or gone on the network: drop them.
     Stale {
         sources: Vec<PathBuf>,
+    },
+    /// Node `from`, proven by a root munge credential, asks to fetch Slurm job
+    /// `job_id`'s files from this node, which it names `to` (`Ready` or `Error`).
+    RelayJoin {
+        job_id: u32,
+        from: String,
+        to: String,
+    },
+    /// Node `from` of the job asks for `source` (`Relay` or `Error`).
+    RelayFile {
+        job_id: u32,
+        from: String,
+        source: String,
     },
 }
 

@@ -19,7 +19,7 @@ use tokio::{
 
 use crate::{
     cache::{copy, directory::Cache},
-    control::{calls, protocol::Call, server},
+    control::{calls, fanout, protocol::Call, server},
     observe::{
         events::{Observer, Watch},
         mounts,
@@ -40,6 +40,7 @@ use crate::{
 
 mod jobs;
 mod keeper;
+mod relays;
 mod requests;
 
 use keeper::{Handle as Keeper, KeeperError};
@@ -111,6 +112,8 @@ struct Daemon {
     keeper_failed_at: Option<Instant>,
     /// Jobs' snapshot views and attached tasks.
     jobs: jobs::Jobs,
+    /// Multi-node jobs whose files other nodes may fetch from here.
+    relays: relays::Relays,
     keeper_thread: Option<std::thread::JoinHandle<()>>,
     /// The working set changed since it was last placed.
     to_place: bool,
@@ -275,6 +278,7 @@ impl Daemon {
             keeper,
             keeper_failed_at: None,
             jobs: jobs::Jobs::default(),
+            relays: relays::Relays::default(),
             keeper_thread: Some(keeper_thread),
             to_place: true,
         })
@@ -298,6 +302,22 @@ impl Daemon {
             trees: self.watched.iter().map(|w| w.path.clone()).collect(),
             job_profiles: self.opts.settings.job_profiles(),
         };
+        if let Some(port) = self.opts.settings.relay_port() {
+            let serving = fanout::Serving {
+                port,
+                munge_socket: self.opts.settings.munge_socket.clone(),
+                timeout: self.opts.settings.relay_timeout(),
+            };
+            match fanout::serve(serving, calls_tx.clone()) {
+                Ok(addr) => log::info!(
+                    "relay: the nodes of multi-node Slurm jobs fetch their files from each other through {addr}"
+                ),
+                // Each node then reads from the network: slower, never broken.
+                Err(e) => log::warn!(
+                    "relay: cannot listen on port {port} ({e}): each node of a multi-node job reads its files from the network"
+                ),
+            }
+        }
         self.control = Some(server::serve(&self.socket, calls_tx, limits, setup)?);
         log::info!(
             "ready: profile in {}, control socket {}{}",

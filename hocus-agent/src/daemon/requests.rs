@@ -107,6 +107,16 @@ impl Daemon {
                 let _ = reply.send(Response::Export { order, part });
             }
             Ask::JobEnded { id } => self.job_ended(id).await,
+            Ask::RelayJoin { job_id, from, to } => {
+                let _ = reply.send(self.relay_join(job_id, &from, &to));
+            }
+            Ask::RelayFile {
+                job_id,
+                from,
+                source,
+            } => {
+                let _ = reply.send(self.relay_file(job_id, &from, source).await);
+            }
             Ask::TakeJobProfile { slurm_job } => {
                 // What the job's last processes did is read first.
                 self.sweep().await;
@@ -172,6 +182,7 @@ impl Daemon {
                     missing,
                     refused,
                     refused_total,
+                    ..
                 } = *staged;
                 self.merge(set);
                 Response::Imported {
@@ -210,6 +221,7 @@ impl Daemon {
             set,
             refused,
             refused_total,
+            relay,
             ..
         } = staged;
         // Placed now, from what the daemon knows of those files (sizes, writes seen),
@@ -220,9 +232,13 @@ impl Daemon {
         self.save();
         let profile = self.ws.profile_for(&set);
         drop(set);
+        let parent = match &relay {
+            Some(nodes) => self.relay_job(nodes, &profile).await,
+            None => None,
+        };
         let mut refused = Some(refused);
         let (tx, mut rx) = mpsc::unbounded_channel();
-        if let Err(e) = self.keeper.prefetch(profile, tx).await {
+        if let Err(e) = self.keeper.prefetch(profile, tx, parent).await {
             let _ = reply.send(Response::Error {
                 message: e.to_string(),
             });

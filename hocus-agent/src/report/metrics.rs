@@ -459,9 +459,22 @@ fn cache(e: &mut DescriptorEncoder, c: &CacheStatus) -> std::fmt::Result {
     counter(
         e,
         "copied",
-        "Bytes copied to the SSD cache.",
+        "Bytes copied to the SSD cache, by where they came from: the network, or a multi-node job's parent node.",
         bytes,
-        one(c.copied_bytes),
+        vec![
+            (
+                vec![("from", "network".to_owned())],
+                c.copied_bytes.saturating_sub(c.copied_from_peers_bytes),
+            ),
+            (vec![("from", "peer".to_owned())], c.copied_from_peers_bytes),
+        ],
+    )?;
+    counter(
+        e,
+        "peer_wait",
+        "Seconds copies spent on a multi-node job's parent node (waiting for it and receiving).",
+        Some(&Unit::Seconds),
+        one(c.peer_wait_ms / 1000),
     )?;
     counter(
         e,

@@ -222,9 +222,18 @@ pub fn render_status(s: &Status) -> String {
             .collect();
         let _ = writeln!(
             out,
-            "copies: {} ({}), {} did not land{}; {} invalidated, {} evicted, cache full {} times; jobs: {} running, {} started",
+            "copies: {} ({}{}), {} did not land{}; {} invalidated, {} evicted, cache full {} times; jobs: {} running, {} started",
             c.copies,
             bytes(c.copied_bytes),
+            if c.copied_from_peers_bytes > 0 {
+                format!(
+                    ", {} from other nodes of multi-node jobs in {:.1} s",
+                    bytes(c.copied_from_peers_bytes),
+                    c.peer_wait_ms as f64 / 1000.0
+                )
+            } else {
+                String::new()
+            },
             c.copy_failures_by_reason.values().sum::<u64>(),
             if failures.is_empty() {
                 String::new()

@@ -23,6 +23,7 @@ pub const DEFAULT_SOCKET: &str = "/run/hocus/agent.sock";
 pub const DEFAULT_JOB_PROFILES: &str = "{home}/.cache/hocus/profiles";
 pub const DEFAULT_CACHE_DIR: &str = "/var/cache/hocus";
 pub const DEFAULT_METRICS_ADDR: &str = "127.0.0.1:9742";
+pub const DEFAULT_RELAY_PORT: u16 = 9743;
 /// The kernel side compares against at most this many watched trees.
 const MAX_WATCHED: usize = hocus_common::MAX_TREES;
 
@@ -95,6 +96,25 @@ pub struct Settings {
     #[arg(long, value_name = "TEMPLATE")]
     pub job_profiles: Option<String>,
 
+    /// The TCP port on which the daemons of a multi-node Slurm job's nodes pass its
+    /// working set among themselves (docs/fanout.md); 0: no relay [default: 9743].
+    #[arg(long, value_name = "PORT")]
+    pub relay_port: Option<u16>,
+
+    /// Seconds without a byte from a job's parent node before this node fetches from
+    /// the network itself [default: 5].
+    #[arg(long, value_name = "SECONDS")]
+    pub relay_timeout: Option<u64>,
+
+    /// Nodes each node passes a job's working set on to [default: 8].
+    #[arg(long, value_name = "N")]
+    pub fanout_width: Option<usize>,
+
+    /// munged's socket, for the credentials the relay's nodes prove themselves with.
+    /// Default: munge's own.
+    #[arg(long, value_name = "PATH")]
+    pub munge_socket: Option<PathBuf>,
+
     /// Clients of the control socket served at once [default: 256].
     #[arg(long, value_name = "N")]
     pub max_clients: Option<usize>,
@@ -141,7 +161,8 @@ impl Settings {
     pub fn or(self, other: Settings) -> Settings {
         either!(self, other; watch, state_dir, socket, save_interval, cache_dir, ssd_budget,
             ram_budget, include_ext, exclude, revalidate, copy_workers, whole_snapshots,
-            max_profile_entries, job_profiles, max_clients,
+            max_profile_entries, job_profiles, relay_port, relay_timeout, fanout_width,
+            munge_socket, max_clients,
             max_clients_per_user, metrics_addr, no_metrics, log_hits, log_misses, log_writes,
             log_format)
     }
@@ -163,6 +184,10 @@ impl Settings {
             whole_snapshots: Some(false),
             max_profile_entries: Some(2_000_000),
             job_profiles: Some(DEFAULT_JOB_PROFILES.into()),
+            relay_port: Some(DEFAULT_RELAY_PORT),
+            relay_timeout: Some(5),
+            fanout_width: Some(8),
+            munge_socket: None,
             max_clients: Some(256),
             max_clients_per_user: Some(16),
             metrics_addr: Some(DEFAULT_METRICS_ADDR.parse().expect("a valid address")),
@@ -223,6 +248,9 @@ impl Settings {
         if self.max_clients == Some(0) || self.max_clients_per_user == Some(0) {
             bail!("max-clients and max-clients-per-user must be at least 1");
         }
+        if self.fanout_width == Some(0) {
+            bail!("fanout-width must be at least 1");
+        }
         if self.max_profile_entries == Some(0) {
             bail!("max-profile-entries must be at least 1");
         }
@@ -277,6 +305,19 @@ impl Settings {
         self.max_profile_entries.unwrap_or(2_000_000)
     }
 
+    /// The relay's port, if it is on.
+    pub fn relay_port(&self) -> Option<u16> {
+        Some(self.relay_port.unwrap_or(DEFAULT_RELAY_PORT)).filter(|p| *p != 0)
+    }
+
+    pub fn relay_timeout(&self) -> Duration {
+        Duration::from_secs(self.relay_timeout.unwrap_or(5).max(1))
+    }
+
+    pub fn fanout_width(&self) -> usize {
+        self.fanout_width.unwrap_or(8).max(1)
+    }
+
     pub fn revalidate(&self) -> Duration {
         Duration::from_secs(self.revalidate.unwrap_or(30).max(1))
     }
@@ -304,6 +345,7 @@ impl Settings {
             self.max_clients_per_user != other.max_clients_per_user,
         );
         check("metrics-addr", self.metrics_addr() != other.metrics_addr());
+        check("relay-port", self.relay_port() != other.relay_port());
         changed
     }
 

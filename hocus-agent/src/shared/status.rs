@@ -160,6 +160,13 @@ pub struct CacheStatus {
     pub copying: usize,
     pub copies: u64,
     pub copied_bytes: u64,
+    /// Of those, the bytes a job's parent node sent (docs/fanout.md); the rest came
+    /// from the network.
+    #[serde(default)]
+    pub copied_from_peers_bytes: u64,
+    /// Milliseconds copies spent on parent nodes (waiting for them and receiving).
+    #[serde(default)]
+    pub peer_wait_ms: u64,
     /// Every copy that did not land, by `CopyError::reason`.
     #[serde(default)]
     pub copy_failures_by_reason: BTreeMap<String, u64>,

@@ -3,12 +3,14 @@
 //! by [`ANSWER_TIMEOUT`] so that a keeper busy elsewhere becomes a clear error, never a
 //! stalled event loop.
 
-use std::{os::fd::OwnedFd, time::Duration};
+use std::{os::fd::OwnedFd, sync::Arc, time::Duration};
 
 use tokio::sync::{mpsc, oneshot};
 
 use super::{Latest, Order, Progressing, Reconfigure};
 use crate::{
+    cache::relay::Parent,
+    control::protocol::Holding,
     observe::events::Access,
     profile::format::Profile,
     redirect::{jobs::SlurmTask, mountns::Bind},
@@ -87,8 +89,14 @@ impl Handle {
         &self,
         profile: Profile,
         progress: Progressing,
+        parent: Option<Arc<Parent>>,
     ) -> Result<(), KeeperError> {
-        self.tell(Order::Prefetch(profile, progress)).await
+        self.tell(Order::Prefetch(profile, progress, parent)).await
+    }
+
+    /// Where this node's copy of `source` is, for another node of a job.
+    pub async fn local_copy(&self, source: String) -> Result<Holding, KeeperError> {
+        self.ask(|reply| Order::LocalCopy(source, reply)).await
     }
 
     /// The tracer saw the file written, truncated, renamed or unlinked.

@@ -18,6 +18,7 @@ use std::{
     collections::{HashMap, HashSet},
     os::fd::OwnedFd,
     path::{Path, PathBuf},
+    sync::Arc,
     thread,
     time::{Duration, Instant},
 };
@@ -37,7 +38,9 @@ use crate::{
         copy::{CopyError, Identity, Reader},
         directory::Cache,
         pins::Pins,
+        relay::Parent,
     },
+    control::protocol::Holding,
     observe::events::Access,
     place::{budget::Budgets, placement::Filters},
     profile::format::Profile,
@@ -105,8 +108,11 @@ pub enum Order {
     /// A process opened, failed to find or read a watched file.
     Access(Access),
     Reconfigure(Reconfigure),
-    /// Place these files now and report progress until their copies are done.
-    Prefetch(Profile, Progressing),
+    /// Place these files now and report progress until their copies are done; copies
+    /// come from the job's parent node first, if there is one (docs/fanout.md).
+    Prefetch(Profile, Progressing, Option<Arc<Parent>>),
+    /// Where this node's copy of a file is, for a job's other node asking for it.
+    LocalCopy(String, oneshot::Sender<Holding>),
     Status(oneshot::Sender<CacheStatus>),
     /// Where each file is held: "ram", "ssd" or "network".
     WhereHeld(Vec<String>, oneshot::Sender<Vec<String>>),
@@ -197,6 +203,7 @@ pub fn start(config: Config) -> Result<(Handle, thread::JoinHandle<()>)> {
         snapshots_in_flight: HashMap::new(),
         unsuitable: HashMap::new(),
         prefetches: Vec::new(),
+        parent: None,
         jobs: HashMap::new(),
         refused: HashSet::new(),
         last_opener: HashMap::new(),
@@ -274,6 +281,8 @@ struct Keeper {
     /// Directories found unsuitable for a snapshot (too big, odd entries), and when.
     unsuitable: HashMap<PathBuf, Instant>,
     prefetches: Vec<Watcher>,
+    /// The job's parent node the prefetches under way copy from first.
+    parent: Option<Arc<Parent>>,
     jobs: HashMap<u32, Job>,
     /// Files jobs tried to write: left on the network from then on.
     refused: HashSet<String>,
@@ -327,7 +336,15 @@ impl Keeper {
     /// A worker finished something.
     fn done(&mut self, done: Done) {
         match done {
-            Done::Copied(source, result) => self.copied(source, result),
+            Done::Copied(source, result, origin) => {
+                if origin.peer {
+                    if let Ok(id) = &result {
+                        self.status.copied_from_peers_bytes += id.size;
+                    }
+                }
+                self.status.peer_wait_ms += origin.waited.as_millis() as u64;
+                self.copied(source, result)
+            }
             Done::Snapshotted(root, result) => self.snapshotted(root, result),
             Done::Pinned(source, result) => self.pinned(source, result),
             Done::Revalidated {
@@ -366,11 +383,19 @@ impl Keeper {
                     self.place();
                 }
             }
-            Order::Prefetch(profile, tx) => {
+            Order::Prefetch(profile, tx, parent) => {
                 self.remember(profile);
-                // Trees first: files under one being measured are copied by its snapshot.
-                self.consider_snapshots();
-                self.place();
+                if parent.is_some() {
+                    // From a parent node, file by file: the snapshots then link them.
+                    self.parent = parent;
+                    self.place();
+                    self.consider_snapshots();
+                } else {
+                    // Trees first: files under one being measured are copied by its
+                    // snapshot.
+                    self.consider_snapshots();
+                    self.place();
+                }
                 let remaining: HashSet<String> = self.in_flight.keys().cloned().collect();
                 let trees: HashSet<PathBuf> = self.snapshots_in_flight.keys().cloned().collect();
                 let progress = Progress {
@@ -426,6 +451,19 @@ impl Keeper {
             }
             Order::Status(tx) => {
                 let _ = tx.send(self.status());
+            }
+            Order::LocalCopy(source, tx) => {
+                let held = if self.cache.contains(&source) && !self.unverified.contains(&source) {
+                    Holding::Copy(self.cache.local(&source))
+                } else if self.in_flight.contains_key(&source)
+                    || self.snapshot_coming(Path::new(&source))
+                    || !self.prefetches.is_empty()
+                {
+                    Holding::Coming
+                } else {
+                    Holding::No
+                };
+                let _ = tx.send(held);
             }
             Order::WhereHeld(paths, tx) => {
                 let held = paths.iter().map(|p| {
@@ -655,6 +693,7 @@ impl Keeper {
             reader,
             dest: self.cache.local(source),
             room,
+            parent: self.parent.clone(),
         });
     }
 

@@ -81,5 +81,9 @@ impl Keeper {
         w.progress.pinned_files = self.pins.len();
         w.progress.pinned_bytes = self.pins.bytes();
         let _ = w.tx.send(w.progress.clone());
+        if self.prefetches.is_empty() {
+            // Later copies are the node's own: from the network.
+            self.parent = None;
+        }
     }
 }

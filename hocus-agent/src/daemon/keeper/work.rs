@@ -13,14 +13,16 @@ use std::{
     path::{Path, PathBuf},
     sync::{Arc, Mutex, mpsc},
     thread,
+    time::{Duration, Instant},
 };
 
 use memmap2::Mmap;
 use tokio::sync::mpsc as tokio_mpsc;
 
 use crate::cache::{
-    copy::{self, CopyError, Identity, Reader, Tree},
+    copy::{self, CopyError, Identity, Reader, Tree, Via},
     pins,
+    relay::Parent,
     snapshot::{self, Fill, Stamp, Taken},
 };
 
@@ -30,13 +32,15 @@ const SNAPSHOT_MAX_ENTRIES: usize = 200_000;
 /// Something the keeper wants done.
 pub enum Work {
     /// Copy `source` (in `tree`) to `dest`, reading as `reader`, if it is at most `room`
-    /// bytes.
+    /// bytes: from the job's `parent` node if there is one and it holds the file, else
+    /// from the network.
     Copy {
         source: String,
         tree: PathBuf,
         reader: Reader,
         dest: PathBuf,
         room: u64,
+        parent: Option<Arc<Parent>>,
     },
     /// Take a snapshot of `root` (in `tree`) into `dest`, linking the cache's valid copies.
     Snapshot {
@@ -71,7 +75,7 @@ pub enum Work {
 
 /// What came of a piece of work.
 pub enum Done {
-    Copied(String, Result<Identity, CopyError>),
+    Copied(String, Result<Identity, CopyError>, Origin),
     Snapshotted(PathBuf, Result<(Stamp, Taken), CopyError>),
     Pinned(String, std::io::Result<(Option<Mmap>, u64)>),
     /// The copies and snapshots that differ from the network now (gone ones too).
@@ -85,6 +89,13 @@ pub enum Done {
         chosen: Option<(PathBuf, u64)>,
         unsuitable: Vec<PathBuf>,
     },
+}
+
+/// Where a copy's bytes came from, and how long it waited on the parent node.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Origin {
+    pub peer: bool,
+    pub waited: Duration,
 }
 
 /// Where the keeper sends work.
@@ -157,9 +168,29 @@ fn run(work: Work, tmp: &Path) -> Option<Done> {
             reader,
             dest,
             room,
+            parent,
         } => {
-            let result = copy::copy(&tree, source.as_ref(), &reader, tmp, &dest, room);
-            Done::Copied(source, result)
+            let copy = |via| copy::copy(&tree, source.as_ref(), &reader, tmp, &dest, room, via);
+            let mut origin = Origin::default();
+            let result = match parent.as_deref().filter(|p| !p.has_failed()) {
+                Some(p) => {
+                    let started = Instant::now();
+                    let got = copy(Via::Parent(p));
+                    origin.waited = started.elapsed();
+                    match got {
+                        Err(CopyError::Peer(miss)) => {
+                            log::debug!("{source}: {miss}; from the network");
+                            copy(Via::Network)
+                        }
+                        got => {
+                            origin.peer = got.is_ok();
+                            got
+                        }
+                    }
+                }
+                None => copy(Via::Network),
+            };
+            Done::Copied(source, result, origin)
         }
         Work::Snapshot {
             root,

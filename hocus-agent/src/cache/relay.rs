@@ -1,0 +1,305 @@
+//! One file passed between the daemons of a job's nodes (docs/fanout.md): the wire of a
+//! transfer, and the asking end. The serving end is `control::fanout`.
+//!
+//! A connection opens with a greeting line and a munge credential line; the server
+//! answers `OK` or `NO <why>` and closes. Then the client asks for files one at a time:
+//! the source path (u32 length, bytes); the server answers with one status byte:
+//! `FILE` followed by the size (u64), the mtime in ns (i64), the BLAKE3 hash of the bytes
+//! (32 bytes) and the bytes; `WAIT` while its own copy is still coming (then another
+//! status); `NOT_HELD`. Integers are big-endian.
+//!
+//! Nothing unverified enters a cache: the receiver compares the size and mtime the
+//! server offers with what it just read from the network itself, and the bytes with
+//! the hash the first node computed as it copied from the network (kept with the copy
+//! as an xattr); a short or corrupt transfer is an error and its temporary file is
+//! deleted by the copy around it.
+
+use std::{
+    ffi::CStr,
+    fs::File,
+    io::{self, BufRead, BufReader, Read, Write},
+    net::{SocketAddr, TcpStream},
+    os::{fd::AsRawFd, unix::ffi::OsStrExt},
+    path::{Path, PathBuf},
+    sync::{
+        Mutex,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use super::pour::{Hash, PourError, Poured, pour};
+
+pub const GREETING: &str = "HOCUS-RELAY 1";
+/// The longest source path asked for.
+pub const MAX_PATH: usize = 4096;
+pub const FILE: u8 = 0;
+pub const NOT_HELD: u8 = 1;
+pub const WAIT: u8 = 2;
+/// How often a server says WAIT while its own copy is coming: well within any timeout.
+pub const WAIT_EVERY: Duration = Duration::from_millis(500);
+
+/// Where the hash of a copy's bytes is kept, as the first node computed it copying from
+/// the network (`trusted.`: only root reads or writes it).
+const HASH_XATTR: &CStr = c"trusted.hocus.blake3";
+
+/// What a server offers for a file: its size, mtime and the hash of its bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Offer {
+    pub size: u64,
+    pub mtime_ns: i64,
+    pub hash: Hash,
+}
+
+impl Offer {
+    pub const LEN: usize = 8 + 8 + 32;
+
+    pub fn encode(&self) -> [u8; Self::LEN] {
+        let mut b = [0u8; Self::LEN];
+        b[..8].copy_from_slice(&self.size.to_be_bytes());
+        b[8..16].copy_from_slice(&self.mtime_ns.to_be_bytes());
+        b[16..].copy_from_slice(&self.hash);
+        b
+    }
+
+    pub fn decode(b: &[u8; Self::LEN]) -> Self {
+        Self {
+            size: u64::from_be_bytes(b[..8].try_into().expect("8 bytes")),
+            mtime_ns: i64::from_be_bytes(b[8..16].try_into().expect("8 bytes")),
+            hash: b[16..].try_into().expect("32 bytes"),
+        }
+    }
+}
+
+/// Records the hash of `file`'s bytes with it (best effort: without it, the hash is
+/// computed again when the copy is served).
+pub fn keep_hash(file: &File, hash: &Hash) {
+    // SAFETY: valid descriptor, NUL-terminated name, buffer of the given size.
+    unsafe {
+        libc::fsetxattr(
+            file.as_raw_fd(),
+            HASH_XATTR.as_ptr(),
+            hash.as_ptr().cast(),
+            hash.len(),
+            0,
+        );
+    }
+}
+
+/// The hash of a copy's bytes: the one kept with it, else computed from them.
+pub fn hash_of(file: &File) -> io::Result<Hash> {
+    let mut kept = [0u8; 32];
+    // SAFETY: as above.
+    let n = unsafe {
+        libc::fgetxattr(
+            file.as_raw_fd(),
+            HASH_XATTR.as_ptr(),
+            kept.as_mut_ptr().cast(),
+            kept.len(),
+        )
+    };
+    if n == kept.len() as isize {
+        return Ok(kept);
+    }
+    let mut hasher = blake3::Hasher::new();
+    let mut f = file.try_clone()?;
+    io::copy(&mut f, &mut hasher)?;
+    let hash = *hasher.finalize().as_bytes();
+    keep_hash(file, &hash);
+    Ok(hash)
+}
+
+/// The path of a request, encoded.
+pub fn request(source: &Path) -> Vec<u8> {
+    let bytes = source.as_os_str().as_bytes();
+    let mut out = (bytes.len() as u32).to_be_bytes().to_vec();
+    out.extend_from_slice(bytes);
+    out
+}
+
+/// A job's parent node, as this node's copies ask it: where it is, the payload of the
+/// credentials that prove this node (one per connection), and whether it has failed
+/// (then every copy goes to the network: its subtree falls back with it).
+pub struct Parent {
+    pub name: String,
+    pub addr: SocketAddr,
+    payload: String,
+    munge_socket: Option<PathBuf>,
+    timeout: Duration,
+    failed: AtomicBool,
+    idle: Mutex<Vec<TcpStream>>,
+}
+
+/// Why a copy did not come from the parent: the copy goes to the network instead.
+#[derive(Debug, thiserror::Error)]
+pub enum Miss {
+    #[error("the parent does not hold it")]
+    NotHeld,
+    #[error("the parent's copy is not the network's file now")]
+    Differs,
+    #[error("the parent has failed before")]
+    Failed,
+    #[error("{0}")]
+    Broken(String),
+    /// Writing the copy failed: the cache's error, not the parent's.
+    #[error("writing the copy failed: {0}")]
+    Write(io::Error),
+}
+
+impl Parent {
+    pub fn new(
+        name: String,
+        addr: SocketAddr,
+        payload: String,
+        munge_socket: Option<PathBuf>,
+        timeout: Duration,
+    ) -> Self {
+        Self {
+            name,
+            addr,
+            payload,
+            munge_socket,
+            timeout,
+            failed: AtomicBool::new(false),
+            idle: Mutex::new(Vec::new()),
+        }
+    }
+
+    pub fn has_failed(&self) -> bool {
+        self.failed.load(Ordering::Relaxed)
+    }
+
+    /// Asks the parent for `source`, whose network file is now `size` bytes with
+    /// `mtime_ns`, and pours its bytes into `out`, checked against the hash offered.
+    pub fn fetch(
+        &self,
+        source: &Path,
+        size: u64,
+        mtime_ns: i64,
+        out: &mut File,
+    ) -> Result<Poured, Miss> {
+        if self.has_failed() {
+            return Err(Miss::Failed);
+        }
+        let mut stream = match self.idle.lock().ok().and_then(|mut i| i.pop()) {
+            Some(s) => s,
+            None => self.connect().map_err(|e| self.broken(e))?,
+        };
+        let offer = self.ask(&mut stream, source).map_err(|e| self.broken(e))?;
+        let Some(offer) = offer else {
+            self.give_back(stream);
+            return Err(Miss::NotHeld);
+        };
+        if offer.size != size || offer.mtime_ns != mtime_ns {
+            // The bytes that follow are not wanted: this connection is dropped.
+            return Err(Miss::Differs);
+        }
+        let poured = pour((&mut stream).take(size), out).map_err(|e| match e {
+            PourError::Read(e) => self.broken(e),
+            PourError::Write(e) => Miss::Write(e),
+        })?;
+        if poured.bytes != size {
+            return Err(self.broken(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                format!("{} of {size} bytes came", poured.bytes),
+            )));
+        }
+        if poured.hash != offer.hash {
+            return Err(self.broken(io::Error::other(
+                "the bytes do not match the hash of the first copy",
+            )));
+        }
+        self.give_back(stream);
+        Ok(poured)
+    }
+
+    /// The parent failed: no more asking it during this prefetch.
+    fn broken(&self, e: io::Error) -> Miss {
+        let why = format!("{} ({}): {e}", self.name, self.addr);
+        if !self.failed.swap(true, Ordering::Relaxed) {
+            log::warn!("relay: parent node {why}; this node fetches the rest from the network");
+        }
+        Miss::Broken(why)
+    }
+
+    fn give_back(&self, stream: TcpStream) {
+        if let Ok(mut idle) = self.idle.lock() {
+            idle.push(stream);
+        }
+    }
+
+    fn connect(&self) -> io::Result<TcpStream> {
+        let cred = crate::shared::munge::encode(&self.payload, self.munge_socket.as_deref())?;
+        let mut stream = TcpStream::connect_timeout(&self.addr, self.timeout)?;
+        stream.set_read_timeout(Some(self.timeout))?;
+        stream.set_write_timeout(Some(self.timeout))?;
+        stream.set_nodelay(true)?;
+        stream.write_all(format!("{GREETING}\n{cred}\n").as_bytes())?;
+        let mut answer = String::new();
+        BufReader::new((&stream).take(1024)).read_line(&mut answer)?;
+        match answer.trim_end() {
+            "OK" => Ok(stream),
+            no => Err(io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                format!("refused: {}", no.strip_prefix("NO ").unwrap_or(no)),
+            )),
+        }
+    }
+
+    /// Sends one request; the offer, or None if the parent does not hold the file. WAIT
+    /// answers restart the timeout (the socket's), up to a minute in all.
+    fn ask(&self, stream: &mut TcpStream, source: &Path) -> io::Result<Option<Offer>> {
+        stream.write_all(&request(source))?;
+        let started = Instant::now();
+        loop {
+            let mut status = [0u8; 1];
+            stream.read_exact(&mut status)?;
+            match status[0] {
+                FILE => {
+                    let mut b = [0u8; Offer::LEN];
+                    stream.read_exact(&mut b)?;
+                    return Ok(Some(Offer::decode(&b)));
+                }
+                NOT_HELD => return Ok(None),
+                WAIT if started.elapsed() < Duration::from_secs(60) => continue,
+                WAIT => return Err(io::Error::new(io::ErrorKind::TimedOut, "waited a minute")),
+                other => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::InvalidData,
+                        format!("unknown status {other}"),
+                    ));
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_offer_reads_back() {
+        let o = Offer {
+            size: 1 << 40,
+            mtime_ns: -5,
+            hash: [7; 32],
+        };
+        assert_eq!(Offer::decode(&o.encode()), o);
+        assert_eq!(request(Path::new("/a")), vec![0, 0, 0, 2, b'/', b'a']);
+    }
+
+    #[test]
+    fn a_hash_is_kept_with_the_copy_or_computed() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("f");
+        std::fs::write(&path, b"bytes").unwrap();
+        let f = File::open(&path).unwrap();
+        assert_eq!(&hash_of(&f).unwrap(), blake3::hash(b"bytes").as_bytes());
+        keep_hash(&f, &[9; 32]);
+        // As root (the daemon), the kept one is trusted; others cannot set it.
+        if nix::unistd::geteuid().is_root() {
+            assert_eq!(hash_of(&f).unwrap(), [9; 32]);
+        }
+    }
+}

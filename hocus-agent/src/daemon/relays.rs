@@ -1,0 +1,148 @@
+//! The loop's side of the relay between a multi-node job's daemons (docs/fanout.md):
+//! the jobs whose prolog prefetch ran here with a node list, which nodes they have and
+//! which files their profile names (what other nodes may fetch from here, and nothing
+//! else), and this node's parent in the job's tree, which its copies come from first.
+
+use std::{
+    collections::HashSet,
+    net::SocketAddr,
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use super::Daemon;
+use crate::{
+    cache::relay::Parent,
+    control::{
+        fanout,
+        protocol::{Holding, JobNodes, Response},
+    },
+    profile::format::Profile,
+};
+
+/// Jobs served to other nodes at once: the oldest is forgotten first.
+const MAX_RELAYED: usize = 64;
+/// How long a job's files are served after its prolog.
+const SERVED_FOR: Duration = Duration::from_secs(3600);
+/// How long the parent's name may take to resolve.
+const RESOLVE: Duration = Duration::from_secs(2);
+
+struct Relayed {
+    job_id: u32,
+    me: String,
+    nodes: HashSet<String>,
+    files: HashSet<String>,
+    since: Instant,
+}
+
+#[derive(Default)]
+pub struct Relays {
+    jobs: Vec<Relayed>,
+}
+
+impl Daemon {
+    /// A job's prolog prefetch with `nodes`: its profile's files may be fetched from
+    /// here by its other nodes; the parent node this node copies from first, if any.
+    pub(super) async fn relay_job(
+        &mut self,
+        nodes: &JobNodes,
+        profile: &Profile,
+    ) -> Option<Arc<Parent>> {
+        let port = self.opts.settings.relay_port()?;
+        let me = nodes.nodes.iter().position(|n| *n == nodes.me)?;
+        let relays = &mut self.relays.jobs;
+        relays.retain(|r| r.job_id != nodes.job_id && r.since.elapsed() < SERVED_FOR);
+        if relays.len() >= MAX_RELAYED {
+            relays.remove(0);
+        }
+        relays.push(Relayed {
+            job_id: nodes.job_id,
+            me: nodes.me.clone(),
+            nodes: nodes.nodes.iter().cloned().collect(),
+            files: profile.files.iter().map(|f| f.path.clone()).collect(),
+            since: Instant::now(),
+        });
+        let parent = &nodes.nodes[fanout::parent(me, self.opts.settings.fanout_width())?];
+        let addr = match resolve(parent, port).await {
+            Ok(a) => a,
+            Err(e) => {
+                log::warn!(
+                    "Slurm job {}: cannot find node {parent}'s address ({e}): this node reads the job's files from the network",
+                    nodes.job_id
+                );
+                return None;
+            }
+        };
+        log::info!(
+            "Slurm job {}: node {} fetches its files from node {parent} ({addr}) first",
+            nodes.job_id,
+            nodes.me
+        );
+        Some(Arc::new(Parent::new(
+            parent.clone(),
+            addr,
+            fanout::payload(nodes.job_id, &nodes.me, parent),
+            self.opts.settings.munge_socket.clone(),
+            self.opts.settings.relay_timeout(),
+        )))
+    }
+
+    /// Node `from` asks to fetch `job_id`'s files from this node, which it calls `to`.
+    pub(super) fn relay_join(&self, job_id: u32, from: &str, to: &str) -> Response {
+        let refuse = |message: String| Response::Error { message };
+        let Some(job) = self.relayed(job_id) else {
+            return refuse(format!(
+                "Slurm job {job_id} is not known here (no prolog of it ran on this node)"
+            ));
+        };
+        if to != job.me {
+            refuse(format!(
+                "the credential is for node {to}; this is node {}",
+                job.me
+            ))
+        } else if from == job.me || !job.nodes.contains(from) {
+            refuse(format!("node {from} is not one of Slurm job {job_id}'s"))
+        } else {
+            Response::Ready
+        }
+    }
+
+    /// Node `from` of the job asks for `source`: this node's copy, if it holds one and
+    /// the job's profile names it.
+    pub(super) async fn relay_file(&self, job_id: u32, from: &str, source: String) -> Response {
+        let Some(job) = self.relayed(job_id).filter(|j| j.nodes.contains(from)) else {
+            return Response::Error {
+                message: format!("node {from} may not fetch Slurm job {job_id}'s files"),
+            };
+        };
+        if !job.files.contains(&source) {
+            return Response::Relay(Holding::No);
+        }
+        match self.keeper.local_copy(source).await {
+            Ok(held) => Response::Relay(held),
+            Err(_) => Response::Relay(Holding::No),
+        }
+    }
+
+    fn relayed(&self, job_id: u32) -> Option<&Relayed> {
+        self.relays
+            .jobs
+            .iter()
+            .find(|r| r.job_id == job_id && r.since.elapsed() < SERVED_FOR)
+    }
+}
+
+/// `node`'s address: its name through the resolver (/etc/hosts, DNS), as Slurm's
+/// `NodeAddr` usually is.
+async fn resolve(node: &str, port: u16) -> std::io::Result<SocketAddr> {
+    let found = tokio::time::timeout(RESOLVE, tokio::net::lookup_host((node, port)))
+        .await
+        .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "no answer"))??;
+    let mut found: Vec<SocketAddr> = found.collect();
+    // IPv4 first: the relay listens on every IPv4 address.
+    found.sort_by_key(|a| !a.is_ipv4());
+    found
+        .into_iter()
+        .next()
+        .ok_or_else(|| std::io::Error::other("no address"))
+}
