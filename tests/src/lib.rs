@@ -303,6 +303,23 @@ impl NetworkMount {
         ]));
     }
 
+    /// The bytes the server sent of files under `rel` since its log was `before` long.
+    pub fn bytes_served_inside(&self, rel: &str, before: usize) -> u64 {
+        let inside = format!("close \"{}/", self.server_path(rel).display());
+        self.server_log()[before..]
+            .lines()
+            .filter(|l| l.contains(&inside))
+            .filter_map(|l| {
+                l.split(" bytes read ")
+                    .nth(1)?
+                    .split(' ')
+                    .next()?
+                    .parse::<u64>()
+                    .ok()
+            })
+            .sum()
+    }
+
     /// What a job asked the server inside `rel` of the share since the log was `before`
     /// bytes long, leaving out what hocus's job-start check asks: it stats each directory
     /// of a snapshot from the server as a job starts (so the job sees what the network

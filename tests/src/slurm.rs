@@ -402,6 +402,32 @@ impl Slurm {
         slurm
     }
 
+    /// A hocus daemon on `node` with `args` (the cluster's munged added), in its network
+    /// and mount namespaces, its control socket at /run/hocus/agent.sock on that node
+    /// (the plugin's default) in place of any earlier one's.
+    pub fn agent_on(&self, node: &Node, args: &[&str]) -> crate::Agent {
+        let munge = self.munge_socket.to_str().unwrap();
+        let mut all = args.to_vec();
+        all.extend_from_slice(&["--munge-socket", munge]);
+        let agent = crate::Agent::start_in_namespace_of(node.holder, &all);
+        fs::create_dir_all("/run/hocus").unwrap();
+        // Over an earlier daemon's (its directory gone): that one is taken away first.
+        let bound = Command::new("nsenter")
+            .args(["-t", &node.holder.to_string(), "-m", "--", "sh", "-c"])
+            .arg(format!(
+                "while umount -l /run/hocus 2>/dev/null; do :; done; mount --bind {} /run/hocus",
+                agent.dir.path().display()
+            ))
+            .status()
+            .unwrap();
+        assert!(
+            bound.success(),
+            "binding {}'s daemon at /run/hocus",
+            node.name
+        );
+        agent
+    }
+
     /// A Slurm client command (as root) against this cluster (in its login namespace).
     pub fn command(&self, program: &str) -> Command {
         let mut cmd = Command::new(program);

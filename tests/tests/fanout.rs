@@ -44,55 +44,13 @@ fn daemon(node: &Node, net: &NetworkMount) -> Agent {
 
 /// The same, with more flags.
 fn daemon_with(node: &Node, net: &NetworkMount, more: &[&str]) -> Agent {
-    let munge = slurm_with(Options {
+    let mut args = vec!["--watch", net.mount.to_str().unwrap()];
+    args.extend_from_slice(more);
+    slurm_with(Options {
         nodes: NODES,
         ..Options::default()
     })
-    .munge_socket
-    .to_str()
-    .unwrap()
-    .to_owned();
-    let mut args = vec![
-        "--watch",
-        net.mount.to_str().unwrap(),
-        "--munge-socket",
-        &munge,
-    ];
-    args.extend_from_slice(more);
-    let agent = Agent::start_in_namespace_of(node.holder, &args);
-    fs::create_dir_all("/run/hocus").unwrap();
-    // Over an earlier daemon's (its directory gone): that one is taken away first.
-    let bound = Command::new("nsenter")
-        .args(["-t", &node.holder.to_string(), "-m", "--", "sh", "-c"])
-        .arg(format!(
-            "while umount -l /run/hocus 2>/dev/null; do :; done; mount --bind {} /run/hocus",
-            agent.dir.path().display()
-        ))
-        .status()
-        .unwrap();
-    assert!(
-        bound.success(),
-        "binding {}'s daemon at /run/hocus",
-        node.name
-    );
-    agent
-}
-
-/// The bytes the server sent of files under `rel` since its log was `before` long.
-fn served_bytes(net: &NetworkMount, rel: &str, before: usize) -> u64 {
-    let inside = format!("close \"{}/", net.server_path(rel).display());
-    net.server_log()[before..]
-        .lines()
-        .filter(|l| l.contains(&inside))
-        .filter_map(|l| {
-            l.split(" bytes read ")
-                .nth(1)?
-                .split(' ')
-                .next()?
-                .parse::<u64>()
-                .ok()
-        })
-        .sum()
+    .agent_on(node, &args)
 }
 
 #[test]
@@ -128,7 +86,7 @@ fn a_job_across_three_nodes_runs_on_each_nodes_local_copies() {
     }
     // Each node read the working set from the server itself: what issue 14 is to
     // share (today every node's daemon and job ask the server on their own).
-    let read = served_bytes(&net, "env", before);
+    let read = net.bytes_served_inside("env", before);
     assert!(read >= NODES as u64 * working_set, "{read} bytes served");
 
     // The next job runs on each node's local snapshot: every task attached with it,
@@ -298,7 +256,7 @@ fn a_jobs_nodes_read_its_saved_working_set_from_the_server_once() {
     for agent in &agents {
         agent.settled();
     }
-    let served = served_bytes(&s.net, "env", before);
+    let served = s.net.bytes_served_inside("env", before);
     assert!(
         served * 10 <= s.working_set * 12,
         "the server sent {served} bytes of a {} byte working set to {NODES} nodes",

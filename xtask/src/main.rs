@@ -81,6 +81,27 @@ enum Bench {
     /// Slurm cluster, page cache emptied every second: from local disk, from the
     /// network with --hocus=off, and with hocus's SPANK plugin (nothing added).
     Slurm(Runs),
+    /// A Slurm job on 1, 2, ... nodes of a real multi-node cluster with a saved
+    /// profile: the file server's bytes and the time to warm every node's cache, each
+    /// node reading the server (direct) against the nodes sharing (the relay), the
+    /// server's link rate-limited.
+    Fanout {
+        /// Nodes of the cluster (jobs on 1 ..= this many).
+        #[arg(long, default_value_t = 4)]
+        nodes: usize,
+        /// MiB of the working set (4 MiB files, and 64 small ones).
+        #[arg(long, default_value_t = 128)]
+        mib: usize,
+        /// The file server's link, in Mbit/s.
+        #[arg(long, default_value_t = 200)]
+        server_mbit: u32,
+        /// Each node's link, in Mbit/s.
+        #[arg(long, default_value_t = 1000)]
+        node_mbit: u32,
+        /// A smoke run (CI): three nodes, 8 MiB.
+        #[arg(long)]
+        quick: bool,
+    },
     /// What hocus costs processes: a loop of open / read / close / failed stat on an
     /// unwatched local directory and on a watched network mount, with nothing attached,
     /// with empty programs on the same tracepoints (the floor), and with the daemon.
@@ -256,10 +277,43 @@ fn bench(agent: &Path, b: Bench) -> Result<()> {
             };
             bench::scale(agent, &s)
         }
+        Bench::Fanout {
+            nodes,
+            mib,
+            server_mbit,
+            node_mbit,
+            quick,
+        } => {
+            let f = if quick {
+                bench::Fanout::quick()
+            } else {
+                bench::Fanout {
+                    nodes: nodes.max(2),
+                    mib: mib.max(4),
+                    server_mbit: server_mbit.max(1),
+                    node_mbit: node_mbit.max(1),
+                }
+            };
+            bench::fanout(agent, &f)
+        }
         Bench::All { quick } => {
             // Each with the defaults its command line has (or its smoke run).
             for name in BENCHMARKS {
                 println!("\n== bench {name}");
+                if name == "fanout" {
+                    // A cluster of its own kind (many nodes): a process of its own, as
+                    // a test binary has one cluster.
+                    let mut cmd = Command::new(std::env::current_exe()?);
+                    cmd.args(["bench", name]);
+                    if quick {
+                        cmd.arg("--quick");
+                    }
+                    let status = cmd.status()?;
+                    if !status.success() {
+                        bail!("bench {name} failed ({status})");
+                    }
+                    continue;
+                }
                 bench(agent, parsed(name, quick)?)?;
             }
             Ok(())
@@ -268,7 +322,9 @@ fn bench(agent: &Path, b: Bench) -> Result<()> {
 }
 
 /// What `bench all` runs, in this order.
-const BENCHMARKS: [&str; 6] = ["dataset", "imports", "overhead", "events", "scale", "slurm"];
+const BENCHMARKS: [&str; 7] = [
+    "dataset", "imports", "overhead", "events", "scale", "slurm", "fanout",
+];
 
 /// The benchmark `name` with the defaults of its command line, or its smoke run.
 fn parsed(name: &str, quick: bool) -> Result<Bench> {

@@ -18,10 +18,12 @@ use anyhow::{Result, bail};
 use hocus_tests::{Agent, NetworkMount};
 
 mod events;
+mod fanout;
 mod overhead;
 mod scale;
 mod slurm;
 pub use events::{Events, events};
+pub use fanout::{Fanout, fanout};
 pub use overhead::{Overhead, overhead};
 pub use scale::{Scale, scale};
 pub use slurm::slurm_imports;
