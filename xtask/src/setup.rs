@@ -47,6 +47,9 @@ const PACKAGES: &[&str] = &[
     "slurmd",
     "slurm-client",
     "munge",
+    // The many-node tests and `bench fanout`: namespaces joined by a bridge (ip), links
+    // rate-limited (tc).
+    "iproute2",
 ];
 const BPF_LINKER_VERSION: &str = "0.13.0";
 const LLVM_PREFIX: &str = "/usr/lib/llvm-22";
