@@ -152,11 +152,17 @@ impl Shared {
 
     /// A fresh daemon on every node: empty caches, as nodes that never ran the job.
     fn daemons(&self) -> Vec<Agent> {
+        self.daemons_with(&[])
+    }
+
+    fn daemons_with(&self, more: &[&str]) -> Vec<Agent> {
         let template = self.template();
+        let mut args = vec!["--job-profiles", &template];
+        args.extend_from_slice(more);
         self.cluster
             .nodes
             .iter()
-            .map(|n| daemon_with(n, &self.net, &["--job-profiles", &template]))
+            .map(|n| daemon_with(n, &self.net, &args))
             .collect()
     }
 
@@ -278,6 +284,38 @@ fn a_jobs_nodes_read_its_saved_working_set_from_the_server_once() {
             let metrics = metrics_of(agent, node);
             assert!(metrics.contains(&sample), "{}: {metrics}", node.name);
         }
+    }
+}
+
+#[test]
+fn in_a_chain_each_node_passes_on_what_its_parent_passed_it() {
+    let s = shared();
+    s.learned();
+    // One child per node: node1 -> node2 -> node3. node3's copies come from node2,
+    // which serves them as they land from node1, checked against node1's hash.
+    let agents = s.daemons_with(&["--fanout-width", "1"]);
+    let before = s.net.server_log().len();
+    assert_success(&s.job());
+    for agent in &agents {
+        agent.settled();
+    }
+    let served = s.net.bytes_served_inside("env", before);
+    assert!(served * 10 <= s.working_set * 12, "{served} bytes served");
+    assert!(
+        agents[2]
+            .log()
+            .contains("node node3 fetches its files from node node2"),
+        "{}",
+        agents[2].log()
+    );
+    for (agent, node) in agents.iter().zip(&s.cluster.nodes).skip(1) {
+        assert_eq!(s.copies_are_the_sources(agent, node), 3, "{}", agent.log());
+        assert!(
+            copied_from_peers(agent) >= s.working_set,
+            "{}: {}",
+            node.name,
+            agent.log()
+        );
     }
 }
 
