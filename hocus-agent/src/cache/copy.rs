@@ -5,8 +5,9 @@
 //!   cannot make hocus copy a file from outside the tree;
 //! - it is opened with the credentials of a user seen reading it: root is squashed on
 //!   most NFS exports and must not read more than users can;
-//! - the data goes to a temporary file that is fsynced and renamed into place, so a
-//!   crash never leaves a half-written copy under its final name;
+//! - the data goes to a temporary file renamed into place once whole; the cache index
+//!   names a copy only once the filesystem holding it was flushed, so after a crash a
+//!   copy is either whole or not the index's (and removed);
 //! - a source that changed during the copy (size, mtime, ctime or inode) is discarded;
 //! - owner, group, mode, POSIX ACLs, user xattrs, atime and mtime (ns) are kept.
 
@@ -60,6 +61,24 @@ const FUSE_SUPER_MAGIC: i64 = 0x6573_5546;
 /// new file. FUSE does not.
 pub fn stable_inodes(fd: &impl std::os::fd::AsFd) -> bool {
     nix::sys::statfs::fstatfs(fd).map_or(true, |s| s.filesystem_type().0 != FUSE_SUPER_MAGIC)
+}
+
+/// [`stable_inodes`] of the watched tree `tree`, asked once: over FUSE a statfs is a
+/// round trip to the server, and every copy would ask it again.
+fn stable_inodes_of(tree: &Path, fd: &OwnedFd) -> bool {
+    static KNOWN: std::sync::Mutex<Option<std::collections::HashMap<PathBuf, bool>>> =
+        std::sync::Mutex::new(None);
+    let mut known = KNOWN.lock().unwrap_or_else(|e| e.into_inner());
+    let known = known.get_or_insert_with(Default::default);
+    if let Some(s) = known.get(tree) {
+        return *s;
+    }
+    let s = stable_inodes(fd);
+    // Bounded by the watched trees (at most 8); a few more for tests' temporary ones.
+    if known.len() < 64 {
+        known.insert(tree.to_owned(), s);
+    }
+    s
 }
 
 impl Identity {
@@ -252,7 +271,7 @@ pub fn copy(
             let fd = open_beneath(&tree_fd, rel, libc::O_PATH)?;
             File::from(fd).metadata().map_err(CopyError::Source)?
         };
-        let stable = stable_inodes(&tree_fd);
+        let stable = stable_inodes_of(tree, &tree_fd);
         let id = Identity::on(&before, stable);
         if copied != before.size()
             || Identity::on(&after, stable) != id
@@ -265,15 +284,15 @@ pub fn copy(
         fchown(&out, before.uid(), before.gid()).map_err(local)?;
         // chown clears set-id bits: the mode comes after it.
         fchmod(&out, before.mode() & 0o7777).map_err(local)?;
-        out.sync_all().map_err(local)?;
+        // Not fsynced one by one (a journal commit each, taken one at a time): the
+        // cache index is written only after the whole cache filesystem is flushed
+        // (`Cache::save`), so every copy it names is on disk, and a copy it does not
+        // name is removed at the next start.
         set_times(&out, &before).map_err(local)?;
         if let Some(parent) = dest.parent() {
             fs::create_dir_all(parent).map_err(local)?;
         }
         fs::rename(&tmp, dest).map_err(local)?;
-        if let Some(parent) = dest.parent() {
-            let _ = File::open(parent).and_then(|d| d.sync_all());
-        }
         Ok(id)
     })();
     if result.is_err() {

@@ -402,11 +402,21 @@ fn run_case(
     drop(learner);
     let (_disk, agent) = agent_on_local_disk(net);
     drop_caches()?;
+    let log_before = net.server_log().len();
     let t = Instant::now();
     let warmed = agent
         .cli(&["prefetch", "--profile", profile.to_str().unwrap()])
         .output()?;
     let prefetch_s = t.elapsed().as_secs_f64();
+    if std::env::var_os("HOCUS_BENCH_LOG").is_some() {
+        // What the prefetch asked the server, by request.
+        let mut kinds = std::collections::BTreeMap::<String, usize>::new();
+        for l in net.server_log()[log_before..].lines() {
+            let k = l.split(' ').next().unwrap_or("").to_owned();
+            *kinds.entry(k).or_default() += 1;
+        }
+        println!("\nthe server's requests during the prefetch: {kinds:?}");
+    }
     if !exported.status.success() || !warmed.status.success() {
         bail!(
             "prefetching failed: {}",
@@ -513,6 +523,9 @@ fn run_case(
             "not met"
         }
     );
+    if std::env::var_os("HOCUS_BENCH_LOG").is_some() {
+        println!("\n--- the daemon's log ---\n{}", agent.log());
+    }
     Ok(serde_json::json!({
         "case": case.name,
         "working_set_files": working_set.len(),

@@ -330,7 +330,7 @@ impl Keeper {
                 self.tick(&mut next_check, &mut last_save);
             }
         });
-        self.cache.save();
+        self.cache.save_now();
     }
 
     /// A worker finished something.
