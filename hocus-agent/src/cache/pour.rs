@@ -10,6 +10,7 @@ use std::{
 pub type Hash = [u8; 32];
 
 /// What `pour` moved: the bytes, and their hash.
+#[derive(Debug)]
 pub struct Poured {
     pub bytes: u64,
     pub hash: Hash,

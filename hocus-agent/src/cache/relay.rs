@@ -289,6 +289,72 @@ mod tests {
         assert_eq!(request(Path::new("/a")), vec![0, 0, 0, 2, b'/', b'a']);
     }
 
+    /// A parent that answers one request with `offer` and `bytes`, and the Parent
+    /// asking it (its connection made already: no munge here).
+    fn parent_sending(offer: Offer, bytes: Vec<u8>) -> Parent {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        std::thread::spawn(move || {
+            let (mut conn, _) = listener.accept().unwrap();
+            let mut len = [0u8; 4];
+            conn.read_exact(&mut len).unwrap();
+            let mut path = vec![0u8; u32::from_be_bytes(len) as usize];
+            conn.read_exact(&mut path).unwrap();
+            conn.write_all(&[WAIT, FILE]).unwrap();
+            conn.write_all(&offer.encode()).unwrap();
+            let _ = conn.write_all(&bytes);
+        });
+        let parent = Parent::new(
+            "node1".into(),
+            addr,
+            String::new(),
+            None,
+            Duration::from_secs(5),
+        );
+        parent.give_back(TcpStream::connect(addr).unwrap());
+        parent
+    }
+
+    fn fetched(offer: Offer, bytes: &[u8], size: u64) -> (Result<Poured, Miss>, Vec<u8>, bool) {
+        let parent = parent_sending(offer, bytes.to_vec());
+        let dir = tempfile::tempdir().unwrap();
+        let mut out = File::options()
+            .create(true)
+            .truncate(true)
+            .read(true)
+            .write(true)
+            .open(dir.path().join("copy"))
+            .unwrap();
+        let got = parent.fetch(Path::new("/net/f"), size, 7, &mut out);
+        let written = std::fs::read(dir.path().join("copy")).unwrap();
+        (got, written, parent.has_failed())
+    }
+
+    #[test]
+    fn only_bytes_that_hash_to_the_first_copys_hash_are_taken() {
+        let bytes = b"the first node's copy".to_vec();
+        let size = bytes.len() as u64;
+        let good = Offer {
+            size,
+            mtime_ns: 7,
+            hash: *blake3::hash(&bytes).as_bytes(),
+        };
+        let (got, written, failed) = fetched(good, &bytes, size);
+        assert!(got.is_ok() && written == bytes && !failed);
+        // Corrupted on the way (or on the parent's disk): refused, the parent not asked
+        // again; the caller (copy) deletes what was written.
+        let mut corrupt = bytes.clone();
+        corrupt[0] ^= 1;
+        let (got, _, failed) = fetched(good, &corrupt, size);
+        assert!(matches!(got, Err(Miss::Broken(_))) && failed, "{got:?}");
+        // Cut short: refused.
+        let (got, _, failed) = fetched(good, &bytes[..5], size);
+        assert!(matches!(got, Err(Miss::Broken(_))) && failed, "{got:?}");
+        // Another version than the network's now (size or mtime): not taken at all.
+        let (got, written, failed) = fetched(good, &bytes, size + 1);
+        assert!(matches!(got, Err(Miss::Differs)) && written.is_empty() && !failed);
+    }
+
     #[test]
     fn a_hash_is_kept_with_the_copy_or_computed() {
         let dir = tempfile::tempdir().unwrap();
