@@ -469,12 +469,15 @@ fn cache(e: &mut DescriptorEncoder, c: &CacheStatus) -> std::fmt::Result {
             (vec![("from", "peer".to_owned())], c.copied_from_peers_bytes),
         ],
     )?;
-    counter(
+    family(
         e,
         "peer_wait",
         "Seconds copies spent on a multi-node job's parent node (waiting for it and receiving).",
         Some(&Unit::Seconds),
-        one(c.peer_wait_ms / 1000),
+        vec![(
+            Vec::new(),
+            ConstCounter::new(c.peer_wait_ms as f64 / 1000.0),
+        )],
     )?;
     counter(
         e,
