@@ -255,9 +255,9 @@ pub fn copy(
                 PourError::Write(e) => local(e),
             })?,
             Via::Parent(parent) => {
-                let mtime_ns = before.mtime() * 1_000_000_000 + before.mtime_nsec();
+                let now = Identity::of(&before);
                 parent
-                    .fetch(source, before.size(), mtime_ns, &mut out)
+                    .fetch(source, now.size, now.mtime_ns, &mut out)
                     .map_err(|miss| match miss {
                         relay::Miss::Write(e) => local(e),
                         miss => CopyError::Peer(miss),

@@ -12,7 +12,6 @@
 use std::{
     io::{self, BufRead, BufReader, Read, Write},
     net::{SocketAddr, TcpListener, TcpStream},
-    os::unix::fs::MetadataExt,
     path::PathBuf,
     sync::{
         Arc,
@@ -25,7 +24,10 @@ use std::{
 use tokio::sync::mpsc;
 
 use crate::{
-    cache::relay::{self, FILE, GREETING, MAX_PATH, NOT_HELD, Offer, WAIT, WAIT_EVERY},
+    cache::{
+        copy::Identity,
+        relay::{self, FILE, GREETING, MAX_PATH, NOT_HELD, Offer, WAIT, WAIT_EVERY},
+    },
     control::{
         calls::ask,
         protocol::{Ask, Call, Holding, Response},
@@ -313,10 +315,10 @@ impl Peer<'_> {
     }
 
     fn send(&mut self, copy: &std::fs::File) -> io::Result<()> {
-        let m = copy.metadata()?;
+        let id = Identity::of(&copy.metadata()?);
         let offer = Offer {
-            size: m.size(),
-            mtime_ns: m.mtime() * 1_000_000_000 + m.mtime_nsec(),
+            size: id.size,
+            mtime_ns: id.mtime_ns,
             hash: relay::hash_of(copy)?,
         };
         self.stream.write_all(&[FILE])?;

@@ -92,17 +92,7 @@ fn content(seed: u64, len: usize) -> Vec<u8> {
 }
 
 pub fn fanout(agent_bin: &Path, f: &Fanout) -> Result<()> {
-    if !crate::is_root() {
-        bail!("the benchmark runs a Slurm cluster and loads eBPF programs: run it as root");
-    }
-    // SAFETY: single-threaded at this point.
-    unsafe {
-        std::env::set_var("HOCUS_AGENT_BIN", agent_bin);
-        std::env::set_var(
-            "HOCUS_SPANK_PLUGIN",
-            agent_bin.with_file_name("libhocus_spank.so"),
-        );
-    }
+    super::for_slurm(agent_bin)?;
     let cluster = slurm_with(Options {
         nodes: f.nodes.max(2),
         ..Options::default()

@@ -40,6 +40,23 @@ pub fn write_figures(name: &str, figures: &serde_json::Value) -> Result<()> {
     Ok(())
 }
 
+/// A Slurm benchmark's start: it must run as root, and the cluster fixture (tests'
+/// `slurm`) is pointed at the agent and SPANK plugin just built.
+fn for_slurm(agent_bin: &Path) -> Result<()> {
+    if !crate::is_root() {
+        bail!("the benchmark runs a Slurm cluster and loads eBPF programs: run it as root");
+    }
+    // SAFETY: single-threaded at this point.
+    unsafe {
+        std::env::set_var("HOCUS_AGENT_BIN", agent_bin);
+        std::env::set_var(
+            "HOCUS_SPANK_PLUGIN",
+            agent_bin.with_file_name("libhocus_spank.so"),
+        );
+    }
+    Ok(())
+}
+
 /// The median of some timings.
 fn median(v: &[f64]) -> f64 {
     let mut v = v.to_vec();

@@ -23,17 +23,7 @@ const PYTHON: &str = "/usr/bin/python3";
 const SCRIPT: &str = "import numpy, scipy, scipy.linalg, scipy.sparse, pandas";
 
 pub fn slurm_imports(agent_bin: &Path, runs: usize, round_trip: Duration) -> Result<()> {
-    if !crate::is_root() {
-        bail!("the benchmark runs a Slurm cluster and loads eBPF programs: run it as root");
-    }
-    // SAFETY: single-threaded at this point.
-    unsafe {
-        std::env::set_var("HOCUS_AGENT_BIN", agent_bin);
-        std::env::set_var(
-            "HOCUS_SPANK_PLUGIN",
-            agent_bin.with_file_name("libhocus_spank.so"),
-        );
-    }
+    super::for_slurm(agent_bin)?;
     let packages = numpy_packages()?;
     let cluster = slurm();
     let net = network(round_trip);
