@@ -49,6 +49,27 @@ pub const VIEW_PREFIXES: usize = 4;
 /// touched forgotten first).
 pub const MAX_MAPPED: u32 = 8192;
 
+/// Filters that turn away what is not watched with one array load instead of a hash
+/// lookup. A slot counts the entries of a hash map that fall in it, so a zero says
+/// "certainly not there"; anything else only "look it up".
+pub mod filter {
+    /// Slots for processes, by thread group id: `HELD` counts the `OPEN_FILES` entries
+    /// the kernel side made, `RELEASED` those the agent removed (each array has one
+    /// writer, so neither needs a lock): equal, the process holds no watched file.
+    pub const PROCESS_SLOTS: u32 = 1 << 16;
+    /// Slots for `SUPERBLOCKS`, by address (`SuperblockSlot`, written by the agent only).
+    pub const SUPERBLOCK_SLOTS: u32 = 1 << 12;
+
+    pub const fn process_slot(tgid: u32) -> u32 {
+        tgid & (PROCESS_SLOTS - 1)
+    }
+
+    /// Superblocks are allocated a few KiB each: the bits above 2 KiB tell them apart.
+    pub const fn superblock_slot(sb: u64) -> u32 {
+        (sb >> 11) as u32 & (SUPERBLOCK_SLOTS - 1)
+    }
+}
+
 /// What a traced syscall means for the profile.
 pub mod op {
     pub const NONE: u8 = 0;
@@ -91,6 +112,30 @@ pub mod superblock {
     pub const SNAPSHOT_VIEW: u32 = 4;
 }
 
+/// A superblock the kernel side looks at (`SUPERBLOCKS`, by address).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Superblock {
+    /// `superblock` flags.
+    pub flags: u32,
+    pub _pad: u32,
+    /// Its root directory's dentry (`s_root`): a mount rooted there is the filesystem's
+    /// own, not one of hocus's binds.
+    pub root: u64,
+}
+
+/// A slot of `SUPERBLOCK_SLOTS` (`filter::superblock_slot`): how many of `SUPERBLOCKS`
+/// fall in it, and when that is one, which and what it is, so most opens on the node
+/// are answered by one array load: none here, or this one. More than one: look it up.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SuperblockSlot {
+    pub count: u32,
+    pub _pad: u32,
+    pub address: u64,
+    pub superblock: Superblock,
+}
+
 /// Where the kernel keeps the fields the programs read, from the kernel's BTF (Rust eBPF
 /// has no CO-RE relocations). Byte offsets; dotted names are nested fields.
 #[repr(C)]
@@ -130,6 +175,9 @@ pub struct KernelOffsets {
     pub dentry_inode: u32,
     /// inode.i_ino
     pub inode_ino: u32,
+    /// The pt_regs fields holding a syscall's six arguments, by position: constants
+    /// (read-only data) for the verifier, so each is read with a plain load.
+    pub regs_args: [u32; 6],
 }
 
 /// How another mount namespace sees the watched trees, learned by the agent from
@@ -170,9 +218,10 @@ pub struct Calibration {
     pub fd: i32,
     /// Set by the kernel side once answered.
     pub done: u32,
-    pub mnt: u64,
     pub dentry: u64,
     pub superblock: u64,
+    /// The superblock's root directory (`s_root`).
+    pub superblock_root: u64,
     /// The superblock's `s_dev`, in the kernel's encoding (major << 20 | minor).
     pub dev: u32,
     pub name_len: u32,
@@ -193,9 +242,9 @@ impl Default for Calibration {
             thread: 0,
             fd: -1,
             done: 0,
-            mnt: 0,
             dentry: 0,
             superblock: 0,
+            superblock_root: 0,
             dev: 0,
             name_len: 0,
             cwd: 0,
@@ -220,10 +269,9 @@ pub mod flags_from {
     pub const CREAT: u8 = 3;
 }
 
-/// Where a syscall's arguments sit in the `struct pt_regs` the raw `sys_enter`/`sys_exit`
-/// tracepoints pass (byte offsets, from the argument's position in the tracefs format
-/// and the registers' offsets in the kernel's BTF), `NO_FIELD` for none. Indexed by
-/// syscall number.
+/// Which of a syscall's arguments the programs read: each field is the argument's
+/// position (0 to 5, from the tracefs format, by name), `NO_FIELD` for none; the
+/// registers of the positions are `KernelOffsets::regs_args`. Indexed by syscall number.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SyscallLayout {
@@ -289,6 +337,9 @@ pub struct OpenFile {
     pub bytes_read: u64,
     pub written: u32,
     pub _pad: u32,
+    /// The `struct file` the descriptor held when opened: a close tells by it whether
+    /// another thread's open has taken the number since.
+    pub file: u64,
 }
 
 /// A file's page cache, as `filemap:mm_filemap_add_to_page_cache` names it: the
@@ -420,6 +471,8 @@ mod user {
     unsafe impl aya::Pod for Watched {}
     unsafe impl aya::Pod for FdKey {}
     unsafe impl aya::Pod for OpenFile {}
+    unsafe impl aya::Pod for Superblock {}
+    unsafe impl aya::Pod for SuperblockSlot {}
     unsafe impl aya::Pod for KernelOffsets {}
     unsafe impl aya::Pod for NamespaceKey {}
     unsafe impl aya::Pod for Calibration {}

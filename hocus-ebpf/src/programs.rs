@@ -1,23 +1,24 @@
 use aya_ebpf::{
     helpers::{
-        bpf_get_current_comm, bpf_get_current_pid_tgid, bpf_get_current_task,
-        bpf_get_current_uid_gid, bpf_get_smp_processor_id, bpf_ktime_get_ns, bpf_probe_read_kernel,
+        bpf_get_current_comm, bpf_get_current_pid_tgid, bpf_get_current_uid_gid,
+        bpf_get_smp_processor_id, bpf_ktime_get_ns, bpf_probe_read_kernel,
         bpf_probe_read_kernel_buf, bpf_probe_read_kernel_str_bytes, bpf_probe_read_user,
         bpf_probe_read_user_str_bytes, generated,
     },
-    macros::{map, raw_tracepoint, tracepoint},
+    macros::{btf_tracepoint, map, tracepoint},
     maps::{Array, HashMap, LruHashMap, PerCpuArray, RingBuf},
-    programs::{RawTracePointContext, TracePointContext},
+    programs::{BtfTracePointContext, TracePointContext},
 };
 use hocus_common::{
     AT_FDCWD, Calibration, Event, FdKey, Home, InodeKey, KernelOffsets, MAX_KNOWN_NAMESPACES,
     MAX_MAPPED, MAX_OPEN_FILES, MAX_PATH, MAX_PREFIX, MAX_PROCESSES, MAX_ROOTS, MAX_SUPERBLOCKS,
     MAX_SYSCALL_NR, MAX_VIEW_ROOTS, MAX_VIEWS, MAX_WATCHED, Mapped, NO_FIELD, NamespaceKey,
-    OpenFile, PREFIX_WORDS, PathBuf, RING_BYTES, ROOT_NONE, ROOT_VIEW, SyscallLayout, View,
-    Watched, counter, ev, flags_from, kind, op, superblock,
+    OpenFile, PREFIX_WORDS, PathBuf, RING_BYTES, ROOT_NONE, ROOT_VIEW, Superblock, SuperblockSlot,
+    SyscallLayout, View, Watched, counter, ev, filter, flags_from, kind, op, superblock,
 };
 
 const ENOENT: i64 = 2;
+const EBADF: i64 = 9;
 const EROFS: i64 = 30;
 const O_ACCMODE: u32 = 0o3;
 const O_CREAT: u32 = 0o100;
@@ -80,6 +81,7 @@ static OFFSETS: KernelOffsets = KernelOffsets {
     thread_status: 0,
     dentry_inode: 0,
     inode_ino: 0,
+    regs_args: [0; 6],
 };
 
 #[map]
@@ -92,9 +94,14 @@ static WATCHED: Array<Watched> = Array::with_max_entries(MAX_WATCHED, 0);
 /// then the roots of snapshot views in jobs).
 #[map]
 static ROOTS: HashMap<u64, u32> = HashMap::with_max_entries(MAX_ROOTS as u32 + MAX_VIEW_ROOTS, 0);
-/// The superblocks those directories are on (`hocus_common::superblock` flags).
+/// The superblocks those directories are on.
 #[map]
-static SUPERBLOCKS: HashMap<u64, u32> = HashMap::with_max_entries(MAX_SUPERBLOCKS, 0);
+static SUPERBLOCKS: HashMap<u64, Superblock> = HashMap::with_max_entries(MAX_SUPERBLOCKS, 0);
+/// `SUPERBLOCKS` by slot (`filter::superblock_slot`), kept by the agent: every open on
+/// the node asks, and almost every answer is "none" or the slot's one superblock.
+#[map]
+static SUPERBLOCK_SLOTS: Array<SuperblockSlot> =
+    Array::with_max_entries(filter::SUPERBLOCK_SLOTS, 0);
 /// Mount namespaces (with a root) whose absolute paths mean what they mean to the agent.
 #[map]
 static KNOWN_NAMESPACES: LruHashMap<NamespaceKey, u32> =
@@ -118,6 +125,14 @@ static CALIBRATE: Array<Calibration> = Array::with_max_entries(1, 0);
 /// Descriptors of watched files, by process and descriptor.
 #[map]
 static OPEN_FILES: HashMap<FdKey, OpenFile> = HashMap::with_max_entries(MAX_OPEN_FILES, 0);
+/// `OPEN_FILES` entries made here, less those removed here, by process slot
+/// (`filter::process_slot`); and those the agent removed (processes gone without a
+/// close). Equal: no process of the slot holds a watched file, and a read, write or
+/// close on the node needs no hash lookup.
+#[map]
+static HELD: Array<u32> = Array::with_max_entries(filter::PROCESS_SLOTS, 0);
+#[map]
+static RELEASED: Array<u32> = Array::with_max_entries(filter::PROCESS_SLOTS, 0);
 /// The `hocus-agent run` job each process belongs to: the id is the daemon thread that
 /// forked the job's first process. Set at fork, inherited by every descendant.
 #[map]
@@ -138,6 +153,9 @@ static SCRATCH: PerCpuArray<PathBuf> = PerCpuArray::with_max_entries(2, 0);
 static WALK: PerCpuArray<WalkBuf> = PerCpuArray::with_max_entries(1, 0);
 #[map]
 static NEXT_ID: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
+/// Where a typed pointer is written and read back as a plain number (`Typed::address`).
+#[map]
+static ADDRESS: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
 
 #[repr(C, align(8))]
 pub struct WalkBuf {
@@ -178,17 +196,36 @@ fn layout(nr: i64) -> Option<&'static SyscallLayout> {
     Some(layout)
 }
 
-/// A syscall argument, from the saved registers at `offset` (`NO_FIELD`: none).
-fn arg(regs: u64, offset: u16) -> Option<u64> {
-    if offset == NO_FIELD {
-        return None;
-    }
-    field(regs, u32::from(offset))
-}
+/// A syscall's six arguments, read from its saved registers at once: six plain loads
+/// at constant offsets, which the verifier checks against `struct pt_regs`.
+struct Args([u64; 6]);
 
-/// A directory descriptor argument; `AT_FDCWD` for syscalls that have none.
-fn arg_fd(regs: u64, offset: u16) -> i32 {
-    arg(regs, offset).map_or(AT_FDCWD, |d| d as i32)
+impl Args {
+    fn of(regs: Typed) -> Self {
+        let at = |register: &u32| regs.read::<u64>(global(register));
+        let r = &OFFSETS.regs_args;
+        Self([
+            at(&r[0]),
+            at(&r[1]),
+            at(&r[2]),
+            at(&r[3]),
+            at(&r[4]),
+            at(&r[5]),
+        ])
+    }
+
+    /// The argument at `position` (`NO_FIELD`: none).
+    fn get(&self, position: u16) -> Option<u64> {
+        if position == NO_FIELD {
+            return None;
+        }
+        self.0.get(usize::from(position)).copied()
+    }
+
+    /// A directory descriptor argument; `AT_FDCWD` for syscalls that have none.
+    fn dfd(&self, position: u16) -> i32 {
+        self.get(position).map_or(AT_FDCWD, |d| d as i32)
+    }
 }
 
 /// Whether `nr` is, in the 32-bit numbering, mount, umount, umount2, pivot_root or
@@ -200,12 +237,50 @@ fn is_ia32_mount(nr: i64) -> bool {
 /// Whether the current syscall is a 32-bit one (`int 0x80` or a 32-bit process): its
 /// number and registers mean something else, so it is never read as a 64-bit one.
 fn is_compat() -> bool {
-    field::<u32>(task(), offset(|o| &o.thread_status)).is_none_or(|s| s & TS_COMPAT != 0)
+    task().read::<u32>(offset(|o| &o.thread_status)) & TS_COMPAT != 0
 }
 
 // ---- Kernel objects: where a file, a working directory or a namespace is ----
 
-/// Reads a field of a kernel object, `offset` bytes into it.
+/// A kernel object whose type the verifier knows from BTF: the tracepoint's arguments,
+/// the current task, and the struct pointers in their fields. Its fields are read with
+/// plain loads, which the JIT guards against faults (a null or stale pointer reads
+/// zeros), instead of a helper call each: every syscall on the node pays for what is
+/// read before it is turned away. The offsets are read-only data, constants to the
+/// verifier, which checks each load against the kernel's types. Anything else (the
+/// address in a pointer to pointers, or got through the helper) is only a number to
+/// the verifier and is read with `field`.
+#[derive(Clone, Copy)]
+struct Typed(u64);
+
+impl Typed {
+    fn read<T: Copy>(self, offset: u32) -> T {
+        // SAFETY: see the type.
+        unsafe { core::ptr::read_volatile((self.0 + u64::from(offset)) as *const T) }
+    }
+
+    /// A field that points to a struct: typed too. None if null.
+    fn follow(self, offset: u32) -> Option<Typed> {
+        let p: u64 = self.read(offset);
+        (p != 0).then_some(Typed(p))
+    }
+
+    /// The object's address as a plain number, which the verifier lets a program shift
+    /// and mask (a filter slot) and hand to `field`, like any address got through the
+    /// helper: written to a map and read back (maps keep no pointer types).
+    fn address(self) -> u64 {
+        let Some(slot) = ADDRESS.get_ptr_mut(0) else {
+            return 0;
+        };
+        // SAFETY: per-CPU slot owned by this program run.
+        unsafe {
+            core::ptr::write_volatile(slot, self.0);
+            core::ptr::read_volatile(slot)
+        }
+    }
+}
+
+/// Reads a field of a kernel object known only by its address, `offset` bytes into it.
 fn field<T>(object: u64, offset: u32) -> Option<T> {
     if object == 0 {
         return None;
@@ -218,67 +293,100 @@ fn offset(f: fn(&KernelOffsets) -> &u32) -> u32 {
     global(f(&OFFSETS))
 }
 
-/// A directory entry as a process reached it: through which mount, and which dentry.
-struct Place {
-    mnt: u64,
-    dentry: u64,
+/// The mount a place was reached through: its root directory and its superblock.
+#[derive(Clone, Copy)]
+struct Mount {
+    root: u64,
+    sb: u64,
 }
 
-fn task() -> u64 {
-    // SAFETY: no arguments; the current task's address.
-    unsafe { bpf_get_current_task() }
+impl Mount {
+    /// A `struct vfsmount` known by address: mnt_root then mnt_sb, read at once
+    /// (adjacent, checked by the agent).
+    fn at(mnt: u64) -> Option<Self> {
+        let [root, sb] = field::<[u64; 2]>(mnt, offset(|o| &o.vfsmount_root))?;
+        Some(Self { root, sb })
+    }
+
+    fn of(mnt: Typed) -> Self {
+        let at = offset(|o| &o.vfsmount_root);
+        Self {
+            root: Typed(mnt.read(at)).address(),
+            sb: Typed(mnt.read(at + 8)).address(),
+        }
+    }
 }
 
-/// What descriptor `fd` of the current process is open on.
-fn file_place(fd: u32) -> Option<Place> {
-    let files: u64 = field(task(), offset(|o| &o.task_files))?;
-    let fdt: u64 = field(files, offset(|o| &o.files_fdt))?;
-    // No check against max_fds: `fd` was valid at this syscall (a table only grows), and
-    // a wrong read lands on no known superblock anyway. One read less on every open.
-    let array: u64 = field(fdt, offset(|o| &o.fdt_fd))?;
-    let file: u64 = field(array + u64::from(fd) * 8, 0)?;
+fn task() -> Typed {
+    // SAFETY: no arguments; the current task, typed.
+    Typed(unsafe { generated::bpf_get_current_task_btf() } as u64)
+}
+
+/// The `struct file` descriptor `fd` of the current process holds now, by address (a
+/// number to the verifier: the table is an array of pointers, read with the helper).
+/// The table built into `files_struct` would be typed, but almost no process uses it:
+/// a child gets a grown table when its parent has a high descriptor open (a shell's
+/// fd 255), and keeps it.
+fn file_at(fd: u32) -> Option<u64> {
+    let files = task().follow(offset(|o| &o.task_files))?;
+    let fdt = files.follow(offset(|o| &o.files_fdt))?;
+    let file = read_slot(fdt.read(offset(|o| &o.fdt_fd)), fd)?;
+    (file != 0).then_some(file)
+}
+
+/// Where an open `struct file` lies: the mount it was opened through, and its dentry.
+fn file_place(file: u64) -> Option<(Mount, u64)> {
     // f_path is a struct path: mnt then dentry, read at once (checked by the agent).
     let [mnt, dentry] = field::<[u64; 2]>(file, offset(|o| &o.file_mnt))?;
-    Some(Place { mnt, dentry })
+    Some((Mount::at(mnt)?, dentry))
+}
+
+/// Slot `fd` of a descriptor table (`fdtable.fd`), through the helper. No check against
+/// max_fds: `fd` was valid at this syscall (a table only grows), and a wrong read lands
+/// on no known superblock anyway.
+fn read_slot(table: u64, fd: u32) -> Option<u64> {
+    field(table + u64::from(fd) * 8, 0)
 }
 
 /// The page cache key of what a descriptor is open on: its superblock's device and its
 /// inode's number.
-fn inode_of(place: &Place) -> Option<InodeKey> {
-    let [_, sb] = field::<[u64; 2]>(place.mnt, offset(|o| &o.vfsmount_root))?;
-    let inode: u64 = field(place.dentry, offset(|o| &o.dentry_inode))?;
+fn inode_of(mount: Mount, dentry: u64) -> Option<InodeKey> {
+    let inode: u64 = field(dentry, offset(|o| &o.dentry_inode))?;
     Some(InodeKey {
-        dev: field(sb, offset(|o| &o.sb_dev))?,
+        dev: field(mount.sb, offset(|o| &o.sb_dev))?,
         _pad: 0,
         ino: field(inode, offset(|o| &o.inode_ino))?,
     })
 }
 
-/// The current process's working directory.
-fn cwd_place() -> Option<Place> {
-    let fs: u64 = field(task(), offset(|o| &o.task_fs))?;
-    let [mnt, dentry] = field::<[u64; 2]>(fs, offset(|o| &o.fs_pwd_mnt))?;
-    Some(Place { mnt, dentry })
+/// The current process's working directory: the mount it was reached through, and its
+/// dentry. Plain loads all the way.
+fn cwd() -> Option<(Mount, u64)> {
+    let fs = task().follow(offset(|o| &o.task_fs))?;
+    // fs->pwd is a struct path: mnt then dentry (checked by the agent).
+    let at = offset(|o| &o.fs_pwd_mnt);
+    let mnt = fs.follow(at)?;
+    Some((Mount::of(mnt), Typed(fs.read(at + 8)).address()))
 }
 
 /// The current process's mount namespace (from its nsproxy) and root: what its absolute
 /// paths mean; and the namespace's inode number, which the agent checks.
-fn namespace_of(nsproxy: u64) -> Option<(NamespaceKey, u32)> {
-    let mnt_ns: u64 = field(nsproxy, offset(|o| &o.nsproxy_mnt_ns))?;
+fn namespace_of(nsproxy: Typed) -> Option<(NamespaceKey, u32)> {
+    let mnt_ns = nsproxy.follow(offset(|o| &o.nsproxy_mnt_ns))?;
     let key = NamespaceKey {
-        namespace: field(mnt_ns, offset(|o| &o.mnt_ns_id))?,
+        namespace: mnt_ns.read(offset(|o| &o.mnt_ns_id)),
         root: root_dentry()?,
     };
-    Some((key, field(mnt_ns, offset(|o| &o.mnt_ns_inum))?))
+    Some((key, mnt_ns.read(offset(|o| &o.mnt_ns_inum))))
 }
 
-fn nsproxy() -> Option<u64> {
-    field(task(), offset(|o| &o.task_nsproxy))
+fn nsproxy() -> Option<Typed> {
+    task().follow(offset(|o| &o.task_nsproxy))
 }
 
 fn root_dentry() -> Option<u64> {
-    let fs: u64 = field(task(), offset(|o| &o.task_fs))?;
-    field(fs, offset(|o| &o.fs_root_dentry))
+    let fs = task().follow(offset(|o| &o.task_fs))?;
+    Some(fs.read(offset(|o| &o.fs_root_dentry)))
 }
 
 fn generation() -> u64 {
@@ -304,22 +412,24 @@ struct Located {
     start: u32,
 }
 
-/// Places a dentry under one of `ROOTS` by walking up its parents, whatever mount or
-/// namespace it was reached through: a tree bound elsewhere in a container is still
-/// the tree, a look-alike mounted at the same path is another superblock.
-fn locate(place: &Place) -> Option<Located> {
-    // The mount's root and superblock, read at once (adjacent, checked by the agent):
-    // every open on the node pays this, so it is kept to one read.
-    let [mnt_root, sb] = field::<[u64; 2]>(place.mnt, offset(|o| &o.vfsmount_root))?;
-    // SAFETY: plain value copy.
-    let flags = unsafe { *SUPERBLOCKS.get(&sb)? };
-    if flags & (superblock::WATCHED | superblock::SNAPSHOT_VIEW) == 0 {
-        // Only the cache is on this disk: what matters is reached through hocus's binds
-        // (mounts rooted inside the cache), not through the disk's own mount.
-        let s_root: u64 = field(sb, offset(|o| &o.sb_root))?;
-        if mnt_root == s_root {
-            return None;
-        }
+/// Places a dentry, reached through `mount`, under one of `ROOTS` by walking up its
+/// parents, whatever mount or namespace it was reached through: a tree bound elsewhere
+/// in a container is still the tree, a look-alike mounted at the same path is another
+/// superblock. Every open on the node comes here: most leave at the superblock test.
+fn locate(mount: Mount, dentry: u64) -> Option<Located> {
+    let slot = SUPERBLOCK_SLOTS.get(filter::superblock_slot(mount.sb))?;
+    let known = match slot.count {
+        0 => return None,
+        1 if slot.address == mount.sb => slot.superblock,
+        // SAFETY: plain value copy.
+        _ => unsafe { *SUPERBLOCKS.get(&mount.sb)? },
+    };
+    // Only the cache is on this disk: what matters is reached through hocus's binds
+    // (mounts rooted inside the cache), not through the disk's own mount.
+    if known.flags & (superblock::WATCHED | superblock::SNAPSHOT_VIEW) == 0
+        && mount.root == known.root
+    {
+        return None;
     }
     let buf = WALK.get_ptr_mut(0)?;
     // SAFETY: per-CPU scratch owned by this program run.
@@ -327,7 +437,7 @@ fn locate(place: &Place) -> Option<Located> {
     let parent_at = offset(|o| &o.dentry_parent);
     let (len_at, name_at) = (offset(|o| &o.dentry_name_len), offset(|o| &o.dentry_name));
     let mut pos = MAX_PATH;
-    let mut d = place.dentry;
+    let mut d = dentry;
     for _ in 0..WALK_DEPTH {
         // SAFETY: plain value copy. One lookup rather than a comparison per root: the
         // verifier then follows one "found" path per step, not one per root.
@@ -365,73 +475,57 @@ fn locate(place: &Place) -> Option<Located> {
     None
 }
 
-/// syscall_enter, on the raw `sys_enter` tracepoint: every syscall of every process on
-/// the node passes here, so anything not traced costs one table lookup. Only what must
-/// happen before the syscall is done here: a close forgets its descriptor before the
-/// number can be reused, and a mount makes learned views stale before it starts.
-/// Everything else is decided at exit, where the arguments are still in the registers.
-#[raw_tracepoint(tracepoint = "sys_enter")]
-pub fn syscall_enter(ctx: RawTracePointContext) -> i32 {
-    let _ = try_syscall_enter(&ctx);
-    0
-}
-
-fn try_syscall_enter(ctx: &RawTracePointContext) -> Option<()> {
-    let nr: i64 = ctx.arg(1);
-    if is_ia32_mount(nr) && is_compat() {
-        mounts_change();
-        return None;
-    }
-    let l = layout(nr)?;
-    if l.op != op::CLOSE && l.op != op::MOUNTS_CHANGE {
-        return None;
-    }
-    let (_, tgid) = current()?;
-    if l.op == op::MOUNTS_CHANGE {
-        // Before the mount and after it: a view learned while it was under way is stale
-        // too. The agent's own binds, in jobs' namespaces, propagate nowhere (those
-        // namespaces are slaves), so they change no view.
-        mounts_change();
-        return None;
-    }
-    let regs: u64 = ctx.arg(0);
-    let key = FdKey {
-        tgid,
-        fd: arg(regs, l.fd)? as u32,
-    };
-    // SAFETY: copied out before the entry is removed.
-    let file = unsafe { *OPEN_FILES.get(&key)? };
-    if is_compat() {
-        return None;
-    }
-    let _ = OPEN_FILES.remove(&key);
-    let h = Header {
-        kind: kind::CLOSE,
-        tgid,
-        file_id: file.file_id,
-        bytes: file.bytes_read,
-        open_flags: 0,
-    };
-    emit(&h, &no_path(), 0);
-    Some(())
-}
-
-/// syscall_exit, on the raw `sys_exit` tracepoint: the syscall's number is read from
-/// the saved registers (`orig_ax`), its arguments too (the kernel does not change them),
-/// and its result is the tracepoint's second argument. Opens are placed by what they
-/// opened; failed lookups and mutations by where their path lies; reads add their bytes
-/// to the open file; the first write to a file is reported once it succeeded.
-#[raw_tracepoint(tracepoint = "sys_exit")]
-pub fn syscall_exit(ctx: RawTracePointContext) -> i32 {
+/// syscall_exit, on `tp_btf/sys_exit`: every syscall of every process on the node passes
+/// here, so anything not traced costs a plain load (its number, from the saved
+/// registers) and one table lookup. The arguments are read from the saved registers
+/// too (the kernel does not change them) and the result is the tracepoint's second
+/// argument. Opens are placed by what they opened; failed lookups and mutations by
+/// where their path lies; reads add their bytes to the open file; the first write to a
+/// file is reported once it succeeded; a close forgets its descriptor; a mount makes
+/// learned views stale. Nothing runs at syscall entry: a program there would cost
+/// every syscall on the node a second run.
+#[btf_tracepoint(function = "sys_exit")]
+pub fn syscall_exit(ctx: BtfTracePointContext) -> i32 {
     let _ = try_syscall_exit(&ctx);
     0
 }
 
+/// Whether process `tgid` may hold a watched descriptor (false: certainly not).
+fn may_hold_files(tgid: u32) -> bool {
+    let slot = filter::process_slot(tgid);
+    let held = HELD.get(slot).copied().unwrap_or(1);
+    let released = RELEASED.get(slot).copied().unwrap_or(0);
+    held != released
+}
+
+/// Counts an `OPEN_FILES` entry made (`by` 1) or removed (`by` u32::MAX, i.e. -1) for
+/// process `tgid`.
+fn count_held(tgid: u32, by: u32) {
+    if let Some(n) = HELD.get_ptr_mut(filter::process_slot(tgid)) {
+        // SAFETY: map value pointer; the add is atomic (other CPUs count too).
+        unsafe {
+            core::intrinsics::atomic_xadd::<u32, u32, { core::intrinsics::AtomicOrdering::Relaxed }>(
+                n, by,
+            )
+        };
+    }
+}
+
+/// Removes process `tgid`'s entry for descriptor `key`, if it has one.
+fn forget_open_file(key: &FdKey) {
+    if OPEN_FILES.remove(key).is_ok() {
+        count_held(key.tgid, u32::MAX);
+    }
+}
+
 /// The open watched file descriptor `fd` of a read, write, ftruncate or mmap names:
-/// looked up first (almost every descriptor is not one), then refused for a 32-bit
-/// syscall, whose arguments are not where `l` says.
+/// filtered and looked up first (almost every descriptor is not one), then refused for
+/// a 32-bit syscall, whose arguments are not where `l` says.
 #[inline(always)]
 fn watched_file(fd: u32, tgid: u32) -> Option<*mut OpenFile> {
+    if !may_hold_files(tgid) {
+        return None;
+    }
     let file = OPEN_FILES.get_ptr_mut(&FdKey { tgid, fd })?;
     if is_compat() {
         return None;
@@ -439,11 +533,19 @@ fn watched_file(fd: u32, tgid: u32) -> Option<*mut OpenFile> {
     Some(file)
 }
 
-/// The checks of `is_compat` (a read of kernel memory) come after the cheap tests that
-/// turn away almost every syscall on the node, and before anything is changed or sent.
-fn try_syscall_exit(ctx: &RawTracePointContext) -> Option<()> {
-    let regs: u64 = ctx.arg(0);
-    let nr: i64 = field(regs, offset(|o| &o.regs_nr))?;
+/// What descriptor `fd`, just opened, is: its `struct file`'s address and where it
+/// lies, if under a root.
+fn opened(fd: u32) -> Option<(u64, Located)> {
+    let file = file_at(fd)?;
+    let (mount, dentry) = file_place(file)?;
+    Some((file, locate(mount, dentry)?))
+}
+
+/// The checks of `is_compat` (a read of the task) come after the cheap tests that turn
+/// away almost every syscall on the node, and before anything is changed or sent.
+fn try_syscall_exit(ctx: &BtfTracePointContext) -> Option<()> {
+    let regs = Typed(ctx.arg(0));
+    let nr: i64 = regs.read(offset(|o| &o.regs_nr));
     if is_ia32_mount(nr) && is_compat() {
         mounts_change();
         return None;
@@ -455,6 +557,7 @@ fn try_syscall_exit(ctx: &RawTracePointContext) -> Option<()> {
     if tgid == global(&SELF_TGID) {
         return agent_syscall(l, pid_tgid, ret);
     }
+    let args = Args::of(regs);
     let header = |kind, file_id, open_flags| Header {
         kind,
         tgid,
@@ -463,9 +566,10 @@ fn try_syscall_exit(ctx: &RawTracePointContext) -> Option<()> {
         open_flags,
     };
     match l.op {
+        // After the mount: a view learned while it was under way is stale too.
         op::MOUNTS_CHANGE => mounts_change(),
         op::READ if ret > 0 => {
-            let file = watched_file(arg(regs, l.fd)? as u32, tgid)?;
+            let file = watched_file(args.get(l.fd)? as u32, tgid)?;
             // SAFETY: map value pointer; the add is atomic (threads of one process may
             // read one descriptor at once).
             unsafe {
@@ -476,9 +580,33 @@ fn try_syscall_exit(ctx: &RawTracePointContext) -> Option<()> {
                 >(&raw mut (*file).bytes_read, ret as u64)
             };
         }
+        // Any result but EBADF released the descriptor (even EINTR, on Linux).
+        op::CLOSE if ret != -EBADF => {
+            if !may_hold_files(tgid) {
+                return None;
+            }
+            let fd = args.get(l.fd)? as u32;
+            let key = FdKey { tgid, fd };
+            // SAFETY: copied out before the entry is removed.
+            let file = unsafe { *OPEN_FILES.get(&key)? };
+            if is_compat() {
+                return None;
+            }
+            // Another thread of the process may have opened a file at the freed number
+            // since, and that open's exit replaced the entry: it is that file's now.
+            if file_at(fd) == Some(file.file) {
+                return Some(());
+            }
+            forget_open_file(&key);
+            let h = Header {
+                bytes: file.bytes_read,
+                ..header(kind::CLOSE, file.file_id, 0)
+            };
+            emit(&h, &no_path(), 0);
+        }
         // A failed write changes nothing.
         op::WRITE | op::FTRUNCATE if (l.op == op::WRITE && ret > 0) || ret == 0 => {
-            let file = watched_file(arg(regs, l.fd)? as u32, tgid)?;
+            let file = watched_file(args.get(l.fd)? as u32, tgid)?;
             // SAFETY: map value pointer, valid for this program run.
             let file = unsafe { &mut *file };
             if file.written != 0 {
@@ -494,14 +622,15 @@ fn try_syscall_exit(ctx: &RawTracePointContext) -> Option<()> {
         }
         op::MMAP if (ret as u64) < u64::MAX - MAX_ERRNO => {
             // Anonymous memory (fd -1) is almost every mmap on the node: no lookup.
-            let fd = arg(regs, l.fd)? as i32;
+            let fd = args.get(l.fd)? as i32;
             if fd < 0 {
                 return None;
             }
             let file = watched_file(fd as u32, tgid)?;
             // SAFETY: map value pointer, valid for this program run.
             let file_id = unsafe { (*file).file_id };
-            let inode = inode_of(&file_place(fd as u32)?)?;
+            let (mount, dentry) = file_place(file_at(fd as u32)?)?;
+            let inode = inode_of(mount, dentry)?;
             // The first mapping names the inode; later ones (every process loading the
             // same library) add to it.
             let fresh = Mapped { file_id, pages: 0 };
@@ -514,31 +643,47 @@ fn try_syscall_exit(ctx: &RawTracePointContext) -> Option<()> {
                 tgid,
                 fd: ret as u32,
             };
-            let Some(located) = file_place(ret as u32).and_then(|f| locate(&f)) else {
+            let held = may_hold_files(tgid);
+            let Some((file, located)) = opened(ret as u32) else {
                 // The descriptor number may have belonged to a watched file before (closed
-                // by dup2 or exec, unseen). Looked up first: a lookup is cheaper than a
-                // delete, and almost every open on the node misses.
-                if OPEN_FILES.get_ptr(&key).is_some() && !is_compat() {
-                    let _ = OPEN_FILES.remove(&key);
+                // by dup2 or exec, unseen). Filtered and looked up first: almost every
+                // open on the node misses.
+                if held && OPEN_FILES.get_ptr(&key).is_some() && !is_compat() {
+                    forget_open_file(&key);
                 }
                 return Some(());
             };
             if is_compat() {
                 return None;
             }
-            let file = OpenFile {
+            let entry = OpenFile {
                 file_id: next_id(),
+                file,
                 ..Default::default()
             };
-            if OPEN_FILES.insert(&key, &file, 0).is_err() {
-                count(counter::LOST_OPEN_FILES_FULL);
+            let stale = if held {
+                OPEN_FILES.get_ptr_mut(&key)
+            } else {
+                None
+            };
+            match stale {
+                // SAFETY: map value pointer, valid for this program run.
+                Some(stale) => unsafe { *stale = entry },
+                None => {
+                    // Counted before it exists, so a filter never says "none" wrongly.
+                    count_held(tgid, 1);
+                    if OPEN_FILES.insert(&key, &entry, BPF_NOEXIST).is_err() {
+                        count_held(tgid, u32::MAX);
+                        count(counter::LOST_OPEN_FILES_FULL);
+                    }
+                }
             }
             let target = Target {
                 located: Some(located),
                 ..no_path()
             };
             emit(
-                &header(kind::OPEN, file.file_id, open_flags(regs, l)),
+                &header(kind::OPEN, entry.file_id, open_flags(&args, l)),
                 &target,
                 0,
             );
@@ -548,10 +693,10 @@ fn try_syscall_exit(ctx: &RawTracePointContext) -> Option<()> {
                 return None;
             }
             // One after the other: both use the same walk buffer.
-            if let Some(t) = path_target(arg_fd(regs, l.dfd), arg(regs, l.path)?, 0) {
+            if let Some(t) = path_target(args.dfd(l.dfd), args.get(l.path)?, 0) {
                 emit(&header(kind::RENAME_FROM, 0, 0), &t, 0);
             }
-            if let Some(t) = path_target(arg_fd(regs, l.dfd2), arg(regs, l.path2)?, 1) {
+            if let Some(t) = path_target(args.dfd(l.dfd2), args.get(l.path2)?, 1) {
                 emit(&header(kind::RENAME_TO, 0, 0), &t, 1);
             }
         }
@@ -571,7 +716,7 @@ fn try_syscall_exit(ctx: &RawTracePointContext) -> Option<()> {
                 _ => return Some(()),
             };
             let flags = if k == kind::REFUSED_WRITE {
-                let flags = open_flags(regs, l);
+                let flags = open_flags(&args, l);
                 if l.op == op::OPEN && flags & (O_ACCMODE | O_CREAT | O_TRUNC) == 0 {
                     return Some(()); // a read-only open cannot be a refused write
                 }
@@ -580,7 +725,7 @@ fn try_syscall_exit(ctx: &RawTracePointContext) -> Option<()> {
                 0
             };
             // One call site: the verifier follows the walk once, not once per kind.
-            let t = path_target(arg_fd(regs, l.dfd), arg(regs, l.path)?, 0)?;
+            let t = path_target(args.dfd(l.dfd), args.get(l.path)?, 0)?;
             if is_compat() {
                 return None;
             }
@@ -591,10 +736,10 @@ fn try_syscall_exit(ctx: &RawTracePointContext) -> Option<()> {
 }
 
 /// An open's flags: an argument, or in the `struct open_how` an argument points to.
-fn open_flags(regs: u64, l: &SyscallLayout) -> u32 {
+fn open_flags(args: &Args, l: &SyscallLayout) -> u32 {
     match l.flags_from {
-        flags_from::ARG => arg(regs, l.flags).unwrap_or(0) as u32,
-        flags_from::OPEN_HOW => arg(regs, l.flags).map_or(0, |how| {
+        flags_from::ARG => args.get(l.flags).unwrap_or(0) as u32,
+        flags_from::OPEN_HOW => args.get(l.flags).map_or(0, |how| {
             // SAFETY: user pointer, read with the helper that tolerates faults.
             unsafe { bpf_probe_read_user(how as *const u64) }.unwrap_or(0) as u32
         }),
@@ -621,32 +766,35 @@ fn agent_syscall(l: &SyscallLayout, pid_tgid: u64, ret: i64) -> Option<()> {
 }
 
 fn calibrate(c: &mut Calibration) {
-    if let Some(f) = file_place(c.fd as u32) {
-        c.mnt = f.mnt;
-        c.dentry = f.dentry;
-        // The superblock as `locate` reads it: the mount's, beside its root.
-        c.superblock = field::<[u64; 2]>(f.mnt, offset(|o| &o.vfsmount_root)).map_or(0, |m| m[1]);
+    let file = file_at(c.fd as u32);
+    if let Some((mount, dentry)) = file.and_then(file_place) {
+        c.dentry = dentry;
+        // The superblock as `locate` is given it: the mount's, beside its root.
+        c.superblock = mount.sb;
+        c.superblock_root = field(mount.sb, offset(|o| &o.sb_root)).unwrap_or(0);
         c.dev = field(c.superblock, offset(|o| &o.sb_dev)).unwrap_or(0);
-        c.name_len = field(f.dentry, offset(|o| &o.dentry_name_len)).unwrap_or(0);
-        let name: u64 = field(f.dentry, offset(|o| &o.dentry_name)).unwrap_or(0);
+        c.name_len = field(dentry, offset(|o| &o.dentry_name_len)).unwrap_or(0);
+        let name: u64 = field(dentry, offset(|o| &o.dentry_name)).unwrap_or(0);
         // SAFETY: fault-tolerant read into the map value.
         let _ = unsafe { bpf_probe_read_kernel_str_bytes(name as *const u8, &mut c.name) };
-        c.ino = inode_of(&f).map_or(0, |i| i.ino);
+        c.ino = inode_of(mount, dentry).map_or(0, |i| i.ino);
     }
-    c.cwd = cwd_place().map_or(0, |p| p.dentry);
-    c.nsproxy = nsproxy().unwrap_or(0);
-    if let Some((key, inum)) = namespace_of(c.nsproxy) {
+
+    c.cwd = cwd().map_or(0, |(_, dentry)| dentry);
+    let nsproxy = nsproxy();
+    c.nsproxy = nsproxy.map_or(0, |n| n.0);
+    if let Some((key, inum)) = nsproxy.and_then(namespace_of) {
         c.namespace = key;
         c.ns_inum = inum;
     }
     c.done = 1;
 }
 
-/// floor, on the raw `sys_enter` and `sys_exit` tracepoints: returns at once. Only
-/// `cargo xtask bench overhead` attaches it (`hocus-agent trace-floor`), to measure what
-/// any program on these tracepoints costs the node, whatever it does.
-#[raw_tracepoint(tracepoint = "sys_enter")]
-pub fn floor(_ctx: RawTracePointContext) -> i32 {
+/// floor, on `tp_btf/sys_exit`: returns at once. Only `cargo xtask bench overhead`
+/// attaches it (`hocus-agent trace-floor`), to measure what any program there costs the
+/// node, whatever it does.
+#[btf_tracepoint(function = "sys_exit")]
+pub fn floor(_ctx: BtfTracePointContext) -> i32 {
     0
 }
 
@@ -809,42 +957,65 @@ fn read_target(user_path: u64, slot: u32) -> Option<(&'static PathBuf, Target)> 
 /// The path is copied only once a cheap test says it may be watched: most failed
 /// lookups on a node (a search path's misses) are nowhere near a watched tree.
 fn path_target(dfd: i32, user_path: u64, slot: u32) -> Option<Target> {
-    // SAFETY: user pointer, read with the helper that tolerates faults.
-    let first: u8 = unsafe { bpf_probe_read_user(user_path as *const u8) }.ok()?;
-    if first == b'/' {
-        return absolute_target(user_path, slot);
-    }
-    let start = if dfd == AT_FDCWD {
-        cwd_place()?
+    // One read of user memory tells an absolute path and gives the prefix test its
+    // first eight bytes; a short path at the end of a page is read a byte at a time.
+    let word = FirstWord::of(user_path);
+    let first = if word.known == u64::MAX {
+        word.bytes as u8
     } else {
-        file_place(dfd as u32)?
+        // SAFETY: user pointer, read with the helper that tolerates faults.
+        unsafe { bpf_probe_read_user(user_path as *const u8) }.ok()?
     };
-    let located = locate(&start)?;
+    if first == b'/' {
+        return absolute_target(user_path, word, slot);
+    }
+    let (mount, dentry) = if dfd == AT_FDCWD {
+        cwd()?
+    } else {
+        file_place(file_at(dfd as u32)?)?
+    };
+    let located = locate(mount, dentry)?;
     let (_, mut t) = read_target(user_path, slot)?;
     t.located = Some(located);
     Some(t)
 }
 
 /// The first eight bytes of a user path, for a test against the prefixes' first words
-/// before the whole path is copied. None if they cannot be read at once (a short path
-/// at the end of a page): then the whole path is.
-fn first_word(user_path: u64) -> Option<u64> {
-    // SAFETY: user pointer, read with the helper that tolerates faults.
-    unsafe { bpf_probe_read_user(user_path as *const u64) }.ok()
+/// before the whole path is copied. They may not be readable at once (a short path at
+/// the end of a page): then `known` is 0 and every prefix may match. (Not an Option: the
+/// verifier refuses the undefined payload of a None that LLVM may pass along.)
+#[derive(Clone, Copy)]
+struct FirstWord {
+    bytes: u64,
+    /// All ones if the bytes were read, else 0.
+    known: u64,
+}
+
+impl FirstWord {
+    fn of(user_path: u64) -> Self {
+        // SAFETY: user pointer, read with the helper that tolerates faults.
+        match unsafe { bpf_probe_read_user(user_path as *const u64) } {
+            Ok(bytes) => Self {
+                bytes,
+                known: u64::MAX,
+            },
+            Err(_) => Self { bytes: 0, known: 0 },
+        }
+    }
 }
 
 /// Whether a path starting with `word` may lie under `w` (its first eight bytes agree).
-fn may_match(word: Option<u64>, w: &Watched) -> bool {
-    word.is_none_or(|word| (word ^ w.words[0]) & w.masks[0] == 0)
+fn may_match(word: FirstWord, w: &Watched) -> bool {
+    (word.bytes ^ w.words[0]) & w.masks[0] & word.known == 0
 }
 
 /// An absolute path means what it means to the agent in the agent's own namespace and
 /// root, and in the namespaces it made for jobs; elsewhere (a container) it means what
 /// that namespace's mounts say, which the agent learns from its mountinfo.
-fn absolute_target(user_path: u64, slot: u32) -> Option<Target> {
+fn absolute_target(user_path: u64, word: FirstWord, slot: u32) -> Option<Target> {
     let nsproxy = nsproxy()?;
     let home = HOME.get(0)?;
-    let at_home = nsproxy == home.nsproxy;
+    let at_home = nsproxy.0 == home.nsproxy;
     // One read for most processes on the node (they share the agent's nsproxy).
     let key = if at_home {
         None
@@ -854,7 +1025,6 @@ fn absolute_target(user_path: u64, slot: u32) -> Option<Target> {
     // SAFETY: plain lookup.
     let own = key.is_none_or(|(k, _)| unsafe { KNOWN_NAMESPACES.get(&k) }.is_some());
     if own {
-        let word = first_word(user_path);
         if !any_watched(|w| may_match(word, w)) {
             return None;
         }
@@ -879,7 +1049,6 @@ fn absolute_target(user_path: u64, slot: u32) -> Option<Target> {
     // SAFETY: plain lookups.
     match unsafe { VIEWS.get(&key) } {
         Some(v) if v.generation == generation => {
-            let word = first_word(user_path);
             if !v
                 .prefixes
                 .iter()

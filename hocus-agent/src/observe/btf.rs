@@ -1,10 +1,11 @@
 //! Where the kernel keeps the fields the eBPF programs read (a task's descriptors and
 //! working directory, a file's path, a dentry's name and parent ...), read from the
 //! kernel's own type information (`/sys/kernel/btf/vmlinux`). Rust eBPF has no CO-RE
-//! relocations, so the agent resolves each offset here and passes them in as a global;
-//! the programs then read kernel memory with `bpf_probe_read_kernel`, which tolerates a
-//! wrong address but would return garbage: `tracer::calibrate` checks the results
-//! against what `fstat` says before anything is trusted.
+//! relocations, so the agent resolves each offset here and passes them in as read-only
+//! globals. The verifier checks the programs' plain loads through typed pointers against
+//! the same BTF; what they read with `bpf_probe_read_kernel` (which tolerates a wrong
+//! address but would return garbage) is not checked, so `tracer::calibrate` compares
+//! the results with what `fstat` says before anything is trusted.
 //!
 //! Only what is needed of the BTF format is read: the type section (to walk struct and
 //! union members, anonymous ones included) and the string section (for names).
@@ -262,11 +263,12 @@ pub fn kernel_offsets(btf: &Btf) -> Result<KernelOffsets> {
         thread_status: o("task_struct", "thread_info.status")?,
         dentry_inode: o("dentry", "d_inode")?,
         inode_ino: o("inode", "i_ino")?,
+        regs_args: syscall_arguments(btf)?,
     })
 }
 
 /// The registers of a 64-bit syscall's arguments and number (x86-64's syscall ABI: the
-/// raw `sys_enter`/`sys_exit` tracepoints hand the programs the saved `pt_regs`).
+/// `sys_exit` tracepoint hands the program the saved `pt_regs`).
 #[cfg(target_arch = "x86_64")]
 const SYSCALL_ARGUMENT_REGISTERS: [&str; 6] = ["di", "si", "dx", "r10", "r8", "r9"];
 #[cfg(target_arch = "x86_64")]
@@ -277,10 +279,10 @@ compile_error!(
 );
 
 /// Where each of a syscall's six arguments is in `struct pt_regs`, by position.
-pub fn syscall_arguments(btf: &Btf) -> Result<[u16; 6]> {
-    let mut at = [0u16; 6];
+fn syscall_arguments(btf: &Btf) -> Result<[u32; 6]> {
+    let mut at = [0u32; 6];
     for (slot, register) in at.iter_mut().zip(SYSCALL_ARGUMENT_REGISTERS) {
-        *slot = u16::try_from(btf.offset("pt_regs", register)?)?;
+        *slot = btf.offset("pt_regs", register)?;
     }
     Ok(at)
 }
@@ -298,7 +300,6 @@ mod tests {
         assert_ne!(o.task_files, o.task_fs);
         // x86-64's pt_regs: r15 first, then down to di at 112; orig_ax after ax.
         assert_eq!(o.regs_nr, 120);
-        let args = syscall_arguments(&Btf::from_kernel().unwrap()).unwrap();
-        assert_eq!(args, [112, 104, 96, 56, 72, 64]);
+        assert_eq!(o.regs_args, [112, 104, 96, 56, 72, 64]);
     }
 }

@@ -1,6 +1,6 @@
-//! Which syscalls hocus traces, what each means for the profile, and where the kernel
-//! programs find their arguments: which argument each is (from its tracefs format, so
-//! by name) in which register (from BTF).
+//! Which syscalls hocus traces, what each means for the profile, and which of its
+//! arguments the kernel program reads: their positions, from the syscall's tracefs
+//! format, so by name (the registers of the positions come from BTF, `btf.rs`).
 
 use std::path::Path;
 
@@ -171,13 +171,12 @@ pub fn all() -> Vec<Traced> {
 
 impl Traced {
     /// Resolves the argument names to their positions in this kernel's
-    /// `sys_enter_<name>` record, and those to registers (`registers`: where each
-    /// position is in `struct pt_regs`).
-    pub fn layout(&self, tracefs: &Path, registers: &[u16; 6]) -> Result<SyscallLayout> {
+    /// `sys_enter_<name>` record.
+    pub fn layout(&self, tracefs: &Path) -> Result<SyscallLayout> {
         let format = Format::read(tracefs, "syscalls", &format!("sys_enter_{}", self.name))?;
         let offset = |field: Option<&str>| -> Result<u16> {
             field.map_or(Ok(NO_FIELD), |f| {
-                format.argument_position(f).map(|i| registers[i])
+                format.argument_position(f).map(|i| i as u16)
             })
         };
         let layout = (|| -> Result<SyscallLayout> {
@@ -227,16 +226,15 @@ mod tests {
     }
 
     #[test]
-    fn arguments_are_found_in_this_kernels_registers() {
+    fn arguments_are_found_by_name() {
         let tracefs = crate::observe::tracefs::root().unwrap();
-        let registers = [112, 104, 96, 56, 72, 64];
         let openat = all().into_iter().find(|t| t.name == "openat").unwrap();
-        let l = openat.layout(&tracefs, &registers).unwrap();
-        // openat(dfd, filename, flags, mode): di, si, dx
-        assert_eq!((l.dfd, l.path, l.flags, l.fd), (112, 104, 96, NO_FIELD));
+        let l = openat.layout(&tracefs).unwrap();
+        // openat(dfd, filename, flags, mode)
+        assert_eq!((l.dfd, l.path, l.flags, l.fd), (0, 1, 2, NO_FIELD));
         let renameat = all().into_iter().find(|t| t.name == "renameat").unwrap();
-        let l = renameat.layout(&tracefs, &registers).unwrap();
-        // renameat(olddfd, oldname, newdfd, newname): di, si, dx, r10
-        assert_eq!((l.dfd, l.path, l.dfd2, l.path2), (112, 104, 96, 56));
+        let l = renameat.layout(&tracefs).unwrap();
+        // renameat(olddfd, oldname, newdfd, newname)
+        assert_eq!((l.dfd, l.path, l.dfd2, l.path2), (0, 1, 2, 3));
     }
 }

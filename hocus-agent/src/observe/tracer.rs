@@ -16,13 +16,13 @@ use aya::{
     Ebpf, EbpfLoader,
     maps::{Array, HashMap, MapData, PerCpuArray, RingBuf},
     programs::{
-        RawTracePoint, TracePoint, raw_trace_point::RawTracePointLinkId,
-        trace_point::TracePointLinkId,
+        BtfTracePoint, TracePoint, tp_btf::BtfTracePointLinkId, trace_point::TracePointLinkId,
     },
 };
 use hocus_common::{
     Calibration, Event, FdKey, Home, InodeKey, MAX_PREFIX, MAX_ROOTS, MAX_TREES, MAX_WATCHED,
-    Mapped, NamespaceKey, OpenFile, SyscallLayout, View, Watched, counter, superblock,
+    Mapped, NamespaceKey, OpenFile, Superblock, SuperblockSlot, SyscallLayout, View, Watched,
+    counter, filter, superblock,
 };
 
 use crate::observe::{
@@ -51,19 +51,21 @@ pub struct Tracer {
     /// The roots, held open for as long as the programs run: their dentries and
     /// superblocks stay allocated, so the addresses the kernel side compares stay theirs.
     held: Vec<OwnedFd>,
+    /// What the kernel side's `SUPERBLOCKS` holds, to write its slots from.
+    superblocks: std::collections::HashMap<u64, Superblock>,
     /// Syscalls this kernel lacks, skipped.
     pub skipped: Vec<String>,
 }
 
-/// The programs and where each is attached. Syscalls are seen through the raw
-/// `sys_enter`/`sys_exit` tracepoints, one program each dispatching on the syscall
-/// number: the per-syscall tracepoints (`syscalls:sys_enter_openat` ...) would make the
-/// kernel build a record for every traced syscall of every process before any program
-/// runs, which cost the whole node ~1.8x on a syscall-heavy loop here (docs/overhead.md).
-/// Pages entering the page cache are counted for mapped watched files.
-const PROGRAMS: [(&str, Attach); 5] = [
-    ("syscall_enter", Attach::Raw(&["sys_enter"])),
-    ("syscall_exit", Attach::Raw(&["sys_exit"])),
+/// The programs and where each is attached. Syscalls are seen at one place, their exit
+/// (`tp_btf/sys_exit`), by one program dispatching on the syscall number: the
+/// per-syscall tracepoints (`syscalls:sys_enter_openat` ...) make the kernel build a
+/// record for every traced syscall of every process before any program runs, and a
+/// program at the entry too would run for every syscall on the node a second time
+/// (docs/overhead.md). Pages entering the page cache are counted for mapped watched
+/// files.
+const PROGRAMS: [(&str, Attach); 4] = [
+    ("syscall_exit", Attach::Btf("sys_exit")),
     ("process_fork", Attach::Event("sched", "sched_process_fork")),
     ("process_exit", Attach::Event("sched", "sched_process_exit")),
     (
@@ -72,9 +74,9 @@ const PROGRAMS: [(&str, Attach); 5] = [
     ),
 ];
 
-/// What `hocus-agent trace-floor` attaches: a program that returns at once, on the same
-/// syscall tracepoints. What any design on them costs, for `cargo xtask bench overhead`.
-const FLOOR: [(&str, Attach); 1] = [("floor", Attach::Raw(&["sys_enter", "sys_exit"]))];
+/// What `hocus-agent trace-floor` attaches: a program that returns at once, where the
+/// syscall program goes. What any design there costs, for `cargo xtask bench overhead`.
+const FLOOR: [(&str, Attach); 1] = [("floor", Attach::Btf("sys_exit"))];
 
 /// The floor program, attached while this lives (the links belong to the programs).
 pub struct Floor {
@@ -83,14 +85,15 @@ pub struct Floor {
 
 #[derive(Clone, Copy)]
 enum Attach {
-    /// Raw tracepoints, by name.
-    Raw(&'static [&'static str]),
+    /// A BTF-typed tracepoint (`tp_btf`), by name: its arguments are typed pointers, and
+    /// the fields the program reads through them are plain loads, not helper calls.
+    Btf(&'static str),
     /// A tracepoint, by category and name.
     Event(&'static str, &'static str),
 }
 
 enum Link {
-    Raw(RawTracePointLinkId),
+    Btf(BtfTracePointLinkId),
     Event(TracePointLinkId),
 }
 
@@ -108,16 +111,14 @@ impl Tracer {
     /// Loads and attaches the programs for the given watched prefixes (canonical paths).
     pub fn start(prefixes: &[&Path]) -> Result<Self> {
         let tracefs = tracefs::root()?;
-        let (mut ebpf, btf) = load(&tracefs)?;
-        let registers = btf::syscall_arguments(&btf)
-            .context("finding where the kernel keeps syscall arguments")?;
+        let mut ebpf = load(&tracefs)?;
 
-        // Where each syscall's arguments are, by syscall number.
+        // Which of each syscall's arguments are read, by syscall number.
         let mut table: Array<_, SyscallLayout> =
             Array::try_from(ebpf.map_mut("SYSCALLS").context("no SYSCALLS map")?)?;
         let mut skipped = Vec::new();
         for t in syscalls::all() {
-            match t.layout(&tracefs, &registers) {
+            match t.layout(&tracefs) {
                 Ok(layout) => table.set(t.nr as u32, layout, 0)?,
                 Err(e) => {
                     log::warn!("not tracing {}: {e:#}", t.name);
@@ -147,6 +148,7 @@ impl Tracer {
             mapped,
             counters,
             held: Vec::new(),
+            superblocks: std::collections::HashMap::new(),
             skipped,
         })
     }
@@ -154,7 +156,7 @@ impl Tracer {
     /// Attaches the floor program (returns at once) where the real ones go, until the
     /// returned value is dropped: what tracing costs before any work is done.
     pub fn floor() -> Result<Floor> {
-        let (mut ebpf, _) = load(&tracefs::root()?)?;
+        let mut ebpf = load(&tracefs::root()?)?;
         attach(&mut ebpf, &FLOOR)?;
         Ok(Floor { _programs: ebpf })
     }
@@ -171,7 +173,7 @@ impl Tracer {
             );
         }
         let mut table = Vec::new();
-        let mut superblocks: Vec<(u64, u32)> = Vec::new();
+        let mut superblocks: Vec<(u64, Superblock)> = Vec::new();
         let mut namespace = None;
         for (i, root) in roots.iter().enumerate() {
             let fd = open_dir(&root.path)?;
@@ -195,8 +197,15 @@ impl Tracer {
             }
             table.push((c.dentry, i as u32));
             match superblocks.iter_mut().find(|(sb, _)| *sb == c.superblock) {
-                Some((_, flags)) => *flags |= root.kind,
-                None => superblocks.push((c.superblock, root.kind)),
+                Some((_, known)) => known.flags |= root.kind,
+                None => superblocks.push((
+                    c.superblock,
+                    Superblock {
+                        flags: root.kind,
+                        root: c.superblock_root,
+                        ..Default::default()
+                    },
+                )),
             }
             namespace = Some(c.namespace);
             self.held.push(fd);
@@ -219,13 +228,8 @@ impl Tracer {
         for (dentry, index) in table {
             roots_map.insert(dentry, index, 0)?;
         }
-        let mut sb_map: HashMap<_, u64, u32> = HashMap::try_from(
-            self.ebpf
-                .map_mut("SUPERBLOCKS")
-                .context("no SUPERBLOCKS map")?,
-        )?;
-        for (sb, flags) in superblocks {
-            sb_map.insert(sb, flags, 0)?;
+        for (sb, known) in superblocks {
+            self.know_superblock(sb, known)?;
         }
         let mut known: HashMap<_, NamespaceKey, u32> = HashMap::try_from(
             self.ebpf
@@ -259,12 +263,14 @@ impl Tracer {
             dentry: c.dentry,
             superblock: c.superblock,
         };
-        let mut sb_map: HashMap<_, u64, u32> = HashMap::try_from(
-            self.ebpf
-                .map_mut("SUPERBLOCKS")
-                .context("no SUPERBLOCKS map")?,
+        self.know_superblock(
+            root.superblock,
+            Superblock {
+                flags: superblock::SNAPSHOT_VIEW,
+                root: c.superblock_root,
+                ..Default::default()
+            },
         )?;
-        sb_map.insert(root.superblock, superblock::SNAPSHOT_VIEW, 0)?;
         let mut roots: HashMap<_, u64, u32> =
             HashMap::try_from(self.ebpf.map_mut("ROOTS").context("no ROOTS map")?)?;
         if let Err(e) = roots.insert(root.dentry, index, 0) {
@@ -282,13 +288,66 @@ impl Tracer {
         {
             let _ = roots.remove(&root.dentry);
         }
-        if let Some(Ok(mut sb)) = self
-            .ebpf
-            .map_mut("SUPERBLOCKS")
-            .map(HashMap::<_, u64, u32>::try_from)
-        {
-            let _ = sb.remove(&root.superblock);
+        let _ = self.forget_superblock(root.superblock);
+    }
+
+    /// Tells the kernel side superblock `sb` is one to look at.
+    fn know_superblock(&mut self, sb: u64, known: Superblock) -> Result<()> {
+        let mut map: HashMap<_, u64, Superblock> = HashMap::try_from(
+            self.ebpf
+                .map_mut("SUPERBLOCKS")
+                .context("no SUPERBLOCKS map")?,
+        )?;
+        map.insert(sb, known, 0)?;
+        self.superblocks.insert(sb, known);
+        self.write_superblock_slot(filter::superblock_slot(sb))
+    }
+
+    fn forget_superblock(&mut self, sb: u64) -> Result<()> {
+        let mut map: HashMap<_, u64, Superblock> = HashMap::try_from(
+            self.ebpf
+                .map_mut("SUPERBLOCKS")
+                .context("no SUPERBLOCKS map")?,
+        )?;
+        let _ = map.remove(&sb);
+        self.superblocks.remove(&sb);
+        self.write_superblock_slot(filter::superblock_slot(sb))
+    }
+
+    /// Rewrites slot `slot` of `SUPERBLOCK_SLOTS` from the agent's own list: how many
+    /// superblocks fall in it, and the one, if one.
+    fn write_superblock_slot(&mut self, slot: u32) -> Result<()> {
+        let mut here = self
+            .superblocks
+            .iter()
+            .filter(|(sb, _)| filter::superblock_slot(**sb) == slot);
+        let count = here.clone().count() as u32;
+        let mut value = SuperblockSlot {
+            count,
+            ..Default::default()
+        };
+        if let (1, Some((sb, known))) = (count, here.next()) {
+            value.address = *sb;
+            value.superblock = *known;
         }
+        let mut slots: Array<_, SuperblockSlot> = Array::try_from(
+            self.ebpf
+                .map_mut("SUPERBLOCK_SLOTS")
+                .context("no SUPERBLOCK_SLOTS map")?,
+        )?;
+        slots.set(slot, value, 0)?;
+        Ok(())
+    }
+
+    /// Counts a descriptor the agent forgot in `RELEASED` (the agent is its only
+    /// writer), so that the kernel side's filter still adds up.
+    fn count_released(&mut self, key: &FdKey) -> Result<()> {
+        let slot = filter::process_slot(key.tgid);
+        let mut released: Array<_, u32> =
+            Array::try_from(self.ebpf.map_mut("RELEASED").context("no RELEASED map")?)?;
+        let n = released.get(&slot, 0)?;
+        released.set(slot, n.wrapping_add(1), 0)?;
+        Ok(())
     }
 
     /// How many times a mount has started or ended: a view learned before is stale.
@@ -351,7 +410,7 @@ impl Tracer {
                 continue;
             };
             let detached = match link {
-                Link::Raw(id) => <&mut RawTracePoint>::try_from(program)
+                Link::Btf(id) => <&mut BtfTracePoint>::try_from(program)
                     .map_err(anyhow::Error::from)
                     .and_then(|p| Ok(p.detach(id)?)),
                 Link::Event(id) => <&mut TracePoint>::try_from(program)
@@ -404,8 +463,14 @@ impl Tracer {
         let _ = self.mapped.remove(key);
     }
 
+    /// Forgets a process's watched descriptor (the process is gone).
     pub fn forget_open_file(&mut self, key: &FdKey) {
-        let _ = self.open_files.remove(key);
+        if self.open_files.remove(key).is_ok() {
+            // Uncounted, the filter only looks its slot's descriptors up for nothing.
+            if let Err(e) = self.count_released(key) {
+                log::warn!("could not count a released descriptor: {e:#}");
+            }
+        }
     }
 
     pub fn counters(&self) -> Result<Counters> {
@@ -426,8 +491,8 @@ impl AsRawFd for Tracer {
 }
 
 /// Loads the programs embedded in this binary, with the kernel's struct offsets (from
-/// its BTF, returned for more) and the agent's own process id set.
-fn load(tracefs: &Path) -> Result<(Ebpf, Btf)> {
+/// its BTF) and the agent's own process id set.
+fn load(tracefs: &Path) -> Result<Ebpf> {
     raise_memlock_limit();
     let fork_format = tracefs::Format::read(tracefs, "sched", "sched_process_fork")?;
     let fork_parent = u32::from(fork_format.offset("parent_pid")?);
@@ -456,7 +521,7 @@ fn load(tracefs: &Path) -> Result<(Ebpf, Btf)> {
         .context(
             "loading the eBPF programs into the kernel (needs root, or CAP_BPF and CAP_PERFMON)",
         )?;
-    Ok((ebpf, btf))
+    Ok(ebpf)
 }
 
 /// Loads (through the verifier) and attaches `programs`.
@@ -465,21 +530,25 @@ fn attach(
     programs: &[(&'static str, Attach)],
 ) -> Result<Vec<(&'static str, Link)>> {
     let mut links = Vec::new();
+    let mut kernel_btf = None;
     for &(name, at) in programs {
         let program = ebpf
             .program_mut(name)
             .with_context(|| format!("no program {name}"))?;
         match at {
-            Attach::Raw(tracepoints) => {
-                let p: &mut RawTracePoint = program.try_into()?;
-                p.load()
+            Attach::Btf(tp) => {
+                let btf = match &mut kernel_btf {
+                    Some(btf) => btf,
+                    None => kernel_btf
+                        .insert(aya::Btf::from_sys_fs().context("reading the kernel's BTF")?),
+                };
+                let p: &mut BtfTracePoint = program.try_into()?;
+                p.load(tp, btf)
                     .with_context(|| format!("the kernel's verifier rejected {name}"))?;
-                for tp in tracepoints {
-                    let link = p
-                        .attach(tp)
-                        .with_context(|| format!("attaching {name} to the raw tracepoint {tp}"))?;
-                    links.push((name, Link::Raw(link)));
-                }
+                let link = p
+                    .attach()
+                    .with_context(|| format!("attaching {name} to the tracepoint {tp}"))?;
+                links.push((name, Link::Btf(link)));
             }
             Attach::Event(category, tp) => {
                 let p: &mut TracePoint = program.try_into()?;
