@@ -88,6 +88,7 @@ pub mod op {
     /// write family on a descriptor: marks the open file written.
     pub const WRITE: u8 = 9;
     pub const FTRUNCATE: u8 = 10;
+    /// close, and dup2/dup3 (which close their target): forgets a watched descriptor.
     pub const CLOSE: u8 = 11;
     /// unshare: when the agent's own thread makes a job's mount namespace, the kernel
     /// side takes paths in it as the agent's own.

@@ -18,7 +18,6 @@ use hocus_common::{
 };
 
 const ENOENT: i64 = 2;
-const EBADF: i64 = 9;
 const EROFS: i64 = 30;
 const O_ACCMODE: u32 = 0o3;
 const O_CREAT: u32 = 0o100;
@@ -580,8 +579,9 @@ fn try_syscall_exit(ctx: &BtfTracePointContext) -> Option<()> {
                 >(&raw mut (*file).bytes_read, ret as u64)
             };
         }
-        // Any result but EBADF released the descriptor (even EINTR, on Linux).
-        op::CLOSE if ret != -EBADF => {
+        // A close, or a dup2/dup3 onto the descriptor, whatever the result: what the
+        // descriptor holds now tells whether it still holds the watched file.
+        op::CLOSE => {
             if !may_hold_files(tgid) {
                 return None;
             }
@@ -592,8 +592,9 @@ fn try_syscall_exit(ctx: &BtfTracePointContext) -> Option<()> {
             if is_compat() {
                 return None;
             }
-            // Another thread of the process may have opened a file at the freed number
-            // since, and that open's exit replaced the entry: it is that file's now.
+            // Still the same file (a failed close or dup2, a dup2 onto itself); or
+            // another thread of the process opened a file at the freed number since and
+            // that open's exit replaced the entry: it is that file's now.
             if file_at(fd) == Some(file.file) {
                 return Some(());
             }

@@ -130,6 +130,70 @@ fn known_workload_gives_exactly_the_expected_profile() {
     assert_eq!(order[2], net.path("out/result.txt").to_str().unwrap());
 }
 
+/// A descriptor number outlives the file it held: after a close, or a dup2 onto it, its
+/// next file's reads are that file's, and a file opened beside hundreds of others (a
+/// grown descriptor table, as most processes have) is followed all the same. Python
+/// juggles the descriptors; the counts must be exact.
+#[test]
+fn a_reused_descriptor_number_counts_for_its_new_file() {
+    let net = NetworkMount::start();
+    let watched = net.put("data/watched.bin", &[1u8; 10_000]);
+    let other = net.put("data/other.bin", &[2u8; 20_000]);
+    let local = tempfile::tempdir().unwrap();
+    let unwatched = local.path().join("local.bin");
+    fs::write(&unwatched, [3u8; 50_000]).unwrap();
+    let agent = Agent::start(&["--watch", net.mount.to_str().unwrap()]);
+
+    let script = format!(
+        "import os\n\
+         watched, other, local = {:?}, {:?}, {:?}\n\
+         fd = os.open(watched, os.O_RDONLY)\n\
+         assert len(os.read(fd, 1000)) == 1000\n\
+         os.close(fd)\n\
+         # The number again, on an unwatched file: its bytes are nobody's.\n\
+         again = os.open(local, os.O_RDONLY)\n\
+         assert again == fd, (again, fd)\n\
+         assert len(os.read(again, 50000)) == 50000\n\
+         os.close(again)\n\
+         # dup2 onto a watched descriptor closes it without a close.\n\
+         fd = os.open(watched, os.O_RDONLY)\n\
+         assert len(os.read(fd, 2000)) == 2000\n\
+         spare = os.open(local, os.O_RDONLY)\n\
+         os.dup2(spare, fd)\n\
+         assert len(os.read(fd, 50000)) == 50000\n\
+         os.close(spare); os.close(fd)\n\
+         # A grown descriptor table: the watched file lands past 300.\n\
+         held = [os.open(local, os.O_RDONLY) for _ in range(300)]\n\
+         fd = os.open(other, os.O_RDONLY)\n\
+         assert fd > 300, fd\n\
+         assert len(os.read(fd, 20000)) == 20000\n\
+         os.close(fd)\n\
+         for h in held: os.close(h)\n",
+        watched.to_str().unwrap(),
+        other.to_str().unwrap(),
+        unwatched.to_str().unwrap(),
+    );
+    let out = Command::new("python3")
+        .args(["-c", &script])
+        .output()
+        .unwrap();
+    assert_success(&out);
+
+    let p = agent.export();
+    let w = file_entry(&p, &watched).unwrap_or_else(|| panic!("{p:#}"));
+    assert_eq!(
+        (w["opens"].as_u64(), w["bytes_read"].as_u64()),
+        (Some(2), Some(3000)),
+        "{w}"
+    );
+    let o = file_entry(&p, &other).unwrap_or_else(|| panic!("{p:#}"));
+    assert_eq!(
+        (o["opens"].as_u64(), o["bytes_read"].as_u64()),
+        (Some(1), Some(20_000)),
+        "{o}"
+    );
+}
+
 /// Shared objects and memory-mapped data are read by page faults, not `read`: the pages
 /// that enter a mapped watched file's page cache count as bytes read. Real programs:
 /// Python mapping a data file (what `numpy.memmap` does) and importing a C extension

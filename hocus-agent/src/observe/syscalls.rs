@@ -158,6 +158,15 @@ pub fn all() -> Vec<Traced> {
         fd_op("ftruncate", SYS_ftruncate, op::FTRUNCATE),
         fd_op("mmap", SYS_mmap, op::MMAP),
         fd_op("close", SYS_close, op::CLOSE),
+        // dup2 and dup3 close their target descriptor first, without a close.
+        Traced {
+            fd: Some("newfd"),
+            ..no_args("dup2", SYS_dup2, op::CLOSE)
+        },
+        Traced {
+            fd: Some("newfd"),
+            ..no_args("dup3", SYS_dup3, op::CLOSE)
+        },
         no_args("unshare", SYS_unshare, op::NEW_NAMESPACE),
         // The agent entering an attached task's namespace: paths there mean what they
         // mean to it (the task made it from the node's; hocus binds in it).
