@@ -339,7 +339,8 @@ pub struct OpenFile {
     pub written: u32,
     pub _pad: u32,
     /// The `struct file` the descriptor held when opened: a close tells by it whether
-    /// another thread's open has taken the number since.
+    /// another thread's open has taken the number since. 0: closed, its close reported
+    /// (the entry stays until the number is used again or the process is gone).
     pub file: u64,
 }
 
@@ -389,6 +390,19 @@ pub mod kind {
     /// A watched open file (`Event::file_id`) was mapped for the first time: the pages
     /// that enter its page cache are counted in `MAPPED` under it from now on.
     pub const MAPPED: u8 = 15;
+    /// The syscall program rests, and a process (`Event::tgid`) made a watched mount
+    /// work (a request to a watched FUSE mount, pages entering a watched mount's page
+    /// cache): attach it again.
+    pub const WAKE: u8 = 16;
+}
+
+/// `REST`: whether the syscall program is attached.
+pub mod rest {
+    pub const AWAKE: u32 = 0;
+    /// Detached: the first activity on a watched mount sends `kind::WAKE`.
+    pub const RESTING: u32 = 1;
+    /// Detached, and `kind::WAKE` was sent.
+    pub const WAKING: u32 = 2;
 }
 
 /// Event flags.

@@ -14,7 +14,7 @@ use hocus_common::{
     MAX_MAPPED, MAX_OPEN_FILES, MAX_PATH, MAX_PREFIX, MAX_PROCESSES, MAX_ROOTS, MAX_SUPERBLOCKS,
     MAX_SYSCALL_NR, MAX_VIEW_ROOTS, MAX_VIEWS, MAX_WATCHED, Mapped, NO_FIELD, NamespaceKey,
     OpenFile, PREFIX_WORDS, PathBuf, RING_BYTES, ROOT_NONE, ROOT_VIEW, Superblock, SuperblockSlot,
-    SyscallLayout, View, Watched, counter, ev, filter, flags_from, kind, op, superblock,
+    SyscallLayout, View, Watched, counter, ev, filter, flags_from, kind, op, rest, superblock,
 };
 
 const ENOENT: i64 = 2;
@@ -56,6 +56,9 @@ static FILEMAP_INO_OFFSET: u32 = 16;
 static FILEMAP_DEV_OFFSET: u32 = 32;
 #[unsafe(no_mangle)]
 static FILEMAP_ORDER_OFFSET: u32 = 36;
+/// Offset of `connection` (the FUSE mount's device) in fuse_request_send records.
+#[unsafe(no_mangle)]
+static FUSE_CONNECTION_OFFSET: u32 = 8;
 /// Where the kernel keeps the fields read below, from its BTF.
 #[unsafe(no_mangle)]
 static OFFSETS: KernelOffsets = KernelOffsets {
@@ -115,9 +118,17 @@ static VIEWS: LruHashMap<NamespaceKey, View> = LruHashMap::with_max_entries(MAX_
 /// once per mount change, not once per lookup.
 #[map]
 static ASKED: LruHashMap<NamespaceKey, u64> = LruHashMap::with_max_entries(MAX_VIEWS, 0);
-/// Bumped when a mount syscall starts and when it ends: a view learned before is stale.
+/// Bumped when a mount syscall ends (and by the agent when the syscall program wakes
+/// from a rest): a view learned before is stale.
 #[map]
 static MOUNT_GENERATION: Array<u64> = Array::with_max_entries(1, 0);
+/// Whether `syscall_exit` is attached (`hocus_common::rest`): the agent detaches it
+/// while there is nothing to learn, and the tripwires wake it.
+#[map]
+static REST: Array<u32> = Array::with_max_entries(1, 0);
+/// The watched mounts' devices (`s_dev`, the kernel's encoding; 0 ends the list).
+#[map]
+static WATCHED_DEVICES: Array<u32> = Array::with_max_entries(MAX_WATCHED, 0);
 /// The agent's question about one of its descriptors, and the answer.
 #[map]
 static CALIBRATE: Array<Calibration> = Array::with_max_entries(1, 0);
@@ -510,6 +521,35 @@ fn count_held(tgid: u32, by: u32) {
     }
 }
 
+/// A close of a watched descriptor is reported by exactly one program run: the close's
+/// exit, or the exit of another thread's open that took the freed number first (a close
+/// and an open of one process race for the number when nothing runs at syscall entry).
+/// Whoever swaps the entry's `file` for 0 reports it; the entry's facts are read before.
+/// Returns the entry's file id and bytes read if this run claimed its close.
+fn claim_close(entry: *mut OpenFile) -> Option<(u64, u64)> {
+    // SAFETY: map value pointer, valid for this program run; the file is read first, as
+    // an open republishing the entry writes it last.
+    let (file, file_id, bytes) = unsafe {
+        (
+            core::ptr::read_volatile(&raw const (*entry).file),
+            core::ptr::read_volatile(&raw const (*entry).file_id),
+            core::ptr::read_volatile(&raw const (*entry).bytes_read),
+        )
+    };
+    if file == 0 {
+        return None;
+    }
+    // SAFETY: as above.
+    let (_, claimed) = unsafe {
+        core::intrinsics::atomic_cxchg::<
+            u64,
+            { core::intrinsics::AtomicOrdering::SeqCst },
+            { core::intrinsics::AtomicOrdering::SeqCst },
+        >(&raw mut (*entry).file, file, 0)
+    };
+    claimed.then_some((file_id, bytes))
+}
+
 /// Removes process `tgid`'s entry for descriptor `key`, if it has one.
 fn forget_open_file(key: &FdKey) {
     if OPEN_FILES.remove(key).is_ok() {
@@ -526,8 +566,9 @@ fn watched_file(fd: u32, tgid: u32) -> Option<*mut OpenFile> {
         return None;
     }
     let file = OPEN_FILES.get_ptr_mut(&FdKey { tgid, fd })?;
-    if is_compat() {
-        return None;
+    // SAFETY: map value pointer, valid for this program run.
+    if unsafe { core::ptr::read_volatile(&raw const (*file).file) } == 0 || is_compat() {
+        return None; // closed (its number not reused by a watched file since)
     }
     Some(file)
 }
@@ -587,21 +628,25 @@ fn try_syscall_exit(ctx: &BtfTracePointContext) -> Option<()> {
             }
             let fd = args.get(l.fd)? as u32;
             let key = FdKey { tgid, fd };
-            // SAFETY: copied out before the entry is removed.
-            let file = unsafe { *OPEN_FILES.get(&key)? };
-            if is_compat() {
+            let entry = OPEN_FILES.get_ptr_mut(&key)?;
+            // SAFETY: map value pointer, valid for this program run.
+            let file = unsafe { core::ptr::read_volatile(&raw const (*entry).file) };
+            if file == 0 || is_compat() {
                 return None;
             }
             // Still the same file (a failed close or dup2, a dup2 onto itself); or
             // another thread of the process opened a file at the freed number since and
-            // that open's exit replaced the entry: it is that file's now.
-            if file_at(fd) == Some(file.file) {
+            // that open's exit took the entry: it is that file's now.
+            if file_at(fd) == Some(file) {
                 return Some(());
             }
-            forget_open_file(&key);
+            // The entry stays, closed: an open of another thread may be taking it for
+            // the number at this moment, and a delete would lose that open. The next
+            // open at the number reuses it; the agent removes a gone process's.
+            let (file_id, bytes) = claim_close(entry)?;
             let h = Header {
-                bytes: file.bytes_read,
-                ..header(kind::CLOSE, file.file_id, 0)
+                bytes,
+                ..header(kind::CLOSE, file_id, 0)
             };
             emit(&h, &no_path(), 0);
         }
@@ -644,12 +689,30 @@ fn try_syscall_exit(ctx: &BtfTracePointContext) -> Option<()> {
                 tgid,
                 fd: ret as u32,
             };
-            let held = may_hold_files(tgid);
+            // The descriptor number may still name a watched file whose close was not seen
+            // (closed by exec or close_range), or whose close's exit has not run yet
+            // (another thread's close, racing this open for the number): it is reported
+            // closed here, so that no close is lost uncounted. Filtered and looked up
+            // first: almost every open on the node misses.
+            let stale = if may_hold_files(tgid) {
+                OPEN_FILES.get_ptr_mut(&key)
+            } else {
+                None
+            };
+            if let Some(old) = stale {
+                if is_compat() {
+                    return None;
+                }
+                if let Some((file_id, bytes)) = claim_close(old) {
+                    let h = Header {
+                        bytes,
+                        ..header(kind::CLOSE, file_id, 0)
+                    };
+                    emit(&h, &no_path(), 0);
+                }
+            }
             let Some((file, located)) = opened(ret as u32) else {
-                // The descriptor number may have belonged to a watched file before (closed
-                // by dup2 or exec, unseen). Filtered and looked up first: almost every
-                // open on the node misses.
-                if held && OPEN_FILES.get_ptr(&key).is_some() && !is_compat() {
+                if stale.is_some() {
                     forget_open_file(&key);
                 }
                 return Some(());
@@ -657,20 +720,22 @@ fn try_syscall_exit(ctx: &BtfTracePointContext) -> Option<()> {
             if is_compat() {
                 return None;
             }
-            let entry = OpenFile {
-                file_id: next_id(),
-                file,
-                ..Default::default()
-            };
-            let stale = if held {
-                OPEN_FILES.get_ptr_mut(&key)
-            } else {
-                None
-            };
+            let file_id = next_id();
             match stale {
+                // The entry again, for this file: its file last, which publishes it.
                 // SAFETY: map value pointer, valid for this program run.
-                Some(stale) => unsafe { *stale = entry },
+                Some(old) => unsafe {
+                    (*old).file_id = file_id;
+                    (*old).bytes_read = 0;
+                    (*old).written = 0;
+                    core::ptr::write_volatile(&raw mut (*old).file, file);
+                },
                 None => {
+                    let entry = OpenFile {
+                        file_id,
+                        file,
+                        ..Default::default()
+                    };
                     // Counted before it exists, so a filter never says "none" wrongly.
                     count_held(tgid, 1);
                     if OPEN_FILES.insert(&key, &entry, BPF_NOEXIST).is_err() {
@@ -684,7 +749,7 @@ fn try_syscall_exit(ctx: &BtfTracePointContext) -> Option<()> {
                 ..no_path()
             };
             emit(
-                &header(kind::OPEN, entry.file_id, open_flags(&args, l)),
+                &header(kind::OPEN, file_id, open_flags(&args, l)),
                 &target,
                 0,
             );
@@ -863,6 +928,8 @@ fn try_filemap_add(ctx: &TracePointContext) -> Option<()> {
         _pad: 0,
         ino: unsafe { ctx.read_at(global(&FILEMAP_INO_OFFSET) as usize) }.ok()?,
     };
+    // A read from a watched mount's server, whatever the filesystem: wake.
+    wake_on(key.dev);
     let mapped = MAPPED.get_ptr_mut(&key)?;
     current()?;
     // SAFETY: as above; `u32::MAX`: this kernel adds one page at a time.
@@ -878,6 +945,64 @@ fn try_filemap_add(ctx: &TracePointContext) -> Option<()> {
         )
     };
     Some(())
+}
+
+/// fuse_request, on `fuse:fuse_request_send`: a request to a FUSE filesystem (sshfs ...),
+/// made in the context of the process that needs it. While `syscall_exit` rests, the
+/// first one to a watched mount (a lookup, a stat, an open) wakes it; other filesystems
+/// never pass here, so resting costs them nothing.
+///
+/// ```text
+/// field:dev_t connection;                    offset:8;  size:4; signed:0;
+/// field:uint64_t unique;                     offset:16; size:8; signed:0;
+/// field:enum fuse_opcode opcode;             offset:24; size:4; signed:0;
+/// ```
+#[tracepoint]
+pub fn fuse_request(ctx: TracePointContext) -> u32 {
+    if REST.get(0).copied() == Some(rest::RESTING) {
+        // SAFETY: the offset comes from the tracepoint's format file.
+        if let Ok(dev) = unsafe { ctx.read_at::<u32>(global(&FUSE_CONNECTION_OFFSET) as usize) } {
+            wake_on(dev);
+        }
+    }
+    0
+}
+
+/// Asks the agent to attach `syscall_exit` again, once, if it rests and `dev` is a
+/// watched mount's device. The agent's own work on the mount (copies, checks) is not a
+/// reason to wake.
+fn wake_on(dev: u32) {
+    let Some(state) = REST.get_ptr_mut(0) else {
+        return;
+    };
+    // SAFETY: map value pointer, valid for this program run.
+    if unsafe { *state } != rest::RESTING || !is_watched_device(dev) {
+        return;
+    }
+    let Some((_, tgid)) = current() else {
+        return;
+    };
+    // SAFETY: as above. Two CPUs may both get here: the agent wakes once either way.
+    unsafe { *state = rest::WAKING };
+    let h = Header {
+        kind: kind::WAKE,
+        tgid,
+        file_id: 0,
+        bytes: 0,
+        open_flags: 0,
+    };
+    emit(&h, &no_path(), 0);
+}
+
+fn is_watched_device(dev: u32) -> bool {
+    for i in 0..MAX_WATCHED {
+        match WATCHED_DEVICES.get(i).copied() {
+            Some(0) | None => return false,
+            Some(d) if d == dev => return true,
+            Some(_) => {}
+        }
+    }
+    false
 }
 
 /// sched_process_exit: forget the exiting thread's job. Reads no field: the exiting task
@@ -1202,7 +1327,7 @@ fn emit(h: &Header, t: &Target, slot: u32) {
         }
     }
     let pending = EVENTS.query(BPF_RB_AVAIL_DATA);
-    entry.submit(if pending >= WAKEUP_BYTES {
+    entry.submit(if h.kind == kind::WAKE || pending >= WAKEUP_BYTES {
         BPF_RB_FORCE_WAKEUP
     } else {
         BPF_RB_NO_WAKEUP

@@ -572,6 +572,11 @@ impl Agent {
         {
             cmd.arg("--metrics-addr=127.0.0.1:0");
         }
+        // Tracing never rests unless a test asks: a test's counts do not depend on how
+        // long it waited (tests/rest.rs tests resting).
+        if !args.contains(&"--rest-after") {
+            cmd.args(["--rest-after", "0"]);
+        }
         if !args.contains(&"--config") {
             let empty = dir.path().join("empty.toml");
             fs::write(&empty, "").unwrap();
@@ -647,6 +652,22 @@ impl Agent {
     pub fn status(&self) -> Value {
         let out = run(&mut self.cli(&["status", "--json"]));
         serde_json::from_slice(&out.stdout).expect("status prints JSON")
+    }
+
+    /// The tracepoints the daemon's programs are attached to now, from its descriptors'
+    /// fdinfo: the kernel's own account of its BPF links.
+    pub fn attached(&self) -> Vec<String> {
+        let dir = format!("/proc/{}/fdinfo", self.pid());
+        fs::read_dir(&dir)
+            .unwrap_or_else(|e| panic!("{dir}: {e}"))
+            .filter_map(|e| fs::read_to_string(e.ok()?.path()).ok())
+            .filter(|info| info.contains("link_type:"))
+            .filter_map(|info| {
+                info.lines()
+                    .find_map(|l| l.strip_prefix("tp_name:"))
+                    .map(|n| n.trim().to_owned())
+            })
+            .collect()
     }
 
     /// A kernel counter from `status`.

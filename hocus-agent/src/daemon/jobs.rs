@@ -6,7 +6,7 @@
 //! set, which the job's epilog saves for the user's next job with the same key.
 
 use std::{
-    collections::HashMap,
+    collections::{HashMap, HashSet},
     os::fd::{AsFd, OwnedFd},
     path::PathBuf,
     sync::Arc,
@@ -35,6 +35,8 @@ pub const MAX_JOB_PROFILE_ENTRIES: usize = 200_000;
 /// The loop's side of the jobs.
 #[derive(Default)]
 pub struct Jobs {
+    /// Jobs started and not ended.
+    running: HashSet<u32>,
     /// Attached tasks, by job id (= pid): their pidfd, and their Slurm job.
     tasks: HashMap<u32, (Arc<OwnedFd>, Option<u32>)>,
     /// Each Slurm job's own working set, in the order the jobs were first seen.
@@ -48,6 +50,15 @@ pub struct Jobs {
 }
 
 impl Jobs {
+    pub fn start(&mut self, id: u32) {
+        self.running.insert(id);
+    }
+
+    /// Whether any job runs (the tracer follows them: it does not rest).
+    pub fn running(&self) -> bool {
+        !self.running.is_empty()
+    }
+
     fn index(&mut self) -> Option<u32> {
         self.free.pop().or_else(|| {
             (self.next < MAX_VIEW_ROOTS).then(|| {
@@ -168,6 +179,8 @@ impl Daemon {
     /// Job `id` ended: what it did is read, then it is forgotten.
     pub(super) async fn job_ended(&mut self, id: u32) {
         self.sweep().await;
+        self.jobs.running.remove(&id);
+        self.rest.active();
         for (index, root, _view) in self.jobs.views.remove(&id).unwrap_or_default() {
             self.tracer.get_mut().remove_view_root(&root);
             self.observer.forget_view_root(index);

@@ -10,7 +10,7 @@ use std::{
 };
 
 use anyhow::{Result, bail};
-use hocus_common::{counter, superblock};
+use hocus_common::{counter, kind, superblock};
 use tokio::{
     io::{Interest, unix::AsyncFd},
     signal::unix::SignalKind,
@@ -42,6 +42,7 @@ mod jobs;
 mod keeper;
 mod relays;
 mod requests;
+mod rest;
 
 use keeper::{Handle as Keeper, KeeperError};
 
@@ -117,6 +118,8 @@ struct Daemon {
     keeper_thread: Option<std::thread::JoinHandle<()>>,
     /// The working set changed since it was last placed.
     to_place: bool,
+    /// When the tracer rests, and how often it did.
+    rest: rest::Rest,
 }
 
 impl Daemon {
@@ -229,6 +232,12 @@ impl Daemon {
             });
         }
         tracer.place_under(&roots)?;
+        // Activity on these wakes the tracer when it rests.
+        let devices = watches
+            .iter()
+            .map(|w| std::fs::metadata(&w.path).map(|m| m.dev()))
+            .collect::<std::io::Result<Vec<u64>>>()?;
+        tracer.watch_devices(&devices)?;
         let root_paths = roots
             .iter()
             .map(|r| match r.kind {
@@ -281,6 +290,7 @@ impl Daemon {
             relays: relays::Relays::default(),
             keeper_thread: Some(keeper_thread),
             to_place: true,
+            rest: rest::Rest::new(),
         })
     }
 
@@ -345,6 +355,7 @@ impl Daemon {
                 _ = sweep.tick() => {
                     self.sweep().await;
                     self.reap_tasks().await;
+                    self.rest_if_idle();
                     if !self.waiting.is_empty() {
                         self.answer_waiting().await;
                     }
@@ -399,10 +410,18 @@ impl Daemon {
             ws,
             ..
         } = self;
-        let n = tracer.get_mut().drain(|e| observer.handle(e, ws));
+        let mut woken_by = None;
+        let n = tracer.get_mut().drain(|e| match e.kind {
+            kind::WAKE => woken_by = Some(e.tgid),
+            _ => observer.handle(e, ws),
+        });
+        if let Some(tgid) = woken_by {
+            self.wake(&format!("process {tgid} used a watched mount"));
+        }
         if n > 0 {
             self.dirty = true;
             self.to_place = true;
+            self.rest.active();
         }
         let accesses = std::mem::take(&mut self.observer.accesses);
         for access in accesses {
@@ -500,6 +519,7 @@ impl Daemon {
             // in placement.
             self.dirty = true;
             self.to_place = true;
+            self.rest.active();
         }
         self.report_loss();
     }
@@ -613,6 +633,7 @@ impl Daemon {
                 .as_ref()
                 .map(server::Control::status)
                 .unwrap_or_default(),
+            tracing: self.tracing_status(),
         }
     }
 

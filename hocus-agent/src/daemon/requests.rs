@@ -61,6 +61,9 @@ impl Daemon {
                 }
             }
             Ask::Binds => {
+                // The first step of every job session, before its namespace is made: the
+                // tracer follows the job from its start.
+                self.wake("a job is starting");
                 let response = match self.keeper.binds().await {
                     Ok(binds) => Response::Binds(binds),
                     Err(e) => Response::Error {
@@ -79,6 +82,7 @@ impl Daemon {
             } => {
                 // Events already read belong to earlier jobs; the keeper learns of this
                 // one before anything it does.
+                self.wake("a job is starting");
                 self.drain().await;
                 if let Some(pidfd) = task {
                     if let Err(message) = self.follow_task(id, pidfd, slurm.map(|s| s.job_id)) {
@@ -86,6 +90,7 @@ impl Daemon {
                         return;
                     }
                 }
+                self.jobs.start(id);
                 self.place_views(id, views);
                 let started = self.keeper.job_starting(id, binds, ns, slurm).await;
                 // A job the keeper does not follow still runs: its accesses count as

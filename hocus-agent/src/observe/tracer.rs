@@ -22,7 +22,7 @@ use aya::{
 use hocus_common::{
     Calibration, Event, FdKey, Home, InodeKey, MAX_PREFIX, MAX_ROOTS, MAX_TREES, MAX_WATCHED,
     Mapped, NamespaceKey, OpenFile, Superblock, SuperblockSlot, SyscallLayout, View, Watched,
-    counter, filter, superblock,
+    counter, filter, rest, superblock,
 };
 
 use crate::observe::{
@@ -53,6 +53,8 @@ pub struct Tracer {
     held: Vec<OwnedFd>,
     /// What the kernel side's `SUPERBLOCKS` holds, to write its slots from.
     superblocks: std::collections::HashMap<u64, Superblock>,
+    /// The syscall program is detached (`rest`).
+    resting: bool,
     /// Syscalls this kernel lacks, skipped.
     pub skipped: Vec<String>,
 }
@@ -73,6 +75,13 @@ const PROGRAMS: [(&str, Attach); 4] = [
         Attach::Event("filemap", "mm_filemap_add_to_page_cache"),
     ),
 ];
+
+/// The program that rests while there is nothing to learn (`Tracer::rest`).
+const SYSCALLS_PROGRAM: (&str, Attach) = ("syscall_exit", Attach::Btf("sys_exit"));
+
+/// A tripwire for resting: requests to FUSE filesystems (sshfs ...), where the kernel
+/// has the tracepoint; other filesystems never reach it.
+const FUSE_TRIPWIRE: (&str, Attach) = ("fuse_request", Attach::Event("fuse", "fuse_request_send"));
 
 /// What `hocus-agent trace-floor` attaches: a program that returns at once, where the
 /// syscall program goes. What any design there costs, for `cargo xtask bench overhead`.
@@ -133,7 +142,10 @@ impl Tracer {
             table.set(i as u32, entry, 0)?;
         }
 
-        let links = attach(&mut ebpf, &PROGRAMS)?;
+        let mut links = attach(&mut ebpf, &PROGRAMS)?;
+        if tracefs.join("events/fuse/fuse_request_send").exists() {
+            links.extend(attach(&mut ebpf, &[FUSE_TRIPWIRE])?);
+        }
         let events = RingBuf::try_from(ebpf.take_map("EVENTS").context("no EVENTS map")?)?;
         let open_files =
             HashMap::try_from(ebpf.take_map("OPEN_FILES").context("no OPEN_FILES map")?)?;
@@ -149,6 +161,7 @@ impl Tracer {
             counters,
             held: Vec::new(),
             superblocks: std::collections::HashMap::new(),
+            resting: false,
             skipped,
         })
     }
@@ -179,7 +192,7 @@ impl Tracer {
             let fd = open_dir(&root.path)?;
             let c = self.calibrate(&fd)?;
             let meta = std::fs::metadata(format!("/proc/self/fd/{}", fd.as_raw_fd()))?;
-            let dev = ((libc::major(meta.dev()) as u32) << 20) | libc::minor(meta.dev()) as u32;
+            let dev = kernel_dev(meta.dev());
             let name = &c.name[..c.name.iter().position(|b| *b == 0).unwrap_or(c.name.len())];
             let expected = root.path.file_name().map_or(&b"/"[..], |n| n.as_bytes());
             // A filesystem's root directory is named "/" in the kernel, whatever it is
@@ -405,23 +418,97 @@ impl Tracer {
     /// Detaches the programs: nothing more is traced. The maps stay readable.
     pub fn detach(&mut self) {
         let t0 = std::time::Instant::now();
-        for (name, link) in self.links.drain(..) {
-            let Some(program) = self.ebpf.program_mut(name) else {
-                continue;
-            };
-            let detached = match link {
-                Link::Btf(id) => <&mut BtfTracePoint>::try_from(program)
-                    .map_err(anyhow::Error::from)
-                    .and_then(|p| Ok(p.detach(id)?)),
-                Link::Event(id) => <&mut TracePoint>::try_from(program)
-                    .map_err(anyhow::Error::from)
-                    .and_then(|p| Ok(p.detach(id)?)),
-            };
-            if let Err(e) = detached {
+        for (name, link) in std::mem::take(&mut self.links) {
+            if let Err(e) = self.detach_link(name, link) {
                 log::warn!("could not detach {name}: {e:#}");
             }
         }
         log::debug!("tracepoint links detached in {:?}", t0.elapsed());
+    }
+
+    fn detach_link(&mut self, name: &str, link: Link) -> Result<()> {
+        let program = self
+            .ebpf
+            .program_mut(name)
+            .with_context(|| format!("no program {name}"))?;
+        match link {
+            Link::Btf(id) => <&mut BtfTracePoint>::try_from(program)?.detach(id)?,
+            Link::Event(id) => <&mut TracePoint>::try_from(program)?.detach(id)?,
+        }
+        Ok(())
+    }
+
+    /// Tells the kernel side the watched mounts' devices (`st_dev`): activity on them
+    /// wakes the syscall program while it rests.
+    pub fn watch_devices(&mut self, devices: &[u64]) -> Result<()> {
+        let mut table: Array<_, u32> = Array::try_from(
+            self.ebpf
+                .map_mut("WATCHED_DEVICES")
+                .context("no WATCHED_DEVICES map")?,
+        )?;
+        for (i, dev) in devices.iter().take(MAX_WATCHED as usize).enumerate() {
+            table.set(i as u32, kernel_dev(*dev), 0)?;
+        }
+        Ok(())
+    }
+
+    /// Detaches the syscall program: no process on the node pays for tracing until the
+    /// tripwires (a request to a watched FUSE mount, pages read into a watched mount's
+    /// page cache) or `wake` attach it again. What processes do meanwhile is not seen.
+    pub fn rest(&mut self) -> Result<()> {
+        if self.resting {
+            return Ok(());
+        }
+        let (name, _) = SYSCALLS_PROGRAM;
+        let Some(at) = self.links.iter().position(|(n, _)| *n == name) else {
+            bail!("the syscall program is not attached");
+        };
+        let (name, link) = self.links.remove(at);
+        self.detach_link(name, link)?;
+        // Detached first: a tripwire that fires before this only wakes it again.
+        self.set_rest(rest::RESTING)?;
+        self.resting = true;
+        Ok(())
+    }
+
+    /// Attaches the syscall program again after `rest`.
+    pub fn wake(&mut self) -> Result<()> {
+        if !self.resting {
+            return Ok(());
+        }
+        let (name, _) = SYSCALLS_PROGRAM;
+        let program: &mut BtfTracePoint = self
+            .ebpf
+            .program_mut(name)
+            .with_context(|| format!("no program {name}"))?
+            .try_into()?;
+        // Loaded (and verified) at start: attaching is all there is to do.
+        let link = program
+            .attach()
+            .with_context(|| format!("attaching {name} again"))?;
+        self.links.push((name, Link::Btf(link)));
+        self.resting = false;
+        self.set_rest(rest::AWAKE)?;
+        // Mounts made while it rested were not seen: the views learned before are stale.
+        let mut generation: Array<_, u64> = Array::try_from(
+            self.ebpf
+                .map_mut("MOUNT_GENERATION")
+                .context("no MOUNT_GENERATION map")?,
+        )?;
+        let g = generation.get(&0, 0)?;
+        generation.set(0, g + 1, 0)?;
+        Ok(())
+    }
+
+    pub fn is_resting(&self) -> bool {
+        self.resting
+    }
+
+    fn set_rest(&mut self, state: u32) -> Result<()> {
+        let mut map: Array<_, u32> =
+            Array::try_from(self.ebpf.map_mut("REST").context("no REST map")?)?;
+        map.set(0, state, 0)?;
+        Ok(())
     }
 
     /// Passes every waiting event to `f`, in the order the kernel reserved them.
@@ -439,9 +526,14 @@ impl Tracer {
         n
     }
 
-    /// The watched files processes have open now, with what they have read so far.
+    /// The watched files processes have open now, with what they have read so far (an
+    /// entry whose file is 0 was closed, its close reported).
     pub fn open_files(&self) -> Vec<(FdKey, OpenFile)> {
-        self.open_files.iter().filter_map(Result::ok).collect()
+        self.open_files
+            .iter()
+            .filter_map(Result::ok)
+            .filter(|(_, f)| f.file != 0)
+            .collect()
     }
 
     /// The watched files processes mapped, with the pages that entered their page cache
@@ -490,6 +582,11 @@ impl AsRawFd for Tracer {
     }
 }
 
+/// A device number as the kernel keeps it (`s_dev`: major << 20 | minor).
+fn kernel_dev(dev: u64) -> u32 {
+    (libc::major(dev) << 20) | libc::minor(dev)
+}
+
 /// Loads the programs embedded in this binary, with the kernel's struct offsets (from
 /// its BTF) and the agent's own process id set.
 fn load(tracefs: &Path) -> Result<Ebpf> {
@@ -502,6 +599,10 @@ fn load(tracefs: &Path) -> Result<Ebpf> {
     let filemap_dev = u32::from(filemap.offset("s_dev")?);
     // Kernels before folios (6.x) add one page at a time and have no `order`.
     let filemap_order = filemap.offset("order").map_or(u32::MAX, u32::from);
+    // Kernels without FUSE tracepoints get no FUSE tripwire (`Tracer::start`).
+    let fuse_connection = tracefs::Format::read(tracefs, "fuse", "fuse_request_send")
+        .and_then(|f| f.offset("connection"))
+        .map_or(u32::MAX, u32::from);
     let self_tgid = std::process::id();
     let btf = Btf::from_kernel()?;
     let offsets =
@@ -514,6 +615,7 @@ fn load(tracefs: &Path) -> Result<Ebpf> {
         .override_global("FILEMAP_INO_OFFSET", &filemap_ino, true)
         .override_global("FILEMAP_DEV_OFFSET", &filemap_dev, true)
         .override_global("FILEMAP_ORDER_OFFSET", &filemap_order, true)
+        .override_global("FUSE_CONNECTION_OFFSET", &fuse_connection, true)
         .load(aya::include_bytes_aligned!(concat!(
             env!("OUT_DIR"),
             "/hocus"

@@ -339,6 +339,35 @@ impl Collector for Snapshot {
                 (vec![("cause", "unresolved".into())], t.unresolved),
             ],
         )?;
+        let r = &s.tracing;
+        gauge(
+            e,
+            "tracing_resting",
+            "1 while the syscall program is detached: nothing to learn for rest-after seconds and no job running.",
+            None,
+            vec![(vec![], i64::from(r.resting))],
+        )?;
+        counter(
+            e,
+            "tracing_rests",
+            "Times the syscall program was detached for lack of anything to learn.",
+            None,
+            vec![(vec![], r.rests)],
+        )?;
+        counter(
+            e,
+            "tracing_wakeups",
+            "Times the syscall program was attached again: a job starting, or a process using a watched mount.",
+            None,
+            vec![(vec![], r.wakeups)],
+        )?;
+        counter(
+            e,
+            "tracing_resting_seconds",
+            "Seconds the syscall program spent detached.",
+            None,
+            vec![(vec![], r.resting_secs)],
+        )?;
         counter(
             e,
             "container_lookups_unplaced",

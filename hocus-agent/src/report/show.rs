@@ -284,6 +284,20 @@ pub fn render_status(s: &Status) -> String {
             lost.join(", ")
         }
     );
+    let r = &s.tracing;
+    let _ = writeln!(
+        out,
+        "tracing: {} for {}; rested {} times ({} in all), woke {} times; {}",
+        if r.resting { "resting" } else { "on" },
+        duration(r.since_secs),
+        r.rests,
+        duration(r.resting_secs),
+        r.wakeups,
+        match r.rest_after_secs {
+            0 => "never rests (rest-after 0)".to_owned(),
+            n => format!("rests after {n} s with nothing to learn"),
+        }
+    );
     let foreign = kernel("foreign_namespace");
     if foreign > 0 {
         let _ = writeln!(

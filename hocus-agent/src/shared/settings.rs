@@ -75,6 +75,14 @@ pub struct Settings {
     #[arg(long, value_name = "SECONDS")]
     pub revalidate: Option<u64>,
 
+    /// Seconds with nothing to learn (no job running, nothing done on the watched trees)
+    /// after which the syscall program is detached, so that the node's processes pay
+    /// nothing for tracing; the first use of a watched mount (a FUSE request, a page read
+    /// from its server) attaches it again, and a job starting does before it runs.
+    /// What processes do in the meantime is not seen. 0: never detach [default: 60].
+    #[arg(long, value_name = "SECONDS")]
+    pub rest_after: Option<u64>,
+
     /// Copies made at once: they wait on the network more than they work [default: 8].
     #[arg(long, value_name = "N")]
     pub copy_workers: Option<usize>,
@@ -160,7 +168,7 @@ impl Settings {
     /// These settings, with the unset ones taken from `other`.
     pub fn or(self, other: Settings) -> Settings {
         either!(self, other; watch, state_dir, socket, save_interval, cache_dir, ssd_budget,
-            ram_budget, include_ext, exclude, revalidate, copy_workers, whole_snapshots,
+            ram_budget, include_ext, exclude, revalidate, rest_after, copy_workers, whole_snapshots,
             max_profile_entries, job_profiles, relay_port, relay_timeout, fanout_width,
             munge_socket, max_clients,
             max_clients_per_user, metrics_addr, no_metrics, log_hits, log_misses, log_writes,
@@ -180,6 +188,7 @@ impl Settings {
             include_ext: None,
             exclude: Some(Vec::new()),
             revalidate: Some(30),
+            rest_after: Some(60),
             copy_workers: Some(8),
             whole_snapshots: Some(false),
             max_profile_entries: Some(2_000_000),
@@ -320,6 +329,15 @@ impl Settings {
 
     pub fn revalidate(&self) -> Duration {
         Duration::from_secs(self.revalidate.unwrap_or(30).max(1))
+    }
+
+    /// After how long with nothing to learn the syscall program rests; None: never.
+    /// At least 5 s: a job session's steps (its check, its binds) come closer together.
+    pub fn rest_after(&self) -> Option<Duration> {
+        match self.rest_after.unwrap_or(60) {
+            0 => None,
+            secs => Some(Duration::from_secs(secs.max(5))),
+        }
     }
 
     /// The settings that change only at a restart, by name, where `other` differs.

@@ -55,6 +55,26 @@ pub struct Status {
     /// The control socket's clients and refusals.
     #[serde(default)]
     pub control: ControlStatus,
+    /// Whether the syscall program is attached, or rests.
+    #[serde(default)]
+    pub tracing: TracingStatus,
+}
+
+/// The syscall program: attached while there is something to learn or a job to follow,
+/// detached ("resting") after `rest-after` seconds of neither, until a watched mount is
+/// used again.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct TracingStatus {
+    pub resting: bool,
+    /// Seconds since it last rested or woke.
+    pub since_secs: u64,
+    /// Seconds of nothing to learn after which it rests (0: never).
+    pub rest_after_secs: u64,
+    /// Times it rested, and woke (by a job starting, or by activity on a watched mount).
+    pub rests: u64,
+    pub wakeups: u64,
+    /// Seconds spent resting in all.
+    pub resting_secs: u64,
 }
 
 /// The control socket: clients connected now, the limits, and what was refused, by

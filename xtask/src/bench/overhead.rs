@@ -1,9 +1,11 @@
 //! `cargo xtask bench overhead`: what hocus costs processes, watched or not. A
 //! syscall-heavy loop (open, read 64 B, close, a failed stat) runs on an unwatched local
-//! directory and on a watched network mount, in three conditions interleaved round by
-//! round: no programs attached; **the floor** (a program that returns at once, on the
-//! tracepoints hocus uses: what any design on them pays); and the hocus daemon. The
-//! medians are shown as ratios to no programs, measured in this run.
+//! directory and on a watched network mount, in these conditions interleaved round by
+//! round: no programs attached; **the floor** (a program that returns at once, where
+//! hocus's syscall program goes: what any design there pays); the hocus daemon tracing;
+//! and the daemon at rest (nothing to learn for `rest-after` seconds, its syscall
+//! program detached; the watched loop wakes it). The medians are shown as ratios to no
+//! programs, measured in this run.
 
 use std::{
     ffi::CString,
@@ -49,16 +51,34 @@ enum Condition {
     Nothing,
     Floor,
     Daemon,
+    /// The daemon once its syscall program rests.
+    Resting,
     /// The daemon of `--compare-with`.
     Other,
 }
 
-const CONDITIONS: [(Condition, &str); 4] = [
+const CONDITIONS: [(Condition, &str); 5] = [
     (Condition::Nothing, "no programs attached"),
     (Condition::Floor, "floor: programs that return at once"),
-    (Condition::Daemon, "hocus daemon"),
+    (Condition::Daemon, "hocus daemon, tracing"),
+    (Condition::Resting, "hocus daemon, at rest (watched: wakes)"),
     (Condition::Other, "the daemon of --compare-with"),
 ];
+
+/// `--rest-after` of the resting condition (the daemon's least).
+const REST_AFTER: &str = "5";
+
+/// Waits until the daemon's syscall program rests.
+fn wait_until_resting(agent: &Agent) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while agent.status()["tracing"]["resting"] != true {
+        if Instant::now() > deadline {
+            bail!("the daemon did not rest within 30 s (--rest-after {REST_AFTER})");
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    Ok(())
+}
 
 /// The loop, with the calls made directly: one syscall each, nothing else in between.
 fn syscall_loop(dir: &Path, iterations: usize) -> Result<Duration> {
@@ -124,10 +144,17 @@ pub fn overhead(agent_bin: &Path, o: &Overhead) -> Result<()> {
         o.round_trip.as_secs_f64() * 1000.0
     );
     // Per condition: microseconds per iteration, unwatched and watched, one per round.
-    let conditions = if o.compare_with.is_some() { 4 } else { 3 };
+    let conditions = if o.compare_with.is_some() { 5 } else { 4 };
     let mut times: Vec<(Vec<f64>, Vec<f64>)> = vec![(Vec::new(), Vec::new()); conditions];
     let per_iteration = |d: Duration, n: usize| d.as_secs_f64() * 1e6 / n as f64;
     let watch = ["--watch", net.mount.to_str().unwrap()];
+    let tracing = ["--watch", net.mount.to_str().unwrap(), "--rest-after", "0"];
+    let resting = [
+        "--watch",
+        net.mount.to_str().unwrap(),
+        "--rest-after",
+        REST_AFTER,
+    ];
     for round in 0..o.rounds {
         for (i, (condition, _)) in CONDITIONS.iter().take(conditions).enumerate() {
             let mut floor = None;
@@ -135,7 +162,8 @@ pub fn overhead(agent_bin: &Path, o: &Overhead) -> Result<()> {
             match condition {
                 Condition::Nothing => {}
                 Condition::Floor => floor = Some(start_floor(agent_bin)?),
-                Condition::Daemon => agent = Some(Agent::start(&watch)),
+                Condition::Daemon => agent = Some(Agent::start(&tracing)),
+                Condition::Resting => agent = Some(Agent::start(&resting)),
                 Condition::Other => {
                     // SAFETY: the benchmark is single-threaded here.
                     unsafe {
@@ -149,6 +177,9 @@ pub fn overhead(agent_bin: &Path, o: &Overhead) -> Result<()> {
             // Warm the page cache, the dentry cache and the daemon's first copy.
             syscall_loop(local.path(), o.local_iterations / 10)?;
             syscall_loop(&watched, o.watched_iterations / 10 + 1)?;
+            if *condition == Condition::Resting {
+                wait_until_resting(agent.as_ref().unwrap())?;
+            }
             let unwatched = syscall_loop(local.path(), o.local_iterations)?;
             let on_watched = syscall_loop(&watched, o.watched_iterations)?;
             times[i]
@@ -185,12 +216,14 @@ pub fn overhead(agent_bin: &Path, o: &Overhead) -> Result<()> {
         );
     }
     let verdict = |ok: bool| if ok { "met" } else { "not met" };
-    let (floor, daemon) = (ratios[1], ratios[2]);
+    let (floor, daemon, resting) = (ratios[1], ratios[2], ratios[3]);
     println!(
-        "\ngoals: floor on unwatched <= 1.05x: {}; daemon on unwatched within 2 points of the floor ({:+.1} points): {}; daemon on watched <= 1.10x: {}",
+        "\ngoals: floor on unwatched <= 1.05x: {}; daemon on unwatched within 2 points of the floor: tracing {:+.1} points, {}; at rest {:+.1} points, {}; daemon on watched <= 1.10x: {}",
         verdict(floor.0 <= 1.05),
         (daemon.0 - floor.0) * 100.0,
         verdict(daemon.0 - floor.0 <= 0.02),
+        (resting.0 - floor.0) * 100.0,
+        verdict(resting.0 - floor.0 <= 0.02),
         verdict(daemon.1 <= 1.10),
     );
     let conditions: Vec<serde_json::Value> = CONDITIONS

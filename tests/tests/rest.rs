@@ -1,0 +1,154 @@
+//! Tracing rests. With nothing to learn (no job, nothing done on the watched trees for
+//! `--rest-after` seconds) the daemon detaches its syscall program, so the node's
+//! processes pay nothing for it; the first use of a watched mount, or a job starting,
+//! attaches it again. The kernel's own account of the daemon's BPF links (fdinfo)
+//! says what is attached.
+
+use std::{fs, os::unix::process::CommandExt, path::Path, process::Command};
+
+use hocus_tests::{
+    Agent, NetworkMount, assert_success, file_entry, missing_lookups, test_user, wait_until,
+};
+use serde_json::Value;
+
+const SYSCALLS: &str = "sys_exit";
+
+fn tracing(agent: &Agent) -> Value {
+    agent.status()["tracing"].clone()
+}
+
+fn wait_resting(agent: &Agent, rests: u64) {
+    wait_until(30, "the tracer to rest", || {
+        let t = tracing(agent);
+        t["resting"] == true && t["rests"] == rests
+    });
+    assert!(
+        !agent.attached().iter().any(|t| t == SYSCALLS),
+        "resting, yet attached to {:?}",
+        agent.attached()
+    );
+}
+
+fn start(net: &NetworkMount) -> Agent {
+    let agent = Agent::start(&["--watch", net.mount.to_str().unwrap(), "--rest-after", "5"]);
+    let links = agent.attached();
+    assert!(links.iter().any(|t| t == SYSCALLS), "{links:?}");
+    // The tripwires stay attached while it rests.
+    for tripwire in ["fuse_request_send", "mm_filemap_add_to_page_cache"] {
+        assert!(links.iter().any(|t| t == tripwire), "{links:?}");
+    }
+    agent
+}
+
+/// An ordinary user's Python importing a module from the mount, as a plain process.
+fn import_as_user(dir: &Path, module: &str) -> String {
+    let (uid, gid) = test_user();
+    let out = Command::new("python3")
+        .args([
+            "-c",
+            &format!(
+                "import sys; sys.path.insert(0, {dir:?}); import {module}; print({module}.VALUE)"
+            ),
+        ])
+        .current_dir("/")
+        .uid(uid)
+        .gid(gid)
+        .output()
+        .unwrap();
+    assert_success(&out);
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
+#[test]
+fn an_idle_daemon_rests_and_the_first_use_of_the_mount_wakes_it() {
+    let net = NetworkMount::start();
+    let module = net.put("env/lib/rested.py", b"VALUE = 41 + 1\n");
+    let agent = start(&net);
+    wait_resting(&agent, 1);
+
+    // Work elsewhere on the node does not wake it: Python from the local disk, and a
+    // loop of opens, reads and failed lookups in a local directory.
+    let local = tempfile::tempdir().unwrap();
+    fs::write(local.path().join("local.py"), "VALUE = 7\n").unwrap();
+    assert_eq!(import_as_user(local.path(), "local"), "7");
+    for i in 0..2000 {
+        fs::read(local.path().join("local.py")).unwrap();
+        assert!(fs::metadata(local.path().join(format!("nope{i}"))).is_err());
+    }
+    let t = tracing(&agent);
+    assert_eq!(
+        (t["resting"].as_bool(), t["wakeups"].as_u64()),
+        (Some(true), Some(0)),
+        "{t}"
+    );
+    assert!(!agent.attached().iter().any(|t| t == SYSCALLS));
+
+    // An ordinary user's import from the watched mount: its first request wakes it, and
+    // the import is in the profile.
+    let lib = module.parent().unwrap();
+    assert_eq!(import_as_user(lib, "rested"), "42");
+    wait_until(10, "the tracer to wake", || {
+        tracing(&agent)["resting"] == false
+    });
+    assert!(agent.attached().iter().any(|t| t == SYSCALLS));
+    let t = tracing(&agent);
+    assert_eq!(t["wakeups"].as_u64(), Some(1), "{t}");
+    let p = agent.export();
+    let f = file_entry(&p, &module).unwrap_or_else(|| panic!("not learned: {p:#}"));
+    assert!(f["opens"].as_u64() >= Some(1), "{f}");
+    assert!(
+        agent.log().contains("tracing wakes: process"),
+        "{}",
+        agent.log()
+    );
+
+    // Nothing more to learn: it rests again.
+    wait_resting(&agent, 2);
+    assert!(agent.metrics().contains("hocus_tracing_resting 1"));
+    assert!(agent.metric("hocus_tracing_wakeups_total") == 1);
+}
+
+#[test]
+fn a_job_started_at_rest_is_followed_from_its_first_open() {
+    let net = NetworkMount::start();
+    let file = net.put("data/input.txt", b"hello from the network\n");
+    let missing = net.path("data/nope.py");
+    let agent = start(&net);
+    wait_resting(&agent, 1);
+    // The job's first process looks up a name that is not there, by its absolute path,
+    // then reads a file. The daemon attached the syscall program before it made the
+    // job's namespace, so it knows that namespace (its paths mean what they mean to the
+    // daemon) and follows the job from its first syscall.
+    let script = format!("test ! -e {} && cat {}", missing.display(), file.display());
+    let out = agent
+        .cli(&["run", "--", "sh", "-c", &script])
+        .current_dir("/")
+        .output()
+        .unwrap();
+    assert_success(&out);
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "hello from the network\n"
+    );
+    let status = agent.status();
+    let job_opens: u64 = status["cache"]["served"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["job_opens"].as_u64().unwrap())
+        .sum();
+    assert_eq!(job_opens, 1, "{status:#}");
+    assert_eq!(
+        missing_lookups(&agent.export(), &missing),
+        Some(1),
+        "{:#}",
+        agent.export()
+    );
+    assert_eq!(
+        status["tracing"]["wakeups"].as_u64(),
+        Some(1),
+        "{:#}",
+        status["tracing"]
+    );
+    wait_resting(&agent, 2);
+}
