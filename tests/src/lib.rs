@@ -479,6 +479,14 @@ pub fn saved_profile(state_dir: &Path) -> serde_json::Value {
     serde_json::from_slice(&out.stdout).unwrap()
 }
 
+/// Whether the hocus-agent at `bin` has the daemon flag `flag` (its `--help` names it).
+fn knows_flag(bin: &Path, flag: &str) -> bool {
+    Command::new(bin)
+        .arg("--help")
+        .output()
+        .is_ok_and(|out| String::from_utf8_lossy(&out.stdout).contains(flag))
+}
+
 pub fn agent_bin() -> PathBuf {
     if let Some(p) = std::env::var_os("HOCUS_AGENT_BIN") {
         return PathBuf::from(p);
@@ -573,8 +581,9 @@ impl Agent {
             cmd.arg("--metrics-addr=127.0.0.1:0");
         }
         // Tracing never rests unless a test asks: a test's counts do not depend on how
-        // long it waited (tests/rest.rs tests resting).
-        if !args.contains(&"--rest-after") {
+        // long it waited (tests/rest.rs tests resting). An older build compared with in a
+        // benchmark knows no such flag, and never rests.
+        if !args.contains(&"--rest-after") && knows_flag(&agent_bin(), "--rest-after") {
             cmd.args(["--rest-after", "0"]);
         }
         if !args.contains(&"--config") {
