@@ -12,6 +12,7 @@
 //! - owner, group, mode, POSIX ACLs, user xattrs, atime and mtime (ns) are kept.
 
 use std::{
+    collections::HashMap,
     ffi::{CString, OsString},
     fs::{self, File},
     io,
@@ -23,6 +24,8 @@ use std::{
         },
     },
     path::{Path, PathBuf},
+    sync::Mutex,
+    time::{Duration, Instant},
 };
 
 use serde::{Deserialize, Serialize};
@@ -66,8 +69,7 @@ pub fn stable_inodes(fd: &impl std::os::fd::AsFd) -> bool {
 /// [`stable_inodes`] of the watched tree `tree`, asked once: over FUSE a statfs is a
 /// round trip to the server, and every copy would ask it again.
 fn stable_inodes_of(tree: &Path, fd: &OwnedFd) -> bool {
-    static KNOWN: std::sync::Mutex<Option<std::collections::HashMap<PathBuf, bool>>> =
-        std::sync::Mutex::new(None);
+    static KNOWN: Mutex<Option<HashMap<PathBuf, bool>>> = Mutex::new(None);
     let mut known = KNOWN.lock().unwrap_or_else(|e| e.into_inner());
     let known = known.get_or_insert_with(Default::default);
     if let Some(s) = known.get(tree) {
@@ -113,9 +115,42 @@ pub struct Reader {
     pub groups: Vec<u32>,
 }
 
+/// How long a user's groups (or that there is no such user) are taken as known: a
+/// placement asks for the reader of every file it would copy, and the name service can
+/// cost dozens of syscalls an answer (files, userdb, sssd ...), more for a user it does
+/// not know. A change of groups reaches copies within this long, as it reaches a login.
+const READER_TTL: Duration = Duration::from_secs(60);
+
+/// Users looked up lately (None: unknown to the name service), and when.
+type Readers = HashMap<u32, (Option<Reader>, Instant)>;
+static READERS: Mutex<Option<Readers>> = Mutex::new(None);
+
+/// Users remembered at most (a placement sees a few hundred at a site).
+const READERS_HELD: usize = 4096;
+
 impl Reader {
-    /// The user `uid` with their primary and supplementary groups.
+    /// The user `uid` with their primary and supplementary groups; None if the name
+    /// service does not know them. Remembered for `READER_TTL`.
     pub fn lookup(uid: u32) -> Option<Self> {
+        let now = Instant::now();
+        let mut guard = READERS.lock().unwrap_or_else(|e| e.into_inner());
+        let readers = guard.get_or_insert_with(HashMap::new);
+        if let Some((reader, at)) = readers.get(&uid) {
+            if now.duration_since(*at) < READER_TTL {
+                return reader.clone();
+            }
+        }
+        if readers.len() >= READERS_HELD {
+            readers.retain(|_, (_, at)| now.duration_since(*at) < READER_TTL);
+        }
+        let reader = Self::from_name_service(uid);
+        if readers.len() < READERS_HELD {
+            readers.insert(uid, (reader.clone(), now));
+        }
+        reader
+    }
+
+    fn from_name_service(uid: u32) -> Option<Self> {
         let user = nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(uid)).ok()??;
         let name = CString::new(user.name).ok()?;
         let groups = nix::unistd::getgrouplist(&name, user.gid)
@@ -696,7 +731,7 @@ mod tests {
                 let mut f = fs::OpenOptions::new().append(true).open(&src).unwrap();
                 while !stop.load(std::sync::atomic::Ordering::Relaxed) {
                     io::Write::write_all(&mut f, b"more\n").unwrap();
-                    std::thread::sleep(std::time::Duration::from_micros(200));
+                    std::thread::sleep(Duration::from_micros(200));
                 }
             })
         };

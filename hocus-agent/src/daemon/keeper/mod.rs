@@ -58,6 +58,9 @@ use crate::{
 
 /// How often the cache index is written while it changes.
 const INDEX_SAVE_INTERVAL: Duration = Duration::from_secs(1);
+/// A revalidation that changed nothing places the working set again only this long
+/// after the last placement.
+const PLACE_AGAIN_ANYWAY: Duration = Duration::from_secs(300);
 
 pub struct Config {
     pub cache_dir: PathBuf,
@@ -190,6 +193,7 @@ pub fn start(config: Config) -> Result<(Handle, thread::JoinHandle<()>)> {
         workers,
         pinning: HashMap::new(),
         revalidating: false,
+        placed_at: Instant::now(),
         unverified,
         trees_removed: 0,
         measuring: HashSet::new(),
@@ -257,6 +261,8 @@ struct Keeper {
     pinning: HashMap<String, u64>,
     /// A revalidation is under way.
     revalidating: bool,
+    /// When the working set was last placed.
+    placed_at: Instant,
     /// Copies found in the cache at start and not revalidated yet: never bound.
     unverified: HashSet<String>,
     /// Snapshot trees handed to a worker for removal (names them apart in tmp/).
@@ -598,6 +604,7 @@ impl Keeper {
     /// Computes the placement of the remembered working set and moves towards it.
     fn place(&mut self) {
         let now = Instant::now();
+        self.placed_at = now;
         let window = self.config.revalidate;
         self.unstable
             .retain(|_, at| now.duration_since(*at) < window);
@@ -904,6 +911,7 @@ impl Keeper {
     /// What changed on the network is dropped, and fetched again once stable.
     fn revalidated(&mut self, changed: Vec<String>, changed_trees: Vec<PathBuf>) {
         self.revalidating = false;
+        let mut dropped = !changed_trees.is_empty();
         // Every copy was in this check: those unchanged are valid, the others dropped.
         self.unverified.clear();
         for source in changed {
@@ -912,6 +920,7 @@ impl Keeper {
                 continue;
             }
             self.status.invalidations += 1;
+            dropped = true;
             log::info!(
                 "{source} changed on the network: dropping its copy, fetched again once stable"
             );
@@ -923,11 +932,23 @@ impl Keeper {
             self.unstable
                 .insert(root.to_string_lossy().into_owned(), Instant::now());
         }
-        // Stable again ones come back.
-        if !self.profile.files.is_empty() {
+        // Stable again ones come back. Nothing changed and nothing came back: placing a
+        // site-wide profile again would decide the same (a second of work at a million
+        // files), so that is done only now and then, for what waits on no event (a user
+        // the name service learned of).
+        let worth_it =
+            dropped || self.any_waits_over() || self.placed_at.elapsed() >= PLACE_AGAIN_ANYWAY;
+        if !self.profile.files.is_empty() && worth_it {
             self.place();
             self.consider_snapshots();
         }
+    }
+
+    /// Whether a file left out for having changed or failed may be placed again now.
+    fn any_waits_over(&self) -> bool {
+        let window = self.config.revalidate;
+        self.unstable.values().any(|at| at.elapsed() >= window)
+            || self.failed.values().any(|at| at.elapsed() >= window * 4)
     }
 
     fn status(&self) -> CacheStatus {
