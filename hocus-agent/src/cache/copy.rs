@@ -574,20 +574,28 @@ pub fn set_times(f: &File, m: &fs::Metadata) -> io::Result<()> {
 pub fn copy_xattrs(src: &impl AsRawFd, dst: &File) -> io::Result<()> {
     let link =
         CString::new(format!("/proc/self/fd/{}", src.as_raw_fd())).expect("no NUL in a number");
-    let mut names = vec![0u8; 64 << 10];
-    // SAFETY: NUL-terminated path, buffer of the given size.
-    let n = unsafe { libc::listxattr(link.as_ptr(), names.as_mut_ptr().cast(), names.len()) };
-    if n < 0 {
+    let list = |buf: &mut [u8]| {
+        // SAFETY: NUL-terminated path, buffer of the given size (empty: asks the size).
+        let n = unsafe { libc::listxattr(link.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
+        if n >= 0 {
+            return Ok(n as usize);
+        }
         let e = io::Error::last_os_error();
-        return match e.raw_os_error() {
-            Some(libc::ENOTSUP) => Ok(()),
+        match e.raw_os_error() {
+            Some(libc::ENOTSUP) => Ok(0),
             _ => Err(e),
-        };
+        }
+    };
+    // Most files have none (and sshfs none at all): ask the size first, so that a snapshot
+    // of thousands of files allocates nothing for them.
+    let size = list(&mut [])?;
+    if size == 0 {
+        return Ok(());
     }
-    for name in names[..n as usize]
-        .split(|b| *b == 0)
-        .filter(|n| !n.is_empty())
-    {
+    // A name may be added between the two calls: room for it, and ERANGE fails the copy.
+    let mut names = vec![0u8; size + 256];
+    let n = list(&mut names)?;
+    for name in names[..n].split(|b| *b == 0).filter(|n| !n.is_empty()) {
         let acl = name == b"system.posix_acl_access" || name == b"system.posix_acl_default";
         if !(acl || name.starts_with(b"user.")) {
             continue;
