@@ -777,7 +777,7 @@ fn sigterm_mid_copy_and_mid_snapshot_stops_promptly_and_the_next_daemon_starts_c
         agent.log()
     );
     assert!(
-        !agent.log().contains(" in place: "),
+        !agent.log().contains(" in place in "),
         "the snapshot was abandoned, not finished first:\n{}",
         agent.log()
     );

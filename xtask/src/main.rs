@@ -76,7 +76,13 @@ enum Bench {
     },
     /// `import numpy, scipy, pandas` from a network mount with the page cache emptied
     /// every second: local disk, plain, warm and under `hocus-agent run`.
-    Imports(Runs),
+    Imports {
+        #[command(flatten)]
+        runs: Runs,
+        /// Only this program (repeatable; default: every one).
+        #[arg(long, value_enum)]
+        only: Vec<bench::ImportCase>,
+    },
     /// `import numpy, scipy, pandas` as an ordinary user's srun job on a real one-node
     /// Slurm cluster, page cache emptied every second: from local disk, from the
     /// network with --hocus=off, and with hocus's SPANK plugin (nothing added).
@@ -224,7 +230,9 @@ fn bench(agent: &Path, b: Bench) -> Result<()> {
             };
             bench::dataset(agent, &d)
         }
-        Bench::Imports(r) => bench::imports(agent, r.runs(), millis(r.round_trip_ms)),
+        Bench::Imports { runs: r, only } => {
+            bench::imports(agent, r.runs(), millis(r.round_trip_ms), &only)
+        }
         Bench::Slurm(r) => bench::slurm_imports(agent, r.runs(), millis(r.round_trip_ms)),
         Bench::Overhead {
             rounds,

@@ -183,6 +183,9 @@ pub struct Taken {
     /// network client may answer from attributes cached for a second or more): only
     /// their list of names can show they are unchanged.
     pub racy: Vec<PathBuf>,
+    /// How long the walk took, and the whole snapshot (its copies end after the walk).
+    pub walk_time: std::time::Duration,
+    pub time: std::time::Duration,
 }
 
 /// How close to the reading of its stamp a directory's mtime makes it racy: the mtime's
@@ -275,6 +278,8 @@ pub fn take(
     ));
     let result = (|| {
         let read_at = std::time::SystemTime::now();
+        let began = std::time::Instant::now();
+        let walk_time = Mutex::new(std::time::Duration::ZERO);
         let stamp = Mutex::new(Stamp::new());
         let taken = Mutex::new(Taken::default());
         let dirs = Mutex::new(Vec::new());
@@ -380,6 +385,7 @@ pub fn take(
             });
             // The copiers finish what was sent, then stop.
             drop(to_copy);
+            *walk_time.lock().unwrap() = began.elapsed();
             walked
         });
         walked?;
@@ -395,6 +401,8 @@ pub fn take(
         let stamp = stamp.into_inner().unwrap();
         let mut taken = taken.into_inner().unwrap();
         taken.racy = racy(&stamp, read_at);
+        taken.walk_time = walk_time.into_inner().unwrap();
+        taken.time = began.elapsed();
         let _ = fs::remove_dir_all(dest);
         fs::rename(&staging, dest).map_err(CopyError::Local)?;
         Ok((stamp, taken))

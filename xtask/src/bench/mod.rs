@@ -213,32 +213,41 @@ pub fn dataset(agent_bin: &Path, d: &Dataset) -> Result<()> {
 /// misbehaving node): from local disk (the same files, on the server's side), plain from
 /// the network, warm (again right away), and under `hocus-agent run`, each as a ratio to
 /// local disk, in the same run. The goal is within 1.2x of local disk.
-pub fn imports(agent_bin: &Path, runs: usize, round_trip: Duration) -> Result<()> {
+pub fn imports(
+    agent_bin: &Path,
+    runs: usize,
+    round_trip: Duration,
+    only: &[ImportCase],
+) -> Result<()> {
     if !crate::is_root() {
         bail!("the benchmark mounts filesystems and loads eBPF programs: run it as root");
     }
     // SAFETY: single-threaded at this point.
     unsafe { std::env::set_var("HOCUS_AGENT_BIN", agent_bin) };
-    let numpy = numpy_packages()?;
-    let jax = hocus_tests::python_packages("jax-0.10.2", &["jax[cpu]==0.10.2", "filelock==3.20.0"]);
+    let wanted = |c: ImportCase| only.is_empty() || only.contains(&c);
     let net = network(round_trip);
     let mut cases = Vec::new();
-    for case in [
-        Case {
+    if wanted(ImportCase::Numpy) {
+        let case = Case {
             name: "import numpy, scipy, pandas",
-            packages: numpy,
+            packages: numpy_packages()?,
             site: "site",
             script: "import numpy, scipy, scipy.linalg, scipy.sparse, pandas",
             env: &[],
-        },
-        Case {
+        };
+        cases.push(run_case(&net, runs, round_trip, &case)?);
+    }
+    if wanted(ImportCase::Jax) {
+        let case = Case {
             name: "import jax, then three jitted functions from its persistent cache on the share",
-            packages: jax,
+            packages: hocus_tests::python_packages(
+                "jax-0.10.2",
+                &["jax[cpu]==0.10.2", "filelock==3.20.0"],
+            ),
             site: "jaxsite",
             script: JAX_SCRIPT,
             env: &[("JAX_PLATFORMS", "cpu")],
-        },
-    ] {
+        };
         cases.push(run_case(&net, runs, round_trip, &case)?);
     }
     write_figures(
@@ -318,6 +327,15 @@ impl Drop for EmptyingPageCache {
             let _ = t.join();
         }
     }
+}
+
+/// The programs of the imports benchmark.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, clap::ValueEnum)]
+pub enum ImportCase {
+    /// `import numpy, scipy, pandas`.
+    Numpy,
+    /// `import jax` and three functions from its compilation cache.
+    Jax,
 }
 
 /// One program of the imports benchmark: its packages are copied to the share at
@@ -417,37 +435,10 @@ fn run_case(
         ])
         .output()?;
     drop(learner);
-    let (_disk, agent) = agent_on_local_disk(net);
-    drop_caches()?;
-    let log_before = net.server_log().len();
-    let t = Instant::now();
-    let warmed = agent
-        .cli(&["prefetch", "--profile", profile.to_str().unwrap()])
-        .output()?;
-    let prefetch_s = t.elapsed().as_secs_f64();
-    if std::env::var_os("HOCUS_BENCH_LOG").is_some() {
-        // What the prefetch asked the server, by request.
-        let mut kinds = std::collections::BTreeMap::<String, usize>::new();
-        for l in net.server_log()[log_before..].lines() {
-            let k = l.split(' ').next().unwrap_or("").to_owned();
-            *kinds.entry(k).or_default() += 1;
-        }
-        println!("\nthe server's requests during the prefetch: {kinds:?}");
-    }
-    if !exported.status.success() || !warmed.status.success() {
+    if !exported.status.success() {
         bail!(
-            "prefetching failed: {}",
-            String::from_utf8_lossy(&warmed.stderr)
-        );
-    }
-    if !agent.cache()["snapshots"]
-        .as_array()
-        .is_some_and(|s| s.iter().any(|p| p == remote.to_str().unwrap()))
-    {
-        bail!(
-            "no snapshot of {} after the prefetch:\n{}",
-            remote.display(),
-            agent.log()
+            "exporting the profile failed: {}",
+            String::from_utf8_lossy(&exported.stderr)
         );
     }
     // The baseline: reading just the working set's files, 8 readers in parallel.
@@ -460,16 +451,71 @@ fn run_case(
             .filter_map(|f| Some((PathBuf::from(f["path"].as_str()?), f["size"].as_u64()?)))
             .collect()
     };
-    drop_caches()?;
-    let t = Instant::now();
-    read_in_parallel(&working_set, 8);
-    let parallel_s = t.elapsed().as_secs_f64();
+    // Rounds of a cold prefetch (a daemon with an empty cache of its own, page cache
+    // emptied) and of the readers, interleaved: the machine's background is shared.
+    let (mut prefetch_v, mut parallel_v, mut agent) = (vec![], vec![], None);
+    // With the cores the machine kept busy meanwhile: on a fixture where client, server,
+    // encryption and the delaying proxy share the machine, both may be bound by CPU.
+    let (mut prefetch_busy_v, mut parallel_busy_v) = (vec![], vec![]);
+    for _ in 0..runs {
+        // The daemon before its disk: the disk is unmounted when dropped.
+        if let Some((disk, a)) = agent.take() {
+            drop(a);
+            drop(disk);
+        }
+        let (disk, a) = agent_on_local_disk(net);
+        drop_caches()?;
+        let log_before = net.server_log().len();
+        let busy = BusyCores::start();
+        let t = Instant::now();
+        let warmed = a
+            .cli(&["prefetch", "--profile", profile.to_str().unwrap()])
+            .output()?;
+        prefetch_v.push(t.elapsed().as_secs_f64());
+        prefetch_busy_v.push(busy.seconds(t.elapsed()));
+        if !warmed.status.success() {
+            bail!(
+                "prefetching failed: {}",
+                String::from_utf8_lossy(&warmed.stderr)
+            );
+        }
+        if !a.cache()["snapshots"]
+            .as_array()
+            .is_some_and(|s| s.iter().any(|p| p == remote.to_str().unwrap()))
+        {
+            bail!(
+                "no snapshot of {} after the prefetch:\n{}",
+                remote.display(),
+                a.log()
+            );
+        }
+        if std::env::var_os("HOCUS_BENCH_LOG").is_some() {
+            // What the prefetch asked the server, by request.
+            let mut kinds = std::collections::BTreeMap::<String, usize>::new();
+            for l in net.server_log()[log_before..].lines() {
+                let k = l.split(' ').next().unwrap_or("").to_owned();
+                *kinds.entry(k).or_default() += 1;
+            }
+            println!("the server's requests during the prefetch: {kinds:?}");
+        }
+        drop_caches()?;
+        let busy = BusyCores::start();
+        let t = Instant::now();
+        read_in_parallel(&working_set, 8);
+        parallel_v.push(t.elapsed().as_secs_f64());
+        parallel_busy_v.push(busy.seconds(t.elapsed()));
+        agent = Some((disk, a));
+    }
+    let (_disk, agent) = agent.expect("at least one round");
+    let (prefetch_s, parallel_s) = (median(&prefetch_v), median(&parallel_v));
+    let busy = |v: &[(f64, f64)]| median(&v.iter().map(|(b, s)| b / s).collect::<Vec<_>>());
+    let (prefetch_busy, parallel_busy) = (busy(&prefetch_busy_v), busy(&parallel_busy_v));
     let tree_bytes: u64 = walk_bytes(&local);
     let c = agent.cache();
     let held = c["cached_bytes"].as_u64().unwrap_or(0) + c["snapshot_bytes"].as_u64().unwrap_or(0);
     let ws_bytes: u64 = working_set.iter().map(|(_, s)| s).sum();
     println!(
-        "\ncold prefetch of the working set ({} files, {:.1} MiB; the tree {:.1} MiB): {prefetch_s:.2} s, {:.2}x reading those files with 8 parallel readers ({parallel_s:.2} s; goal <= 1.5x: {}); {:.1} MiB copied, {:.1}x less than the tree",
+        "\ncold prefetch of the working set ({} files, {:.1} MiB; the tree {:.1} MiB), median of {runs}: {prefetch_s:.2} s, {:.2}x reading those files with 8 parallel readers ({parallel_s:.2} s; goal <= 1.5x: {}); {:.1} MiB copied, {:.1}x less than the tree",
         working_set.len(),
         ws_bytes as f64 / 1048576.0,
         tree_bytes as f64 / 1048576.0,
@@ -481,6 +527,10 @@ fn run_case(
         },
         held as f64 / 1048576.0,
         tree_bytes as f64 / held.max(1) as f64,
+    );
+    println!(
+        "the machine's {} cores were {prefetch_busy:.2} busy during the prefetch, {parallel_busy:.2} during the readers",
+        std::thread::available_parallelism().map_or(0, |n| n.get())
     );
     // Rounds: each condition once per round, so they share the machine's background.
     let (mut local_v, mut plain_v, mut warm_v, mut hocus_v) = (vec![], vec![], vec![], vec![]);
@@ -551,7 +601,11 @@ fn run_case(
         "held_bytes": held,
         "prefetch_seconds": prefetch_s,
         "parallel_readers_seconds": parallel_s,
+        "prefetch_rounds_seconds": prefetch_v,
+        "parallel_readers_rounds_seconds": parallel_v,
         "prefetch_vs_readers": prefetch_s / parallel_s,
+        "prefetch_busy_cores": prefetch_busy,
+        "parallel_readers_busy_cores": parallel_busy,
         "local_alone_seconds": local_alone_s,
         "local_seconds": local_s,
         "plain_seconds": plain_s,
@@ -594,4 +648,35 @@ fn walk_bytes(dir: &Path) -> u64 {
             _ => 0,
         })
         .sum()
+}
+
+/// The machine's busy CPU time (all cores) from a start: with the wall time, how many
+/// cores were busy on average.
+struct BusyCores(f64);
+
+impl BusyCores {
+    fn start() -> Self {
+        Self(Self::busy_seconds())
+    }
+
+    /// CPU-seconds busy since the start, and the wall time: (busy, wall).
+    fn seconds(&self, wall: Duration) -> (f64, f64) {
+        (Self::busy_seconds() - self.0, wall.as_secs_f64())
+    }
+
+    fn busy_seconds() -> f64 {
+        // /proc/stat's first line: the cores' times in clock ticks (USER_HZ, 100 on
+        // Linux); idle and iowait are the 4th and 5th.
+        let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+        let ticks: Vec<u64> = stat
+            .lines()
+            .next()
+            .unwrap_or_default()
+            .split_whitespace()
+            .skip(1)
+            .filter_map(|t| t.parse().ok())
+            .collect();
+        let idle = ticks.get(3).copied().unwrap_or(0) + ticks.get(4).copied().unwrap_or(0);
+        (ticks.iter().sum::<u64>() - idle) as f64 / 100.0
+    }
 }

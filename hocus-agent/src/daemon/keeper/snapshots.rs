@@ -249,8 +249,10 @@ impl Keeper {
         match result {
             Ok((stamp, taken)) => {
                 log::info!(
-                    "snapshot of {} in place: {} copied, {} shared with cached files, {} files ({}) left on the network until read",
+                    "snapshot of {} in place in {:.2} s (walked in {:.2} s): {} copied, {} shared with cached files, {} files ({}) left on the network until read",
                     root.display(),
+                    taken.time.as_secs_f64(),
+                    taken.walk_time.as_secs_f64(),
                     human(taken.copied),
                     human(taken.linked),
                     taken.stubs,
