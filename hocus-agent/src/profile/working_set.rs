@@ -611,19 +611,38 @@ impl WorkingSet {
 
     /// The `n` files with the least `key`, in key order, ties by path.
     fn top_files<K: Ord>(&self, n: usize, key: impl Fn(&FileRec) -> K) -> Vec<&FileRec> {
-        let mut all: Vec<&FileRec> = self.files.iter().collect();
-        let n = n.min(all.len());
+        let n = n.min(self.files.len());
         if n == 0 {
             return Vec::new();
         }
-        all.select_nth_unstable_by_key(n - 1, |f| key(f));
-        all.truncate(n);
-        all.sort_by(|a, b| {
+        let mut chosen: Vec<&FileRec> = if n * 64 < self.files.len() {
+            // A few of many (the hottest ten a status shows): one pass keeping the best
+            // so far, the worst of them on top, rather than a million references sorted
+            // out on the daemon's loop.
+            let mut best = std::collections::BinaryHeap::with_capacity(n);
+            for (i, f) in self.files.iter().enumerate() {
+                let k = key(f);
+                if best.len() < n {
+                    best.push((k, i));
+                } else if let Some(mut worst) = best.peek_mut()
+                    && k < worst.0
+                {
+                    *worst = (k, i);
+                }
+            }
+            best.into_iter().map(|(_, i)| &self.files[i]).collect()
+        } else {
+            let mut all: Vec<&FileRec> = self.files.iter().collect();
+            all.select_nth_unstable_by_key(n - 1, |f| key(f));
+            all.truncate(n);
+            all
+        };
+        chosen.sort_by(|a, b| {
             key(a)
                 .cmp(&key(b))
                 .then_with(|| self.paths.cmp(a.path, b.path))
         });
-        all
+        chosen
     }
 
     /// What placement needs, bounded: the `n` files of most opens per page (what
@@ -663,14 +682,15 @@ impl WorkingSet {
         let root_id = root.to_str().and_then(|r| self.paths.find(r));
         let (mut files, mut bytes, mut missing) = (0, 0u64, 0);
         if let Some(r) = root_id {
-            for f in self.files.iter().filter(|f| self.paths.is_under(f.path, r)) {
+            let under = self.paths.under(r);
+            for f in self.files.iter().filter(|f| under[f.path as usize]) {
                 files += 1;
                 bytes = bytes.saturating_add(f.size);
             }
             missing = self
                 .missing
                 .keys()
-                .filter(|id| self.paths.is_under(**id, r))
+                .filter(|id| under[**id as usize])
                 .count();
         }
         RootTotals {
@@ -693,7 +713,8 @@ impl WorkingSet {
             None => Some(Paths::ROOT),
             Some(r) => self.paths.find(&r.to_string_lossy()),
         };
-        let under = |id: PathId| root.is_some_and(|r| self.paths.is_under(id, r));
+        let marks = root.map(|r| self.paths.under(r));
+        let under = |id: PathId| marks.as_ref().is_some_and(|m| m[id as usize]);
         let mut files: Vec<u32> = (0..self.files.len() as u32)
             .filter(|i| under(self.files[*i as usize].path))
             .collect();
@@ -921,6 +942,27 @@ mod tests {
         assert!(p.files[2].written);
         assert_eq!(p.missing[0].lookups, 2);
         assert_eq!(p.dirs.len(), 2);
+    }
+
+    #[test]
+    fn the_hottest_of_many_are_those_a_full_sort_finds() {
+        // 10 of 1000 take the one-pass way, 10 of 100 the sorting one: both agree with
+        // sorting everything, ties by path.
+        for count in [100u32, 1000] {
+            let mut ws = WorkingSet::default();
+            for i in 0..count {
+                let path = format!("/net/f{i:04}");
+                // Opens 1..=7 over and over: many ties, broken by path.
+                for _ in 0..(i * 7919 % 7 + 1) {
+                    ws.open(&path, 1000, u64::from(i));
+                }
+            }
+            let mut all = ws.to_profile().files;
+            all.sort_by(|a, b| b.opens.cmp(&a.opens).then_with(|| a.path.cmp(&b.path)));
+            let hottest: Vec<_> = ws.hottest(10).into_iter().map(|f| f.opens).collect();
+            let expected: Vec<_> = all.iter().take(10).map(|f| f.opens).collect();
+            assert_eq!(hottest, expected, "{count} files");
+        }
     }
 
     #[test]
