@@ -19,7 +19,7 @@ use crate::{
         working_set::WorkingSet,
     },
     redirect::access::{self, Caller},
-    shared::status::TopFile,
+    shared::{memory, status::TopFile},
 };
 
 /// How long a request waits for the sizes of files seen before it.
@@ -271,6 +271,8 @@ impl Daemon {
         self.dirty = true;
         self.to_place = true;
         self.save();
+        // The import's batches and staging are gone (a site-wide one: tens of MiB).
+        memory::give_back();
     }
 }
 

@@ -6,6 +6,7 @@
 //! bounded, so that loop never waits on the network.
 
 mod decide;
+mod file_index;
 mod handle;
 mod prefetch;
 mod served;
@@ -29,6 +30,7 @@ use tokio::sync::{mpsc as tokio_mpsc, oneshot};
 
 use self::{
     decide::{Held, Known},
+    file_index::FileIndex,
     prefetch::Watcher,
     snapshots::Snapshot,
     work::{Done, Work, Workers},
@@ -43,13 +45,14 @@ use crate::{
     control::protocol::Holding,
     observe::events::Access,
     place::{budget::Budgets, placement::Filters},
-    profile::format::Profile,
+    profile::format::{FileEntry, Profile},
     redirect::{
         jobs::{Job, SlurmTask},
         mountns::{self, Bind, Expect, SnapshotDir},
     },
     shared::{
         log_line::{self as logs, Process},
+        memory,
         settings::Settings,
         size::human,
         status::{CacheStatus, Progress, Served},
@@ -61,6 +64,9 @@ const INDEX_SAVE_INTERVAL: Duration = Duration::from_secs(1);
 /// A revalidation that changed nothing places the working set again only this long
 /// after the last placement.
 const PLACE_AGAIN_ANYWAY: Duration = Duration::from_secs(300);
+/// Entries of a working set's view past which a placement gives freed memory back (a
+/// few milliseconds then; nothing for a job's few thousand files).
+const BIG_VIEW: usize = 50_000;
 
 pub struct Config {
     pub cache_dir: PathBuf,
@@ -202,7 +208,7 @@ pub fn start(config: Config) -> Result<(Handle, thread::JoinHandle<()>)> {
         unstable: HashMap::new(),
         failed: HashMap::new(),
         profile: Profile::default(),
-        file_index: HashMap::new(),
+        file_index: FileIndex::default(),
         snapshots: HashMap::new(),
         snapshots_in_flight: HashMap::new(),
         unsuitable: HashMap::new(),
@@ -279,7 +285,7 @@ struct Keeper {
     failed: HashMap<String, Instant>,
     /// The last working set, and where each file is in it.
     profile: Profile,
-    file_index: HashMap<String, usize>,
+    file_index: FileIndex,
     /// Snapshots of whole trees, by network directory.
     snapshots: HashMap<PathBuf, Snapshot>,
     /// Snapshots being taken, with their expected bytes.
@@ -385,8 +391,13 @@ impl Keeper {
             Order::PlaceLatest => {
                 let latest = self.latest.lock().map(|mut l| l.take()).ok().flatten();
                 if let Some(profile) = latest {
+                    // The view it replaces is freed: a large one goes back to the system.
+                    let large = profile.files.len() + profile.missing.len() > BIG_VIEW;
                     self.remember(profile);
                     self.place();
+                    if large {
+                        memory::give_back();
+                    }
                 }
             }
             Order::Prefetch(profile, tx, parent) => {
@@ -592,13 +603,13 @@ impl Keeper {
     }
 
     fn remember(&mut self, profile: Profile) {
-        self.file_index = profile
-            .files
-            .iter()
-            .enumerate()
-            .map(|(i, f)| (f.path.clone(), i))
-            .collect();
+        self.file_index = FileIndex::of(&profile.files);
         self.profile = profile;
+    }
+
+    /// The remembered file at `path`, if placement weighed it.
+    fn weighed(&self, path: &str) -> Option<&FileEntry> {
+        self.file_index.find(&self.profile.files, path)
     }
 
     /// Computes the placement of the remembered working set and moves towards it.
@@ -638,7 +649,7 @@ impl Keeper {
         // Openers are remembered only to name them when their copy lands: those of files
         // placed and not wanted, or held already, are forgotten.
         self.last_opener.retain(|path, _| {
-            let placed = self.file_index.contains_key(path);
+            let placed = self.file_index.find(&self.profile.files, path).is_some();
             (self.wanted.contains_key(path) || !placed) && !self.cache.contains(path)
         });
         // Make room first: evictions and unpins.
@@ -707,7 +718,7 @@ impl Keeper {
     /// A user seen reading the file: an ordinary user if there is one (root is squashed
     /// on most NFS exports and must not read more than users can).
     fn reader_of(&self, source: &str) -> Option<Reader> {
-        let uids = &self.profile.files[*self.file_index.get(source)?].uids;
+        let uids = &self.weighed(source)?.uids;
         let uid = uids
             .iter()
             .copied()
@@ -758,8 +769,7 @@ impl Keeper {
                         self.pin(&source);
                     }
                     if logs::writes() {
-                        let i = self.file_index.get(&source);
-                        let opens = i.map_or(0, |i| self.profile.files[*i].opens);
+                        let opens = self.weighed(&source).map_or(0, |f| f.opens);
                         let held = if wanted == Some(true) {
                             "SSD and RAM"
                         } else {

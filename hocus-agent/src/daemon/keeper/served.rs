@@ -98,7 +98,7 @@ impl Keeper {
             "copied after the job started"
         } else if !self.config.filters.admits(path) {
             "excluded by --include-ext or --exclude"
-        } else if self.file_index.contains_key(path) {
+        } else if self.weighed(path).is_some() {
             "not among the hottest files that fit the SSD budget"
         } else {
             "first seen: not in the working set yet"

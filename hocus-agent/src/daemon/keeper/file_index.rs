@@ -1,0 +1,59 @@
+//! The keeper's view of the working set, found by path.
+
+use std::hash::BuildHasher;
+
+use crate::profile::format::FileEntry;
+
+/// The remembered view's files by path, without a second copy of each path (100k of
+/// them for a site-wide profile): a table of indices into the view, hashed by path.
+#[derive(Default)]
+pub struct FileIndex {
+    table: hashbrown::HashTable<u32>,
+    hasher: hashbrown::DefaultHashBuilder,
+}
+
+impl FileIndex {
+    pub fn of(files: &[FileEntry]) -> Self {
+        let mut index = Self::default();
+        index.table.reserve(files.len(), |_| 0);
+        for (i, f) in files.iter().enumerate() {
+            let hash = index.hasher.hash_one(f.path.as_str());
+            if index.find(files, &f.path).is_none() {
+                let hasher = &index.hasher;
+                index.table.insert_unique(hash, i as u32, |&j| {
+                    hasher.hash_one(files[j as usize].path.as_str())
+                });
+            }
+        }
+        index
+    }
+
+    pub fn find<'a>(&self, files: &'a [FileEntry], path: &str) -> Option<&'a FileEntry> {
+        let hash = self.hasher.hash_one(path);
+        let &i = self.table.find(hash, |&j| files[j as usize].path == path)?;
+        files.get(i as usize)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn finds_each_file_by_its_path_and_nothing_else() {
+        let files: Vec<FileEntry> = ["/net/a.py", "/net/b.so", "/net/dir/a.py"]
+            .iter()
+            .map(|p| FileEntry {
+                path: (*p).into(),
+                ..Default::default()
+            })
+            .collect();
+        let index = FileIndex::of(&files);
+        for f in &files {
+            assert_eq!(index.find(&files, &f.path).map(|g| &g.path), Some(&f.path));
+        }
+        assert!(index.find(&files, "/net/c.py").is_none());
+        assert!(index.find(&files, "/net").is_none());
+        assert!(FileIndex::default().find(&files, "/net/a.py").is_none());
+    }
+}
