@@ -523,6 +523,54 @@ fn prefetch_warms_a_new_daemon_before_the_job() {
     }
 }
 
+/// More files than the daemon hands its copy workers at once (1024): the rest wait
+/// their turn, each copy that ends starts the next, and the prefetch waits for them all.
+#[test]
+fn a_prefetch_of_more_files_than_copies_at_once_gets_them_all() {
+    const FILES: usize = 1500;
+    let net = NetworkMount::start();
+    let files: Vec<PathBuf> = (0..FILES)
+        .map(|i| net.put(&format!("many/f{i:04}.py"), format!("# {i}\n").as_bytes()))
+        .collect();
+    // A directory written to is never held as a snapshot: its files are copied one by
+    // one, which is what this is about.
+    let entries: Vec<Value> = files
+        .iter()
+        .enumerate()
+        .map(|(i, f)| {
+            let size = fs::metadata(f).unwrap().len();
+            serde_json::json!({"path": f, "size": size, "mtime_ns": 0, "opens": 1,
+                "bytes_read": size, "first_touch_ns": i, "last_touch_ns": i,
+                "users": 1, "uids": [0], "written": false})
+        })
+        .collect();
+    let many = net.path("many");
+    let profile = serde_json::json!({"version": 1, "started_unix_ns": 1, "files": entries,
+        "missing": [], "dirs": [{"path": many, "opens": 1, "mutated": true}]});
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("many.json");
+    fs::write(&path, profile.to_string()).unwrap();
+
+    let agent = Agent::start(&["--watch", net.mount.to_str().unwrap()]);
+    let out = agent
+        .cli(&["prefetch", "--profile", path.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert_success(&out);
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        said.contains(&format!("prefetched {FILES} files")),
+        "{said}\n{}",
+        agent.log()
+    );
+    let c = agent.cache();
+    assert_eq!(n(&c["cached_files"]), FILES as u64, "{c:#}");
+    assert!(c["snapshots"].as_array().is_none_or(Vec::is_empty), "{c:#}");
+    for f in [&files[0], &files[1023], &files[1024], &files[FILES - 1]] {
+        assert_eq!(fs::read(agent.local_copy(f)).unwrap(), fs::read(f).unwrap());
+    }
+}
+
 #[test]
 fn plan_shows_the_placement_and_times_without_copying() {
     let net = NetworkMount::start();

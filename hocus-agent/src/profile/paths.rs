@@ -146,7 +146,8 @@ impl Paths {
         }
     }
 
-    fn parent(&self, id: PathId) -> PathId {
+    /// The directory `id` is in (`/` for `/`).
+    pub fn parent(&self, id: PathId) -> PathId {
         self.nodes[id as usize].parent
     }
 

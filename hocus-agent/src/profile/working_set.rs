@@ -665,14 +665,24 @@ impl WorkingSet {
             .take(n);
         chosen.extend(writes);
         let files = chosen.into_iter().map(|f| self.file_entry(f)).collect();
-        let mut missing: Vec<(&PathId, &MissingRec)> = self.missing.iter().collect();
+        // Placement weighs a missing name for where it was looked up (a directory jobs
+        // probe is a snapshot candidate): one per directory is enough, the one looked up
+        // most, rather than 100k names with their strings.
+        let mut by_dir: HashMap<PathId, (PathId, &MissingRec)> = HashMap::new();
+        for (&id, m) in &self.missing {
+            let best = by_dir.entry(self.paths.parent(id)).or_insert((id, m));
+            if m.lookups > best.1.lookups {
+                *best = (id, m);
+            }
+        }
+        let mut missing: Vec<(PathId, &MissingRec)> = by_dir.into_values().collect();
         if missing.len() > n {
             missing.select_nth_unstable_by_key(n - 1, |(_, m)| std::cmp::Reverse(m.lookups));
             missing.truncate(n);
         }
         let missing = missing
             .into_iter()
-            .map(|(id, m)| self.missing_entry(*id, m))
+            .map(|(id, m)| self.missing_entry(id, m))
             .collect();
         self.profile(files, missing)
     }
@@ -963,6 +973,29 @@ mod tests {
             let expected: Vec<_> = all.iter().take(10).map(|f| f.opens).collect();
             assert_eq!(hottest, expected, "{count} files");
         }
+    }
+
+    #[test]
+    fn placement_gets_one_missing_name_per_directory_when_bounded() {
+        let mut ws = WorkingSet::default();
+        for (name, lookups) in [("/net/a/x.so", 1), ("/net/a/y.so", 5), ("/net/a/z.so", 2)] {
+            for _ in 0..lookups {
+                ws.missing(name, 1);
+            }
+        }
+        ws.missing("/net/b/w.py", 1);
+        ws.open("/net/a/real.py", 1000, 1);
+        let mut missing: Vec<_> = ws
+            .for_placement(2)
+            .missing
+            .into_iter()
+            .map(|m| (m.path, m.lookups))
+            .collect();
+        missing.sort();
+        assert_eq!(
+            missing,
+            [("/net/a/y.so".to_owned(), 5), ("/net/b/w.py".to_owned(), 1)]
+        );
     }
 
     #[test]

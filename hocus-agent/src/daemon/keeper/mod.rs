@@ -16,7 +16,7 @@ mod work;
 pub use handle::{Handle, KeeperError};
 
 use std::{
-    collections::{HashMap, HashSet},
+    collections::{HashMap, HashSet, VecDeque},
     os::fd::OwnedFd,
     path::{Path, PathBuf},
     sync::Arc,
@@ -67,6 +67,10 @@ const PLACE_AGAIN_ANYWAY: Duration = Duration::from_secs(300);
 /// Entries of a working set's view past which a placement gives freed memory back (a
 /// few milliseconds then; nothing for a job's few thousand files).
 const BIG_VIEW: usize = 50_000;
+/// Copies handed to the workers at once. The rest of a placement's copies wait their
+/// turn as a path and a size each, not as queued work holding a path, a tree, a reader
+/// and a destination each: a site-wide profile's 100k copies cost ~50 MiB that way.
+const COPIES_AT_ONCE: usize = 1024;
 
 pub struct Config {
     pub cache_dir: PathBuf,
@@ -204,6 +208,7 @@ pub fn start(config: Config) -> Result<(Handle, thread::JoinHandle<()>)> {
         trees_removed: 0,
         measuring: HashSet::new(),
         in_flight: HashMap::new(),
+        queued: VecDeque::new(),
         wanted: HashMap::new(),
         unstable: HashMap::new(),
         failed: HashMap::new(),
@@ -277,6 +282,8 @@ struct Keeper {
     measuring: HashSet<PathBuf>,
     /// Copies under way: source -> expected size.
     in_flight: HashMap<String, u64>,
+    /// The last placement's copies not started yet, in its order (`COPIES_AT_ONCE`).
+    queued: VecDeque<(String, u64)>,
     /// The last placement: each wanted file, and whether it is to be pinned.
     wanted: HashMap<String, bool>,
     /// Files seen changing, and when: they are fetched again once stable.
@@ -473,6 +480,7 @@ impl Keeper {
                 let held = if self.cache.contains(&source) && !self.unverified.contains(&source) {
                     Holding::Copy(self.cache.local(&source))
                 } else if self.in_flight.contains_key(&source)
+                    || (!self.queued.is_empty() && self.wanted.contains_key(&source))
                     || self.snapshot_coming(Path::new(&source))
                     || !self.prefetches.is_empty()
                 {
@@ -667,8 +675,25 @@ impl Keeper {
         for source in moves.pin {
             self.pin(&source);
         }
-        for (source, size) in moves.copy {
-            self.start_copy(&source, size);
+        self.queued = moves.copy.into();
+        self.start_queued();
+    }
+
+    /// Starts the queued copies in the placement's order, up to `COPIES_AT_ONCE` under
+    /// way; each copy that ends starts the next.
+    fn start_queued(&mut self) {
+        while self.in_flight.len() < COPIES_AT_ONCE {
+            let Some((source, size)) = self.queued.pop_front() else {
+                break;
+            };
+            // What happened since the placement: held, changed, or written by a job.
+            let since = self.cache.contains(&source)
+                || self.in_flight.contains_key(&source)
+                || self.unstable.contains_key(&source)
+                || self.refused.contains(&source);
+            if !since {
+                self.start_copy(&source, size);
+            }
         }
     }
 
@@ -737,6 +762,7 @@ impl Keeper {
             if result.is_ok() && !self.cache.contains(&source) {
                 let _ = std::fs::remove_file(self.cache.local(&source));
             }
+            self.start_queued();
             return;
         };
         let mut ok = false;
@@ -799,6 +825,8 @@ impl Keeper {
                 self.failed.insert(source.clone(), Instant::now());
             }
         }
+        // The next queued copy first: a prefetch waiting for this one waits for it too.
+        self.start_queued();
         if self.in_flight.is_empty() {
             // Snapshots wait for the copies under them (they are linked in); a prefetch
             // under way then waits for them too, so this comes before its report.
