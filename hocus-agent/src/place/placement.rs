@@ -9,7 +9,9 @@
 //! epoch, instead of churning the way an LRU page cache does.
 
 use std::{
+    borrow::Borrow,
     collections::HashSet,
+    hash::Hash,
     path::{Path, PathBuf},
 };
 
@@ -111,71 +113,78 @@ fn value(f: &FileEntry) -> f64 {
 
 /// Chooses the files to hold. `held` are the files holding a place now (on SSD), and
 /// `pinned_now` those pinned: they keep their places unless clearly outvalued.
-pub fn place(
-    files: &[FileEntry],
+///
+/// The files and the paths held are borrowed, whatever holds them (a profile's files, or
+/// the keeper's view of 100k): no path is copied until it is chosen.
+pub fn place<F, S>(
+    files: &[F],
     filters: &Filters,
     ssd_budget: u64,
     ram_budget: u64,
-    held: &HashSet<String>,
-    pinned_now: &HashSet<String>,
-) -> Placement {
+    held: &HashSet<S>,
+    pinned_now: &HashSet<S>,
+) -> Placement
+where
+    F: Borrow<FileEntry>,
+    S: Borrow<str> + Eq + Hash,
+{
     // A directory with a file opened for writing again and again (a lock) is a store
     // its users manage: there a file only ever written, never read yet (JAX's `-atime`
     // files, rewritten at every hit; an entry just put), waits until someone reads it.
+    let files = files.iter().map(|f| -> &FileEntry { f.borrow() });
     let locked: HashSet<&str> = files
-        .iter()
+        .clone()
         .filter(|f| f.opened_for_writing())
         .map(|f| parent(&f.path))
         .collect();
     let candidates: Vec<&FileEntry> = files
-        .iter()
         .filter(|f| cacheable(f, filters))
         .filter(|f| !(f.write_opens >= f.opens && locked.contains(parent(&f.path))))
         .collect();
-    let fill = |budget: u64,
-                bonus: &HashSet<String>,
-                among: &dyn Fn(&FileEntry) -> bool|
-     -> HashSet<String> {
-        let mut ranked: Vec<(&FileEntry, f64)> = candidates
-            .iter()
-            .filter(|f| among(f))
-            .map(|f| {
-                let v = value(f);
-                (
-                    *f,
-                    if bonus.contains(&f.path) {
-                        v * KEEP_FACTOR
-                    } else {
-                        v
-                    },
-                )
-            })
-            .collect();
-        ranked.sort_by(|(a, va), (b, vb)| {
-            vb.total_cmp(va)
-                .then(a.first_touch_ns.cmp(&b.first_touch_ns))
-                .then(a.path.cmp(&b.path))
-        });
-        let mut left = budget;
-        let mut chosen = HashSet::new();
-        for (f, _) in ranked {
-            if f.size <= left {
-                left -= f.size;
-                chosen.insert(f.path.clone());
+    let fill =
+        |budget: u64, bonus: &HashSet<S>, among: &dyn Fn(&FileEntry) -> bool| -> HashSet<&str> {
+            let mut ranked: Vec<(&FileEntry, f64)> = candidates
+                .iter()
+                .filter(|f| among(f))
+                .map(|f| {
+                    let v = value(f);
+                    (
+                        *f,
+                        if bonus.contains(f.path.as_str()) {
+                            v * KEEP_FACTOR
+                        } else {
+                            v
+                        },
+                    )
+                })
+                .collect();
+            ranked.sort_by(|(a, va), (b, vb)| {
+                vb.total_cmp(va)
+                    .then(a.first_touch_ns.cmp(&b.first_touch_ns))
+                    .then(a.path.cmp(&b.path))
+            });
+            let mut left = budget;
+            let mut chosen = HashSet::new();
+            for (f, _) in ranked {
+                if f.size <= left {
+                    left -= f.size;
+                    chosen.insert(f.path.as_str());
+                }
             }
-        }
-        chosen
-    };
+            chosen
+        };
     let on_ssd = fill(ssd_budget, held, &|_| true);
-    let in_ram = fill(ram_budget, pinned_now, &|f| on_ssd.contains(&f.path));
+    let in_ram = fill(ram_budget, pinned_now, &|f| {
+        on_ssd.contains(f.path.as_str())
+    });
     let mut chosen: Vec<Choice> = candidates
         .iter()
-        .filter(|f| on_ssd.contains(&f.path))
+        .filter(|f| on_ssd.contains(f.path.as_str()))
         .map(|f| Choice {
             path: f.path.clone(),
             size: f.size,
             first_touch_ns: f.first_touch_ns,
-            pinned: in_ram.contains(&f.path),
+            pinned: in_ram.contains(f.path.as_str()),
         })
         .collect();
     chosen.sort_by(|a, b| (a.first_touch_ns, &a.path).cmp(&(b.first_touch_ns, &b.path)));
@@ -240,14 +249,7 @@ mod tests {
             ..file("/net/other/jit_g-cache", 8, 1, 3)
         };
         let files = [lock, written_only, read_since, elsewhere];
-        let p = place(
-            &files,
-            &filters,
-            1 << 30,
-            0,
-            &HashSet::new(),
-            &HashSet::new(),
-        );
+        let p = place(&files, &filters, 1 << 30, 0, &none(), &none());
         let held: Vec<&str> = p.files.iter().map(|c| c.path.as_str()).collect();
         assert_eq!(
             held,

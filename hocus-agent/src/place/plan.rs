@@ -40,7 +40,7 @@ pub fn run(
     filters: &Filters,
     csv: bool,
 ) -> Result<()> {
-    let none = HashSet::new();
+    let none: HashSet<&str> = HashSet::new();
     let placed = placement::place(
         &profile.files,
         filters,

@@ -78,30 +78,17 @@ pub fn moves(
     ram_budget: u64,
     held: &Held,
 ) -> Moves {
-    let files: Vec<FileEntry> = admitted.iter().map(|f| (*f).clone()).collect();
-    let holding: HashSet<String> = held
-        .cached
-        .iter()
-        .chain(&held.copying)
-        .map(|s| (*s).to_owned())
-        .collect();
-    let pinned: HashSet<String> = held.pinned.iter().map(|s| (*s).to_owned()).collect();
-    let placed = placement::place(&files, filters, ssd_budget, ram_budget, &holding, &pinned);
-    let wanted: HashMap<String, bool> = placed
-        .files
-        .iter()
-        .map(|c| (c.path.clone(), c.pinned))
-        .collect();
+    // Borrowed, not copied: a site-wide view has 100k files, and the paths held as many.
+    let holding: HashSet<&str> = held.cached.iter().chain(&held.copying).copied().collect();
+    let placed = placement::place(
+        admitted,
+        filters,
+        ssd_budget,
+        ram_budget,
+        &holding,
+        &held.pinned,
+    );
     let mut out = Moves::default();
-    let mut cached: Vec<&str> = held.cached.iter().copied().collect();
-    cached.sort_unstable();
-    for source in cached {
-        match wanted.get(source) {
-            None => out.evict.push(source.to_owned()),
-            Some(false) if held.pinned.contains(source) => out.unpin.push(source.to_owned()),
-            _ => {}
-        }
-    }
     for choice in &placed.files {
         let path = choice.path.as_str();
         if held.cached.contains(path) {
@@ -110,6 +97,21 @@ pub fn moves(
             }
         } else if !held.copying.contains(path) {
             out.copy.push((choice.path.clone(), choice.size));
+        }
+    }
+    // The chosen paths move into the wanted set: no copy of each.
+    let wanted: HashMap<String, bool> = placed
+        .files
+        .into_iter()
+        .map(|c| (c.path, c.pinned))
+        .collect();
+    let mut cached: Vec<&str> = held.cached.iter().copied().collect();
+    cached.sort_unstable();
+    for source in cached {
+        match wanted.get(source) {
+            None => out.evict.push(source.to_owned()),
+            Some(false) if held.pinned.contains(source) => out.unpin.push(source.to_owned()),
+            _ => {}
         }
     }
     out.wanted = wanted;
