@@ -490,13 +490,10 @@ fn run_case(
             );
         }
         if std::env::var_os("HOCUS_BENCH_LOG").is_some() {
-            // What the prefetch asked the server, by request.
-            let mut kinds = std::collections::BTreeMap::<String, usize>::new();
-            for l in net.server_log()[log_before..].lines() {
-                let k = l.split(' ').next().unwrap_or("").to_owned();
-                *kinds.entry(k).or_default() += 1;
-            }
-            println!("the server's requests during the prefetch: {kinds:?}");
+            println!(
+                "the server's requests during the prefetch: {:?}",
+                request_kinds(&net.server_log()[log_before..])
+            );
         }
         drop_caches()?;
         let busy = BusyCores::start();
@@ -543,7 +540,15 @@ fn run_case(
             .env("PYTHONDONTWRITEBYTECODE", "1")
             .envs(case.env.iter().copied())
             .current_dir("/");
+        let log_before = net.server_log().len();
         hocus_v.push(time(&mut cmd)?);
+        if std::env::var_os("HOCUS_BENCH_LOG").is_some() {
+            // What a job under `run` asked the server, its start's check included.
+            println!(
+                "the server's requests during a job under run: {:?}",
+                request_kinds(&net.server_log()[log_before..])
+            );
+        }
     }
     let (local_s, plain_s, warm_s, hocus_s) = (
         median(&local_v),
@@ -648,6 +653,15 @@ fn walk_bytes(dir: &Path) -> u64 {
             _ => 0,
         })
         .sum()
+}
+
+/// Lines of the server's request log, counted by request.
+fn request_kinds(log: &str) -> std::collections::BTreeMap<&str, usize> {
+    let mut kinds = std::collections::BTreeMap::new();
+    for l in log.lines() {
+        *kinds.entry(l.split(' ').next().unwrap_or("")).or_default() += 1;
+    }
+    kinds
 }
 
 /// The machine's busy CPU time (all cores) from a start: with the wall time, how many
