@@ -10,6 +10,7 @@ use std::{
     os::unix::{fs::PermissionsExt, net::UnixStream},
     path::{Path, PathBuf},
     process::{Child, Command, Output, Stdio},
+    sync::Mutex,
     thread,
     time::{Duration, Instant},
 };
@@ -479,12 +480,20 @@ pub fn saved_profile(state_dir: &Path) -> serde_json::Value {
     serde_json::from_slice(&out.stdout).unwrap()
 }
 
-/// Whether the hocus-agent at `bin` has the daemon flag `flag` (its `--help` names it).
+/// Whether the hocus-agent at `bin` has the daemon flag `flag` (its `--help` names it),
+/// asked once per binary and flag: every daemon a test starts wants to know.
 fn knows_flag(bin: &Path, flag: &str) -> bool {
-    Command::new(bin)
+    static KNOWN: Mutex<Vec<(PathBuf, String, bool)>> = Mutex::new(Vec::new());
+    let mut known = KNOWN.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, _, has)) = known.iter().find(|(b, f, _)| b == bin && f == flag) {
+        return *has;
+    }
+    let has = Command::new(bin)
         .arg("--help")
         .output()
-        .is_ok_and(|out| String::from_utf8_lossy(&out.stdout).contains(flag))
+        .is_ok_and(|out| String::from_utf8_lossy(&out.stdout).contains(flag));
+    known.push((bin.to_owned(), flag.to_owned(), has));
+    has
 }
 
 pub fn agent_bin() -> PathBuf {
@@ -649,6 +658,14 @@ impl Agent {
             .arg(&self.state_dir)
             .args(args);
         cmd
+    }
+
+    /// `sh -c script` as a job under `hocus-agent run`, as root, from `/`.
+    pub fn run_job(&self, script: &str) -> Output {
+        self.cli(&["run", "--", "sh", "-c", script])
+            .current_dir("/")
+            .output()
+            .unwrap()
     }
 
     /// `profile export` as root, parsed.

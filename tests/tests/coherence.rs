@@ -212,11 +212,7 @@ fn a_new_job_sees_what_the_network_holds_not_an_older_copy() {
         a = added.display()
     );
     for _ in 0..2 {
-        let out = agent
-            .cli(&["run", "--", "sh", "-c", &script])
-            .current_dir("/")
-            .output()
-            .unwrap();
+        let out = agent.run_job(&script);
         assert_success(&out);
         assert_eq!(
             String::from_utf8_lossy(&out.stdout),

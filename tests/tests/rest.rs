@@ -120,11 +120,7 @@ fn a_job_started_at_rest_is_followed_from_its_first_open() {
     // job's namespace, so it knows that namespace (its paths mean what they mean to the
     // daemon) and follows the job from its first syscall.
     let script = format!("test ! -e {} && cat {}", missing.display(), file.display());
-    let out = agent
-        .cli(&["run", "--", "sh", "-c", &script])
-        .current_dir("/")
-        .output()
-        .unwrap();
+    let out = agent.run_job(&script);
     assert_success(&out);
     assert_eq!(
         String::from_utf8_lossy(&out.stdout),

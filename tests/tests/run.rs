@@ -5,20 +5,12 @@ use std::{
     fs,
     os::unix::{fs::PermissionsExt, process::CommandExt},
     path::Path,
-    process::{Command, Output, Stdio},
+    process::{Command, Stdio},
     thread,
     time::Duration,
 };
 
 use hocus_tests::{Agent, NetworkMount, assert_success, read_all, wait_until};
-
-fn run(agent: &Agent, script: &str) -> Output {
-    agent
-        .cli(&["run", "--", "sh", "-c", script])
-        .current_dir("/")
-        .output()
-        .unwrap()
-}
 
 fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
@@ -59,7 +51,7 @@ fn a_job_sees_local_copies_read_only_at_the_network_paths() {
     let agent = Agent::start(&["--watch", net.mount.to_str().unwrap()]);
     read_all(&file);
     cached(&agent, &file);
-    let out = run(&agent, &format!("{BINDS}; cat {}; exit 7", file.display()));
+    let out = agent.run_job(&format!("{BINDS}; cat {}; exit 7", file.display()));
     let stdout = text(&out.stdout);
     assert_eq!(out.status.code(), Some(7), "{}", text(&out.stderr));
     // The mount that serves the file in the job (the file itself, or the snapshot of a
@@ -92,7 +84,7 @@ fn a_write_into_a_copy_fails_is_counted_and_the_file_goes_back_to_the_network() 
     read_all(&file);
     cached(&agent, &file);
     let copy = agent.local_copy(&file);
-    let out = run(&agent, &format!("echo 1,2 >> {}", file.display()));
+    let out = agent.run_job(&format!("echo 1,2 >> {}", file.display()));
     assert!(!out.status.success());
     assert!(
         text(&out.stderr).contains("Read-only file system"),
@@ -109,7 +101,7 @@ fn a_write_into_a_copy_fails_is_counted_and_the_file_goes_back_to_the_network() 
     assert_eq!(agent.status()["tally"]["writes_refused"], 1);
     assert!(agent.log().contains("got EROFS"), "{}", agent.log());
     // A later job works on the network file itself: its write lands on the share.
-    let out = run(&agent, &format!("{BINDS}; echo 1,2 >> {}", file.display()));
+    let out = agent.run_job(&format!("{BINDS}; echo 1,2 >> {}", file.display()));
     assert_success(&out);
     assert!(
         !text(&out.stdout).contains("table.csv"),
@@ -473,10 +465,7 @@ fn a_write_into_a_snapshot_fails_and_the_tree_goes_back_to_the_network() {
             .as_array()
             .is_some_and(|s| s.iter().any(|p| p == dataset.to_str().unwrap()))
     });
-    let out = run(
-        &agent,
-        &format!("echo new > {}/part-2.csv", dataset.display()),
-    );
+    let out = agent.run_job(&format!("echo new > {}/part-2.csv", dataset.display()));
     assert!(!out.status.success());
     assert!(
         text(&out.stderr).contains("Read-only file system"),
@@ -496,10 +485,7 @@ fn a_write_into_a_snapshot_fails_and_the_tree_goes_back_to_the_network() {
         agent.log()
     );
     // The next job writes to the network share.
-    let out = run(
-        &agent,
-        &format!("echo new > {}/part-2.csv", dataset.display()),
-    );
+    let out = agent.run_job(&format!("echo new > {}/part-2.csv", dataset.display()));
     assert_success(&out);
     assert_eq!(
         fs::read(net.server_path("dataset/part-2.csv")).unwrap(),

@@ -279,7 +279,6 @@ pub fn take(
     let result = (|| {
         let read_at = std::time::SystemTime::now();
         let began = std::time::Instant::now();
-        let walk_time = Mutex::new(std::time::Duration::ZERO);
         let stamp = Mutex::new(Stamp::new());
         let taken = Mutex::new(Taken::default());
         let dirs = Mutex::new(Vec::new());
@@ -325,7 +324,7 @@ pub fn take(
         };
         // One walk: each entry is made in the staging tree as it is met, from the
         // attributes and descriptors the walk holds (nothing is looked up again).
-        let walked = std::thread::scope(|s| {
+        let (walked, walk_time) = std::thread::scope(|s| {
             for _ in 0..COPIERS {
                 s.spawn(copier);
             }
@@ -385,8 +384,7 @@ pub fn take(
             });
             // The copiers finish what was sent, then stop.
             drop(to_copy);
-            *walk_time.lock().unwrap() = began.elapsed();
-            walked
+            (walked, began.elapsed())
         });
         walked?;
         if let Some(e) = failed.into_inner().unwrap() {
@@ -401,7 +399,7 @@ pub fn take(
         let stamp = stamp.into_inner().unwrap();
         let mut taken = taken.into_inner().unwrap();
         taken.racy = racy(&stamp, read_at);
-        taken.walk_time = walk_time.into_inner().unwrap();
+        taken.walk_time = walk_time;
         taken.time = began.elapsed();
         let _ = fs::remove_dir_all(dest);
         fs::rename(&staging, dest).map_err(CopyError::Local)?;

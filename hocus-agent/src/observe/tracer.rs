@@ -67,7 +67,7 @@ pub struct Tracer {
 /// (docs/overhead.md). Pages entering the page cache are counted for mapped watched
 /// files.
 const PROGRAMS: [(&str, Attach); 4] = [
-    ("syscall_exit", Attach::Btf("sys_exit")),
+    (SYSCALLS_PROGRAM, Attach::Btf("sys_exit")),
     ("process_fork", Attach::Event("sched", "sched_process_fork")),
     ("process_exit", Attach::Event("sched", "sched_process_exit")),
     (
@@ -77,7 +77,7 @@ const PROGRAMS: [(&str, Attach); 4] = [
 ];
 
 /// The program that rests while there is nothing to learn (`Tracer::rest`).
-const SYSCALLS_PROGRAM: (&str, Attach) = ("syscall_exit", Attach::Btf("sys_exit"));
+const SYSCALLS_PROGRAM: &str = "syscall_exit";
 
 /// A tripwire for resting: requests to FUSE filesystems (sshfs ...), where the kernel
 /// has the tracepoint; other filesystems never reach it.
@@ -459,8 +459,7 @@ impl Tracer {
         if self.resting {
             return Ok(());
         }
-        let (name, _) = SYSCALLS_PROGRAM;
-        let Some(at) = self.links.iter().position(|(n, _)| *n == name) else {
+        let Some(at) = self.links.iter().position(|(n, _)| *n == SYSCALLS_PROGRAM) else {
             bail!("the syscall program is not attached");
         };
         let (name, link) = self.links.remove(at);
@@ -476,7 +475,7 @@ impl Tracer {
         if !self.resting {
             return Ok(());
         }
-        let (name, _) = SYSCALLS_PROGRAM;
+        let name = SYSCALLS_PROGRAM;
         let program: &mut BtfTracePoint = self
             .ebpf
             .program_mut(name)

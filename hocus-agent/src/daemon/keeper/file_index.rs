@@ -16,14 +16,16 @@ impl FileIndex {
     pub fn of(files: &[FileEntry]) -> Self {
         let mut index = Self::default();
         index.table.reserve(files.len(), |_| 0);
+        let Self { table, hasher } = &mut index;
         for (i, f) in files.iter().enumerate() {
-            let hash = index.hasher.hash_one(f.path.as_str());
-            if index.find(files, &f.path).is_none() {
-                let hasher = &index.hasher;
-                index.table.insert_unique(hash, i as u32, |&j| {
-                    hasher.hash_one(files[j as usize].path.as_str())
-                });
-            }
+            // The first of a path twice is the one found.
+            let _ = table
+                .entry(
+                    hasher.hash_one(f.path.as_str()),
+                    |&j| files[j as usize].path == f.path,
+                    |&j| hasher.hash_one(files[j as usize].path.as_str()),
+                )
+                .or_insert(i as u32);
         }
         index
     }
