@@ -28,6 +28,7 @@ use crate::{
     },
     place::{budget::Budgets, placement::Filters},
     profile::{
+        records,
         store::StateDir,
         working_set::{Attributes, WorkingSet},
     },
@@ -190,6 +191,8 @@ impl Daemon {
 
         let state_dir = opts.settings.state_dir();
         let mut state = StateDir::lock(&state_dir)?;
+        // A site-wide profile's file records live on local disk, beside its state.
+        records::spill_into(&state_dir);
         let mut ws = WorkingSet::new(unix_now_ns());
         ws.set_limit(opts.settings.max_profile_entries());
         match state.load(&mut ws) {
@@ -567,7 +570,8 @@ impl Daemon {
 
     async fn status(&mut self, top: usize) -> Status {
         let (files, missing, dirs) = self.ws.counts();
-        let hottest = self.ws.hottest(top);
+        let roots: Vec<PathBuf> = self.watched.iter().map(|w| w.path.clone()).collect();
+        let (hottest, roots) = self.ws.summary(top, &roots);
         let paths: Vec<String> = hottest.iter().map(|f| f.path.clone()).collect();
         let n = paths.len();
         let held = match n {
@@ -611,11 +615,7 @@ impl Daemon {
             state_dir: self.state_dir.clone(),
             metrics_addr: self.metrics_addr,
             watched: self.watched.clone(),
-            roots: self
-                .watched
-                .iter()
-                .map(|w| self.ws.totals_under(&w.path))
-                .collect(),
+            roots,
             top,
             files,
             missing,

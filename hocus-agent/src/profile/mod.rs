@@ -6,5 +6,6 @@
 
 pub mod format;
 pub mod paths;
+pub mod records;
 pub mod store;
 pub mod working_set;

@@ -5,7 +5,10 @@
 //! are held once each. What changed since the last save is tracked, so that a save
 //! writes only that (`store`).
 
-use std::{collections::BTreeSet, path::Path};
+use std::{
+    collections::BTreeSet,
+    path::{Path, PathBuf},
+};
 
 use hashbrown::HashMap;
 
@@ -13,16 +16,20 @@ use crate::{
     profile::{
         format::{DirEntry, FORMAT_VERSION, FileEntry, MissingEntry, Profile},
         paths::{PathId, Paths, table_bytes},
+        records::{Plain, Records},
     },
     shared::status::RootTotals,
 };
 
 /// The live, mutable form of a profile.
-#[derive(Clone, Default)]
+#[derive(Default)]
 pub struct WorkingSet {
     pub started_unix_ns: u64,
     paths: Paths,
-    files: Vec<FileRec>,
+    /// On disk once there are many ([`Records`]).
+    files: Records<FileRec>,
+    /// Which files changed since the last save, a bit each.
+    dirty_files: Vec<u64>,
     /// The index in `files` of each path's file, or [`NONE`].
     file_of: Vec<u32>,
     missing: HashMap<PathId, MissingRec>,
@@ -42,13 +49,13 @@ pub struct WorkingSet {
 const NONE: u32 = u32::MAX;
 const WRITTEN: u32 = 1 << 31;
 const REFUSED: u32 = 1 << 30;
-const DIRTY: u32 = 1 << 29;
-const USERS: u32 = DIRTY - 1;
+const USERS: u32 = (1 << 29) - 1;
 
 /// Past this many changed entries (or a quarter of all), a save rewrites the whole state
 /// rather than appending each.
 const MAX_CHANGED: usize = 1 << 16;
 
+#[repr(C)]
 #[derive(Clone, Copy, Default)]
 struct FileRec {
     size: u64,
@@ -60,9 +67,12 @@ struct FileRec {
     opens: u32,
     write_opens: u32,
     path: PathId,
-    /// The set of users ([`UserSets`]), and the WRITTEN, REFUSED and DIRTY bits.
+    /// The set of users ([`UserSets`]), and the WRITTEN and REFUSED bits.
     bits: u32,
 }
+
+// SAFETY: integers only, 5 * 8 + 4 * 4 bytes with no padding.
+unsafe impl Plain for FileRec {}
 
 impl FileRec {
     /// When it was first opened; 0 for a file known only by its attributes or a write.
@@ -177,7 +187,8 @@ impl WorkingSet {
     /// daemon's memory: allocator overhead aside).
     pub fn heap_bytes(&self) -> usize {
         self.paths.heap_bytes()
-            + self.files.capacity() * size_of::<FileRec>()
+            + self.files.heap_bytes()
+            + self.dirty_files.capacity() * size_of::<u64>()
             + self.file_of.capacity() * size_of::<u32>()
             + table_bytes::<(PathId, MissingRec)>(self.missing.capacity())
             + table_bytes::<(PathId, DirRec)>(self.dirs.capacity())
@@ -256,9 +267,19 @@ impl WorkingSet {
     }
 
     fn changed_file(&mut self, i: usize) {
-        if self.files[i].bits & DIRTY == 0 {
-            self.files[i].bits |= DIRTY;
+        let (word, bit) = (i / 64, 1u64 << (i % 64));
+        if self.dirty_files.len() <= word {
+            self.dirty_files.resize(word + 1, 0);
+        }
+        if self.dirty_files[word] & bit == 0 {
+            self.dirty_files[word] |= bit;
             self.note(Changed::File(i as u32));
+        }
+    }
+
+    fn clean_file(&mut self, i: usize) {
+        if let Some(w) = self.dirty_files.get_mut(i / 64) {
+            *w &= !(1u64 << (i % 64));
         }
     }
 
@@ -281,9 +302,11 @@ impl WorkingSet {
             return false;
         }
         let i = self.touch(path, at_unix_ns);
-        let f = &mut self.files[i];
-        f.opens = f.opens.saturating_add(1);
-        f.bits = (f.bits & !USERS) | self.users.with(f.bits & USERS, &[uid]);
+        let users = &mut self.users;
+        self.files.update(i, |f| {
+            f.opens = f.opens.saturating_add(1);
+            f.bits = (f.bits & !USERS) | users.with(f.bits & USERS, &[uid]);
+        });
         new
     }
 
@@ -292,15 +315,16 @@ impl WorkingSet {
     fn touch(&mut self, path: &str, at_unix_ns: u64) -> usize {
         let at = self.offset(at_unix_ns);
         let i = self.file_at(path);
-        let f = &mut self.files[i];
-        f.first_touch_ns = f.first_touch_ns.min(at);
-        f.last_touch_ns = f.last_touch_ns.max(at);
+        self.files.update(i, |f| {
+            f.first_touch_ns = f.first_touch_ns.min(at);
+            f.last_touch_ns = f.last_touch_ns.max(at);
+        });
         i
     }
 
     /// The size and mtime known of a file, if it is held.
     pub fn attributes(&self, path: &str) -> Option<Attributes> {
-        let f = &self.files[self.file_index(path)?];
+        let f = self.files.get(self.file_index(path)?);
         Some(Attributes {
             size: f.size,
             mtime_ns: f.mtime_ns,
@@ -310,37 +334,38 @@ impl WorkingSet {
     pub fn set_attributes(&mut self, path: &str, a: Attributes) {
         if let Some(i) = self.file_index(path) {
             self.changed_file(i);
-            let f = &mut self.files[i];
-            f.size = a.size;
-            f.mtime_ns = a.mtime_ns;
+            self.files.update(i, |f| {
+                f.size = a.size;
+                f.mtime_ns = a.mtime_ns;
+            });
         }
     }
 
     pub fn add_bytes_read(&mut self, path: &str, bytes: u64) {
         if let Some(i) = self.file_index(path) {
             self.changed_file(i);
-            let f = &mut self.files[i];
-            f.bytes_read = f.bytes_read.saturating_add(bytes);
+            self.files
+                .update(i, |f| f.bytes_read = f.bytes_read.saturating_add(bytes));
         }
     }
 
     /// A file was written, truncated, renamed or unlinked.
     pub fn mark_written(&mut self, path: &str, at_unix_ns: u64) {
         let i = self.touch(path, at_unix_ns);
-        self.files[i].bits |= WRITTEN;
+        self.files.update(i, |f| f.bits |= WRITTEN);
     }
 
     /// A file was opened with write access (counted also when nothing is written).
     pub fn opened_for_writing(&mut self, path: &str, at_unix_ns: u64) {
         let i = self.touch(path, at_unix_ns);
-        let f = &mut self.files[i];
-        f.write_opens = f.write_opens.saturating_add(1);
+        self.files
+            .update(i, |f| f.write_opens = f.write_opens.saturating_add(1));
     }
 
     /// A job got EROFS writing through a read-only copy of `path`.
     pub fn mark_refused(&mut self, path: &str, at_unix_ns: u64) {
         let i = self.touch(path, at_unix_ns);
-        self.files[i].bits |= REFUSED;
+        self.files.update(i, |f| f.bits |= REFUSED);
     }
 
     pub fn missing(&mut self, path: &str, at_unix_ns: u64) {
@@ -413,19 +438,20 @@ impl WorkingSet {
         uids.sort_unstable();
         uids.dedup();
         let i = self.file_at(&f.path);
-        let e = &mut self.files[i];
-        if f.mtime_ns > e.mtime_ns || (e.size == 0 && e.mtime_ns == 0) {
-            e.size = f.size;
-            e.mtime_ns = f.mtime_ns;
-        }
-        e.opens = e.opens.saturating_add(saturated(f.opens));
-        e.bytes_read = e.bytes_read.saturating_add(f.bytes_read);
-        e.first_touch_ns = e.first_touch_ns.min(f.first_touch_ns);
-        e.last_touch_ns = e.last_touch_ns.max(f.last_touch_ns);
-        e.write_opens = e.write_opens.saturating_add(saturated(f.write_opens));
-        e.bits = (e.bits & !USERS)
-            | self.users.with(e.bits & USERS, &uids)
-            | flags(f.written, f.refused);
+        let users = &mut self.users;
+        self.files.update(i, |e| {
+            if f.mtime_ns > e.mtime_ns || (e.size == 0 && e.mtime_ns == 0) {
+                e.size = f.size;
+                e.mtime_ns = f.mtime_ns;
+            }
+            e.opens = e.opens.saturating_add(saturated(f.opens));
+            e.bytes_read = e.bytes_read.saturating_add(f.bytes_read);
+            e.first_touch_ns = e.first_touch_ns.min(f.first_touch_ns);
+            e.last_touch_ns = e.last_touch_ns.max(f.last_touch_ns);
+            e.write_opens = e.write_opens.saturating_add(saturated(f.write_opens));
+            e.bits =
+                (e.bits & !USERS) | users.with(e.bits & USERS, &uids) | flags(f.written, f.refused);
+        });
     }
 
     pub fn merge_missing(&mut self, m: MissingEntry) {
@@ -484,18 +510,19 @@ impl WorkingSet {
                 uids.dedup();
                 let users = self.users.id_of(uids.into_boxed_slice());
                 let i = self.file_at(&f.path);
-                let e = &mut self.files[i];
-                *e = FileRec {
-                    size: f.size,
-                    mtime_ns: f.mtime_ns,
-                    bytes_read: f.bytes_read,
-                    first_touch_ns: f.first_touch_ns,
-                    last_touch_ns: f.last_touch_ns,
-                    opens: saturated(f.opens),
-                    write_opens: saturated(f.write_opens),
-                    path: e.path,
-                    bits: (e.bits & DIRTY) | users | flags(f.written, f.refused),
-                };
+                self.files.update(i, |e| {
+                    *e = FileRec {
+                        size: f.size,
+                        mtime_ns: f.mtime_ns,
+                        bytes_read: f.bytes_read,
+                        first_touch_ns: f.first_touch_ns,
+                        last_touch_ns: f.last_touch_ns,
+                        opens: saturated(f.opens),
+                        write_opens: saturated(f.write_opens),
+                        path: e.path,
+                        bits: users | flags(f.written, f.refused),
+                    }
+                });
             }
             Entry::Missing(m) => {
                 let e = self.missing_at(&m.path, m.first_touch_ns);
@@ -550,9 +577,8 @@ impl WorkingSet {
         let all = std::mem::take(&mut self.all_changed);
         let changed = std::mem::take(&mut self.changed);
         if all {
-            for f in &mut self.files {
-                f.bits &= !DIRTY;
-            }
+            self.files.write_back();
+            self.dirty_files.iter_mut().for_each(|w| *w = 0);
             self.missing.values_mut().for_each(|m| m.dirty = false);
             self.dirs.values_mut().for_each(|d| d.dirty = false);
             return None;
@@ -561,9 +587,8 @@ impl WorkingSet {
         for c in changed {
             match c {
                 Changed::File(i) => {
-                    let f = &mut self.files[i as usize];
-                    f.bits &= !DIRTY;
-                    let f = *f;
+                    self.clean_file(i as usize);
+                    let f = self.files.get(i as usize);
                     out.push(Entry::File(self.file_entry(&f)));
                 }
                 Changed::Missing(id) => {
@@ -582,13 +607,14 @@ impl WorkingSet {
                 }
             }
         }
+        self.files.write_back();
         Some(out)
     }
 
     /// Every entry, one at a time: files in the order they were recorded, then missing
     /// names and directories.
     pub fn entries(&self) -> impl Iterator<Item = Entry> + '_ {
-        let files = self.files.iter().map(|f| Entry::File(self.file_entry(f)));
+        let files = self.files.iter().map(|f| Entry::File(self.file_entry(&f)));
         let missing = self
             .missing
             .iter()
@@ -601,42 +627,76 @@ impl WorkingSet {
     }
 
     /// The files opened most (then read most), hottest first.
+    #[cfg(test)]
     pub fn hottest(&self, n: usize) -> Vec<FileEntry> {
-        let key = |f: &FileRec| (std::cmp::Reverse(f.opens), std::cmp::Reverse(f.bytes_read));
-        self.top_files(n, key)
-            .into_iter()
-            .map(|f| self.file_entry(f))
-            .collect()
+        self.summary(n, &[]).0
     }
 
-    /// The `n` files with the least `key`, in key order, ties by path.
-    fn top_files<K: Ord>(&self, n: usize, key: impl Fn(&FileRec) -> K) -> Vec<&FileRec> {
-        let n = n.min(self.files.len());
-        if n == 0 {
-            return Vec::new();
-        }
-        let mut chosen: Vec<&FileRec> = if n * 64 < self.files.len() {
-            // A few of many (the hottest ten a status shows): one pass keeping the best
-            // so far, the worst of them on top, rather than a million references sorted
-            // out on the daemon's loop.
-            let mut best = std::collections::BinaryHeap::with_capacity(n);
-            for (i, f) in self.files.iter().enumerate() {
-                let k = key(f);
-                if best.len() < n {
-                    best.push((k, i));
-                } else if let Some(mut worst) = best.peek_mut()
-                    && k < worst.0
-                {
-                    *worst = (k, i);
+    /// What a status shows, in one pass over the records: the `n` files opened most
+    /// (then read most), hottest first, and how much of the set is under each of `roots`.
+    pub fn summary(&self, n: usize, roots: &[PathBuf]) -> (Vec<FileEntry>, Vec<RootTotals>) {
+        let under: Vec<Option<Vec<bool>>> = roots
+            .iter()
+            .map(|r| r.to_str().and_then(|r| self.paths.find(r)))
+            .map(|id| id.map(|id| self.paths.under(id)))
+            .collect();
+        let mut totals: Vec<RootTotals> = roots
+            .iter()
+            .map(|r| RootTotals {
+                root: r.clone(),
+                files: 0,
+                bytes: 0,
+                missing: 0,
+            })
+            .collect();
+        let key = |f: &FileRec| (std::cmp::Reverse(f.opens), std::cmp::Reverse(f.bytes_read));
+        let hottest = self.top_files(n, key, |f| {
+            for (t, under) in totals.iter_mut().zip(&under) {
+                if under.as_ref().is_some_and(|u| u[f.path as usize]) {
+                    t.files += 1;
+                    t.bytes = t.bytes.saturating_add(f.size);
                 }
             }
-            best.into_iter().map(|(_, i)| &self.files[i]).collect()
-        } else {
-            let mut all: Vec<&FileRec> = self.files.iter().collect();
-            all.select_nth_unstable_by_key(n - 1, |f| key(f));
-            all.truncate(n);
-            all
-        };
+        });
+        for (t, under) in totals.iter_mut().zip(&under) {
+            if let Some(u) = under {
+                t.missing = self.missing.keys().filter(|id| u[**id as usize]).count();
+            }
+        }
+        let hottest = hottest.iter().map(|f| self.file_entry(f)).collect();
+        (hottest, totals)
+    }
+
+    /// The `n` files with the least `key`, in key order, ties by path; `visit` sees
+    /// every record on the way.
+    fn top_files<K: Ord>(
+        &self,
+        n: usize,
+        key: impl Fn(&FileRec) -> K,
+        mut visit: impl FnMut(&FileRec),
+    ) -> Vec<FileRec> {
+        let n = n.min(self.files.len());
+        // One pass keeping the best so far, the worst of them on top: the records are
+        // read once, in order, and only `n` are held (not a million keys sorted out on
+        // the daemon's loop). Ties keep the first recorded.
+        let mut best = std::collections::BinaryHeap::with_capacity(n);
+        self.files.scan(|i, f| {
+            visit(f);
+            if n == 0 {
+                return;
+            }
+            let k = (key(f), i);
+            if best.len() < n {
+                best.push(k);
+            } else if let Some(mut worst) = best.peek_mut()
+                && k < *worst
+            {
+                *worst = k;
+            }
+        });
+        let mut at: Vec<usize> = best.into_iter().map(|(_, i)| i).collect();
+        at.sort_unstable();
+        let mut chosen: Vec<FileRec> = at.into_iter().map(|i| self.files.get(i)).collect();
         chosen.sort_by(|a, b| {
             key(a)
                 .cmp(&key(b))
@@ -657,14 +717,14 @@ impl WorkingSet {
             let pages = f.size.div_ceil(4096).max(1);
             std::cmp::Reverse((u64::from(f.opens) << 20) / pages)
         };
-        let mut chosen: Vec<&FileRec> = self.top_files(n, per_page);
+        let mut chosen = self.top_files(n, per_page, |_| {});
         let writes = self
             .files
             .iter()
             .filter(|f| f.write_opens > 0 || f.bits & (WRITTEN | REFUSED) != 0)
             .take(n);
         chosen.extend(writes);
-        let files = chosen.into_iter().map(|f| self.file_entry(f)).collect();
+        let files = chosen.iter().map(|f| self.file_entry(f)).collect();
         // Placement weighs a missing name for where it was looked up (a directory jobs
         // probe is a snapshot candidate): one per directory is enough, the one looked up
         // most, rather than 100k names with their strings.
@@ -687,30 +747,6 @@ impl WorkingSet {
         self.profile(files, missing)
     }
 
-    /// How much of the working set is under `root`.
-    pub fn totals_under(&self, root: &Path) -> RootTotals {
-        let root_id = root.to_str().and_then(|r| self.paths.find(r));
-        let (mut files, mut bytes, mut missing) = (0, 0u64, 0);
-        if let Some(r) = root_id {
-            let under = self.paths.under(r);
-            for f in self.files.iter().filter(|f| under[f.path as usize]) {
-                files += 1;
-                bytes = bytes.saturating_add(f.size);
-            }
-            missing = self
-                .missing
-                .keys()
-                .filter(|id| under[**id as usize])
-                .count();
-        }
-        RootTotals {
-            root: root.to_owned(),
-            files,
-            bytes,
-            missing,
-        }
-    }
-
     /// The profile in its file format: files in first-touch order, the rest by path.
     pub fn to_profile(&self) -> Profile {
         let mut order = self.export_order(None);
@@ -725,15 +761,15 @@ impl WorkingSet {
         };
         let marks = root.map(|r| self.paths.under(r));
         let under = |id: PathId| marks.as_ref().is_some_and(|m| m[id as usize]);
-        let mut files: Vec<u32> = (0..self.files.len() as u32)
-            .filter(|i| under(self.files[*i as usize].path))
-            .collect();
-        files.sort_by(|a, b| {
-            let (x, y) = (&self.files[*a as usize], &self.files[*b as usize]);
-            x.first_touch()
-                .cmp(&y.first_touch())
-                .then_with(|| self.paths.cmp(x.path, y.path))
+        // The records are read once, in order, for what the order needs of them.
+        let mut keyed: Vec<(u64, PathId, u32)> = Vec::new();
+        self.files.scan(|i, f| {
+            if under(f.path) {
+                keyed.push((f.first_touch(), f.path, i as u32));
+            }
         });
+        keyed.sort_by(|x, y| x.0.cmp(&y.0).then_with(|| self.paths.cmp(x.1, y.1)));
+        let files = keyed.into_iter().map(|(_, _, i)| i).collect();
         let by_path = |ids: &mut Vec<PathId>| ids.sort_by(|a, b| self.paths.cmp(*a, *b));
         let mut missing: Vec<PathId> = self
             .missing
@@ -770,8 +806,9 @@ impl WorkingSet {
         for k in order.next..end {
             // Entries are never removed; `get` only so that a stale order cannot panic.
             if k < nf {
-                if let Some(f) = self.files.get(order.files[k] as usize) {
-                    p.files.push(self.file_entry(f));
+                let i = order.files[k] as usize;
+                if i < self.files.len() {
+                    p.files.push(self.file_entry(&self.files.get(i)));
                 }
             } else if k < nf + nm {
                 let id = order.missing[k - nf];
@@ -798,7 +835,7 @@ impl WorkingSet {
             .iter()
             .filter_map(|f| {
                 let i = *self.file_of.get(here(f.path)? as usize)?;
-                (i != NONE).then(|| self.file_entry(&self.files[i as usize]))
+                (i != NONE).then(|| self.file_entry(&self.files.get(i as usize)))
             })
             .collect();
         let missing = other
@@ -956,8 +993,7 @@ mod tests {
 
     #[test]
     fn the_hottest_of_many_are_those_a_full_sort_finds() {
-        // 10 of 1000 take the one-pass way, 10 of 100 the sorting one: both agree with
-        // sorting everything, ties by path.
+        // Agrees with sorting everything (ties by path), few of many or many of few.
         for count in [100u32, 1000] {
             let mut ws = WorkingSet::default();
             for i in 0..count {
@@ -973,6 +1009,55 @@ mod tests {
             let expected: Vec<_> = all.iter().take(10).map(|f| f.opens).collect();
             assert_eq!(hottest, expected, "{count} files");
         }
+    }
+
+    /// The same work done on a set whose records went to disk (in fours) and on one
+    /// that kept them in memory.
+    #[test]
+    fn records_on_disk_answer_as_records_in_memory() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut on_disk = WorkingSet::new(T0);
+        on_disk.files = Records::spilling(Some(dir.path().to_owned()), 4);
+        let mut in_memory = WorkingSet::new(T0);
+        in_memory.files = Records::spilling(None, 4);
+        for ws in [&mut on_disk, &mut in_memory] {
+            for i in 0..50u64 {
+                let path = format!("/net/env/d{}/f{i}.py", i % 3);
+                ws.open(&path, 1000 + (i % 4) as u32, T0 + 100 - i);
+                ws.set_attributes(
+                    &path,
+                    Attributes {
+                        size: i * 4096,
+                        mtime_ns: i as i64,
+                    },
+                );
+            }
+            // Saved: what changes after it changes records already on disk.
+            assert_eq!(ws.take_changes().unwrap().len(), 50);
+            for i in (0..50u64).step_by(7) {
+                let path = format!("/net/env/d{}/f{i}.py", i % 3);
+                ws.open(&path, 2000, T0 + 200 + i);
+                ws.add_bytes_read(&path, i * 10);
+            }
+            ws.opened_for_writing("/net/env/d1/f4.py", T0 + 300);
+            ws.mark_written("/net/env/d2/f5.py", T0 + 301);
+            ws.missing("/net/env/d0/nope.py", T0 + 5);
+        }
+        let changes = |ws: &mut WorkingSet| ws.take_changes().unwrap();
+        assert_eq!(changes(&mut on_disk), changes(&mut in_memory));
+        assert_eq!(on_disk.to_profile(), in_memory.to_profile());
+        assert_eq!(on_disk.hottest(5), in_memory.hottest(5));
+        assert_eq!(on_disk.for_placement(10), in_memory.for_placement(10));
+        let roots = [PathBuf::from("/net/env/d1"), PathBuf::from("/net/env")];
+        let (top, totals) = on_disk.summary(3, &roots);
+        assert_eq!((top, totals.clone()), in_memory.summary(3, &roots));
+        assert_eq!(totals[0].files, 17);
+        assert_eq!(totals[1].files, 50);
+        assert_eq!(totals[1].missing, 1);
+        let f = "/net/env/d2/f8.py";
+        assert_eq!(on_disk.attributes(f), in_memory.attributes(f));
+        assert_eq!(on_disk.to_profile().files.len(), 50);
+        assert!(on_disk.files.len() > 0 && dir.path().read_dir().unwrap().count() == 0);
     }
 
     #[test]
