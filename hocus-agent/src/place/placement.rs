@@ -67,9 +67,10 @@ impl Filters {
     }
 }
 
+/// A file chosen, its path borrowed from the files placed.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Choice {
-    pub path: String,
+pub struct Choice<'a> {
+    pub path: &'a str,
     pub size: u64,
     pub first_touch_ns: u64,
     /// Pinned in RAM as well as copied to SSD.
@@ -77,16 +78,16 @@ pub struct Choice {
 }
 
 #[derive(Debug, Clone, Default, PartialEq)]
-pub struct Placement {
+pub struct Placement<'a> {
     /// Files to hold on SSD, in first-touch order (the copy order).
-    pub files: Vec<Choice>,
+    pub files: Vec<Choice<'a>>,
     pub ssd_bytes: u64,
     pub ram_bytes: u64,
 }
 
-impl Placement {
+impl Placement<'_> {
     #[cfg(test)]
-    pub fn pinned(&self) -> impl Iterator<Item = &Choice> {
+    pub fn pinned(&self) -> impl Iterator<Item = &Choice<'_>> {
         self.files.iter().filter(|c| c.pinned)
     }
 }
@@ -115,15 +116,15 @@ fn value(f: &FileEntry) -> f64 {
 /// `pinned_now` those pinned: they keep their places unless clearly outvalued.
 ///
 /// The files and the paths held are borrowed, whatever holds them (a profile's files, or
-/// the keeper's view of 100k): no path is copied until it is chosen.
-pub fn place<F, S>(
-    files: &[F],
+/// the keeper's view of 100k), and so are the chosen paths: no path is copied.
+pub fn place<'a, F, S>(
+    files: &'a [F],
     filters: &Filters,
     ssd_budget: u64,
     ram_budget: u64,
     held: &HashSet<S>,
     pinned_now: &HashSet<S>,
-) -> Placement
+) -> Placement<'a>
 where
     F: Borrow<FileEntry>,
     S: Borrow<str> + Eq + Hash,
@@ -131,13 +132,13 @@ where
     // A directory with a file opened for writing again and again (a lock) is a store
     // its users manage: there a file only ever written, never read yet (JAX's `-atime`
     // files, rewritten at every hit; an entry just put), waits until someone reads it.
-    let files = files.iter().map(|f| -> &FileEntry { f.borrow() });
+    let files = files.iter().map(|f| -> &'a FileEntry { f.borrow() });
     let locked: HashSet<&str> = files
         .clone()
         .filter(|f| f.opened_for_writing())
         .map(|f| parent(&f.path))
         .collect();
-    let candidates: Vec<&FileEntry> = files
+    let candidates: Vec<&'a FileEntry> = files
         .filter(|f| cacheable(f, filters))
         .filter(|f| !(f.write_opens >= f.opens && locked.contains(parent(&f.path))))
         .collect();
@@ -181,13 +182,13 @@ where
         .iter()
         .filter(|f| on_ssd.contains(f.path.as_str()))
         .map(|f| Choice {
-            path: f.path.clone(),
+            path: f.path.as_str(),
             size: f.size,
             first_touch_ns: f.first_touch_ns,
             pinned: in_ram.contains(f.path.as_str()),
         })
         .collect();
-    chosen.sort_by(|a, b| (a.first_touch_ns, &a.path).cmp(&(b.first_touch_ns, &b.path)));
+    chosen.sort_by(|a, b| (a.first_touch_ns, a.path).cmp(&(b.first_touch_ns, b.path)));
     Placement {
         ssd_bytes: chosen.iter().map(|c| c.size).sum(),
         ram_bytes: chosen.iter().filter(|c| c.pinned).map(|c| c.size).sum(),
@@ -250,7 +251,7 @@ mod tests {
         };
         let files = [lock, written_only, read_since, elsewhere];
         let p = place(&files, &filters, 1 << 30, 0, &none(), &none());
-        let held: Vec<&str> = p.files.iter().map(|c| c.path.as_str()).collect();
+        let held: Vec<&str> = p.files.iter().map(|c| c.path).collect();
         assert_eq!(
             held,
             vec!["/net/cache/jit_f-cache", "/net/other/jit_g-cache"]
@@ -277,11 +278,7 @@ mod tests {
             &none(),
             &none(),
         );
-        let held: Vec<_> = p
-            .files
-            .iter()
-            .map(|c| (c.path.as_str(), c.pinned))
-            .collect();
+        let held: Vec<_> = p.files.iter().map(|c| (c.path, c.pinned)).collect();
         assert_eq!(held, [("/n/small-hot", true), ("/n/mid", false)]);
         assert_eq!((p.ssd_bytes, p.ram_bytes), (4096 + (64 << 10), 4096));
         assert!(p.ssd_bytes <= 100 << 10 && p.ram_bytes <= 8192);
@@ -299,15 +296,9 @@ mod tests {
             bytes_read: 832, // ld.so's read of the ELF header
             ..file("/n/lib/libunused.so", 8 << 20, 1, 0)
         };
-        let p = place(
-            &[unused, used],
-            &Filters::default(),
-            9 << 20,
-            0,
-            &none(),
-            &none(),
-        );
-        let held: Vec<_> = p.files.iter().map(|c| c.path.as_str()).collect();
+        let files = [unused, used];
+        let p = place(&files, &Filters::default(), 9 << 20, 0, &none(), &none());
+        let held: Vec<_> = p.files.iter().map(|c| c.path).collect();
         assert_eq!(held, ["/n/lib/libused.so"]);
     }
 
@@ -324,7 +315,7 @@ mod tests {
             &none(),
             &none(),
         );
-        let order: Vec<_> = p.files.iter().map(|c| c.path.as_str()).collect();
+        let order: Vec<_> = p.files.iter().map(|c| c.path).collect();
         assert_eq!(order, ["/n/9", "/n/8", "/n/7"]);
         assert!(p.files[0].pinned && !p.files[1].pinned);
     }
@@ -346,8 +337,8 @@ mod tests {
             &none(),
             &none(),
         );
-        let pinned: HashSet<String> = first.pinned().map(|c| c.path.clone()).collect();
-        let held: HashSet<String> = first.files.iter().map(|c| c.path.clone()).collect();
+        let pinned: HashSet<String> = first.pinned().map(|c| c.path.to_owned()).collect();
+        let held: HashSet<String> = first.files.iter().map(|c| c.path.to_owned()).collect();
         assert_eq!(pinned.len(), 50);
         let mut order: Vec<usize> = (0..n as usize).collect();
         for epoch in 2..6u64 {
@@ -364,7 +355,7 @@ mod tests {
                         &held,
                         &pinned,
                     );
-                    let now: HashSet<String> = p.pinned().map(|c| c.path.clone()).collect();
+                    let now: HashSet<String> = p.pinned().map(|c| c.path.to_owned()).collect();
                     assert_eq!(
                         now, pinned,
                         "epoch {epoch}, after {k} files: the pinned set churned"

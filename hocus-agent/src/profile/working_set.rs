@@ -768,9 +768,10 @@ impl WorkingSet {
                 keyed.push((f.first_touch(), f.path, i as u32));
             }
         });
-        keyed.sort_by(|x, y| x.0.cmp(&y.0).then_with(|| self.paths.cmp(x.1, y.1)));
+        // Unstable (no scratch copy of a million keys): ties are broken by path, unique.
+        keyed.sort_unstable_by(|x, y| x.0.cmp(&y.0).then_with(|| self.paths.cmp(x.1, y.1)));
         let files = keyed.into_iter().map(|(_, _, i)| i).collect();
-        let by_path = |ids: &mut Vec<PathId>| ids.sort_by(|a, b| self.paths.cmp(*a, *b));
+        let by_path = |ids: &mut Vec<PathId>| ids.sort_unstable_by(|a, b| self.paths.cmp(*a, *b));
         let mut missing: Vec<PathId> = self
             .missing
             .keys()

@@ -54,30 +54,31 @@ pub struct Held<'a> {
     pub pinned: HashSet<&'a str>,
 }
 
-/// How to move from what is held to a new placement.
+/// How to move from what is held to a new placement. The placement's paths are
+/// borrowed from the files placed (the keeper's view: 100k of them, site-wide).
 #[derive(Debug, Default, PartialEq, Eq)]
-pub struct Moves {
+pub struct Moves<'a> {
     /// The placement: each wanted file, and whether it is to be pinned.
-    pub wanted: HashMap<String, bool>,
+    pub wanted: HashMap<&'a str, bool>,
     /// Copies no longer wanted.
     pub evict: Vec<String>,
     /// Pins no longer wanted (the copy stays).
     pub unpin: Vec<String>,
     /// Held copies to pin.
-    pub pin: Vec<String>,
+    pub pin: Vec<&'a str>,
     /// Files to copy, with their expected sizes, in first-touch order.
-    pub copy: Vec<(String, u64)>,
+    pub copy: Vec<(&'a str, u64)>,
 }
 
 /// Places the admitted files within the budgets, and says how to get there: room is made
 /// first (evictions, unpins), then copies and pins start.
-pub fn moves(
-    admitted: &[&FileEntry],
+pub fn moves<'a>(
+    admitted: &'a [&'a FileEntry],
     filters: &Filters,
     ssd_budget: u64,
     ram_budget: u64,
     held: &Held,
-) -> Moves {
+) -> Moves<'a> {
     // Borrowed, not copied: a site-wide view has 100k files, and the paths held as many.
     let holding: HashSet<&str> = held.cached.iter().chain(&held.copying).copied().collect();
     let placed = placement::place(
@@ -90,17 +91,16 @@ pub fn moves(
     );
     let mut out = Moves::default();
     for choice in &placed.files {
-        let path = choice.path.as_str();
+        let path = choice.path;
         if held.cached.contains(path) {
             if choice.pinned && !held.pinned.contains(path) {
-                out.pin.push(choice.path.clone());
+                out.pin.push(path);
             }
         } else if !held.copying.contains(path) {
-            out.copy.push((choice.path.clone(), choice.size));
+            out.copy.push((path, choice.size));
         }
     }
-    // The chosen paths move into the wanted set: no copy of each.
-    let wanted: HashMap<String, bool> = placed
+    let wanted: HashMap<&str, bool> = placed
         .files
         .into_iter()
         .map(|c| (c.path, c.pinned))
@@ -184,10 +184,7 @@ mod tests {
         };
         let m = moves(&admitted, &Filters::default(), 100, 0, &held);
         assert_eq!(m.evict, ["/net/a"]);
-        assert_eq!(
-            m.copy,
-            [("/net/b".to_owned(), 40), ("/net/c".to_owned(), 40)]
-        );
+        assert_eq!(m.copy, [("/net/b", 40), ("/net/c", 40)]);
         assert!(m.pin.is_empty() && m.unpin.is_empty());
     }
 
@@ -216,7 +213,7 @@ mod tests {
             pinned: HashSet::new(),
         };
         let m = moves(&admitted, &Filters::default(), 1 << 20, 0, &held);
-        assert_eq!(m.copy, [("/net/warm".to_owned(), 4096)]);
+        assert_eq!(m.copy, [("/net/warm", 4096)]);
     }
 
     #[test]

@@ -31,9 +31,14 @@ impl FileIndex {
     }
 
     pub fn find<'a>(&self, files: &'a [FileEntry], path: &str) -> Option<&'a FileEntry> {
+        files.get(self.position(files, path)?)
+    }
+
+    /// Where in `files` the file at `path` is.
+    pub fn position(&self, files: &[FileEntry], path: &str) -> Option<usize> {
         let hash = self.hasher.hash_one(path);
         let &i = self.table.find(hash, |&j| files[j as usize].path == path)?;
-        files.get(i as usize)
+        Some(i as usize)
     }
 }
 
@@ -51,8 +56,9 @@ mod tests {
             })
             .collect();
         let index = FileIndex::of(&files);
-        for f in &files {
+        for (i, f) in files.iter().enumerate() {
             assert_eq!(index.find(&files, &f.path).map(|g| &g.path), Some(&f.path));
+            assert_eq!(index.position(&files, &f.path), Some(i));
         }
         assert!(index.find(&files, "/net/c.py").is_none());
         assert!(index.find(&files, "/net").is_none());

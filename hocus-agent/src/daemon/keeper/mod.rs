@@ -209,7 +209,7 @@ pub fn start(config: Config) -> Result<(Handle, thread::JoinHandle<()>)> {
         measuring: HashSet::new(),
         in_flight: HashMap::new(),
         queued: VecDeque::new(),
-        wanted: HashMap::new(),
+        wanted: Vec::new(),
         unstable: HashMap::new(),
         failed: HashMap::new(),
         profile: Profile::default(),
@@ -282,10 +282,12 @@ struct Keeper {
     measuring: HashSet<PathBuf>,
     /// Copies under way: source -> expected size.
     in_flight: HashMap<String, u64>,
-    /// The last placement's copies not started yet, in its order (`COPIES_AT_ONCE`).
-    queued: VecDeque<(String, u64)>,
-    /// The last placement: each wanted file, and whether it is to be pinned.
-    wanted: HashMap<String, bool>,
+    /// The last placement's copies not started yet, in its order (`COPIES_AT_ONCE`), by
+    /// their place in the view.
+    queued: VecDeque<u32>,
+    /// The last placement, by place in the view: each file wanted, and whether it is to
+    /// be pinned. Indices, not paths: a site-wide placement wants 100k files.
+    wanted: Vec<Option<bool>>,
     /// Files seen changing, and when: they are fetched again once stable.
     unstable: HashMap<String, Instant>,
     /// Files whose copy failed, and when: retried after a while.
@@ -480,7 +482,7 @@ impl Keeper {
                 let held = if self.cache.contains(&source) && !self.unverified.contains(&source) {
                     Holding::Copy(self.cache.local(&source))
                 } else if self.in_flight.contains_key(&source)
-                    || (!self.queued.is_empty() && self.wanted.contains_key(&source))
+                    || (!self.queued.is_empty() && self.wanted(&source).is_some())
                     || self.snapshot_coming(Path::new(&source))
                     || !self.prefetches.is_empty()
                 {
@@ -610,9 +612,19 @@ impl Keeper {
         }
     }
 
+    /// Takes a new view of the working set; a placement follows (the last one named
+    /// files by their place in the view it replaces).
     fn remember(&mut self, profile: Profile) {
         self.file_index = FileIndex::of(&profile.files);
         self.profile = profile;
+        self.wanted = Vec::new();
+        self.queued.clear();
+    }
+
+    /// Whether the last placement wants `source`, and pinned.
+    fn wanted(&self, source: &str) -> Option<bool> {
+        let i = self.file_index.position(&self.profile.files, source)?;
+        self.wanted.get(i).copied().flatten()
     }
 
     /// The remembered file at `path`, if placement weighed it.
@@ -653,15 +665,33 @@ impl Keeper {
             self.config.ram_budget,
             &held,
         );
-        self.wanted = moves.wanted;
+        let (index, files) = (&self.file_index, &self.profile.files);
+        let mut wanted = vec![None; files.len()];
+        for (path, pinned) in &moves.wanted {
+            if let Some(i) = index.position(files, path) {
+                wanted[i] = Some(*pinned);
+            }
+        }
+        let queued: VecDeque<u32> = moves
+            .copy
+            .iter()
+            .filter_map(|(path, _)| index.position(files, path))
+            .map(|i| i as u32)
+            .collect();
+        let pin: Vec<String> = moves.pin.iter().map(|p| (*p).to_owned()).collect();
+        let (evict, unpin) = (moves.evict, moves.unpin);
+        self.wanted = wanted;
         // Openers are remembered only to name them when their copy lands: those of files
         // placed and not wanted, or held already, are forgotten.
+        let (index, files, wanted) = (&self.file_index, &self.profile.files, &self.wanted);
+        let cache = &self.cache;
         self.last_opener.retain(|path, _| {
-            let placed = self.file_index.find(&self.profile.files, path).is_some();
-            (self.wanted.contains_key(path) || !placed) && !self.cache.contains(path)
+            let at = index.position(files, path);
+            let wanted = at.is_some_and(|i| wanted[i].is_some());
+            (wanted || at.is_none()) && !cache.contains(path)
         });
         // Make room first: evictions and unpins.
-        for source in moves.evict {
+        for source in evict {
             self.status.evictions += 1;
             log::info!(
                 "evicting {source}: no longer among the hottest files that fit the SSD budget ({})",
@@ -669,13 +699,13 @@ impl Keeper {
             );
             self.drop_copy(&source);
         }
-        for source in moves.unpin {
+        for source in unpin {
             self.unpin(&source);
         }
-        for source in moves.pin {
+        for source in pin {
             self.pin(&source);
         }
-        self.queued = moves.copy.into();
+        self.queued = queued;
         self.start_queued();
     }
 
@@ -683,9 +713,13 @@ impl Keeper {
     /// way; each copy that ends starts the next.
     fn start_queued(&mut self) {
         while self.in_flight.len() < COPIES_AT_ONCE {
-            let Some((source, size)) = self.queued.pop_front() else {
+            let Some(at) = self.queued.pop_front() else {
                 break;
             };
+            let Some(f) = self.profile.files.get(at as usize) else {
+                continue;
+            };
+            let (source, size) = (f.path.clone(), f.size);
             // What happened since the placement: held, changed, or written by a job.
             let since = self.cache.contains(&source)
                 || self.in_flight.contains_key(&source)
@@ -777,7 +811,7 @@ impl Keeper {
             Ok(identity) => {
                 self.status.copies += 1;
                 self.status.copied_bytes += identity.size;
-                let wanted = self.wanted.get(&source).copied();
+                let wanted = self.wanted(&source);
                 self.cache.insert(&source, identity);
                 if self.cache.used() > self.effective_ssd_budget {
                     log::info!(
@@ -899,7 +933,7 @@ impl Keeper {
             return; // unpinned meanwhile: the mapping is dropped here
         }
         match result {
-            Ok((map, size)) if self.wanted.get(&source) == Some(&true) => {
+            Ok((map, size)) if self.wanted(&source) == Some(true) => {
                 self.pins.hold(&source, map, size);
             }
             Ok(_) => {}

@@ -339,7 +339,7 @@ impl Keeper {
         for rel in held {
             let source = root.join(rel).to_string_lossy().into_owned();
             let Some(id) = stamp.get(rel) else { continue };
-            if !self.wanted.contains_key(&source) || self.cache.contains(&source) {
+            if self.wanted(&source).is_none() || self.cache.contains(&source) {
                 continue;
             }
             let dest = self.cache.local(&source);
