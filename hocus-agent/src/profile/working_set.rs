@@ -761,16 +761,7 @@ impl WorkingSet {
         };
         let marks = root.map(|r| self.paths.under(r));
         let under = |id: PathId| marks.as_ref().is_some_and(|m| m[id as usize]);
-        // The records are read once, in order, for what the order needs of them.
-        let mut keyed: Vec<(u64, PathId, u32)> = Vec::new();
-        self.files.scan(|i, f| {
-            if under(f.path) {
-                keyed.push((f.first_touch(), f.path, i as u32));
-            }
-        });
-        // Unstable (no scratch copy of a million keys): ties are broken by path, unique.
-        keyed.sort_unstable_by(|x, y| x.0.cmp(&y.0).then_with(|| self.paths.cmp(x.1, y.1)));
-        let files = keyed.into_iter().map(|(_, _, i)| i).collect();
+        let files = self.files_by_first_touch(&under);
         let by_path = |ids: &mut Vec<PathId>| ids.sort_unstable_by(|a, b| self.paths.cmp(*a, *b));
         let mut missing: Vec<PathId> = self
             .missing
@@ -788,6 +779,41 @@ impl WorkingSet {
             next: 0,
             begun: false,
         }
+    }
+
+    /// The files under (by `under`) in first-touch order, ties by path. The records are
+    /// read once, in order, for their first touch (8 bytes a file, while sorting); only
+    /// files that share a first touch have their paths compared, read back in order.
+    fn files_by_first_touch(&self, under: &dyn Fn(PathId) -> bool) -> Vec<u32> {
+        let mut touch = Vec::with_capacity(self.files.len());
+        let mut files = Vec::new();
+        self.files.scan(|i, f| {
+            touch.push(f.first_touch());
+            if under(f.path) {
+                files.push(i as u32);
+            }
+        });
+        let at = |i: u32| touch[i as usize];
+        // Unstable (no scratch copy of a million keys); ties in recording order.
+        files.sort_unstable_by_key(|&i| (at(i), i));
+        let mut start = 0;
+        while start < files.len() {
+            let t = at(files[start]);
+            let len = files[start..].iter().take_while(|&&i| at(i) == t).count();
+            if len > 1 {
+                let run = &mut files[start..start + len];
+                let mut named: Vec<(PathId, u32)> = run
+                    .iter()
+                    .map(|&i| (self.files.get(i as usize).path, i))
+                    .collect();
+                named.sort_unstable_by(|a, b| self.paths.cmp(a.0, b.0));
+                for (slot, (_, i)) in run.iter_mut().zip(named) {
+                    *slot = i;
+                }
+            }
+            start += len;
+        }
+        files
     }
 
     /// The next at most `n` entries of an export, as a profile; none once all were
@@ -1059,6 +1085,21 @@ mod tests {
         assert_eq!(on_disk.attributes(f), in_memory.attributes(f));
         assert_eq!(on_disk.to_profile().files.len(), 50);
         assert!(on_disk.files.len() > 0 && dir.path().read_dir().unwrap().count() == 0);
+    }
+
+    #[test]
+    fn files_touched_at_once_export_by_path() {
+        let mut ws = WorkingSet::new(T0);
+        for name in ["d", "b", "c", "a"] {
+            ws.open(&format!("/net/{name}"), 1000, T0 + 7);
+        }
+        ws.open("/net/0", 1000, T0 + 9);
+        ws.open("/net/z", 1000, T0 + 1);
+        let order: Vec<String> = ws.to_profile().files.into_iter().map(|f| f.path).collect();
+        assert_eq!(
+            order,
+            ["/net/z", "/net/a", "/net/b", "/net/c", "/net/d", "/net/0"]
+        );
     }
 
     #[test]
