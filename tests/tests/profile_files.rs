@@ -196,7 +196,9 @@ fn an_exported_profile_imports_into_another_daemon() {
 
 /// An export is sent and written a part at a time: one far larger than a part comes out
 /// whole and in first-touch order, from the daemon and from the state directory alike,
-/// and a failed export leaves the file it was to replace as it was.
+/// and a failed export leaves the file it was to replace as it was. The 20k files'
+/// records are more than the daemon keeps in memory: they are read back from its
+/// scratch file in the state directory, which no name leads to.
 #[test]
 fn a_profile_of_many_parts_exports_whole_in_order_and_a_failed_export_replaces_nothing() {
     let net = NetworkMount::start();
@@ -224,6 +226,23 @@ fn a_profile_of_many_parts_exports_whole_in_order_and_a_failed_export_replaces_n
             .output()
             .unwrap(),
     );
+
+    // The records went to disk: the daemon holds an unlinked file in its state directory,
+    // and the directory lists nothing but the store's own files.
+    let scratch: Vec<String> = fs::read_dir(format!("/proc/{}/fd", agent.pid()))
+        .unwrap()
+        .filter_map(|fd| fs::read_link(fd.ok()?.path()).ok())
+        .map(|target| target.to_string_lossy().into_owned())
+        .filter(|t| t.starts_with(agent.state_dir.to_str().unwrap()) && t.ends_with("(deleted)"))
+        .collect();
+    assert_eq!(scratch.len(), 1, "{scratch:?}");
+    for entry in fs::read_dir(&agent.state_dir).unwrap() {
+        let name = entry.unwrap().file_name().to_string_lossy().into_owned();
+        assert!(
+            name == "lock" || name.starts_with("profile."),
+            "{name} left in the state directory"
+        );
+    }
 
     let check = |p: &serde_json::Value| {
         let got = p["files"].as_array().unwrap();
