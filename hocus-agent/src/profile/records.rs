@@ -201,17 +201,23 @@ impl<T: Plain> Records<T> {
         *self.block.borrow_mut() = (0, Vec::new());
     }
 
-    /// Reads `n` records from index `at` of the file into `out`. A local file that was
-    /// written cannot be read back only if the disk fails: its records then read as
-    /// zero (counted as never touched) rather than stopping the daemon.
+    /// Reads `n` records from index `at` of the file into `out`. A local file just
+    /// written fails to read back only when the disk does. Going on with records made
+    /// up would save them over the profile; the daemon stops instead, and the state
+    /// directory keeps the profile as of its last save.
     fn read(&self, at: usize, n: usize, out: &mut Vec<T>) {
         out.clear();
         out.resize(n, T::default());
         let Some(file) = &self.file else { return };
         let bytes = as_bytes_mut(out);
         if let Err(e) = file.read_exact_at(bytes, (at * size_of::<T>()) as u64) {
-            log::error!("reading the profile's records back failed: {e}");
-            out.iter_mut().for_each(|r| *r = T::default());
+            let dir = self.dir.as_deref().unwrap_or(Path::new("?")).display();
+            log::error!(
+                "reading the profile's records back from the scratch file in {dir} failed: {e}; \
+                 stopping before anything is saved from them (the state directory keeps the \
+                 profile as of its last save): check that disk, then start hocus-agent again"
+            );
+            std::process::exit(1);
         }
     }
 
