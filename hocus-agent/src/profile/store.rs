@@ -706,6 +706,7 @@ mod tests {
             assert_eq!(names(dir.path()), ["lock", "profile.journal.0"]);
             ws.open("/net/a", 7, 9);
             ws.add_bytes_read("/net/a", 100);
+            ws.missing("/net/nope", 8);
             state.save(&mut ws).unwrap();
             // Nothing changed: nothing written.
             let len = fs::metadata(dir.path().join("profile.journal.0"))

@@ -28,8 +28,10 @@ pub struct WorkingSet {
     paths: Paths,
     /// On disk once there are many ([`Records`]).
     files: Records<FileRec>,
-    /// Which files changed since the last save, a bit each.
-    dirty_files: Vec<u64>,
+    /// Which files (by index) changed since the last save.
+    dirty_files: Bits,
+    /// Which missing names (by path) changed since the last save.
+    dirty_missing: Bits,
     /// The index in `files` of each path's file, or [`NONE`].
     file_of: Vec<u32>,
     missing: HashMap<PathId, MissingRec>,
@@ -84,11 +86,44 @@ impl FileRec {
     }
 }
 
+/// 12 bytes, 16 with its key in the table (a site has 10^5 of them): lookups saturate
+/// at 2^32 like opens, and whether it changed is a bit beside it.
+#[repr(C, packed(4))]
 #[derive(Clone, Copy, Default)]
 struct MissingRec {
-    lookups: u64,
     first_touch_ns: u64,
-    dirty: bool,
+    lookups: u32,
+}
+
+/// A bit per index, grown on demand.
+#[derive(Default)]
+struct Bits(Vec<u64>);
+
+impl Bits {
+    /// Sets bit `i`; whether it was clear.
+    fn set(&mut self, i: usize) -> bool {
+        let (word, bit) = (i / 64, 1u64 << (i % 64));
+        if self.0.len() <= word {
+            self.0.resize(word + 1, 0);
+        }
+        let was_clear = self.0[word] & bit == 0;
+        self.0[word] |= bit;
+        was_clear
+    }
+
+    fn clear(&mut self, i: usize) {
+        if let Some(w) = self.0.get_mut(i / 64) {
+            *w &= !(1u64 << (i % 64));
+        }
+    }
+
+    fn clear_all(&mut self) {
+        self.0.iter_mut().for_each(|w| *w = 0);
+    }
+
+    fn heap_bytes(&self) -> usize {
+        self.0.capacity() * size_of::<u64>()
+    }
 }
 
 #[derive(Clone, Copy, Default)]
@@ -188,7 +223,8 @@ impl WorkingSet {
     pub fn heap_bytes(&self) -> usize {
         self.paths.heap_bytes()
             + self.files.heap_bytes()
-            + self.dirty_files.capacity() * size_of::<u64>()
+            + self.dirty_files.heap_bytes()
+            + self.dirty_missing.heap_bytes()
             + self.file_of.capacity() * size_of::<u32>()
             + table_bytes::<(PathId, MissingRec)>(self.missing.capacity())
             + table_bytes::<(PathId, DirRec)>(self.dirs.capacity())
@@ -267,19 +303,8 @@ impl WorkingSet {
     }
 
     fn changed_file(&mut self, i: usize) {
-        let (word, bit) = (i / 64, 1u64 << (i % 64));
-        if self.dirty_files.len() <= word {
-            self.dirty_files.resize(word + 1, 0);
-        }
-        if self.dirty_files[word] & bit == 0 {
-            self.dirty_files[word] |= bit;
+        if self.dirty_files.set(i) {
             self.note(Changed::File(i as u32));
-        }
-    }
-
-    fn clean_file(&mut self, i: usize) {
-        if let Some(w) = self.dirty_files.get_mut(i / 64) {
-            *w &= !(1u64 << (i % 64));
         }
     }
 
@@ -381,15 +406,13 @@ impl WorkingSet {
     /// marked changed.
     fn missing_at(&mut self, path: &str, first_touch_ns: u64) -> &mut MissingRec {
         let id = self.paths.intern(path);
-        if self.missing.get(&id).is_none_or(|m| !m.dirty) {
+        if self.dirty_missing.set(id as usize) {
             self.note(Changed::Missing(id));
         }
-        let m = self.missing.entry(id).or_insert(MissingRec {
+        self.missing.entry(id).or_insert(MissingRec {
             first_touch_ns,
             ..Default::default()
-        });
-        m.dirty = true;
-        m
+        })
     }
 
     pub fn dir_opened(&mut self, path: &str) {
@@ -459,7 +482,7 @@ impl WorkingSet {
             return;
         }
         let e = self.missing_at(&m.path, m.first_touch_ns);
-        e.lookups = e.lookups.saturating_add(m.lookups);
+        e.lookups = e.lookups.saturating_add(saturated(m.lookups));
         e.first_touch_ns = e.first_touch_ns.min(m.first_touch_ns);
     }
 
@@ -526,7 +549,7 @@ impl WorkingSet {
             }
             Entry::Missing(m) => {
                 let e = self.missing_at(&m.path, m.first_touch_ns);
-                e.lookups = m.lookups;
+                e.lookups = saturated(m.lookups);
                 e.first_touch_ns = m.first_touch_ns;
             }
             Entry::Dir(d) => {
@@ -558,7 +581,7 @@ impl WorkingSet {
     fn missing_entry(&self, id: PathId, m: &MissingRec) -> MissingEntry {
         MissingEntry {
             path: self.paths.path(id),
-            lookups: m.lookups,
+            lookups: u64::from(m.lookups),
             first_touch_ns: m.first_touch_ns,
         }
     }
@@ -578,8 +601,8 @@ impl WorkingSet {
         let changed = std::mem::take(&mut self.changed);
         if all {
             self.files.write_back();
-            self.dirty_files.iter_mut().for_each(|w| *w = 0);
-            self.missing.values_mut().for_each(|m| m.dirty = false);
+            self.dirty_files.clear_all();
+            self.dirty_missing.clear_all();
             self.dirs.values_mut().for_each(|d| d.dirty = false);
             return None;
         }
@@ -587,15 +610,14 @@ impl WorkingSet {
         for c in changed {
             match c {
                 Changed::File(i) => {
-                    self.clean_file(i as usize);
+                    self.dirty_files.clear(i as usize);
                     let f = self.files.get(i as usize);
                     out.push(Entry::File(self.file_entry(&f)));
                 }
                 Changed::Missing(id) => {
-                    if let Some(m) = self.missing.get_mut(&id) {
-                        m.dirty = false;
-                        let m = *m;
-                        out.push(Entry::Missing(self.missing_entry(id, &m)));
+                    self.dirty_missing.clear(id as usize);
+                    if let Some(m) = self.missing.get(&id) {
+                        out.push(Entry::Missing(self.missing_entry(id, m)));
                     }
                 }
                 Changed::Dir(id) => {
