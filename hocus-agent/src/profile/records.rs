@@ -130,8 +130,10 @@ impl<T: Plain> Records<T> {
         }
         let key = i as u32;
         if !self.changed.contains_key(&key) {
-            let r = self.get(i);
-            self.changed.insert(key, r);
+            // One record, not a block: events touch cold files in no particular order.
+            let mut one = [T::default()];
+            self.read_into(i, &mut one);
+            self.changed.insert(key, one[0]);
         }
         let out = f(self.changed.get_mut(&key).expect("just held"));
         if self.changed.len() >= CHANGED_HELD {
@@ -201,13 +203,18 @@ impl<T: Plain> Records<T> {
         *self.block.borrow_mut() = (0, Vec::new());
     }
 
-    /// Reads `n` records from index `at` of the file into `out`. A local file just
-    /// written fails to read back only when the disk does. Going on with records made
-    /// up would save them over the profile; the daemon stops instead, and the state
-    /// directory keeps the profile as of its last save.
+    /// Reads `n` records from index `at` of the file into `out`.
     fn read(&self, at: usize, n: usize, out: &mut Vec<T>) {
         out.clear();
         out.resize(n, T::default());
+        self.read_into(at, out);
+    }
+
+    /// Fills `out` from index `at` of the file. A local file just written fails to read
+    /// back only when the disk does. Going on with records made up would save them over
+    /// the profile; the daemon stops instead, and the state directory keeps the profile
+    /// as of its last save.
+    fn read_into(&self, at: usize, out: &mut [T]) {
         let Some(file) = &self.file else { return };
         let bytes = as_bytes_mut(out);
         if let Err(e) = file.read_exact_at(bytes, (at * size_of::<T>()) as u64) {
