@@ -131,11 +131,19 @@ pub fn show(ctx: &Context, root: Option<PathBuf>, file: Option<PathBuf>, top: us
 }
 
 pub fn import(ctx: &Context, file: &Path) -> Result<()> {
-    // Read here first, for errors that say what is wrong (a batch at a time: nothing is
-    // held); the daemon gets the descriptor.
-    store::stream_exported(file, &mut |_| Ok(()))?;
-    let sent = std::fs::File::open(file)?;
-    if let Some(response) = ask_with(ctx, &Request::Import, Some(&sent))? {
+    // The daemon gets the descriptor and reads the file itself (it trusts no client).
+    // Only when it cannot be opened or the daemon refuses it is it read here too, for an
+    // error that names the file and says what is wrong: a site-wide profile is not
+    // parsed twice on the way in.
+    let check_here = |refusal: anyhow::Error| -> anyhow::Error {
+        match store::stream_exported(file, &mut |_| Ok(())) {
+            Err(e) => e,
+            Ok(_) => refusal,
+        }
+    };
+    let sent = std::fs::File::open(file).map_err(|e| check_here(e.into()))?;
+    let answer = ask_with(ctx, &Request::Import, Some(&sent)).map_err(check_here)?;
+    if let Some(response) = answer {
         let Response::Imported {
             files,
             missing,
