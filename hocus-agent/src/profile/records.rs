@@ -21,8 +21,7 @@ use hashbrown::HashMap;
 
 use crate::profile::paths::table_bytes;
 
-/// Records held in memory before they go to disk (~900 KiB of file records); also the
-/// size of a block read back.
+/// Records held in memory before they go to disk (~900 KiB of file records).
 pub const SPILL_AT: usize = 16 * 1024;
 
 /// Changed records held in memory before they are written back without waiting for a
@@ -128,14 +127,16 @@ impl<T: Plain> Records<T> {
         if i >= self.on_disk {
             return f(&mut self.tail[i - self.on_disk]);
         }
-        let key = i as u32;
-        if !self.changed.contains_key(&key) {
-            // One record, not a block: events touch cold files in no particular order.
+        let Self {
+            changed, file, dir, ..
+        } = self;
+        // One record, not a block: events touch cold files in no particular order.
+        let record = changed.entry(i as u32).or_insert_with(|| {
             let mut one = [T::default()];
-            self.read_into(i, &mut one);
-            self.changed.insert(key, one[0]);
-        }
-        let out = f(self.changed.get_mut(&key).expect("just held"));
+            read_into(file.as_ref(), dir.as_deref(), i, &mut one);
+            one[0]
+        });
+        let out = f(record);
         if self.changed.len() >= CHANGED_HELD {
             self.write_back();
         }
@@ -177,7 +178,7 @@ impl<T: Plain> Records<T> {
         self.failed = true;
         log::warn!(
             "keeping the profile's file records in memory: writing them to {} failed: {e}",
-            self.dir.as_deref().unwrap_or(Path::new("?")).display()
+            shown(self.dir.as_deref())
         );
     }
 
@@ -203,28 +204,23 @@ impl<T: Plain> Records<T> {
         *self.block.borrow_mut() = (0, Vec::new());
     }
 
-    /// Reads `n` records from index `at` of the file into `out`.
+    /// Reads `n` records from index `at` of the file into `out`, as written.
     fn read(&self, at: usize, n: usize, out: &mut Vec<T>) {
         out.clear();
         out.resize(n, T::default());
-        self.read_into(at, out);
+        read_into(self.file.as_ref(), self.dir.as_deref(), at, out);
     }
 
-    /// Fills `out` from index `at` of the file. A local file just written fails to read
-    /// back only when the disk does. Going on with records made up would save them over
-    /// the profile; the daemon stops instead, and the state directory keeps the profile
-    /// as of its last save.
-    fn read_into(&self, at: usize, out: &mut [T]) {
-        let Some(file) = &self.file else { return };
-        let bytes = as_bytes_mut(out);
-        if let Err(e) = file.read_exact_at(bytes, (at * size_of::<T>()) as u64) {
-            let dir = self.dir.as_deref().unwrap_or(Path::new("?")).display();
-            log::error!(
-                "reading the profile's records back from the scratch file in {dir} failed: {e}; \
-                 stopping before anything is saved from them (the state directory keeps the \
-                 profile as of its last save): check that disk, then start hocus-agent again"
-            );
-            std::process::exit(1);
+    /// Reads up to [`SCAN`] records on disk from index `at` into `out`, as they are now
+    /// (with the changes not yet written back).
+    fn read_current(&self, at: usize, out: &mut Vec<T>) {
+        self.read(at, SCAN.min(self.on_disk - at), out);
+        if !self.changed.is_empty() {
+            for (k, r) in out.iter_mut().enumerate() {
+                if let Some(c) = self.changed.get(&((at + k) as u32)) {
+                    *r = *c;
+                }
+            }
         }
     }
 
@@ -234,19 +230,11 @@ impl<T: Plain> Records<T> {
         let mut buf = Vec::new();
         let mut at = 0;
         while at < self.on_disk {
-            let n = SCAN.min(self.on_disk - at);
-            self.read(at, n, &mut buf);
-            if !self.changed.is_empty() {
-                for (k, r) in buf.iter_mut().enumerate() {
-                    if let Some(c) = self.changed.get(&((at + k) as u32)) {
-                        *r = *c;
-                    }
-                }
-            }
+            self.read_current(at, &mut buf);
             for (k, r) in buf.iter().enumerate() {
                 f(at + k, r);
             }
-            at += n;
+            at += buf.len();
         }
         for (k, r) in self.tail.iter().enumerate() {
             f(self.on_disk + k, r);
@@ -284,13 +272,8 @@ impl<T: Plain> Iterator for Iter<'_, T> {
         if i >= r.on_disk {
             return Some(r.tail[i - r.on_disk]);
         }
-        if !r.changed.is_empty()
-            && let Some(c) = r.changed.get(&(i as u32))
-        {
-            return Some(*c);
-        }
         if i >= self.start + self.buf.len() {
-            r.read(i, SCAN.min(r.on_disk - i), &mut self.buf);
+            r.read_current(i, &mut self.buf);
             self.start = i;
         }
         Some(self.buf[i - self.start])
@@ -300,6 +283,27 @@ impl<T: Plain> Iterator for Iter<'_, T> {
         let left = self.records.len() - self.next;
         (left, Some(left))
     }
+}
+
+/// Fills `out` from index `at` of `file`. A local file just written fails to read back
+/// only when the disk does. Going on with records made up would save them over the
+/// profile; the daemon stops instead, and the state directory keeps the profile as of
+/// its last save.
+fn read_into<T: Plain>(file: Option<&File>, dir: Option<&Path>, at: usize, out: &mut [T]) {
+    let Some(file) = file else { return };
+    if let Err(e) = file.read_exact_at(as_bytes_mut(out), (at * size_of::<T>()) as u64) {
+        log::error!(
+            "reading the profile's records back from the scratch file in {} failed: {e}; \
+             stopping before anything is saved from them (the state directory keeps the \
+             profile as of its last save): check that disk, then start hocus-agent again",
+            shown(dir)
+        );
+        std::process::exit(1);
+    }
+}
+
+fn shown(dir: Option<&Path>) -> std::path::Display<'_> {
+    dir.unwrap_or(Path::new("?")).display()
 }
 
 fn as_bytes<T: Plain>(records: &[T]) -> &[u8] {

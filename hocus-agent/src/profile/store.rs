@@ -707,6 +707,7 @@ mod tests {
             ws.open("/net/a", 7, 9);
             ws.add_bytes_read("/net/a", 100);
             ws.missing("/net/nope", 8);
+            ws.dir_opened("/net/out");
             state.save(&mut ws).unwrap();
             // Nothing changed: nothing written.
             let len = fs::metadata(dir.path().join("profile.journal.0"))

@@ -32,6 +32,8 @@ pub struct WorkingSet {
     dirty_files: Bits,
     /// Which missing names (by path) changed since the last save.
     dirty_missing: Bits,
+    /// Which directories (by path) changed since the last save.
+    dirty_dirs: Bits,
     /// The index in `files` of each path's file, or [`NONE`].
     file_of: Vec<u32>,
     missing: HashMap<PathId, MissingRec>,
@@ -130,7 +132,6 @@ impl Bits {
 struct DirRec {
     opens: u64,
     mutated: bool,
-    dirty: bool,
 }
 
 /// An entry changed since the last save.
@@ -225,6 +226,7 @@ impl WorkingSet {
             + self.files.heap_bytes()
             + self.dirty_files.heap_bytes()
             + self.dirty_missing.heap_bytes()
+            + self.dirty_dirs.heap_bytes()
             + self.file_of.capacity() * size_of::<u32>()
             + table_bytes::<(PathId, MissingRec)>(self.missing.capacity())
             + table_bytes::<(PathId, DirRec)>(self.dirs.capacity())
@@ -431,12 +433,10 @@ impl WorkingSet {
     /// The directory `path`, made if new, marked changed.
     fn dir_at(&mut self, path: &str) -> &mut DirRec {
         let id = self.paths.intern(path);
-        if self.dirs.get(&id).is_none_or(|d| !d.dirty) {
+        if self.dirty_dirs.set(id as usize) {
             self.note(Changed::Dir(id));
         }
-        let d = self.dirs.entry(id).or_default();
-        d.dirty = true;
-        d
+        self.dirs.entry(id).or_default()
     }
 
     /// Merges another profile: counts add up, first touches keep the earliest offset,
@@ -603,7 +603,7 @@ impl WorkingSet {
             self.files.write_back();
             self.dirty_files.clear_all();
             self.dirty_missing.clear_all();
-            self.dirs.values_mut().for_each(|d| d.dirty = false);
+            self.dirty_dirs.clear_all();
             return None;
         }
         let mut out = Vec::with_capacity(changed.len());
@@ -621,10 +621,9 @@ impl WorkingSet {
                     }
                 }
                 Changed::Dir(id) => {
-                    if let Some(d) = self.dirs.get_mut(&id) {
-                        d.dirty = false;
-                        let d = *d;
-                        out.push(Entry::Dir(self.dir_entry(id, &d)));
+                    self.dirty_dirs.clear(id as usize);
+                    if let Some(d) = self.dirs.get(&id) {
+                        out.push(Entry::Dir(self.dir_entry(id, d)));
                     }
                 }
             }
@@ -739,12 +738,13 @@ impl WorkingSet {
             let pages = f.size.div_ceil(4096).max(1);
             std::cmp::Reverse((u64::from(f.opens) << 20) / pages)
         };
-        let mut chosen = self.top_files(n, per_page, |_| {});
-        let writes = self
-            .files
-            .iter()
-            .filter(|f| f.write_opens > 0 || f.bits & (WRITTEN | REFUSED) != 0)
-            .take(n);
+        // Those written or opened for writing are gathered in the same pass.
+        let mut writes = Vec::new();
+        let mut chosen = self.top_files(n, per_page, |f| {
+            if writes.len() < n && (f.write_opens > 0 || f.bits & (WRITTEN | REFUSED) != 0) {
+                writes.push(*f);
+            }
+        });
         chosen.extend(writes);
         let files = chosen.iter().map(|f| self.file_entry(f)).collect();
         // Placement weighs a missing name for where it was looked up (a directory jobs
@@ -1224,6 +1224,37 @@ mod tests {
         assert_eq!(
             missing,
             [("/net/a/y.so".to_owned(), 5), ("/net/b/w.py".to_owned(), 1)]
+        );
+    }
+
+    /// A bounded view holds the hottest by opens per page, and also the files written
+    /// or opened for writing, however cold: they keep copies off the cache.
+    #[test]
+    fn a_bounded_view_keeps_the_files_written_or_opened_for_writing() {
+        let mut ws = WorkingSet::default();
+        for i in 0..10 {
+            for _ in 0..5 {
+                ws.open(&format!("/net/hot{i}.py"), 1000, 1);
+            }
+        }
+        ws.mark_written("/net/out.log", 2);
+        ws.opened_for_writing("/net/lock", 3);
+        let mut view: Vec<String> = ws
+            .for_placement(3)
+            .files
+            .into_iter()
+            .map(|f| f.path)
+            .collect();
+        view.sort();
+        assert_eq!(
+            view,
+            [
+                "/net/hot0.py",
+                "/net/hot1.py",
+                "/net/hot2.py",
+                "/net/lock",
+                "/net/out.log"
+            ]
         );
     }
 
