@@ -34,6 +34,7 @@ use crate::{
     },
     report::metrics,
     shared::{
+        memory,
         settings::Settings,
         status::{Status, TopFile, WatchedMount},
     },
@@ -73,6 +74,7 @@ pub fn run(opts: Options) -> Result<()> {
             "the hocus-agent daemon loads eBPF programs and must run as root: sudo hocus-agent ..."
         );
     }
+    memory::settle();
     let cache = keeper::Config::of(&opts.settings)?;
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
