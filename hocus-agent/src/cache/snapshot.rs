@@ -38,7 +38,7 @@ use crate::{
         copy::{self, CopyError, Identity, Reader},
         walk::{self, At, Met, WALKERS},
     },
-    profile::format::Profile,
+    profile::view::View,
 };
 
 /// Every entry's identity, by path relative to the tree's root ("" is the root).
@@ -71,14 +71,18 @@ impl Fill {
 /// names, the directories above it that are clean (nothing in them was written, changed
 /// or refused), highest first, down to the directory itself, never a watched tree's root.
 /// The caller takes the first of each list that fits.
-pub fn candidates(profile: &Profile, trees: &[PathBuf], unclean: &[&Path]) -> Vec<Vec<PathBuf>> {
+pub fn candidates(view: &View, trees: &[PathBuf], unclean: &[&Path]) -> Vec<Vec<PathBuf>> {
     let mut dirty: HashSet<PathBuf> = HashSet::new();
-    let changed = profile
-        .files
-        .iter()
+    let changed = view
+        .files()
         .filter(|f| f.written || f.kept_on_the_network())
-        .map(|f| &f.path)
-        .chain(profile.dirs.iter().filter(|d| d.mutated).map(|d| &d.path))
+        .map(|f| f.path)
+        .chain(
+            view.dirs
+                .iter()
+                .filter(|d| d.mutated)
+                .map(|d| d.path.as_str()),
+        )
         .map(Path::new)
         .chain(unclean.iter().copied());
     for path in changed {
@@ -88,12 +92,11 @@ pub fn candidates(profile: &Profile, trees: &[PathBuf], unclean: &[&Path]) -> Ve
             }
         }
     }
-    let mut active: Vec<&Path> = profile
-        .files
-        .iter()
+    let mut active: Vec<&Path> = view
+        .files()
         .filter(|f| f.opens > 0)
-        .map(|f| &f.path)
-        .chain(profile.missing.iter().map(|m| &m.path))
+        .map(|f| f.path)
+        .chain(view.missing.iter().map(|m| m.path.as_str()))
         .filter_map(|p| Path::new(p).parent())
         .collect();
     active.sort();
@@ -529,7 +532,7 @@ mod tests {
         ws.mark_written("/net/home/jax-cache/entry-2", 1);
         ws.open("/net/top.txt", 1, 1);
         let trees = [PathBuf::from("/net")];
-        let c = candidates(&ws.to_profile(), &trees, &[]);
+        let c = candidates(&View::from(ws.to_profile()), &trees, &[]);
         let tops: Vec<_> = c.iter().map(|chain| chain[0].clone()).collect();
         // /net/env is clean: one candidate for both packages, highest first; /net/home
         // holds a written file: nothing above or at jax-cache is clean.
@@ -546,7 +549,7 @@ mod tests {
         );
         // A refused write in scipy leaves only numpy's own directory.
         let scipy = Path::new("/net/env/lib/site-packages/scipy/x.py");
-        let c = candidates(&ws.to_profile(), &trees, &[scipy]);
+        let c = candidates(&View::from(ws.to_profile()), &trees, &[scipy]);
         let tops: Vec<_> = c.iter().map(|chain| chain[0].clone()).collect();
         assert_eq!(tops, [PathBuf::from("/net/env/lib/site-packages/numpy")]);
     }

@@ -15,7 +15,7 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use crate::{profile::format::FileEntry, shared::settings::Settings};
+use crate::{profile::view::File, shared::settings::Settings};
 
 /// A candidate must be this many times as valuable as a placed file to take its place.
 const KEEP_FACTOR: f64 = 2.0;
@@ -96,8 +96,8 @@ impl Placement<'_> {
 /// out by the keeper (they are "unstable" for a while after each change); a file that
 /// was written once and is stable since (a compilation cache entry) is cached like any;
 /// a file opened for writing again and again, or refused to a job's write, never is.
-pub fn cacheable(f: &FileEntry, filters: &Filters) -> bool {
-    f.opens > 0 && filters.admits(&f.path) && !f.kept_on_the_network()
+pub fn cacheable(f: &File, filters: &Filters) -> bool {
+    f.opens > 0 && filters.admits(f.path) && !f.kept_on_the_network()
 }
 
 fn parent(path: &str) -> &str {
@@ -107,18 +107,18 @@ fn parent(path: &str) -> &str {
 /// The network time a local copy of `f` saves, in opens, per page it takes. A shared
 /// library opened once but faulted in for megabytes is worth its pages; one opened once
 /// and barely touched is not.
-fn value(f: &FileEntry) -> f64 {
-    let saved = f.opens as f64 + f.bytes_read as f64 / BYTES_LIKE_AN_OPEN;
+fn value(f: &File) -> f64 {
+    let saved = f64::from(f.opens) + f.bytes_read as f64 / BYTES_LIKE_AN_OPEN;
     saved / f.size.div_ceil(PAGE).max(1) as f64
 }
 
 /// Chooses the files to hold. `held` are the files holding a place now (on SSD), and
 /// `pinned_now` those pinned: they keep their places unless clearly outvalued.
 ///
-/// The files and the paths held are borrowed, whatever holds them (a profile's files, or
-/// the keeper's view of 100k), and so are the chosen paths: no path is copied.
-pub fn place<'a, F, S>(
-    files: &'a [F],
+/// The files (a view's) and the paths held are borrowed, and so are the chosen paths:
+/// no path is copied.
+pub fn place<'a, S>(
+    files: &[File<'a>],
     filters: &Filters,
     ssd_budget: u64,
     ram_budget: u64,
@@ -126,32 +126,31 @@ pub fn place<'a, F, S>(
     pinned_now: &HashSet<S>,
 ) -> Placement<'a>
 where
-    F: Borrow<FileEntry>,
     S: Borrow<str> + Eq + Hash,
 {
     // A directory with a file opened for writing again and again (a lock) is a store
     // its users manage: there a file only ever written, never read yet (JAX's `-atime`
     // files, rewritten at every hit; an entry just put), waits until someone reads it.
-    let files = files.iter().map(|f| -> &'a FileEntry { f.borrow() });
     let locked: HashSet<&str> = files
-        .clone()
+        .iter()
         .filter(|f| f.opened_for_writing())
-        .map(|f| parent(&f.path))
+        .map(|f| parent(f.path))
         .collect();
-    let candidates: Vec<&'a FileEntry> = files
+    let candidates: Vec<&File<'a>> = files
+        .iter()
         .filter(|f| cacheable(f, filters))
-        .filter(|f| !(f.write_opens >= f.opens && locked.contains(parent(&f.path))))
+        .filter(|f| !(f.write_opens >= f.opens && locked.contains(parent(f.path))))
         .collect();
     let fill =
-        |budget: u64, bonus: &HashSet<S>, among: &dyn Fn(&FileEntry) -> bool| -> HashSet<&str> {
-            let mut ranked: Vec<(&FileEntry, f64)> = candidates
+        |budget: u64, bonus: &HashSet<S>, among: &dyn Fn(&File) -> bool| -> HashSet<&'a str> {
+            let mut ranked: Vec<(&File<'a>, f64)> = candidates
                 .iter()
                 .filter(|f| among(f))
                 .map(|f| {
                     let v = value(f);
                     (
                         *f,
-                        if bonus.contains(f.path.as_str()) {
+                        if bonus.contains(f.path) {
                             v * KEEP_FACTOR
                         } else {
                             v
@@ -162,30 +161,28 @@ where
             ranked.sort_by(|(a, va), (b, vb)| {
                 vb.total_cmp(va)
                     .then(a.first_touch_ns.cmp(&b.first_touch_ns))
-                    .then(a.path.cmp(&b.path))
+                    .then(a.path.cmp(b.path))
             });
             let mut left = budget;
             let mut chosen = HashSet::new();
             for (f, _) in ranked {
                 if f.size <= left {
                     left -= f.size;
-                    chosen.insert(f.path.as_str());
+                    chosen.insert(f.path);
                 }
             }
             chosen
         };
     let on_ssd = fill(ssd_budget, held, &|_| true);
-    let in_ram = fill(ram_budget, pinned_now, &|f| {
-        on_ssd.contains(f.path.as_str())
-    });
+    let in_ram = fill(ram_budget, pinned_now, &|f| on_ssd.contains(f.path));
     let mut chosen: Vec<Choice> = candidates
         .iter()
-        .filter(|f| on_ssd.contains(f.path.as_str()))
+        .filter(|f| on_ssd.contains(f.path))
         .map(|f| Choice {
-            path: f.path.as_str(),
+            path: f.path,
             size: f.size,
             first_touch_ns: f.first_touch_ns,
-            pinned: in_ram.contains(f.path.as_str()),
+            pinned: in_ram.contains(f.path),
         })
         .collect();
     chosen.sort_by(|a, b| (a.first_touch_ns, a.path).cmp(&(b.first_touch_ns, b.path)));
@@ -199,6 +196,12 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::profile::{format::FileEntry, view::View};
+
+    /// The files of a view of `files` (leaked: a test's placement borrows from it).
+    fn listed(files: &[FileEntry]) -> Vec<File<'static>> {
+        Box::leak(Box::new(View::of_files(files))).files().collect()
+    }
 
     fn file(path: &str, size: u64, opens: u64, first: u64) -> FileEntry {
         FileEntry {
@@ -229,13 +232,14 @@ mod tests {
             refused: true,
             ..file("/net/cache/entry-atime", 8, 9, 0)
         };
-        assert!(!cacheable(&lock, &filters));
-        assert!(cacheable(&upgraded, &filters), "read far more than written");
+        let four = listed(&[lock.clone(), upgraded, installed, refused]);
+        assert!(!cacheable(&four[0], &filters));
+        assert!(cacheable(&four[1], &filters), "read far more than written");
         assert!(
-            cacheable(&installed, &filters),
+            cacheable(&four[2], &filters),
             "written once, then left alone"
         );
-        assert!(!cacheable(&refused, &filters));
+        assert!(!cacheable(&four[3], &filters));
         // Beside the lock, an entry only written so far waits; once read it is placed.
         let written_only = FileEntry {
             write_opens: 1,
@@ -250,7 +254,7 @@ mod tests {
             ..file("/net/other/jit_g-cache", 8, 1, 3)
         };
         let files = [lock, written_only, read_since, elsewhere];
-        let p = place(&files, &filters, 1 << 30, 0, &none(), &none());
+        let p = place(&listed(&files), &filters, 1 << 30, 0, &none(), &none());
         let held: Vec<&str> = p.files.iter().map(|c| c.path).collect();
         assert_eq!(
             held,
@@ -271,7 +275,7 @@ mod tests {
             file("/n/probed-only", 4096, 0, 3),
         ];
         let p = place(
-            &files,
+            &listed(&files),
             &Filters::default(),
             100 << 10,
             8192,
@@ -297,7 +301,14 @@ mod tests {
             ..file("/n/lib/libunused.so", 8 << 20, 1, 0)
         };
         let files = [unused, used];
-        let p = place(&files, &Filters::default(), 9 << 20, 0, &none(), &none());
+        let p = place(
+            &listed(&files),
+            &Filters::default(),
+            9 << 20,
+            0,
+            &none(),
+            &none(),
+        );
         let held: Vec<_> = p.files.iter().map(|c| c.path).collect();
         assert_eq!(held, ["/n/lib/libused.so"]);
     }
@@ -308,7 +319,7 @@ mod tests {
             .map(|i| file(&format!("/n/{i}"), 4096, 1, 10 - i))
             .collect();
         let p = place(
-            &files,
+            &listed(&files),
             &Filters::default(),
             3 * 4096,
             4096,
@@ -330,7 +341,7 @@ mod tests {
             .collect();
         let budget = 50 << 20;
         let first = place(
-            &files,
+            &listed(&files),
             &Filters::default(),
             u64::MAX,
             budget,
@@ -348,7 +359,7 @@ mod tests {
                 files[*i].opens = epoch;
                 if k % 10 == 0 {
                     let p = place(
-                        &files,
+                        &listed(&files),
                         &Filters::default(),
                         u64::MAX,
                         budget,
@@ -369,7 +380,14 @@ mod tests {
     fn a_clearly_hotter_file_takes_a_place() {
         let files = vec![file("/n/old", 4096, 5, 0), file("/n/new", 4096, 11, 1)];
         let held: HashSet<String> = ["/n/old".to_owned()].into();
-        let p = place(&files, &Filters::default(), 4096, 4096, &held, &held);
+        let p = place(
+            &listed(&files),
+            &Filters::default(),
+            4096,
+            4096,
+            &held,
+            &held,
+        );
         assert_eq!(p.files[0].path, "/n/new");
     }
 

@@ -19,7 +19,10 @@ use crate::{
         budget::Budgets,
         placement::{self, Filters, Placement},
     },
-    profile::format::{FileEntry, Profile},
+    profile::{
+        format::{FileEntry, Profile},
+        view::{self, View},
+    },
     shared::size::human,
 };
 
@@ -41,14 +44,9 @@ pub fn run(
     csv: bool,
 ) -> Result<()> {
     let none: HashSet<&str> = HashSet::new();
-    let placed = placement::place(
-        &profile.files,
-        filters,
-        budgets.ssd,
-        budgets.ram,
-        &none,
-        &none,
-    );
+    let view = View::from(profile);
+    let files: Vec<view::File> = view.files().collect();
+    let placed = placement::place(&files, filters, budgets.ssd, budgets.ram, &none, &none);
     let network = measure_network(profile)?;
     let local = measure_local(cache_dir)?;
     let ram = Costs {

@@ -57,20 +57,6 @@ pub struct FileEntry {
     pub refused: bool,
 }
 
-impl FileEntry {
-    /// Opened for writing again and again (a lock file, JAX's `-atime` files rewritten
-    /// on every cache hit), not just written once and then read (a package installed,
-    /// later upgraded): a read-only copy would break its next writer.
-    pub fn opened_for_writing(&self) -> bool {
-        self.write_opens >= 2 && self.write_opens.saturating_mul(4) >= self.opens
-    }
-
-    /// Never to be copied or bound.
-    pub fn kept_on_the_network(&self) -> bool {
-        self.refused || self.opened_for_writing()
-    }
-}
-
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, Default)]
 pub struct MissingEntry {
     pub path: String,

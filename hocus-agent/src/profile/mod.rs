@@ -8,4 +8,5 @@ pub mod format;
 pub mod paths;
 pub mod records;
 pub mod store;
+pub mod view;
 pub mod working_set;

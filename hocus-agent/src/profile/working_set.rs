@@ -17,6 +17,7 @@ use crate::{
         format::{DirEntry, FORMAT_VERSION, FileEntry, MissingEntry, Profile},
         paths::{PathId, Paths, table_bytes},
         records::{Plain, Records},
+        view::{Facts, View},
     },
     shared::status::RootTotals,
 };
@@ -560,6 +561,18 @@ impl WorkingSet {
         }
     }
 
+    fn facts(&self, f: &FileRec) -> Facts {
+        Facts {
+            size: f.size,
+            bytes_read: f.bytes_read,
+            first_touch_ns: f.first_touch(),
+            opens: f.opens,
+            write_opens: f.write_opens,
+            written: f.bits & WRITTEN != 0,
+            refused: f.bits & REFUSED != 0,
+        }
+    }
+
     fn file_entry(&self, f: &FileRec) -> FileEntry {
         let uids = self.users.get(f.bits & USERS).to_vec();
         FileEntry {
@@ -584,6 +597,15 @@ impl WorkingSet {
             lookups: u64::from(m.lookups),
             first_touch_ns: m.first_touch_ns,
         }
+    }
+
+    /// The directories, by path.
+    fn dir_entries(&self) -> Vec<DirEntry> {
+        let mut ids: Vec<PathId> = self.dirs.keys().copied().collect();
+        ids.sort_unstable_by(|a, b| self.paths.cmp(*a, *b));
+        ids.iter()
+            .map(|id| self.dir_entry(*id, &self.dirs[id]))
+            .collect()
     }
 
     fn dir_entry(&self, id: PathId, d: &DirRec) -> DirEntry {
@@ -730,9 +752,28 @@ impl WorkingSet {
     /// placement ranks by), those written or opened for writing (they keep copies and
     /// their directories off the cache), and the `n` missing names looked up most, with
     /// the directories. A site-wide profile is not copied whole to the keeper.
-    pub fn for_placement(&self, n: usize) -> Profile {
+    pub fn for_placement(&self, n: usize) -> View {
+        let mut view = View::default();
+        let mut scratch = Vec::new();
+        let mut add = |f: &FileRec| {
+            let uids = self.users.get(f.bits & USERS);
+            view.push_file(self.facts(f), uids, |out| {
+                scratch.clear();
+                self.paths.write_path(f.path, &mut scratch);
+                // Interned from &str, split at '/': always UTF-8.
+                out.push_str(std::str::from_utf8(&scratch).unwrap_or_default());
+            });
+        };
         if self.files.len() <= n && self.missing.len() <= n {
-            return self.to_profile();
+            self.files.scan(|_, f| add(f));
+            let mut missing: Vec<_> = self.missing.iter().collect();
+            missing.sort_unstable_by(|a, b| self.paths.cmp(*a.0, *b.0));
+            view.missing = missing
+                .into_iter()
+                .map(|(&id, m)| self.missing_entry(id, m))
+                .collect();
+            view.dirs = self.dir_entries();
+            return view;
         }
         let per_page = |f: &FileRec| {
             let pages = f.size.div_ceil(4096).max(1);
@@ -740,13 +781,16 @@ impl WorkingSet {
         };
         // Those written or opened for writing are gathered in the same pass.
         let mut writes = Vec::new();
-        let mut chosen = self.top_files(n, per_page, |f| {
+        let chosen = self.top_files(n, per_page, |f| {
             if writes.len() < n && (f.write_opens > 0 || f.bits & (WRITTEN | REFUSED) != 0) {
                 writes.push(*f);
             }
         });
-        chosen.extend(writes);
-        let files = chosen.iter().map(|f| self.file_entry(f)).collect();
+        // A file both hot and written is in the view once.
+        let mut hot: Vec<PathId> = chosen.iter().map(|f| f.path).collect();
+        hot.sort_unstable();
+        writes.retain(|f| hot.binary_search(&f.path).is_err());
+        chosen.iter().chain(&writes).for_each(&mut add);
         // Placement weighs a missing name for where it was looked up (a directory jobs
         // probe is a snapshot candidate): one per directory is enough, the one looked up
         // most, rather than 100k names with their strings.
@@ -762,11 +806,12 @@ impl WorkingSet {
             missing.select_nth_unstable_by_key(n - 1, |(_, m)| std::cmp::Reverse(m.lookups));
             missing.truncate(n);
         }
-        let missing = missing
+        view.missing = missing
             .into_iter()
             .map(|(id, m)| self.missing_entry(id, m))
             .collect();
-        self.profile(files, missing)
+        view.dirs = self.dir_entries();
+        view
     }
 
     /// The profile in its file format: files in first-touch order, the rest by path.
@@ -917,18 +962,12 @@ impl WorkingSet {
         files.sort_by(|a, b| (a.first_touch_ns, &a.path).cmp(&(b.first_touch_ns, &b.path)));
         files.dedup_by(|a, b| a.path == b.path);
         missing.sort_by(|a, b| a.path.cmp(&b.path));
-        let mut dirs: Vec<DirEntry> = self
-            .dirs
-            .iter()
-            .map(|(id, d)| self.dir_entry(*id, d))
-            .collect();
-        dirs.sort_by(|a, b| a.path.cmp(&b.path));
         Profile {
             version: FORMAT_VERSION,
             started_unix_ns: self.started_unix_ns,
             files,
             missing,
-            dirs,
+            dirs: self.dir_entries(),
         }
     }
 }
@@ -1228,7 +1267,7 @@ mod tests {
     }
 
     /// A bounded view holds the hottest by opens per page, and also the files written
-    /// or opened for writing, however cold: they keep copies off the cache.
+    /// or opened for writing, however cold: they keep copies off the cache. Each once.
     #[test]
     fn a_bounded_view_keeps_the_files_written_or_opened_for_writing() {
         let mut ws = WorkingSet::default();
@@ -1239,15 +1278,13 @@ mod tests {
         }
         ws.mark_written("/net/out.log", 2);
         ws.opened_for_writing("/net/lock", 3);
-        let mut view: Vec<String> = ws
-            .for_placement(3)
-            .files
-            .into_iter()
-            .map(|f| f.path)
-            .collect();
-        view.sort();
+        // Hot and written: in the view once.
+        ws.mark_written("/net/hot1.py", 4);
+        let view = ws.for_placement(3);
+        let mut paths: Vec<&str> = view.files().map(|f| f.path).collect();
+        paths.sort();
         assert_eq!(
-            view,
+            paths,
             [
                 "/net/hot0.py",
                 "/net/hot1.py",

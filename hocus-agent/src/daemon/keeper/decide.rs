@@ -10,7 +10,7 @@ use std::{
 
 use crate::{
     place::placement::{self, Filters},
-    profile::format::FileEntry,
+    profile::view::{File, View},
 };
 
 /// What the keeper knows about files beyond the profile.
@@ -28,19 +28,13 @@ pub struct Known<'a> {
 
 /// The files of the working set that may be placed: under a watched tree, and neither
 /// changing, failing nor refused.
-pub fn admitted<'a>(files: &'a [FileEntry], known: &Known) -> Vec<&'a FileEntry> {
-    files
-        .iter()
+pub fn admitted<'a>(view: &'a View, known: &Known) -> Vec<File<'a>> {
+    view.files()
         .filter(|f| {
-            let p = f.path.as_str();
+            let p = f.path;
             !known.unstable.contains(p) && !known.failed.contains(p) && !known.refused.contains(p)
         })
-        .filter(|f| {
-            known
-                .trees
-                .iter()
-                .any(|t| Path::new(&f.path).starts_with(t))
-        })
+        .filter(|f| known.trees.iter().any(|t| Path::new(f.path).starts_with(t)))
         .collect()
 }
 
@@ -73,7 +67,7 @@ pub struct Moves<'a> {
 /// Places the admitted files within the budgets, and says how to get there: room is made
 /// first (evictions, unpins), then copies and pins start.
 pub fn moves<'a>(
-    admitted: &'a [&'a FileEntry],
+    admitted: &[File<'a>],
     filters: &Filters,
     ssd_budget: u64,
     ram_budget: u64,
@@ -129,6 +123,7 @@ pub fn snapshot_holding<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::profile::format::FileEntry;
 
     fn file(path: &str, opens: u64, size: u64, first: u64) -> FileEntry {
         FileEntry {
@@ -161,10 +156,8 @@ mod tests {
             failed: set(&["/net/failing.py"]),
             refused: set(&["/net/refused.py"]),
         };
-        let paths: Vec<&str> = admitted(&files, &known)
-            .iter()
-            .map(|f| f.path.as_str())
-            .collect();
+        let view = View::of_files(&files);
+        let paths: Vec<&str> = admitted(&view, &known).iter().map(|f| f.path).collect();
         assert_eq!(paths, ["/net/ok.py"]);
     }
 
@@ -176,7 +169,8 @@ mod tests {
             file("/net/c", 9, 40, 3),
             file("/net/b", 9, 40, 2),
         ];
-        let admitted: Vec<&FileEntry> = files.iter().collect();
+        let view = View::of_files(&files);
+        let admitted: Vec<File> = view.files().collect();
         let held = Held {
             cached: set(&["/net/a"]),
             copying: HashSet::new(),
@@ -194,7 +188,8 @@ mod tests {
             file("/net/hot", 100, 4096, 1),
             file("/net/warm", 10, 4096, 2),
         ];
-        let admitted: Vec<&FileEntry> = files.iter().collect();
+        let view = View::of_files(&files);
+        let admitted: Vec<File> = view.files().collect();
         // Room for both on SSD, one in RAM: the hottest is pinned, the other unpinned.
         let held = Held {
             cached: set(&["/net/hot", "/net/warm"]),

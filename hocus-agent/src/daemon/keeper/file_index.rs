@@ -2,7 +2,7 @@
 
 use std::hash::BuildHasher;
 
-use crate::profile::format::FileEntry;
+use crate::profile::view::{File, View};
 
 /// The remembered view's files by path, without a second copy of each path (100k of
 /// them for a site-wide profile): a table of indices into the view, hashed by path.
@@ -13,31 +13,33 @@ pub struct FileIndex {
 }
 
 impl FileIndex {
-    pub fn of(files: &[FileEntry]) -> Self {
+    pub fn of(view: &View) -> Self {
         let mut index = Self::default();
-        index.table.reserve(files.len(), |_| 0);
+        index.table.reserve(view.len(), |_| 0);
         let Self { table, hasher } = &mut index;
-        for (i, f) in files.iter().enumerate() {
+        let path = |j: u32| view.file(j as usize).map_or("", |f| f.path);
+        for (i, f) in view.files().enumerate() {
             // The first of a path twice is the one found.
             let _ = table
                 .entry(
-                    hasher.hash_one(f.path.as_str()),
-                    |&j| files[j as usize].path == f.path,
-                    |&j| hasher.hash_one(files[j as usize].path.as_str()),
+                    hasher.hash_one(f.path),
+                    |&j| path(j) == f.path,
+                    |&j| hasher.hash_one(path(j)),
                 )
                 .or_insert(i as u32);
         }
         index
     }
 
-    pub fn find<'a>(&self, files: &'a [FileEntry], path: &str) -> Option<&'a FileEntry> {
-        files.get(self.position(files, path)?)
+    pub fn find<'a>(&self, view: &'a View, path: &str) -> Option<File<'a>> {
+        view.file(self.position(view, path)?)
     }
 
-    /// Where in `files` the file at `path` is.
-    pub fn position(&self, files: &[FileEntry], path: &str) -> Option<usize> {
+    /// Where in `view` the file at `path` is.
+    pub fn position(&self, view: &View, path: &str) -> Option<usize> {
         let hash = self.hasher.hash_one(path);
-        let &i = self.table.find(hash, |&j| files[j as usize].path == path)?;
+        let at = |j: u32| view.file(j as usize).map_or("", |f| f.path);
+        let &i = self.table.find(hash, |&j| at(j) == path)?;
         Some(i as usize)
     }
 }
@@ -45,6 +47,7 @@ impl FileIndex {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::profile::format::FileEntry;
 
     #[test]
     fn finds_each_file_by_its_path_and_nothing_else() {
@@ -55,13 +58,14 @@ mod tests {
                 ..Default::default()
             })
             .collect();
-        let index = FileIndex::of(&files);
+        let view = View::of_files(&files);
+        let index = FileIndex::of(&view);
         for (i, f) in files.iter().enumerate() {
-            assert_eq!(index.find(&files, &f.path).map(|g| &g.path), Some(&f.path));
-            assert_eq!(index.position(&files, &f.path), Some(i));
+            assert_eq!(index.find(&view, &f.path).map(|g| g.path), Some(&*f.path));
+            assert_eq!(index.position(&view, &f.path), Some(i));
         }
-        assert!(index.find(&files, "/net/c.py").is_none());
-        assert!(index.find(&files, "/net").is_none());
-        assert!(FileIndex::default().find(&files, "/net/a.py").is_none());
+        assert!(index.find(&view, "/net/c.py").is_none());
+        assert!(index.find(&view, "/net").is_none());
+        assert!(FileIndex::default().find(&view, "/net/a.py").is_none());
     }
 }

@@ -12,7 +12,7 @@ use crate::{
     cache::relay::Parent,
     control::protocol::Holding,
     observe::events::Access,
-    profile::format::Profile,
+    profile::{format::Profile, view::View},
     redirect::{jobs::SlurmTask, mountns::Bind},
     shared::status::CacheStatus,
 };
@@ -65,9 +65,9 @@ impl Handle {
     }
 
     /// The working set changed: place it again.
-    pub async fn place(&self, profile: Profile) -> Result<(), KeeperError> {
+    pub async fn place(&self, view: View) -> Result<(), KeeperError> {
         let queued = match self.latest.lock() {
-            Ok(mut latest) => latest.replace(profile).is_some(),
+            Ok(mut latest) => latest.replace(view).is_some(),
             Err(_) => return Err(KeeperError::Stopped),
         };
         // Already queued: the keeper takes this newer one when it gets there.
@@ -169,6 +169,7 @@ impl Handle {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::profile::format::FileEntry;
 
     #[tokio::test]
     async fn a_keeper_behind_on_placements_gets_one_order_for_the_newest() {
@@ -176,19 +177,16 @@ mod tests {
         let handle = Handle::new(tx, Latest::default());
         // The keeper is busy: a hundred placements arrive (a storm of events) ...
         for n in 0..100 {
-            let profile = Profile {
-                started_unix_ns: n,
-                ..Default::default()
-            };
-            handle.place(profile).await.unwrap();
+            let view = View::of_files(&vec![FileEntry::default(); n]);
+            handle.place(view).await.unwrap();
         }
         // ... and it finds one order, for the newest, leaving the queue to questions.
         assert!(matches!(rx.try_recv(), Ok(Order::PlaceLatest)));
         assert!(rx.try_recv().is_err());
         let newest = handle.latest.lock().unwrap().take().unwrap();
-        assert_eq!(newest.started_unix_ns, 99);
+        assert_eq!(newest.len(), 99);
         // Once taken, the next placement queues an order again.
-        handle.place(Profile::default()).await.unwrap();
+        handle.place(View::default()).await.unwrap();
         assert!(matches!(rx.try_recv(), Ok(Order::PlaceLatest)));
     }
 }

@@ -45,7 +45,10 @@ use crate::{
     control::protocol::Holding,
     observe::events::Access,
     place::{budget::Budgets, placement::Filters},
-    profile::format::{FileEntry, Profile},
+    profile::{
+        format::Profile,
+        view::{File, View},
+    },
     redirect::{
         jobs::{Job, SlurmTask},
         mountns::{self, Bind, Expect, SnapshotDir},
@@ -110,7 +113,7 @@ pub struct Reconfigure {
 }
 
 /// The newest working set waiting to be placed.
-pub(super) type Latest = std::sync::Arc<std::sync::Mutex<Option<Profile>>>;
+pub(super) type Latest = std::sync::Arc<std::sync::Mutex<Option<View>>>;
 
 pub enum Order {
     /// The working set changed: place its latest version (in `Latest`) again. At most
@@ -212,7 +215,7 @@ pub fn start(config: Config) -> Result<(Handle, thread::JoinHandle<()>)> {
         wanted: Vec::new(),
         unstable: HashMap::new(),
         failed: HashMap::new(),
-        profile: Profile::default(),
+        view: View::default(),
         file_index: FileIndex::default(),
         snapshots: HashMap::new(),
         snapshots_in_flight: HashMap::new(),
@@ -292,8 +295,8 @@ struct Keeper {
     unstable: HashMap<String, Instant>,
     /// Files whose copy failed, and when: retried after a while.
     failed: HashMap<String, Instant>,
-    /// The last working set, and where each file is in it.
-    profile: Profile,
+    /// The last view of the working set, and where each file is in it.
+    view: View,
     file_index: FileIndex,
     /// Snapshots of whole trees, by network directory.
     snapshots: HashMap<PathBuf, Snapshot>,
@@ -399,10 +402,10 @@ impl Keeper {
         match order {
             Order::PlaceLatest => {
                 let latest = self.latest.lock().map(|mut l| l.take()).ok().flatten();
-                if let Some(profile) = latest {
+                if let Some(view) = latest {
                     // The view it replaces is freed: a large one goes back to the system.
-                    let large = profile.files.len() + profile.missing.len() > BIG_VIEW;
-                    self.remember(profile);
+                    let large = view.len() + view.missing.len() > BIG_VIEW;
+                    self.remember(view);
                     self.place();
                     if large {
                         memory::give_back();
@@ -410,7 +413,7 @@ impl Keeper {
                 }
             }
             Order::Prefetch(profile, tx, parent) => {
-                self.remember(profile);
+                self.remember(View::from(profile));
                 if parent.is_some() {
                     // From a parent node, file by file: the snapshots then link them.
                     self.parent = parent;
@@ -614,22 +617,22 @@ impl Keeper {
 
     /// Takes a new view of the working set; a placement follows (the last one named
     /// files by their place in the view it replaces).
-    fn remember(&mut self, profile: Profile) {
-        self.file_index = FileIndex::of(&profile.files);
-        self.profile = profile;
+    fn remember(&mut self, view: View) {
+        self.file_index = FileIndex::of(&view);
+        self.view = view;
         self.wanted = Vec::new();
         self.queued.clear();
     }
 
     /// Whether the last placement wants `source`, and pinned.
     fn wanted(&self, source: &str) -> Option<bool> {
-        let i = self.file_index.position(&self.profile.files, source)?;
+        let i = self.file_index.position(&self.view, source)?;
         self.wanted.get(i).copied().flatten()
     }
 
     /// The remembered file at `path`, if placement weighed it.
-    fn weighed(&self, path: &str) -> Option<&FileEntry> {
-        self.file_index.find(&self.profile.files, path)
+    fn weighed(&self, path: &str) -> Option<File<'_>> {
+        self.file_index.find(&self.view, path)
     }
 
     /// Computes the placement of the remembered working set and moves towards it.
@@ -647,7 +650,7 @@ impl Keeper {
             failed: self.failed.keys().map(String::as_str).collect(),
             refused: self.refused.iter().map(String::as_str).collect(),
         };
-        let admitted = decide::admitted(&self.profile.files, &known);
+        let admitted = decide::admitted(&self.view, &known);
         let held = Held {
             cached: self.cache.sources().map(|(s, _)| s.as_str()).collect(),
             copying: self.in_flight.keys().map(String::as_str).collect(),
@@ -665,7 +668,7 @@ impl Keeper {
             self.config.ram_budget,
             &held,
         );
-        let (index, files) = (&self.file_index, &self.profile.files);
+        let (index, files) = (&self.file_index, &self.view);
         let mut wanted = vec![None; files.len()];
         for (path, pinned) in &moves.wanted {
             if let Some(i) = index.position(files, path) {
@@ -683,7 +686,7 @@ impl Keeper {
         self.wanted = wanted;
         // Openers are remembered only to name them when their copy lands: those of files
         // placed and not wanted, or held already, are forgotten.
-        let (index, files, wanted) = (&self.file_index, &self.profile.files, &self.wanted);
+        let (index, files, wanted) = (&self.file_index, &self.view, &self.wanted);
         let cache = &self.cache;
         self.last_opener.retain(|path, _| {
             let at = index.position(files, path);
@@ -716,10 +719,10 @@ impl Keeper {
             let Some(at) = self.queued.pop_front() else {
                 break;
             };
-            let Some(f) = self.profile.files.get(at as usize) else {
+            let Some(f) = self.view.file(at as usize) else {
                 continue;
             };
-            let (source, size) = (f.path.clone(), f.size);
+            let (source, size) = (f.path.to_owned(), f.size);
             // What happened since the placement: held, changed, or written by a job.
             let since = self.cache.contains(&source)
                 || self.in_flight.contains_key(&source)
@@ -774,15 +777,9 @@ impl Keeper {
         });
     }
 
-    /// A user seen reading the file: an ordinary user if there is one (root is squashed
-    /// on most NFS exports and must not read more than users can).
+    /// A user seen reading the file (`view::reader`).
     fn reader_of(&self, source: &str) -> Option<Reader> {
-        let uids = &self.weighed(source)?.uids;
-        let uid = uids
-            .iter()
-            .copied()
-            .find(|u| *u != 0)
-            .or_else(|| uids.first().copied())?;
+        let uid = self.weighed(source)?.reader()?;
         if uid == 0 {
             Some(Reader::root())
         } else {
@@ -1010,7 +1007,7 @@ impl Keeper {
         // the name service learned of).
         let worth_it =
             dropped || self.any_waits_over() || self.placed_at.elapsed() >= PLACE_AGAIN_ANYWAY;
-        if !self.profile.files.is_empty() && worth_it {
+        if !self.view.is_empty() && worth_it {
             self.place();
             self.consider_snapshots();
         }

@@ -59,10 +59,9 @@ impl Keeper {
             return snapshot::Fill::Whole;
         }
         snapshot::Fill::Lazy(
-            self.profile
-                .files
-                .iter()
-                .map(|f| Path::new(&f.path))
+            self.view
+                .files()
+                .map(|f| Path::new(f.path))
                 .filter(|p| p.starts_with(root))
                 .map(Path::to_owned)
                 .collect(),
@@ -73,8 +72,8 @@ impl Keeper {
     fn hot_bytes(&self, chains: &[Vec<PathBuf>]) -> HashMap<PathBuf, u64> {
         let mut hot: HashMap<PathBuf, u64> =
             chains.iter().flatten().map(|d| (d.clone(), 0)).collect();
-        for f in &self.profile.files {
-            for dir in Path::new(&f.path).ancestors().skip(1) {
+        for f in self.view.files() {
+            for dir in Path::new(f.path).ancestors().skip(1) {
                 if let Some(bytes) = hot.get_mut(dir) {
                     *bytes += f.size;
                 }
@@ -107,7 +106,7 @@ impl Keeper {
             .map(PathBuf::from)
             .collect();
         let unclean: Vec<&Path> = unclean.iter().map(PathBuf::as_path).collect();
-        let chains = snapshot::candidates(&self.profile, &self.config.trees, &unclean);
+        let chains = snapshot::candidates(&self.view, &self.config.trees, &unclean);
         let hot = if self.lazy_views {
             self.hot_bytes(&chains)
         } else {
