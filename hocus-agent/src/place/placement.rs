@@ -9,9 +9,7 @@
 //! epoch, instead of churning the way an LRU page cache does.
 
 use std::{
-    borrow::Borrow,
     collections::HashSet,
-    hash::Hash,
     path::{Path, PathBuf},
 };
 
@@ -67,12 +65,13 @@ impl Filters {
     }
 }
 
-/// A file chosen, its path borrowed from the files placed.
-#[derive(Debug, Clone, PartialEq)]
+/// A file chosen: its place in the view, and its path borrowed from it.
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Choice<'a> {
     pub path: &'a str,
     pub size: u64,
-    pub first_touch_ns: u64,
+    /// Its place in the view ([`File::at`]).
+    pub at: u32,
     /// Pinned in RAM as well as copied to SSD.
     pub pinned: bool,
 }
@@ -112,22 +111,19 @@ fn value(f: &File) -> f64 {
     saved / f.size.div_ceil(PAGE).max(1) as f64
 }
 
-/// Chooses the files to hold. `held` are the files holding a place now (on SSD), and
-/// `pinned_now` those pinned: they keep their places unless clearly outvalued.
+/// Chooses the files to hold. `held` says which hold a place now (on SSD), and
+/// `pinned_now` which are pinned: they keep their places unless clearly outvalued.
 ///
-/// The files (a view's) and the paths held are borrowed, and so are the chosen paths:
-/// no path is copied.
-pub fn place<'a, S>(
+/// Files are weighed by their place in `files` (a view's, 100k site-wide): no path is
+/// copied or hashed, and what is chosen is a flag per candidate.
+pub fn place<'a>(
     files: &[File<'a>],
     filters: &Filters,
     ssd_budget: u64,
     ram_budget: u64,
-    held: &HashSet<S>,
-    pinned_now: &HashSet<S>,
-) -> Placement<'a>
-where
-    S: Borrow<str> + Eq + Hash,
-{
+    held: &dyn Fn(&str) -> bool,
+    pinned_now: &dyn Fn(&str) -> bool,
+) -> Placement<'a> {
     // A directory with a file opened for writing again and again (a lock) is a store
     // its users manage: there a file only ever written, never read yet (JAX's `-atime`
     // files, rewritten at every hit; an entry just put), waits until someone reads it.
@@ -141,51 +137,54 @@ where
         .filter(|f| cacheable(f, filters))
         .filter(|f| !(f.write_opens >= f.opens && locked.contains(parent(f.path))))
         .collect();
-    let fill =
-        |budget: u64, bonus: &HashSet<S>, among: &dyn Fn(&File) -> bool| -> HashSet<&'a str> {
-            let mut ranked: Vec<(&File<'a>, f64)> = candidates
-                .iter()
-                .filter(|f| among(f))
-                .map(|f| {
-                    let v = value(f);
-                    (
-                        *f,
-                        if bonus.contains(f.path) {
-                            v * KEEP_FACTOR
-                        } else {
-                            v
-                        },
-                    )
-                })
-                .collect();
-            ranked.sort_by(|(a, va), (b, vb)| {
-                vb.total_cmp(va)
-                    .then(a.first_touch_ns.cmp(&b.first_touch_ns))
-                    .then(a.path.cmp(b.path))
-            });
-            let mut left = budget;
-            let mut chosen = HashSet::new();
-            for (f, _) in ranked {
-                if f.size <= left {
-                    left -= f.size;
-                    chosen.insert(f.path);
-                }
+    // Which candidates (by position) fit `budget`, the most valuable first.
+    let fill = |budget: u64, bonus: &dyn Fn(&str) -> bool, among: &dyn Fn(usize) -> bool| {
+        let mut ranked: Vec<(f64, u32)> = (0..candidates.len())
+            .filter(|c| among(*c))
+            .map(|c| {
+                let f = candidates[c];
+                let v = value(f);
+                (if bonus(f.path) { v * KEEP_FACTOR } else { v }, c as u32)
+            })
+            .collect();
+        ranked.sort_by(|(va, a), (vb, b)| {
+            let (a, b) = (candidates[*a as usize], candidates[*b as usize]);
+            vb.total_cmp(va)
+                .then(a.first_touch_ns.cmp(&b.first_touch_ns))
+                .then(a.path.cmp(b.path))
+        });
+        let mut left = budget;
+        let mut chosen = vec![false; candidates.len()];
+        for (_, c) in ranked {
+            let size = candidates[c as usize].size;
+            if size <= left {
+                left -= size;
+                chosen[c as usize] = true;
             }
-            chosen
-        };
+        }
+        chosen
+    };
     let on_ssd = fill(ssd_budget, held, &|_| true);
-    let in_ram = fill(ram_budget, pinned_now, &|f| on_ssd.contains(f.path));
-    let mut chosen: Vec<Choice> = candidates
-        .iter()
-        .filter(|f| on_ssd.contains(f.path))
-        .map(|f| Choice {
-            path: f.path,
-            size: f.size,
-            first_touch_ns: f.first_touch_ns,
-            pinned: in_ram.contains(f.path),
+    let in_ram = fill(ram_budget, pinned_now, &|c| on_ssd[c]);
+    let mut order: Vec<u32> = (0..candidates.len() as u32)
+        .filter(|c| on_ssd[*c as usize])
+        .collect();
+    order.sort_by(|a, b| {
+        let (a, b) = (candidates[*a as usize], candidates[*b as usize]);
+        (a.first_touch_ns, a.path).cmp(&(b.first_touch_ns, b.path))
+    });
+    let chosen: Vec<Choice<'a>> = order
+        .into_iter()
+        .map(|c| {
+            let f = candidates[c as usize];
+            Choice {
+                path: f.path,
+                size: f.size,
+                at: f.at() as u32,
+                pinned: in_ram[c as usize],
+            }
         })
         .collect();
-    chosen.sort_by(|a, b| (a.first_touch_ns, a.path).cmp(&(b.first_touch_ns, b.path)));
     Placement {
         ssd_bytes: chosen.iter().map(|c| c.size).sum(),
         ram_bytes: chosen.iter().filter(|c| c.pinned).map(|c| c.size).sum(),
@@ -254,16 +253,14 @@ mod tests {
             ..file("/net/other/jit_g-cache", 8, 1, 3)
         };
         let files = [lock, written_only, read_since, elsewhere];
-        let p = place(&listed(&files), &filters, 1 << 30, 0, &none(), &none());
+        let p = place(&listed(&files), &filters, 1 << 30, 0, &|_| false, &|_| {
+            false
+        });
         let held: Vec<&str> = p.files.iter().map(|c| c.path).collect();
         assert_eq!(
             held,
             vec!["/net/cache/jit_f-cache", "/net/other/jit_g-cache"]
         );
-    }
-
-    fn none() -> HashSet<String> {
-        HashSet::new()
     }
 
     #[test]
@@ -279,8 +276,8 @@ mod tests {
             &Filters::default(),
             100 << 10,
             8192,
-            &none(),
-            &none(),
+            &|_| false,
+            &|_| false,
         );
         let held: Vec<_> = p.files.iter().map(|c| (c.path, c.pinned)).collect();
         assert_eq!(held, [("/n/small-hot", true), ("/n/mid", false)]);
@@ -306,8 +303,8 @@ mod tests {
             &Filters::default(),
             9 << 20,
             0,
-            &none(),
-            &none(),
+            &|_| false,
+            &|_| false,
         );
         let held: Vec<_> = p.files.iter().map(|c| c.path).collect();
         assert_eq!(held, ["/n/lib/libused.so"]);
@@ -323,8 +320,8 @@ mod tests {
             &Filters::default(),
             3 * 4096,
             4096,
-            &none(),
-            &none(),
+            &|_| false,
+            &|_| false,
         );
         let order: Vec<_> = p.files.iter().map(|c| c.path).collect();
         assert_eq!(order, ["/n/9", "/n/8", "/n/7"]);
@@ -345,8 +342,8 @@ mod tests {
             &Filters::default(),
             u64::MAX,
             budget,
-            &none(),
-            &none(),
+            &|_| false,
+            &|_| false,
         );
         let pinned: HashSet<String> = first.pinned().map(|c| c.path.to_owned()).collect();
         let held: HashSet<String> = first.files.iter().map(|c| c.path.to_owned()).collect();
@@ -363,8 +360,8 @@ mod tests {
                         &Filters::default(),
                         u64::MAX,
                         budget,
-                        &held,
-                        &pinned,
+                        &|p| held.contains(p),
+                        &|p| pinned.contains(p),
                     );
                     let now: HashSet<String> = p.pinned().map(|c| c.path.to_owned()).collect();
                     assert_eq!(
@@ -385,8 +382,8 @@ mod tests {
             &Filters::default(),
             4096,
             4096,
-            &held,
-            &held,
+            &|p| held.contains(p),
+            &|p| held.contains(p),
         );
         assert_eq!(p.files[0].path, "/n/new");
     }

@@ -67,6 +67,8 @@ struct Packed {
     len: u32,
     /// [`reader`] of its users, or `NO_READER`.
     reader: u32,
+    /// Its place in the view.
+    at: u32,
 }
 
 const NO_READER: u32 = u32::MAX;
@@ -92,6 +94,11 @@ pub struct File<'a> {
 }
 
 impl File<'_> {
+    /// Its place in the view ([`View::file`]).
+    pub fn at(&self) -> usize {
+        self.packed.at as usize
+    }
+
     /// The user to read it as when copying it (see [`reader`]).
     pub fn reader(&self) -> Option<u32> {
         let r = self.packed.reader;
@@ -114,7 +121,11 @@ impl View {
         path(&mut self.paths);
         let len = self.paths.len() - start;
         // Past 4 GiB of paths (40M files of 100 bytes), a view would be far past its bound.
-        let (Ok(start32), Ok(len)) = (u32::try_from(start), u32::try_from(len)) else {
+        let (Ok(start32), Ok(len), Ok(at)) = (
+            u32::try_from(start),
+            u32::try_from(len),
+            u32::try_from(self.files.len()),
+        ) else {
             self.paths.truncate(start);
             return;
         };
@@ -123,6 +134,7 @@ impl View {
             start: start32,
             len,
             reader: reader(uids).unwrap_or(NO_READER),
+            at,
         });
     }
 
@@ -229,6 +241,7 @@ mod tests {
         assert!(files[1].opened_for_writing() && files[1].kept_on_the_network());
         assert!(!files[0].kept_on_the_network());
         assert!(view.file(3).is_none());
+        assert_eq!(files.iter().map(File::at).collect::<Vec<_>>(), [0, 1, 2]);
         assert_eq!(View::from(profile), view);
     }
 

@@ -9,7 +9,7 @@ use std::{
 };
 
 use crate::{
-    place::placement::{self, Filters},
+    place::placement::{self, Choice, Filters},
     profile::view::{File, View},
 };
 
@@ -41,27 +41,37 @@ pub fn admitted<'a>(view: &'a View, known: &Known) -> Vec<File<'a>> {
 /// What held copies and pins there are now.
 pub struct Held<'a> {
     /// Copies in the cache.
-    pub cached: HashSet<&'a str>,
+    pub cached: &'a dyn Fn(&str) -> bool,
     /// Copies under way.
-    pub copying: HashSet<&'a str>,
+    pub copying: &'a dyn Fn(&str) -> bool,
     /// Pinned (or being pinned).
-    pub pinned: HashSet<&'a str>,
+    pub pinned: &'a dyn Fn(&str) -> bool,
+    /// Every copy in the cache (those `cached` says yes to).
+    pub copies: Vec<&'a str>,
 }
 
 /// How to move from what is held to a new placement. The placement's paths are
 /// borrowed from the files placed (the keeper's view: 100k of them, site-wide).
-#[derive(Debug, Default, PartialEq, Eq)]
+#[derive(Debug, Default, PartialEq)]
 pub struct Moves<'a> {
-    /// The placement: each wanted file, and whether it is to be pinned.
-    pub wanted: HashMap<&'a str, bool>,
-    /// Copies no longer wanted.
+    /// The placement: each wanted file, and whether it is to be pinned, in first-touch
+    /// order.
+    pub wanted: Vec<Choice<'a>>,
+    /// Held copies no longer wanted.
     pub evict: Vec<String>,
     /// Pins no longer wanted (the copy stays).
     pub unpin: Vec<String>,
     /// Held copies to pin.
     pub pin: Vec<&'a str>,
-    /// Files to copy, with their expected sizes, in first-touch order.
-    pub copy: Vec<(&'a str, u64)>,
+    /// Files to copy, by their place in `wanted` (first-touch order).
+    pub copy: Vec<u32>,
+}
+
+impl<'a> Moves<'a> {
+    /// The files to copy.
+    pub fn copies(&self) -> impl Iterator<Item = &Choice<'a>> {
+        self.copy.iter().map(|c| &self.wanted[*c as usize])
+    }
 }
 
 /// Places the admitted files within the budgets, and says how to get there: room is made
@@ -73,42 +83,39 @@ pub fn moves<'a>(
     ram_budget: u64,
     held: &Held,
 ) -> Moves<'a> {
-    // Borrowed, not copied: a site-wide view has 100k files, and the paths held as many.
-    let holding: HashSet<&str> = held.cached.iter().chain(&held.copying).copied().collect();
+    let holding = |p: &str| (held.cached)(p) || (held.copying)(p);
     let placed = placement::place(
         admitted,
         filters,
         ssd_budget,
         ram_budget,
         &holding,
-        &held.pinned,
+        held.pinned,
     );
     let mut out = Moves::default();
-    for choice in &placed.files {
+    // The held copies still wanted, and whether pinned.
+    let mut kept: HashMap<&str, bool> = HashMap::new();
+    for (i, choice) in placed.files.iter().enumerate() {
         let path = choice.path;
-        if held.cached.contains(path) {
-            if choice.pinned && !held.pinned.contains(path) {
+        if (held.cached)(path) {
+            kept.insert(path, choice.pinned);
+            if choice.pinned && !(held.pinned)(path) {
                 out.pin.push(path);
             }
-        } else if !held.copying.contains(path) {
-            out.copy.push((path, choice.size));
+        } else if !(held.copying)(path) {
+            out.copy.push(i as u32);
         }
     }
-    let wanted: HashMap<&str, bool> = placed
-        .files
-        .into_iter()
-        .map(|c| (c.path, c.pinned))
-        .collect();
-    let mut cached: Vec<&str> = held.cached.iter().copied().collect();
+    let mut cached = held.copies.clone();
     cached.sort_unstable();
     for source in cached {
-        match wanted.get(source) {
+        match kept.get(source) {
             None => out.evict.push(source.to_owned()),
-            Some(false) if held.pinned.contains(source) => out.unpin.push(source.to_owned()),
+            Some(false) if (held.pinned)(source) => out.unpin.push(source.to_owned()),
             _ => {}
         }
     }
-    out.wanted = wanted;
+    out.wanted = placed.files;
     out
 }
 
@@ -137,6 +144,29 @@ mod tests {
 
     fn set<'a>(items: &[&'a str]) -> HashSet<&'a str> {
         items.iter().copied().collect()
+    }
+
+    type Has<'a> = Box<dyn Fn(&str) -> bool + 'a>;
+
+    /// What is held: copies, copies under way, pins.
+    fn held<'a>(
+        cached: &'a HashSet<&'a str>,
+        copying: &'a HashSet<&'a str>,
+        pinned: &'a HashSet<&'a str>,
+    ) -> Held<'a> {
+        let has = |s: &'a HashSet<&'a str>| -> &'a Has<'a> {
+            Box::leak(Box::new(Box::new(move |p: &str| s.contains(p)) as Has<'a>))
+        };
+        Held {
+            cached: has(cached),
+            copying: has(copying),
+            pinned: has(pinned),
+            copies: cached.iter().copied().collect(),
+        }
+    }
+
+    fn copies<'a>(m: &Moves<'a>) -> Vec<(&'a str, u64)> {
+        m.copies().map(|c| (c.path, c.size)).collect()
     }
 
     #[test]
@@ -171,14 +201,16 @@ mod tests {
         ];
         let view = View::of_files(&files);
         let admitted: Vec<File> = view.files().collect();
-        let held = Held {
-            cached: set(&["/net/a"]),
-            copying: HashSet::new(),
-            pinned: HashSet::new(),
-        };
-        let m = moves(&admitted, &Filters::default(), 100, 0, &held);
+        let (cached, none) = (set(&["/net/a"]), set(&[]));
+        let m = moves(
+            &admitted,
+            &Filters::default(),
+            100,
+            0,
+            &held(&cached, &none, &none),
+        );
         assert_eq!(m.evict, ["/net/a"]);
-        assert_eq!(m.copy, [("/net/b", 40), ("/net/c", 40)]);
+        assert_eq!(copies(&m), [("/net/b", 40), ("/net/c", 40)]);
         assert!(m.pin.is_empty() && m.unpin.is_empty());
     }
 
@@ -191,24 +223,33 @@ mod tests {
         let view = View::of_files(&files);
         let admitted: Vec<File> = view.files().collect();
         // Room for both on SSD, one in RAM: the hottest is pinned, the other unpinned.
-        let held = Held {
-            cached: set(&["/net/hot", "/net/warm"]),
-            copying: HashSet::new(),
-            pinned: set(&["/net/warm"]),
-        };
-        let m = moves(&admitted, &Filters::default(), 1 << 20, 4096, &held);
+        let (cached, pinned, none) = (
+            set(&["/net/hot", "/net/warm"]),
+            set(&["/net/warm"]),
+            set(&[]),
+        );
+        let m = moves(
+            &admitted,
+            &Filters::default(),
+            1 << 20,
+            4096,
+            &held(&cached, &none, &pinned),
+        );
         assert!(m.evict.is_empty() && m.copy.is_empty());
         assert_eq!(m.pin, ["/net/hot"]);
         assert_eq!(m.unpin, ["/net/warm"]);
-        assert_eq!(m.wanted.get("/net/hot"), Some(&true));
+        let wanted: Vec<_> = m.wanted.iter().map(|c| (c.path, c.pinned, c.at)).collect();
+        assert_eq!(wanted, [("/net/hot", true, 0), ("/net/warm", false, 1)]);
 
-        let held = Held {
-            cached: HashSet::new(),
-            copying: set(&["/net/hot"]),
-            pinned: HashSet::new(),
-        };
-        let m = moves(&admitted, &Filters::default(), 1 << 20, 0, &held);
-        assert_eq!(m.copy, [("/net/warm", 4096)]);
+        let copying = set(&["/net/hot"]);
+        let m = moves(
+            &admitted,
+            &Filters::default(),
+            1 << 20,
+            0,
+            &held(&none, &copying, &none),
+        );
+        assert_eq!(copies(&m), [("/net/warm", 4096)]);
     }
 
     #[test]

@@ -651,15 +651,13 @@ impl Keeper {
             refused: self.refused.iter().map(String::as_str).collect(),
         };
         let admitted = decide::admitted(&self.view, &known);
+        let (cache, in_flight) = (&self.cache, &self.in_flight);
+        let (pins, pinning) = (&self.pins, &self.pinning);
         let held = Held {
-            cached: self.cache.sources().map(|(s, _)| s.as_str()).collect(),
-            copying: self.in_flight.keys().map(String::as_str).collect(),
-            pinned: self
-                .pins
-                .sources()
-                .chain(self.pinning.keys())
-                .map(String::as_str)
-                .collect(),
+            cached: &|p| cache.contains(p),
+            copying: &|p| in_flight.contains_key(p),
+            pinned: &|p| pins.is_pinned(p) || pinning.contains_key(p),
+            copies: cache.sources().map(|(s, _)| s.as_str()).collect(),
         };
         let moves = decide::moves(
             &admitted,
@@ -668,19 +666,11 @@ impl Keeper {
             self.config.ram_budget,
             &held,
         );
-        let (index, files) = (&self.file_index, &self.view);
-        let mut wanted = vec![None; files.len()];
-        for (path, pinned) in &moves.wanted {
-            if let Some(i) = index.position(files, path) {
-                wanted[i] = Some(*pinned);
-            }
+        let mut wanted = vec![None; self.view.len()];
+        for c in &moves.wanted {
+            wanted[c.at as usize] = Some(c.pinned);
         }
-        let queued: VecDeque<u32> = moves
-            .copy
-            .iter()
-            .filter_map(|(path, _)| index.position(files, path))
-            .map(|i| i as u32)
-            .collect();
+        let queued: VecDeque<u32> = moves.copies().map(|c| c.at).collect();
         let pin: Vec<String> = moves.pin.iter().map(|p| (*p).to_owned()).collect();
         let (evict, unpin) = (moves.evict, moves.unpin);
         self.wanted = wanted;
