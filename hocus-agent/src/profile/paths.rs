@@ -2,26 +2,48 @@
 //! directories: each directory's name is held once, and an entry names its path by a
 //! 4-byte id. The profile holds a path's entry by that id; the full string is built only
 //! to show or export it.
+//!
+//! Directories' names stay in memory: every path goes through them. The names of
+//! leaves (files, missing names) are most of the bytes and mostly cold: past
+//! [`LEAVES_HELD`] bytes they go to local disk with the file records ([`Records`]) and are
+//! read back when a path is looked up, built or compared. A node keeps a 32-bit hash of
+//! its name, so that growing the table of children, or telling apart two names with the
+//! same place in it, reads no name back.
 
 use std::{cmp::Ordering, hash::BuildHasher};
 
 use hashbrown::{DefaultHashBuilder, HashTable};
 
+use crate::profile::records::Records;
+
 /// A path held in [`Paths`]; `Paths::ROOT` is `/`.
 pub type PathId = u32;
+
+/// Bytes of leaf names held in memory before they go to disk.
+const LEAVES_HELD: usize = 1 << 20;
+
+/// Leaf names read back at a time: a page.
+const LEAF_BLOCK: usize = 4096;
+
+/// In [`Node::name`]: the name is in the directories' names, not the leaves'.
+const DIR: u32 = 1 << 31;
 
 #[derive(Clone, Copy)]
 struct Node {
     parent: PathId,
-    /// Where the name starts in `names`: its length (one byte below 128, else two), then
-    /// its bytes.
+    /// Where the name starts, in `dir_names` (with [`DIR`]) or in `leaves`: its length
+    /// (one byte below 128, else two), then its bytes.
     name: u32,
+    /// The low half of the hash of (parent, name).
+    hash: u32,
 }
 
-#[derive(Clone)]
 pub struct Paths {
     nodes: Vec<Node>,
-    names: Vec<u8>,
+    /// Names of nodes with children.
+    dir_names: Vec<u8>,
+    /// Names of the others, as they were added.
+    leaves: Records<u8>,
     /// The children of every node, found by (parent, name).
     children: HashTable<PathId>,
     hasher: DefaultHashBuilder,
@@ -32,9 +54,26 @@ impl Paths {
 
     /// Holding `/` alone (node 0, with an empty name).
     pub fn new() -> Self {
+        Self::with_leaves(Records::spilling_at(LEAVES_HELD, LEAF_BLOCK))
+    }
+
+    /// Leaf names on disk in `dir` past `held` bytes (tests use a few).
+    #[cfg(test)]
+    pub fn spilling(dir: &std::path::Path, held: usize) -> Self {
+        let mut leaves = Records::spilling(Some(dir.to_owned()), held);
+        leaves.block_len = 7;
+        Self::with_leaves(leaves)
+    }
+
+    fn with_leaves(leaves: Records<u8>) -> Self {
         Self {
-            nodes: vec![Node { parent: 0, name: 0 }],
-            names: vec![0],
+            nodes: vec![Node {
+                parent: 0,
+                name: DIR,
+                hash: 0,
+            }],
+            dir_names: vec![0],
+            leaves,
             children: HashTable::new(),
             hasher: DefaultHashBuilder::default(),
         }
@@ -43,7 +82,8 @@ impl Paths {
     /// Bytes held on the heap (what was reserved, used or not).
     pub fn heap_bytes(&self) -> usize {
         self.nodes.capacity() * size_of::<Node>()
-            + self.names.capacity()
+            + self.dir_names.capacity()
+            + self.leaves.heap_bytes()
             + table_bytes::<PathId>(self.children.capacity())
     }
 
@@ -53,19 +93,48 @@ impl Paths {
         self.nodes.len()
     }
 
-    fn name(&self, id: PathId) -> &[u8] {
-        name_at(&self.names, self.nodes[id as usize].name)
+    /// Calls `f` with the name of `id`, read back from disk if it is there.
+    fn with_name<R>(&self, id: PathId, f: impl FnOnce(&[u8]) -> R) -> R {
+        let mut buf = Vec::new();
+        f(self.name_in(id, None, &mut buf))
     }
 
-    fn hash(&self, parent: PathId, name: &[u8]) -> u64 {
-        self.hasher.hash_one((parent, name))
+    /// The name of `id`: a directory's in memory, a leaf's from `loaded` if it is there,
+    /// or read into `buf`.
+    fn name_in<'s>(
+        &'s self,
+        id: PathId,
+        loaded: Option<&'s Loaded>,
+        buf: &'s mut Vec<u8>,
+    ) -> &'s [u8] {
+        let at = self.nodes[id as usize].name;
+        if at & DIR != 0 {
+            return name_at(&self.dir_names, at & !DIR);
+        }
+        if let Some(name) = loaded.and_then(|l| l.get(id)) {
+            return name;
+        }
+        let at = at as usize;
+        buf.clear();
+        let head = 2.min(self.leaves.len() - at);
+        self.leaves.get_into(at, head, buf);
+        let (len, skip) = name_len(buf);
+        buf.clear();
+        self.leaves.get_into(at + skip, len, buf);
+        buf
+    }
+
+    /// The hash a node keeps: 32 bits of the hash of (parent, name).
+    fn hash(&self, parent: PathId, name: &[u8]) -> u32 {
+        self.hasher.hash_one((parent, name)) as u32
     }
 
     fn child(&self, parent: PathId, name: &[u8]) -> Option<PathId> {
         let hash = self.hash(parent, name);
         self.children
-            .find(hash, |&c| {
-                self.nodes[c as usize].parent == parent && self.name(c) == name
+            .find(spread(hash), |&c| {
+                let n = self.nodes[c as usize];
+                n.parent == parent && n.hash == hash && self.with_name(c, |held| held == name)
             })
             .copied()
     }
@@ -85,28 +154,43 @@ impl Paths {
 
     fn add(&mut self, parent: PathId, name: &[u8]) -> PathId {
         let id = PathId::try_from(self.nodes.len()).expect("fewer than 2^32 paths");
-        let start = u32::try_from(self.names.len()).expect("fewer than 4 GiB of names");
+        self.make_dir(parent);
         // Names are at most NAME_MAX (255) bytes on Linux, paths at most PATH_MAX: a
         // longer one is cut rather than mis-stored.
         let name = &name[..name.len().min(0x7fff)];
-        if name.len() < 0x80 {
-            self.names.push(name.len() as u8);
-        } else {
-            self.names.push(0x80 | (name.len() >> 8) as u8);
-            self.names.push(name.len() as u8);
-        }
-        self.names.extend_from_slice(name);
+        let start = u32::try_from(self.leaves.len())
+            .ok()
+            .filter(|s| s & DIR == 0)
+            .expect("fewer than 2 GiB of names");
+        let mut stored = Vec::with_capacity(name.len() + 2);
+        push_name(&mut stored, name);
+        self.leaves.extend(&stored);
+        let hash = self.hash(parent, name);
         self.nodes.push(Node {
             parent,
             name: start,
+            hash,
         });
-        let hash = self.hash(parent, name);
-        let (nodes, names, hasher) = (&self.nodes, &self.names, &self.hasher);
-        self.children.insert_unique(hash, id, |&c| {
-            let n = nodes[c as usize];
-            hasher.hash_one((n.parent, name_at(names, n.name)))
-        });
+        let nodes = &self.nodes;
+        // Grown by the hashes the nodes keep: no name is read back.
+        self.children
+            .insert_unique(spread(hash), id, |&c| spread(nodes[c as usize].hash));
         id
+    }
+
+    /// Moves the name of `id` among the directories' names, if it is a leaf's.
+    fn make_dir(&mut self, id: PathId) {
+        if self.nodes[id as usize].name & DIR != 0 {
+            return;
+        }
+        let mut name = Vec::new();
+        self.with_name(id, |n| name.extend_from_slice(n));
+        let start = u32::try_from(self.dir_names.len())
+            .ok()
+            .filter(|s| s & DIR == 0)
+            .expect("fewer than 2 GiB of directory names");
+        push_name(&mut self.dir_names, &name);
+        self.nodes[id as usize].name = start | DIR;
     }
 
     /// The id of a path already held.
@@ -128,29 +212,40 @@ impl Paths {
             out.push(b'/');
             return;
         }
-        let mut len = 0;
-        let mut at = id;
-        while at != Self::ROOT {
-            len += 1 + self.name(at).len();
-            at = self.parent(at);
-        }
-        let start = out.len();
-        out.resize(start + len, b'/');
-        let mut end = start + len;
-        let mut at = id;
-        while at != Self::ROOT {
-            let name = self.name(at);
-            out[end - name.len()..end].copy_from_slice(name);
-            end -= name.len() + 1;
-            at = self.parent(at);
-        }
+        // The leaf's name is read once, the directories' are in memory.
+        self.with_name(id, |leaf| {
+            let mut len = 1 + leaf.len();
+            let mut at = self.parent(id);
+            while at != Self::ROOT {
+                len += 1 + self.dir_name(at).len();
+                at = self.parent(at);
+            }
+            let start = out.len();
+            out.resize(start + len, b'/');
+            let mut end = start + len;
+            out[end - leaf.len()..end].copy_from_slice(leaf);
+            end -= leaf.len() + 1;
+            let mut at = self.parent(id);
+            while at != Self::ROOT {
+                let name = self.dir_name(at);
+                out[end - name.len()..end].copy_from_slice(name);
+                end -= name.len() + 1;
+                at = self.parent(at);
+            }
+        });
+    }
+
+    /// The name of a node with children.
+    fn dir_name(&self, id: PathId) -> &[u8] {
+        let at = self.nodes[id as usize].name;
+        debug_assert!(at & DIR != 0, "a parent's name is a directory's");
+        name_at(&self.dir_names, at & !DIR)
     }
 
     /// The directory `id` is in (`/` for `/`).
     pub fn parent(&self, id: PathId) -> PathId {
         self.nodes[id as usize].parent
     }
-
     fn depth(&self, mut id: PathId) -> usize {
         let mut depth = 0;
         while id != Self::ROOT {
@@ -178,6 +273,28 @@ impl Paths {
     /// the two ancestors that differ below a common one, then by their names and the byte
     /// that follows the shorter name (`/` if its path goes on).
     pub fn cmp(&self, a: PathId, b: PathId) -> Ordering {
+        self.cmp_in(a, b, None)
+    }
+
+    /// Sorts `items` by their paths (`path`), as strings would sort. Leaf names on disk
+    /// are read once each, in the order they were stored, not at every comparison.
+    pub fn sort_by_path<T>(&self, items: &mut [T], path: impl Fn(&T) -> PathId) {
+        let mut ids: Vec<PathId> = items.iter().map(&path).collect();
+        ids.sort_unstable();
+        ids.dedup();
+        let mut loaded = Loaded::default();
+        let mut buf = Vec::new();
+        for id in ids {
+            if self.nodes[id as usize].name & DIR == 0 {
+                let name = self.name_in(id, None, &mut buf);
+                loaded.ids.push((id, loaded.bytes.len() as u32));
+                loaded.bytes.extend_from_slice(name);
+            }
+        }
+        items.sort_unstable_by(|a, b| self.cmp_in(path(a), path(b), Some(&loaded)));
+    }
+
+    fn cmp_in(&self, a: PathId, b: PathId, loaded: Option<&Loaded>) -> Ordering {
         let (da, db) = (self.depth(a), self.depth(b));
         let (mut x, mut y) = (a, b);
         for _ in db..da {
@@ -194,7 +311,9 @@ impl Paths {
             x = self.parent(x);
             y = self.parent(y);
         }
-        let (nx, ny) = (self.name(x), self.name(y));
+        let (mut bx, mut by) = (Vec::new(), Vec::new());
+        let nx = self.name_in(x, loaded, &mut bx);
+        let ny = self.name_in(y, loaded, &mut by);
         let common = nx.len().min(ny.len());
         match nx[..common].cmp(&ny[..common]) {
             Ordering::Equal => {}
@@ -206,6 +325,26 @@ impl Paths {
             None => (id != end).then_some(b'/'),
         };
         next(x, a, nx).cmp(&next(y, b, ny))
+    }
+}
+
+/// Leaf names read for a sort: by id, where each starts in `bytes` (it ends where the
+/// next starts).
+#[derive(Default)]
+struct Loaded {
+    ids: Vec<(PathId, u32)>,
+    bytes: Vec<u8>,
+}
+
+impl Loaded {
+    fn get(&self, id: PathId) -> Option<&[u8]> {
+        let i = self.ids.binary_search_by_key(&id, |(id, _)| *id).ok()?;
+        let start = self.ids[i].1 as usize;
+        let end = self
+            .ids
+            .get(i + 1)
+            .map_or(self.bytes.len(), |n| n.1 as usize);
+        Some(&self.bytes[start..end])
     }
 }
 
@@ -222,13 +361,35 @@ pub fn table_bytes<T>(capacity: usize) -> usize {
     buckets * (size_of::<T>() + 1)
 }
 
+/// The table's hash of a node, made from the 32 bits it keeps: the table places an
+/// entry by the low bits and tags it with the top 7, so they must vary too.
+fn spread(hash: u32) -> u64 {
+    u64::from(hash).wrapping_mul(0x9e37_79b9_7f4a_7c15)
+}
+
+/// The length of a stored name and the bytes its length takes, from its first bytes.
+fn name_len(head: &[u8]) -> (usize, usize) {
+    match head[0] {
+        b if b < 0x80 => (usize::from(b), 1),
+        b => (usize::from(b & 0x7f) << 8 | usize::from(head[1]), 2),
+    }
+}
+
+/// Appends a name as stored: its length, then its bytes.
+fn push_name(out: &mut Vec<u8>, name: &[u8]) {
+    if name.len() < 0x80 {
+        out.push(name.len() as u8);
+    } else {
+        out.push(0x80 | (name.len() >> 8) as u8);
+        out.push(name.len() as u8);
+    }
+    out.extend_from_slice(name);
+}
+
 /// The name stored at `at` in a names arena.
 fn name_at(names: &[u8], at: u32) -> &[u8] {
     let at = at as usize;
-    let (len, skip) = match names[at] {
-        b if b < 0x80 => (usize::from(b), 1),
-        b => (usize::from(b & 0x7f) << 8 | usize::from(names[at + 1]), 2),
-    };
+    let (len, skip) = name_len(&names[at..]);
     &names[at + skip..at + skip + len]
 }
 
@@ -282,17 +443,49 @@ mod tests {
         assert_eq!(p.path(y), "/a/bc");
     }
 
+    #[test]
+    fn leaf_names_on_disk_are_found_built_and_made_directories() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut p = Paths::spilling(dir.path(), 16);
+        let names: Vec<String> = (0..200)
+            .map(|i| format!("/net/env/d{}/f{i}.py", i % 7))
+            .collect();
+        let ids: Vec<PathId> = names.iter().map(|n| p.intern(n)).collect();
+        assert!(
+            p.leaves.len() > 1000 && p.leaves.heap_bytes() < 200,
+            "on disk"
+        );
+        for (n, id) in names.iter().zip(&ids) {
+            assert_eq!(p.find(n), Some(*id));
+            assert_eq!(p.intern(n), *id);
+            assert_eq!(&p.path(*id), n);
+        }
+        assert_eq!(p.find("/net/env/d0/f1.py"), None, "f1 is in d1");
+        // A leaf on disk given a child becomes a directory; its path and id stay.
+        let f3 = ids[3];
+        let under = p.intern("/net/env/d3/f3.py/x");
+        assert_eq!(p.parent(under), f3);
+        assert_eq!(p.path(under), "/net/env/d3/f3.py/x");
+        assert_eq!(p.find("/net/env/d3/f3.py"), Some(f3));
+        assert_eq!(p.path(f3), "/net/env/d3/f3.py");
+        // Nothing left in the directory: the file is unlinked.
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+    }
+
     proptest::proptest! {
         /// Paths order as their strings do, including names that are prefixes of others
-        /// followed by bytes below `/` (`b.c` before `b/x`).
+        /// followed by bytes below `/` (`b.c` before `b/x`); with leaf names on disk too.
         #[test]
         fn orders_as_strings(paths in proptest::collection::vec("(/[ab.-]{1,3}){1,4}", 1..12)) {
-            let mut p = Paths::new();
-            let ids: Vec<PathId> = paths.iter().map(|s| p.intern(s)).collect();
-            for (i, a) in ids.iter().enumerate() {
-                proptest::prop_assert_eq!(p.path(*a), paths[i].clone());
-                for (j, b) in ids.iter().enumerate() {
-                    proptest::prop_assert_eq!(p.cmp(*a, *b), paths[i].cmp(&paths[j]), "{} vs {}", paths[i], paths[j]);
+            let dir = tempfile::tempdir().unwrap();
+            for mut p in [Paths::new(), Paths::spilling(dir.path(), 5)] {
+                let ids: Vec<PathId> = paths.iter().map(|s| p.intern(s)).collect();
+                for (i, a) in ids.iter().enumerate() {
+                    proptest::prop_assert_eq!(p.path(*a), paths[i].clone());
+                    proptest::prop_assert_eq!(p.find(&paths[i]), Some(*a));
+                    for (j, b) in ids.iter().enumerate() {
+                        proptest::prop_assert_eq!(p.cmp(*a, *b), paths[i].cmp(&paths[j]), "{} vs {}", paths[i], paths[j]);
+                    }
                 }
             }
         }

@@ -52,10 +52,15 @@ pub fn spill_into(dir: &Path) {
 /// Implement only for `#[repr(C)]` structs of integers with no padding bytes.
 pub unsafe trait Plain: Copy + Default {}
 
+// SAFETY: a byte is plain.
+unsafe impl Plain for u8 {}
+
 /// Records by index, `0..len()`: the first `on_disk` in the file, the rest in `tail`.
 pub struct Records<T: Plain> {
     dir: Option<PathBuf>,
     spill_at: usize,
+    /// Records read back at a time for `get` and `get_into`.
+    pub(super) block_len: usize,
     file: Option<File>,
     on_disk: usize,
     tail: Vec<T>,
@@ -80,11 +85,21 @@ impl<T: Plain> Records<T> {
         Self::spilling(SPILL_DIR.get().cloned(), SPILL_AT)
     }
 
+    /// In memory until there are `spill_at`, then in the directory given to
+    /// [`spill_into`], if any, read back `block_len` at a time.
+    pub fn spilling_at(spill_at: usize, block_len: usize) -> Self {
+        Self {
+            block_len: block_len.max(1),
+            ..Self::spilling(SPILL_DIR.get().cloned(), spill_at)
+        }
+    }
+
     /// Spilling into `dir` past `spill_at` records (tests use a few).
     pub fn spilling(dir: Option<PathBuf>, spill_at: usize) -> Self {
         Self {
             dir,
             spill_at: spill_at.max(1),
+            block_len: BLOCK,
             file: None,
             on_disk: 0,
             tail: Vec::new(),
@@ -115,11 +130,41 @@ impl<T: Plain> Records<T> {
         let mut block = self.block.borrow_mut();
         let (start, records) = &mut *block;
         if !(*start..*start + records.len()).contains(&i) {
-            let n = BLOCK.min(self.on_disk - i);
+            let n = self.block_len.min(self.on_disk - i);
             self.read(i, n, records);
             *start = i;
         }
         records[i - *start]
+    }
+
+    /// Appends records `at..at + n` (all below `len()`) to `out`, those on disk read
+    /// through the block of `get`.
+    pub fn get_into(&self, at: usize, n: usize, out: &mut Vec<T>) {
+        let end = at + n;
+        let mut i = at;
+        while i < end.min(self.on_disk) {
+            let mut block = self.block.borrow_mut();
+            let (start, records) = &mut *block;
+            if !(*start..*start + records.len()).contains(&i) {
+                let n = self.block_len.min(self.on_disk - i);
+                self.read(i, n, records);
+                *start = i;
+            }
+            let upto = end.min(*start + records.len());
+            out.extend_from_slice(&records[i - *start..upto - *start]);
+            if !self.changed.is_empty() {
+                let first = out.len() - (upto - i);
+                for (k, r) in out[first..].iter_mut().enumerate() {
+                    if let Some(c) = self.changed.get(&((i + k) as u32)) {
+                        *r = *c;
+                    }
+                }
+            }
+            i = upto;
+        }
+        if i < end {
+            out.extend_from_slice(&self.tail[i - self.on_disk..end - self.on_disk]);
+        }
     }
 
     /// Changes record `i` (`i < len()`) with `f`.
@@ -145,7 +190,12 @@ impl<T: Plain> Records<T> {
 
     /// Adds a record at index `len()`.
     pub fn push(&mut self, r: T) {
-        self.tail.push(r);
+        self.extend(&[r]);
+    }
+
+    /// Adds records from index `len()` on.
+    pub fn extend(&mut self, records: &[T]) {
+        self.tail.extend_from_slice(records);
         if self.tail.len() >= self.spill_at {
             self.spill();
         }
@@ -177,7 +227,7 @@ impl<T: Plain> Records<T> {
     fn give_up(&mut self, e: &std::io::Error) {
         self.failed = true;
         log::warn!(
-            "keeping the profile's file records in memory: writing them to {} failed: {e}",
+            "keeping the profile's records in memory: writing them to {} failed: {e}",
             shown(self.dir.as_deref())
         );
     }
@@ -375,6 +425,23 @@ mod tests {
         let again: Vec<R> = on_disk.iter().collect();
         let memory: Vec<R> = in_memory.iter().collect();
         assert_eq!(again, memory);
+    }
+
+    #[test]
+    fn ranges_read_back_across_the_file_and_memory() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut on_disk = Records::spilling(Some(dir.path().to_owned()), 8);
+        on_disk.block_len = 3;
+        let bytes: Vec<u8> = (0..27).collect();
+        for chunk in bytes.chunks(5) {
+            on_disk.extend(chunk);
+        }
+        assert_eq!(on_disk.on_disk, 20);
+        for (at, n) in [(0, 27), (2, 5), (18, 4), (22, 5), (7, 0), (19, 1)] {
+            let mut out = vec![99];
+            on_disk.get_into(at, n, &mut out);
+            assert_eq!(out[1..], bytes[at..at + n], "{at}+{n}");
+        }
     }
 
     #[test]

@@ -693,7 +693,7 @@ impl WorkingSet {
             })
             .collect();
         let key = |f: &FileRec| (std::cmp::Reverse(f.opens), std::cmp::Reverse(f.bytes_read));
-        let hottest = self.top_files(n, key, |f| {
+        let mut hottest = self.top_files(n, key, |f| {
             for (t, under) in totals.iter_mut().zip(&under) {
                 if under.as_ref().is_some_and(|u| u[f.path as usize]) {
                     t.files += 1;
@@ -706,11 +706,14 @@ impl WorkingSet {
                 t.missing = self.missing.keys().filter(|id| u[**id as usize]).count();
             }
         }
+        // Hottest first, ties by path.
+        self.paths.sort_by_path(&mut hottest, |f| f.path);
+        hottest.sort_by_key(key);
         let hottest = hottest.iter().map(|f| self.file_entry(f)).collect();
         (hottest, totals)
     }
 
-    /// The `n` files with the least `key`, in key order, ties by path; `visit` sees
+    /// The `n` files with the least `key`, in the order they were recorded; `visit` sees
     /// every record on the way.
     fn top_files<K: Ord>(
         &self,
@@ -737,15 +740,10 @@ impl WorkingSet {
                 *worst = k;
             }
         });
+        // In the order they were recorded, as their records and leaf names are stored.
         let mut at: Vec<usize> = best.into_iter().map(|(_, i)| i).collect();
         at.sort_unstable();
-        let mut chosen: Vec<FileRec> = at.into_iter().map(|i| self.files.get(i)).collect();
-        chosen.sort_by(|a, b| {
-            key(a)
-                .cmp(&key(b))
-                .then_with(|| self.paths.cmp(a.path, b.path))
-        });
-        chosen
+        at.into_iter().map(|i| self.files.get(i)).collect()
     }
 
     /// What placement needs, bounded: the `n` files of most opens per page (what
@@ -767,7 +765,7 @@ impl WorkingSet {
         if self.files.len() <= n && self.missing.len() <= n {
             self.files.scan(|_, f| add(f));
             let mut missing: Vec<_> = self.missing.iter().collect();
-            missing.sort_unstable_by(|a, b| self.paths.cmp(*a.0, *b.0));
+            self.paths.sort_by_path(&mut missing, |m| *m.0);
             view.missing = missing
                 .into_iter()
                 .map(|(&id, m)| self.missing_entry(id, m))
@@ -829,7 +827,7 @@ impl WorkingSet {
         let marks = root.map(|r| self.paths.under(r));
         let under = |id: PathId| marks.as_ref().is_some_and(|m| m[id as usize]);
         let files = self.files_by_first_touch(&under);
-        let by_path = |ids: &mut Vec<PathId>| ids.sort_unstable_by(|a, b| self.paths.cmp(*a, *b));
+        let by_path = |ids: &mut Vec<PathId>| self.paths.sort_by_path(ids, |id| *id);
         let mut missing: Vec<PathId> = self
             .missing
             .keys()
@@ -886,7 +884,7 @@ impl WorkingSet {
                     .iter()
                     .map(|&i| (self.files.get(i as usize).path, i))
                     .collect();
-                named.sort_unstable_by(|a, b| self.paths.cmp(a.0, b.0));
+                self.paths.sort_by_path(&mut named, |n| n.0);
                 for (slot, (_, i)) in run.iter_mut().zip(named) {
                     *slot = i;
                 }
@@ -1137,13 +1135,14 @@ mod tests {
         }
     }
 
-    /// The same work done on a set whose records went to disk (in fours) and on one
-    /// that kept them in memory.
+    /// The same work done on a set whose records and leaf names went to disk (in fours,
+    /// in sixteen bytes) and on one that kept them in memory.
     #[test]
     fn records_on_disk_answer_as_records_in_memory() {
         let dir = tempfile::tempdir().unwrap();
         let mut on_disk = WorkingSet::new(T0);
         on_disk.files = Records::spilling(Some(dir.path().to_owned()), 4);
+        on_disk.paths = Paths::spilling(dir.path(), 16);
         let mut in_memory = WorkingSet::new(T0);
         in_memory.files = Records::spilling(None, 4);
         for ws in [&mut on_disk, &mut in_memory] {
