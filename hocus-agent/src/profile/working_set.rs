@@ -693,7 +693,7 @@ impl WorkingSet {
             })
             .collect();
         let key = |f: &FileRec| (std::cmp::Reverse(f.opens), std::cmp::Reverse(f.bytes_read));
-        let mut hottest = self.top_files(n, key, |f| {
+        let hottest = self.top_files(n, key, |_, f| {
             for (t, under) in totals.iter_mut().zip(&under) {
                 if under.as_ref().is_some_and(|u| u[f.path as usize]) {
                     t.files += 1;
@@ -707,27 +707,31 @@ impl WorkingSet {
             }
         }
         // Hottest first, ties by path.
+        let mut hottest: Vec<FileRec> = hottest
+            .iter()
+            .map(|i| self.files.get(*i as usize))
+            .collect();
         self.paths.sort_by_path(&mut hottest, |f| f.path);
         hottest.sort_by_key(key);
         let hottest = hottest.iter().map(|f| self.file_entry(f)).collect();
         (hottest, totals)
     }
 
-    /// The `n` files with the least `key`, in the order they were recorded; `visit` sees
-    /// every record on the way.
+    /// The indices of the `n` files with the least `key`, in the order they were
+    /// recorded; `visit` sees every record on the way.
     fn top_files<K: Ord>(
         &self,
         n: usize,
         key: impl Fn(&FileRec) -> K,
-        mut visit: impl FnMut(&FileRec),
-    ) -> Vec<FileRec> {
+        mut visit: impl FnMut(usize, &FileRec),
+    ) -> Vec<u32> {
         let n = n.min(self.files.len());
         // One pass keeping the best so far, the worst of them on top: the records are
         // read once, in order, and only `n` are held (not a million keys sorted out on
         // the daemon's loop). Ties keep the first recorded.
         let mut best = std::collections::BinaryHeap::with_capacity(n);
         self.files.scan(|i, f| {
-            visit(f);
+            visit(i, f);
             if n == 0 {
                 return;
             }
@@ -741,9 +745,9 @@ impl WorkingSet {
             }
         });
         // In the order they were recorded, as their records and leaf names are stored.
-        let mut at: Vec<usize> = best.into_iter().map(|(_, i)| i).collect();
+        let mut at: Vec<u32> = best.into_iter().map(|(_, i)| i as u32).collect();
         at.sort_unstable();
-        at.into_iter().map(|i| self.files.get(i)).collect()
+        at
     }
 
     /// What placement needs, bounded: the `n` files of most opens per page (what
@@ -779,16 +783,18 @@ impl WorkingSet {
         };
         // Those written or opened for writing are gathered in the same pass.
         let mut writes = Vec::new();
-        let chosen = self.top_files(n, per_page, |f| {
+        let mut chosen = self.top_files(n, per_page, |i, f| {
             if writes.len() < n && (f.write_opens > 0 || f.bits & (WRITTEN | REFUSED) != 0) {
-                writes.push(*f);
+                writes.push(i as u32);
             }
         });
-        // A file both hot and written is in the view once.
-        let mut hot: Vec<PathId> = chosen.iter().map(|f| f.path).collect();
-        hot.sort_unstable();
-        writes.retain(|f| hot.binary_search(&f.path).is_err());
-        chosen.iter().chain(&writes).for_each(&mut add);
+        // Read back in the order they were recorded; a file both hot and written once.
+        chosen.extend(writes);
+        chosen.sort_unstable();
+        chosen.dedup();
+        for i in chosen {
+            add(&self.files.get(i as usize));
+        }
         // Placement weighs a missing name for where it was looked up (a directory jobs
         // probe is a snapshot candidate): one per directory is enough, the one looked up
         // most, rather than 100k names with their strings.
