@@ -63,7 +63,6 @@ impl Keeper {
                 .files()
                 .map(|f| Path::new(f.path))
                 .filter(|p| p.starts_with(root))
-                .map(Path::to_owned)
                 .collect(),
         )
     }
