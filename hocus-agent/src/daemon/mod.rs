@@ -483,6 +483,10 @@ impl Daemon {
     }
 
     async fn place(&mut self) {
+        // The keeper has not taken the last view yet: the next tick tries again.
+        if self.to_place && self.keeper.view_waiting() {
+            return;
+        }
         if std::mem::take(&mut self.to_place) {
             let sent = self
                 .keeper

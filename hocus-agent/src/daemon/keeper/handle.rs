@@ -64,6 +64,12 @@ impl Handle {
         }
     }
 
+    /// Whether the last view sent is still waiting for the keeper: a newer one would
+    /// only replace it, and a site-wide view is ~12 MiB to build and hold.
+    pub fn view_waiting(&self) -> bool {
+        self.latest.lock().is_ok_and(|l| l.is_some())
+    }
+
     /// The working set changed: place it again.
     pub async fn place(&self, view: View) -> Result<(), KeeperError> {
         let queued = match self.latest.lock() {
@@ -183,7 +189,9 @@ mod tests {
         // ... and it finds one order, for the newest, leaving the queue to questions.
         assert!(matches!(rx.try_recv(), Ok(Order::PlaceLatest)));
         assert!(rx.try_recv().is_err());
+        assert!(handle.view_waiting());
         let newest = handle.latest.lock().unwrap().take().unwrap();
+        assert!(!handle.view_waiting());
         assert_eq!(newest.len(), 99);
         // Once taken, the next placement queues an order again.
         handle.place(View::default()).await.unwrap();
