@@ -7,8 +7,8 @@
 //! leaves (files, missing names) are most of the bytes and mostly cold: past
 //! [`LEAVES_HELD`] bytes they go to local disk with the file records ([`Records`]) and are
 //! read back when a path is looked up, built or compared. A node keeps a 32-bit hash of
-//! its name, so that growing the table of children, or telling apart two names with the
-//! same place in it, reads no name back.
+//! (parent, name), so that growing the table of children reads no name back, and a
+//! lookup reads one only when parent and hash match.
 
 use std::{cmp::Ordering, hash::BuildHasher};
 
@@ -34,7 +34,7 @@ struct Node {
     /// Where the name starts, in `dir_names` (with [`DIR`]) or in `leaves`: its length
     /// (one byte below 128, else two), then its bytes.
     name: u32,
-    /// The low half of the hash of (parent, name).
+    /// 32 bits of the hash of (parent, name) (`Paths::hash`).
     hash: u32,
 }
 
