@@ -14,7 +14,7 @@ use std::{cmp::Ordering, hash::BuildHasher};
 
 use hashbrown::{DefaultHashBuilder, HashTable};
 
-use crate::profile::records::Records;
+use crate::{profile::records::Records, shared::memory::table_bytes};
 
 /// A path held in [`Paths`]; `Paths::ROOT` is `/`.
 pub type PathId = u32;
@@ -352,13 +352,6 @@ impl Default for Paths {
     fn default() -> Self {
         Self::new()
     }
-}
-
-/// Bytes a hashbrown table with room for `capacity` entries of `T` reserves: a power of
-/// two of buckets at most 7/8 full, each with its entry and a control byte.
-pub fn table_bytes<T>(capacity: usize) -> usize {
-    let buckets = (capacity * 8 / 7).next_power_of_two();
-    buckets * (size_of::<T>() + 1)
 }
 
 /// The table's hash of a node, made from the 32 bits it keeps: the table places an

@@ -19,7 +19,7 @@ use std::{
 
 use hashbrown::HashMap;
 
-use crate::profile::paths::table_bytes;
+use crate::shared::memory::table_bytes;
 
 /// Records held in memory before they go to disk (~900 KiB of file records).
 pub const SPILL_AT: usize = 16 * 1024;

@@ -15,11 +15,11 @@ use hashbrown::HashMap;
 use crate::{
     profile::{
         format::{DirEntry, FORMAT_VERSION, FileEntry, MissingEntry, Profile},
-        paths::{PathId, Paths, table_bytes},
+        paths::{PathId, Paths},
         records::{Plain, Records},
         view::{Facts, View},
     },
-    shared::status::RootTotals,
+    shared::{memory::table_bytes, status::RootTotals},
 };
 
 /// The live, mutable form of a profile.

@@ -1,7 +1,8 @@
-//! Giving memory back to the system after a burst. glibc keeps what a thread freed in
-//! its arena for the next allocation: after a site-wide profile is imported (parsed in
-//! batches on a connection thread) and placed (a view of 100k files on the keeper's),
-//! some 65 MiB of freed memory stayed with the daemon for good.
+//! The daemon's memory: how its allocator is set up, giving memory back after a burst,
+//! and what a hash table reserves (for the working set's own count). glibc keeps what a
+//! thread freed in its arena for the next allocation: after a site-wide profile is
+//! imported (parsed in batches on a connection thread) and placed (a view of 100k files
+//! on the keeper's), some 65 MiB of freed memory stayed with the daemon for good.
 
 /// Allocations from this size up get pages of their own (mmap) rather than a place in an
 /// arena: a large table freed goes back to the system at once, and one that grows is
@@ -29,4 +30,11 @@ pub fn give_back() {
     unsafe {
         libc::malloc_trim(0);
     }
+}
+
+/// Bytes a hashbrown table with room for `capacity` entries of `T` reserves: a power of
+/// two of buckets at most 7/8 full, each with its entry and a control byte.
+pub fn table_bytes<T>(capacity: usize) -> usize {
+    let buckets = (capacity * 8 / 7).next_power_of_two();
+    buckets * (size_of::<T>() + 1)
 }
