@@ -60,7 +60,7 @@ pub struct Records<T: Plain> {
     dir: Option<PathBuf>,
     spill_at: usize,
     /// Records read back at a time for `get` and `get_into`.
-    pub(super) block_len: usize,
+    block_len: usize,
     file: Option<File>,
     on_disk: usize,
     tail: Vec<T>,
@@ -82,15 +82,21 @@ impl<T: Plain> Records<T> {
     /// In memory until there are [`SPILL_AT`], then in the directory given to
     /// [`spill_into`], if any.
     pub fn new() -> Self {
-        Self::spilling(SPILL_DIR.get().cloned(), SPILL_AT)
+        Self::spilling_past(SPILL_AT)
     }
 
     /// In memory until there are `spill_at`, then in the directory given to
-    /// [`spill_into`], if any, read back `block_len` at a time.
-    pub fn spilling_at(spill_at: usize, block_len: usize) -> Self {
+    /// [`spill_into`], if any.
+    pub fn spilling_past(spill_at: usize) -> Self {
+        Self::spilling(SPILL_DIR.get().cloned(), spill_at)
+    }
+
+    /// Read back `n` at a time for `get` and `get_into` (a block of [`BLOCK`] unless
+    /// told).
+    pub fn in_blocks_of(self, n: usize) -> Self {
         Self {
-            block_len: block_len.max(1),
-            ..Self::spilling(SPILL_DIR.get().cloned(), spill_at)
+            block_len: n.max(1),
+            ..self
         }
     }
 
@@ -127,14 +133,13 @@ impl<T: Plain> Records<T> {
         if let Some(r) = self.changed.get(&(i as u32)) {
             return *r;
         }
-        let mut block = self.block.borrow_mut();
-        let (start, records) = &mut *block;
-        if !(*start..*start + records.len()).contains(&i) {
-            let n = self.block_len.min(self.on_disk - i);
-            self.read(i, n, records);
-            *start = i;
-        }
-        records[i - *start]
+        self.in_block(i, |records| records[0])
+    }
+
+    /// The records in memory at `at..at + n`, if they all are (none went to disk).
+    pub fn in_memory(&self, at: usize, n: usize) -> Option<&[T]> {
+        let from = at.checked_sub(self.on_disk)?;
+        self.tail.get(from..from + n)
     }
 
     /// Appends records `at..at + n` (all below `len()`) to `out`, those on disk read
@@ -143,27 +148,42 @@ impl<T: Plain> Records<T> {
         let end = at + n;
         let mut i = at;
         while i < end.min(self.on_disk) {
-            let mut block = self.block.borrow_mut();
-            let (start, records) = &mut *block;
-            if !(*start..*start + records.len()).contains(&i) {
-                let n = self.block_len.min(self.on_disk - i);
-                self.read(i, n, records);
-                *start = i;
-            }
-            let upto = end.min(*start + records.len());
-            out.extend_from_slice(&records[i - *start..upto - *start]);
-            if !self.changed.is_empty() {
-                let first = out.len() - (upto - i);
-                for (k, r) in out[first..].iter_mut().enumerate() {
-                    if let Some(c) = self.changed.get(&((i + k) as u32)) {
-                        *r = *c;
-                    }
-                }
-            }
-            i = upto;
+            let first = out.len();
+            let k = self.in_block(i, |records| {
+                let k = records.len().min(end - i);
+                out.extend_from_slice(&records[..k]);
+                k
+            });
+            self.overlay(i, &mut out[first..]);
+            i += k;
         }
         if i < end {
             out.extend_from_slice(&self.tail[i - self.on_disk..end - self.on_disk]);
+        }
+    }
+
+    /// Calls `f` with the records on disk from `i` to the end of the block holding it,
+    /// as written; a block starting at `i` is read first if none holds it.
+    fn in_block<R>(&self, i: usize, f: impl FnOnce(&[T]) -> R) -> R {
+        let mut block = self.block.borrow_mut();
+        let (start, records) = &mut *block;
+        if !(*start..*start + records.len()).contains(&i) {
+            let n = self.block_len.min(self.on_disk - i);
+            self.read(i, n, records);
+            *start = i;
+        }
+        f(&records[i - *start..])
+    }
+
+    /// Puts the changes not yet written back over `out`, records from index `at`.
+    fn overlay(&self, at: usize, out: &mut [T]) {
+        if self.changed.is_empty() {
+            return;
+        }
+        for (k, r) in out.iter_mut().enumerate() {
+            if let Some(c) = self.changed.get(&((at + k) as u32)) {
+                *r = *c;
+            }
         }
     }
 
@@ -265,13 +285,7 @@ impl<T: Plain> Records<T> {
     /// (with the changes not yet written back).
     fn read_current(&self, at: usize, out: &mut Vec<T>) {
         self.read(at, SCAN.min(self.on_disk - at), out);
-        if !self.changed.is_empty() {
-            for (k, r) in out.iter_mut().enumerate() {
-                if let Some(c) = self.changed.get(&((at + k) as u32)) {
-                    *r = *c;
-                }
-            }
-        }
+        self.overlay(at, out);
     }
 
     /// Calls `f` with every record and its index, in order: the fast way through all of
@@ -430,8 +444,7 @@ mod tests {
     #[test]
     fn ranges_read_back_across_the_file_and_memory() {
         let dir = tempfile::tempdir().unwrap();
-        let mut on_disk = Records::spilling(Some(dir.path().to_owned()), 8);
-        on_disk.block_len = 3;
+        let mut on_disk = Records::spilling(Some(dir.path().to_owned()), 8).in_blocks_of(3);
         let bytes: Vec<u8> = (0..27).collect();
         for chunk in bytes.chunks(5) {
             on_disk.extend(chunk);
@@ -441,7 +454,14 @@ mod tests {
             let mut out = vec![99];
             on_disk.get_into(at, n, &mut out);
             assert_eq!(out[1..], bytes[at..at + n], "{at}+{n}");
+            let held = on_disk.in_memory(at, n);
+            assert_eq!(held, (at >= 20).then(|| &bytes[at..at + n]), "{at}+{n}");
         }
+        // A change not yet written back reads as changed.
+        on_disk.update(4, |b| *b = 200);
+        let mut out = Vec::new();
+        on_disk.get_into(2, 5, &mut out);
+        assert_eq!(out, [2, 3, 200, 5, 6]);
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! The working set as placement and the cache keeper see it: files with the facts
 //! placement weighs, missing names and directories. The files' paths are packed in one
-//! string and their facts in 48 bytes each. A site-wide view holds 100k files: as
+//! string and their facts in 56 bytes each. A site-wide view holds 100k files: as
 //! `FileEntry`s, each with its path and its list of users on the heap, that took ~22 MiB,
 //! and twice as much while a new view replaced the last.
 
@@ -67,7 +67,7 @@ struct Packed {
     len: u32,
     /// [`reader`] of its users, or `NO_READER`.
     reader: u32,
-    /// Its place in the view.
+    /// Its place in the view (in what would be padding: free).
     at: u32,
 }
 
@@ -75,7 +75,7 @@ const NO_READER: u32 = u32::MAX;
 
 /// A user to read a file as, among those who opened it: an ordinary user if there is one
 /// (root is squashed on most NFS exports and must not read more than users can).
-pub fn reader(uids: &[u32]) -> Option<u32> {
+fn reader(uids: &[u32]) -> Option<u32> {
     uids.iter()
         .copied()
         .find(|u| *u != 0)
@@ -140,9 +140,20 @@ impl View {
 
     pub fn file(&self, i: usize) -> Option<File<'_>> {
         let packed = self.files.get(i)?;
+        Some(File {
+            path: self.path_of(packed),
+            packed,
+        })
+    }
+
+    /// The path of the file at `i`; "" if there is none.
+    pub fn path(&self, i: usize) -> &str {
+        self.files.get(i).map_or("", |p| self.path_of(p))
+    }
+
+    fn path_of(&self, packed: &Packed) -> &str {
         let (start, len) = (packed.start as usize, packed.len as usize);
-        let path = &self.paths[start..start + len];
-        Some(File { path, packed })
+        &self.paths[start..start + len]
     }
 
     pub fn files(&self) -> impl Iterator<Item = File<'_>> {
@@ -162,9 +173,7 @@ impl View {
     pub fn file_bytes(&self) -> usize {
         self.paths.capacity() + self.files.capacity() * size_of::<Packed>()
     }
-}
 
-impl View {
     /// A view of these files alone.
     #[cfg(test)]
     pub fn of_files(files: &[FileEntry]) -> Self {

@@ -602,7 +602,7 @@ impl WorkingSet {
     /// The directories, by path.
     fn dir_entries(&self) -> Vec<DirEntry> {
         let mut ids: Vec<PathId> = self.dirs.keys().copied().collect();
-        ids.sort_unstable_by(|a, b| self.paths.cmp(*a, *b));
+        self.paths.sort_by_path(&mut ids, |id| *id);
         ids.iter()
             .map(|id| self.dir_entry(*id, &self.dirs[id]))
             .collect()
@@ -766,46 +766,46 @@ impl WorkingSet {
                 out.push_str(std::str::from_utf8(&scratch).unwrap_or_default());
             });
         };
-        if self.files.len() <= n && self.missing.len() <= n {
+        let whole = self.files.len() <= n && self.missing.len() <= n;
+        if whole {
             self.files.scan(|_, f| add(f));
-            let mut missing: Vec<_> = self.missing.iter().collect();
-            self.paths.sort_by_path(&mut missing, |m| *m.0);
-            view.missing = missing
-                .into_iter()
-                .map(|(&id, m)| self.missing_entry(id, m))
-                .collect();
-            view.dirs = self.dir_entries();
-            return view;
+        } else {
+            let per_page = |f: &FileRec| {
+                let pages = f.size.div_ceil(4096).max(1);
+                std::cmp::Reverse((u64::from(f.opens) << 20) / pages)
+            };
+            // Those written or opened for writing are gathered in the same pass.
+            let mut writes = Vec::new();
+            let mut chosen = self.top_files(n, per_page, |i, f| {
+                if writes.len() < n && (f.write_opens > 0 || f.bits & (WRITTEN | REFUSED) != 0) {
+                    writes.push(i as u32);
+                }
+            });
+            // Read back in the order they were recorded; a file both hot and written once.
+            chosen.extend(writes);
+            chosen.sort_unstable();
+            chosen.dedup();
+            for i in chosen {
+                add(&self.files.get(i as usize));
+            }
         }
-        let per_page = |f: &FileRec| {
-            let pages = f.size.div_ceil(4096).max(1);
-            std::cmp::Reverse((u64::from(f.opens) << 20) / pages)
+        let mut missing: Vec<(PathId, &MissingRec)> = if whole {
+            let mut all: Vec<_> = self.missing.iter().map(|(id, m)| (*id, m)).collect();
+            self.paths.sort_by_path(&mut all, |m| m.0);
+            all
+        } else {
+            // Placement weighs a missing name for where it was looked up (a directory
+            // jobs probe is a snapshot candidate): one per directory is enough, the one
+            // looked up most, rather than 100k names with their strings.
+            let mut by_dir: HashMap<PathId, (PathId, &MissingRec)> = HashMap::new();
+            for (&id, m) in &self.missing {
+                let best = by_dir.entry(self.paths.parent(id)).or_insert((id, m));
+                if m.lookups > best.1.lookups {
+                    *best = (id, m);
+                }
+            }
+            by_dir.into_values().collect()
         };
-        // Those written or opened for writing are gathered in the same pass.
-        let mut writes = Vec::new();
-        let mut chosen = self.top_files(n, per_page, |i, f| {
-            if writes.len() < n && (f.write_opens > 0 || f.bits & (WRITTEN | REFUSED) != 0) {
-                writes.push(i as u32);
-            }
-        });
-        // Read back in the order they were recorded; a file both hot and written once.
-        chosen.extend(writes);
-        chosen.sort_unstable();
-        chosen.dedup();
-        for i in chosen {
-            add(&self.files.get(i as usize));
-        }
-        // Placement weighs a missing name for where it was looked up (a directory jobs
-        // probe is a snapshot candidate): one per directory is enough, the one looked up
-        // most, rather than 100k names with their strings.
-        let mut by_dir: HashMap<PathId, (PathId, &MissingRec)> = HashMap::new();
-        for (&id, m) in &self.missing {
-            let best = by_dir.entry(self.paths.parent(id)).or_insert((id, m));
-            if m.lookups > best.1.lookups {
-                *best = (id, m);
-            }
-        }
-        let mut missing: Vec<(PathId, &MissingRec)> = by_dir.into_values().collect();
         if missing.len() > n {
             missing.select_nth_unstable_by_key(n - 1, |(_, m)| std::cmp::Reverse(m.lookups));
             missing.truncate(n);

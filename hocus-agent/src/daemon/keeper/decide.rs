@@ -146,23 +146,22 @@ mod tests {
         items.iter().copied().collect()
     }
 
-    type Has<'a> = Box<dyn Fn(&str) -> bool + 'a>;
-
-    /// What is held: copies, copies under way, pins.
-    fn held<'a>(
-        cached: &'a HashSet<&'a str>,
-        copying: &'a HashSet<&'a str>,
-        pinned: &'a HashSet<&'a str>,
-    ) -> Held<'a> {
-        let has = |s: &'a HashSet<&'a str>| -> &'a Has<'a> {
-            Box::leak(Box::new(Box::new(move |p: &str| s.contains(p)) as Has<'a>))
+    /// The moves from what is held (copies, copies under way, pins) to a placement of
+    /// `admitted` within these budgets.
+    fn moves_from<'a>(
+        admitted: &[File<'a>],
+        (ssd, ram): (u64, u64),
+        cached: &[&str],
+        copying: &[&str],
+        pinned: &[&str],
+    ) -> Moves<'a> {
+        let held = Held {
+            cached: &|p| cached.contains(&p),
+            copying: &|p| copying.contains(&p),
+            pinned: &|p| pinned.contains(&p),
+            copies: cached.to_vec(),
         };
-        Held {
-            cached: has(cached),
-            copying: has(copying),
-            pinned: has(pinned),
-            copies: cached.iter().copied().collect(),
-        }
+        moves(admitted, &Filters::default(), ssd, ram, &held)
     }
 
     fn copies<'a>(m: &Moves<'a>) -> Vec<(&'a str, u64)> {
@@ -201,14 +200,7 @@ mod tests {
         ];
         let view = View::of_files(&files);
         let admitted: Vec<File> = view.files().collect();
-        let (cached, none) = (set(&["/net/a"]), set(&[]));
-        let m = moves(
-            &admitted,
-            &Filters::default(),
-            100,
-            0,
-            &held(&cached, &none, &none),
-        );
+        let m = moves_from(&admitted, (100, 0), &["/net/a"], &[], &[]);
         assert_eq!(m.evict, ["/net/a"]);
         assert_eq!(copies(&m), [("/net/b", 40), ("/net/c", 40)]);
         assert!(m.pin.is_empty() && m.unpin.is_empty());
@@ -223,32 +215,15 @@ mod tests {
         let view = View::of_files(&files);
         let admitted: Vec<File> = view.files().collect();
         // Room for both on SSD, one in RAM: the hottest is pinned, the other unpinned.
-        let (cached, pinned, none) = (
-            set(&["/net/hot", "/net/warm"]),
-            set(&["/net/warm"]),
-            set(&[]),
-        );
-        let m = moves(
-            &admitted,
-            &Filters::default(),
-            1 << 20,
-            4096,
-            &held(&cached, &none, &pinned),
-        );
+        let cached = ["/net/hot", "/net/warm"];
+        let m = moves_from(&admitted, (1 << 20, 4096), &cached, &[], &["/net/warm"]);
         assert!(m.evict.is_empty() && m.copy.is_empty());
         assert_eq!(m.pin, ["/net/hot"]);
         assert_eq!(m.unpin, ["/net/warm"]);
         let wanted: Vec<_> = m.wanted.iter().map(|c| (c.path, c.pinned, c.at)).collect();
         assert_eq!(wanted, [("/net/hot", true, 0), ("/net/warm", false, 1)]);
 
-        let copying = set(&["/net/hot"]);
-        let m = moves(
-            &admitted,
-            &Filters::default(),
-            1 << 20,
-            0,
-            &held(&none, &copying, &none),
-        );
+        let m = moves_from(&admitted, (1 << 20, 0), &[], &["/net/hot"], &[]);
         assert_eq!(copies(&m), [("/net/warm", 4096)]);
     }
 

@@ -17,14 +17,13 @@ impl FileIndex {
         let mut index = Self::default();
         index.table.reserve(view.len(), |_| 0);
         let Self { table, hasher } = &mut index;
-        let path = |j: u32| view.file(j as usize).map_or("", |f| f.path);
         for (i, f) in view.files().enumerate() {
             // The first of a path twice is the one found.
             let _ = table
                 .entry(
                     hasher.hash_one(f.path),
-                    |&j| path(j) == f.path,
-                    |&j| hasher.hash_one(path(j)),
+                    |&j| view.path(j as usize) == f.path,
+                    |&j| hasher.hash_one(view.path(j as usize)),
                 )
                 .or_insert(i as u32);
         }
@@ -38,8 +37,7 @@ impl FileIndex {
     /// Where in `view` the file at `path` is.
     pub fn position(&self, view: &View, path: &str) -> Option<usize> {
         let hash = self.hasher.hash_one(path);
-        let at = |j: u32| view.file(j as usize).map_or("", |f| f.path);
-        let &i = self.table.find(hash, |&j| at(j) == path)?;
+        let &i = self.table.find(hash, |&j| view.path(j as usize) == path)?;
         Some(i as usize)
     }
 }

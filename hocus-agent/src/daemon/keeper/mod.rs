@@ -769,7 +769,7 @@ impl Keeper {
         });
     }
 
-    /// A user seen reading the file (`view::reader`).
+    /// A user seen reading the file (`File::reader`).
     fn reader_of(&self, source: &str) -> Option<Reader> {
         let uid = self.weighed(source)?.reader()?;
         if uid == 0 {
