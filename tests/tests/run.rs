@@ -412,6 +412,119 @@ fn a_python_environment_is_served_from_its_snapshot_without_touching_the_network
 }
 
 #[test]
+fn directories_no_job_used_are_shown_from_the_network_until_jobs_use_them() {
+    let net = NetworkMount::start();
+    net.put("env/lib/mypkg/__init__.py", b"from . import core\n");
+    net.put("env/lib/mypkg/core.py", b"VALUE = 41\n");
+    net.put("env/lib/mypkg/tests/__init__.py", b"");
+    net.put("env/lib/mypkg/tests/check.py", b"OK = 'tests imported'\n");
+    net.put("env/data/notes.txt", b"read from the network\n");
+    net.installed_long_ago("env");
+    let agent = Agent::start(&["--watch", net.mount.to_str().unwrap()]);
+    let python = |script: &str| {
+        let out = agent
+            .cli(&["run", "--", "python3", "-c", script])
+            .env("PYTHONPATH", net.path("env/lib"))
+            .env("PYTHONDONTWRITEBYTECODE", "1")
+            .current_dir("/")
+            .output()
+            .unwrap();
+        assert_success(&out);
+        text(&out.stdout)
+    };
+    // The first job teaches hocus the working set: mypkg, not its tests, not data/.
+    assert_eq!(
+        python("import mypkg.core; print(mypkg.core.VALUE + 1)"),
+        "42\n"
+    );
+    let env = net.path("env");
+    agent.wait_for_snapshot(&env);
+    assert!(
+        agent
+            .log()
+            .contains("2 directories no job used shown from the network"),
+        "{}",
+        agent.log()
+    );
+    // The used part is the snapshot's: its lookups stay on the node.
+    let before = net.server_log().len();
+    assert_eq!(
+        python("import mypkg.core; print(mypkg.core.VALUE + 1)"),
+        "42\n"
+    );
+    let requests = net.job_requests_inside("env/lib", before);
+    assert!(
+        requests.is_empty(),
+        "the job's lookups in the snapshot reached the server:\n{}",
+        requests.join("\n")
+    );
+    // The rest shows what the network holds now, not when the snapshot was taken: a
+    // file made there since is seen.
+    net.put("env/lib/mypkg/tests/later.py", b"");
+    // (Long ago: a directory changed just before a snapshot is listed at job start.)
+    net.installed_long_ago("env/lib/mypkg/tests");
+    let out = agent.run_job(&format!("ls {}/lib/mypkg/tests", env.display()));
+    assert_success(&out);
+    let listed = text(&out.stdout);
+    assert!(
+        listed.contains("later.py") && listed.contains("check.py"),
+        "{listed}"
+    );
+    // Used now: the snapshot is taken again with it, every name there local; the
+    // tests a job imports then are copied in, and the next job imports them without
+    // the network.
+    wait_until(30, "the snapshot taken again", || {
+        agent
+            .log()
+            .contains("which it left on the network: it is taken again")
+            && agent.cache()["snapshots"]
+                .as_array()
+                .is_some_and(|s| s.iter().any(|p| p == env.to_str().unwrap()))
+    });
+    assert!(
+        agent
+            .log()
+            .contains("1 directories no job used shown from the network"),
+        "{}",
+        agent.log()
+    );
+    for _ in 0..2 {
+        assert_eq!(
+            python("import mypkg.tests.check as c; print(c.OK)"),
+            "tests imported\n"
+        );
+    }
+    wait_until(30, "the imported tests copied", || {
+        agent.cache()["cached_files"].as_u64() >= Some(4)
+    });
+    agent.settled();
+    let before = net.server_log().len();
+    assert_eq!(
+        python("import mypkg.tests.check as c; print(c.OK)"),
+        "tests imported\n"
+    );
+    let requests = net.job_requests_inside("env/lib", before);
+    assert!(
+        requests.is_empty(),
+        "the job's lookups reached the server:\n{}\n{}",
+        requests.join("\n"),
+        agent.log()
+    );
+    // A job reads and writes where no job went before as it would without hocus: the
+    // network takes the write, not the cache.
+    let out = agent.run_job(&format!(
+        "cat {env}/data/notes.txt && echo out > {env}/data/out.txt",
+        env = env.display()
+    ));
+    assert_success(&out);
+    assert_eq!(text(&out.stdout), "read from the network\n");
+    assert_eq!(
+        fs::read(net.server_path("env/data/out.txt")).unwrap(),
+        b"out\n"
+    );
+}
+
+#[test]
 fn whole_snapshots_hold_cold_files_too() {
     // What kernels without lazy views get; here asked for.
     let net = NetworkMount::start();

@@ -1,8 +1,9 @@
-//! Snapshots: a local copy of a whole network directory tree that is read-only in
-//! practice (an environment's site-packages, a dataset). It holds every entry, cold
-//! files too, so a job whose namespace binds it over the network directory gets its
-//! failed lookups answered locally as well: the ENOENT probes of an import storm never
-//! leave the node.
+//! Snapshots: a local copy of a network directory tree that is read-only in practice
+//! (an environment's site-packages, a dataset). It holds every entry of the directories
+//! jobs used, cold files too (a lazy snapshot as stubs), so a job whose namespace binds
+//! it over the network directory gets its failed lookups answered locally as well: the
+//! ENOENT probes of an import storm never leave the node. A lazy snapshot does not walk
+//! directories no job used: those are passages, shown from the network itself.
 //!
 //! A snapshot is taken into a staging directory and renamed into place whole. Files
 //! the cache already holds (same identity) are hard-linked (their pins then cover the
@@ -19,7 +20,7 @@ use std::{
         fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd},
         unix::{
             ffi::OsStrExt,
-            fs::{OpenOptionsExt, PermissionsExt},
+            fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt},
         },
     },
     path::{Path, PathBuf},
@@ -46,17 +47,18 @@ use crate::{
 /// Every entry's identity, by path relative to the tree's root ("" is the root).
 pub type Stamp = BTreeMap<PathBuf, Identity>;
 
-/// Which files' bytes a snapshot holds.
+/// Which files' bytes a snapshot holds, and which of its directories it walks.
 #[derive(Debug, Clone, Default)]
 pub enum Fill {
-    /// Every file's: the snapshot is bound as it is.
+    /// Every file's, every directory: the snapshot is bound as it is.
     #[default]
     Whole,
-    /// Those of the files named (the working set), and of those not readable by everyone
-    /// (the overlay reads as root, and root may be squashed on the network); every other
-    /// file is a stub whose bytes are read from the network on demand, through an overlay
-    /// (`redirect::mountns::lazy_view`).
-    Lazy(Hot),
+    /// Those of the files jobs used (the working set), and of those not readable by
+    /// everyone (the overlay reads as root, and root may be squashed on the network);
+    /// every other file is a stub whose bytes are read from the network on demand,
+    /// through an overlay (`redirect::mountns::lazy_view`). Only the directories jobs
+    /// used are walked; the others are passages, shown from the network itself.
+    Lazy(Used),
 }
 
 impl Fill {
@@ -64,34 +66,74 @@ impl Fill {
     fn holds(&self, path: &Path, mode: u32) -> bool {
         match self {
             Fill::Whole => true,
-            Fill::Lazy(hot) => mode & 0o004 == 0 || hot.contains(path),
+            Fill::Lazy(used) => mode & 0o004 == 0 || used.file(path),
+        }
+    }
+
+    /// Whether the snapshot walks the directory `path` (else it is a passage).
+    fn enters(&self, path: &Path) -> bool {
+        match self {
+            Fill::Whole => true,
+            Fill::Lazy(used) => used.dir(path),
         }
     }
 }
 
-/// The files whose bytes a lazy snapshot holds, by a 64-bit hash of their paths: the
-/// 100k paths of a site-wide working set took ~10 MiB as a set of paths. Two paths with
-/// one hash (a chance in ~10^9 at 100k) only mean that a cold file's bytes are copied too.
+/// What jobs used in a tree: the files whose bytes a lazy snapshot holds, and the
+/// directories it walks (those holding them, the missing names jobs probed and the
+/// directories they listed, and every directory above these). By 64-bit hashes of their
+/// paths: the 100k paths of a site-wide working set took ~10 MiB as a set of paths. Two
+/// paths with one hash (a chance in ~10^9 at 100k) only mean that a cold file's bytes
+/// are copied too, or a directory no job used is walked.
 #[derive(Debug, Clone, Default)]
-pub struct Hot {
-    hashes: hashbrown::HashSet<u64>,
+pub struct Used {
+    files: hashbrown::HashSet<u64>,
+    dirs: hashbrown::HashSet<u64>,
     hasher: hashbrown::DefaultHashBuilder,
 }
 
-impl Hot {
-    fn contains(&self, path: &Path) -> bool {
-        self.hashes.contains(&self.hasher.hash_one(path))
-    }
-}
-
-impl<'a> FromIterator<&'a Path> for Hot {
-    fn from_iter<I: IntoIterator<Item = &'a Path>>(paths: I) -> Self {
-        let mut hot = Hot::default();
-        for p in paths {
-            let h = hot.hasher.hash_one(p);
-            hot.hashes.insert(h);
+impl Used {
+    /// From the files jobs used, the names they probed that were missing, and the
+    /// directories they listed, all beneath `root`.
+    pub fn new<'a>(
+        root: &Path,
+        files: impl IntoIterator<Item = &'a Path>,
+        missing: impl IntoIterator<Item = &'a Path>,
+        listed: impl IntoIterator<Item = &'a Path>,
+    ) -> Self {
+        let mut used = Used::default();
+        for f in files {
+            let h = used.hasher.hash_one(f);
+            used.files.insert(h);
+            used.add_dirs(root, f.parent());
         }
-        hot
+        for m in missing {
+            used.add_dirs(root, m.parent());
+        }
+        for d in listed {
+            used.add_dirs(root, Some(d));
+        }
+        used
+    }
+
+    /// `dir` and the directories above it, up to `root`.
+    fn add_dirs(&mut self, root: &Path, dir: Option<&Path>) {
+        let Some(dir) = dir.filter(|d| d.starts_with(root)) else {
+            return;
+        };
+        for d in dir.ancestors() {
+            if !self.dirs.insert(self.hasher.hash_one(d)) || d == root {
+                break; // the ones above are in already
+            }
+        }
+    }
+
+    fn file(&self, path: &Path) -> bool {
+        self.files.contains(&self.hasher.hash_one(path))
+    }
+
+    fn dir(&self, path: &Path) -> bool {
+        self.dirs.contains(&self.hasher.hash_one(path))
     }
 }
 
@@ -168,7 +210,8 @@ fn identity(m: &Met) -> Identity {
 pub fn measure(tree: &Path, root: &Path, fill: &Fill, limits: Limits) -> Option<(u64, usize)> {
     let count = Count::default();
     let odd = AtomicBool::new(false);
-    walk::walk::<CopyError>(tree, root, WALKERS, |m| {
+    let enter = |rel: &Path| fill.enters(&root.join(rel));
+    walk::walk::<CopyError>(tree, root, WALKERS, enter, |m| {
         if !matches!(
             m.stat.st_mode & libc::S_IFMT,
             libc::S_IFREG | libc::S_IFDIR | libc::S_IFLNK
@@ -188,14 +231,29 @@ pub fn measure(tree: &Path, root: &Path, fill: &Fill, limits: Limits) -> Option<
     })
 }
 
-/// Reads the stamp of a network tree (inside the watched `tree`).
-pub fn stamp(tree: &Path, root: &Path) -> io::Result<Stamp> {
+/// Reads the stamp of a network tree (inside the watched `tree`), but for its
+/// `passages` (by path below `root`): those are shown from the network itself, and
+/// their names are in their parents' stamps.
+pub fn stamp(tree: &Path, root: &Path, passages: &HashSet<PathBuf>) -> io::Result<Stamp> {
     let out = Mutex::new(Stamp::new());
-    walk::walk::<io::Error>(tree, root, WALKERS, |m| {
-        out.lock().unwrap().insert(m.rel.to_owned(), identity(m));
-        Ok(true)
-    })?;
+    walk::walk::<io::Error>(
+        tree,
+        root,
+        WALKERS,
+        |rel| !passages.contains(rel),
+        |m| {
+            if !is_passage(m) {
+                out.lock().unwrap().insert(m.rel.to_owned(), identity(m));
+            }
+            Ok(true)
+        },
+    )?;
     Ok(out.into_inner().unwrap())
+}
+
+/// Whether the walk passed the entry `m` by: a directory it did not enter.
+fn is_passage(m: &Met) -> bool {
+    matches!(m.at, At::Entry { .. }) && m.stat.st_mode & libc::S_IFMT == libc::S_IFDIR
 }
 
 /// What taking a snapshot cost: bytes copied from the network, bytes linked from copies
@@ -209,6 +267,10 @@ pub struct Taken {
     /// Files left on the network (stubs of a lazy snapshot), and their bytes.
     pub stubs: usize,
     pub left: u64,
+    /// Directories no job used, by path below the root: not walked, they are shown
+    /// from the network itself (`redirect::mountns::bind_read_only`), and are not in
+    /// the stamp (their names are, in their parents').
+    pub passages: Vec<PathBuf>,
     /// Directories changed so shortly before their stamp was read that a later change
     /// may leave their mtime as it was (SFTP and older filesystems keep seconds; a
     /// network client may answer from attributes cached for a second or more): only
@@ -360,9 +422,20 @@ pub fn take(
                 s.spawn(copier);
             }
             let count = Count::default();
-            let walked = walk::walk(tree, root, WALKERS, |m| {
+            let enter = |rel: &Path| fill.enters(&root.join(rel));
+            let walked = walk::walk(tree, root, WALKERS, enter, |m| {
                 let filled = count.add(m, root, fill, limits)?;
                 let dst = staging.join(m.rel);
+                if is_passage(m) {
+                    // Covered by the network directory in a job's view; if that bind
+                    // were missing, nothing would show through.
+                    fs::DirBuilder::new()
+                        .mode(0o000)
+                        .create(&dst)
+                        .map_err(CopyError::Local)?;
+                    taken.lock().unwrap().passages.push(m.rel.to_owned());
+                    return Ok(failed.lock().unwrap().is_none());
+                }
                 let id = identity(m);
                 match m.at {
                     At::Dir(fd) => {
@@ -602,8 +675,11 @@ mod tests {
         // A symlink on the way from the watched tree is never followed.
         std::os::unix::fs::symlink(&root, tree.join("link")).unwrap();
         assert_eq!(whole(&tree.join("link"), u64::MAX, 100), None);
-        assert!(stamp(&tree, &tree.join("link/pkg")).is_err());
-        assert!(stamp(&tree, Path::new("/etc")).is_err(), "outside the tree");
+        assert!(stamp(&tree, &tree.join("link/pkg"), &HashSet::new()).is_err());
+        assert!(
+            stamp(&tree, Path::new("/etc"), &HashSet::new()).is_err(),
+            "outside the tree"
+        );
 
         // hot.py is in the cache already: it is linked, not copied again.
         let cache_copy = dir.path().join("cache-hot.py");
@@ -643,10 +719,11 @@ mod tests {
             fs::metadata(dest.join("pkg")).unwrap().mtime(),
             fs::metadata(root.join("pkg")).unwrap().mtime()
         );
-        assert_eq!(stamp(&tree, &root).unwrap(), stamp_taken);
+        let none = HashSet::new();
+        assert_eq!(stamp(&tree, &root, &none).unwrap(), stamp_taken);
         // A new entry anywhere changes the stamp.
         fs::write(root.join("pkg/sub/new.py"), b"").unwrap();
-        assert_ne!(stamp(&tree, &root).unwrap(), stamp_taken);
+        assert_ne!(stamp(&tree, &root, &none).unwrap(), stamp_taken);
     }
 
     #[test]
@@ -666,7 +743,7 @@ mod tests {
         )
         .unwrap();
         let hot = root.join("pkg/hot.py");
-        let fill = Fill::Lazy([hot.as_path()].into_iter().collect());
+        let fill = Fill::Lazy(Used::new(&root, [hot.as_path()], [], []));
         assert_eq!(
             measure(
                 &tree,
@@ -714,5 +791,67 @@ mod tests {
         );
         assert_eq!(fs::read(dest.join("pkg/hot.py")).unwrap(), b"x = 1\n");
         assert_eq!(fs::read(dest.join("pkg/secret.py")).unwrap(), b"k = 2\n");
+    }
+
+    #[test]
+    fn a_lazy_snapshot_walks_only_what_jobs_used_and_passes_the_rest_by() {
+        let dir = tempfile::tempdir().unwrap();
+        let tree = dir.path().join("net");
+        let root = tree.join("env");
+        for d in [
+            "pkg/sub",
+            "pkg/tests/deep",
+            "listed",
+            "probed",
+            "other/deep",
+        ] {
+            fs::create_dir_all(root.join(d)).unwrap();
+        }
+        for f in [
+            "pkg/__init__.py",
+            "pkg/cold.py",
+            "pkg/sub/hot.py",
+            "pkg/tests/deep/t.py",
+            "listed/a",
+            "probed/b",
+            "other/deep/c",
+        ] {
+            fs::write(root.join(f), b"x\n").unwrap();
+        }
+        let hot = root.join("pkg/sub/hot.py");
+        let missing = root.join("probed/gone.so");
+        let listed = root.join("listed");
+        let fill = Fill::Lazy(Used::new(
+            &root,
+            [hot.as_path()],
+            [missing.as_path()],
+            [listed.as_path()],
+        ));
+        let tmp = dir.path().join("tmp");
+        fs::create_dir_all(&tmp).unwrap();
+        let dest = dir.path().join("trees/env");
+        let (stamp_taken, taken) = take(&tree, &root, &fill, NONE, &dest, &tmp, &|_| None).unwrap();
+        let mut passages = taken.passages.clone();
+        passages.sort();
+        assert_eq!(passages, ["other", "pkg/tests"].map(PathBuf::from));
+        // What jobs used is there, names and stubs; a passage is an empty directory no
+        // one may enter (a job's view covers it with the network's).
+        assert_eq!(fs::read(dest.join("pkg/sub/hot.py")).unwrap(), b"x\n");
+        assert!(is_stub(&dest.join("pkg/cold.py")));
+        assert!(is_stub(&dest.join("listed/a")) && is_stub(&dest.join("probed/b")));
+        let other = fs::metadata(dest.join("other")).unwrap();
+        assert!(other.is_dir() && other.mode() & 0o7777 == 0);
+        assert_eq!(fs::read_dir(dest.join("other")).unwrap().count(), 0);
+        assert!(!stamp_taken.contains_key(Path::new("other")));
+        assert!(!stamp_taken.keys().any(|k| k.starts_with("pkg/tests")));
+        // The revalidation's walk passes them by too: changes inside a passage are the
+        // network's own; a name added or removed beside one changes its parent.
+        let passages: HashSet<PathBuf> = taken.passages.iter().cloned().collect();
+        assert_eq!(stamp(&tree, &root, &passages).unwrap(), stamp_taken);
+        fs::write(root.join("other/deep/new"), b"").unwrap();
+        fs::remove_file(root.join("pkg/tests/deep/t.py")).unwrap();
+        assert_eq!(stamp(&tree, &root, &passages).unwrap(), stamp_taken);
+        fs::remove_dir_all(root.join("other")).unwrap();
+        assert_ne!(stamp(&tree, &root, &passages).unwrap(), stamp_taken);
     }
 }

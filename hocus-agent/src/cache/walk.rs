@@ -45,7 +45,8 @@ pub struct Met<'a> {
 pub enum At<'a> {
     /// A directory, opened; it is met before any entry in it.
     Dir(BorrowedFd<'a>),
-    /// Anything else, by its name in its directory.
+    /// Anything else, by its name in its directory; a directory the walk was told not
+    /// to enter too.
     Entry { dir: BorrowedFd<'a>, name: &'a CStr },
 }
 
@@ -81,11 +82,13 @@ struct Queue {
 /// Walks the tree `root` (inside the watched tree `tree`) with up to `threads` threads.
 /// `visit` sees every entry once, the root first and each directory before what it
 /// holds, from any thread; returning false ends the walk, an error ends it with that
-/// error (the first one met).
+/// error (the first one met). A directory below the root that `enter` refuses (by its
+/// path below the root) is met as an entry, neither opened nor listed.
 pub fn walk<E>(
     tree: &Path,
     root: &Path,
     threads: usize,
+    enter: impl Fn(&Path) -> bool + Sync,
     visit: impl Fn(&Met) -> Result<bool, E> + Sync,
 ) -> Result<(), E>
 where
@@ -134,7 +137,7 @@ where
                         }
                     };
                     let mut found = Vec::new();
-                    let went_on = run(next, stable_inodes, &visit, &mut found);
+                    let went_on = run(next, stable_inodes, &enter, &visit, &mut found);
                     let mut q = queue.lock().unwrap();
                     q.busy -= 1;
                     let (more, idle) = (!found.is_empty(), q.busy == 0);
@@ -164,6 +167,7 @@ where
 fn run<E: From<io::Error>>(
     task: Task,
     stable_inodes: bool,
+    enter: &impl Fn(&Path) -> bool,
     visit: &impl Fn(&Met) -> Result<bool, E>,
     found: &mut Vec<Task>,
 ) -> Result<bool, E> {
@@ -205,7 +209,7 @@ fn run<E: From<io::Error>>(
                 )
                 .map_err(io::Error::from)?;
                 let child = rel.join(OsStr::from_bytes(name.to_bytes()));
-                if stat.st_mode & libc::S_IFMT == libc::S_IFDIR {
+                if stat.st_mode & libc::S_IFMT == libc::S_IFDIR && enter(&child) {
                     found.push(Task::Dir {
                         parent: dir.clone(),
                         name,
@@ -279,18 +283,24 @@ mod tests {
             std::os::unix::fs::symlink("sub", root.join(format!("d{d}/link"))).unwrap();
         }
         let met = Mutex::new(Vec::new());
-        walk::<io::Error>(dir.path(), &root, 8, |m| {
-            let mut met = met.lock().unwrap();
-            if let Some(parent) = m.rel.parent() {
-                assert!(
-                    met.iter().any(|(p, _)| p == parent),
-                    "{} met before its directory",
-                    m.rel.display()
-                );
-            }
-            met.push((m.rel.to_owned(), matches!(m.at, At::Dir(_))));
-            Ok(true)
-        })
+        walk::<io::Error>(
+            dir.path(),
+            &root,
+            8,
+            |_| true,
+            |m| {
+                let mut met = met.lock().unwrap();
+                if let Some(parent) = m.rel.parent() {
+                    assert!(
+                        met.iter().any(|(p, _)| p == parent),
+                        "{} met before its directory",
+                        m.rel.display()
+                    );
+                }
+                met.push((m.rel.to_owned(), matches!(m.at, At::Dir(_))));
+                Ok(true)
+            },
+        )
         .unwrap();
         let met = met.into_inner().unwrap();
         let unique: BTreeSet<_> = met.iter().map(|(p, _)| p.clone()).collect();
@@ -298,6 +308,46 @@ mod tests {
         // The root, 20 d*, 20 sub, 200 files, 20 symlinks.
         assert_eq!(met.len(), 1 + 20 + 20 + 200 + 20);
         assert_eq!(met.iter().filter(|(_, d)| *d).count(), 41);
+    }
+
+    #[test]
+    fn a_directory_not_entered_is_met_as_an_entry_and_not_listed() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("tree");
+        fs::create_dir_all(root.join("used/deeper")).unwrap();
+        fs::create_dir_all(root.join("unused/deeper")).unwrap();
+        fs::write(root.join("used/deeper/f"), b"x").unwrap();
+        fs::write(root.join("unused/deeper/f"), b"x").unwrap();
+        let met = Mutex::new(BTreeSet::new());
+        walk::<io::Error>(
+            dir.path(),
+            &root,
+            4,
+            |rel| !rel.starts_with("unused"),
+            |m| {
+                let kind = match m.at {
+                    At::Dir(_) => "opened",
+                    At::Entry { .. } if m.stat.st_mode & libc::S_IFMT == libc::S_IFDIR => "passed",
+                    At::Entry { .. } => "file",
+                };
+                met.lock()
+                    .unwrap()
+                    .insert((m.rel.display().to_string(), kind));
+                Ok(true)
+            },
+        )
+        .unwrap();
+        let expected: BTreeSet<(String, &str)> = [
+            ("", "opened"),
+            ("used", "opened"),
+            ("used/deeper", "opened"),
+            ("used/deeper/f", "file"),
+            ("unused", "passed"),
+        ]
+        .into_iter()
+        .map(|(p, k)| (p.to_owned(), k))
+        .collect();
+        assert_eq!(met.into_inner().unwrap(), expected);
     }
 
     #[test]
@@ -309,21 +359,40 @@ mod tests {
             fs::write(root.join(format!("d{d}/f")), b"x").unwrap();
         }
         let seen = std::sync::atomic::AtomicUsize::new(0);
-        walk::<io::Error>(dir.path(), &root, 4, |_| {
-            Ok(seen.fetch_add(1, std::sync::atomic::Ordering::Relaxed) < 10)
-        })
+        walk::<io::Error>(
+            dir.path(),
+            &root,
+            4,
+            |_| true,
+            |_| Ok(seen.fetch_add(1, std::sync::atomic::Ordering::Relaxed) < 10),
+        )
         .unwrap();
         assert!(seen.into_inner() < 30, "the walk went on after a stop");
-        let err = walk::<io::Error>(dir.path(), &root, 4, |m| {
-            if m.rel == Path::new("d7/f") {
-                Err(io::Error::other("no"))
-            } else {
-                Ok(true)
-            }
-        });
+        let err = walk::<io::Error>(
+            dir.path(),
+            &root,
+            4,
+            |_| true,
+            |m| {
+                if m.rel == Path::new("d7/f") {
+                    Err(io::Error::other("no"))
+                } else {
+                    Ok(true)
+                }
+            },
+        );
         assert_eq!(err.unwrap_err().to_string(), "no");
         // A symlink on the way from the watched tree is never followed.
         std::os::unix::fs::symlink(&root, dir.path().join("link")).unwrap();
-        assert!(walk::<io::Error>(dir.path(), &dir.path().join("link"), 4, |_| Ok(true)).is_err());
+        assert!(
+            walk::<io::Error>(
+                dir.path(),
+                &dir.path().join("link"),
+                4,
+                |_| true,
+                |_| Ok(true)
+            )
+            .is_err()
+        );
     }
 }

@@ -254,6 +254,7 @@ mod tests {
             tree: tree.to_owned(),
             expect,
             lazy: false,
+            passages: Vec::new(),
         }
     }
 
@@ -337,6 +338,7 @@ mod tests {
                     racy,
                 }]),
                 lazy: false,
+                passages: Vec::new(),
             }]
         };
         assert_eq!(confirm(expect(true), Duration::from_secs(5)).binds.len(), 1);

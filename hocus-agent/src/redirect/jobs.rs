@@ -115,6 +115,7 @@ mod tests {
             tree: "/net".into(),
             expect: Default::default(),
             lazy: false,
+            passages: Vec::new(),
         };
         let binds = vec![
             bind("/cache/trees/net/env", "/net/env"),

@@ -61,6 +61,10 @@ pub struct Bind {
     /// are read from `target` on demand, through an overlay (see [`lazy_view`]).
     #[serde(default)]
     pub lazy: bool,
+    /// Directories of a lazy snapshot no job used, by path below `target`: each shows
+    /// the network directory itself, bound over the overlay's empty one.
+    #[serde(default)]
+    pub passages: Vec<PathBuf>,
 }
 
 /// What a local copy was made from.
@@ -211,16 +215,73 @@ pub fn bind_read_only(b: &Bind) -> io::Result<Option<OwnedFd>> {
             ))?;
             source
         };
-        check(libc::syscall(
+        move_mount(&source, &target)?;
+        if let Err(e) = show_passages(b, &target, &source) {
+            // All or nothing: without its passages the view would show empty
+            // directories where the network has files.
+            let _ = detach_here(&[CString::new(format!(
+                "/proc/self/fd/{}",
+                source.as_raw_fd()
+            ))?]);
+            return Err(io::Error::new(
+                e.kind(),
+                format!(
+                    "showing the network's directories in {}: {e}",
+                    b.target.display()
+                ),
+            ));
+        }
+        Ok(b.lazy.then_some(source))
+    }
+}
+
+/// Attaches the detached mount `source` over the directory `target`.
+fn move_mount(source: &OwnedFd, target: &OwnedFd) -> io::Result<()> {
+    // SAFETY: valid descriptors and empty C strings.
+    check(unsafe {
+        libc::syscall(
             SYS_MOVE_MOUNT,
             source.as_raw_fd(),
             c"".as_ptr(),
             target.as_raw_fd(),
             c"".as_ptr(),
             MOVE_MOUNT_F_EMPTY_PATH | MOVE_MOUNT_T_EMPTY_PATH,
-        ))?;
-        Ok(b.lazy.then_some(source))
+        )
+    })
+    .map(drop)
+}
+
+/// Shows each passage of a snapshot (a directory no job used, left out of it) as the
+/// network shows it: the directory beneath `network` (the network directory the view
+/// was mounted over, opened before: a descriptor sees beneath what covers it) bound over
+/// the view's empty one beneath `view` (the view's mount). The bind keeps the network
+/// mount's own flags: a job reads and writes there what it would without hocus, and
+/// nothing it writes lands in the cache. Neither path follows a symlink.
+fn show_passages(b: &Bind, network: &OwnedFd, view: &OwnedFd) -> io::Result<()> {
+    let beneath = |dir: &OwnedFd, rel: &Path| {
+        copy::open_beneath(dir, rel, libc::O_PATH | libc::O_DIRECTORY).map_err(|e| match e {
+            CopyError::Source(e) | CopyError::Local(e) => e,
+            other => io::Error::other(other.to_string()),
+        })
+    };
+    for rel in &b.passages {
+        let from = beneath(network, rel)?;
+        let to = beneath(view, rel)?;
+        // SAFETY: a valid descriptor and an empty C string; owned on success.
+        let clone = unsafe {
+            let fd = check(libc::syscall(
+                SYS_OPEN_TREE,
+                from.as_raw_fd(),
+                c"".as_ptr(),
+                OPEN_TREE_CLONE
+                    | OPEN_TREE_CLOEXEC
+                    | (libc::AT_EMPTY_PATH | libc::AT_RECURSIVE) as libc::c_uint,
+            ))?;
+            OwnedFd::from_raw_fd(fd as i32)
+        };
+        move_mount(&clone, &to)?;
     }
+    Ok(())
 }
 
 /// A detached, read-only, nosuid, nodev overlay of `meta` (a lazy snapshot's local tree:
@@ -402,6 +463,54 @@ mod tests {
             std::fs::read_dir(dir.path()).unwrap().count(),
             0,
             "cleaned up"
+        );
+    }
+
+    /// A snapshot's passage is the network directory itself, bound over the view's
+    /// empty one; one swapped for a symlink is refused, and then nothing of the view
+    /// stays mounted. Real mounts, in a namespace of a thread of its own.
+    #[test]
+    fn passages_show_the_network_directory_and_a_symlink_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let (tree, meta) = (dir.path().join("tree"), dir.path().join("meta"));
+        let net = tree.join("env");
+        for d in [net.join("used"), net.join("unused"), meta.join("used")] {
+            std::fs::create_dir_all(d).unwrap();
+        }
+        std::fs::write(net.join("used/a"), b"network").unwrap();
+        std::fs::write(net.join("unused/b"), b"network").unwrap();
+        std::fs::write(meta.join("used/a"), b"snapshot").unwrap();
+        std::fs::create_dir(meta.join("unused")).unwrap();
+        std::fs::create_dir(meta.join("link")).unwrap();
+        std::os::unix::fs::symlink("unused", net.join("link")).unwrap();
+        let bind = |passages: &[&str]| Bind {
+            local: meta.clone(),
+            target: net.clone(),
+            tree: tree.clone(),
+            expect: Expect::Nothing,
+            lazy: false,
+            passages: passages.iter().map(PathBuf::from).collect(),
+        };
+        let (good, swapped) = (bind(&["unused"]), bind(&["unused", "link"]));
+        let net2 = net.clone();
+        std::thread::spawn(move || {
+            enter_new_namespace().unwrap();
+            let read = |p: &str| std::fs::read_to_string(net2.join(p)).unwrap();
+            let err = bind_read_only(&swapped).unwrap_err();
+            assert!(err.to_string().contains("showing the network's"), "{err}");
+            assert_eq!(read("used/a"), "network", "the view stayed mounted");
+            bind_read_only(&good).unwrap();
+            assert_eq!(read("used/a"), "snapshot");
+            assert_eq!(read("unused/b"), "network");
+            // The passage is the network's, writable as it is there; the rest is not.
+            std::fs::write(net2.join("unused/new"), b"").unwrap();
+            assert!(std::fs::write(net2.join("used/new"), b"").is_err());
+        })
+        .join()
+        .unwrap();
+        assert!(
+            net.join("unused/new").exists(),
+            "the write reached the network"
         );
     }
 }

@@ -406,6 +406,10 @@ impl Keeper {
                     // The view it replaces is freed: a large one goes back to the system.
                     let large = view.len() + view.missing.len() > BIG_VIEW;
                     self.remember(view);
+                    if self.drop_outgrown() {
+                        // Trees first: files under one being taken are copied by it.
+                        self.consider_snapshots();
+                    }
                     self.place();
                     if large {
                         memory::give_back();
@@ -414,6 +418,7 @@ impl Keeper {
             }
             Order::Prefetch(profile, tx, parent) => {
                 self.remember(View::from(profile));
+                self.drop_outgrown();
                 if parent.is_some() {
                     // From a parent node, file by file: the snapshots then link them.
                     self.parent = parent;
@@ -456,7 +461,11 @@ impl Keeper {
                 self.refused.insert(source);
             }
             Order::Invalidate(source) => {
-                if let Some(root) = self.snapshot_of(Path::new(&source)) {
+                // A passage shows the network itself: what changes there is seen as is.
+                if let Some(root) = self
+                    .snapshot_of(Path::new(&source))
+                    .filter(|_| !self.in_passage(Path::new(&source)))
+                {
                     self.drop_snapshot(&root, &format!("{source} changed"));
                     self.unstable
                         .insert(root.to_string_lossy().into_owned(), Instant::now());
@@ -527,6 +536,7 @@ impl Keeper {
                             .collect(),
                     ),
                     lazy: snap.lazy,
+                    passages: snap.passages.iter().cloned().collect(),
                 });
                 // A snapshot still being taken is not bound yet: its files are, meanwhile.
                 // Copies from before a restart are bound only once revalidated.
@@ -543,6 +553,7 @@ impl Keeper {
                             tree: tree.clone(),
                             expect: Expect::File(cached.identity),
                             lazy: false,
+                            passages: Vec::new(),
                         })
                     });
                 let _ = tx.send(trees.chain(files).collect());
@@ -963,7 +974,7 @@ impl Keeper {
             snapshots: self
                 .snapshots
                 .iter()
-                .map(|(root, snap)| (root.clone(), snap.stamp.clone()))
+                .map(|(root, snap)| (root.clone(), snap.stamp.clone(), snap.passages.clone()))
                 .collect(),
             trees: self.config.trees.clone(),
         });

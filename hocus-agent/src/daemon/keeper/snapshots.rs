@@ -27,6 +27,9 @@ pub(super) struct Snapshot {
     pub bytes: u64,
     /// It holds stubs of files left on the network: shown through an overlay.
     pub lazy: bool,
+    /// Its directories no job used, by path below the root: shown from the network
+    /// itself (`snapshot::Taken::passages`).
+    pub passages: std::collections::HashSet<PathBuf>,
 }
 
 impl Keeper {
@@ -35,6 +38,59 @@ impl Keeper {
         self.snapshots
             .iter()
             .find(|(root, _)| path.starts_with(root))
+    }
+
+    /// Whether `path` lies in a passage of the snapshot in place holding it: a directory
+    /// it left to the network, which jobs see as the network shows it.
+    pub(super) fn in_passage(&self, path: &Path) -> bool {
+        self.held_snapshot(path).is_some_and(|(root, snap)| {
+            path.strip_prefix(root)
+                .is_ok_and(|rel| rel.ancestors().any(|a| snap.passages.contains(a)))
+        })
+    }
+
+    /// Drops the snapshots whose passages jobs now use (a file read, a name probed or a
+    /// directory listed there), so that they are taken again with what is used there:
+    /// else those would stay on the network. Says whether any was.
+    pub(super) fn drop_outgrown(&mut self) -> bool {
+        if self.snapshots.values().all(|s| s.passages.is_empty()) {
+            return false;
+        }
+        // What is written there is the network's: it makes the tree unclean, not
+        // outgrown.
+        let used = self
+            .view
+            .files()
+            .filter(|f| f.opens > 0 && !f.written)
+            .map(|f| f.path)
+            .chain(self.view.missing.iter().map(|m| m.path.as_str()))
+            .filter_map(|p| Path::new(p).parent())
+            .chain(
+                self.view
+                    .dirs
+                    .iter()
+                    .filter(|d| d.opens > 0)
+                    .map(|d| Path::new(&d.path)),
+            );
+        let mut outgrown: Vec<(PathBuf, PathBuf)> = Vec::new();
+        for dir in used {
+            if self.in_passage(dir)
+                && let Some((root, _)) = self.held_snapshot(dir)
+                && !outgrown.iter().any(|(r, _)| r == root)
+            {
+                outgrown.push((root.clone(), dir.to_owned()));
+            }
+        }
+        for (root, dir) in &outgrown {
+            self.drop_snapshot(
+                root,
+                &format!(
+                    "jobs now use {}, which it left on the network: it is taken again",
+                    dir.display()
+                ),
+            );
+        }
+        !outgrown.is_empty()
     }
 
     /// The snapshot root (in place or being taken) holding `path`, if any.
@@ -52,19 +108,28 @@ impl Keeper {
             .any(|root| path.starts_with(root))
     }
 
-    /// Which files a snapshot of `root` holds the bytes of: with lazy views, those of
-    /// the working set under it; else all.
+    /// Which files a snapshot of `root` holds the bytes of, and which directories it
+    /// walks: with lazy views, what the working set used under it; else all.
     fn fill(&self, root: &Path) -> snapshot::Fill {
         if !self.lazy_views {
             return snapshot::Fill::Whole;
         }
-        snapshot::Fill::Lazy(
+        let under = |p: &&Path| p.starts_with(root);
+        snapshot::Fill::Lazy(snapshot::Used::new(
+            root,
+            self.view.files().map(|f| Path::new(f.path)).filter(under),
             self.view
-                .files()
-                .map(|f| Path::new(f.path))
-                .filter(|p| p.starts_with(root))
-                .collect(),
-        )
+                .missing
+                .iter()
+                .map(|m| Path::new(&m.path))
+                .filter(under),
+            self.view
+                .dirs
+                .iter()
+                .filter(|d| d.opens > 0)
+                .map(|d| Path::new(&d.path))
+                .filter(under),
+        ))
     }
 
     /// The bytes of the working set's files under each directory of `chains`.
@@ -247,14 +312,15 @@ impl Keeper {
         match result {
             Ok((stamp, taken)) => {
                 log::info!(
-                    "snapshot of {} in place in {:.2} s (walked in {:.2} s): {} copied, {} shared with cached files, {} files ({}) left on the network until read",
+                    "snapshot of {} in place in {:.2} s (walked in {:.2} s): {} copied, {} shared with cached files, {} files ({}) left on the network until read, {} directories no job used shown from the network",
                     root.display(),
                     taken.time.as_secs_f64(),
                     taken.walk_time.as_secs_f64(),
                     human(taken.copied),
                     human(taken.linked),
                     taken.stubs,
-                    human(taken.left)
+                    human(taken.left),
+                    taken.passages.len()
                 );
                 let tree = self.tree_of(&root).cloned().unwrap_or_default();
                 let local = self.cache.tree_local(&root);
@@ -279,6 +345,7 @@ impl Keeper {
                         racy: taken.racy.into_iter().collect(),
                         bytes: taken.copied - adopted,
                         lazy: taken.stubs > 0,
+                        passages: taken.passages.into_iter().collect(),
                     },
                 );
                 // Pins of files in it move to the snapshot's inodes (the same ones where

@@ -8,7 +8,7 @@
 //! their own, so that they never wait behind thousands of copies.
 
 use std::{
-    collections::HashMap,
+    collections::{HashMap, HashSet},
     fs,
     path::{Path, PathBuf},
     sync::{Arc, Mutex, mpsc},
@@ -59,7 +59,8 @@ pub enum Work {
     /// Compare these copies and snapshots with the network.
     Revalidate {
         copies: Vec<(String, Identity)>,
-        snapshots: Vec<(PathBuf, Stamp)>,
+        /// Each snapshot's root, stamp and passages (`snapshot::Taken::passages`).
+        snapshots: Vec<(PathBuf, Stamp, HashSet<PathBuf>)>,
         /// The watched trees, beneath which the snapshots' trees are walked.
         trees: Vec<PathBuf>,
     },
@@ -237,11 +238,12 @@ fn run(work: Work, tmp: &Path) -> Option<Done> {
                 .collect();
             let changed_trees = snapshots
                 .into_iter()
-                .filter(|(root, stamp)| {
+                .filter(|(root, stamp, passages)| {
                     let tree = trees.iter().find(|t| root.starts_with(t));
-                    tree.and_then(|t| snapshot::stamp(t, root).ok()).as_ref() != Some(stamp)
+                    let now = tree.and_then(|t| snapshot::stamp(t, root, passages).ok());
+                    now.as_ref() != Some(stamp)
                 })
-                .map(|(root, _)| root)
+                .map(|(root, _, _)| root)
                 .collect();
             Done::Revalidated {
                 changed,
