@@ -73,7 +73,12 @@ impl Keeper {
                     .map(|d| Path::new(&d.path)),
             );
         let mut outgrown: Vec<(PathBuf, PathBuf)> = Vec::new();
+        let mut last = None;
         for dir in used {
+            // Files of one directory mostly come one after another.
+            if last.replace(dir) == Some(dir) {
+                continue;
+            }
             if self.in_passage(dir)
                 && let Some((root, _)) = self.held_snapshot(dir)
                 && !outgrown.iter().any(|(r, _)| r == root)
