@@ -15,9 +15,10 @@ pub struct Job {
     pub binds: Vec<Bind>,
     /// The Slurm job this is a task of, if it was attached through the SPANK plugin.
     pub slurm_job: Option<u32>,
-    /// The targets of `binds`: single files, and whole trees (snapshots).
+    /// The targets of `binds`: single files, and trees (snapshots) with their passages
+    /// (below the target), which the network serves.
     files: HashSet<PathBuf>,
-    trees: Vec<PathBuf>,
+    trees: Vec<(PathBuf, HashSet<PathBuf>)>,
 }
 
 /// A Slurm task attached through the SPANK plugin: its job, and whose it is.
@@ -43,7 +44,10 @@ impl Job {
         let (trees, files): (Vec<&Bind>, Vec<&Bind>) = binds.iter().partition(|b| is_snapshot(b));
         Self {
             files: files.iter().map(|b| b.target.clone()).collect(),
-            trees: trees.iter().map(|b| b.target.clone()).collect(),
+            trees: trees
+                .iter()
+                .map(|b| (b.target.clone(), b.passages.iter().cloned().collect()))
+                .collect(),
             ns,
             binds,
             slurm_job: None,
@@ -54,17 +58,24 @@ impl Job {
         if self.files.contains(path) {
             return Server::File;
         }
-        self.trees
-            .iter()
-            .find(|t| path.starts_with(t))
-            .map_or(Server::Network, |t| Server::Snapshot(t))
+        let Some((tree, passages)) = self.trees.iter().find(|(t, _)| path.starts_with(t)) else {
+            return Server::Network;
+        };
+        let in_passage = path
+            .strip_prefix(tree)
+            .is_ok_and(|rel| rel.ancestors().any(|a| passages.contains(a)));
+        if in_passage {
+            Server::Network
+        } else {
+            Server::Snapshot(tree)
+        }
     }
 
     /// The bind on `target` was detached.
     pub fn forget(&mut self, target: &Path) {
         self.binds.retain(|b| b.target != target);
         self.files.remove(target);
-        self.trees.retain(|t| t != target);
+        self.trees.retain(|(t, _)| t != target);
     }
 }
 
@@ -118,7 +129,10 @@ mod tests {
             passages: Vec::new(),
         };
         let binds = vec![
-            bind("/cache/trees/net/env", "/net/env"),
+            Bind {
+                passages: vec!["lib/unused".into()],
+                ..bind("/cache/trees/net/env", "/net/env")
+            },
             bind("/cache/files/net/data/a.csv", "/net/data/a.csv"),
         ];
         let ns = std::fs::File::open("/proc/self/ns/mnt").unwrap().into();
@@ -135,6 +149,15 @@ mod tests {
         );
         assert_eq!(j.server_of(Path::new("/net/data/b.csv")), Server::Network);
         assert_eq!(j.server_of(Path::new("/net/environ")), Server::Network);
+        // A directory no job used is the network's own in the job's view.
+        assert_eq!(
+            j.server_of(Path::new("/net/env/lib/unused/y.py")),
+            Server::Network
+        );
+        assert_eq!(
+            j.server_of(Path::new("/net/env/lib/unused")),
+            Server::Network
+        );
         j.forget(Path::new("/net/env"));
         assert_eq!(j.server_of(Path::new("/net/env/lib/x.py")), Server::Network);
     }

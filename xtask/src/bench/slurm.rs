@@ -36,7 +36,7 @@ pub fn slurm_imports(agent_bin: &Path, runs: usize, round_trip: Duration) -> Res
         bail!("copying the packages to the server side failed");
     }
     let (local, remote) = (net.server_path("site"), net.path("site"));
-    let (_disk, agent) = agent_on_local_disk(&net);
+    let (_disk, agent) = agent_on_local_disk(&net, &[]);
     cluster.plugin(Some(&format!("socket={}", agent.socket.display())));
 
     let job = |site: &Path, extra: &[&str]| -> Result<f64> {

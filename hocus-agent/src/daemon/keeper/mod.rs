@@ -508,7 +508,7 @@ impl Keeper {
                 let held = paths.iter().map(|p| {
                     if self.pins.is_pinned(p) {
                         "ram"
-                    } else if self.cache.contains(p) || self.held_snapshot(Path::new(p)).is_some() {
+                    } else if self.cache.contains(p) || self.in_snapshot(Path::new(p)) {
                         "ssd"
                     } else {
                         "network"
@@ -538,13 +538,14 @@ impl Keeper {
                     lazy: snap.lazy,
                     passages: snap.passages.iter().cloned().collect(),
                 });
-                // A snapshot still being taken is not bound yet: its files are, meanwhile.
-                // Copies from before a restart are bound only once revalidated.
+                // A snapshot still being taken is not bound yet: its files are, meanwhile,
+                // as are those in its passages (bound after it). Copies from before a
+                // restart are bound only once revalidated.
                 let files = self
                     .cache
                     .sources()
                     .filter(|(source, _)| !self.unverified.contains(*source))
-                    .filter(|(source, _)| self.held_snapshot(Path::new(source)).is_none())
+                    .filter(|(source, _)| !self.in_snapshot(Path::new(source)))
                     .filter_map(|(source, cached)| {
                         let tree = self.tree_of(Path::new(source))?;
                         Some(Bind {
@@ -916,6 +917,7 @@ impl Keeper {
         // the inode jobs read.
         let local = self
             .held_snapshot(Path::new(source))
+            .filter(|_| !self.in_passage(Path::new(source)))
             .and_then(|(root, snap)| {
                 Some(snap.local.join(Path::new(source).strip_prefix(root).ok()?))
             })

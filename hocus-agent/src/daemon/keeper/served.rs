@@ -94,7 +94,7 @@ impl Keeper {
             "its copy failed"
         } else if self.in_flight.contains_key(path) {
             "its copy is under way"
-        } else if self.cache.contains(path) || self.held_snapshot(Path::new(path)).is_some() {
+        } else if self.cache.contains(path) || self.in_snapshot(Path::new(path)) {
             "copied after the job started"
         } else if !self.config.filters.admits(path) {
             "excluded by --include-ext or --exclude"

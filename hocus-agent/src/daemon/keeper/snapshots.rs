@@ -40,6 +40,11 @@ impl Keeper {
             .find(|(root, _)| path.starts_with(root))
     }
 
+    /// Whether a snapshot in place serves `path` (not one of its passages).
+    pub(super) fn in_snapshot(&self, path: &Path) -> bool {
+        self.held_snapshot(path).is_some() && !self.in_passage(path)
+    }
+
     /// Whether `path` lies in a passage of the snapshot in place holding it: a directory
     /// it left to the network, which jobs see as the network shows it.
     pub(super) fn in_passage(&self, path: &Path) -> bool {
