@@ -812,7 +812,10 @@ fn sigterm_mid_copy_and_mid_snapshot_stops_promptly_and_the_next_daemon_starts_c
             fs::write(dir.join(format!("m{f}.py")), b"x = 1\n").unwrap();
         }
     }
-    read_all(&net.path("env/pkg0/m0.py"));
+    // A file of every directory: a snapshot walks the directories jobs used.
+    for d in 0..30 {
+        read_all(&net.path(&format!("env/pkg{d}/m0.py")));
+    }
     assert!(fs::metadata(net.path("env/pkg0/nope.py")).is_err());
     wait_until(60, "a snapshot of env under way", || {
         agent.log().contains("taking a snapshot of")
