@@ -812,7 +812,10 @@ fn sigterm_mid_copy_and_mid_snapshot_stops_promptly_and_the_next_daemon_starts_c
             fs::write(dir.join(format!("m{f}.py")), b"x = 1\n").unwrap();
         }
     }
-    // A file of every directory: a snapshot walks the directories jobs used.
+    // A file of every directory: a snapshot walks the directories jobs used (and is
+    // taken of the highest one: env, where a file was read too).
+    let top = net.put("env/README", b"thirty packages\n");
+    read_all(&top);
     for d in 0..30 {
         read_all(&net.path(&format!("env/pkg{d}/m0.py")));
     }

@@ -44,11 +44,11 @@ fn page_cache_drops_invalidate_nothing_unchanged_and_a_real_change_is_still_caug
     net.put("env/empty/README", b"nothing to import here\n");
     let data = net.put("data/one.bin", b"version 1\n");
     let agent = Agent::start(&["--watch", net.mount.to_str().unwrap(), "--revalidate", "1"]);
-    // An import that misses in env/empty makes hocus snapshot env; the data file is
-    // copied on its own.
+    // An import that misses in env/empty makes hocus snapshot env/lib (and env/empty);
+    // the data file is copied on its own.
     import_through_env(&net, "mypkg.core");
     read_all(&data);
-    let env = net.path("env");
+    let env = net.path("env/lib");
     let snapshots = |a: &Agent| {
         a.cache()["snapshots"]
             .as_array()
@@ -182,7 +182,7 @@ fn a_new_job_sees_what_the_network_holds_not_an_older_copy() {
         read_all(f);
     }
     import_through_env(&net, "mypkg");
-    let env = net.path("env");
+    let env = net.path("env/lib");
     wait_until(30, "the copies and the snapshot", || {
         let c = agent.cache();
         [&kept, &rewritten, &deleted]

@@ -80,9 +80,8 @@ fn a_job_across_three_nodes_runs_on_each_nodes_local_copies() {
     // Each node learns the environment from the first job, on its own mount.
     let before = net.server_log().len();
     assert_eq!(job(), "42\n".repeat(NODES));
-    let env = net.path("env");
     for agent in &agents {
-        agent.wait_for_snapshot(&env);
+        agent.wait_for_snapshot(&lib);
     }
     // Each node read the working set from the server itself: what issue 14 is to
     // share (today every node's daemon and job ask the server on their own).

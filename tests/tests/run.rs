@@ -350,10 +350,12 @@ fn a_python_environment_is_served_from_its_snapshot_without_touching_the_network
         assert_success(&out);
         text(&out.stdout)
     };
-    // The first run teaches hocus the working set.
+    // The first run teaches hocus the working set; the directories of Python's path
+    // are snapshotted, each of its own.
     assert_eq!(python(false), "42\n");
     let env = net.path("env");
-    agent.wait_for_snapshot(&env);
+    agent.wait_for_snapshot(&env.join("lib"));
+    agent.wait_for_snapshot(&env.join("empty"));
     let inside = format!("\"{}/", net.server_path("env").display());
     let before = net.server_log().len();
     assert_eq!(python(true), "42\n", "the same output under hocus");
@@ -418,7 +420,7 @@ fn directories_no_job_used_are_shown_from_the_network_until_jobs_use_them() {
     net.put("env/lib/mypkg/core.py", b"VALUE = 41\n");
     net.put("env/lib/mypkg/tests/__init__.py", b"");
     net.put("env/lib/mypkg/tests/check.py", b"OK = 'tests imported'\n");
-    net.put("env/data/notes.txt", b"read from the network\n");
+    net.put("env/lib/data/notes.txt", b"read from the network\n");
     net.installed_long_ago("env");
     let agent = Agent::start(&["--watch", net.mount.to_str().unwrap()]);
     let python = |script: &str| {
@@ -438,7 +440,8 @@ fn directories_no_job_used_are_shown_from_the_network_until_jobs_use_them() {
         "42\n"
     );
     let env = net.path("env");
-    agent.wait_for_snapshot(&env);
+    let lib = env.join("lib");
+    agent.wait_for_snapshot(&lib);
     assert!(
         agent
             .log()
@@ -479,7 +482,7 @@ fn directories_no_job_used_are_shown_from_the_network_until_jobs_use_them() {
             .contains("which it left on the network: it is taken again")
             && agent.cache()["snapshots"]
                 .as_array()
-                .is_some_and(|s| s.iter().any(|p| p == env.to_str().unwrap()))
+                .is_some_and(|s| s.iter().any(|p| p == lib.to_str().unwrap()))
     });
     assert!(
         agent
@@ -513,13 +516,13 @@ fn directories_no_job_used_are_shown_from_the_network_until_jobs_use_them() {
     // A job reads and writes where no job went before as it would without hocus: the
     // network takes the write, not the cache.
     let out = agent.run_job(&format!(
-        "cat {env}/data/notes.txt && echo out > {env}/data/out.txt",
-        env = env.display()
+        "cat {lib}/data/notes.txt && echo out > {lib}/data/out.txt",
+        lib = lib.display()
     ));
     assert_success(&out);
     assert_eq!(text(&out.stdout), "read from the network\n");
     assert_eq!(
-        fs::read(net.server_path("env/data/out.txt")).unwrap(),
+        fs::read(net.server_path("env/lib/data/out.txt")).unwrap(),
         b"out\n"
     );
 }

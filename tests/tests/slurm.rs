@@ -65,7 +65,9 @@ fn learned() -> (
     let agent = Agent::start(&["--watch", net.mount.to_str().unwrap()]);
     cluster.plugin(Some(&format!("socket={}", agent.socket.display())));
     assert_success(&srun(&[], &pythonpath));
-    agent.wait_for_snapshot(&net.path("env"));
+    // Each directory of Python's path is snapshotted.
+    agent.wait_for_snapshot(&net.path("env/lib"));
+    agent.wait_for_snapshot(&net.path("env/empty"));
     (cluster, net, pythonpath, agent)
 }
 
@@ -82,7 +84,9 @@ fn a_plain_srun_job_imports_from_local_copies_and_off_jobs_are_untouched() {
     let out = srun(&[], &pythonpath);
     assert_success(&out);
     assert_eq!(text(&out.stdout), "42\n");
-    agent.wait_for_snapshot(&net.path("env"));
+    // Each directory of Python's path is snapshotted.
+    agent.wait_for_snapshot(&net.path("env/lib"));
+    agent.wait_for_snapshot(&net.path("env/empty"));
 
     // The next job, submitted the same way, imports from the local snapshot: the same
     // output, and no request of it reaches the server.
@@ -266,7 +270,7 @@ fn a_batch_script_and_the_steps_it_starts_get_the_local_copies() {
     let attached = agent
         .log()
         .lines()
-        .filter(|l| l.contains("of Slurm job") && l.contains("1 local copies in place"))
+        .filter(|l| l.contains("of Slurm job") && l.contains("2 local copies in place"))
         .count();
     assert_eq!(attached, 2, "{}", agent.log());
 }
@@ -274,15 +278,16 @@ fn a_batch_script_and_the_steps_it_starts_get_the_local_copies() {
 #[test]
 fn a_bind_that_fails_leaves_the_job_reading_the_network() {
     let (_cluster, net, pythonpath, agent) = learned();
-    let env = net.path("env");
-    // The snapshot's local tree vanishes behind the daemon's back (a failing cache
-    // disk): its bind cannot be made.
-    let local = agent
-        .cache_dir
-        .join("trees")
-        .join(env.strip_prefix("/").unwrap());
-    assert!(local.is_dir(), "no snapshot at {}", local.display());
-    fs::remove_dir_all(&local).unwrap();
+    // The snapshots' local trees vanish behind the daemon's back (a failing cache
+    // disk): their binds cannot be made.
+    for dir in ["env/lib", "env/empty"] {
+        let local = agent
+            .cache_dir
+            .join("trees")
+            .join(net.path(dir).strip_prefix("/").unwrap());
+        assert!(local.is_dir(), "no snapshot at {}", local.display());
+        fs::remove_dir_all(&local).unwrap();
+    }
     let before = net.server_log().len();
     let out = srun(&[], &pythonpath);
     assert_success(&out);
@@ -420,15 +425,16 @@ fn the_epilog_saves_the_jobs_profile_as_its_user_and_the_next_job_starts_prefetc
 #[test]
 fn tasks_starting_together_ask_the_server_once() {
     let (_cluster, _net, pythonpath, agent) = learned();
-    // Two tasks of one step start at once: one checks the snapshot against the server,
-    // the other is given its confirmation (less than a second old).
+    // Two tasks of one step start at once: one checks the snapshots (env/lib and
+    // env/empty) against the server, the other is given their confirmations (less than
+    // a second old).
     let out = srun(&["--ntasks=2"], &pythonpath);
     assert_success(&out);
     assert_eq!(text(&out.stdout), "42\n42\n");
     let starts: Vec<String> = agent
         .log()
         .lines()
-        .filter(|l| l.contains("job start: 1 local copies confirmed"))
+        .filter(|l| l.contains("job start: 2 local copies confirmed"))
         .map(str::to_owned)
         .collect();
     assert_eq!(starts.len(), 2, "{}", agent.log());
@@ -438,7 +444,8 @@ fn tasks_starting_together_ask_the_server_once() {
             .iter()
             .filter(|l| {
                 l.contains(&format!(
-                    ", {n} confirmed by another job's start just before"
+                    ", {} confirmed by another job's start just before",
+                    2 * n
                 ))
             })
             .count()

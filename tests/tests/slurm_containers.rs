@@ -47,8 +47,7 @@ fn tasks_in_a_private_tmp_job_container_get_the_local_copies() {
         String::from_utf8_lossy(&out.stdout).into_owned()
     };
     assert_eq!(job(), "42 False\n");
-    let env = net.path("env");
-    agent.wait_for_snapshot(&env);
+    agent.wait_for_snapshot(&lib);
     let before = net.server_log().len();
     assert_eq!(job(), "42 False\n");
     let reached = net.job_requests_inside("env", before);

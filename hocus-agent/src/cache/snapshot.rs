@@ -137,10 +137,13 @@ impl Used {
     }
 }
 
-/// Where snapshots could go. For every directory where jobs opened files or probed
-/// names, the directories above it that are clean (nothing in them was written, changed
-/// or refused), highest first, down to the directory itself, never a watched tree's root.
-/// The caller takes the first of each list that fits.
+/// Where snapshots could go. For every directory jobs used (opened files or probed
+/// names in it, or listed it), the directories above it that are clean (nothing in them
+/// was written, changed or refused) from the highest one jobs used themselves, highest
+/// first, down to the directory itself, never a watched tree's root. The caller takes
+/// the first of each list that fits. Not higher: a snapshot is read-only where it walks,
+/// and walking is cheap since it passes unused directories by, so a home directory
+/// above an environment would otherwise be taken, and a job's first write there refused.
 pub fn candidates(view: &View, trees: &[PathBuf], unclean: &[&Path]) -> Vec<Vec<PathBuf>> {
     let mut dirty: HashSet<PathBuf> = HashSet::new();
     let changed = view
@@ -168,21 +171,33 @@ pub fn candidates(view: &View, trees: &[PathBuf], unclean: &[&Path]) -> Vec<Vec<
         .map(|f| f.path)
         .chain(view.missing.iter().map(|m| m.path.as_str()))
         .filter_map(|p| Path::new(p).parent())
+        .chain(
+            view.dirs
+                .iter()
+                .filter(|d| d.opens > 0)
+                .map(|d| Path::new(d.path.as_str())),
+        )
         .collect();
     active.sort();
     active.dedup();
+    let used = |d: &Path| active.binary_search(&d).is_ok();
     let mut tops: HashSet<PathBuf> = HashSet::new();
     let mut out = Vec::new();
-    for dir in active {
+    // Deepest first: a chain that has a directory to fall back on claims its top.
+    for &dir in active.iter().rev() {
         let Some(tree) = trees.iter().find(|t| dir.starts_with(t)) else {
             continue;
         };
-        // From the directory up to just below the tree's root, while clean.
+        // From the directory up to just below the tree's root, while clean; from the
+        // highest one used down.
         let mut chain: Vec<PathBuf> = dir
             .ancestors()
             .take_while(|a| *a != tree.as_path() && !dirty.contains(*a))
             .map(Path::to_owned)
             .collect();
+        while chain.last().is_some_and(|top| !used(top)) {
+            chain.pop();
+        }
         chain.reverse();
         if chain.first().is_some_and(|top| tops.insert(top.clone())) {
             out.push(chain);
@@ -624,27 +639,29 @@ mod tests {
     };
 
     #[test]
-    fn candidates_are_the_highest_clean_directories_above_activity() {
+    fn candidates_are_the_highest_clean_directories_jobs_used() {
         let mut ws = WorkingSet::new(0);
         ws.open("/net/env/lib/site-packages/numpy/core.py", 1, 1);
         ws.missing("/net/env/lib/site-packages/numpy/core.abi3.so", 1);
         ws.open("/net/env/lib/site-packages/scipy/x.py", 1, 1);
+        // Python lists the directories of its path.
+        ws.dir_opened("/net/env/lib/site-packages");
         ws.open("/net/home/jax-cache/entry-1", 1, 1);
         ws.mark_written("/net/home/jax-cache/entry-2", 1);
         ws.open("/net/top.txt", 1, 1);
         let trees = [PathBuf::from("/net")];
         let c = candidates(&View::from(ws.to_profile()), &trees, &[]);
         let tops: Vec<_> = c.iter().map(|chain| chain[0].clone()).collect();
-        // /net/env is clean: one candidate for both packages, highest first; /net/home
-        // holds a written file: nothing above or at jax-cache is clean.
-        assert_eq!(tops, [PathBuf::from("/net/env")]);
+        // site-packages was used itself: one candidate for both packages, highest
+        // first; not /net/env, clean but only above what was used (a job's first write
+        // there would be refused). /net/home holds a written file: nothing above or at
+        // jax-cache is clean.
+        assert_eq!(tops, [PathBuf::from("/net/env/lib/site-packages")]);
         assert_eq!(
             c[0],
             [
-                "/net/env",
-                "/net/env/lib",
                 "/net/env/lib/site-packages",
-                "/net/env/lib/site-packages/numpy"
+                "/net/env/lib/site-packages/scipy"
             ]
             .map(PathBuf::from)
         );
