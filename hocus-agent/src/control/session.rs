@@ -69,9 +69,17 @@ fn confirmed_binds(
     Ok(Ok(checked.binds))
 }
 
-/// Makes each bind it can in this thread's namespace; returns those made, and the
-/// snapshot views among them with the network directory each stands for.
-fn bind_all(binds: Vec<Bind>) -> (Vec<Bind>, Vec<(OwnedFd, PathBuf)>) {
+/// What `bind_all` made: the binds, the snapshot views among them with the network
+/// directory each stands for, and how long mounting them took.
+struct Made {
+    binds: Vec<Bind>,
+    views: Vec<(OwnedFd, PathBuf)>,
+    took: std::time::Duration,
+}
+
+/// Makes each bind it can in this thread's namespace.
+fn bind_all(binds: Vec<Bind>) -> Made {
+    let started = std::time::Instant::now();
     let mut made = Vec::new();
     let mut views = Vec::new();
     for b in binds {
@@ -83,7 +91,11 @@ fn bind_all(binds: Vec<Bind>) -> (Vec<Bind>, Vec<(OwnedFd, PathBuf)>) {
             Err(e) => log::debug!("not binding {}: {e}", b.target.display()),
         }
     }
-    (made, views)
+    Made {
+        binds: made,
+        views,
+        took: started.elapsed(),
+    }
 }
 
 /// Gives the caller's own mount namespace the binds. Only root may ask (hocus's SPANK
@@ -114,7 +126,11 @@ pub fn attach(
         Ok(ns) => ns,
         Err(e) => return refuse(format!("cannot enter the task's mount namespace: {e}")),
     };
-    let (made, views) = bind_all(binds);
+    let Made {
+        binds: made,
+        views,
+        took,
+    } = bind_all(binds);
     let id = caller.pid as u32;
     let job = Ask::JobStarting {
         id,
@@ -136,10 +152,11 @@ pub fn attach(
         }
         _ => {
             log::info!(
-                "task {id} of Slurm job {} for uid {}: {} local copies in place",
+                "task {id} of Slurm job {} for uid {}: {} local copies in place (mounted in {:.1} ms)",
                 task.job_id.map_or("?".into(), |j| j.to_string()),
                 task.uid,
-                made.len()
+                made.len(),
+                took.as_secs_f64() * 1000.0
             );
             send(stream, &Response::Attached { binds: made.len() })
         }
@@ -172,7 +189,11 @@ pub fn run(
         Ok(ns) => ns,
         Err(e) => return refuse(format!("cannot make a mount namespace: {e}")),
     };
-    let (made, views) = bind_all(binds);
+    let Made {
+        binds: made,
+        views,
+        took,
+    } = bind_all(binds);
     // The kernel marks whatever this thread forks as job `id`; the daemon learns the job
     // before it starts, so its first opens are attributed.
     // SAFETY: gettid has no preconditions.
@@ -192,7 +213,7 @@ pub fn run(
         &caller,
         &run,
         [stdin, stdout, stderr],
-        made.len(),
+        (made.len(), took),
         rest,
     );
     let _ = ask(calls, caller, Ask::JobEnded { id });
@@ -205,7 +226,7 @@ fn run_job(
     caller: &Caller,
     run: &JobCommand,
     std_fds: [OwnedFd; 3],
-    binds: usize,
+    (binds, took): (usize, std::time::Duration),
     rest: Vec<u8>,
 ) -> Result<()> {
     let mut child = match spawn::spawn(caller, run, std_fds) {
@@ -217,9 +238,10 @@ fn run_job(
     };
     let pid = child.id() as i32;
     log::info!(
-        "job {pid} ({}) for uid {} with {binds} local copies in place",
+        "job {pid} ({}) for uid {} with {binds} local copies in place (mounted in {:.1} ms)",
         run.argv[0],
         caller.uid,
+        took.as_secs_f64() * 1000.0
     );
     // A client already gone is told nothing more; its job is hung up below, as by a
     // closed terminal, when the forwarder meets the end of the connection.

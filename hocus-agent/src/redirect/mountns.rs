@@ -256,19 +256,14 @@ fn move_mount(source: &OwnedFd, target: &OwnedFd) -> io::Result<()> {
 /// was mounted over, opened before: a descriptor sees beneath what covers it) bound over
 /// the view's empty one beneath `view` (the view's mount). The bind keeps the network
 /// mount's own flags: a job reads and writes there what it would without hocus, and
-/// nothing it writes lands in the cache. Neither path follows a symlink.
+/// nothing it writes lands in the cache. Neither path follows a symlink. A passage's
+/// lookup is a round trip when the node has forgotten the directory (a page-cache
+/// drop): hundreds of them are looked up by several threads at once, then mounted.
 fn show_passages(b: &Bind, network: &OwnedFd, view: &OwnedFd) -> io::Result<()> {
-    let beneath = |dir: &OwnedFd, rel: &Path| {
-        copy::open_beneath(dir, rel, libc::O_PATH | libc::O_DIRECTORY).map_err(|e| match e {
-            CopyError::Source(e) | CopyError::Local(e) => e,
-            other => io::Error::other(other.to_string()),
-        })
-    };
-    for rel in &b.passages {
+    let clones: Vec<io::Result<OwnedFd>> = in_parallel(&b.passages, |rel| {
         let from = beneath(network, rel)?;
-        let to = beneath(view, rel)?;
         // SAFETY: a valid descriptor and an empty C string; owned on success.
-        let clone = unsafe {
+        unsafe {
             let fd = check(libc::syscall(
                 SYS_OPEN_TREE,
                 from.as_raw_fd(),
@@ -277,11 +272,47 @@ fn show_passages(b: &Bind, network: &OwnedFd, view: &OwnedFd) -> io::Result<()> 
                     | OPEN_TREE_CLOEXEC
                     | (libc::AT_EMPTY_PATH | libc::AT_RECURSIVE) as libc::c_uint,
             ))?;
-            OwnedFd::from_raw_fd(fd as i32)
-        };
-        move_mount(&clone, &to)?;
+            Ok(OwnedFd::from_raw_fd(fd as i32))
+        }
+    });
+    for (rel, clone) in b.passages.iter().zip(clones) {
+        move_mount(&clone?, &beneath(view, rel)?)?;
     }
     Ok(())
+}
+
+/// `rel` opened as a directory beneath `dir` (O_PATH), following no symlink.
+fn beneath(dir: &OwnedFd, rel: &Path) -> io::Result<OwnedFd> {
+    copy::open_beneath(dir, rel, libc::O_PATH | libc::O_DIRECTORY).map_err(|e| match e {
+        CopyError::Source(e) | CopyError::Local(e) => e,
+        other => io::Error::other(other.to_string()),
+    })
+}
+
+/// Threads looking up passages at once: round trips in flight, as the snapshot's walk.
+const LOOKUPS: usize = 16;
+
+/// `f` of each item, by up to `LOOKUPS` threads, in the items' order.
+fn in_parallel<T: Sync, R: Send>(items: &[T], f: impl Fn(&T) -> R + Sync) -> Vec<R> {
+    if items.len() < 2 {
+        return items.iter().map(f).collect();
+    }
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let out: Vec<std::sync::Mutex<Option<R>>> = items.iter().map(|_| Default::default()).collect();
+    std::thread::scope(|s| {
+        for _ in 0..LOOKUPS.min(items.len()) {
+            s.spawn(|| {
+                loop {
+                    let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    let Some(item) = items.get(i) else { break };
+                    *out[i].lock().unwrap() = Some(f(item));
+                }
+            });
+        }
+    });
+    out.into_iter()
+        .map(|r| r.into_inner().unwrap().expect("every item was done"))
+        .collect()
 }
 
 /// A detached, read-only, nosuid, nodev overlay of `meta` (a lazy snapshot's local tree:

@@ -294,7 +294,8 @@ pub fn imports(
 type Daemon = (hocus_tests::LocalDisk, Agent);
 
 fn agent_on_local_disk(net: &NetworkMount, extra: &[&str]) -> Daemon {
-    let disk = hocus_tests::LocalDisk::new(4096);
+    // Room for a whole snapshot of the largest case (1.1 GB) within half the budget.
+    let disk = hocus_tests::LocalDisk::new(8192);
     let cache_dir = disk.path.join("cache");
     let mut args = vec![
         "--watch",

@@ -91,8 +91,9 @@ impl Keeper {
                 outgrown.push((root.clone(), dir.to_owned()));
             }
         }
+        // Not an invalidation: what it holds is still the network's.
         for (root, dir) in &outgrown {
-            self.drop_snapshot(
+            self.remove_snapshot(
                 root,
                 &format!(
                     "jobs now use {}, which it left on the network: it is taken again",
@@ -470,18 +471,27 @@ impl Keeper {
         }
     }
 
+    /// Drops a snapshot that no longer stands for its tree (changed, written): counted
+    /// as an invalidation.
     pub(super) fn drop_snapshot(&mut self, root: &Path, why: &str) {
+        if self.remove_snapshot(root, why) {
+            self.status.invalidations += 1;
+        }
+    }
+
+    /// Takes a snapshot away from jobs and the cache; says whether one was in place.
+    fn remove_snapshot(&mut self, root: &Path, why: &str) -> bool {
         self.snapshots_in_flight.remove(root);
         if self.snapshots.remove(root).is_none() {
-            return;
+            return false;
         }
-        self.status.invalidations += 1;
         log::info!(
             "dropping the snapshot of {} ({why}): later opens go to the network",
             root.display()
         );
         self.detach(&root.to_string_lossy());
         self.remove_tree(root);
+        true
     }
 
     /// Moves a snapshot's local tree out of the way at once (a rename), and has a worker
