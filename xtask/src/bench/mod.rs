@@ -235,6 +235,7 @@ pub fn imports(
             site: "site",
             script: "import numpy, scipy, scipy.linalg, scipy.sparse, pandas",
             env: &[],
+            whole_tree_goal: false,
         };
         cases.push(run_case(&net, runs, round_trip, &case)?);
     }
@@ -248,6 +249,7 @@ pub fn imports(
             site: "jaxsite",
             script: JAX_SCRIPT,
             env: &[("JAX_PLATFORMS", "cpu")],
+            whole_tree_goal: false,
         };
         cases.push(run_case(&net, runs, round_trip, &case)?);
     }
@@ -275,6 +277,7 @@ pub fn imports(
             site: "envsite",
             script: "import numpy, scipy.stats, pandas",
             env: &[],
+            whole_tree_goal: true,
         };
         cases.push(run_case(&net, runs, round_trip, &case)?);
     }
@@ -429,6 +432,10 @@ struct Case {
     site: &'static str,
     script: &'static str,
     env: &'static [(&'static str, &'static str)],
+    /// Whether the goal of 10x less than copying the whole tree applies: a working set
+    /// a small part of its tree (a whole environment), not packages most of which it
+    /// uses.
+    whole_tree_goal: bool,
 }
 
 /// JAX with its persistent compilation cache beside its packages (on the share, or on
@@ -587,14 +594,14 @@ fn run_case(
         "the machine's {} cores were {prefetch_busy:.2} busy during the prefetch, {parallel_busy:.2} during the readers",
         std::thread::available_parallelism().map_or(0, |n| n.get())
     );
+    let whole_goal = match (case.whole_tree_goal, whole_s / prefetch_s >= 10.0) {
+        (false, _) => "the goal of >= 10x is for a whole environment: --only environment",
+        (true, true) => "goal >= 10x: met",
+        (true, false) => "goal >= 10x: not met",
+    };
     println!(
-        "copying the whole tree (a whole snapshot, what hocus did before), once: {whole_s:.2} s; the cold prefetch takes {:.1}x less (goal >= 10x: {})",
+        "copying the whole tree (a whole snapshot, what hocus did before), once: {whole_s:.2} s; the cold prefetch takes {:.1}x less ({whole_goal})",
         whole_s / prefetch_s,
-        if whole_s / prefetch_s >= 10.0 {
-            "met"
-        } else {
-            "not met"
-        }
     );
     // Rounds: each condition once per round, so they share the machine's background.
     let (mut local_v, mut plain_v, mut warm_v, mut hocus_v) = (vec![], vec![], vec![], vec![]);
