@@ -449,18 +449,20 @@ fn directories_no_job_used_are_shown_from_the_network_until_jobs_use_them() {
         "{}",
         agent.log()
     );
-    // The used part is the snapshot's: its lookups stay on the node.
-    let before = net.server_log().len();
-    assert_eq!(
-        python("import mypkg.core; print(mypkg.core.VALUE + 1)"),
-        "42\n"
-    );
-    let requests = net.job_requests_inside("env/lib", before);
-    assert!(
-        requests.is_empty(),
-        "the job's lookups in the snapshot reached the server:\n{}",
-        requests.join("\n")
-    );
+    // A job whose lookups all stay on the node.
+    let local_job = |script: &str, printed: &str| {
+        let before = net.server_log().len();
+        assert_eq!(python(script), printed);
+        let requests = net.job_requests_inside("env/lib", before);
+        assert!(
+            requests.is_empty(),
+            "the job's lookups reached the server:\n{}\n{}",
+            requests.join("\n"),
+            agent.log()
+        );
+    };
+    // The used part is the snapshot's.
+    local_job("import mypkg.core; print(mypkg.core.VALUE + 1)", "42\n");
     // The rest shows what the network holds now, not when the snapshot was taken: a
     // file made there since is seen.
     net.put("env/lib/mypkg/tests/later.py", b"");
@@ -503,17 +505,9 @@ fn directories_no_job_used_are_shown_from_the_network_until_jobs_use_them() {
         agent.cache()["cached_files"].as_u64() >= Some(4)
     });
     agent.settled();
-    let before = net.server_log().len();
-    assert_eq!(
-        python("import mypkg.tests.check as c; print(c.OK)"),
-        "tests imported\n"
-    );
-    let requests = net.job_requests_inside("env/lib", before);
-    assert!(
-        requests.is_empty(),
-        "the job's lookups reached the server:\n{}\n{}",
-        requests.join("\n"),
-        agent.log()
+    local_job(
+        "import mypkg.tests.check as c; print(c.OK)",
+        "tests imported\n",
     );
     // A job reads and writes where no job went before as it would without hocus: the
     // network takes the write, not the cache.
