@@ -439,7 +439,7 @@ fn cache(e: &mut DescriptorEncoder, c: &CacheStatus) -> std::fmt::Result {
     gauge(
         e,
         "snapshots",
-        "Whole trees held as snapshots.",
+        "Trees held as snapshots (the directories jobs used, local; the others shown from the network).",
         None,
         g(c.snapshots.len() as u64),
     )?;

@@ -210,7 +210,7 @@ pub struct CacheStatus {
     #[serde(default)]
     pub prefetch_remaining_bytes: u64,
     pub limited_by_map_count: bool,
-    /// Whole trees held as snapshots, and the bytes they add to the cache.
+    /// Trees held as snapshots, and the bytes they add to the cache.
     #[serde(default)]
     pub snapshots: Vec<PathBuf>,
     #[serde(default)]

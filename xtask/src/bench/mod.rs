@@ -545,8 +545,11 @@ fn run_case(
     // emptied) and of the readers, interleaved: the machine's background is shared.
     // The baseline of what hocus did before snapshots were lazy: the whole tree copied
     // (a whole snapshot), once, before any other daemon runs (it would see the copies).
-    let (whole_s, _, whole) = cold_prefetch(net, &["--whole-snapshots"], &profile, &remote)?;
+    let (whole_s, _, (disk, whole)) =
+        cold_prefetch(net, &["--whole-snapshots"], &profile, &remote)?;
+    // The daemon before its disk (a tuple would drop the disk first: busy).
     drop(whole);
+    drop(disk);
     let (mut prefetch_v, mut parallel_v, mut agent) = (vec![], vec![], None);
     // With the cores the machine kept busy meanwhile: on a fixture where client, server,
     // encryption and the delaying proxy share the machine, both may be bound by CPU.
