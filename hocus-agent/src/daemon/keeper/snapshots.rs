@@ -372,7 +372,7 @@ impl Keeper {
                     self.pin(&source);
                 }
                 // Pins of the files adopted; copies of the wanted files it holds as stubs.
-                self.place();
+                self.place_after_snapshots();
                 self.report_tree(&root, expected, true);
             }
             Err(
@@ -385,7 +385,7 @@ impl Keeper {
                 self.unsuitable.insert(root.clone(), Instant::now());
                 // Before the report: a prefetch waits for the one tried next.
                 self.consider_snapshots();
-                self.place();
+                self.place_after_snapshots();
                 self.report_tree(&root, 0, true);
             }
             Err(e) => {
@@ -394,9 +394,19 @@ impl Keeper {
                     root.display()
                 );
                 self.unsuitable.insert(root.clone(), Instant::now());
-                self.place();
+                self.place_after_snapshots();
                 self.report_tree(&root, expected, false);
             }
+        }
+    }
+
+    /// Places the working set again once no snapshot is being taken: with many
+    /// snapshots under way (a profile of many packages), placing after each one would
+    /// cost a whole placement per tree, and keep the keeper from its other orders (a
+    /// stop). A prefetch waits for every tree under way, so none finishes before.
+    fn place_after_snapshots(&mut self) {
+        if self.snapshots_in_flight.is_empty() {
+            self.place();
         }
     }
 
