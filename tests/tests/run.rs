@@ -36,6 +36,19 @@ fn opened(net: &NetworkMount, log: &str, rel: &str) -> bool {
     log.lines().any(|l| l.contains(&open))
 }
 
+/// What `cmd` (Python, plainly or as a job) printed, run from / with `pythonpath` and
+/// no bytecode written; it must succeed.
+fn python_output(cmd: &mut Command, pythonpath: impl AsRef<std::ffi::OsStr>) -> String {
+    let out = cmd
+        .env("PYTHONPATH", pythonpath)
+        .env("PYTHONDONTWRITEBYTECODE", "1")
+        .current_dir("/")
+        .output()
+        .unwrap();
+    assert_success(&out);
+    text(&out.stdout)
+}
+
 fn cached(agent: &Agent, path: &std::path::Path) {
     let copy = agent.local_copy(path);
     // On disk, and taken into the daemon's cache (what jobs get bound).
@@ -341,14 +354,7 @@ fn a_python_environment_is_served_from_its_snapshot_without_touching_the_network
             c.args(["-c", script]);
             c
         };
-        let out = cmd
-            .env("PYTHONPATH", &pythonpath)
-            .env("PYTHONDONTWRITEBYTECODE", "1")
-            .current_dir("/")
-            .output()
-            .unwrap();
-        assert_success(&out);
-        text(&out.stdout)
+        python_output(&mut cmd, &pythonpath)
     };
     // The first run teaches hocus the working set; the directories of Python's path
     // are snapshotted, each of its own.
@@ -424,15 +430,8 @@ fn directories_no_job_used_are_shown_from_the_network_until_jobs_use_them() {
     net.installed_long_ago("env");
     let agent = Agent::start(&["--watch", net.mount.to_str().unwrap()]);
     let python = |script: &str| {
-        let out = agent
-            .cli(&["run", "--", "python3", "-c", script])
-            .env("PYTHONPATH", net.path("env/lib"))
-            .env("PYTHONDONTWRITEBYTECODE", "1")
-            .current_dir("/")
-            .output()
-            .unwrap();
-        assert_success(&out);
-        text(&out.stdout)
+        let mut job = agent.cli(&["run", "--", "python3", "-c", script]);
+        python_output(&mut job, net.path("env/lib"))
     };
     // The first job teaches hocus the working set: mypkg, not its tests, not data/.
     assert_eq!(
@@ -536,16 +535,7 @@ fn whole_snapshots_hold_cold_files_too() {
             .contains("snapshots copy every file of their tree (whole-snapshots)")
     );
     let script = "import mypkg; print(mypkg.VALUE + 1)";
-    let python = |cmd: &mut Command| {
-        let out = cmd
-            .env("PYTHONPATH", net.path("env"))
-            .env("PYTHONDONTWRITEBYTECODE", "1")
-            .current_dir("/")
-            .output()
-            .unwrap();
-        assert_success(&out);
-        text(&out.stdout)
-    };
+    let python = |cmd: &mut Command| python_output(cmd, net.path("env"));
     assert_eq!(python(Command::new("python3").args(["-c", script])), "42\n");
     let env = net.path("env");
     agent.wait_for_snapshot(&env);

@@ -93,34 +93,32 @@ pub struct Used {
 }
 
 impl Used {
-    /// From the files jobs used, the names they probed that were missing, and the
-    /// directories they listed, all beneath `root`.
+    /// From the files whose bytes it holds and the directories jobs used
+    /// (`View::used_dirs`), beneath `root`; the files' directories are walked too.
     pub fn new<'a>(
         root: &Path,
         files: impl IntoIterator<Item = &'a Path>,
-        missing: impl IntoIterator<Item = &'a Path>,
-        listed: impl IntoIterator<Item = &'a Path>,
+        dirs: impl IntoIterator<Item = &'a Path>,
     ) -> Self {
         let mut used = Used::default();
         for f in files {
             let h = used.hasher.hash_one(f);
             used.files.insert(h);
-            used.add_dirs(root, f.parent());
+            if let Some(dir) = f.parent() {
+                used.add_dirs(root, dir);
+            }
         }
-        for m in missing {
-            used.add_dirs(root, m.parent());
-        }
-        for d in listed {
-            used.add_dirs(root, Some(d));
+        for d in dirs {
+            used.add_dirs(root, d);
         }
         used
     }
 
     /// `dir` and the directories above it, up to `root`.
-    fn add_dirs(&mut self, root: &Path, dir: Option<&Path>) {
-        let Some(dir) = dir.filter(|d| d.starts_with(root)) else {
+    fn add_dirs(&mut self, root: &Path, dir: &Path) {
+        if !dir.starts_with(root) {
             return;
-        };
+        }
         for d in dir.ancestors() {
             if !self.dirs.insert(self.hasher.hash_one(d)) || d == root {
                 break; // the ones above are in already
@@ -165,19 +163,8 @@ pub fn candidates(view: &View, trees: &[PathBuf], unclean: &[&Path]) -> Vec<Vec<
             }
         }
     }
-    let mut active: Vec<&Path> = view
-        .files()
-        .filter(|f| f.opens > 0)
-        .map(|f| f.path)
-        .chain(view.missing.iter().map(|m| m.path.as_str()))
-        .filter_map(|p| Path::new(p).parent())
-        .chain(
-            view.dirs
-                .iter()
-                .filter(|d| d.opens > 0)
-                .map(|d| Path::new(d.path.as_str())),
-        )
-        .collect();
+    // (A directory holding a written file is unclean: it starts no chain.)
+    let mut active: Vec<&Path> = view.used_dirs().collect();
     active.sort();
     active.dedup();
     let used = |d: &Path| active.binary_search(&d).is_ok();
@@ -264,6 +251,15 @@ pub fn stamp(tree: &Path, root: &Path, passages: &HashSet<PathBuf>) -> io::Resul
         },
     )?;
     Ok(out.into_inner().unwrap())
+}
+
+/// Whether `path`, inside the snapshot of `root`, lies in one of its `passages` (by
+/// path below the root): the network serves it.
+pub fn in_passage(root: &Path, passages: &HashSet<PathBuf>, path: &Path) -> bool {
+    !passages.is_empty()
+        && path
+            .strip_prefix(root)
+            .is_ok_and(|rel| rel.ancestors().any(|a| passages.contains(a)))
 }
 
 /// Whether the walk passed the entry `m` by: a directory it did not enter.
@@ -760,7 +756,7 @@ mod tests {
         )
         .unwrap();
         let hot = root.join("pkg/hot.py");
-        let fill = Fill::Lazy(Used::new(&root, [hot.as_path()], [], []));
+        let fill = Fill::Lazy(Used::new(&root, [hot.as_path()], []));
         assert_eq!(
             measure(
                 &tree,
@@ -838,11 +834,11 @@ mod tests {
         let hot = root.join("pkg/sub/hot.py");
         let missing = root.join("probed/gone.so");
         let listed = root.join("listed");
+        // As `View::used_dirs` gives them: a probed name's directory, a listed one.
         let fill = Fill::Lazy(Used::new(
             &root,
             [hot.as_path()],
-            [missing.as_path()],
-            [listed.as_path()],
+            [missing.parent().unwrap(), listed.as_path()],
         ));
         let tmp = dir.path().join("tmp");
         fs::create_dir_all(&tmp).unwrap();

@@ -213,7 +213,8 @@ pub fn run(
         &caller,
         &run,
         [stdin, stdout, stderr],
-        (made.len(), took),
+        made.len(),
+        took,
         rest,
     );
     let _ = ask(calls, caller, Ask::JobEnded { id });
@@ -226,7 +227,8 @@ fn run_job(
     caller: &Caller,
     run: &JobCommand,
     std_fds: [OwnedFd; 3],
-    (binds, took): (usize, std::time::Duration),
+    binds: usize,
+    took: std::time::Duration,
     rest: Vec<u8>,
 ) -> Result<()> {
     let mut child = match spawn::spawn(caller, run, std_fds) {

@@ -160,6 +160,24 @@ impl View {
         (0..self.files.len()).filter_map(|i| self.file(i))
     }
 
+    /// The directories jobs used: those holding a file they read (not one they wrote:
+    /// what is written is the network's), or a name they probed and found missing, and
+    /// those they listed. A directory may come more than once.
+    pub fn used_dirs(&self) -> impl Iterator<Item = &std::path::Path> {
+        use std::path::Path;
+        self.files()
+            .filter(|f| f.opens > 0 && !f.written)
+            .map(|f| f.path)
+            .chain(self.missing.iter().map(|m| m.path.as_str()))
+            .filter_map(|p| Path::new(p).parent())
+            .chain(
+                self.dirs
+                    .iter()
+                    .filter(|d| d.opens > 0)
+                    .map(|d| Path::new(d.path.as_str())),
+            )
+    }
+
     pub fn len(&self) -> usize {
         self.files.len()
     }

@@ -7,7 +7,9 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use crate::{observe::events::What, redirect::mountns::Bind, shared::status::Served};
+use crate::{
+    cache::snapshot, observe::events::What, redirect::mountns::Bind, shared::status::Served,
+};
 
 /// A live job namespace and the binds in it.
 pub struct Job {
@@ -61,10 +63,7 @@ impl Job {
         let Some((tree, passages)) = self.trees.iter().find(|(t, _)| path.starts_with(t)) else {
             return Server::Network;
         };
-        let in_passage = path
-            .strip_prefix(tree)
-            .is_ok_and(|rel| rel.ancestors().any(|a| passages.contains(a)));
-        if in_passage {
+        if snapshot::in_passage(tree, passages, path) {
             Server::Network
         } else {
             Server::Snapshot(tree)

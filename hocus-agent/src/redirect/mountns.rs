@@ -192,13 +192,7 @@ pub fn bind_read_only(b: &Bind) -> io::Result<Option<OwnedFd>> {
             )?;
             lazy_view(&OwnedFd::from_raw_fd(meta as i32), &target)?
         } else {
-            let source = check(libc::syscall(
-                SYS_OPEN_TREE,
-                libc::AT_FDCWD,
-                local.as_ptr(),
-                OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC | libc::AT_SYMLINK_NOFOLLOW as libc::c_uint,
-            ))?;
-            let source = OwnedFd::from_raw_fd(source as i32);
+            let source = clone_tree(libc::AT_FDCWD, &local, libc::AT_SYMLINK_NOFOLLOW)?;
             let attr = MountAttr {
                 attr_set: MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV,
                 attr_clr: 0,
@@ -260,30 +254,39 @@ fn move_mount(source: &OwnedFd, target: &OwnedFd) -> io::Result<()> {
 /// lookup is a round trip when the node has forgotten the directory (a page-cache
 /// drop): hundreds of them are looked up by several threads at once, then mounted.
 fn show_passages(b: &Bind, network: &OwnedFd, view: &OwnedFd) -> io::Result<()> {
+    let dir = libc::O_PATH | libc::O_DIRECTORY;
     let clones: Vec<io::Result<OwnedFd>> = in_parallel(&b.passages, |rel| {
-        let from = beneath(network, rel)?;
-        // SAFETY: a valid descriptor and an empty C string; owned on success.
-        unsafe {
-            let fd = check(libc::syscall(
-                SYS_OPEN_TREE,
-                from.as_raw_fd(),
-                c"".as_ptr(),
-                OPEN_TREE_CLONE
-                    | OPEN_TREE_CLOEXEC
-                    | (libc::AT_EMPTY_PATH | libc::AT_RECURSIVE) as libc::c_uint,
-            ))?;
-            Ok(OwnedFd::from_raw_fd(fd as i32))
-        }
+        let from = beneath(network, rel, dir)?;
+        clone_tree(
+            from.as_raw_fd(),
+            c"",
+            libc::AT_EMPTY_PATH | libc::AT_RECURSIVE,
+        )
     });
     for (rel, clone) in b.passages.iter().zip(clones) {
-        move_mount(&clone?, &beneath(view, rel)?)?;
+        move_mount(&clone?, &beneath(view, rel, dir)?)?;
     }
     Ok(())
 }
 
-/// `rel` opened as a directory beneath `dir` (O_PATH), following no symlink.
-fn beneath(dir: &OwnedFd, rel: &Path) -> io::Result<OwnedFd> {
-    copy::open_beneath(dir, rel, libc::O_PATH | libc::O_DIRECTORY).map_err(|e| match e {
+/// A detached copy of the mount tree at `path` (from `dir`): `open_tree(OPEN_TREE_CLONE)`
+/// with `flags` (`AT_*`).
+fn clone_tree(dir: libc::c_int, path: &CStr, flags: libc::c_int) -> io::Result<OwnedFd> {
+    // SAFETY: a valid descriptor (or AT_FDCWD) and C string; owned on success.
+    unsafe {
+        let fd = check(libc::syscall(
+            SYS_OPEN_TREE,
+            dir,
+            path.as_ptr(),
+            OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC | flags as libc::c_uint,
+        ))?;
+        Ok(OwnedFd::from_raw_fd(fd as i32))
+    }
+}
+
+/// `rel` opened beneath `dir` with `flags`, following no symlink.
+fn beneath(dir: &OwnedFd, rel: &Path, flags: libc::c_int) -> io::Result<OwnedFd> {
+    copy::open_beneath(dir, rel, flags).map_err(|e| match e {
         CopyError::Source(e) | CopyError::Local(e) => e,
         other => io::Error::other(other.to_string()),
     })
@@ -439,10 +442,7 @@ fn open_target(b: &Bind) -> io::Result<OwnedFd> {
             b.tree.display()
         ))
     })?;
-    copy::open_beneath(&tree_fd, rel, libc::O_PATH).map_err(|e| match e {
-        CopyError::Source(e) => e,
-        other => io::Error::other(other.to_string()),
-    })
+    beneath(&tree_fd, rel, libc::O_PATH)
 }
 
 /// Detaches mounts at `targets` inside the mount namespace `ns` (a /proc/PID/ns/mnt

@@ -48,10 +48,8 @@ impl Keeper {
     /// Whether `path` lies in a passage of the snapshot in place holding it: a directory
     /// it left to the network, which jobs see as the network shows it.
     pub(super) fn in_passage(&self, path: &Path) -> bool {
-        self.held_snapshot(path).is_some_and(|(root, snap)| {
-            path.strip_prefix(root)
-                .is_ok_and(|rel| rel.ancestors().any(|a| snap.passages.contains(a)))
-        })
+        self.held_snapshot(path)
+            .is_some_and(|(root, snap)| snapshot::in_passage(root, &snap.passages, path))
     }
 
     /// Drops the snapshots whose passages jobs now use (a file read, a name probed or a
@@ -61,31 +59,15 @@ impl Keeper {
         if self.snapshots.values().all(|s| s.passages.is_empty()) {
             return false;
         }
-        // What is written there is the network's: it makes the tree unclean, not
-        // outgrown.
-        let used = self
-            .view
-            .files()
-            .filter(|f| f.opens > 0 && !f.written)
-            .map(|f| f.path)
-            .chain(self.view.missing.iter().map(|m| m.path.as_str()))
-            .filter_map(|p| Path::new(p).parent())
-            .chain(
-                self.view
-                    .dirs
-                    .iter()
-                    .filter(|d| d.opens > 0)
-                    .map(|d| Path::new(&d.path)),
-            );
         let mut outgrown: Vec<(PathBuf, PathBuf)> = Vec::new();
         let mut last = None;
-        for dir in used {
+        for dir in self.view.used_dirs() {
             // Files of one directory mostly come one after another.
             if last.replace(dir) == Some(dir) {
                 continue;
             }
-            if self.in_passage(dir)
-                && let Some((root, _)) = self.held_snapshot(dir)
+            if let Some((root, snap)) = self.held_snapshot(dir)
+                && snapshot::in_passage(root, &snap.passages, dir)
                 && !outgrown.iter().any(|(r, _)| r == root)
             {
                 outgrown.push((root.clone(), dir.to_owned()));
@@ -129,17 +111,7 @@ impl Keeper {
         snapshot::Fill::Lazy(snapshot::Used::new(
             root,
             self.view.files().map(|f| Path::new(f.path)).filter(under),
-            self.view
-                .missing
-                .iter()
-                .map(|m| Path::new(&m.path))
-                .filter(under),
-            self.view
-                .dirs
-                .iter()
-                .filter(|d| d.opens > 0)
-                .map(|d| Path::new(&d.path))
-                .filter(under),
+            self.view.used_dirs().filter(under),
         ))
     }
 
