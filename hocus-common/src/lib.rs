@@ -70,6 +70,24 @@ pub mod filter {
     }
 }
 
+/// The processes `syscall_exit` follows (`FOLLOWED`): jobs and their descendants from
+/// their start, and any other process from its first request to a watched mount's
+/// server (a FUSE request, a page read from it), which is seen in full. Every other
+/// process's syscalls are turned away after one array load: the node's work that never
+/// touches a watched tree pays the floor and no more. A bucket holds the thread group
+/// ids (or, for a thread a followed process made, its thread id, until it exits) whose
+/// low bits are its index, one per u64 (the eBPF target has no 32-bit atomics); 0 is
+/// empty. Pids are handed out in order, so live processes
+/// spread over the buckets; a full bucket leaves a process unfollowed, counted.
+pub mod follow {
+    pub const BUCKETS: u32 = 1 << 14;
+    pub const WAYS: usize = 4;
+
+    pub const fn bucket(id: u32) -> u32 {
+        id & (BUCKETS - 1)
+    }
+}
+
 /// What a traced syscall means for the profile.
 pub mod op {
     pub const NONE: u8 = 0;
@@ -462,7 +480,9 @@ pub mod counter {
     pub const FOREIGN_NAMESPACE: u32 = 7;
     /// A file deeper below its root than the kernel side walks.
     pub const PATH_TOO_DEEP: u32 = 8;
-    pub const COUNT: u32 = 9;
+    /// A process that should have been followed was not: its bucket was full.
+    pub const FOLLOW_FULL: u32 = 9;
+    pub const COUNT: u32 = 10;
     /// Metric-style names, by index.
     pub const NAMES: [&str; COUNT as usize] = [
         "events_sent",
@@ -474,6 +494,7 @@ pub mod counter {
         "lost_failed_lookup_events",
         "foreign_namespace",
         "path_too_deep",
+        "follow_table_full",
     ];
 }
 

@@ -14,7 +14,8 @@ use hocus_common::{
     MAX_MAPPED, MAX_OPEN_FILES, MAX_PATH, MAX_PREFIX, MAX_PROCESSES, MAX_ROOTS, MAX_SUPERBLOCKS,
     MAX_SYSCALL_NR, MAX_VIEW_ROOTS, MAX_VIEWS, MAX_WATCHED, Mapped, NO_FIELD, NamespaceKey,
     OpenFile, PREFIX_WORDS, PathBuf, RING_BYTES, ROOT_NONE, ROOT_VIEW, Superblock, SuperblockSlot,
-    SyscallLayout, View, Watched, counter, ev, filter, flags_from, kind, op, rest, superblock,
+    SyscallLayout, View, Watched, counter, ev, filter, flags_from, follow, kind, op, rest,
+    superblock,
 };
 
 const ENOENT: i64 = 2;
@@ -28,6 +29,8 @@ const TS_COMPAT: u32 = 0x0002;
 const BPF_RB_NO_WAKEUP: u64 = 1;
 const BPF_RB_FORCE_WAKEUP: u64 = 2;
 const BPF_RB_AVAIL_DATA: u64 = 0;
+/// A map the agent maps into its memory.
+const BPF_F_MMAPABLE: u32 = 1 << 10;
 /// `bpf_map_update_elem` flag: only if there is no entry yet.
 const BPF_NOEXIST: u64 = 1;
 /// mmap's results above this are errors (-4095..-1).
@@ -56,6 +59,13 @@ static FILEMAP_INO_OFFSET: u32 = 16;
 static FILEMAP_DEV_OFFSET: u32 = 32;
 #[unsafe(no_mangle)]
 static FILEMAP_ORDER_OFFSET: u32 = 36;
+/// Offset of `group_dead` in sched_process_exit records.
+#[unsafe(no_mangle)]
+static EXIT_GROUP_DEAD_OFFSET: u32 = 32;
+/// Non-zero: `syscall_exit` follows every process, not only `FOLLOWED` ones
+/// (`--trace-every-process`).
+#[unsafe(no_mangle)]
+static TRACE_EVERY_PROCESS: u32 = 0;
 /// Offset of `connection` (the FUSE mount's device) in fuse_request_send records.
 #[unsafe(no_mangle)]
 static FUSE_CONNECTION_OFFSET: u32 = 8;
@@ -147,6 +157,10 @@ static RELEASED: Array<u32> = Array::with_max_entries(filter::PROCESS_SLOTS, 0);
 /// forked the job's first process. Set at fork, inherited by every descendant.
 #[map]
 static JOBS: LruHashMap<u32, u32> = LruHashMap::with_max_entries(MAX_PROCESSES, 0);
+/// The processes `syscall_exit` follows (`hocus_common::follow`).
+#[map]
+static FOLLOWED: Array<[u64; follow::WAYS]> =
+    Array::with_max_entries(follow::BUCKETS, BPF_F_MMAPABLE);
 /// Watched files some process mapped, by inode: pages entering their page cache.
 #[map]
 static MAPPED: LruHashMap<InodeKey, Mapped> = LruHashMap::with_max_entries(MAX_MAPPED, 0);
@@ -500,6 +514,74 @@ pub fn syscall_exit(ctx: BtfTracePointContext) -> i32 {
     0
 }
 
+/// Whether `syscall_exit` follows process `tgid` (`hocus_common::follow`): one array
+/// load, for every traced syscall on the node.
+fn is_followed(tgid: u32) -> bool {
+    global(&TRACE_EVERY_PROCESS) != 0 || in_followed(tgid)
+}
+
+fn in_followed(id: u32) -> bool {
+    let Some(b) = FOLLOWED.get(follow::bucket(id)) else {
+        return true;
+    };
+    let id = u64::from(id);
+    b[0] == id || b[1] == id || b[2] == id || b[3] == id
+}
+
+/// Follows `id` from now on: a process, or a thread a followed process made. Entries
+/// are taken and given back by compare-and-swap: other CPUs follow and forget too.
+fn follow(id: u32) {
+    if id == 0 || global(&TRACE_EVERY_PROCESS) != 0 {
+        return;
+    }
+    let Some(b) = FOLLOWED.get_ptr_mut(follow::bucket(id)) else {
+        return;
+    };
+    let id = u64::from(id);
+    // SAFETY: map value pointer, valid for this program run; every entry is read and
+    // written whole, atomically.
+    unsafe {
+        let entry = |i: usize| (&raw mut (*b)).cast::<u64>().add(i);
+        for i in 0..follow::WAYS {
+            if core::ptr::read_volatile(entry(i)) == id {
+                return;
+            }
+        }
+        for i in 0..follow::WAYS {
+            let (_, taken) = core::intrinsics::atomic_cxchg::<
+                u64,
+                { core::intrinsics::AtomicOrdering::SeqCst },
+                { core::intrinsics::AtomicOrdering::SeqCst },
+            >(entry(i), 0, id);
+            if taken {
+                return;
+            }
+        }
+    }
+    count(counter::FOLLOW_FULL);
+}
+
+/// Stops following `id` (gone).
+fn unfollow(id: u32) {
+    let Some(b) = FOLLOWED.get_ptr_mut(follow::bucket(id)) else {
+        return;
+    };
+    let id = u64::from(id);
+    // SAFETY: as in `follow`.
+    unsafe {
+        let entry = |i: usize| (&raw mut (*b)).cast::<u64>().add(i);
+        for i in 0..follow::WAYS {
+            if core::ptr::read_volatile(entry(i)) == id {
+                core::intrinsics::atomic_cxchg::<
+                    u64,
+                    { core::intrinsics::AtomicOrdering::SeqCst },
+                    { core::intrinsics::AtomicOrdering::SeqCst },
+                >(entry(i), id, 0);
+            }
+        }
+    }
+}
+
 /// Whether process `tgid` may hold a watched descriptor (false: certainly not).
 fn may_hold_files(tgid: u32) -> bool {
     let slot = filter::process_slot(tgid);
@@ -597,6 +679,14 @@ fn try_syscall_exit(ctx: &BtfTracePointContext) -> Option<()> {
     if tgid == global(&SELF_TGID) {
         return agent_syscall(l, pid_tgid, ret);
     }
+    // After the mount, whoever made it: a view learned while it was under way is stale.
+    if l.op == op::MOUNTS_CHANGE {
+        mounts_change();
+        return Some(());
+    }
+    if !is_followed(tgid) {
+        return None;
+    }
     let args = Args::of(regs);
     let header = |kind, file_id, open_flags| Header {
         kind,
@@ -606,8 +696,6 @@ fn try_syscall_exit(ctx: &BtfTracePointContext) -> Option<()> {
         open_flags,
     };
     match l.op {
-        // After the mount: a view learned while it was under way is stale too.
-        op::MOUNTS_CHANGE => mounts_change(),
         op::READ if ret > 0 => {
             let file = watched_file(args.get(l.fd)? as u32, tgid)?;
             // SAFETY: map value pointer; the add is atomic (threads of one process may
@@ -898,6 +986,9 @@ fn try_process_fork(ctx: &TracePointContext) -> Option<()> {
     };
     if let Some(job) = job {
         let _ = JOBS.insert(&child, &job, 0);
+        follow(child);
+    } else if in_followed(forker) {
+        follow(child);
     }
     Some(())
 }
@@ -928,8 +1019,8 @@ fn try_filemap_add(ctx: &TracePointContext) -> Option<()> {
         _pad: 0,
         ino: unsafe { ctx.read_at(global(&FILEMAP_INO_OFFSET) as usize) }.ok()?,
     };
-    // A read from a watched mount's server, whatever the filesystem: wake.
-    wake_on(key.dev);
+    // A read from a watched mount's server, whatever the filesystem.
+    tripped(key.dev);
     let mapped = MAPPED.get_ptr_mut(&key)?;
     current()?;
     // SAFETY: as above; `u32::MAX`: this kernel adds one page at a time.
@@ -959,29 +1050,32 @@ fn try_filemap_add(ctx: &TracePointContext) -> Option<()> {
 /// ```
 #[tracepoint]
 pub fn fuse_request(ctx: TracePointContext) -> u32 {
-    if REST.get(0).copied() == Some(rest::RESTING) {
-        // SAFETY: the offset comes from the tracepoint's format file.
-        if let Ok(dev) = unsafe { ctx.read_at::<u32>(global(&FUSE_CONNECTION_OFFSET) as usize) } {
-            wake_on(dev);
-        }
+    // SAFETY: the offset comes from the tracepoint's format file.
+    if let Ok(dev) = unsafe { ctx.read_at::<u32>(global(&FUSE_CONNECTION_OFFSET) as usize) } {
+        tripped(dev);
     }
     0
 }
 
-/// Asks the agent to attach `syscall_exit` again, once, if it rests and `dev` is a
-/// watched mount's device. The agent's own work on the mount (copies, checks) is not a
-/// reason to wake.
-fn wake_on(dev: u32) {
-    let Some(state) = REST.get_ptr_mut(0) else {
-        return;
-    };
-    // SAFETY: map value pointer, valid for this program run.
-    if unsafe { *state } != rest::RESTING || !is_watched_device(dev) {
+/// A tripwire: if `dev` is a watched mount's device, the current process is followed
+/// from now on (this very syscall too: its exit comes after), and a resting
+/// `syscall_exit` is asked to attach again, once. The agent's own work on the mount
+/// (copies, checks) is neither.
+fn tripped(dev: u32) {
+    if !is_watched_device(dev) {
         return;
     }
     let Some((_, tgid)) = current() else {
         return;
     };
+    follow(tgid);
+    let Some(state) = REST.get_ptr_mut(0) else {
+        return;
+    };
+    // SAFETY: map value pointer, valid for this program run.
+    if unsafe { *state } != rest::RESTING {
+        return;
+    }
     // SAFETY: as above. Two CPUs may both get here: the agent wakes once either way.
     unsafe { *state = rest::WAKING };
     let h = Header {
@@ -1005,8 +1099,9 @@ fn is_watched_device(dev: u32) -> bool {
     false
 }
 
-/// sched_process_exit: forget the exiting thread's job. Reads no field: the exiting task
-/// is the current one.
+/// sched_process_exit: forget the exiting thread's job, and stop following it; the
+/// process too once its last thread is gone (`group_dead`). The exiting task is the
+/// current one.
 ///
 /// ```text
 /// field:char comm[16];                       offset:8;  size:16; signed:0;
@@ -1015,10 +1110,20 @@ fn is_watched_device(dev: u32) -> bool {
 /// field:bool group_dead;                     offset:32; size:1;  signed:0;
 /// ```
 #[tracepoint]
-pub fn process_exit(_ctx: TracePointContext) -> u32 {
+pub fn process_exit(ctx: TracePointContext) -> u32 {
     let pid_tgid = bpf_get_current_pid_tgid();
+    let (thread, tgid) = (pid_tgid as u32, (pid_tgid >> 32) as u32);
     // Keyed by the exiting thread: a leader's entry, or one a thread got at its clone.
-    let _ = JOBS.remove(&(pid_tgid as u32));
+    let _ = JOBS.remove(&thread);
+    if thread != tgid {
+        unfollow(thread);
+    }
+    // SAFETY: the offset comes from the tracepoint's format file.
+    let group_dead: u8 =
+        unsafe { ctx.read_at(global(&EXIT_GROUP_DEAD_OFFSET) as usize) }.unwrap_or(0);
+    if group_dead != 0 {
+        unfollow(tgid);
+    }
     0
 }
 

@@ -52,6 +52,15 @@ enum Cmd {
     /// Benchmarks that print ratios against a baseline measured in the same run.
     #[command(subcommand)]
     Bench(Bench),
+    /// `bench overhead`'s loop in a process of its own: prints seconds per iteration.
+    #[command(hide = true)]
+    SyscallLoop {
+        dir: PathBuf,
+        iterations: usize,
+        /// Run a few iterations here first (a watched tree: the process is a user of it).
+        #[arg(long)]
+        touch: Option<PathBuf>,
+    },
 }
 
 #[derive(Subcommand)]
@@ -109,8 +118,9 @@ enum Bench {
         quick: bool,
     },
     /// What hocus costs processes: a loop of open / read / close / failed stat on an
-    /// unwatched local directory and on a watched network mount, with nothing attached,
-    /// with empty programs on the same tracepoints (the floor), and with the daemon.
+    /// unwatched local directory (in a process that never touches a watched tree, and in
+    /// one that does) and on a watched network mount, with nothing attached, with empty
+    /// programs on the same tracepoints (the floor), and with the daemon.
     Overhead {
         /// Rounds of each condition, interleaved (the median is shown).
         #[arg(long, default_value_t = 5)]
@@ -205,6 +215,11 @@ fn run(cli: Cli) -> Result<()> {
             let agent = build(true)?;
             bench(&agent, b)
         }
+        Cmd::SyscallLoop {
+            dir,
+            iterations,
+            touch,
+        } => bench::syscall_loop_process(&dir, iterations, touch.as_deref()),
     }
 }
 

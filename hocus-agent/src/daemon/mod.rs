@@ -85,6 +85,29 @@ pub fn run(opts: Options) -> Result<()> {
     result
 }
 
+/// Whether the syscall program follows every process: asked to, or a watched tree is on
+/// a filesystem whose opens and failed lookups are not all requests the tripwire sees
+/// (NFS answers them from its caches, a local disk has no server). Otherwise it follows
+/// jobs and the processes that used a watched mount (docs/overhead.md).
+fn follows_every_process(asked: Option<bool>, watched: &[WatchedMount]) -> bool {
+    if asked == Some(true) {
+        log::info!("following every process's syscalls (trace-every-process)");
+        return true;
+    }
+    if let Some(w) = watched.iter().find(|w| !mounts::is_fuse_type(&w.fs_type)) {
+        log::info!(
+            "following every process's syscalls: {} is on {}, whose opens and failed lookups do not all reach its server, where the tripwire would see who uses it",
+            w.path.display(),
+            w.fs_type
+        );
+        return true;
+    }
+    log::info!(
+        "following the syscalls of jobs and of processes that used a watched mount; every other process's are turned away at once"
+    );
+    false
+}
+
 struct Daemon {
     opts: Options,
     state_dir: PathBuf,
@@ -210,7 +233,10 @@ impl Daemon {
             Err(message) => log::error!("{message}"),
         }
 
-        let mut tracer = Tracer::start(&prefixes)?;
+        let mut tracer = Tracer::start(
+            &prefixes,
+            follows_every_process(opts.settings.trace_every_process, &watched),
+        )?;
         if !tracer.skipped.is_empty() {
             log::warn!(
                 "this kernel lacks some syscalls; not traced: {}",

@@ -85,6 +85,7 @@ impl Daemon {
 
     pub(super) fn tracing_status(&self) -> TracingStatus {
         let resting = self.tracer.get_ref().is_resting();
+        let followed = self.tracer.get_ref().followed();
         let since = self.rest.since.elapsed();
         TracingStatus {
             resting,
@@ -94,6 +95,8 @@ impl Daemon {
             wakeups: self.rest.wakeups,
             resting_secs: (self.rest.rested + if resting { since } else { Duration::ZERO })
                 .as_secs(),
+            followed: followed.map_or(0, |f| f.count() as u64),
+            every_process: followed.is_none(),
         }
     }
 }

@@ -1,5 +1,5 @@
 //! Stage **observe**: what processes do on the watched trees. Loads the eBPF programs
-//! (`tracer`), finds tracepoint field offsets (`tracefs`), kernel struct field offsets
+//! (`tracer`), keeps the processes they follow (`followed`), finds tracepoint field offsets (`tracefs`), kernel struct field offsets
 //! (`btf`) and the syscalls to trace (`syscalls`), reads the mount table (`mounts`), and
 //! turns the kernel's events into working-set updates, accesses for the keeper and
 //! changes to invalidate (`events`).
@@ -8,6 +8,7 @@
 
 pub mod btf;
 pub mod events;
+pub mod followed;
 pub mod mounts;
 pub mod syscalls;
 pub mod tracefs;

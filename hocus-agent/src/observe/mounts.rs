@@ -82,6 +82,12 @@ impl Mount {
     }
 }
 
+/// Whether a filesystem is FUSE: every lookup it does not hold (a failed one always) and
+/// every open is a request to its server, which the tripwire sees.
+pub fn is_fuse_type(fs_type: &str) -> bool {
+    fs_type == "fuse" || fs_type == "fuseblk" || fs_type.starts_with("fuse.")
+}
+
 pub fn is_network_type(fs_type: &str) -> bool {
     if let Some(sub) = fs_type.strip_prefix("fuse.") {
         return NETWORK_FUSE_TYPES.contains(&sub);
@@ -245,6 +251,16 @@ mod tests {
         assert_eq!(net, ["nfs4", "lustre", "fuse.sshfs", "cifs"]);
         assert!(!is_network_type("fuse"));
         assert!(!is_network_type("tmpfs"));
+    }
+
+    #[test]
+    fn knows_fuse_filesystems() {
+        for fuse in ["fuse", "fuseblk", "fuse.sshfs", "fuse.gcsfuse"] {
+            assert!(is_fuse_type(fuse), "{fuse}");
+        }
+        for other in ["nfs4", "lustre", "tmpfs", "ext4", "fusectl"] {
+            assert!(!is_fuse_type(other), "{other}");
+        }
     }
 
     #[test]

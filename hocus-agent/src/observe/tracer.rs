@@ -27,6 +27,7 @@ use hocus_common::{
 
 use crate::observe::{
     btf::{self, Btf},
+    followed::Followed,
     syscalls, tracefs,
 };
 
@@ -48,6 +49,8 @@ pub struct Tracer {
     open_files: HashMap<MapData, FdKey, OpenFile>,
     mapped: HashMap<MapData, InodeKey, Mapped>,
     counters: PerCpuArray<MapData, u64>,
+    followed: Followed,
+    every_process: bool,
     /// The roots, held open for as long as the programs run: their dentries and
     /// superblocks stay allocated, so the addresses the kernel side compares stay theirs.
     held: Vec<OwnedFd>,
@@ -118,9 +121,11 @@ pub type Counters = [u64; counter::COUNT as usize];
 
 impl Tracer {
     /// Loads and attaches the programs for the given watched prefixes (canonical paths).
-    pub fn start(prefixes: &[&Path]) -> Result<Self> {
+    /// `every_process`: the syscall program follows every process, not only jobs and
+    /// those that reached a watched mount's server (`hocus_common::follow`).
+    pub fn start(prefixes: &[&Path], every_process: bool) -> Result<Self> {
         let tracefs = tracefs::root()?;
-        let mut ebpf = load(&tracefs)?;
+        let mut ebpf = load(&tracefs, every_process)?;
 
         // Which of each syscall's arguments are read, by syscall number.
         let mut table: Array<_, SyscallLayout> =
@@ -152,7 +157,10 @@ impl Tracer {
         let mapped = HashMap::try_from(ebpf.take_map("MAPPED").context("no MAPPED map")?)?;
         let counters =
             PerCpuArray::try_from(ebpf.take_map("COUNTERS").context("no COUNTERS map")?)?;
+        let followed = Followed::map(ebpf.map("FOLLOWED").context("no FOLLOWED map")?)?;
         Ok(Self {
+            followed,
+            every_process,
             ebpf,
             links,
             events,
@@ -169,7 +177,7 @@ impl Tracer {
     /// Attaches the floor program (returns at once) where the real ones go, until the
     /// returned value is dropped: what tracing costs before any work is done.
     pub fn floor() -> Result<Floor> {
-        let mut ebpf = load(&tracefs::root()?)?;
+        let mut ebpf = load(&tracefs::root()?, false)?;
         attach(&mut ebpf, &FLOOR)?;
         Ok(Floor { _programs: ebpf })
     }
@@ -542,12 +550,20 @@ impl Tracer {
     }
 
     /// Counts process `pid` (and whatever it forks from now on) as job `job`: a process
-    /// the daemon did not fork (an attached Slurm task).
+    /// the daemon did not fork (an attached Slurm task). It is followed from now on.
     pub fn mark_job(&mut self, pid: u32, job: u32) -> Result<()> {
         let mut jobs: HashMap<_, u32, u32> =
             HashMap::try_from(self.ebpf.map_mut("JOBS").context("no JOBS map")?)?;
         jobs.insert(pid, job, 0)?;
+        if !self.followed.follow(pid) {
+            bail!("the table of followed processes has no room for process {pid}");
+        }
         Ok(())
+    }
+
+    /// The processes the syscall program follows; None if it follows every process.
+    pub fn followed(&self) -> Option<&Followed> {
+        (!self.every_process).then_some(&self.followed)
     }
 
     pub fn forget_mapped(&mut self, key: &InodeKey) {
@@ -588,11 +604,14 @@ fn kernel_dev(dev: u64) -> u32 {
 
 /// Loads the programs embedded in this binary, with the kernel's struct offsets (from
 /// its BTF) and the agent's own process id set.
-fn load(tracefs: &Path) -> Result<Ebpf> {
+fn load(tracefs: &Path, every_process: bool) -> Result<Ebpf> {
     raise_memlock_limit();
     let fork_format = tracefs::Format::read(tracefs, "sched", "sched_process_fork")?;
     let fork_parent = u32::from(fork_format.offset("parent_pid")?);
     let fork_child = u32::from(fork_format.offset("child_pid")?);
+    let exit_format = tracefs::Format::read(tracefs, "sched", "sched_process_exit")?;
+    let group_dead = u32::from(exit_format.offset("group_dead")?);
+    let every_process = u32::from(every_process);
     let filemap = tracefs::Format::read(tracefs, "filemap", "mm_filemap_add_to_page_cache")?;
     let filemap_ino = u32::from(filemap.offset("i_ino")?);
     let filemap_dev = u32::from(filemap.offset("s_dev")?);
@@ -611,6 +630,8 @@ fn load(tracefs: &Path) -> Result<Ebpf> {
         .override_global("SELF_TGID", &self_tgid, true)
         .override_global("FORK_PARENT_OFFSET", &fork_parent, true)
         .override_global("FORK_CHILD_OFFSET", &fork_child, true)
+        .override_global("EXIT_GROUP_DEAD_OFFSET", &group_dead, true)
+        .override_global("TRACE_EVERY_PROCESS", &every_process, true)
         .override_global("FILEMAP_INO_OFFSET", &filemap_ino, true)
         .override_global("FILEMAP_DEV_OFFSET", &filemap_dev, true)
         .override_global("FILEMAP_ORDER_OFFSET", &filemap_order, true)

@@ -368,6 +368,20 @@ impl Collector for Snapshot {
             None,
             vec![(vec![], r.resting_secs)],
         )?;
+        gauge(
+            e,
+            "tracing_followed_processes",
+            "Processes (and threads of followed processes) whose syscalls the syscall program follows: jobs, and processes that used a watched mount's server.",
+            None,
+            vec![(vec![], r.followed as i64)],
+        )?;
+        counter(
+            e,
+            "tracing_follow_table_full",
+            "Processes that should have been followed but were not: their bucket of the table was full.",
+            None,
+            vec![(vec![], kernel("follow_table_full"))],
+        )?;
         counter(
             e,
             "container_lookups_unplaced",

@@ -298,6 +298,19 @@ pub fn render_status(s: &Status) -> String {
             n => format!("rests after {n} s with nothing to learn"),
         }
     );
+    let _ = writeln!(
+        out,
+        "following: {}",
+        if r.every_process {
+            "every process (trace-every-process, or a watched tree not on FUSE: docs/overhead.md)"
+                .to_owned()
+        } else {
+            format!(
+                "{} processes and threads (jobs, and processes that used a watched mount); the others' syscalls are turned away at once",
+                r.followed
+            )
+        }
+    );
     let foreign = kernel("foreign_namespace");
     if foreign > 0 {
         let _ = writeln!(

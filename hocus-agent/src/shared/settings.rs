@@ -83,6 +83,17 @@ pub struct Settings {
     #[arg(long, value_name = "SECONDS")]
     pub rest_after: Option<u64>,
 
+    /// Follow the syscalls of every process on the node. When every watched tree is on
+    /// FUSE (sshfs ...), the syscall program follows jobs from their start and any other
+    /// process from its first request to a watched mount, and turns every other process
+    /// away at once, so that the node's work that never touches a watched tree pays no
+    /// more than any attached program does; what a process outside jobs does through the
+    /// client's caches alone before its first request is not seen. Trees on other
+    /// filesystems (NFS, Lustre: their opens and failed lookups are not all requests)
+    /// make the daemon follow every process anyway (docs/overhead.md) [default: false].
+    #[arg(long, value_name = "BOOL", num_args = 0..=1, require_equals = true, default_missing_value = "true")]
+    pub trace_every_process: Option<bool>,
+
     /// Copies made at once: they wait on the network more than they work [default: 8].
     #[arg(long, value_name = "N")]
     pub copy_workers: Option<usize>,
@@ -168,8 +179,8 @@ impl Settings {
     /// These settings, with the unset ones taken from `other`.
     pub fn or(self, other: Settings) -> Settings {
         either!(self, other; watch, state_dir, socket, save_interval, cache_dir, ssd_budget,
-            ram_budget, include_ext, exclude, revalidate, rest_after, copy_workers, whole_snapshots,
-            max_profile_entries, job_profiles, relay_port, relay_timeout, fanout_width,
+            ram_budget, include_ext, exclude, revalidate, rest_after, trace_every_process,
+            copy_workers, whole_snapshots, max_profile_entries, job_profiles, relay_port, relay_timeout, fanout_width,
             munge_socket, max_clients,
             max_clients_per_user, metrics_addr, no_metrics, log_hits, log_misses, log_writes,
             log_format)
@@ -189,6 +200,7 @@ impl Settings {
             exclude: Some(Vec::new()),
             revalidate: Some(30),
             rest_after: Some(60),
+            trace_every_process: Some(false),
             copy_workers: Some(8),
             whole_snapshots: Some(false),
             max_profile_entries: Some(2_000_000),
@@ -352,6 +364,10 @@ impl Settings {
         check("state-dir", self.state_dir != other.state_dir);
         check("socket", self.socket != other.socket);
         check("cache-dir", self.cache_dir != other.cache_dir);
+        check(
+            "trace-every-process",
+            self.trace_every_process != other.trace_every_process,
+        );
         check("copy-workers", self.copy_workers != other.copy_workers);
         check(
             "whole-snapshots",

@@ -75,6 +75,12 @@ pub struct TracingStatus {
     pub wakeups: u64,
     /// Seconds spent resting in all.
     pub resting_secs: u64,
+    /// Processes (and threads of followed processes) the syscall program follows now:
+    /// jobs, and processes that used a watched mount's server; unless `every_process`.
+    #[serde(default)]
+    pub followed: u64,
+    #[serde(default)]
+    pub every_process: bool,
 }
 
 /// The control socket: clients connected now, the limits, and what was refused, by

@@ -24,7 +24,7 @@ mod scale;
 mod slurm;
 pub use events::{Events, events};
 pub use fanout::{Fanout, fanout};
-pub use overhead::{Overhead, overhead};
+pub use overhead::{Overhead, overhead, syscall_loop_process};
 pub use scale::{Scale, scale};
 pub use slurm::slurm_imports;
 
