@@ -528,57 +528,59 @@ fn in_followed(id: u32) -> bool {
     b[0] == id || b[1] == id || b[2] == id || b[3] == id
 }
 
-/// Follows `id` from now on: a process, or a thread a followed process made. Entries
-/// are taken and given back by compare-and-swap: other CPUs follow and forget too.
+/// Follows `id` from now on: a process, or a thread a followed process made.
 fn follow(id: u32) {
     if id == 0 || global(&TRACE_EVERY_PROCESS) != 0 {
         return;
     }
-    let Some(b) = FOLLOWED.get_ptr_mut(follow::bucket(id)) else {
+    let Some(bucket) = bucket_of(id) else {
         return;
     };
     let id = u64::from(id);
-    // SAFETY: map value pointer, valid for this program run; every entry is read and
-    // written whole, atomically.
-    unsafe {
-        let entry = |i: usize| (&raw mut (*b)).cast::<u64>().add(i);
-        for i in 0..follow::WAYS {
-            if core::ptr::read_volatile(entry(i)) == id {
-                return;
-            }
-        }
-        for i in 0..follow::WAYS {
-            let (_, taken) = core::intrinsics::atomic_cxchg::<
-                u64,
-                { core::intrinsics::AtomicOrdering::SeqCst },
-                { core::intrinsics::AtomicOrdering::SeqCst },
-            >(entry(i), 0, id);
-            if taken {
-                return;
-            }
-        }
+    // SAFETY: entries of a map value, valid for this program run.
+    let followed = unsafe {
+        (0..follow::WAYS).any(|i| core::ptr::read_volatile(bucket.add(i)) == id)
+            || (0..follow::WAYS).any(|i| swap(bucket.add(i), 0, id))
+    };
+    if !followed {
+        count(counter::FOLLOW_FULL);
     }
-    count(counter::FOLLOW_FULL);
 }
 
 /// Stops following `id` (gone).
 fn unfollow(id: u32) {
-    let Some(b) = FOLLOWED.get_ptr_mut(follow::bucket(id)) else {
+    let Some(bucket) = bucket_of(id) else {
         return;
     };
-    let id = u64::from(id);
-    // SAFETY: as in `follow`.
+    for i in 0..follow::WAYS {
+        // SAFETY: as in `follow`.
+        unsafe { swap(bucket.add(i), u64::from(id), 0) };
+    }
+}
+
+/// The entries of `id`'s bucket of `FOLLOWED`. Each is read and written whole, and
+/// changed only by compare-and-swap: other CPUs follow and forget at the same time.
+fn bucket_of(id: u32) -> Option<*mut u64> {
+    FOLLOWED
+        .get_ptr_mut(follow::bucket(id))
+        .map(|b| b.cast::<u64>())
+}
+
+/// Sets `entry` to `to` if it holds `from` (read first: a locked operation on an entry
+/// that cannot match would only cost). Whether it did.
+///
+/// # Safety
+/// `entry` points into a map value valid for this program run.
+unsafe fn swap(entry: *mut u64, from: u64, to: u64) -> bool {
+    // SAFETY: see the function.
     unsafe {
-        let entry = |i: usize| (&raw mut (*b)).cast::<u64>().add(i);
-        for i in 0..follow::WAYS {
-            if core::ptr::read_volatile(entry(i)) == id {
-                core::intrinsics::atomic_cxchg::<
-                    u64,
-                    { core::intrinsics::AtomicOrdering::SeqCst },
-                    { core::intrinsics::AtomicOrdering::SeqCst },
-                >(entry(i), id, 0);
-            }
-        }
+        core::ptr::read_volatile(entry) == from
+            && core::intrinsics::atomic_cxchg::<
+                u64,
+                { core::intrinsics::AtomicOrdering::SeqCst },
+                { core::intrinsics::AtomicOrdering::SeqCst },
+            >(entry, from, to)
+            .1
     }
 }
 
