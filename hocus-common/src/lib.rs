@@ -74,17 +74,22 @@ pub mod filter {
 /// their start, and any other process from its first request to a watched mount's
 /// server (a FUSE request, a page read from it), which is seen in full. Every other
 /// process's syscalls are turned away after one array load: the node's work that never
-/// touches a watched tree pays the floor and no more. A bucket holds the thread group
-/// ids (or, for a thread a followed process made, its thread id, until it exits) whose
-/// low bits are its index, one per u64 (the eBPF target has no 32-bit atomics); 0 is
-/// empty. Pids are handed out in order, so live processes
-/// spread over the buckets; a full bucket leaves a process unfollowed, counted.
+/// touches a watched tree pays the floor and no more. A bitmap with one bit for every
+/// process id the kernel can hand out (`PID_MAX_LIMIT`, 2^22 on 64-bit): a thread group
+/// id, or the thread id of a thread a followed process made, until it exits. No two
+/// processes share a bit, so nobody can crowd another out of the table.
 pub mod follow {
-    pub const BUCKETS: u32 = 1 << 14;
-    pub const WAYS: usize = 4;
+    /// The kernel's `PID_MAX_LIMIT` on 64-bit: no process id reaches it.
+    pub const IDS: u32 = 1 << 22;
+    pub const WORDS: u32 = IDS / 64;
 
-    pub const fn bucket(id: u32) -> u32 {
-        id & (BUCKETS - 1)
+    /// The word of the bitmap that holds `id`'s bit.
+    pub const fn word(id: u32) -> u32 {
+        id / 64
+    }
+
+    pub const fn bit(id: u32) -> u64 {
+        1 << (id % 64)
     }
 }
 
@@ -480,9 +485,7 @@ pub mod counter {
     pub const FOREIGN_NAMESPACE: u32 = 7;
     /// A file deeper below its root than the kernel side walks.
     pub const PATH_TOO_DEEP: u32 = 8;
-    /// A process that should have been followed was not: its bucket was full.
-    pub const FOLLOW_FULL: u32 = 9;
-    pub const COUNT: u32 = 10;
+    pub const COUNT: u32 = 9;
     /// Metric-style names, by index.
     pub const NAMES: [&str; COUNT as usize] = [
         "events_sent",
@@ -494,7 +497,6 @@ pub mod counter {
         "lost_failed_lookup_events",
         "foreign_namespace",
         "path_too_deep",
-        "follow_table_full",
     ];
 }
 

@@ -159,8 +159,7 @@ static RELEASED: Array<u32> = Array::with_max_entries(filter::PROCESS_SLOTS, 0);
 static JOBS: LruHashMap<u32, u32> = LruHashMap::with_max_entries(MAX_PROCESSES, 0);
 /// The processes `syscall_exit` follows (`hocus_common::follow`).
 #[map]
-static FOLLOWED: Array<[u64; follow::WAYS]> =
-    Array::with_max_entries(follow::BUCKETS, BPF_F_MMAPABLE);
+static FOLLOWED: Array<u64> = Array::with_max_entries(follow::WORDS, BPF_F_MMAPABLE);
 /// Watched files some process mapped, by inode: pages entering their page cache.
 #[map]
 static MAPPED: LruHashMap<InodeKey, Mapped> = LruHashMap::with_max_entries(MAX_MAPPED, 0);
@@ -521,66 +520,44 @@ fn is_followed(tgid: u32) -> bool {
 }
 
 fn in_followed(id: u32) -> bool {
-    let Some(b) = FOLLOWED.get(follow::bucket(id)) else {
-        return true;
-    };
-    let id = u64::from(id);
-    b[0] == id || b[1] == id || b[2] == id || b[3] == id
+    FOLLOWED
+        .get(follow::word(id))
+        .is_none_or(|w| w & follow::bit(id) != 0)
 }
 
-/// Follows `id` from now on: a process, or a thread a followed process made.
+/// Follows `id` from now on: a process, or a thread a followed process made. Bits are
+/// set and cleared atomically: other CPUs follow and forget at the same time.
 fn follow(id: u32) {
     if id == 0 || global(&TRACE_EVERY_PROCESS) != 0 {
         return;
     }
-    let Some(bucket) = bucket_of(id) else {
-        return;
-    };
-    let id = u64::from(id);
-    // SAFETY: entries of a map value, valid for this program run.
-    let followed = unsafe {
-        (0..follow::WAYS).any(|i| core::ptr::read_volatile(bucket.add(i)) == id)
-            || (0..follow::WAYS).any(|i| swap(bucket.add(i), 0, id))
-    };
-    if !followed {
-        count(counter::FOLLOW_FULL);
+    if let Some(w) = FOLLOWED.get_ptr_mut(follow::word(id)) {
+        // SAFETY: map value pointer, valid for this program run; read first, so that a
+        // process already followed costs no locked operation.
+        unsafe {
+            if core::ptr::read_volatile(w) & follow::bit(id) == 0 {
+                core::intrinsics::atomic_or::<u64, u64, { core::intrinsics::AtomicOrdering::SeqCst }>(
+                    w,
+                    follow::bit(id),
+                );
+            }
+        }
     }
 }
 
 /// Stops following `id` (gone).
 fn unfollow(id: u32) {
-    let Some(bucket) = bucket_of(id) else {
-        return;
-    };
-    for i in 0..follow::WAYS {
+    if let Some(w) = FOLLOWED.get_ptr_mut(follow::word(id)) {
         // SAFETY: as in `follow`.
-        unsafe { swap(bucket.add(i), u64::from(id), 0) };
-    }
-}
-
-/// The entries of `id`'s bucket of `FOLLOWED`. Each is read and written whole, and
-/// changed only by compare-and-swap: other CPUs follow and forget at the same time.
-fn bucket_of(id: u32) -> Option<*mut u64> {
-    FOLLOWED
-        .get_ptr_mut(follow::bucket(id))
-        .map(|b| b.cast::<u64>())
-}
-
-/// Sets `entry` to `to` if it holds `from` (read first: a locked operation on an entry
-/// that cannot match would only cost). Whether it did.
-///
-/// # Safety
-/// `entry` points into a map value valid for this program run.
-unsafe fn swap(entry: *mut u64, from: u64, to: u64) -> bool {
-    // SAFETY: see the function.
-    unsafe {
-        core::ptr::read_volatile(entry) == from
-            && core::intrinsics::atomic_cxchg::<
-                u64,
-                { core::intrinsics::AtomicOrdering::SeqCst },
-                { core::intrinsics::AtomicOrdering::SeqCst },
-            >(entry, from, to)
-            .1
+        unsafe {
+            if core::ptr::read_volatile(w) & follow::bit(id) != 0 {
+                core::intrinsics::atomic_and::<
+                    u64,
+                    u64,
+                    { core::intrinsics::AtomicOrdering::SeqCst },
+                >(w, !follow::bit(id));
+            }
+        }
     }
 }
 

@@ -99,7 +99,9 @@ fn a_process_is_followed_from_its_first_use_of_the_mount_with_its_children_until
     fs::write(&local_file, "on the local disk\n").unwrap();
     let agent = Agent::start(&["--watch", net.mount.to_str().unwrap()]);
     assert_eq!(agent.status()["tracing"]["every_process"], false);
+    // Nothing used the mount yet (the daemon's own threads are not counted).
     let before = followed(&agent);
+    assert_eq!(before, 0);
 
     let mut script = Steps::start(
         SCRIPT,

@@ -1,7 +1,7 @@
 //! The processes the syscall program follows (`hocus_common::follow`), as the agent sees
-//! and changes them. The kernel side's table is mapped into the agent's memory: counting
-//! it is a read of memory, not 16,384 lookups, and following a job's process is the same
-//! compare-and-swap on an entry the kernel side makes, so neither loses the other's.
+//! and changes them. The kernel side's bitmap is mapped into the agent's memory: counting
+//! it is a read of memory, not 65,536 lookups, and following a job's process is the same
+//! atomic OR on a word the kernel side makes, so neither loses the other's bits.
 
 use std::{
     os::fd::{AsFd, AsRawFd},
@@ -13,10 +13,10 @@ use anyhow::{Context, Result, bail};
 use aya::maps::Map;
 use hocus_common::follow;
 
-const ENTRIES: usize = follow::BUCKETS as usize * follow::WAYS;
+const WORDS: usize = follow::WORDS as usize;
 
 pub struct Followed {
-    entries: NonNull<AtomicU64>,
+    words: NonNull<AtomicU64>,
     len: usize,
 }
 
@@ -32,7 +32,7 @@ impl Followed {
             bail!("FOLLOWED is not an array");
         };
         let page = 4096;
-        let len = (ENTRIES * 8).div_ceil(page) * page;
+        let len = (WORDS * 8).div_ceil(page) * page;
         // SAFETY: a shared mapping of the map's own descriptor, of the array's size;
         // checked for failure below and unmapped on drop.
         let at = unsafe {
@@ -49,46 +49,55 @@ impl Followed {
             return Err(std::io::Error::last_os_error()).context("mapping the FOLLOWED table");
         }
         Ok(Self {
-            entries: NonNull::new(at.cast()).context("mmap returned null")?,
+            words: NonNull::new(at.cast()).context("mmap returned null")?,
             len,
         })
     }
 
-    fn entries(&self) -> &[AtomicU64] {
-        // SAFETY: `ENTRIES` u64s, mapped for as long as self lives, aligned to a page.
-        unsafe { std::slice::from_raw_parts(self.entries.as_ptr(), ENTRIES) }
+    fn words(&self) -> &[AtomicU64] {
+        // SAFETY: `WORDS` u64s, mapped for as long as self lives, aligned to a page.
+        unsafe { std::slice::from_raw_parts(self.words.as_ptr(), WORDS) }
     }
 
-    fn bucket(&self, id: u32) -> &[AtomicU64] {
-        let at = follow::bucket(id) as usize * follow::WAYS;
-        &self.entries()[at..at + follow::WAYS]
+    /// Follows process `pid` from now on.
+    pub fn follow(&self, pid: u32) -> Result<()> {
+        let Some(word) = self.words().get(follow::word(pid) as usize) else {
+            bail!("process id {pid} is beyond any the kernel hands out");
+        };
+        word.fetch_or(follow::bit(pid), Ordering::SeqCst);
+        Ok(())
     }
 
-    /// Follows process `pid` from now on; false if its bucket is full.
-    pub fn follow(&self, pid: u32) -> bool {
-        let id = u64::from(pid);
-        let bucket = self.bucket(pid);
-        if bucket.iter().any(|e| e.load(Ordering::SeqCst) == id) {
-            return true;
-        }
-        bucket.iter().any(|e| {
-            e.compare_exchange(0, id, Ordering::SeqCst, Ordering::SeqCst)
-                .is_ok()
-        })
-    }
-
-    /// How many processes (and threads of followed processes) are followed now.
+    /// How many processes (and threads of followed processes) are followed now, not
+    /// counting the daemon's own threads: whatever it forks is a job's (the kernel side
+    /// cannot tell a thread from a process at fork), yet its own syscalls are never the
+    /// workload.
     pub fn count(&self) -> usize {
-        self.entries()
+        let all: usize = self
+            .words()
             .iter()
-            .filter(|e| e.load(Ordering::Relaxed) != 0)
-            .count()
+            .map(|w| w.load(Ordering::Relaxed).count_ones() as usize)
+            .sum();
+        all.saturating_sub(own_threads().filter(|t| self.is_set(*t)).count())
     }
+
+    fn is_set(&self, id: u32) -> bool {
+        self.words()
+            .get(follow::word(id) as usize)
+            .is_some_and(|w| w.load(Ordering::Relaxed) & follow::bit(id) != 0)
+    }
+}
+
+fn own_threads() -> impl Iterator<Item = u32> {
+    std::fs::read_dir("/proc/self/task")
+        .into_iter()
+        .flatten()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
 }
 
 impl Drop for Followed {
     fn drop(&mut self) {
         // SAFETY: the mapping made in `map`, of `len` bytes.
-        unsafe { libc::munmap(self.entries.as_ptr().cast(), self.len) };
+        unsafe { libc::munmap(self.words.as_ptr().cast(), self.len) };
     }
 }

@@ -555,10 +555,7 @@ impl Tracer {
         let mut jobs: HashMap<_, u32, u32> =
             HashMap::try_from(self.ebpf.map_mut("JOBS").context("no JOBS map")?)?;
         jobs.insert(pid, job, 0)?;
-        if !self.followed.follow(pid) {
-            bail!("the table of followed processes has no room for process {pid}");
-        }
-        Ok(())
+        self.followed.follow(pid)
     }
 
     /// The processes the syscall program follows; None if it follows every process.

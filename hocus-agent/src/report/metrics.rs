@@ -375,13 +375,7 @@ impl Collector for Snapshot {
             None,
             vec![(vec![], r.followed as i64)],
         )?;
-        counter(
-            e,
-            "tracing_follow_table_full",
-            "Processes that should have been followed but were not: their bucket of the table was full.",
-            None,
-            vec![(vec![], kernel("follow_table_full"))],
-        )?;
+
         counter(
             e,
             "container_lookups_unplaced",
