@@ -500,7 +500,8 @@ fn locate(mount: Mount, dentry: u64) -> Option<Located> {
 
 /// syscall_exit, on `tp_btf/sys_exit`: every syscall of every process on the node passes
 /// here, so anything not traced costs a plain load (its number, from the saved
-/// registers) and one table lookup. The arguments are read from the saved registers
+/// registers) and one table lookup, and a process not followed (`hocus_common::follow`)
+/// one more load of its bit. The arguments are read from the saved registers
 /// too (the kernel does not change them) and the result is the tracepoint's second
 /// argument. Opens are placed by what they opened; failed lookups and mutations by
 /// where their path lies; reads add their bytes to the open file; the first write to a
