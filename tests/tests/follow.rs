@@ -13,10 +13,14 @@ use std::{
 
 use hocus_tests::{Agent, NetworkMount, file_entry, missing_lookups, test_user, wait_until};
 
+/// Whether the daemon follows every process, and how many it has in its table.
+fn following(agent: &Agent) -> (Option<bool>, Option<u64>) {
+    let t = &agent.status()["tracing"];
+    (t["every_process"].as_bool(), t["followed"].as_u64())
+}
+
 fn followed(agent: &Agent) -> u64 {
-    agent.status()["tracing"]["followed"]
-        .as_u64()
-        .expect("status has tracing.followed")
+    following(agent).1.expect("status has tracing.followed")
 }
 
 /// An ordinary user's Python, run step by step: each line on its stdin runs the next
@@ -98,7 +102,7 @@ fn a_process_is_followed_from_its_first_use_of_the_mount_with_its_children_until
     let local_file = local.path().join("local.txt");
     fs::write(&local_file, "on the local disk\n").unwrap();
     let agent = Agent::start(&["--watch", net.mount.to_str().unwrap()]);
-    assert_eq!(agent.status()["tracing"]["every_process"], false);
+    assert_eq!(following(&agent).0, Some(false));
     // Nothing used the mount yet (the daemon's own threads are not counted).
     let before = followed(&agent);
     assert_eq!(before, 0);
@@ -138,12 +142,6 @@ fn a_process_is_followed_from_its_first_use_of_the_mount_with_its_children_until
     writeln!(script.input, "go").unwrap();
     assert!(script.child.wait().unwrap().success());
     assert_eq!(followed(&agent), before);
-}
-
-/// Whether the daemon follows every process, and how many it has in its table.
-fn following(agent: &Agent) -> (Option<bool>, Option<u64>) {
-    let t = &agent.status()["tracing"];
-    (t["every_process"].as_bool(), t["followed"].as_u64())
 }
 
 #[test]

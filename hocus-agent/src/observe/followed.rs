@@ -5,25 +5,20 @@
 
 use std::{
     os::fd::{AsFd, AsRawFd},
-    ptr::NonNull,
     sync::atomic::{AtomicU64, Ordering},
 };
 
 use anyhow::{Context, Result, bail};
 use aya::maps::Map;
 use hocus_common::follow;
+use memmap2::{MmapOptions, MmapRaw};
 
 const WORDS: usize = follow::WORDS as usize;
 
 pub struct Followed {
-    words: NonNull<AtomicU64>,
-    len: usize,
+    /// The array's `WORDS` u64s, shared with the kernel side.
+    words: MmapRaw,
 }
-
-// SAFETY: the mapping is shared memory read and written only through atomics.
-unsafe impl Send for Followed {}
-// SAFETY: as above.
-unsafe impl Sync for Followed {}
 
 impl Followed {
     /// Maps the `FOLLOWED` array (made `BPF_F_MMAPABLE` by the kernel side).
@@ -31,32 +26,17 @@ impl Followed {
         let Map::Array(data) = map else {
             bail!("FOLLOWED is not an array");
         };
-        let page = 4096;
-        let len = (WORDS * 8).div_ceil(page) * page;
-        // SAFETY: a shared mapping of the map's own descriptor, of the array's size;
-        // checked for failure below and unmapped on drop.
-        let at = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                data.fd().as_fd().as_raw_fd(),
-                0,
-            )
-        };
-        if at == libc::MAP_FAILED {
-            return Err(std::io::Error::last_os_error()).context("mapping the FOLLOWED table");
-        }
-        Ok(Self {
-            words: NonNull::new(at.cast()).context("mmap returned null")?,
-            len,
-        })
+        let words = MmapOptions::new()
+            .len(WORDS * 8)
+            .map_raw(data.fd().as_fd().as_raw_fd())
+            .context("mapping the FOLLOWED table")?;
+        Ok(Self { words })
     }
 
     fn words(&self) -> &[AtomicU64] {
-        // SAFETY: `WORDS` u64s, mapped for as long as self lives, aligned to a page.
-        unsafe { std::slice::from_raw_parts(self.words.as_ptr(), WORDS) }
+        // SAFETY: `WORDS` u64s, mapped for as long as self lives, aligned to a page, and
+        // only ever read and written atomically (here and by the kernel side).
+        unsafe { std::slice::from_raw_parts(self.words.as_ptr().cast(), WORDS) }
     }
 
     /// Follows process `pid` from now on.
@@ -93,11 +73,4 @@ fn own_threads() -> impl Iterator<Item = u32> {
         .into_iter()
         .flatten()
         .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
-}
-
-impl Drop for Followed {
-    fn drop(&mut self) {
-        // SAFETY: the mapping made in `map`, of `len` bytes.
-        unsafe { libc::munmap(self.words.as_ptr().cast(), self.len) };
-    }
 }

@@ -49,8 +49,8 @@ pub struct Tracer {
     open_files: HashMap<MapData, FdKey, OpenFile>,
     mapped: HashMap<MapData, InodeKey, Mapped>,
     counters: PerCpuArray<MapData, u64>,
-    followed: Followed,
-    every_process: bool,
+    /// The processes the syscall program follows; None when it follows every process.
+    followed: Option<Followed>,
     /// The roots, held open for as long as the programs run: their dentries and
     /// superblocks stay allocated, so the addresses the kernel side compares stay theirs.
     held: Vec<OwnedFd>,
@@ -157,10 +157,15 @@ impl Tracer {
         let mapped = HashMap::try_from(ebpf.take_map("MAPPED").context("no MAPPED map")?)?;
         let counters =
             PerCpuArray::try_from(ebpf.take_map("COUNTERS").context("no COUNTERS map")?)?;
-        let followed = Followed::map(ebpf.map("FOLLOWED").context("no FOLLOWED map")?)?;
+        let followed = if every_process {
+            None
+        } else {
+            Some(Followed::map(
+                ebpf.map("FOLLOWED").context("no FOLLOWED map")?,
+            )?)
+        };
         Ok(Self {
             followed,
-            every_process,
             ebpf,
             links,
             events,
@@ -555,12 +560,12 @@ impl Tracer {
         let mut jobs: HashMap<_, u32, u32> =
             HashMap::try_from(self.ebpf.map_mut("JOBS").context("no JOBS map")?)?;
         jobs.insert(pid, job, 0)?;
-        self.followed.follow(pid)
+        self.followed.as_ref().map_or(Ok(()), |f| f.follow(pid))
     }
 
     /// The processes the syscall program follows; None if it follows every process.
     pub fn followed(&self) -> Option<&Followed> {
-        (!self.every_process).then_some(&self.followed)
+        self.followed.as_ref()
     }
 
     pub fn forget_mapped(&mut self, key: &InodeKey) {

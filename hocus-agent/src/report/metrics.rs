@@ -375,7 +375,6 @@ impl Collector for Snapshot {
             None,
             vec![(vec![], r.followed as i64)],
         )?;
-
         counter(
             e,
             "container_lookups_unplaced",

@@ -180,10 +180,9 @@ impl Settings {
     pub fn or(self, other: Settings) -> Settings {
         either!(self, other; watch, state_dir, socket, save_interval, cache_dir, ssd_budget,
             ram_budget, include_ext, exclude, revalidate, rest_after, trace_every_process,
-            copy_workers, whole_snapshots, max_profile_entries, job_profiles, relay_port, relay_timeout, fanout_width,
-            munge_socket, max_clients,
-            max_clients_per_user, metrics_addr, no_metrics, log_hits, log_misses, log_writes,
-            log_format)
+            copy_workers, whole_snapshots, max_profile_entries, job_profiles, relay_port,
+            relay_timeout, fanout_width, munge_socket, max_clients, max_clients_per_user,
+            metrics_addr, no_metrics, log_hits, log_misses, log_writes, log_format)
     }
 
     /// The defaults (`watch` and `ssd-budget` depend on the machine: left unset).
