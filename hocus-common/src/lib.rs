@@ -93,6 +93,19 @@ pub mod follow {
     }
 }
 
+/// Kernel functions (kfuncs) the programs call. Rust eBPF cannot declare one (aya has
+/// no extern kfunc declarations), so a program calls a helper number no kernel has, and
+/// the agent rewrites each such call, before loading, into a call of the kfunc by its id
+/// in the kernel's BTF; on a kernel without it, into a copy of the first argument, on a
+/// path the programs never take there (`KernelOffsets::file_pointer_type` is 0).
+pub mod kfunc {
+    /// `bpf_rdonly_cast(address, btf_id)` (6.2): the object at `address` as BTF type
+    /// `btf_id`, whose fields the program then reads with plain loads instead of a
+    /// helper call each. The verifier inlines it: it costs nothing.
+    pub const RDONLY_CAST: i32 = 0x6b66_0001;
+    pub const RDONLY_CAST_NAME: &str = "bpf_rdonly_cast";
+}
+
 /// What a traced syscall means for the profile.
 pub mod op {
     pub const NONE: u8 = 0;
@@ -202,6 +215,11 @@ pub struct KernelOffsets {
     /// The pt_regs fields holding a syscall's six arguments, by position: constants
     /// (read-only data) for the verifier, so each is read with a plain load.
     pub regs_args: [u32; 6],
+    /// Not an offset: the BTF id of a struct whose first field points to a `struct file`
+    /// (`kiocb`). A descriptor table's slot cast to it (`kfunc::RDONLY_CAST`) reads as a
+    /// typed file; 0 on a kernel without the kfunc, where slots and files are read with
+    /// the helper instead.
+    pub file_pointer_type: u32,
 }
 
 /// How another mount namespace sees the watched trees, learned by the agent from

@@ -14,7 +14,7 @@ use hocus_common::{
     MAX_MAPPED, MAX_OPEN_FILES, MAX_PATH, MAX_PREFIX, MAX_PROCESSES, MAX_ROOTS, MAX_SUPERBLOCKS,
     MAX_SYSCALL_NR, MAX_VIEW_ROOTS, MAX_VIEWS, MAX_WATCHED, Mapped, NO_FIELD, NamespaceKey,
     OpenFile, PREFIX_WORDS, PathBuf, RING_BYTES, ROOT_NONE, ROOT_VIEW, Superblock, SuperblockSlot,
-    SyscallLayout, View, Watched, counter, ev, filter, flags_from, follow, kind, op, rest,
+    SyscallLayout, View, Watched, counter, ev, filter, flags_from, follow, kfunc, kind, op, rest,
     superblock,
 };
 
@@ -94,6 +94,7 @@ static OFFSETS: KernelOffsets = KernelOffsets {
     dentry_inode: 0,
     inode_ino: 0,
     regs_args: [0; 6],
+    file_pointer_type: 0,
 };
 
 #[map]
@@ -345,30 +346,69 @@ fn task() -> Typed {
     Typed(unsafe { generated::bpf_get_current_task_btf() } as u64)
 }
 
-/// The `struct file` descriptor `fd` of the current process holds now, by address (a
-/// number to the verifier: the table is an array of pointers, read with the helper).
-/// The table built into `files_struct` would be typed, but almost no process uses it:
-/// a child gets a grown table when its parent has a high descriptor open (a shell's
-/// fd 255), and keeps it.
-fn file_at(fd: u32) -> Option<u64> {
+/// An open `struct file`: typed where the kernel can cast (`kfunc::RDONLY_CAST`), its
+/// fields then read with plain loads; else only its address, its fields read with the
+/// helper. Opens of followed processes come here, to be turned away by where they lie.
+#[derive(Clone, Copy)]
+struct File(Typed);
+
+/// Whether the agent made the cast placeholders calls of the kfunc: a constant to the
+/// verifier, which then never looks at the other way.
+fn can_cast() -> bool {
+    offset(|o| &o.file_pointer_type) != 0
+}
+
+/// The object at `address` as BTF type `btf_id` (`bpf_rdonly_cast`).
+fn cast(address: u64, btf_id: u32) -> Typed {
+    // SAFETY: a helper number the agent rewrites into a call of the kfunc, which only
+    // retypes its first argument; taken only where it did (`can_cast`).
+    unsafe {
+        let cast: unsafe extern "C" fn(u64, u32) -> u64 =
+            core::mem::transmute(kfunc::RDONLY_CAST as usize);
+        Typed(cast(address, btf_id))
+    }
+}
+
+/// The file descriptor `fd` of the current process holds now. The table is an array of
+/// pointers, which the verifier types as a number: its slot is cast to a struct whose
+/// first field points to a file. (The table built into `files_struct` is typed, but
+/// almost no process uses it: a child gets a grown table when its parent has a high
+/// descriptor open, a shell's fd 255, and keeps it.) No check against max_fds: `fd` was
+/// valid at this syscall (a table only grows), and a wrong read lands on no known
+/// superblock anyway.
+fn file_at(fd: u32) -> Option<File> {
     let files = task().follow(offset(|o| &o.task_files))?;
     let fdt = files.follow(offset(|o| &o.files_fdt))?;
-    let file = read_slot(fdt.read(offset(|o| &o.fdt_fd)), fd)?;
-    (file != 0).then_some(file)
+    let slot = fdt.read::<u64>(offset(|o| &o.fdt_fd)) + u64::from(fd) * 8;
+    let file = if can_cast() {
+        cast(slot, offset(|o| &o.file_pointer_type)).follow(0)?
+    } else {
+        Typed(field::<u64>(slot, 0).filter(|&f| f != 0)?)
+    };
+    Some(File(file))
 }
 
-/// Where an open `struct file` lies: the mount it was opened through, and its dentry.
-fn file_place(file: u64) -> Option<(Mount, u64)> {
-    // f_path is a struct path: mnt then dentry, read at once (checked by the agent).
-    let [mnt, dentry] = field::<[u64; 2]>(file, offset(|o| &o.file_mnt))?;
-    Some((Mount::at(mnt)?, dentry))
-}
+impl File {
+    /// Its address as a plain number, which identifies it in `OPEN_FILES`.
+    fn address(self) -> u64 {
+        if can_cast() {
+            self.0.address()
+        } else {
+            self.0.0
+        }
+    }
 
-/// Slot `fd` of a descriptor table (`fdtable.fd`), through the helper. No check against
-/// max_fds: `fd` was valid at this syscall (a table only grows), and a wrong read lands
-/// on no known superblock anyway.
-fn read_slot(table: u64, fd: u32) -> Option<u64> {
-    field(table + u64::from(fd) * 8, 0)
+    /// Where it lies: the mount it was opened through, and its dentry. f_path is a struct
+    /// path: mnt then dentry (checked by the agent).
+    fn place(self) -> Option<(Mount, u64)> {
+        let at = offset(|o| &o.file_mnt);
+        if can_cast() {
+            let mnt = self.0.follow(at)?;
+            return Some((Mount::of(mnt), Typed(self.0.read(at + 8)).address()));
+        }
+        let [mnt, dentry] = field::<[u64; 2]>(self.0.0, at)?;
+        Some((Mount::at(mnt)?, dentry))
+    }
 }
 
 /// The page cache key of what a descriptor is open on: its superblock's device and its
@@ -639,8 +679,8 @@ fn watched_file(fd: u32, tgid: u32) -> Option<*mut OpenFile> {
 /// lies, if under a root.
 fn opened(fd: u32) -> Option<(u64, Located)> {
     let file = file_at(fd)?;
-    let (mount, dentry) = file_place(file)?;
-    Some((file, locate(mount, dentry)?))
+    let (mount, dentry) = file.place()?;
+    Some((file.address(), locate(mount, dentry)?))
 }
 
 /// The checks of `is_compat` (a read of the task) come after the cheap tests that turn
@@ -705,7 +745,7 @@ fn try_syscall_exit(ctx: &BtfTracePointContext) -> Option<()> {
             // Still the same file (a failed close or dup2, a dup2 onto itself); or
             // another thread of the process opened a file at the freed number since and
             // that open's exit took the entry: it is that file's now.
-            if file_at(fd) == Some(file) {
+            if file_at(fd).map(File::address) == Some(file) {
                 return Some(());
             }
             // The entry stays, closed: an open of another thread may be taking it for
@@ -743,7 +783,7 @@ fn try_syscall_exit(ctx: &BtfTracePointContext) -> Option<()> {
             let file = watched_file(fd as u32, tgid)?;
             // SAFETY: map value pointer, valid for this program run.
             let file_id = unsafe { (*file).file_id };
-            let (mount, dentry) = file_place(file_at(fd as u32)?)?;
+            let (mount, dentry) = file_at(fd as u32)?.place()?;
             let inode = inode_of(mount, dentry)?;
             // The first mapping names the inode; later ones (every process loading the
             // same library) add to it.
@@ -900,8 +940,7 @@ fn agent_syscall(l: &SyscallLayout, pid_tgid: u64, ret: i64) -> Option<()> {
 }
 
 fn calibrate(c: &mut Calibration) {
-    let file = file_at(c.fd as u32);
-    if let Some((mount, dentry)) = file.and_then(file_place) {
+    if let Some((mount, dentry)) = file_at(c.fd as u32).and_then(File::place) {
         c.dentry = dentry;
         // The superblock as `locate` is given it: the mount's, beside its root.
         c.superblock = mount.sb;
@@ -1183,7 +1222,7 @@ fn path_target(dfd: i32, user_path: u64, slot: u32) -> Option<Target> {
     let (mount, dentry) = if dfd == AT_FDCWD {
         cwd()?
     } else {
-        file_place(file_at(dfd as u32)?)?
+        file_at(dfd as u32)?.place()?
     };
     let located = locate(mount, dentry)?;
     let (_, mut t) = read_target(user_path, slot)?;

@@ -561,6 +561,14 @@ impl Agent {
         )
     }
 
+    /// Starts the daemon as on a kernel without kfuncs: its programs read open files
+    /// with the helper (`HOCUS_WITHOUT_KFUNCS`).
+    pub fn start_without_kfuncs(args: &[&str]) -> Self {
+        let dir = agent_dir(&std::env::temp_dir());
+        let state_dir = dir.path().join("state");
+        Self::launch(dir, state_dir, args, &["env", "HOCUS_WITHOUT_KFUNCS=1"])
+    }
+
     /// Starts a daemon on an existing state directory (a restart).
     pub fn start_with_state(dir: tempfile::TempDir, state_dir: PathBuf, args: &[&str]) -> Self {
         Self::launch(dir, state_dir, args, &[])

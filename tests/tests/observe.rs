@@ -136,13 +136,28 @@ fn known_workload_gives_exactly_the_expected_profile() {
 /// juggles the descriptors; the counts must be exact.
 #[test]
 fn a_reused_descriptor_number_counts_for_its_new_file() {
+    reused_descriptor_numbers(Agent::start, "read open files with plain loads");
+}
+
+/// The same on a kernel without `bpf_rdonly_cast` (before 6.2), where the programs read
+/// descriptor tables and files with the helper.
+#[test]
+fn a_reused_descriptor_number_counts_for_its_new_file_without_kfuncs() {
+    reused_descriptor_numbers(
+        Agent::start_without_kfuncs,
+        "read open files with a helper call each",
+    );
+}
+
+/// `how`: what the daemon logs of how its programs read open files.
+fn reused_descriptor_numbers(start: fn(&[&str]) -> Agent, how: &str) {
     let net = NetworkMount::start();
     let watched = net.put("data/watched.bin", &[1u8; 10_000]);
     let other = net.put("data/other.bin", &[2u8; 20_000]);
     let local = tempfile::tempdir().unwrap();
     let unwatched = local.path().join("local.bin");
     fs::write(&unwatched, [3u8; 50_000]).unwrap();
-    let agent = Agent::start(&["--watch", net.mount.to_str().unwrap()]);
+    let agent = start(&["--watch", net.mount.to_str().unwrap()]);
 
     let script = format!(
         "import os\n\
@@ -192,6 +207,7 @@ fn a_reused_descriptor_number_counts_for_its_new_file() {
         (Some(1), Some(20_000)),
         "{o}"
     );
+    assert!(agent.log().contains(how), "{}", agent.log());
 }
 
 /// Shared objects and memory-mapped data are read by page faults, not `read`: the pages

@@ -13,16 +13,18 @@
 use std::{collections::HashMap, path::Path};
 
 use anyhow::{Context, Result, bail};
-use hocus_common::KernelOffsets;
+use hocus_common::{KernelOffsets, kfunc};
 
 const MAGIC: u16 = 0xeb9f;
 
 const KIND_INT: u32 = 1;
+const KIND_PTR: u32 = 2;
 const KIND_ARRAY: u32 = 3;
 const KIND_STRUCT: u32 = 4;
 const KIND_UNION: u32 = 5;
 const KIND_ENUM: u32 = 6;
 const KIND_TYPEDEF: u32 = 8;
+const KIND_FUNC: u32 = 12;
 const KIND_VOLATILE: u32 = 9;
 const KIND_CONST: u32 = 10;
 const KIND_RESTRICT: u32 = 11;
@@ -220,6 +222,28 @@ impl Btf {
     pub fn has(&self, name: &str, fields: &str) -> bool {
         self.offset(name, fields).is_ok()
     }
+
+    /// The id of the kernel function `name` (a kfunc's, for a call to it).
+    pub fn function(&self, name: &str) -> Option<u32> {
+        let id = self
+            .types
+            .iter()
+            .position(|t| t.kind == KIND_FUNC && self.name(t.name_off) == name)?;
+        u32::try_from(id).ok()
+    }
+
+    /// The id of struct `name` if its first field points to a struct `target`.
+    pub fn first_field_points_to(&self, name: &str, target: &str) -> Option<u32> {
+        let id = *self.structs_by_name.get(name)?;
+        let first = self.resolve(id)?.members.first()?;
+        let pointer = self.resolve(first.type_id)?;
+        let pointee = self.resolve(pointer.refers_to)?;
+        (first.bit_offset == 0
+            && pointer.kind == KIND_PTR
+            && pointee.kind == KIND_STRUCT
+            && self.name(pointee.name_off) == target)
+            .then_some(id)
+    }
 }
 
 /// Every offset the programs use, from this kernel's BTF.
@@ -264,7 +288,17 @@ pub fn kernel_offsets(btf: &Btf) -> Result<KernelOffsets> {
         dentry_inode: o("dentry", "d_inode")?,
         inode_ino: o("inode", "i_ino")?,
         regs_args: syscall_arguments(btf)?,
+        file_pointer_type: file_pointer_type(btf),
     })
+}
+
+/// A struct to cast a descriptor table's slot to, so that it reads as a typed `struct
+/// file` (`KernelOffsets::file_pointer_type`); 0 if the kernel cannot cast (before 6.2).
+fn file_pointer_type(btf: &Btf) -> u32 {
+    if btf.function(kfunc::RDONLY_CAST_NAME).is_none() {
+        return 0;
+    }
+    btf.first_field_points_to("kiocb", "file").unwrap_or(0)
 }
 
 /// The registers of a 64-bit syscall's arguments and number (x86-64's syscall ABI: the
@@ -301,5 +335,18 @@ mod tests {
         // x86-64's pt_regs: r15 first, then down to di at 112; orig_ax after ax.
         assert_eq!(o.regs_nr, 120);
         assert_eq!(o.regs_args, [112, 104, 96, 56, 72, 64]);
+    }
+
+    #[test]
+    fn finds_the_kfunc_and_the_struct_to_cast_to() {
+        let btf = Btf::from_kernel().unwrap();
+        // 6.2 and later: the kernels hocus is tested on.
+        assert!(btf.function(kfunc::RDONLY_CAST_NAME).is_some());
+        assert!(btf.function("no_such_kernel_function").is_none());
+        let kiocb = btf.first_field_points_to("kiocb", "file").unwrap();
+        assert_eq!(kernel_offsets(&btf).unwrap().file_pointer_type, kiocb);
+        // A struct whose first field is no pointer to a file.
+        assert!(btf.first_field_points_to("dentry", "file").is_none());
+        assert!(btf.first_field_points_to("kiocb", "inode").is_none());
     }
 }

@@ -22,13 +22,13 @@ use aya::{
 use hocus_common::{
     Calibration, Event, FdKey, Home, InodeKey, MAX_PREFIX, MAX_ROOTS, MAX_TREES, MAX_WATCHED,
     Mapped, NamespaceKey, OpenFile, Superblock, SuperblockSlot, SyscallLayout, View, Watched,
-    counter, filter, rest, superblock,
+    counter, filter, kfunc, rest, superblock,
 };
 
 use crate::observe::{
     btf::{self, Btf},
     followed::Followed,
-    syscalls, tracefs,
+    kfuncs, syscalls, tracefs,
 };
 
 /// A directory the kernel side places files under: a watched tree, or the cache's
@@ -604,6 +604,10 @@ fn kernel_dev(dev: u64) -> u32 {
     (libc::major(dev) << 20) | libc::minor(dev)
 }
 
+/// The environment variable that makes the agent load its programs as for a kernel
+/// without kfuncs.
+pub const WITHOUT_KFUNCS: &str = "HOCUS_WITHOUT_KFUNCS";
+
 /// Loads the programs embedded in this binary, with the kernel's struct offsets (from
 /// its BTF) and the agent's own process id set.
 fn load(tracefs: &Path, every_process: bool) -> Result<Ebpf> {
@@ -625,8 +629,32 @@ fn load(tracefs: &Path, every_process: bool) -> Result<Ebpf> {
         .map_or(u32::MAX, u32::from);
     let self_tgid = std::process::id();
     let btf = Btf::from_kernel()?;
-    let offsets =
+    let mut offsets =
         btf::kernel_offsets(&btf).context("finding the kernel struct fields hocus reads")?;
+    // As on a kernel without kfuncs: the tests take that way too; and a way round a
+    // kernel whose kfunc misbehaves.
+    let forced = std::env::var_os(WITHOUT_KFUNCS).is_some_and(|v| v == "1");
+    if forced {
+        offsets.file_pointer_type = 0;
+    }
+    let cast = (offsets.file_pointer_type != 0)
+        .then(|| btf.function(kfunc::RDONLY_CAST_NAME))
+        .flatten();
+    let name = kfunc::RDONLY_CAST_NAME;
+    match cast {
+        Some(_) => log::info!("the programs read open files with plain loads ({name})"),
+        None if forced => {
+            log::info!("the programs read open files with a helper call each ({WITHOUT_KFUNCS}=1)")
+        }
+        None => log::info!(
+            "the programs read open files with a helper call each: this kernel has no {name} (6.2)"
+        ),
+    }
+    let programs = kfuncs::rewrite(
+        aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/hocus")),
+        kfunc::RDONLY_CAST,
+        cast,
+    )?;
     let ebpf = EbpfLoader::new()
         .override_global("OFFSETS", &offsets, true)
         .override_global("SELF_TGID", &self_tgid, true)
@@ -638,10 +666,7 @@ fn load(tracefs: &Path, every_process: bool) -> Result<Ebpf> {
         .override_global("FILEMAP_DEV_OFFSET", &filemap_dev, true)
         .override_global("FILEMAP_ORDER_OFFSET", &filemap_order, true)
         .override_global("FUSE_CONNECTION_OFFSET", &fuse_connection, true)
-        .load(aya::include_bytes_aligned!(concat!(
-            env!("OUT_DIR"),
-            "/hocus"
-        )))
+        .load(kfuncs::as_bytes(&programs))
         .context(
             "loading the eBPF programs into the kernel (needs root, or CAP_BPF and CAP_PERFMON)",
         )?;
