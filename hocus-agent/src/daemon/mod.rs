@@ -165,8 +165,12 @@ impl Daemon {
         };
         let mut watches = Vec::new();
         let mut watched = Vec::new();
+        // Each tree is held from its check on: one found on its own may be unmounted
+        // meanwhile (an automount expiring), and a path may lead elsewhere later.
+        let mut dirs = Vec::new();
         for path in &given {
-            let canonical = match mounts::check_watch(path) {
+            let checked = mounts::check_watch(path).and_then(|c| Ok((mounts::open_dir(&c)?, c)));
+            let (dir, canonical) = match checked {
                 Ok(c) => c,
                 // A mount found on its own that does not answer (its server or FUSE daemon
                 // is gone) is skipped; one the user named is an error.
@@ -201,6 +205,7 @@ impl Daemon {
                 path: canonical,
                 aliases,
             });
+            dirs.push(dir);
         }
         if watches.is_empty() {
             bail!(
@@ -249,25 +254,29 @@ impl Daemon {
         // Files are placed under the watched trees, and under the cache's copies and
         // snapshots (which jobs open through hocus's binds), whose paths below are the
         // network paths.
+        // Activity on these wakes the tracer when it rests.
+        let devices = dirs
+            .iter()
+            .map(|d| mounts::metadata_of(d).map(|m| m.dev()))
+            .collect::<std::io::Result<Vec<u64>>>()?;
         let mut roots: Vec<Root> = watches
             .iter()
-            .map(|w| Root {
+            .zip(dirs)
+            .map(|(w, dir)| Root {
                 path: w.path.clone(),
+                dir,
                 kind: superblock::WATCHED,
             })
             .collect();
         for dir in [Cache::FILES, Cache::TREES] {
+            let path = cache_dir.join(dir);
             roots.push(Root {
-                path: cache_dir.join(dir),
+                dir: mounts::open_dir(&path)?,
+                path,
                 kind: superblock::CACHE,
             });
         }
         tracer.place_under(&roots)?;
-        // Activity on these wakes the tracer when it rests.
-        let devices = watches
-            .iter()
-            .map(|w| std::fs::metadata(&w.path).map(|m| m.dev()))
-            .collect::<std::io::Result<Vec<u64>>>()?;
         tracer.watch_devices(&devices)?;
         let root_paths = roots
             .iter()

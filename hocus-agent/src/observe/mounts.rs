@@ -2,7 +2,12 @@
 //! which mount a path lives on.
 
 use std::{
+    ffi::CString,
     fs,
+    os::{
+        fd::{AsRawFd, FromRawFd, OwnedFd},
+        unix::ffi::OsStrExt,
+    },
     path::{Path, PathBuf},
 };
 
@@ -193,6 +198,30 @@ pub fn default_watches(mounts: &[Mount]) -> Vec<PathBuf> {
         }
     }
     chosen
+}
+
+/// A descriptor of directory `path` that names it without opening it (`O_PATH`): the
+/// tree it was when opened, whatever happens to the path later.
+pub fn open_dir(path: &Path) -> Result<OwnedFd> {
+    let c = CString::new(path.as_os_str().as_bytes())?;
+    // SAFETY: valid C string; the descriptor is owned on success.
+    let fd = unsafe {
+        libc::open(
+            c.as_ptr(),
+            libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC,
+        )
+    };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error())
+            .with_context(|| format!("opening {}", path.display()));
+    }
+    // SAFETY: just opened, owned by nobody else.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// The metadata of what a descriptor names.
+pub fn metadata_of(fd: &OwnedFd) -> std::io::Result<fs::Metadata> {
+    fs::metadata(format!("/proc/self/fd/{}", fd.as_raw_fd()))
 }
 
 /// Checks that a path to watch exists and is a directory, and returns its canonical form.

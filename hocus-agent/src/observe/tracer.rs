@@ -3,9 +3,8 @@
 //! are (from BTF) and which trees are watched, attaches them, and reads what they report.
 
 use std::{
-    ffi::CString,
     os::{
-        fd::{AsRawFd, FromRawFd, OwnedFd, RawFd},
+        fd::{AsRawFd, OwnedFd, RawFd},
         unix::{ffi::OsStrExt, fs::MetadataExt},
     },
     path::{Path, PathBuf},
@@ -28,14 +27,17 @@ use hocus_common::{
 use crate::observe::{
     btf::{self, Btf},
     followed::Followed,
-    kfuncs, syscalls, tracefs,
+    kfuncs, mounts, syscalls, tracefs,
 };
 
 /// A directory the kernel side places files under: a watched tree, or the cache's
 /// copies of network files (whose paths below it are the network paths).
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct Root {
     pub path: PathBuf,
+    /// The directory, held since it was checked: what is placed under it, whatever the
+    /// path leads to now.
+    pub dir: OwnedFd,
     /// `superblock::WATCHED` or `superblock::CACHE`.
     pub kind: u32,
 }
@@ -116,6 +118,10 @@ pub struct ViewRoot {
     superblock: u64,
 }
 
+/// Programs loaded and attached: whether they cast files, the syscalls not traced, and
+/// the links.
+type Started = (Ebpf, bool, Vec<String>, Vec<(&'static str, Link)>);
+
 /// Kernel-side counters, summed over CPUs, by `hocus_common::counter` index.
 pub type Counters = [u64; counter::COUNT as usize];
 
@@ -125,29 +131,34 @@ impl Tracer {
     /// those that reached a watched mount's server (`hocus_common::follow`).
     pub fn start(prefixes: &[&Path], every_process: bool) -> Result<Self> {
         let tracefs = tracefs::root()?;
-        let mut ebpf = load(&tracefs, every_process)?;
-
-        // Which of each syscall's arguments are read, by syscall number.
-        let mut table: Array<_, SyscallLayout> =
-            Array::try_from(ebpf.map_mut("SYSCALLS").context("no SYSCALLS map")?)?;
-        let mut skipped = Vec::new();
-        for t in syscalls::all() {
-            match t.layout(&tracefs) {
-                Ok(layout) => table.set(t.nr as u32, layout, 0)?,
-                Err(e) => {
-                    log::warn!("not tracing {}: {e:#}", t.name);
-                    skipped.push(t.name.to_owned());
-                }
+        let start = |kfuncs| -> Result<Started> {
+            let (mut ebpf, cast) = load(&tracefs, every_process, kfuncs)?;
+            let skipped = fill_tables(&mut ebpf, &tracefs, prefixes)?;
+            let links = attach(&mut ebpf, &PROGRAMS)
+                .map_err(|e| if cast { e.context(KfuncsRefused) } else { e })?;
+            Ok((ebpf, cast, skipped, links))
+        };
+        // A kernel whose verifier refuses the kfunc calls still gets the programs.
+        let name = kfunc::RDONLY_CAST_NAME;
+        let kfuncs = kfuncs_allowed();
+        let mut without = if kfuncs {
+            format!("this kernel has no {name}: before 6.2")
+        } else {
+            format!("{WITHOUT_KFUNCS}=1")
+        };
+        let (mut ebpf, cast, skipped, mut links) = match start(kfuncs) {
+            Err(e) if e.downcast_ref::<KfuncsRefused>().is_some() => {
+                log::warn!("{e:#}; loading them without");
+                without = format!("the kernel refused {name}");
+                start(false)?
             }
+            started => started?,
+        };
+        if cast {
+            log::info!("the programs read open files with plain loads ({name})");
+        } else {
+            log::info!("the programs read open files with a helper call each ({without})");
         }
-
-        let mut table: Array<_, Watched> =
-            Array::try_from(ebpf.map_mut("WATCHED").context("no WATCHED map")?)?;
-        for (i, entry) in prefix_table(prefixes)?.into_iter().enumerate() {
-            table.set(i as u32, entry, 0)?;
-        }
-
-        let mut links = attach(&mut ebpf, &PROGRAMS)?;
         if tracefs.join("events/fuse/fuse_request_send").exists() {
             links.extend(attach(&mut ebpf, &[FUSE_TRIPWIRE])?);
         }
@@ -182,7 +193,7 @@ impl Tracer {
     /// Attaches the floor program (returns at once) where the real ones go, until the
     /// returned value is dropped: what tracing costs before any work is done.
     pub fn floor() -> Result<Floor> {
-        let mut ebpf = load(&tracefs::root()?, false)?;
+        let (mut ebpf, _) = load(&tracefs::root()?, false, false)?;
         attach(&mut ebpf, &FLOOR)?;
         Ok(Floor { _programs: ebpf })
     }
@@ -202,9 +213,9 @@ impl Tracer {
         let mut superblocks: Vec<(u64, Superblock)> = Vec::new();
         let mut namespace = None;
         for (i, root) in roots.iter().enumerate() {
-            let fd = open_dir(&root.path)?;
+            let fd = root.dir.try_clone()?;
             let c = self.calibrate(&fd)?;
-            let meta = std::fs::metadata(format!("/proc/self/fd/{}", fd.as_raw_fd()))?;
+            let meta = mounts::metadata_of(&fd)?;
             let dev = kernel_dev(meta.dev());
             let name = &c.name[..c.name.iter().position(|b| *b == 0).unwrap_or(c.name.len())];
             let expected = root.path.file_name().map_or(&b"/"[..], |n| n.as_bytes());
@@ -238,7 +249,10 @@ impl Tracer {
         }
         // The working directory and the root directory are read at other offsets:
         // checked the same way, against descriptors of "." and "/".
-        let (cwd, slash) = (open_dir(Path::new("."))?, open_dir(Path::new("/"))?);
+        let (cwd, slash) = (
+            mounts::open_dir(Path::new("."))?,
+            mounts::open_dir(Path::new("/"))?,
+        );
         let (c_cwd, c_slash) = (self.calibrate(&cwd)?, self.calibrate(&slash)?);
         if c_cwd.cwd != c_cwd.dentry || c_slash.namespace.root != c_slash.dentry {
             bail!(
@@ -604,13 +618,52 @@ fn kernel_dev(dev: u64) -> u32 {
     (libc::major(dev) << 20) | libc::minor(dev)
 }
 
+/// Which of each syscall's arguments are read, by syscall number, and the watched
+/// prefixes. Returns the syscalls this kernel cannot trace.
+fn fill_tables(ebpf: &mut Ebpf, tracefs: &Path, prefixes: &[&Path]) -> Result<Vec<String>> {
+    let mut table: Array<_, SyscallLayout> =
+        Array::try_from(ebpf.map_mut("SYSCALLS").context("no SYSCALLS map")?)?;
+    let mut skipped = Vec::new();
+    for t in syscalls::all() {
+        match t.layout(tracefs) {
+            Ok(layout) => table.set(t.nr as u32, layout, 0)?,
+            Err(e) => {
+                log::warn!("not tracing {}: {e:#}", t.name);
+                skipped.push(t.name.to_owned());
+            }
+        }
+    }
+    let mut table: Array<_, Watched> =
+        Array::try_from(ebpf.map_mut("WATCHED").context("no WATCHED map")?)?;
+    for (i, entry) in prefix_table(prefixes)?.into_iter().enumerate() {
+        table.set(i as u32, entry, 0)?;
+    }
+    Ok(skipped)
+}
+
+/// The verifier refused the programs with their kfunc calls.
+#[derive(Debug)]
+struct KfuncsRefused;
+
+impl std::fmt::Display for KfuncsRefused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "the kernel refused the programs' kfunc calls")
+    }
+}
+
 /// The environment variable that makes the agent load its programs as for a kernel
-/// without kfuncs.
+/// without kfuncs: the tests take that way too; and a way round a kernel whose kfunc
+/// misbehaves.
 pub const WITHOUT_KFUNCS: &str = "HOCUS_WITHOUT_KFUNCS";
 
+fn kfuncs_allowed() -> bool {
+    std::env::var_os(WITHOUT_KFUNCS).is_none_or(|v| v != "1")
+}
+
 /// Loads the programs embedded in this binary, with the kernel's struct offsets (from
-/// its BTF) and the agent's own process id set.
-fn load(tracefs: &Path, every_process: bool) -> Result<Ebpf> {
+/// its BTF) and the agent's own process id set; `kfuncs`: calling kfuncs where the
+/// kernel has them. Returns whether the programs cast files (`kfunc::RDONLY_CAST`).
+fn load(tracefs: &Path, every_process: bool, kfuncs: bool) -> Result<(Ebpf, bool)> {
     raise_memlock_limit();
     let fork_format = tracefs::Format::read(tracefs, "sched", "sched_process_fork")?;
     let fork_parent = u32::from(fork_format.offset("parent_pid")?);
@@ -631,25 +684,12 @@ fn load(tracefs: &Path, every_process: bool) -> Result<Ebpf> {
     let btf = Btf::from_kernel()?;
     let mut offsets =
         btf::kernel_offsets(&btf).context("finding the kernel struct fields hocus reads")?;
-    // As on a kernel without kfuncs: the tests take that way too; and a way round a
-    // kernel whose kfunc misbehaves.
-    let forced = std::env::var_os(WITHOUT_KFUNCS).is_some_and(|v| v == "1");
-    if forced {
+    if !kfuncs {
         offsets.file_pointer_type = 0;
     }
     let cast = (offsets.file_pointer_type != 0)
         .then(|| btf.function(kfunc::RDONLY_CAST_NAME))
         .flatten();
-    let name = kfunc::RDONLY_CAST_NAME;
-    match cast {
-        Some(_) => log::info!("the programs read open files with plain loads ({name})"),
-        None if forced => {
-            log::info!("the programs read open files with a helper call each ({WITHOUT_KFUNCS}=1)")
-        }
-        None => log::info!(
-            "the programs read open files with a helper call each: this kernel has no {name} (6.2)"
-        ),
-    }
     let programs = kfuncs::rewrite(
         aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/hocus")),
         kfunc::RDONLY_CAST,
@@ -670,7 +710,7 @@ fn load(tracefs: &Path, every_process: bool) -> Result<Ebpf> {
         .context(
             "loading the eBPF programs into the kernel (needs root, or CAP_BPF and CAP_PERFMON)",
         )?;
-    Ok(ebpf)
+    Ok((ebpf, cast.is_some()))
 }
 
 /// Loads (through the verifier) and attaches `programs`.
@@ -737,23 +777,6 @@ fn prefix_table(trees: &[&Path]) -> Result<Vec<Watched>> {
         bail!("too many watched trees (the kernel table holds {MAX_WATCHED})");
     }
     Ok(table)
-}
-
-fn open_dir(path: &Path) -> Result<OwnedFd> {
-    let c = CString::new(path.as_os_str().as_bytes())?;
-    // SAFETY: valid C string; the descriptor is owned on success.
-    let fd = unsafe {
-        libc::open(
-            c.as_ptr(),
-            libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC,
-        )
-    };
-    if fd < 0 {
-        return Err(std::io::Error::last_os_error())
-            .with_context(|| format!("opening {}", path.display()));
-    }
-    // SAFETY: just opened, owned by nobody else.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
 /// Kernels before 5.11 charge BPF maps to RLIMIT_MEMLOCK; lift it so loading works there.
