@@ -400,21 +400,62 @@ impl File {
 
     /// Where it lies: the mount it was opened through, and its dentry. f_path is a struct
     /// path: mnt then dentry (checked by the agent).
-    fn place(self) -> Option<(Mount, u64)> {
+    fn place(self) -> Option<(Mount, Dentry)> {
         let at = offset(|o| &o.file_mnt);
         if can_cast() {
             let mnt = self.0.follow(at)?;
-            return Some((Mount::of(mnt), Typed(self.0.read(at + 8)).address()));
+            return Some((Mount::of(mnt), Dentry::of(Typed(self.0.read(at + 8)))));
         }
         let [mnt, dentry] = field::<[u64; 2]>(self.0.0, at)?;
-        Some((Mount::at(mnt)?, dentry))
+        Some((Mount::at(mnt)?, Dentry(dentry)))
+    }
+}
+
+/// A directory entry: typed where files are (`can_cast`), its fields then read with
+/// plain loads as `locate` walks up; else its address, read with the helper. One way or
+/// the other for the whole program, so that the verifier follows one walk.
+#[derive(Clone, Copy)]
+struct Dentry(u64);
+
+impl Dentry {
+    /// A typed dentry (a working directory, a typed file's), kept typed where files are.
+    fn of(d: Typed) -> Self {
+        if can_cast() {
+            Self(d.0)
+        } else {
+            Self(d.address())
+        }
+    }
+
+    /// Its address as a plain number.
+    fn address(self) -> u64 {
+        if can_cast() {
+            Typed(self.0).address()
+        } else {
+            self.0
+        }
+    }
+
+    /// Its parent, and the length and address of its name.
+    fn up(self) -> Option<(Dentry, u32, u64)> {
+        let parent_at = offset(|o| &o.dentry_parent);
+        let (len_at, name_at) = (offset(|o| &o.dentry_name_len), offset(|o| &o.dentry_name));
+        if can_cast() {
+            let d = Typed(self.0);
+            return Some((Self(d.read(parent_at)), d.read(len_at), d.read(name_at)));
+        }
+        Some((
+            Self(field(self.0, parent_at)?),
+            field(self.0, len_at)?,
+            field(self.0, name_at)?,
+        ))
     }
 }
 
 /// The page cache key of what a descriptor is open on: its superblock's device and its
 /// inode's number.
-fn inode_of(mount: Mount, dentry: u64) -> Option<InodeKey> {
-    let inode: u64 = field(dentry, offset(|o| &o.dentry_inode))?;
+fn inode_of(mount: Mount, dentry: Dentry) -> Option<InodeKey> {
+    let inode: u64 = field(dentry.address(), offset(|o| &o.dentry_inode))?;
     Some(InodeKey {
         dev: field(mount.sb, offset(|o| &o.sb_dev))?,
         _pad: 0,
@@ -424,12 +465,12 @@ fn inode_of(mount: Mount, dentry: u64) -> Option<InodeKey> {
 
 /// The current process's working directory: the mount it was reached through, and its
 /// dentry. Plain loads all the way.
-fn cwd() -> Option<(Mount, u64)> {
+fn cwd() -> Option<(Mount, Dentry)> {
     let fs = task().follow(offset(|o| &o.task_fs))?;
     // fs->pwd is a struct path: mnt then dentry (checked by the agent).
     let at = offset(|o| &o.fs_pwd_mnt);
     let mnt = fs.follow(at)?;
-    Some((Mount::of(mnt), Typed(fs.read(at + 8)).address()))
+    Some((Mount::of(mnt), Dentry::of(Typed(fs.read(at + 8)))))
 }
 
 /// The current process's mount namespace (from its nsproxy) and root: what its absolute
@@ -479,7 +520,7 @@ struct Located {
 /// parents, whatever mount or namespace it was reached through: a tree bound elsewhere
 /// in a container is still the tree, a look-alike mounted at the same path is another
 /// superblock. Every open on the node comes here: most leave at the superblock test.
-fn locate(mount: Mount, dentry: u64) -> Option<Located> {
+fn locate(mount: Mount, dentry: Dentry) -> Option<Located> {
     let slot = SUPERBLOCK_SLOTS.get(filter::superblock_slot(mount.sb))?;
     let known = match slot.count {
         0 => return None,
@@ -497,25 +538,22 @@ fn locate(mount: Mount, dentry: u64) -> Option<Located> {
     let buf = WALK.get_ptr_mut(0)?;
     // SAFETY: per-CPU scratch owned by this program run.
     let buf = unsafe { &mut *buf };
-    let parent_at = offset(|o| &o.dentry_parent);
-    let (len_at, name_at) = (offset(|o| &o.dentry_name_len), offset(|o| &o.dentry_name));
     let mut pos = MAX_PATH;
     let mut d = dentry;
     for _ in 0..WALK_DEPTH {
         // SAFETY: plain value copy. One lookup rather than a comparison per root: the
         // verifier then follows one "found" path per step, not one per root.
-        if let Some(&root) = unsafe { ROOTS.get(&d) } {
+        if let Some(&root) = unsafe { ROOTS.get(&d.0) } {
             return Some(Located {
                 root,
                 start: pos as u32,
             });
         }
-        let parent: u64 = field(d, parent_at)?;
-        if parent == d {
+        let (parent, len, name) = d.up()?;
+        if parent.0 == d.0 {
             return None; // the filesystem's root, above every watched tree
         }
-        let len = field::<u32>(d, len_at)? as usize;
-        let name: u64 = field(d, name_at)?;
+        let len = len as usize;
         if len == 0 || len > NAME_MAX || len + 2 > pos {
             count(counter::PATH_TRUNCATED);
             return None;
@@ -941,19 +979,21 @@ fn agent_syscall(l: &SyscallLayout, pid_tgid: u64, ret: i64) -> Option<()> {
 
 fn calibrate(c: &mut Calibration) {
     if let Some((mount, dentry)) = file_at(c.fd as u32).and_then(File::place) {
-        c.dentry = dentry;
+        c.dentry = dentry.address();
         // The superblock as `locate` is given it: the mount's, beside its root.
         c.superblock = mount.sb;
         c.superblock_root = field(mount.sb, offset(|o| &o.sb_root)).unwrap_or(0);
         c.dev = field(c.superblock, offset(|o| &o.sb_dev)).unwrap_or(0);
-        c.name_len = field(dentry, offset(|o| &o.dentry_name_len)).unwrap_or(0);
-        let name: u64 = field(dentry, offset(|o| &o.dentry_name)).unwrap_or(0);
-        // SAFETY: fault-tolerant read into the map value.
-        let _ = unsafe { bpf_probe_read_kernel_str_bytes(name as *const u8, &mut c.name) };
+        // The name as `locate` reads it.
+        if let Some((_, len, name)) = dentry.up() {
+            c.name_len = len;
+            // SAFETY: fault-tolerant read into the map value.
+            let _ = unsafe { bpf_probe_read_kernel_str_bytes(name as *const u8, &mut c.name) };
+        }
         c.ino = inode_of(mount, dentry).map_or(0, |i| i.ino);
     }
 
-    c.cwd = cwd().map_or(0, |(_, dentry)| dentry);
+    c.cwd = cwd().map_or(0, |(_, dentry)| dentry.address());
     let nsproxy = nsproxy();
     c.nsproxy = nsproxy.map_or(0, |n| n.0);
     if let Some((key, inum)) = nsproxy.and_then(namespace_of) {
