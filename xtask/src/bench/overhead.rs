@@ -185,6 +185,15 @@ pub fn overhead(agent_bin: &Path, o: &Overhead) -> Result<()> {
     if !crate::is_root() {
         bail!("the benchmark loads eBPF programs and mounts filesystems: run it as root");
     }
+    // With statistics on, every program run also reads the clock twice: the floor and the
+    // daemon look tens of nanoseconds a syscall dearer than they are.
+    if std::fs::read_to_string("/proc/sys/kernel/bpf_stats_enabled").is_ok_and(|v| v.trim() == "1")
+    {
+        eprintln!(
+            "warning: kernel.bpf_stats_enabled is 1, which makes every program run dearer; \
+             for numbers that mean something: sysctl kernel.bpf_stats_enabled=0"
+        );
+    }
     // SAFETY: single-threaded at this point.
     unsafe { std::env::set_var("HOCUS_AGENT_BIN", agent_bin) };
     let net = NetworkMount::start_with_round_trip(o.round_trip);
