@@ -273,7 +273,7 @@ fn is_compat() -> bool {
 /// read before it is turned away. The offsets are read-only data, constants to the
 /// verifier, which checks each load against the kernel's types. Anything else (the
 /// address in a pointer to pointers, or got through the helper) is only a number to
-/// the verifier and is read with `field`.
+/// the verifier: it is typed with `cast` where the kernel can, else read with `field`.
 #[derive(Clone, Copy)]
 struct Typed(u64);
 
@@ -542,7 +542,8 @@ fn locate(mount: Mount, dentry: Dentry) -> Option<Located> {
     let mut d = dentry;
     for _ in 0..WALK_DEPTH {
         // SAFETY: plain value copy. One lookup rather than a comparison per root: the
-        // verifier then follows one "found" path per step, not one per root.
+        // verifier then follows one "found" path per step, not one per root. A typed
+        // dentry is a key like its address (the loader is privileged).
         if let Some(&root) = unsafe { ROOTS.get(&d.0) } {
             return Some(Located {
                 root,
