@@ -5,7 +5,10 @@
 
 use std::{
     fs,
-    os::unix::{fs::PermissionsExt, process::CommandExt},
+    os::unix::{
+        fs::{MetadataExt, PermissionsExt},
+        process::CommandExt,
+    },
     path::{Path, PathBuf},
     process::{Child, Command, Output, Stdio},
     sync::{OnceLock, mpsc},
@@ -232,9 +235,14 @@ impl Slurm {
             .unwrap();
         assert!(chown.success());
         let socket = munge.join("munge.socket.2");
-        let mut munged = Command::new("runuser");
+        // Started as the munge user directly, not through runuser: runuser's child would
+        // outlive the test binary (the parent-death signal is runuser's alone).
+        let owner = fs::metadata(&munge).unwrap();
+        let mut munged = Command::new("munged");
         munged
-            .args(["-u", "munge", "--", "munged", "--foreground", "--force"])
+            .uid(owner.uid())
+            .gid(owner.gid())
+            .args(["--foreground", "--force"])
             .arg(format!("--socket={}", socket.display()))
             .arg(format!("--key-file={}", munge.join("munge.key").display()))
             .arg(format!("--pid-file={}", munge.join("munged.pid").display()))
