@@ -252,7 +252,12 @@ pub fn copy(
             tree.display()
         ))
     })?;
-    let tree_fd = open_path(tree).map_err(CopyError::Source)?;
+    let tree_fd = crate::shared::dirs::open_dir(tree).map_err(|e| match e.raw_os_error() {
+        Some(libc::ELOOP) => {
+            CopyError::Unsafe(format!("{} goes through a symlink", tree.display()))
+        }
+        _ => CopyError::Source(e),
+    })?;
     let src = {
         let _as_reader = AsReader::take(reader).map_err(CopyError::Source)?;
         open_beneath(&tree_fd, rel, libc::O_RDONLY)?
@@ -337,23 +342,6 @@ pub fn copy(
 }
 
 /// Opens a directory as an O_PATH descriptor (the anchor for openat2).
-fn open_path(dir: &Path) -> io::Result<OwnedFd> {
-    let c = CString::new(dir.as_os_str().as_bytes())
-        .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
-    // SAFETY: valid C string; the descriptor is owned on success.
-    let fd = unsafe {
-        libc::open(
-            c.as_ptr(),
-            libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC,
-        )
-    };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: fd is a new descriptor we own.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
-}
-
 /// openat2 beneath `dir` without following symlinks or magic links on any component.
 pub fn open_beneath(dir: &OwnedFd, rel: &Path, flags: libc::c_int) -> Result<OwnedFd, CopyError> {
     let c = CString::new(rel.as_os_str().as_bytes())
@@ -405,7 +393,7 @@ pub struct Tree {
 
 impl Tree {
     pub fn open(path: &Path) -> io::Result<Tree> {
-        let anchor = open_path(path)?;
+        let anchor = crate::shared::dirs::open_dir(path)?;
         Ok(Tree {
             path: path.to_owned(),
             stable_inodes: stable_inodes(&anchor),

@@ -2,12 +2,8 @@
 //! which mount a path lives on.
 
 use std::{
-    ffi::CString,
     fs,
-    os::{
-        fd::{AsRawFd, FromRawFd, OwnedFd},
-        unix::ffi::OsStrExt,
-    },
+    os::fd::{AsRawFd, OwnedFd},
     path::{Path, PathBuf},
 };
 
@@ -200,23 +196,10 @@ pub fn default_watches(mounts: &[Mount]) -> Vec<PathBuf> {
     chosen
 }
 
-/// A descriptor of directory `path` that names it without opening it (`O_PATH`): the
-/// tree it was when opened, whatever happens to the path later.
+/// A descriptor of directory `path` (canonical: refused if it goes through a symlink
+/// now), held as the tree it is.
 pub fn open_dir(path: &Path) -> Result<OwnedFd> {
-    let c = CString::new(path.as_os_str().as_bytes())?;
-    // SAFETY: valid C string; the descriptor is owned on success.
-    let fd = unsafe {
-        libc::open(
-            c.as_ptr(),
-            libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC,
-        )
-    };
-    if fd < 0 {
-        return Err(std::io::Error::last_os_error())
-            .with_context(|| format!("opening {}", path.display()));
-    }
-    // SAFETY: just opened, owned by nobody else.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    crate::shared::dirs::open_dir(path).with_context(|| format!("opening {}", path.display()))
 }
 
 /// The metadata of what a descriptor names.

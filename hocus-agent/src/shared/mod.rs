@@ -1,7 +1,9 @@
 //! The ground floor: what several stages and faces share, and nothing else. The settings
 //! (flags and config file), sizes as people write them, what `status` reports, and the
-//! per-file log lines, munge credentials, and giving freed memory back. Imports nothing of the crate above it.
+//! per-file log lines, munge credentials, giving freed memory back, and opening a
+//! directory without following symlinks. Imports nothing of the crate above it.
 
+pub mod dirs;
 pub mod log_line;
 pub mod memory;
 pub mod munge;

@@ -1,0 +1,70 @@
+//! Opening a directory the daemon then works beneath (a watched tree, the cache), by a
+//! path it canonicalized: without following a symlink on any component, so that one
+//! swapped in since (a user's own mount point lies in a directory the user owns) is
+//! refused instead of leading the daemon elsewhere.
+
+use std::{
+    ffi::CString,
+    io,
+    os::{
+        fd::{FromRawFd, OwnedFd},
+        unix::ffi::OsStrExt,
+    },
+    path::Path,
+};
+
+/// A descriptor of directory `path` that names it without opening it (`O_PATH`): the
+/// directory it was when opened, whatever happens to the path later. ELOOP if the path
+/// goes through a symlink.
+pub fn open_dir(path: &Path) -> io::Result<OwnedFd> {
+    let c = CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    // struct open_how (linux/openat2.h); libc's is non-exhaustive.
+    #[repr(C)]
+    struct OpenHow {
+        flags: u64,
+        mode: u64,
+        resolve: u64,
+    }
+    let how = OpenHow {
+        flags: (libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC) as u64,
+        mode: 0,
+        resolve: libc::RESOLVE_NO_SYMLINKS | libc::RESOLVE_NO_MAGICLINKS,
+    };
+    // SAFETY: valid pointers for the duration of the call.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_openat2,
+            libc::AT_FDCWD,
+            c.as_ptr(),
+            &how as *const OpenHow,
+            size_of::<OpenHow>(),
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: fd is a new descriptor we own.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn opens_a_directory_but_not_through_a_symlink() {
+        let dir = tempfile::tempdir().unwrap();
+        let real = dir.path().canonicalize().unwrap();
+        std::fs::create_dir(real.join("tree")).unwrap();
+        std::os::unix::fs::symlink(real.join("tree"), real.join("link")).unwrap();
+        std::os::unix::fs::symlink("/etc", real.join("tree").join("etc")).unwrap();
+        assert!(open_dir(&real.join("tree")).is_ok());
+        for through in ["link", "tree/etc"] {
+            let e = open_dir(&real.join(through)).unwrap_err();
+            assert_eq!(e.raw_os_error(), Some(libc::ELOOP), "{through}");
+        }
+        let e = open_dir(&real.join("missing")).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::NotFound);
+    }
+}
