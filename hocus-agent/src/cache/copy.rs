@@ -17,11 +17,8 @@ use std::{
     fs::{self, File},
     io,
     os::{
-        fd::{AsRawFd, FromRawFd, IntoRawFd, OwnedFd},
-        unix::{
-            ffi::{OsStrExt, OsStringExt},
-            fs::MetadataExt,
-        },
+        fd::{AsRawFd, IntoRawFd, OwnedFd},
+        unix::{ffi::OsStringExt, fs::MetadataExt},
     },
     path::{Path, PathBuf},
     sync::Mutex,
@@ -34,6 +31,7 @@ use super::{
     pour::{PourError, pour},
     relay::{self, Parent},
 };
+use crate::shared::dirs;
 
 /// What identifies a version of a file: a copy is valid while these are unchanged. The
 /// mode and owner are part of it: a permission change must reach jobs, and some network
@@ -252,7 +250,7 @@ pub fn copy(
             tree.display()
         ))
     })?;
-    let tree_fd = crate::shared::dirs::open_dir(tree).map_err(|e| match e.raw_os_error() {
+    let tree_fd = dirs::open_dir(tree).map_err(|e| match e.raw_os_error() {
         Some(libc::ELOOP) => {
             CopyError::Unsafe(format!("{} goes through a symlink", tree.display()))
         }
@@ -344,42 +342,17 @@ pub fn copy(
 /// Opens a directory as an O_PATH descriptor (the anchor for openat2).
 /// openat2 beneath `dir` without following symlinks or magic links on any component.
 pub fn open_beneath(dir: &OwnedFd, rel: &Path, flags: libc::c_int) -> Result<OwnedFd, CopyError> {
-    let c = CString::new(rel.as_os_str().as_bytes())
-        .map_err(|_| CopyError::Unsafe("a NUL byte in the path".into()))?;
-    // struct open_how (linux/openat2.h); libc's is non-exhaustive.
-    #[repr(C)]
-    struct OpenHow {
-        flags: u64,
-        mode: u64,
-        resolve: u64,
-    }
-    let how = OpenHow {
-        flags: (flags | libc::O_CLOEXEC | libc::O_NOFOLLOW) as u64,
-        mode: 0,
-        resolve: libc::RESOLVE_BENEATH | libc::RESOLVE_NO_SYMLINKS | libc::RESOLVE_NO_MAGICLINKS,
-    };
-    // SAFETY: valid pointers for the duration of the call.
-    let fd = unsafe {
-        libc::syscall(
-            libc::SYS_openat2,
-            dir.as_raw_fd(),
-            c.as_ptr(),
-            &how as *const OpenHow,
-            size_of::<OpenHow>(),
-        )
-    };
-    if fd < 0 {
-        let e = io::Error::last_os_error();
-        return Err(match e.raw_os_error() {
-            Some(libc::ELOOP) | Some(libc::EXDEV) => CopyError::Unsafe(format!(
+    let resolve = libc::RESOLVE_BENEATH | libc::RESOLVE_NO_SYMLINKS | libc::RESOLVE_NO_MAGICLINKS;
+    dirs::openat2(dir.as_raw_fd(), rel, flags | libc::O_NOFOLLOW, resolve).map_err(|e| {
+        match (e.kind(), e.raw_os_error()) {
+            (io::ErrorKind::InvalidInput, _) => CopyError::Unsafe("a NUL byte in the path".into()),
+            (_, Some(libc::ELOOP) | Some(libc::EXDEV)) => CopyError::Unsafe(format!(
                 "{} goes through a symlink or leaves the watched tree",
                 rel.display()
             )),
             _ => CopyError::Source(e),
-        });
-    }
-    // SAFETY: fd is a new descriptor we own.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+        }
+    })
 }
 
 /// A watched tree held open: the anchor every lookup of a batch (a snapshot, a
@@ -393,7 +366,7 @@ pub struct Tree {
 
 impl Tree {
     pub fn open(path: &Path) -> io::Result<Tree> {
-        let anchor = crate::shared::dirs::open_dir(path)?;
+        let anchor = dirs::open_dir(path)?;
         Ok(Tree {
             path: path.to_owned(),
             stable_inodes: stable_inodes(&anchor),
@@ -647,7 +620,10 @@ mod tests {
     use super::*;
     use std::{
         io::{Seek, Write},
-        os::unix::fs::{PermissionsExt, symlink},
+        os::unix::{
+            ffi::OsStrExt,
+            fs::{PermissionsExt, symlink},
+        },
     };
 
     #[test]

@@ -7,7 +7,7 @@ use std::{
     ffi::CString,
     io,
     os::{
-        fd::{FromRawFd, OwnedFd},
+        fd::{FromRawFd, OwnedFd, RawFd},
         unix::ffi::OsStrExt,
     },
     path::Path,
@@ -17,6 +17,17 @@ use std::{
 /// directory it was when opened, whatever happens to the path later. ELOOP if the path
 /// goes through a symlink.
 pub fn open_dir(path: &Path) -> io::Result<OwnedFd> {
+    openat2(
+        libc::AT_FDCWD,
+        path,
+        libc::O_PATH | libc::O_DIRECTORY,
+        libc::RESOLVE_NO_SYMLINKS | libc::RESOLVE_NO_MAGICLINKS,
+    )
+}
+
+/// `openat2(dir, path, flags | O_CLOEXEC, resolve)`: InvalidInput for a NUL byte in the
+/// path.
+pub fn openat2(dir: RawFd, path: &Path, flags: libc::c_int, resolve: u64) -> io::Result<OwnedFd> {
     let c = CString::new(path.as_os_str().as_bytes())
         .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
     // struct open_how (linux/openat2.h); libc's is non-exhaustive.
@@ -27,15 +38,15 @@ pub fn open_dir(path: &Path) -> io::Result<OwnedFd> {
         resolve: u64,
     }
     let how = OpenHow {
-        flags: (libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC) as u64,
+        flags: (flags | libc::O_CLOEXEC) as u64,
         mode: 0,
-        resolve: libc::RESOLVE_NO_SYMLINKS | libc::RESOLVE_NO_MAGICLINKS,
+        resolve,
     };
     // SAFETY: valid pointers for the duration of the call.
     let fd = unsafe {
         libc::syscall(
             libc::SYS_openat2,
-            libc::AT_FDCWD,
+            dir,
             c.as_ptr(),
             &how as *const OpenHow,
             size_of::<OpenHow>(),
