@@ -250,12 +250,7 @@ pub fn copy(
             tree.display()
         ))
     })?;
-    let tree_fd = dirs::open_dir(tree).map_err(|e| match e.raw_os_error() {
-        Some(libc::ELOOP) => {
-            CopyError::Unsafe(format!("{} goes through a symlink", tree.display()))
-        }
-        _ => CopyError::Source(e),
-    })?;
+    let tree_fd = dirs::open_dir(tree).map_err(|e| refused(e, tree))?;
     let src = {
         let _as_reader = AsReader::take(reader).map_err(CopyError::Source)?;
         open_beneath(&tree_fd, rel, libc::O_RDONLY)?
@@ -339,20 +334,25 @@ pub fn copy(
     result
 }
 
-/// Opens a directory as an O_PATH descriptor (the anchor for openat2).
 /// openat2 beneath `dir` without following symlinks or magic links on any component.
 pub fn open_beneath(dir: &OwnedFd, rel: &Path, flags: libc::c_int) -> Result<OwnedFd, CopyError> {
     let resolve = libc::RESOLVE_BENEATH | libc::RESOLVE_NO_SYMLINKS | libc::RESOLVE_NO_MAGICLINKS;
-    dirs::openat2(dir.as_raw_fd(), rel, flags | libc::O_NOFOLLOW, resolve).map_err(|e| {
-        match (e.kind(), e.raw_os_error()) {
-            (io::ErrorKind::InvalidInput, _) => CopyError::Unsafe("a NUL byte in the path".into()),
-            (_, Some(libc::ELOOP) | Some(libc::EXDEV)) => CopyError::Unsafe(format!(
-                "{} goes through a symlink or leaves the watched tree",
-                rel.display()
-            )),
-            _ => CopyError::Source(e),
-        }
-    })
+    dirs::openat2(dir.as_raw_fd(), rel, flags | libc::O_NOFOLLOW, resolve)
+        .map_err(|e| refused(e, rel))
+}
+
+/// What a failed `openat2` of `path` without symlinks means for a copy: a path that
+/// goes through a symlink, leaves its tree or holds a NUL is unsafe; anything else is
+/// the source's failure.
+fn refused(e: io::Error, path: &Path) -> CopyError {
+    match (e.kind(), e.raw_os_error()) {
+        (io::ErrorKind::InvalidInput, _) => CopyError::Unsafe("a NUL byte in the path".into()),
+        (_, Some(libc::ELOOP) | Some(libc::EXDEV)) => CopyError::Unsafe(format!(
+            "{} goes through a symlink or leaves the watched tree",
+            path.display()
+        )),
+        _ => CopyError::Source(e),
+    }
 }
 
 /// A watched tree held open: the anchor every lookup of a batch (a snapshot, a

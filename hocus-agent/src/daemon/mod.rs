@@ -251,14 +251,14 @@ impl Daemon {
         cache.trees = watches.iter().map(|w| w.path.clone()).collect();
         let cache_dir = cache.cache_dir.clone();
         let (keeper, keeper_thread) = keeper::start(cache)?;
-        // Files are placed under the watched trees, and under the cache's copies and
-        // snapshots (which jobs open through hocus's binds), whose paths below are the
-        // network paths.
         // Activity on these wakes the tracer when it rests.
         let devices = dirs
             .iter()
             .map(|d| mounts::metadata_of(d).map(|m| m.dev()))
             .collect::<std::io::Result<Vec<u64>>>()?;
+        // Files are placed under the watched trees, and under the cache's copies and
+        // snapshots (which jobs open through hocus's binds), whose paths below are the
+        // network paths.
         let mut roots: Vec<Root> = watches
             .iter()
             .zip(dirs)

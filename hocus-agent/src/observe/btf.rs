@@ -13,7 +13,7 @@
 use std::{collections::HashMap, path::Path};
 
 use anyhow::{Context, Result, bail};
-use hocus_common::{KernelOffsets, kfunc};
+use hocus_common::KernelOffsets;
 
 const MAGIC: u16 = 0xeb9f;
 
@@ -293,11 +293,9 @@ pub fn kernel_offsets(btf: &Btf) -> Result<KernelOffsets> {
 }
 
 /// A struct to cast a descriptor table's slot to, so that it reads as a typed `struct
-/// file` (`KernelOffsets::file_pointer_type`); 0 if the kernel cannot cast (before 6.2).
+/// file` (`KernelOffsets::file_pointer_type`); 0 if the kernel has none. Whether the
+/// kernel can cast at all (`bpf_rdonly_cast`) is the loader's to decide.
 fn file_pointer_type(btf: &Btf) -> u32 {
-    if btf.function(kfunc::RDONLY_CAST_NAME).is_none() {
-        return 0;
-    }
     btf.first_field_points_to("kiocb", "file").unwrap_or(0)
 }
 
@@ -339,6 +337,7 @@ mod tests {
 
     #[test]
     fn finds_the_kfunc_and_the_struct_to_cast_to() {
+        use hocus_common::kfunc;
         let btf = Btf::from_kernel().unwrap();
         // 6.2 and later: the kernels hocus is tested on.
         assert!(btf.function(kfunc::RDONLY_CAST_NAME).is_some());

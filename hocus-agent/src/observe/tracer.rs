@@ -684,12 +684,15 @@ fn load(tracefs: &Path, every_process: bool, kfuncs: bool) -> Result<(Ebpf, bool
     let btf = Btf::from_kernel()?;
     let mut offsets =
         btf::kernel_offsets(&btf).context("finding the kernel struct fields hocus reads")?;
-    if !kfuncs {
+    // A cast needs the kfunc and a struct to cast to; without either, the programs read
+    // files with the helper (`file_pointer_type` 0).
+    let cast = kfuncs
+        .then(|| btf.function(kfunc::RDONLY_CAST_NAME))
+        .flatten()
+        .filter(|_| offsets.file_pointer_type != 0);
+    if cast.is_none() {
         offsets.file_pointer_type = 0;
     }
-    let cast = (offsets.file_pointer_type != 0)
-        .then(|| btf.function(kfunc::RDONLY_CAST_NAME))
-        .flatten();
     let programs = kfuncs::rewrite(
         aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/hocus")),
         kfunc::RDONLY_CAST,
