@@ -69,6 +69,11 @@ static TRACE_EVERY_PROCESS: u32 = 0;
 /// Offset of `connection` (the FUSE mount's device) in fuse_request_send records.
 #[unsafe(no_mangle)]
 static FUSE_CONNECTION_OFFSET: u32 = 8;
+/// Non-zero: every watched tree is on FUSE and `fuse_request` is attached, so a path
+/// syscall of a process at home reached a watched tree only if its thread made a
+/// request to it (`REQUESTED`); the others are turned away before their path is read.
+#[unsafe(no_mangle)]
+static PATHS_BY_REQUEST: u32 = 0;
 /// Where the kernel keeps the fields read below, from its BTF.
 #[unsafe(no_mangle)]
 static OFFSETS: KernelOffsets = KernelOffsets {
@@ -161,6 +166,10 @@ static JOBS: LruHashMap<u32, u32> = LruHashMap::with_max_entries(MAX_PROCESSES, 
 /// The processes `syscall_exit` follows (`hocus_common::follow`).
 #[map]
 static FOLLOWED: Array<u64> = Array::with_max_entries(follow::WORDS, BPF_F_MMAPABLE);
+/// The threads that made a request to a watched FUSE mount since their last path
+/// syscall was looked at (`follow::word`/`bit`, by thread id; `PATHS_BY_REQUEST`).
+#[map]
+static REQUESTED: Array<u64> = Array::with_max_entries(follow::WORDS, 0);
 /// Watched files some process mapped, by inode: pages entering their page cache.
 #[map]
 static MAPPED: LruHashMap<InodeKey, Mapped> = LruHashMap::with_max_entries(MAX_MAPPED, 0);
@@ -605,15 +614,25 @@ fn in_followed(id: u32) -> bool {
         .is_none_or(|w| w & follow::bit(id) != 0)
 }
 
-/// Follows `id` from now on: a process, or a thread a followed process made. Bits are
-/// set and cleared atomically: other CPUs follow and forget at the same time.
+/// Follows `id` from now on: a process, or a thread a followed process made.
 fn follow(id: u32) {
     if id == 0 || global(&TRACE_EVERY_PROCESS) != 0 {
         return;
     }
-    if let Some(w) = FOLLOWED.get_ptr_mut(follow::word(id)) {
-        // SAFETY: map value pointer, valid for this program run; read first, so that a
-        // process already followed costs no locked operation.
+    set_bit(&FOLLOWED, id);
+}
+
+/// Stops following `id` (gone).
+fn unfollow(id: u32) {
+    clear_bit(&FOLLOWED, id);
+}
+
+/// Sets `id`'s bit in a bitmap by process or thread id (`hocus_common::follow`). Bits
+/// are set and cleared atomically: other CPUs set and clear others in the same word. The
+/// word is read first, so that a bit already set costs no locked operation.
+fn set_bit(map: &Array<u64>, id: u32) {
+    if let Some(w) = map.get_ptr_mut(follow::word(id)) {
+        // SAFETY: map value pointer, valid for this program run.
         unsafe {
             if core::ptr::read_volatile(w) & follow::bit(id) == 0 {
                 core::intrinsics::atomic_or::<u64, u64, { core::intrinsics::AtomicOrdering::SeqCst }>(
@@ -625,19 +644,37 @@ fn follow(id: u32) {
     }
 }
 
-/// Stops following `id` (gone).
-fn unfollow(id: u32) {
-    if let Some(w) = FOLLOWED.get_ptr_mut(follow::word(id)) {
-        // SAFETY: as in `follow`.
-        unsafe {
-            if core::ptr::read_volatile(w) & follow::bit(id) != 0 {
-                core::intrinsics::atomic_and::<
-                    u64,
-                    u64,
-                    { core::intrinsics::AtomicOrdering::SeqCst },
-                >(w, !follow::bit(id));
-            }
+/// Clears `id`'s bit; whether it was set (as far as this CPU saw).
+fn clear_bit(map: &Array<u64>, id: u32) -> bool {
+    let Some(w) = map.get_ptr_mut(follow::word(id)) else {
+        return false;
+    };
+    // SAFETY: as in `set_bit`.
+    unsafe {
+        if core::ptr::read_volatile(w) & follow::bit(id) == 0 {
+            return false;
         }
+        core::intrinsics::atomic_and::<u64, u64, { core::intrinsics::AtomicOrdering::SeqCst }>(
+            w,
+            !follow::bit(id),
+        );
+    }
+    true
+}
+
+/// Whether a path syscall (a failed lookup, a mutation) of thread `thread` may have
+/// reached a watched tree, before its path is read (~105 ns for the first eight bytes
+/// alone). With `PATHS_BY_REQUEST`, a process at home reached one only if the thread made
+/// a request to a watched mount since its last path syscall (its `REQUESTED` bit, taken
+/// here): on FUSE every lookup of a name the kernel does not hold is one. Elsewhere (a
+/// job's namespace, whose binds answer lookups from local copies; a container) always.
+fn may_reach_watched(thread: u32) -> bool {
+    if global(&PATHS_BY_REQUEST) == 0 || clear_bit(&REQUESTED, thread) {
+        return true;
+    }
+    match (nsproxy(), HOME.get(0)) {
+        (Some(nsproxy), Some(home)) => nsproxy.0 != home.nsproxy,
+        _ => true,
     }
 }
 
@@ -902,7 +939,7 @@ fn try_syscall_exit(ctx: &BtfTracePointContext) -> Option<()> {
             );
         }
         op::RENAME if ret == 0 => {
-            if is_compat() {
+            if !may_reach_watched(pid_tgid as u32) || is_compat() {
                 return None;
             }
             // One after the other: both use the same walk buffer.
@@ -928,14 +965,17 @@ fn try_syscall_exit(ctx: &BtfTracePointContext) -> Option<()> {
                 op::TRUNCATE if ret == 0 => kind::TRUNCATE,
                 _ => return Some(()),
             };
+            // A write a read-only bind refused made no request: looked at whatever.
             let flags = if k == kind::REFUSED_WRITE {
                 let flags = open_flags(&args, l);
                 if l.op == op::OPEN && flags & (O_ACCMODE | O_CREAT | O_TRUNC) == 0 {
                     return Some(()); // a read-only open cannot be a refused write
                 }
                 flags
-            } else {
+            } else if may_reach_watched(pid_tgid as u32) {
                 0
+            } else {
+                return None;
             };
             // One call site: the verifier follows the walk once, not once per kind.
             let t = path_target(args.dfd(l.dfd), args.get(l.path)?, 0)?;
@@ -1080,7 +1120,7 @@ fn try_filemap_add(ctx: &TracePointContext) -> Option<()> {
         ino: unsafe { ctx.read_at(global(&FILEMAP_INO_OFFSET) as usize) }.ok()?,
     };
     // A read from a watched mount's server, whatever the filesystem.
-    tripped(key.dev);
+    let _ = tripped(key.dev);
     let mapped = MAPPED.get_ptr_mut(&key)?;
     current()?;
     // SAFETY: as above; `u32::MAX`: this kernel adds one page at a time.
@@ -1112,7 +1152,11 @@ fn try_filemap_add(ctx: &TracePointContext) -> Option<()> {
 pub fn fuse_request(ctx: TracePointContext) -> u32 {
     // SAFETY: the offset comes from the tracepoint's format file.
     if let Ok(dev) = unsafe { ctx.read_at::<u32>(global(&FUSE_CONNECTION_OFFSET) as usize) } {
-        tripped(dev);
+        if let Some(thread) = tripped(dev) {
+            if global(&PATHS_BY_REQUEST) != 0 {
+                set_bit(&REQUESTED, thread);
+            }
+        }
     }
     0
 }
@@ -1120,21 +1164,20 @@ pub fn fuse_request(ctx: TracePointContext) -> u32 {
 /// A tripwire: if `dev` is a watched mount's device, the current process is followed
 /// from now on (this very syscall too: its exit comes after), and a resting
 /// `syscall_exit` is asked to attach again, once. The agent's own work on the mount
-/// (copies, checks) is neither.
-fn tripped(dev: u32) {
+/// (copies, checks) is neither. Returns the thread, if `dev` is watched.
+fn tripped(dev: u32) -> Option<u32> {
     if !is_watched_device(dev) {
-        return;
+        return None;
     }
-    let Some((_, tgid)) = current() else {
-        return;
-    };
+    let (pid_tgid, tgid) = current()?;
     follow(tgid);
+    let thread = Some(pid_tgid as u32);
     let Some(state) = REST.get_ptr_mut(0) else {
-        return;
+        return thread;
     };
     // SAFETY: map value pointer, valid for this program run.
     if unsafe { *state } != rest::RESTING {
-        return;
+        return thread;
     }
     // SAFETY: as above. Two CPUs may both get here: the agent wakes once either way.
     unsafe { *state = rest::WAKING };
@@ -1146,6 +1189,7 @@ fn tripped(dev: u32) {
         open_flags: 0,
     };
     emit(&h, &no_path(), 0);
+    thread
 }
 
 fn is_watched_device(dev: u32) -> bool {

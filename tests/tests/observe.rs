@@ -130,6 +130,66 @@ fn known_workload_gives_exactly_the_expected_profile() {
     assert_eq!(order[2], net.path("out/result.txt").to_str().unwrap());
 }
 
+/// A failed lookup's path is read only if its thread asked a watched mount's server
+/// since its last one (on FUSE, every lookup of a name the kernel does not hold is a
+/// request), so the failed lookups of a process that uses the mount cost nothing on
+/// local disk. Threads of one Python process interleave failed lookups on local disk
+/// and on the mount, by stat and by open, and one works relative to a directory on the
+/// mount: each watched one is counted exactly, and no local one appears.
+#[test]
+fn failed_lookups_among_local_ones_are_each_counted_in_every_thread() {
+    let net = NetworkMount::start();
+    fs::create_dir_all(net.server_path("env")).unwrap();
+    let local = tempfile::tempdir().unwrap();
+    let agent = Agent::start(&["--watch", net.mount.to_str().unwrap()]);
+
+    let script = format!(
+        "import os, threading\n\
+         env, local = {:?}, {:?}\n\
+         def probe(i):\n\
+         \x20   for _ in range(50):\n\
+         \x20       for _ in range(3):\n\
+         \x20           assert not os.path.exists(os.path.join(local, f'nope{{i}}.py'))\n\
+         \x20       assert not os.path.exists(os.path.join(env, f't{{i}}.py'))\n\
+         \x20       try:\n\
+         \x20           os.close(os.open(os.path.join(env, f't{{i}}.so'), os.O_RDONLY))\n\
+         \x20           raise AssertionError('t{{i}}.so exists')\n\
+         \x20       except FileNotFoundError:\n\
+         \x20           pass\n\
+         threads = [threading.Thread(target=probe, args=(i,)) for i in range(4)]\n\
+         for t in threads: t.start()\n\
+         for t in threads: t.join()\n\
+         os.chdir(env)\n\
+         for _ in range(10):\n\
+         \x20   assert not os.path.exists(os.path.join(local, 'nope.py'))\n\
+         \x20   assert not os.path.exists('relative.py')\n",
+        net.path("env").to_str().unwrap(),
+        local.path().to_str().unwrap(),
+    );
+    let out = Command::new("python3")
+        .args(["-c", &script])
+        .output()
+        .unwrap();
+    assert_success(&out);
+
+    let p = agent.export();
+    for i in 0..4 {
+        for name in [format!("env/t{i}.py"), format!("env/t{i}.so")] {
+            assert_eq!(
+                missing_lookups(&p, &net.path(&name)),
+                Some(50),
+                "{name}: {p:#}"
+            );
+        }
+    }
+    assert_eq!(
+        missing_lookups(&p, &net.path("env/relative.py")),
+        Some(10),
+        "{p:#}"
+    );
+    assert_eq!(p["missing"].as_array().unwrap().len(), 9, "{p:#}");
+}
+
 /// A descriptor number outlives the file it held: after a close, or a dup2 onto it, its
 /// next file's reads are that file's, and a file opened beside hundreds of others (a
 /// grown descriptor table, as most processes have) is followed all the same. Python

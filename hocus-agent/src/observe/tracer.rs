@@ -680,6 +680,9 @@ fn load(tracefs: &Path, every_process: bool, kfuncs: bool) -> Result<(Ebpf, bool
     let fuse_connection = tracefs::Format::read(tracefs, "fuse", "fuse_request_send")
         .and_then(|f| f.offset("connection"))
         .map_or(u32::MAX, u32::from);
+    // Following only processes that used a watched mount means every watched tree is on
+    // FUSE; with the tripwire there, a path syscall reached one only if it made a request.
+    let paths_by_request = u32::from(every_process == 0 && fuse_connection != u32::MAX);
     let self_tgid = std::process::id();
     let btf = Btf::from_kernel()?;
     let mut offsets =
@@ -709,6 +712,7 @@ fn load(tracefs: &Path, every_process: bool, kfuncs: bool) -> Result<(Ebpf, bool
         .override_global("FILEMAP_DEV_OFFSET", &filemap_dev, true)
         .override_global("FILEMAP_ORDER_OFFSET", &filemap_order, true)
         .override_global("FUSE_CONNECTION_OFFSET", &fuse_connection, true)
+        .override_global("PATHS_BY_REQUEST", &paths_by_request, true)
         .load(kfuncs::as_bytes(&programs))
         .context(
             "loading the eBPF programs into the kernel (needs root, or CAP_BPF and CAP_PERFMON)",
