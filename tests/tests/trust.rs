@@ -1172,3 +1172,98 @@ for kind in ["save_job_profile", "prefetch_job_profile"]:
         "nothing written"
     );
 }
+
+/// A watched mount may lie in a directory an ordinary user owns (a mount of their own,
+/// found when the daemon watches every network mount). After the daemon has checked it
+/// and cached its files, the user swaps the directory above it for a symlink to a tree
+/// of root's with the same names. Their next job must get no bind through the symlink:
+/// it would lay the user's files over root's directory, in a namespace where setuid
+/// programs run.
+#[test]
+fn a_watched_tree_swapped_for_a_symlink_gets_no_bind_through_it() {
+    let (uid, gid) = test_user();
+    let home = tempfile::Builder::new()
+        .prefix("hocus-home-")
+        .tempdir()
+        .unwrap();
+    std::os::unix::fs::chown(home.path(), Some(uid), Some(gid)).unwrap();
+    fs::set_permissions(home.path(), fs::Permissions::from_mode(0o755)).unwrap();
+    let net = NetworkMount::start_under(home.path());
+    let module = net.put("env/pkg/mod.py", b"X = 1\n");
+    let agent = Agent::start(&["--watch", net.mount.to_str().unwrap()]);
+    read_all(&module);
+    let copy = agent.local_copy(&module);
+    hocus_tests::wait_until(30, "the copy", || {
+        copy.exists() && agent.cache()["cached_files"].as_u64() > Some(0)
+    });
+    // Before the swap, the user's job is served the copy: the binds are there to abuse.
+    let job = |script: &str| {
+        agent
+            .cli(&["run", "--", "sh", "-c", script])
+            .current_dir("/")
+            .uid(uid)
+            .gid(gid)
+            .output()
+            .unwrap()
+    };
+    let binds = "awk '{print $5}' /proc/self/mountinfo";
+    let out = job(&format!("{binds}; cat {}", module.display()));
+    assert_success(&out);
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        stdout
+            .lines()
+            .any(|l| module.starts_with(l) && l != net.mount.to_str().unwrap()),
+        "no bind served the module before the swap: {stdout}"
+    );
+
+    // Root's tree, with the names the watched tree has below the swapped directory.
+    let roots = tempfile::Builder::new()
+        .prefix("hocus-roots-")
+        .tempdir()
+        .unwrap();
+    let above = net.mount.parent().unwrap().to_owned();
+    let rel = module.strip_prefix(&above).unwrap();
+    fs::create_dir_all(roots.path().join(rel).parent().unwrap()).unwrap();
+    fs::write(roots.path().join(rel), b"ROOT = 1\n").unwrap();
+    let moved = home.path().join("moved");
+    let swap = format!(
+        "mv {above} {moved} && ln -s {roots} {above}",
+        above = above.display(),
+        moved = moved.display(),
+        roots = roots.path().display()
+    );
+    let out = std::process::Command::new("sh")
+        .args(["-c", &swap])
+        .uid(uid)
+        .gid(gid)
+        .output()
+        .unwrap();
+    assert_success(&out);
+    let out = job(&format!("{binds}; cat {}", module.display()));
+    // Put back before anything is asserted, so that the mount is taken down.
+    fs::remove_file(&above).unwrap();
+    fs::rename(&moved, &above).unwrap();
+
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert_success(&out);
+    let roots_path = fs::canonicalize(roots.path()).unwrap();
+    let laid_over: Vec<&str> = stdout
+        .lines()
+        .filter(|l| Path::new(l).starts_with(&roots_path))
+        .collect();
+    assert!(
+        laid_over.is_empty(),
+        "bound over root's tree: {laid_over:?}"
+    );
+    assert!(stdout.ends_with("ROOT = 1\n"), "{stdout}");
+    // The daemon still serves: the next job, with the tree back, gets the copy again.
+    let out = job(&format!("cat {}", module.display()));
+    assert_success(&out);
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "X = 1\n");
+    assert!(
+        agent.log().contains("now goes through a symlink"),
+        "{}",
+        agent.log()
+    );
+}

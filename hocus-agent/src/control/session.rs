@@ -88,6 +88,12 @@ fn bind_all(binds: Vec<Bind>) -> Made {
                 views.extend(view.map(|v| (v, b.target.clone())));
                 made.push(b);
             }
+            // A user may own a directory above a watched mount and swap it for a
+            // symlink: said, as no bind is ever made through one.
+            Err(e) if e.raw_os_error() == Some(libc::ELOOP) => log::warn!(
+                "not binding {}: its path now goes through a symlink ({e}); the job reads the network there",
+                b.target.display()
+            ),
             Err(e) => log::debug!("not binding {}: {e}", b.target.display()),
         }
     }

@@ -14,7 +14,10 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use crate::cache::copy::{self, CopyError, Identity};
+use crate::{
+    cache::copy::{self, CopyError, Identity},
+    shared::dirs,
+};
 
 // The unified syscall numbers of the new mount API (all architectures but alpha/mips).
 const SYS_OPEN_TREE: libc::c_long = 428;
@@ -213,10 +216,7 @@ pub fn bind_read_only(b: &Bind) -> io::Result<Option<OwnedFd>> {
         if let Err(e) = show_passages(b, &target, &source) {
             // All or nothing: without its passages the view would show empty
             // directories where the network has files.
-            let _ = detach_here(&[CString::new(format!(
-                "/proc/self/fd/{}",
-                source.as_raw_fd()
-            ))?]);
+            let _ = detach(&source);
             return Err(io::Error::new(
                 e.kind(),
                 format!(
@@ -423,18 +423,9 @@ pub fn lazy_views_work(tmp: &Path) -> io::Result<()> {
 }
 
 fn open_target(b: &Bind) -> io::Result<OwnedFd> {
-    let tree = cstr(&b.tree)?;
-    // SAFETY: valid C string; owned on success.
-    let tree_fd = unsafe {
-        let fd = check(
-            libc::open(
-                tree.as_ptr(),
-                libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC,
-            )
-            .into(),
-        )?;
-        OwnedFd::from_raw_fd(fd as i32)
-    };
+    // The tree's own path goes through no symlink either: a watched mount may lie in a
+    // directory its user owns, swapped for a symlink since (a mount of their own).
+    let tree_fd = dirs::open_dir(&b.tree)?;
     let rel = b.target.strip_prefix(&b.tree).map_err(|_| {
         io::Error::other(format!(
             "{} is not inside {}",
@@ -449,7 +440,7 @@ fn open_target(b: &Bind) -> io::Result<OwnedFd> {
 /// descriptor), from a short-lived thread of this process. Returns how many went.
 pub fn detach_in(ns: &OwnedFd, targets: &[PathBuf]) -> io::Result<usize> {
     let ns = ns.try_clone()?;
-    let targets: Vec<CString> = targets.iter().map(|t| cstr(t)).collect::<io::Result<_>>()?;
+    let targets = targets.to_vec();
     std::thread::Builder::new()
         .name("hocus-detach".into())
         .spawn(move || -> io::Result<usize> {
@@ -464,19 +455,28 @@ pub fn detach_in(ns: &OwnedFd, targets: &[PathBuf]) -> io::Result<usize> {
         .map_err(|_| io::Error::other("the detaching thread panicked"))?
 }
 
-/// Detaches mounts at `targets` in the calling thread's mount namespace; returns how
-/// many went.
-fn detach_here(targets: &[CString]) -> usize {
+/// Detaches the mounts at `targets` in the calling thread's mount namespace; returns how
+/// many went. Each is opened first without following a symlink: one swapped in on the
+/// way since the bind was made must not take away a mount elsewhere.
+fn detach_here(targets: &[PathBuf]) -> usize {
+    let no_symlinks = libc::RESOLVE_NO_SYMLINKS | libc::RESOLVE_NO_MAGICLINKS;
     targets
         .iter()
-        // SAFETY: valid C strings.
-        .filter(|t| unsafe { libc::umount2(t.as_ptr(), libc::MNT_DETACH) } == 0)
+        .filter_map(|t| dirs::openat2(libc::AT_FDCWD, t, libc::O_PATH, no_symlinks).ok())
+        .filter(|mount| detach(mount).is_ok())
         .count()
+}
+
+/// Detaches the mount whose root `mount` (a descriptor) names, through its magic link.
+fn detach(mount: &OwnedFd) -> io::Result<()> {
+    let at = CString::new(format!("/proc/self/fd/{}", mount.as_raw_fd()))?;
+    // SAFETY: a valid C string.
+    check(unsafe { libc::umount2(at.as_ptr(), libc::MNT_DETACH) }.into()).map(drop)
 }
 
 /// Takes `binds` (made by this thread, in its namespace) away again.
 pub fn unbind_here(binds: &[Bind]) -> usize {
-    let targets: Vec<CString> = binds.iter().filter_map(|b| cstr(&b.target).ok()).collect();
+    let targets: Vec<PathBuf> = binds.iter().map(|b| b.target.clone()).collect();
     detach_here(&targets)
 }
 
@@ -543,5 +543,45 @@ mod tests {
             net.join("unused/new").exists(),
             "the write reached the network"
         );
+    }
+
+    /// A mount is taken away by its path only if the path goes through no symlink: a
+    /// directory on it swapped for one since the bind was made must not lead the
+    /// detach to a mount elsewhere.
+    #[test]
+    fn a_detach_through_a_symlink_takes_nothing_away() {
+        let dir = tempfile::tempdir().unwrap();
+        let real = dir.path().join("real");
+        std::fs::create_dir_all(real.join("x")).unwrap();
+        std::os::unix::fs::symlink(&real, dir.path().join("link")).unwrap();
+        let (through_link, direct) = (dir.path().join("link/x"), real.join("x"));
+        std::thread::spawn(move || {
+            enter_new_namespace().unwrap();
+            let target = cstr(&direct).unwrap();
+            // SAFETY: valid C strings.
+            let mounted = unsafe {
+                libc::mount(
+                    c"none".as_ptr(),
+                    target.as_ptr(),
+                    c"tmpfs".as_ptr(),
+                    0,
+                    std::ptr::null(),
+                )
+            };
+            assert_eq!(mounted, 0, "{}", io::Error::last_os_error());
+            let is_mounted = || {
+                std::fs::read_to_string("/proc/thread-self/mountinfo")
+                    .unwrap()
+                    .lines()
+                    .any(|l| l.split(' ').nth(4) == direct.to_str())
+            };
+            assert!(is_mounted());
+            assert_eq!(detach_here(std::slice::from_ref(&through_link)), 0);
+            assert!(is_mounted(), "detached through the symlink");
+            assert_eq!(detach_here(std::slice::from_ref(&direct)), 1);
+            assert!(!is_mounted());
+        })
+        .join()
+        .unwrap();
     }
 }
