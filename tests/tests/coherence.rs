@@ -224,3 +224,96 @@ fn a_new_job_sees_what_the_network_holds_not_an_older_copy() {
     });
     assert!(agent.local_copy(&kept).exists());
 }
+
+/// Whether the daemon's last job got local copies (None: it logged none yet).
+fn served_last_job(agent: &Agent) -> Option<bool> {
+    let log = agent.log();
+    let last = log
+        .lines()
+        .rev()
+        .find(|l| l.contains("local copies in place"))?;
+    Some(!last.contains("with 0 local copies"))
+}
+
+/// A job may outlive the daemon that bound its local copies (a restart, an upgrade, a
+/// crash): nobody is left then to take a copy away when its file changes on the
+/// network. A daemon that stops takes its binds out of the running jobs, and one that
+/// starts takes away those a killed daemon left: the jobs read the network from then on,
+/// never an older copy.
+#[test]
+fn a_job_that_outlives_its_daemon_reads_the_network_not_an_older_copy() {
+    let net = NetworkMount::start();
+    let one = net.put("env/one.py", b"one = 1\n");
+    let two = net.put("env/two.py", b"two = 1\n");
+    let args = ["--watch", net.mount.to_str().unwrap()];
+    let mut agent = Agent::start(&args);
+    read_all(&one);
+    read_all(&two);
+    wait_until(30, "the copies", || {
+        agent.local_copy(&one).exists() && agent.local_copy(&two).exists()
+    });
+    let flags = tempfile::tempdir().unwrap();
+    // A job that reads `file` once now (from its copy, it says) and again when told to.
+    let job = |agent: &Agent, file: &std::path::Path| {
+        let go = flags.path().join(file.file_name().unwrap());
+        let script = format!(
+            "cat {file}; echo started >&2; while [ ! -e {go} ]; do sleep 0.05; done; cat {file}",
+            file = file.display(),
+            go = go.display()
+        );
+        let mut child = agent
+            .cli(&["run", "--", "sh", "-c", &script])
+            .current_dir("/")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut started = String::new();
+        std::io::BufRead::read_line(
+            &mut std::io::BufReader::new(child.stderr.take().unwrap()),
+            &mut started,
+        )
+        .unwrap();
+        assert_eq!(started, "started\n");
+        wait_until(10, "the job's start logged", || {
+            served_last_job(agent).is_some()
+        });
+        assert!(
+            served_last_job(agent).unwrap(),
+            "the job got no local copy:\n{}",
+            agent.log()
+        );
+        (child, go)
+    };
+    let finish = |(child, go): (std::process::Child, std::path::PathBuf)| {
+        fs::write(go, b"").unwrap();
+        String::from_utf8(child.wait_with_output().unwrap().stdout).unwrap()
+    };
+
+    // A daemon stopped (SIGTERM) while a job reads its copy.
+    let running = job(&agent, &one);
+    let log = agent.stop();
+    fs::write(net.server_path("env/one.py"), b"one = 2\n").unwrap();
+    assert_eq!(finish(running), "one = 1\none = 2\n", "{log}");
+    assert!(log.contains("local copies out of 1 running jobs"), "{log}");
+
+    // A daemon killed (SIGKILL) while a job reads its copy: the next one takes it away.
+    let (dir, state_dir) = agent.into_dirs();
+    let mut agent = Agent::start_with_state(dir, state_dir, &args);
+    // Copies found at start are bound once revalidated.
+    wait_until(30, "the copies bound again", || {
+        assert_success(&agent.run_job("true"));
+        served_last_job(&agent) == Some(true)
+    });
+    let running = job(&agent, &two);
+    agent.kill9();
+    fs::write(net.server_path("env/two.py"), b"two = 2\n").unwrap();
+    let (dir, state_dir) = agent.into_dirs();
+    let agent = Agent::start_with_state(dir, state_dir, &args);
+    assert_eq!(finish(running), "two = 1\ntwo = 2\n", "{}", agent.log());
+    assert!(
+        agent.log().contains("bound in 1 jobs that outlived it"),
+        "{}",
+        agent.log()
+    );
+}

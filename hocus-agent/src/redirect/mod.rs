@@ -1,7 +1,8 @@
 //! Stage **redirect**: jobs on the local copies. Checking them against the network as
 //! a job starts (`confirm`), mount namespaces and read-only binds (`mountns`), starting
 //! a job as its caller (`spawn`, `cgroups`), who the caller is (`identity`), who may see
-//! what (`access`), and which bind served a job's open (`jobs`).
+//! what (`access`), which bind served a job's open (`jobs`), and the binds an earlier
+//! daemon left in jobs that outlived it (`leftovers`).
 //!
 //! May use: `cache`, `observe`, `profile`, `shared`.
 
@@ -10,5 +11,6 @@ pub mod cgroups;
 pub mod confirm;
 pub mod identity;
 pub mod jobs;
+pub mod leftovers;
 pub mod mountns;
 pub mod spawn;

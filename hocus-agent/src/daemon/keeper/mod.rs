@@ -354,7 +354,28 @@ impl Keeper {
                 self.tick(&mut next_check, &mut last_save);
             }
         });
+        self.release_jobs();
         self.cache.save_now();
+    }
+
+    /// The daemon stops: the jobs that outlive it read the network from now on, as
+    /// nobody is left to take a copy away when its file changes there.
+    fn release_jobs(&mut self) {
+        let (jobs, mut binds) = (self.jobs.len(), 0);
+        for (pid, job) in self.jobs.drain() {
+            let targets: Vec<PathBuf> = job.binds.iter().map(|b| b.target.clone()).collect();
+            match mountns::detach_in(&job.ns, &targets) {
+                Ok(n) => binds += n,
+                Err(e) => {
+                    log::warn!("stopping: could not take the local copies out of job {pid}: {e}")
+                }
+            }
+        }
+        if binds > 0 {
+            log::info!(
+                "stopping: took {binds} local copies out of {jobs} running jobs; they read the network until they end"
+            );
+        }
     }
 
     /// A worker finished something.
