@@ -257,7 +257,9 @@ fn a_job_that_outlives_its_daemon_reads_the_network_not_an_older_copy() {
     let job = |agent: &Agent, file: &std::path::Path| {
         let go = flags.path().join(file.file_name().unwrap());
         let script = format!(
-            "cat {file}; echo started >&2; while [ ! -e {go} ]; do sleep 0.05; done; cat {file}",
+            // At most a minute, should the test fail before it says go.
+            "cat {file}; echo started >&2; i=0; \
+             while [ ! -e {go} ] && [ $i -lt 1200 ]; do sleep 0.05; i=$((i+1)); done; cat {file}",
             file = file.display(),
             go = go.display()
         );
