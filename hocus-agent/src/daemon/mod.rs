@@ -252,17 +252,7 @@ impl Daemon {
         cache.trees = watches.iter().map(|w| w.path.clone()).collect();
         let cache_dir = cache.cache_dir.clone();
         // Before any job of this daemon's exists.
-        match leftovers::take_away(&cache_dir, &cache.trees) {
-            Ok(t) if t.binds > 0 => log::warn!(
-                "an earlier daemon left {} local copies bound in {} jobs that outlived it: taken away, those jobs read the network until they end",
-                t.binds,
-                t.namespaces
-            ),
-            Ok(_) => {}
-            Err(e) => log::warn!(
-                "could not look for local copies an earlier daemon left bound in running jobs: {e:#}"
-            ),
-        }
+        leftovers::take_away_at_start(&cache_dir, &cache.trees);
         let (keeper, keeper_thread) = keeper::start(cache)?;
         // Activity on these wakes the tracer when it rests.
         let devices = dirs

@@ -58,6 +58,43 @@ impl Ours {
     }
 }
 
+/// `take_away`, logged, as the daemon starts (before any job of its own exists).
+/// Detaching walks the jobs' paths, which a network mount that does not answer can
+/// hang: after `WAIT` the daemon starts anyway (a job there would hang on the same
+/// mount) and the walk goes on meanwhile.
+pub fn take_away_at_start(cache_dir: &Path, trees: &[PathBuf]) {
+    const WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+    let (cache_dir, trees) = (cache_dir.to_owned(), trees.to_vec());
+    let (done, finished) = std::sync::mpsc::channel();
+    let walk = std::thread::Builder::new()
+        .name("hocus-leftovers".into())
+        .spawn(move || {
+            match take_away(&cache_dir, &trees) {
+                Ok(t) if t.binds > 0 => log::warn!(
+                    "an earlier daemon left {} local copies bound in {} jobs that outlived it: taken away, those jobs read the network until they end",
+                    t.binds,
+                    t.namespaces
+                ),
+                Ok(_) => {}
+                Err(e) => log::warn!(
+                    "could not look for local copies an earlier daemon left bound in running jobs: {e:#}"
+                ),
+            }
+            let _ = done.send(());
+        });
+    match walk {
+        Ok(_) => {
+            if finished.recv_timeout(WAIT).is_err() {
+                log::warn!(
+                    "still taking away the local copies an earlier daemon left in running jobs after {} s (a network mount does not answer?); starting meanwhile",
+                    WAIT.as_secs()
+                );
+            }
+        }
+        Err(e) => log::warn!("could not look for local copies an earlier daemon left: {e}"),
+    }
+}
+
 /// Takes away, in every mount namespace of the node but this process's, the mounts of
 /// the cache at `cache_dir` (canonical) that lie in a watched tree (`trees`).
 pub fn take_away(cache_dir: &Path, trees: &[PathBuf]) -> Result<Taken> {
