@@ -6,7 +6,9 @@
 //! **the floor** (a program that returns at once, where hocus's syscall program goes:
 //! what any design there pays); the hocus daemon tracing; and the daemon at rest
 //! (nothing to learn for `rest-after` seconds, its syscall program detached; the tree's
-//! user wakes it). The medians are shown as ratios to no programs, measured in this run.
+//! user wakes it). The medians are shown as ratios to no programs, measured in this run;
+//! and the two unwatched loops, run in turns, paired round by round: what following
+//! costs a process, with the machine's moods between conditions cancelled.
 
 use std::{
     ffi::CString,
@@ -76,6 +78,18 @@ struct Times {
 }
 
 impl Times {
+    /// The tree user's loop over the other's, round by round (the median): what
+    /// following costs a process's unwatched work, measured in the same moments.
+    fn following(&self) -> f64 {
+        let paired: Vec<f64> = self
+            .user
+            .iter()
+            .zip(&self.other)
+            .map(|(u, o)| u / o)
+            .collect();
+        median(&paired)
+    }
+
     fn medians(&self) -> [f64; 3] {
         [
             median(&self.other),
@@ -84,6 +98,9 @@ impl Times {
         ]
     }
 }
+
+/// Slices of the unwatched loops, run in turns within a condition.
+const SLICES: usize = 6;
 
 /// `--rest-after` of the resting condition (the daemon's least).
 const REST_AFTER: &str = "5";
@@ -251,8 +268,22 @@ pub fn overhead(agent_bin: &Path, o: &Overhead) -> Result<()> {
             if *condition == Condition::Resting {
                 wait_until_resting(agent.as_ref().unwrap())?;
             }
-            let other = loop_in_process(local.path(), o.local_iterations, None)?;
-            let user = loop_in_process(local.path(), o.local_iterations, Some(&watched))?;
+            // The two unwatched loops in turns, a slice at a time, so that they share
+            // the machine's moods: their ratio is what following costs, paired.
+            let (mut other, mut user) = (0.0, 0.0);
+            let slice = (o.local_iterations / SLICES).max(1);
+            // Each goes first as often as the other (SLICES is even).
+            for i in 0..SLICES {
+                let run = |touch| loop_in_process(local.path(), slice, touch);
+                let (o1, u1) = if i % 2 == 0 {
+                    (run(None)?, run(Some(&watched))?)
+                } else {
+                    let u1 = run(Some(&watched))?;
+                    (run(None)?, u1)
+                };
+                other += o1 / SLICES as f64;
+                user += u1 / SLICES as f64;
+            }
             let on_watched = loop_in_process(&watched, o.watched_iterations, None)?;
             let t = &mut times[i];
             t.other.push(other * 1e6);
@@ -304,6 +335,16 @@ pub fn overhead(agent_bin: &Path, o: &Overhead) -> Result<()> {
          tracing {:+.1} points over the floor)",
         points(daemon, 1)
     );
+    // Paired in each round, so the rounds' moods cancel: the other conditions follow no
+    // process, and show what the pairing itself leaves (0 if the machine were quiet).
+    let following: Vec<f64> = times.iter().map(Times::following).collect();
+    println!(
+        "following, paired: the tree user's unwatched loop over the other's in the same rounds: \
+         tracing {:+.1}% (no programs {:+.1}%, floor {:+.1}%)",
+        (following[2] - 1.0) * 100.0,
+        (following[0] - 1.0) * 100.0,
+        (following[1] - 1.0) * 100.0,
+    );
     let conditions: Vec<serde_json::Value> = CONDITIONS
         .iter()
         .take(conditions)
@@ -316,6 +357,7 @@ pub fn overhead(agent_bin: &Path, o: &Overhead) -> Result<()> {
                 "unwatched_ratio": ratios[i][0],
                 "unwatched_tree_user_us": m[1],
                 "unwatched_tree_user_ratio": ratios[i][1],
+                "tree_user_over_other_paired": following[i],
                 "watched_us": m[2],
                 "watched_ratio": ratios[i][2],
             })
