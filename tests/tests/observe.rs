@@ -16,6 +16,16 @@ fn sh(script: &str) {
     assert!(status.success(), "sh -c {script:?} failed");
 }
 
+/// Runs `python3 -c script`, which must succeed; its standard output.
+fn python(script: &str) -> String {
+    let out = Command::new("python3")
+        .args(["-c", script])
+        .output()
+        .unwrap();
+    assert_success(&out);
+    String::from_utf8(out.stdout).unwrap()
+}
+
 fn all_paths(p: &Value) -> Vec<String> {
     ["files", "missing", "dirs"]
         .iter()
@@ -166,11 +176,7 @@ fn failed_lookups_among_local_ones_are_each_counted_in_every_thread() {
         net.path("env").to_str().unwrap(),
         local.path().to_str().unwrap(),
     );
-    let out = Command::new("python3")
-        .args(["-c", &script])
-        .output()
-        .unwrap();
-    assert_success(&out);
+    python(&script);
 
     let p = agent.export();
     for i in 0..4 {
@@ -248,11 +254,7 @@ fn reused_descriptor_numbers(start: fn(&[&str]) -> Agent, how: &str) {
         other.to_str().unwrap(),
         unwatched.to_str().unwrap(),
     );
-    let out = Command::new("python3")
-        .args(["-c", &script])
-        .output()
-        .unwrap();
-    assert_success(&out);
+    python(&script);
 
     let p = agent.export();
     let w = file_entry(&p, &watched).unwrap_or_else(|| panic!("{p:#}"));
@@ -279,12 +281,8 @@ fn pages_faulted_in_through_a_mapping_count_as_bytes_read() {
     let net = NetworkMount::start();
     let frames: Vec<u8> = (0..8u32 << 20).map(|i| (i % 251) as u8).collect();
     let data = net.put("data/frames.bin", &frames);
-    let out = Command::new("python3")
-        .args(["-c", "import _decimal; print(_decimal.__file__)"])
-        .output()
-        .unwrap();
-    assert_success(&out);
-    let module = std::path::PathBuf::from(String::from_utf8(out.stdout).unwrap().trim());
+    let module =
+        std::path::PathBuf::from(python("import _decimal; print(_decimal.__file__)").trim());
     let module_bytes = fs::read(&module).unwrap();
     let so = net.put(
         &format!("env/lib/{}", module.file_name().unwrap().to_str().unwrap()),
@@ -304,23 +302,14 @@ fn pages_faulted_in_through_a_mapping_count_as_bytes_read() {
          print(sum(m[i] for i in range(0, len(m), 4096)))",
         data.display()
     );
-    let out = Command::new("python3")
-        .args(["-c", &touch_every_page])
-        .output()
-        .unwrap();
-    assert_success(&out);
+    python(&touch_every_page);
     let import = format!(
         "import sys; sys.path.insert(0, '{}'); import _decimal\n\
          assert _decimal.__file__.startswith(sys.path[0]), _decimal.__file__\n\
          print(_decimal.Decimal(1) / _decimal.Decimal(7))",
         so.parent().unwrap().display()
     );
-    let out = Command::new("python3")
-        .args(["-c", &import])
-        .output()
-        .unwrap();
-    assert_success(&out);
-    assert!(String::from_utf8_lossy(&out.stdout).starts_with("0.142857"));
+    assert!(python(&import).starts_with("0.142857"));
 
     let p = agent.export();
     let f =
