@@ -336,7 +336,7 @@ pub fn copy(
 
 /// openat2 beneath `dir` without following symlinks or magic links on any component.
 pub fn open_beneath(dir: &OwnedFd, rel: &Path, flags: libc::c_int) -> Result<OwnedFd, CopyError> {
-    let resolve = libc::RESOLVE_BENEATH | libc::RESOLVE_NO_SYMLINKS | libc::RESOLVE_NO_MAGICLINKS;
+    let resolve = libc::RESOLVE_BENEATH | dirs::NO_SYMLINKS;
     dirs::openat2(dir.as_raw_fd(), rel, flags | libc::O_NOFOLLOW, resolve)
         .map_err(|e| refused(e, rel))
 }

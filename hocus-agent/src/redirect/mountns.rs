@@ -459,10 +459,9 @@ pub fn detach_in(ns: &OwnedFd, targets: &[PathBuf]) -> io::Result<usize> {
 /// many went. Each is opened first without following a symlink: one swapped in on the
 /// way since the bind was made must not take away a mount elsewhere.
 fn detach_here(targets: &[PathBuf]) -> usize {
-    let no_symlinks = libc::RESOLVE_NO_SYMLINKS | libc::RESOLVE_NO_MAGICLINKS;
     targets
         .iter()
-        .filter_map(|t| dirs::openat2(libc::AT_FDCWD, t, libc::O_PATH, no_symlinks).ok())
+        .filter_map(|t| dirs::openat2(libc::AT_FDCWD, t, libc::O_PATH, dirs::NO_SYMLINKS).ok())
         .filter(|mount| detach(mount).is_ok())
         .count()
 }

@@ -13,6 +13,9 @@ use std::{
     path::Path,
 };
 
+/// `openat2`'s resolve flags that follow no symlink and no magic link on any component.
+pub const NO_SYMLINKS: u64 = libc::RESOLVE_NO_SYMLINKS | libc::RESOLVE_NO_MAGICLINKS;
+
 /// A descriptor of directory `path` that names it without opening it (`O_PATH`): the
 /// directory it was when opened, whatever happens to the path later. ELOOP if the path
 /// goes through a symlink.
@@ -21,7 +24,7 @@ pub fn open_dir(path: &Path) -> io::Result<OwnedFd> {
         libc::AT_FDCWD,
         path,
         libc::O_PATH | libc::O_DIRECTORY,
-        libc::RESOLVE_NO_SYMLINKS | libc::RESOLVE_NO_MAGICLINKS,
+        NO_SYMLINKS,
     )
 }
 
