@@ -1,5 +1,5 @@
 //! Builds the eBPF programs (hocus-ebpf) for the bpf target and leaves the object in
-//! OUT_DIR, where src/tracer.rs embeds it.
+//! OUT_DIR, where src/observe/tracer.rs embeds it.
 //!
 //! They are built with the `bpf` rustup toolchain (Debian's rustc with its matching core
 //! source; `cargo xtask setup` creates it). `-Z build-std=core` needs RUSTC_BOOTSTRAP=1,

@@ -1,7 +1,7 @@
 //! The contract between hocus's eBPF programs and its agent: map keys and values, the
 //! event record, and the constants both sides agree on. Everything is `#[repr(C)]` and
 //! plain data, so the same bytes mean the same thing on both sides.
-#![no_std]
+#![cfg_attr(not(test), no_std)]
 
 /// Longest path the kernel side copies; longer paths arrive truncated and flagged.
 pub const MAX_PATH: usize = 512;
@@ -361,6 +361,40 @@ impl Watched {
         }
         Some(w)
     }
+
+    /// Whether the entry is in use (a view's unused prefixes are all zeros).
+    #[inline(always)]
+    pub fn is_set(&self) -> bool {
+        self.masks[0] != 0
+    }
+
+    /// Whether a path whose first eight bytes are `first` may lie under it: they agree
+    /// with its first word. `known` is all ones if those bytes were read, else 0 (then
+    /// any path may). A test before a whole path is copied from user memory.
+    #[inline(always)]
+    pub fn may_hold(&self, first: u64, known: u64) -> bool {
+        (first ^ self.words[0]) & self.masks[0] & known == 0
+    }
+
+    /// Whether `path` (NUL-terminated in its buffer) lies under it: it is the tree
+    /// itself, or continues it with `/`. Eight bytes at a time, in a loop bounded by the
+    /// prefix's size, not the path's (the verifier must see the bound).
+    #[inline(always)]
+    pub fn holds(&self, path: &PathBuf) -> bool {
+        for i in 0..PREFIX_WORDS {
+            let mask = self.masks[i];
+            if mask == 0 {
+                break;
+            }
+            // SAFETY: `PathBuf` is 8-byte aligned and i < PREFIX_WORDS <= MAX_PATH / 8.
+            let word = unsafe { *path.bytes.as_ptr().cast::<u64>().add(i) };
+            if (word ^ self.words[i]) & mask != 0 {
+                return false;
+            }
+        }
+        let next = path.bytes[self.len as usize & (MAX_PREFIX - 1)];
+        next == 0 || next == b'/'
+    }
 }
 
 /// A descriptor of a process.
@@ -536,4 +570,102 @@ mod user {
     unsafe impl aya::Pod for Home {}
     unsafe impl aya::Pod for InodeKey {}
     unsafe impl aya::Pod for Mapped {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn path(s: &str) -> PathBuf {
+        let mut p = PathBuf {
+            bytes: [0; MAX_PATH],
+        };
+        p.bytes[..s.len()].copy_from_slice(s.as_bytes());
+        p
+    }
+
+    fn first_word(s: &str) -> u64 {
+        let mut b = [0u8; 8];
+        let n = s.len().min(8);
+        b[..n].copy_from_slice(&s.as_bytes()[..n]);
+        u64::from_le_bytes(b)
+    }
+
+    #[test]
+    fn a_watched_tree_holds_itself_and_what_continues_it_with_a_slash() {
+        let w = Watched::new(b"/home/ada/env").unwrap();
+        assert!(w.is_set());
+        for inside in ["/home/ada/env", "/home/ada/env/", "/home/ada/env/lib/x.py"] {
+            assert!(w.holds(&path(inside)), "{inside}");
+        }
+        for outside in [
+            "/home/ada/envy",
+            "/home/ada/en",
+            "/home/ada",
+            "/home/bob/env/x",
+            "",
+        ] {
+            assert!(!w.holds(&path(outside)), "{outside}");
+        }
+    }
+
+    #[test]
+    fn prefixes_longer_than_a_word_and_at_the_limit_are_compared_whole() {
+        let long = format!("/{}", "d".repeat(MAX_PREFIX - 2));
+        let w = Watched::new(long.as_bytes()).unwrap();
+        assert!(w.holds(&path(&long)));
+        assert!(w.holds(&path(&format!("{long}/f"))));
+        let mut other = long.clone().into_bytes();
+        other[200] = b'e';
+        assert!(!w.holds(&path(std::str::from_utf8(&other).unwrap())));
+        assert!(Watched::new(format!("/{}", "d".repeat(MAX_PREFIX - 1)).as_bytes()).is_none());
+        assert!(Watched::new(b"").is_none());
+    }
+
+    #[test]
+    fn the_first_word_turns_away_only_paths_that_cannot_lie_under_the_tree() {
+        let w = Watched::new(b"/srv").unwrap();
+        assert!(w.may_hold(first_word("/srv/data"), u64::MAX));
+        assert!(
+            w.may_hold(first_word("/srvx"), u64::MAX),
+            "decided by holds, later"
+        );
+        assert!(!w.may_hold(first_word("/usr/lib"), u64::MAX));
+        // Bytes not read: every path may lie under it.
+        assert!(w.may_hold(0, 0));
+        let unset = View {
+            generation: 0,
+            prefixes: [Watched {
+                len: 0,
+                _pad: 0,
+                words: [0; PREFIX_WORDS],
+                masks: [0; PREFIX_WORDS],
+            }; VIEW_PREFIXES],
+        };
+        assert!(!unset.prefixes[0].is_set());
+    }
+
+    #[test]
+    fn every_process_id_has_a_bit_of_its_own() {
+        let ids = [0, 1, 63, 64, 65, 4_194_303];
+        for (i, a) in ids.iter().enumerate() {
+            assert!(follow::word(*a) < follow::WORDS);
+            for b in &ids[i + 1..] {
+                assert!(
+                    follow::word(*a) != follow::word(*b) || follow::bit(*a) != follow::bit(*b),
+                    "{a} and {b}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn filter_slots_fall_inside_their_arrays() {
+        for tgid in [0, 1, 4242, u32::MAX] {
+            assert!(filter::process_slot(tgid) < filter::PROCESS_SLOTS);
+        }
+        for sb in [0, 0xffff_8880_1234_5000, u64::MAX] {
+            assert!(filter::superblock_slot(sb) < filter::SUPERBLOCK_SLOTS);
+        }
+    }
 }

@@ -1,0 +1,68 @@
+//! filemap_add, on `filemap:mm_filemap_add_to_page_cache`: a page (or a folio of
+//! `1 << order` pages) entered a file's page cache. For a mapped watched file that is
+//! what a job read by faulting it in (shared objects, `numpy.memmap`); for every other
+//! file on the node it costs one lookup. The agent's own copies and pins are not the
+//! workload. A page read from a watched mount's server, whatever the filesystem, is
+//! also a tripwire.
+//!
+//! ```text
+//! field:unsigned long pfn;                   offset:8;  size:8; signed:0;
+//! field:unsigned long i_ino;                 offset:16; size:8; signed:0;
+//! field:unsigned long index;                 offset:24; size:8; signed:0;
+//! field:dev_t s_dev;                         offset:32; size:4; signed:0;
+//! field:unsigned char order;                 offset:36; size:1; signed:0;
+//! ```
+
+use aya_ebpf::{macros::tracepoint, programs::TracePointContext};
+use hocus_common::InodeKey;
+
+use crate::{
+    agent::{current, global},
+    open_files::MAPPED,
+    skip::{OrSkip, Step, finish},
+    tripwire::tripped,
+};
+
+/// Offsets of `i_ino`, `s_dev` and `order` (`u32::MAX`: none) in
+/// mm_filemap_add_to_page_cache records.
+#[unsafe(no_mangle)]
+static FILEMAP_INO_OFFSET: u32 = 16;
+#[unsafe(no_mangle)]
+static FILEMAP_DEV_OFFSET: u32 = 32;
+#[unsafe(no_mangle)]
+static FILEMAP_ORDER_OFFSET: u32 = 36;
+
+#[tracepoint]
+pub fn filemap_add(ctx: TracePointContext) -> u32 {
+    finish(try_filemap_add(&ctx));
+    0
+}
+
+fn try_filemap_add(ctx: &TracePointContext) -> Step {
+    // SAFETY: offsets come from the tracepoint's format file.
+    let key = InodeKey {
+        dev: unsafe { ctx.read_at(global(&FILEMAP_DEV_OFFSET) as usize) }
+            .ok()
+            .or_skip()?,
+        _pad: 0,
+        ino: unsafe { ctx.read_at(global(&FILEMAP_INO_OFFSET) as usize) }
+            .ok()
+            .or_skip()?,
+    };
+    let _ = tripped(key.dev);
+    let mapped = MAPPED.get_ptr_mut(&key).or_skip()?;
+    current().or_skip()?;
+    // SAFETY: as above; `u32::MAX`: this kernel adds one page at a time.
+    let order: u8 = match global(&FILEMAP_ORDER_OFFSET) {
+        u32::MAX => 0,
+        at => unsafe { ctx.read_at(at as usize) }.ok().or_skip()?,
+    };
+    // SAFETY: map value pointer; the add is atomic (faults on several CPUs at once).
+    unsafe {
+        core::intrinsics::atomic_xadd::<u64, u64, { core::intrinsics::AtomicOrdering::Relaxed }>(
+            &raw mut (*mapped).pages,
+            1 << (order & 31),
+        )
+    };
+    Ok(())
+}

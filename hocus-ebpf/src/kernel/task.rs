@@ -1,0 +1,49 @@
+//! The current task: its working directory, its root, its mount namespace, and whether
+//! the syscall it is in is a 32-bit one.
+
+use hocus_common::NamespaceKey;
+
+use super::{
+    Typed,
+    files::{Dentry, Mount},
+    offset, task,
+};
+
+/// x86-64's `thread_info.status` bit for a 32-bit syscall in progress.
+const TS_COMPAT: u32 = 0x0002;
+
+/// Whether the current syscall is a 32-bit one (`int 0x80` or a 32-bit process): its
+/// number and registers mean something else, so it is never read as a 64-bit one.
+pub fn is_compat() -> bool {
+    task().read::<u32>(offset(|o| &o.thread_status)) & TS_COMPAT != 0
+}
+
+/// The current process's working directory: the mount it was reached through, and its
+/// dentry. Plain loads all the way.
+pub fn cwd() -> Option<(Mount, Dentry)> {
+    let fs = task().follow(offset(|o| &o.task_fs))?;
+    // fs->pwd is a struct path: mnt then dentry (checked by the agent).
+    let at = offset(|o| &o.fs_pwd_mnt);
+    let mnt = fs.follow(at)?;
+    Some((Mount::of(mnt), Dentry::of(Typed(fs.read(at + 8)))))
+}
+
+/// The current process's mount namespace (from its nsproxy) and root: what its absolute
+/// paths mean; and the namespace's inode number, which the agent checks.
+pub fn namespace_of(nsproxy: Typed) -> Option<(NamespaceKey, u32)> {
+    let mnt_ns = nsproxy.follow(offset(|o| &o.nsproxy_mnt_ns))?;
+    let key = NamespaceKey {
+        namespace: mnt_ns.read(offset(|o| &o.mnt_ns_id)),
+        root: root_dentry()?,
+    };
+    Some((key, mnt_ns.read(offset(|o| &o.mnt_ns_inum))))
+}
+
+pub fn nsproxy() -> Option<Typed> {
+    task().follow(offset(|o| &o.task_nsproxy))
+}
+
+pub fn root_dentry() -> Option<u64> {
+    let fs = task().follow(offset(|o| &o.task_fs))?;
+    Some(fs.read(offset(|o| &o.fs_root_dentry)))
+}
