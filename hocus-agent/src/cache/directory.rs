@@ -18,8 +18,8 @@ use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
 
 use crate::{
-    cache::copy::{self, Identity},
-    profile::store::write_atomically,
+    cache::copy,
+    shared::{identity::Identity, replace::write_atomically},
 };
 const INDEX: &str = "index.json";
 

@@ -19,7 +19,7 @@ use std::{
     fs::File,
     io::{self, BufRead, BufReader, Read, Write},
     net::{SocketAddr, TcpStream},
-    os::{fd::AsRawFd, unix::ffi::OsStrExt},
+    os::unix::ffi::OsStrExt,
     path::{Path, PathBuf},
     sync::{
         Mutex,
@@ -29,6 +29,7 @@ use std::{
 };
 
 use super::pour::{Hash, PourError, Poured, pour};
+use crate::shared::attrs;
 
 pub const GREETING: &str = "HOCUS-RELAY 1";
 /// The longest source path asked for.
@@ -74,31 +75,13 @@ impl Offer {
 /// Records the hash of `file`'s bytes with it (best effort: without it, the hash is
 /// computed again when the copy is served).
 pub fn keep_hash(file: &File, hash: &Hash) {
-    // SAFETY: valid descriptor, NUL-terminated name, buffer of the given size.
-    unsafe {
-        libc::fsetxattr(
-            file.as_raw_fd(),
-            HASH_XATTR.as_ptr(),
-            hash.as_ptr().cast(),
-            hash.len(),
-            0,
-        );
-    }
+    let _ = attrs::set_xattr(file, HASH_XATTR, hash);
 }
 
 /// The hash of a copy's bytes: the one kept with it, else computed from them.
 pub fn hash_of(file: &File) -> io::Result<Hash> {
     let mut kept = [0u8; 32];
-    // SAFETY: as above.
-    let n = unsafe {
-        libc::fgetxattr(
-            file.as_raw_fd(),
-            HASH_XATTR.as_ptr(),
-            kept.as_mut_ptr().cast(),
-            kept.len(),
-        )
-    };
-    if n == kept.len() as isize {
+    if attrs::get_xattr(file, HASH_XATTR, &mut kept).ok() == Some(kept.len()) {
         return Ok(kept);
     }
     let mut hasher = blake3::Hasher::new();

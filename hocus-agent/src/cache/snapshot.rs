@@ -38,10 +38,15 @@ use nix::{
 
 use crate::{
     cache::{
-        copy::{self, CopyError, Identity, Reader},
+        copy::{self, CopyError},
         walk::{self, At, Met, WALKERS},
     },
     profile::view::View,
+    shared::{
+        attrs::{self, Times},
+        identity::Identity,
+        user::User,
+    },
 };
 
 /// Every entry's identity, by path relative to the tree's root ("" is the root).
@@ -401,7 +406,7 @@ pub fn take(
                     continue;
                 }
                 // Read as its owner: root may be squashed.
-                let reader = Reader::lookup(id.uid).unwrap_or_else(Reader::root);
+                let reader = User::lookup(id.uid).unwrap_or_else(User::root);
                 // The tree was measured against the room for it.
                 match copy::copy(
                     tree,
@@ -451,7 +456,7 @@ pub fn take(
                 match m.at {
                     At::Dir(fd) => {
                         make_dir(fd, &dst, &m.stat).map_err(CopyError::Local)?;
-                        dirs.lock().unwrap().push((dst, times_of(&m.stat)));
+                        dirs.lock().unwrap().push((dst, Times::of_stat(&m.stat)));
                     }
                     At::Entry { dir, name } => match m.stat.st_mode & libc::S_IFMT {
                         libc::S_IFLNK => {
@@ -509,7 +514,7 @@ pub fn take(
         let mut dirs = dirs.into_inner().unwrap();
         dirs.sort_by(|a, b| b.0.cmp(&a.0));
         for (dst, times) in dirs {
-            set_times(&dst, &times);
+            let _ = times.set_at(&dst);
         }
         let stamp = stamp.into_inner().unwrap();
         let mut taken = taken.into_inner().unwrap();
@@ -532,22 +537,8 @@ fn make_dir(from: BorrowedFd, dst: &Path, stat: &FileStat) -> io::Result<()> {
     fs::create_dir(dst)?;
     std::os::unix::fs::lchown(dst, Some(stat.st_uid), Some(stat.st_gid))?;
     let to = fs::File::open(dst)?;
-    copy::copy_xattrs(&from, &to)?;
+    attrs::copy_xattrs(&from, &to)?;
     to.set_permissions(fs::Permissions::from_mode(stat.st_mode & 0o7777))
-}
-
-/// The access and modification times of `s`, as futimens/utimensat take them.
-fn times_of(s: &FileStat) -> [libc::timespec; 2] {
-    [
-        libc::timespec {
-            tv_sec: s.st_atime,
-            tv_nsec: s.st_atime_nsec,
-        },
-        libc::timespec {
-            tv_sec: s.st_mtime,
-            tv_nsec: s.st_mtime_nsec,
-        },
-    ]
 }
 
 /// Writes the stub of a cold file into a lazy snapshot: a sparse file of its size, owner,
@@ -562,65 +553,23 @@ pub fn write_stub(from: &OwnedFd, rel: &Path, dst: &Path, m: &FileStat) -> io::R
         .open(dst)?;
     f.set_len(m.st_size as u64)?;
     let redirect = Path::new("/").join(rel);
-    for (name, value) in [
-        (c"trusted.overlay.metacopy", &b""[..]),
-        (c"trusted.overlay.redirect", redirect.as_os_str().as_bytes()),
-    ] {
-        // SAFETY: a valid descriptor, NUL-terminated name, value of the given length.
-        let ret = unsafe {
-            libc::fsetxattr(
-                f.as_raw_fd(),
-                name.as_ptr(),
-                value.as_ptr().cast(),
-                value.len(),
-                0,
-            )
-        };
-        if ret != 0 {
-            return Err(io::Error::last_os_error());
-        }
-    }
-    copy::copy_xattrs(from, &f)?;
-    std::os::unix::fs::fchown(&f, Some(m.st_uid), Some(m.st_gid))?;
-    // After chown, which clears set-id bits.
-    f.set_permissions(fs::Permissions::from_mode(m.st_mode & 0o7777))?;
-    let times = times_of(m);
-    // SAFETY: valid pointer to two timespecs.
-    if unsafe { libc::futimens(f.as_raw_fd(), times.as_ptr()) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
+    attrs::set_xattr(&f, METACOPY, b"")?;
+    attrs::set_xattr(
+        &f,
+        c"trusted.overlay.redirect",
+        redirect.as_os_str().as_bytes(),
+    )?;
+    attrs::copy_xattrs(from, &f)?;
+    attrs::own(&f, m.st_uid, m.st_gid, m.st_mode)?;
+    Times::of_stat(m).set(&f)
 }
+
+/// overlayfs's mark of a file whose bytes are in a data-only layer.
+const METACOPY: &std::ffi::CStr = c"trusted.overlay.metacopy";
 
 /// Whether `path` (in a snapshot) is a stub: its bytes are on the network.
 pub fn is_stub(path: &Path) -> bool {
-    let Ok(c) = std::ffi::CString::new(path.as_os_str().as_bytes()) else {
-        return false;
-    };
-    // SAFETY: a valid C string; a zero-sized query reads nothing.
-    unsafe {
-        libc::lgetxattr(
-            c.as_ptr(),
-            c"trusted.overlay.metacopy".as_ptr(),
-            std::ptr::null_mut(),
-            0,
-        ) >= 0
-    }
-}
-
-fn set_times(path: &Path, times: &[libc::timespec; 2]) {
-    let Ok(c) = std::ffi::CString::new(path.as_os_str().as_bytes()) else {
-        return;
-    };
-    // SAFETY: valid C string and two timespecs.
-    unsafe {
-        libc::utimensat(
-            libc::AT_FDCWD,
-            c.as_ptr(),
-            times.as_ptr(),
-            libc::AT_SYMLINK_NOFOLLOW,
-        )
-    };
+    attrs::has_xattr(path, METACOPY)
 }
 
 #[cfg(test)]

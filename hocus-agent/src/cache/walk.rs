@@ -25,7 +25,7 @@ use nix::{
     sys::stat::{FileStat, Mode, fstat, fstatat},
 };
 
-use crate::cache::copy::Tree;
+use crate::shared::tree::Tree;
 
 /// How many threads walk a tree: enough round trips in flight to fill a cluster link
 /// (SFTP and NFS clients pipeline requests over one connection), few enough to leave the

@@ -7,7 +7,7 @@ use anyhow::Result;
 
 use crate::{
     place::{budget::Budgets, placement::Filters, plan},
-    profile::store::read_exported,
+    profile::format::read_exported,
     shared::{settings::Settings, size::Size},
 };
 

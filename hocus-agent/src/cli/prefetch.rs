@@ -12,7 +12,7 @@ use crate::{
         client::{self, ClientError},
         protocol::{Request, Response},
     },
-    profile::store::read_exported,
+    profile::format::read_exported,
     shared::{size::human, status::Progress},
 };
 

@@ -15,12 +15,16 @@ use crate::{
         protocol::{Request, Response},
     },
     profile::{
-        format::{Profile, ProfileWriter},
-        store::{self, StateDir, StateError, read_exported},
+        format::{self, Profile, ProfileWriter, read_exported},
+        staging::Staging,
+        store::{self, StateDir, StateError},
         working_set::WorkingSet,
     },
     report::show,
-    shared::status::{REFUSED_SHOWN, Refused},
+    shared::{
+        replace,
+        status::{REFUSED_SHOWN, Refused},
+    },
 };
 
 /// Entries handed over per part when the state directory is read directly.
@@ -89,7 +93,7 @@ pub fn export(ctx: &Context, root: Option<PathBuf>, out: Option<PathBuf>) -> Res
     };
     match out {
         Some(path) => {
-            let [files, missing, _] = store::replace_with(&path, |w| write(w))
+            let [files, missing, _] = replace::replace_with(&path, |w| write(w))
                 .map_err(|e| e.context(format!("writing {}", path.display())))?;
             eprintln!(
                 "exported {files} files and {missing} missing names to {}",
@@ -136,7 +140,7 @@ pub fn import(ctx: &Context, file: &Path) -> Result<()> {
     // error that names the file and says what is wrong: a site-wide profile is not
     // parsed twice on the way in.
     let check_here = |refusal: anyhow::Error| -> anyhow::Error {
-        match store::stream_exported(file, &mut |_| Ok(())) {
+        match format::stream_exported(file, &mut |_| Ok(())) {
             Err(e) => e,
             Ok(_) => refusal,
         }
@@ -170,26 +174,13 @@ pub fn import(ctx: &Context, file: &Path) -> Result<()> {
         bail!("{message}");
     }
     // Root's own import, but still only sound paths.
-    let (mut files, mut missing) = (0, 0);
-    let mut refused = Vec::new();
-    let mut refused_total = 0;
-    let mut merged = WorkingSet::new(0);
-    let started = store::stream_exported(file, &mut |mut batch| {
-        let bad = batch.keep_valid(&[PathBuf::from("/")]);
-        refused_total += bad.len();
-        refused.extend(
-            bad.into_iter()
-                .take(REFUSED_SHOWN.saturating_sub(refused.len())),
-        );
-        files += batch.files.len();
-        missing += batch.missing.len();
-        merged.merge(batch);
-        Ok(())
-    })?;
-    tell_refused(&refused, refused_total);
+    let mut staged = Staging::new(&[PathBuf::from("/")]);
+    let started = format::stream_exported(file, &mut |batch| staged.take(batch, |_| Ok(())))?;
+    tell_refused(&staged.refused, staged.refused_total);
     // Into an empty state, the profile comes whole, its start with it.
-    merged.started_unix_ns = started;
-    ws.merge_state(merged);
+    staged.started_at(started);
+    let (files, missing) = (staged.files, staged.missing);
+    ws.merge_state(staged.set);
     state.save(&mut ws)?;
     eprintln!(
         "merged {files} files and {missing} missing names into {}",

@@ -13,13 +13,9 @@ use anyhow::Result;
 use tokio::sync::mpsc;
 
 use crate::{
-    control::protocol::{Ask, Call, MAX_PROFILE_BYTES, Response, Staged},
-    profile::{
-        format::{Profile, read_stream},
-        working_set::WorkingSet,
-    },
+    control::protocol::{Ask, Call, MAX_PROFILE_BYTES, Response},
+    profile::{format::read_stream, staging::Staging},
     redirect::access::{self, Caller},
-    shared::status::REFUSED_SHOWN,
 };
 
 /// Entries of a profile sent checked at a time (one permission check each, as the user).
@@ -48,13 +44,13 @@ pub fn refusal(reason: &'static str, message: impl Into<String>) -> Refusal {
 }
 
 /// Reads a profile from the descriptor a client sent (at most [`MAX_PROFILE_BYTES`], in
-/// the documented format), a batch at a time, into a working set of its own: only sound
+/// the documented format), a batch at a time, into a staging of its own: only sound
 /// paths inside `trees` that the caller may read, vouched for as the caller.
 pub fn read_profile(
     fd: Option<OwnedFd>,
     trees: &[PathBuf],
     caller: &Caller,
-) -> Result<Staged, Refusal> {
+) -> Result<Staging, Refusal> {
     let Some(fd) = fd else {
         return Err(refusal(
             "wrong_descriptors",
@@ -78,34 +74,23 @@ pub fn read_profile(
             format!("a profile is at most {MAX_PROFILE_BYTES} bytes"),
         ));
     }
-    let mut staged = Staged {
-        set: WorkingSet::new(0),
-        files: 0,
-        missing: 0,
-        refused: Vec::new(),
-        refused_total: 0,
-        relay: None,
-    };
-    let mut batch = |mut p: Profile| -> Result<(), String> {
-        let refused = p.keep_valid(trees);
-        staged.refused_total += refused.len();
-        let room = REFUSED_SHOWN.saturating_sub(staged.refused.len());
-        staged.refused.extend(refused.into_iter().take(room));
-        access::filter_for(&mut p, caller).map_err(|e| format!("{e:#}"))?;
-        if !caller.is_root() {
-            // An ordinary user vouches only for what they can read, and as themselves;
-            // what keeps a file off the cache for everyone (writes refused to a job,
-            // opens for writing) only the daemon's own observation, or root, says.
-            for f in &mut p.files {
-                f.uids = vec![caller.uid];
-                f.refused = false;
-                f.write_opens = 0;
+    let mut staged = Staging::new(trees);
+    let mut batch = |p| {
+        staged.take(p, |p| {
+            access::filter_for(p, caller).map_err(|e| format!("{e:#}"))?;
+            if !caller.is_root() {
+                // An ordinary user vouches only for what they can read, and as
+                // themselves; what keeps a file off the cache for everyone (writes
+                // refused to a job, opens for writing) only the daemon's own
+                // observation, or root, says.
+                for f in &mut p.files {
+                    f.uids = vec![caller.uid];
+                    f.refused = false;
+                    f.write_opens = 0;
+                }
             }
-        }
-        staged.files += p.files.len();
-        staged.missing += p.missing.len();
-        staged.set.merge(p);
-        Ok(())
+            Ok(())
+        })
     };
     let started = read_stream(
         file.take(MAX_PROFILE_BYTES),
@@ -115,7 +100,7 @@ pub fn read_profile(
         &mut batch,
     )
     .map_err(|e| refusal("bad_profile", e.to_string()))?;
-    staged.set.started_unix_ns = started;
+    staged.started_at(started);
     if let Some(first) = staged.refused.first() {
         log::warn!(
             "refused {} entries of a profile from uid {}, e.g. {}: {}",

@@ -24,16 +24,13 @@ use std::{
 use tokio::sync::mpsc;
 
 use crate::{
-    cache::{
-        copy::Identity,
-        relay::{self, FILE, GREETING, MAX_PATH, NOT_HELD, Offer, WAIT, WAIT_EVERY},
-    },
+    cache::relay::{self, FILE, GREETING, MAX_PATH, NOT_HELD, Offer, WAIT, WAIT_EVERY},
     control::{
         calls::ask,
         protocol::{Ask, Call, Holding, Response},
     },
     redirect::access::Caller,
-    shared::munge,
+    shared::{identity::Identity, munge},
 };
 
 /// Connections served at once (a node's children: `fanout-width` times the copy workers

@@ -27,11 +27,9 @@ use crate::{
         fanout,
         protocol::{Ask, Call, JobNodes, JobProfile, Query, Response},
     },
-    profile::{
-        format::{Profile, ProfileWriter},
-        store,
-    },
+    profile::format::{Profile, ProfileWriter},
     redirect::access::{Caller, as_caller},
+    shared::replace,
 };
 
 /// Keys name files: letters, digits, `.`, `_`, `-`, not starting with a dot.
@@ -176,13 +174,13 @@ pub fn save(
 }
 
 /// Writes `profile` to `path` in `dir` (made if missing, 0700), replacing it only once
-/// whole (`store::replace_with`). Runs as the user.
+/// whole (`shared::replace::replace_with`). Runs as the user.
 fn write_profile(dir: &Path, path: &Path, profile: &Profile) -> Result<()> {
     fs::DirBuilder::new()
         .recursive(true)
         .mode(0o700)
         .create(dir)?;
-    store::replace_with(path, |out| {
+    replace::replace_with(path, |out| {
         let mut w = ProfileWriter::new(out);
         w.part(profile)?;
         w.finish()?;
@@ -223,11 +221,10 @@ pub fn prefetch(
         }
         Err(e) => return refuse(format!("{e:#}")),
     };
-    let mut staged = match read_profile(Some(fd), &setup.trees, &user) {
-        Ok(s) => s,
+    let staged = match read_profile(Some(fd), &setup.trees, &user) {
+        Ok(s) => Box::new(s),
         Err(r) => return refuse(format!("{}: {}", path.display(), r.message)),
     };
-    staged.relay = job_nodes(&job);
     log::info!(
         "Slurm job {}: prefetching from {} ({} files, {} missing names)",
         job.job_id,
@@ -235,7 +232,8 @@ pub fn prefetch(
         staged.files,
         staged.missing
     );
-    let mut answers = ask(calls, user, Ask::Client(Query::Prefetch(Box::new(staged))))?;
+    let relay = job_nodes(&job);
+    let mut answers = ask(calls, user, Ask::Client(Query::Prefetch { staged, relay }))?;
     while let Some(response) = answers.blocking_recv() {
         // The plugin gives up at its own time: the prefetch goes on without it.
         send(stream, &response)?;

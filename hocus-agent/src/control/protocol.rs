@@ -9,10 +9,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 
 use crate::{
-    profile::{
-        format::Profile,
-        working_set::{ExportOrder, WorkingSet},
-    },
+    profile::{format::Profile, staging::Staging, working_set::ExportOrder},
     redirect::{access::Caller, jobs::SlurmTask, mountns::Bind, spawn::JobCommand},
     shared::status::{Progress, Refused, Status},
 };
@@ -111,37 +108,25 @@ impl Request {
     }
 }
 
-/// A profile a client sent, read and checked by its connection: only sound, watched
-/// paths the caller may read, as the caller. What was refused is named (the first
-/// `REFUSED_SHOWN`) and counted.
-pub struct Staged {
-    pub set: WorkingSet,
-    pub files: usize,
-    pub missing: usize,
-    pub refused: Vec<Refused>,
-    pub refused_total: usize,
-    /// A Slurm job's prolog prefetch on one of its several nodes.
-    pub relay: Option<JobNodes>,
-}
-
-impl std::fmt::Debug for Staged {
-    fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-        write!(
-            f,
-            "Staged({} files, {} missing names)",
-            self.files, self.missing
-        )
-    }
-}
-
 /// A client's request as the daemon's loop gets it, its profile read already.
 #[derive(Debug)]
 pub enum Query {
     Status,
-    Export { root: Option<PathBuf> },
-    Import(Box<Staged>),
-    Prefetch(Box<Staged>),
-    Budgets { ssd: Option<u64>, ram: Option<u64> },
+    Export {
+        root: Option<PathBuf>,
+    },
+    /// A profile a client sent, read and checked by its connection.
+    Import(Box<Staging>),
+    /// The same, to warm the cache from now; a Slurm job's prolog prefetch on one of its
+    /// several nodes shares it with them (`relay`).
+    Prefetch {
+        staged: Box<Staging>,
+        relay: Option<JobNodes>,
+    },
+    Budgets {
+        ssd: Option<u64>,
+        ram: Option<u64>,
+    },
 }
 
 #[derive(Debug, Serialize, Deserialize)]

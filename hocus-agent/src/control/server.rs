@@ -297,7 +297,10 @@ fn answer(
             if matches!(request, Request::Import) {
                 Query::Import(staged)
             } else {
-                Query::Prefetch(staged)
+                Query::Prefetch {
+                    staged,
+                    relay: None,
+                }
             }
         }
     };

@@ -18,7 +18,7 @@ use tokio::{
 };
 
 use crate::{
-    cache::{copy, directory::Cache},
+    cache::directory::Cache,
     control::{calls, fanout, protocol::Call, server},
     observe::{
         events::{Observer, Watch},
@@ -38,6 +38,7 @@ use crate::{
         memory,
         settings::Settings,
         status::{Status, TopFile, WatchedMount},
+        tree::Tree,
     },
 };
 
@@ -768,7 +769,7 @@ fn spawn_stat_worker(
                 // Beneath its watched tree, following no symlink on the way.
                 let p = Path::new(&path);
                 let stat = trees.iter().find(|t| p.starts_with(t));
-                let stat = stat.and_then(|t| copy::Tree::open(t).and_then(|t| t.stat(p)).ok());
+                let stat = stat.and_then(|t| Tree::open(t).and_then(|t| t.stat(p)).ok());
                 let attrs = stat.map(|m| Attributes {
                     size: m.size(),
                     mtime_ns: m.mtime() * 1_000_000_000 + m.mtime_nsec(),

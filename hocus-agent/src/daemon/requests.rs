@@ -13,9 +13,10 @@ use tokio::sync::mpsc;
 
 use super::{Daemon, STATUS_TOP_FILES, keeper::KeeperError};
 use crate::{
-    control::protocol::{Ask, Call, Query, Response, Staged},
+    control::protocol::{Ask, Call, JobNodes, Query, Response},
     profile::{
         format::{FileEntry, Profile},
+        staging::Staging,
         working_set::WorkingSet,
     },
     redirect::access::{self, Caller},
@@ -181,7 +182,7 @@ impl Daemon {
                 Response::Export { order, part }
             }
             Query::Import(staged) => {
-                let Staged {
+                let Staging {
                     set,
                     files,
                     missing,
@@ -197,8 +198,8 @@ impl Daemon {
                     refused,
                 }
             }
-            Query::Prefetch(staged) => {
-                self.prefetch(*staged, reply).await;
+            Query::Prefetch { staged, relay } => {
+                self.prefetch(*staged, relay, reply).await;
                 return;
             }
             Query::Budgets { .. } if !caller.is_root() => Response::Error {
@@ -221,12 +222,11 @@ impl Daemon {
     }
 
     /// Merges a sent profile and warms the cache from it now, reporting progress.
-    async fn prefetch(&mut self, staged: Staged, reply: Reply) {
-        let Staged {
+    async fn prefetch(&mut self, staged: Staging, relay: Option<JobNodes>, reply: Reply) {
+        let Staging {
             set,
             refused,
             refused_total,
-            relay,
             ..
         } = staged;
         // Placed now, from what the daemon knows of those files (sizes, writes seen),
@@ -265,7 +265,7 @@ impl Daemon {
         });
     }
 
-    /// Merges a checked profile (see `control::server::read_profile`), to be placed.
+    /// Merges a checked profile (see `control::calls::read_profile`), to be placed.
     fn merge(&mut self, set: WorkingSet) {
         self.ws.merge_state(set);
         self.dirty = true;

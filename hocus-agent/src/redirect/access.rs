@@ -10,9 +10,13 @@ use std::{
     sync::Arc,
 };
 
-use anyhow::{Result, bail};
+use anyhow::Result;
 
-use crate::{profile::format::Profile, redirect::identity};
+use crate::{
+    profile::format::Profile,
+    redirect::identity,
+    shared::user::{AsUser, User},
+};
 
 /// The credentials of a process talking to the daemon: the socket's uid and gid, its
 /// groups from its `/proc` entry, and its pidfd (see `identity`).
@@ -94,33 +98,18 @@ pub fn as_caller<T: Send + 'static>(
     let handle = std::thread::Builder::new()
         .name("hocus-as-user".into())
         .spawn(move || -> Result<T> {
-            become_on_this_thread(&caller)?;
+            let user = User {
+                uid: caller.uid,
+                gid: caller.gid,
+                groups: caller.groups,
+            };
+            let _as_caller = AsUser::take(&user)?;
             Ok(f())
         })?;
     // The thread exits with the caller's identity; nothing else ever runs on it.
     handle
         .join()
         .map_err(|_| anyhow::anyhow!("a thread working as uid {uid} panicked"))?
-}
-
-/// Switches this thread's filesystem identity. Raw syscalls on purpose: glibc's wrappers
-/// would change every thread of the daemon.
-fn become_on_this_thread(c: &Caller) -> Result<()> {
-    let groups: Vec<libc::gid_t> = c.groups.clone();
-    // SAFETY: raw credential syscalls on this thread only, with valid pointers.
-    unsafe {
-        if libc::syscall(libc::SYS_setgroups, groups.len(), groups.as_ptr()) != 0 {
-            bail!("setgroups: {}", std::io::Error::last_os_error());
-        }
-        libc::syscall(libc::SYS_setfsgid, c.gid);
-        libc::syscall(libc::SYS_setfsuid, c.uid);
-        // setfsuid reports the previous value; read it back to be sure it took.
-        let now = libc::syscall(libc::SYS_setfsuid, u32::MAX) as u32;
-        if now != c.uid {
-            bail!("could not take the identity of uid {}", c.uid);
-        }
-    }
-    Ok(())
 }
 
 fn can(path: &str, mode: libc::c_int) -> bool {

@@ -31,8 +31,11 @@ use std::{
 };
 
 use crate::{
-    cache::copy::{Identity, Tree, stat_now},
     redirect::mountns::{Bind, Expect},
+    shared::{
+        identity::Identity,
+        tree::{Tree, stat_now},
+    },
 };
 
 /// One check: the network path, the identity it must still have, and for a racy

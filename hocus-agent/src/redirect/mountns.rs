@@ -14,10 +14,7 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use crate::{
-    cache::copy::{self, CopyError, Identity},
-    shared::dirs,
-};
+use crate::shared::{dirs, identity::Identity};
 
 // The unified syscall numbers of the new mount API (all architectures but alpha/mips).
 const SYS_OPEN_TREE: libc::c_long = 428;
@@ -286,10 +283,7 @@ fn clone_tree(dir: libc::c_int, path: &CStr, flags: libc::c_int) -> io::Result<O
 
 /// `rel` opened beneath `dir` with `flags`, following no symlink.
 fn beneath(dir: &OwnedFd, rel: &Path, flags: libc::c_int) -> io::Result<OwnedFd> {
-    copy::open_beneath(dir, rel, flags).map_err(|e| match e {
-        CopyError::Source(e) | CopyError::Local(e) => e,
-        other => io::Error::other(other.to_string()),
-    })
+    dirs::open_beneath(dir, rel, flags)
 }
 
 /// Threads looking up passages at once: round trips in flight, as the snapshot's walk.

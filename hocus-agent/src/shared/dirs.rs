@@ -1,13 +1,13 @@
 //! Opening a directory the daemon then works beneath (a watched tree, the cache), by a
-//! path it canonicalized: without following a symlink on any component, so that one
-//! swapped in since (a user's own mount point lies in a directory the user owns) is
-//! refused instead of leading the daemon elsewhere.
+//! path it canonicalized, and what lies beneath it: without following a symlink on any
+//! component, so that one swapped in since (a user's own mount point lies in a directory
+//! the user owns) is refused instead of leading the daemon elsewhere.
 
 use std::{
     ffi::CString,
     io,
     os::{
-        fd::{FromRawFd, OwnedFd, RawFd},
+        fd::{AsRawFd, FromRawFd, OwnedFd, RawFd},
         unix::ffi::OsStrExt,
     },
     path::Path,
@@ -26,6 +26,22 @@ pub fn open_dir(path: &Path) -> io::Result<OwnedFd> {
         libc::O_PATH | libc::O_DIRECTORY,
         NO_SYMLINKS,
     )
+}
+
+/// `rel` opened beneath directory `dir` with `flags`, following no symlink or magic link
+/// on any component and never leaving `dir` (`RESOLVE_BENEATH`). ELOOP for a path
+/// through a symlink, EXDEV for one that leaves `dir` (see [`is_refusal`]).
+pub fn open_beneath(dir: &OwnedFd, rel: &Path, flags: libc::c_int) -> io::Result<OwnedFd> {
+    let resolve = libc::RESOLVE_BENEATH | NO_SYMLINKS;
+    openat2(dir.as_raw_fd(), rel, flags | libc::O_NOFOLLOW, resolve)
+}
+
+/// Whether `e`, from [`open_beneath`] or [`open_dir`], is a refusal (a path through a
+/// symlink, out of its directory, or with a NUL byte) rather than a failure of the
+/// filesystem.
+pub fn is_refusal(e: &io::Error) -> bool {
+    e.kind() == io::ErrorKind::InvalidInput
+        || matches!(e.raw_os_error(), Some(libc::ELOOP) | Some(libc::EXDEV))
 }
 
 /// `openat2(dir, path, flags | O_CLOEXEC, resolve)`: InvalidInput for a NUL byte in the
@@ -80,5 +96,24 @@ mod tests {
         }
         let e = open_dir(&real.join("missing")).unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::NotFound);
+        assert!(!is_refusal(&e));
+    }
+
+    #[test]
+    fn beneath_a_directory_nothing_goes_through_a_symlink_or_out() {
+        let dir = tempfile::tempdir().unwrap();
+        let real = dir.path().canonicalize().unwrap();
+        std::fs::create_dir_all(real.join("tree/d")).unwrap();
+        std::fs::write(real.join("tree/d/f"), b"x").unwrap();
+        std::os::unix::fs::symlink(&real, real.join("tree/up")).unwrap();
+        let tree = open_dir(&real.join("tree")).unwrap();
+        assert!(open_beneath(&tree, Path::new("d/f"), libc::O_RDONLY).is_ok());
+        for (rel, why) in [("up/tree/d/f", libc::ELOOP), ("../tree/d/f", libc::EXDEV)] {
+            let e = open_beneath(&tree, Path::new(rel), libc::O_RDONLY).unwrap_err();
+            assert_eq!(e.raw_os_error(), Some(why), "{rel}");
+            assert!(is_refusal(&e), "{rel}");
+        }
+        let e = open_beneath(&tree, Path::new("d/\0"), libc::O_RDONLY).unwrap_err();
+        assert!(is_refusal(&e), "a NUL byte");
     }
 }

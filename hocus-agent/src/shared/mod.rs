@@ -1,12 +1,21 @@
 //! The ground floor: what several stages and faces share, and nothing else. The settings
-//! (flags and config file), sizes as people write them, what `status` reports, and the
-//! per-file log lines, munge credentials, giving freed memory back, and opening a
-//! directory without following symlinks. Imports nothing of the crate above it.
+//! (flags and config file), sizes as people write them, what `status` reports, the
+//! per-file log lines, munge credentials, giving freed memory back, replacing a file whole (`replace`); and the safe-file
+//! primitives every stage works with as root: opening a directory and what lies beneath
+//! it without following symlinks (`dirs`), a watched tree held open (`tree`), a file's
+//! identity (`identity`), users' credentials taken on one thread (`user`), and the
+//! owner, times and xattrs a local stand-in keeps (`attrs`). Imports nothing of the
+//! crate above it.
 
+pub mod attrs;
 pub mod dirs;
+pub mod identity;
 pub mod log_line;
 pub mod memory;
 pub mod munge;
+pub mod replace;
 pub mod settings;
 pub mod size;
 pub mod status;
+pub mod tree;
+pub mod user;

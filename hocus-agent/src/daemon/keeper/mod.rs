@@ -36,12 +36,7 @@ use self::{
     work::{Done, Work, Workers},
 };
 use crate::{
-    cache::{
-        copy::{CopyError, Identity, Reader},
-        directory::Cache,
-        pins::Pins,
-        relay::Parent,
-    },
+    cache::{copy::CopyError, directory::Cache, pins::Pins, relay::Parent},
     control::protocol::Holding,
     observe::events::Access,
     place::{budget::Budgets, placement::Filters},
@@ -54,11 +49,13 @@ use crate::{
         mountns::{self, Bind, Expect, SnapshotDir},
     },
     shared::{
+        identity::Identity,
         log_line::{self as logs, Process},
         memory,
         settings::Settings,
         size::human,
         status::{CacheStatus, Progress, Served},
+        user::User,
     },
 };
 
@@ -803,12 +800,12 @@ impl Keeper {
     }
 
     /// A user seen reading the file (`File::reader`).
-    fn reader_of(&self, source: &str) -> Option<Reader> {
+    fn reader_of(&self, source: &str) -> Option<User> {
         let uid = self.weighed(source)?.reader()?;
         if uid == 0 {
-            Some(Reader::root())
+            Some(User::root())
         } else {
-            Reader::lookup(uid)
+            User::lookup(uid)
         }
     }
 

@@ -9,11 +9,8 @@ use std::{
 
 use super::{Keeper, decide, work::Work};
 use crate::{
-    cache::{
-        copy::{self, CopyError},
-        snapshot,
-    },
-    shared::{log_line as logs, size::human},
+    cache::{copy::CopyError, snapshot},
+    shared::{identity::Identity, log_line as logs, size::human},
 };
 
 /// A snapshot in place: where it is, and what the network tree was.
@@ -430,7 +427,7 @@ impl Keeper {
     /// so that later jobs read it locally, as if the snapshot had held it from the
     /// start. Only at the identity the snapshot was stamped with; a job already running
     /// may see either, whose bytes are the same.
-    pub(super) fn fill_stub(&mut self, source: &str, identity: &copy::Identity) {
+    pub(super) fn fill_stub(&mut self, source: &str, identity: &Identity) {
         let Some((root, snap)) = self.held_snapshot(Path::new(source)) else {
             return;
         };

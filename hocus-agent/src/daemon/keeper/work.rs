@@ -19,11 +19,14 @@ use std::{
 use memmap2::Mmap;
 use tokio::sync::mpsc as tokio_mpsc;
 
-use crate::cache::{
-    copy::{self, CopyError, Identity, Reader, Tree, Via},
-    pins,
-    relay::Parent,
-    snapshot::{self, Fill, Stamp, Taken},
+use crate::{
+    cache::{
+        copy::{self, CopyError, Via},
+        pins,
+        relay::Parent,
+        snapshot::{self, Fill, Stamp, Taken},
+    },
+    shared::{identity::Identity, tree::Tree, user::User},
 };
 
 /// A snapshot holds at most this many entries (directories, files, symlinks).
@@ -37,7 +40,7 @@ pub enum Work {
     Copy {
         source: String,
         tree: PathBuf,
-        reader: Reader,
+        reader: User,
         dest: PathBuf,
         room: u64,
         parent: Option<Arc<Parent>>,

@@ -10,8 +10,8 @@
 
 use std::{
     fs::{self, File, OpenOptions},
-    io::{self, BufReader, BufWriter, Read, Write},
-    os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt},
+    io::{self, BufReader, Read, Write},
+    os::unix::fs::{DirBuilderExt, OpenOptionsExt},
     path::{Path, PathBuf},
     time::{SystemTime, UNIX_EPOCH},
 };
@@ -19,9 +19,15 @@ use std::{
 use anyhow::{Context, Result, bail};
 use nix::fcntl::{Flock, FlockArg};
 
-use crate::profile::{
-    format::{DirEntry, FileEntry, FormatError, MissingEntry, Profile},
-    working_set::{Entry, WorkingSet},
+mod codec;
+
+use self::codec::{END, decode, encode, frame, read_frame};
+use crate::{
+    profile::{
+        format::{Entry, ReadError, read_profile},
+        working_set::WorkingSet,
+    },
+    shared::replace::write_replacing,
 };
 
 const STATE_FILE: &str = "profile.state";
@@ -381,281 +387,6 @@ fn read_legacy(dir: &Path) -> Result<Option<SavedState>, StateError> {
             path,
             message: e.to_string(),
         }),
-    }
-}
-
-const END: u8 = 0xff;
-const FILE: u8 = 1;
-const MISSING: u8 = 2;
-const DIR: u8 = 3;
-
-/// Appends a record: its length, its CRC-32, then what `fill` writes.
-fn frame(buf: &mut Vec<u8>, fill: impl FnOnce(&mut Vec<u8>)) {
-    let start = buf.len();
-    buf.extend_from_slice(&[0; 8]);
-    fill(buf);
-    let len = (buf.len() - start - 8) as u32;
-    let crc = crc32fast::hash(&buf[start + 8..]);
-    buf[start..start + 4].copy_from_slice(&len.to_le_bytes());
-    buf[start + 4..start + 8].copy_from_slice(&crc.to_le_bytes());
-}
-
-/// Reads the next record into `payload`: false at a clean end; an error for a cut or
-/// damaged one.
-fn read_frame(r: &mut impl Read, payload: &mut Vec<u8>) -> io::Result<bool> {
-    let mut head = [0u8; 8];
-    match r.read_exact(&mut head[..1]) {
-        Ok(()) => {}
-        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(false),
-        Err(e) => return Err(e),
-    }
-    r.read_exact(&mut head[1..])?;
-    let len = u32::from_le_bytes(head[..4].try_into().expect("4 bytes")) as usize;
-    let crc = u32::from_le_bytes(head[4..].try_into().expect("4 bytes"));
-    // An entry holds a path (at most PATH_MAX) and a few numbers, and its users.
-    if len > 1 << 20 {
-        return Err(io::Error::other(format!("a record claims {len} bytes")));
-    }
-    payload.resize(len, 0);
-    r.read_exact(payload)?;
-    if crc32fast::hash(payload) != crc {
-        return Err(io::Error::other("a record's checksum does not match"));
-    }
-    Ok(true)
-}
-
-fn encode(b: &mut Vec<u8>, e: &Entry) {
-    let path = |b: &mut Vec<u8>, p: &str| {
-        b.extend_from_slice(&(p.len() as u32).to_le_bytes());
-        b.extend_from_slice(p.as_bytes());
-    };
-    let u64s = |b: &mut Vec<u8>, xs: &[u64]| {
-        xs.iter()
-            .for_each(|x| b.extend_from_slice(&x.to_le_bytes()))
-    };
-    match e {
-        Entry::File(f) => {
-            b.push(FILE);
-            path(b, &f.path);
-            u64s(
-                b,
-                &[
-                    f.size,
-                    f.mtime_ns as u64,
-                    f.opens,
-                    f.bytes_read,
-                    f.first_touch_ns,
-                    f.last_touch_ns,
-                    f.write_opens,
-                ],
-            );
-            b.push(u8::from(f.written) | u8::from(f.refused) << 1);
-            b.extend_from_slice(&(f.uids.len() as u32).to_le_bytes());
-            f.uids
-                .iter()
-                .for_each(|u| b.extend_from_slice(&u.to_le_bytes()));
-        }
-        Entry::Missing(m) => {
-            b.push(MISSING);
-            path(b, &m.path);
-            u64s(b, &[m.lookups, m.first_touch_ns]);
-        }
-        Entry::Dir(d) => {
-            b.push(DIR);
-            path(b, &d.path);
-            u64s(b, &[d.opens]);
-            b.push(u8::from(d.mutated));
-        }
-    }
-}
-
-/// Reads what [`encode`] wrote; None if it is not that.
-fn decode(b: &[u8]) -> Option<Entry> {
-    let mut r = Reader { b, at: 1 };
-    let kind = *b.first()?;
-    let path = r.path()?;
-    let entry = match kind {
-        FILE => {
-            let [size, mtime, opens, bytes_read, first, last, write_opens] = r.u64s()?;
-            let flags = r.u8()?;
-            let n = r.u32()? as usize;
-            let uids = (0..n.min(r.left() / 4))
-                .map(|_| r.u32())
-                .collect::<Option<Vec<u32>>>()?;
-            Entry::File(FileEntry {
-                path,
-                size,
-                mtime_ns: mtime as i64,
-                opens,
-                bytes_read,
-                first_touch_ns: first,
-                last_touch_ns: last,
-                users: uids.len() as u32,
-                uids,
-                written: flags & 1 != 0,
-                write_opens,
-                refused: flags & 2 != 0,
-            })
-        }
-        MISSING => {
-            let [lookups, first_touch_ns] = r.u64s()?;
-            Entry::Missing(MissingEntry {
-                path,
-                lookups,
-                first_touch_ns,
-            })
-        }
-        DIR => {
-            let [opens] = r.u64s()?;
-            let mutated = r.u8()? != 0;
-            Entry::Dir(DirEntry {
-                path,
-                opens,
-                mutated,
-            })
-        }
-        _ => return None,
-    };
-    (r.left() == 0).then_some(entry)
-}
-
-struct Reader<'a> {
-    b: &'a [u8],
-    at: usize,
-}
-
-impl Reader<'_> {
-    fn take(&mut self, n: usize) -> Option<&[u8]> {
-        let s = self.b.get(self.at..self.at.checked_add(n)?)?;
-        self.at += n;
-        Some(s)
-    }
-    fn left(&self) -> usize {
-        self.b.len() - self.at
-    }
-    fn u8(&mut self) -> Option<u8> {
-        Some(self.take(1)?[0])
-    }
-    fn u32(&mut self) -> Option<u32> {
-        Some(u32::from_le_bytes(self.take(4)?.try_into().ok()?))
-    }
-    fn u64s<const N: usize>(&mut self) -> Option<[u64; N]> {
-        let mut out = [0; N];
-        for x in &mut out {
-            *x = u64::from_le_bytes(self.take(8)?.try_into().ok()?);
-        }
-        Some(out)
-    }
-    fn path(&mut self) -> Option<String> {
-        let n = self.u32()? as usize;
-        let p = String::from_utf8(self.take(n)?.to_vec()).ok()?;
-        // What hocus wrote passed these checks; anything else is damage.
-        crate::profile::format::refuse_path(&p, &[PathBuf::from("/")])
-            .is_none()
-            .then_some(p)
-    }
-}
-
-/// Replaces `path` by what `write` produces (temporary file, fsync, rename, fsync of the
-/// directory), keeping the old file's mode; returns what `write` returned and the bytes
-/// written.
-fn write_replacing<T, E: From<io::Error>>(
-    path: &Path,
-    write: impl FnOnce(&mut BufWriter<&File>) -> Result<T, E>,
-) -> Result<(T, u64), E> {
-    let dir = path.parent().unwrap_or(Path::new("."));
-    let name = path.file_name().unwrap_or_default().to_string_lossy();
-    let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
-    let result = (|| {
-        // Never through a symlink someone put at the temporary name.
-        let f = OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .mode(0o600)
-            .custom_flags(libc::O_NOFOLLOW)
-            .open(&tmp)?;
-        let mut w = BufWriter::with_capacity(1 << 20, &f);
-        let written = write(&mut w)?;
-        w.flush()?;
-        drop(w);
-        f.sync_all()?;
-        // Keep the mode of the file being replaced (the state file is 0600); of the file
-        // itself, not of what a symlink there points to.
-        if let Some(meta) = fs::symlink_metadata(path).ok().filter(|m| m.is_file()) {
-            f.set_permissions(fs::Permissions::from_mode(
-                meta.permissions().mode() & 0o7777,
-            ))?;
-        }
-        let len = f.metadata()?.len();
-        fs::rename(&tmp, path)?;
-        File::open(dir)?.sync_all()?;
-        Ok((written, len))
-    })();
-    if result.is_err() {
-        let _ = fs::remove_file(&tmp);
-    }
-    result
-}
-
-#[derive(Debug, thiserror::Error)]
-pub enum ReadError {
-    #[error("no profile")]
-    Missing,
-    #[error(transparent)]
-    Io(io::Error),
-    #[error(transparent)]
-    Format(FormatError),
-}
-
-/// Reads and parses a profile file; `advice` says what to do if it is bad.
-pub fn read_profile(path: &Path, advice: &str) -> Result<Profile, ReadError> {
-    let bytes = fs::read(path).map_err(|e| match e.kind() {
-        io::ErrorKind::NotFound => ReadError::Missing,
-        _ => ReadError::Io(e),
-    })?;
-    Profile::from_json(&bytes, path, advice).map_err(ReadError::Format)
-}
-
-/// Replaces `path` with `bytes` so that readers see the old or the new content, never a
-/// mix, even across a crash.
-pub fn write_atomically(path: &Path, bytes: &[u8]) -> io::Result<()> {
-    write_replacing(path, |w| w.write_all(bytes)).map(|_| ())
-}
-
-/// Replaces `path` with what `write` writes, as [`write_atomically`] does; on an error
-/// `path` is left as it was.
-pub fn replace_with<T>(path: &Path, write: impl FnOnce(&mut dyn Write) -> Result<T>) -> Result<T> {
-    write_replacing(path, |w| write(w)).map(|(written, _)| written)
-}
-
-/// Reads a profile someone exported a batch at a time (see `format::read_stream`), with
-/// errors that say what to do; returns its start.
-pub fn stream_exported(
-    path: &Path,
-    batch: &mut dyn FnMut(Profile) -> Result<(), String>,
-) -> Result<u64> {
-    let file = match File::open(path) {
-        Ok(f) => f,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => bail!("{} does not exist", path.display()),
-        Err(e) => bail!("cannot read {}: {e}", path.display()),
-    };
-    Ok(crate::profile::format::read_stream(
-        file,
-        path,
-        "export it again with `hocus-agent profile export`",
-        16_384,
-        batch,
-    )?)
-}
-
-/// Reads a profile someone exported, with errors that say what to do.
-pub fn read_exported(path: &Path) -> Result<Profile> {
-    match read_profile(path, "export it again with `hocus-agent profile export`") {
-        Ok(p) => Ok(p),
-        Err(ReadError::Missing) => bail!("{} does not exist", path.display()),
-        Err(ReadError::Io(e)) => bail!("cannot read {}: {e}", path.display()),
-        Err(ReadError::Format(e)) => Err(e.into()),
     }
 }
 

@@ -1,0 +1,129 @@
+//! A profile taken in from outside the daemon's own observation (a client's import or
+//! prefetch, a Slurm job's saved profile, root's import without a daemon), a batch at a
+//! time, into a working set of its own: only sound paths inside the watched trees, and
+//! only what its sender may vouch for. What was refused is named (the first
+//! `REFUSED_SHOWN`) and counted.
+
+use std::path::PathBuf;
+
+use crate::{
+    profile::{format::Profile, working_set::WorkingSet},
+    shared::status::{REFUSED_SHOWN, Refused},
+};
+
+/// A profile being taken in, and what it came to.
+pub struct Staging {
+    /// The only trees its paths may be in.
+    trees: Vec<PathBuf>,
+    pub set: WorkingSet,
+    /// Files and missing names taken in.
+    pub files: usize,
+    pub missing: usize,
+    /// Entries refused (at most `REFUSED_SHOWN`), and how many in all.
+    pub refused: Vec<Refused>,
+    pub refused_total: usize,
+}
+
+impl Staging {
+    pub fn new(trees: &[PathBuf]) -> Self {
+        Self {
+            trees: trees.to_vec(),
+            set: WorkingSet::new(0),
+            files: 0,
+            missing: 0,
+            refused: Vec::new(),
+            refused_total: 0,
+        }
+    }
+
+    /// Takes in one batch: unsound paths and paths outside the trees are refused, then
+    /// `vouch` keeps what the sender may vouch for (an error ends the staging), and the
+    /// rest is merged.
+    pub fn take(
+        &mut self,
+        mut batch: Profile,
+        vouch: impl FnOnce(&mut Profile) -> Result<(), String>,
+    ) -> Result<(), String> {
+        let refused = batch.keep_valid(&self.trees);
+        self.refused_total += refused.len();
+        let room = REFUSED_SHOWN.saturating_sub(self.refused.len());
+        self.refused.extend(refused.into_iter().take(room));
+        vouch(&mut batch)?;
+        self.files += batch.files.len();
+        self.missing += batch.missing.len();
+        self.set.merge(batch);
+        Ok(())
+    }
+
+    /// All batches are in: the profile started at `unix_ns`.
+    pub fn started_at(&mut self, unix_ns: u64) {
+        self.set.started_unix_ns = unix_ns;
+    }
+}
+
+impl std::fmt::Debug for Staging {
+    fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        write!(
+            f,
+            "Staging({} files, {} missing names, {} refused)",
+            self.files, self.missing, self.refused_total
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::profile::format::{FileEntry, MissingEntry};
+
+    fn batch(paths: &[&str]) -> Profile {
+        Profile {
+            files: paths
+                .iter()
+                .map(|p| FileEntry {
+                    path: (*p).into(),
+                    opens: 1,
+                    ..Default::default()
+                })
+                .collect(),
+            missing: vec![MissingEntry {
+                path: "/net/home/nope.py".into(),
+                lookups: 2,
+                first_touch_ns: 1,
+            }],
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn batches_are_checked_vouched_for_and_counted() {
+        let mut s = Staging::new(&[PathBuf::from("/net/home")]);
+        s.take(batch(&["/net/home/a.py", "/etc/shadow"]), |_| Ok(()))
+            .unwrap();
+        // The sender vouches only for what it may read.
+        s.take(batch(&["/net/home/b.py", "/net/home/secret"]), |p| {
+            p.files.retain(|f| f.path != "/net/home/secret");
+            Ok(())
+        })
+        .unwrap();
+        s.started_at(42);
+        assert_eq!((s.files, s.missing, s.refused_total), (2, 2, 1));
+        assert_eq!(s.refused[0].path, "/etc/shadow");
+        let p = s.set.to_profile();
+        let paths: Vec<&str> = p.files.iter().map(|f| f.path.as_str()).collect();
+        assert_eq!(paths, ["/net/home/a.py", "/net/home/b.py"]);
+        assert_eq!((p.missing[0].lookups, p.started_unix_ns), (4, 42));
+        let e = s.take(batch(&[]), |_| Err("no".into())).unwrap_err();
+        assert_eq!(e, "no");
+    }
+
+    #[test]
+    fn only_so_many_refusals_are_named_but_all_are_counted() {
+        let mut s = Staging::new(&[PathBuf::from("/net/home")]);
+        let outside: Vec<String> = (0..REFUSED_SHOWN + 5).map(|i| format!("/x/{i}")).collect();
+        let outside: Vec<&str> = outside.iter().map(String::as_str).collect();
+        s.take(batch(&outside), |_| Ok(())).unwrap();
+        assert_eq!(s.refused.len(), REFUSED_SHOWN);
+        assert_eq!(s.refused_total, REFUSED_SHOWN + 5);
+    }
+}

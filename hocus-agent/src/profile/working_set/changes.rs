@@ -1,0 +1,141 @@
+//! What changed since the last save, so that a save appends only that to the journal
+//! (`store`): a bit per entry (so an entry is listed once however often it changes), the
+//! list in the order of first change, and past a bound, "everything".
+
+use super::WorkingSet;
+use crate::profile::format::Entry;
+use crate::profile::paths::PathId;
+
+/// Past this many changed entries (or a quarter of all), a save rewrites the whole state
+/// rather than appending each.
+const MAX_CHANGED: usize = 1 << 16;
+
+/// An entry changed since the last save.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Changed {
+    File(u32),
+    Missing(PathId),
+    Dir(PathId),
+}
+
+/// The changes since the last save.
+#[derive(Default)]
+pub(super) struct Changes {
+    /// Which files (by index) changed since the last save.
+    files: Bits,
+    /// Which missing names (by path) changed since the last save.
+    missing: Bits,
+    /// Which directories (by path) changed since the last save.
+    dirs: Bits,
+    /// Entries changed since [`WorkingSet::take_changes`] last ran.
+    listed: Vec<Changed>,
+    /// So many changed that the next save rewrites everything.
+    all: bool,
+}
+
+impl Changes {
+    /// Entry `c` changed, in a set of `len` entries.
+    pub(super) fn note(&mut self, c: Changed, len: usize) {
+        let first = match c {
+            Changed::File(i) => self.files.set(i as usize),
+            Changed::Missing(id) => self.missing.set(id as usize),
+            Changed::Dir(id) => self.dirs.set(id as usize),
+        };
+        if !first || self.all {
+            return;
+        }
+        if self.listed.len() >= MAX_CHANGED.max(len / 4) {
+            self.everything();
+            return;
+        }
+        self.listed.push(c);
+    }
+
+    fn everything(&mut self) {
+        self.all = true;
+        self.listed = Vec::new();
+    }
+
+    pub(super) fn heap_bytes(&self) -> usize {
+        self.files.heap_bytes()
+            + self.missing.heap_bytes()
+            + self.dirs.heap_bytes()
+            + self.listed.capacity() * size_of::<Changed>()
+    }
+}
+
+impl WorkingSet {
+    /// Marks everything changed: the next save writes it all.
+    pub fn all_changed(&mut self) {
+        self.changes.everything();
+    }
+
+    /// What changed since the last call, as entries to save; `None` when so much changed
+    /// that everything should be (see [`WorkingSet::entries`]).
+    pub fn take_changes(&mut self) -> Option<Vec<Entry>> {
+        let all = std::mem::take(&mut self.changes.all);
+        let listed = std::mem::take(&mut self.changes.listed);
+        if all {
+            self.files.write_back();
+            self.changes.files.clear_all();
+            self.changes.missing.clear_all();
+            self.changes.dirs.clear_all();
+            return None;
+        }
+        let mut out = Vec::with_capacity(listed.len());
+        for c in listed {
+            match c {
+                Changed::File(i) => {
+                    self.changes.files.clear(i as usize);
+                    let f = self.files.get(i as usize);
+                    out.push(Entry::File(self.file_entry(&f)));
+                }
+                Changed::Missing(id) => {
+                    self.changes.missing.clear(id as usize);
+                    if let Some(m) = self.missing.get(&id) {
+                        out.push(Entry::Missing(self.missing_entry(id, m)));
+                    }
+                }
+                Changed::Dir(id) => {
+                    self.changes.dirs.clear(id as usize);
+                    if let Some(d) = self.dirs.get(&id) {
+                        out.push(Entry::Dir(self.dir_entry(id, d)));
+                    }
+                }
+            }
+        }
+        self.files.write_back();
+        Some(out)
+    }
+}
+
+/// A bit per index, grown on demand.
+#[derive(Default)]
+struct Bits(Vec<u64>);
+
+impl Bits {
+    /// Sets bit `i`; whether it was clear.
+    fn set(&mut self, i: usize) -> bool {
+        let (word, bit) = (i / 64, 1u64 << (i % 64));
+        if self.0.len() <= word {
+            self.0.resize(word + 1, 0);
+        }
+        let was_clear = self.0[word] & bit == 0;
+        self.0[word] |= bit;
+        was_clear
+    }
+
+    fn clear(&mut self, i: usize) {
+        if let Some(w) = self.0.get_mut(i / 64) {
+            *w &= !(1u64 << (i % 64));
+        }
+    }
+
+    fn clear_all(&mut self) {
+        self.0.iter_mut().for_each(|w| *w = 0);
+    }
+
+    fn heap_bytes(&self) -> usize {
+        self.0.capacity() * size_of::<u64>()
+    }
+}

@@ -1,0 +1,373 @@
+//! The working set's tests: recording, merging, reading out, exporting.
+
+use std::path::{Path, PathBuf};
+
+use super::{export::FileOrder, *};
+use crate::profile::format::{FileEntry, FormatError};
+
+const T0: u64 = 1_700_000_000_000_000_000;
+
+fn sample() -> WorkingSet {
+    let mut ws = WorkingSet::new(T0);
+    assert!(ws.open("/net/env/a.py", 1000, T0 + 10));
+    assert!(!ws.open("/net/env/a.py", 1001, T0 + 50));
+    ws.open("/net/env/b.so", 1000, T0 + 20);
+    ws.set_attributes(
+        "/net/env/a.py",
+        Attributes {
+            size: 42,
+            mtime_ns: 7,
+        },
+    );
+    ws.add_bytes_read("/net/env/a.py", 84);
+    ws.missing("/net/env/nope.py", T0 + 5);
+    ws.missing("/net/env/nope.py", T0 + 6);
+    ws.mark_written("/net/out/log.txt", T0 + 30);
+    ws.dir_opened("/net/env");
+    ws.dir_mutated("/net/out");
+    ws
+}
+
+#[test]
+fn an_export_in_parts_is_the_profile_as_it_began() {
+    let mut ws = sample();
+    ws.missing("/net/env/a.py-x", T0 + 7);
+    ws.missing("/net/env/a.py/x", T0 + 8);
+    let whole = ws.to_profile();
+    let mut order = ws.export_order(None);
+    let mut all = ws.export_part(&mut order, 2).unwrap();
+    // Recorded mid-export: facts of entries in the order show, new entries do not.
+    ws.add_bytes_read("/net/out/log.txt", 5);
+    ws.open("/net/env/late.py", 1000, T0 + 1);
+    while let Some(part) = ws.export_part(&mut order, 2) {
+        assert!((1..=2).contains(&part.len()));
+        all.files.extend(part.files);
+        all.missing.extend(part.missing);
+        all.dirs.extend(part.dirs);
+    }
+    let mut want = whole.clone();
+    want.files[2].bytes_read += 5;
+    assert_eq!(all, want);
+    // Names ordered as strings: `a.py-x` and `a.py/x` around `nope.py`.
+    let names: Vec<&str> = whole.missing.iter().map(|m| m.path.as_str()).collect();
+    assert_eq!(
+        names,
+        ["/net/env/a.py-x", "/net/env/a.py/x", "/net/env/nope.py"]
+    );
+    // Under a root, as `retain_under` keeps; an empty export still carries the start.
+    let mut order = ws.export_order(Some(Path::new("/net/env")));
+    let under = ws.export_part(&mut order, usize::MAX).unwrap();
+    let mut want = ws.to_profile();
+    want.retain_under(Path::new("/net/env"));
+    assert_eq!(under, want);
+    let mut order = ws.export_order(Some(Path::new("/elsewhere")));
+    assert_eq!(ws.export_part(&mut order, 9).unwrap().started_unix_ns, T0);
+    assert!(ws.export_part(&mut order, 9).is_none());
+}
+
+#[test]
+fn records_opens_in_first_touch_order() {
+    let p = sample().to_profile();
+    let order: Vec<_> = p.files.iter().map(|f| f.path.as_str()).collect();
+    assert_eq!(
+        order,
+        ["/net/env/a.py", "/net/env/b.so", "/net/out/log.txt"]
+    );
+    let a = &p.files[0];
+    assert_eq!((a.opens, a.bytes_read, a.size, a.mtime_ns), (2, 84, 42, 7));
+    assert_eq!((a.first_touch_ns, a.last_touch_ns), (10, 50));
+    assert_eq!((a.users, a.uids.clone()), (2, vec![1000, 1001]));
+    assert!(!a.written);
+    assert!(p.files[2].written);
+    assert_eq!(p.missing[0].lookups, 2);
+    assert_eq!(p.dirs.len(), 2);
+}
+
+#[test]
+fn the_hottest_of_many_are_those_a_full_sort_finds() {
+    // Agrees with sorting everything (ties by path), few of many or many of few.
+    for count in [100u32, 1000] {
+        let mut ws = WorkingSet::default();
+        for i in 0..count {
+            let path = format!("/net/f{i:04}");
+            // Opens 1..=7 over and over: many ties, broken by path.
+            for _ in 0..(i * 7919 % 7 + 1) {
+                ws.open(&path, 1000, u64::from(i));
+            }
+        }
+        let mut all = ws.to_profile().files;
+        all.sort_by(|a, b| b.opens.cmp(&a.opens).then_with(|| a.path.cmp(&b.path)));
+        let hottest: Vec<_> = ws.hottest(10).into_iter().map(|f| f.opens).collect();
+        let expected: Vec<_> = all.iter().take(10).map(|f| f.opens).collect();
+        assert_eq!(hottest, expected, "{count} files");
+    }
+}
+
+/// The same work done on a set whose records and leaf names went to disk (in fours,
+/// in sixteen bytes) and on one that kept them in memory.
+#[test]
+fn records_on_disk_answer_as_records_in_memory() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut on_disk = WorkingSet::new(T0);
+    on_disk.files = Records::spilling(Some(dir.path().to_owned()), 4);
+    on_disk.paths = Paths::spilling(dir.path(), 16);
+    let mut in_memory = WorkingSet::new(T0);
+    in_memory.files = Records::spilling(None, 4);
+    for ws in [&mut on_disk, &mut in_memory] {
+        for i in 0..50u64 {
+            let path = format!("/net/env/d{}/f{i}.py", i % 3);
+            ws.open(&path, 1000 + (i % 4) as u32, T0 + 100 - i);
+            ws.set_attributes(
+                &path,
+                Attributes {
+                    size: i * 4096,
+                    mtime_ns: i as i64,
+                },
+            );
+        }
+        // Saved: what changes after it changes records already on disk.
+        assert_eq!(ws.take_changes().unwrap().len(), 50);
+        for i in (0..50u64).step_by(7) {
+            let path = format!("/net/env/d{}/f{i}.py", i % 3);
+            ws.open(&path, 2000, T0 + 200 + i);
+            ws.add_bytes_read(&path, i * 10);
+        }
+        ws.opened_for_writing("/net/env/d1/f4.py", T0 + 300);
+        ws.mark_written("/net/env/d2/f5.py", T0 + 301);
+        ws.missing("/net/env/d0/nope.py", T0 + 5);
+    }
+    let changes = |ws: &mut WorkingSet| ws.take_changes().unwrap();
+    assert_eq!(changes(&mut on_disk), changes(&mut in_memory));
+    assert_eq!(on_disk.to_profile(), in_memory.to_profile());
+    assert_eq!(on_disk.hottest(5), in_memory.hottest(5));
+    assert_eq!(on_disk.for_placement(10), in_memory.for_placement(10));
+    let roots = [PathBuf::from("/net/env/d1"), PathBuf::from("/net/env")];
+    let (top, totals) = on_disk.summary(3, &roots);
+    assert_eq!((top, totals.clone()), in_memory.summary(3, &roots));
+    assert_eq!(totals[0].files, 17);
+    assert_eq!(totals[1].files, 50);
+    assert_eq!(totals[1].missing, 1);
+    let f = "/net/env/d2/f8.py";
+    assert_eq!(on_disk.attributes(f), in_memory.attributes(f));
+    assert_eq!(on_disk.to_profile().files.len(), 50);
+    assert!(on_disk.files.len() > 0 && dir.path().read_dir().unwrap().count() == 0);
+}
+
+#[test]
+fn an_export_in_recording_order_lists_nothing_and_one_out_of_order_sorts() {
+    let mut ws = WorkingSet::new(T0);
+    for i in 0..5 {
+        ws.open(&format!("/net/{}", 9 - i), 1000, T0 + 10 * i);
+    }
+    let order = ws.export_order(None);
+    assert!(matches!(order.files, FileOrder::Recorded(5)), "{order:?}");
+    let paths = |ws: &WorkingSet| -> Vec<String> {
+        ws.to_profile().files.into_iter().map(|f| f.path).collect()
+    };
+    assert_eq!(
+        paths(&ws),
+        ["/net/9", "/net/8", "/net/7", "/net/6", "/net/5"]
+    );
+    // Under a root that leaves some out, or touched before the rest: listed.
+    ws.open("/other/x", 1000, T0 + 90);
+    assert!(matches!(
+        ws.export_order(Some(Path::new("/net"))).files,
+        FileOrder::Listed(_)
+    ));
+    ws.merge(Profile {
+        files: vec![FileEntry {
+            path: "/net/early".into(),
+            opens: 1,
+            first_touch_ns: 15,
+            ..Default::default()
+        }],
+        ..Default::default()
+    });
+    assert!(matches!(ws.export_order(None).files, FileOrder::Listed(_)));
+    assert_eq!(
+        paths(&ws),
+        [
+            "/net/9",
+            "/net/8",
+            "/net/early",
+            "/net/7",
+            "/net/6",
+            "/net/5",
+            "/other/x"
+        ]
+    );
+}
+
+#[test]
+fn files_touched_at_once_export_by_path() {
+    let mut ws = WorkingSet::new(T0);
+    for name in ["d", "b", "c", "a"] {
+        ws.open(&format!("/net/{name}"), 1000, T0 + 7);
+    }
+    ws.open("/net/0", 1000, T0 + 9);
+    ws.open("/net/z", 1000, T0 + 1);
+    let order: Vec<String> = ws.to_profile().files.into_iter().map(|f| f.path).collect();
+    assert_eq!(
+        order,
+        ["/net/z", "/net/a", "/net/b", "/net/c", "/net/d", "/net/0"]
+    );
+}
+
+#[test]
+fn placement_gets_one_missing_name_per_directory_when_bounded() {
+    let mut ws = WorkingSet::default();
+    for (name, lookups) in [("/net/a/x.so", 1), ("/net/a/y.so", 5), ("/net/a/z.so", 2)] {
+        for _ in 0..lookups {
+            ws.missing(name, 1);
+        }
+    }
+    ws.missing("/net/b/w.py", 1);
+    ws.open("/net/a/real.py", 1000, 1);
+    let mut missing: Vec<_> = ws
+        .for_placement(2)
+        .missing
+        .into_iter()
+        .map(|m| (m.path, m.lookups))
+        .collect();
+    missing.sort();
+    assert_eq!(
+        missing,
+        [("/net/a/y.so".to_owned(), 5), ("/net/b/w.py".to_owned(), 1)]
+    );
+}
+
+/// A bounded view holds the hottest by opens per page, and also the files written
+/// or opened for writing, however cold: they keep copies off the cache. Each once.
+#[test]
+fn a_bounded_view_keeps_the_files_written_or_opened_for_writing() {
+    let mut ws = WorkingSet::default();
+    for i in 0..10 {
+        for _ in 0..5 {
+            ws.open(&format!("/net/hot{i}.py"), 1000, 1);
+        }
+    }
+    ws.mark_written("/net/out.log", 2);
+    ws.opened_for_writing("/net/lock", 3);
+    // Hot and written: in the view once.
+    ws.mark_written("/net/hot1.py", 4);
+    let view = ws.for_placement(3);
+    let mut paths: Vec<&str> = view.files().map(|f| f.path).collect();
+    paths.sort();
+    assert_eq!(
+        paths,
+        [
+            "/net/hot0.py",
+            "/net/hot1.py",
+            "/net/hot2.py",
+            "/net/lock",
+            "/net/out.log"
+        ]
+    );
+}
+
+#[test]
+fn format_round_trips() {
+    let p = sample().to_profile();
+    let back = Profile::from_json(&p.to_json(), Path::new("x.json"), "").unwrap();
+    assert_eq!(back, p);
+    // and a working set rebuilt from it exports the same profile
+    assert_eq!(WorkingSet::from_profile(back).to_profile(), p);
+}
+
+#[test]
+fn merging_adds_counts_and_keeps_earliest_touch() {
+    let mut ws = sample();
+    let mut other = WorkingSet::new(T0 + 1_000);
+    other.open("/net/env/a.py", 2000, T0 + 1_003);
+    other.set_attributes(
+        "/net/env/a.py",
+        Attributes {
+            size: 43,
+            mtime_ns: 9,
+        },
+    );
+    other.open("/net/env/c.py", 2000, T0 + 1_001);
+    other.missing("/net/env/nope.py", T0 + 1_002);
+    other.mark_written("/net/env/b.so", T0 + 1_004);
+    ws.merge(other.to_profile());
+    let p = ws.to_profile();
+    let get = |path: &str| p.files.iter().find(|f| f.path == path).unwrap().clone();
+    let a = get("/net/env/a.py");
+    assert_eq!(a.opens, 3);
+    assert_eq!(
+        a.first_touch_ns, 3,
+        "the merged profile's offset 3 is earlier than 10"
+    );
+    assert_eq!((a.size, a.mtime_ns), (43, 9), "newer attributes win");
+    assert_eq!(a.uids, [1000, 1001, 2000]);
+    assert!(get("/net/env/b.so").written);
+    assert_eq!(get("/net/env/c.py").opens, 1);
+    assert_eq!(p.missing[0].lookups, 3);
+    assert_eq!(p.started_unix_ns, T0);
+}
+
+#[test]
+fn merging_is_additive_when_done_twice() {
+    let p = sample().to_profile();
+    let mut ws = WorkingSet::from_profile(p.clone());
+    ws.merge(p);
+    let doubled = ws.to_profile();
+    assert_eq!(doubled.files[0].opens, 4);
+    assert_eq!(doubled.files[0].bytes_read, 168);
+    assert_eq!(doubled.missing[0].lookups, 4);
+    assert_eq!(doubled.dirs[0].opens, 2);
+}
+
+#[test]
+fn rejects_corrupt_truncated_and_newer_profiles() {
+    let path = Path::new("/var/lib/hocus/profile.json");
+    let good = sample().to_profile().to_json();
+    let truncated = &good[..good.len() / 2];
+    let e = Profile::from_json(truncated, path, "delete it").unwrap_err();
+    assert!(matches!(e, FormatError::Corrupt { .. }), "{e}");
+    assert!(e.to_string().contains("/var/lib/hocus/profile.json"), "{e}");
+    assert!(e.to_string().contains("delete it"), "{e}");
+
+    let e = Profile::from_json(b"{\"version\": 2, \"whatever\": []}", path, "").unwrap_err();
+    assert!(matches!(e, FormatError::TooNew { found: 2, .. }), "{e}");
+    assert!(e.to_string().contains("upgrade"), "{e}");
+
+    let e = Profile::from_json(b"[1,2,3]", path, "").unwrap_err();
+    assert!(matches!(e, FormatError::Corrupt { .. }), "{e}");
+    let e = Profile::from_json(b"{\"version\": 1, \"files\": 3}", path, "").unwrap_err();
+    assert!(matches!(e, FormatError::Corrupt { .. }), "{e}");
+}
+
+#[test]
+fn filters_by_root() {
+    let mut p = sample().to_profile();
+    p.retain_under(Path::new("/net/env"));
+    assert_eq!(p.files.len(), 2);
+    assert_eq!(p.missing.len(), 1);
+    assert_eq!(p.dirs.len(), 1);
+    // a sibling with a common string prefix is not under the root
+    let mut p = sample().to_profile();
+    p.retain_under(Path::new("/net/en"));
+    assert!(p.files.is_empty());
+}
+
+#[test]
+fn a_bounded_working_set_drops_new_reads_but_keeps_writes() {
+    let mut ws = WorkingSet::new(T0);
+    ws.set_limit(2);
+    assert!(ws.open("/net/a", 1, T0));
+    ws.missing("/net/nope", T0);
+    assert!(!ws.open("/net/b", 1, T0), "full: not recorded");
+    ws.missing("/net/nope2", T0);
+    ws.dir_opened("/net/d");
+    assert!(!ws.open("/net/a", 1, T0 + 1), "known entries still count");
+    ws.mark_written("/net/out", T0);
+    assert_eq!(ws.counts(), (2, 1, 0));
+    assert_eq!(ws.dropped(), 3);
+    let p = ws.to_profile();
+    assert!(p.files.iter().any(|f| f.path == "/net/out" && f.written));
+    assert_eq!(
+        p.files.iter().find(|f| f.path == "/net/a").unwrap().opens,
+        2
+    );
+}
