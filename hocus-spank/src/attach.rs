@@ -5,10 +5,9 @@
 
 use std::{ffi::CString, io, os::unix::ffi::OsStrExt, path::Path};
 
-use crate::{
-    daemon::{Answer, Daemon},
-    settings::Settings,
-};
+use hocus_control::{AttachTask, Request, Response};
+
+use crate::{daemon::Daemon, settings::Settings};
 
 /// Whose task this is, as Slurm says.
 #[derive(Debug, Clone)]
@@ -26,13 +25,12 @@ pub fn attach(settings: &Settings, job: &Job) -> Result<usize, String> {
     let mut daemon = Daemon::connect(&settings.socket, settings.timeout)?;
     let cwd = std::env::current_dir().ok();
     own_namespace().map_err(|e| format!("cannot make the task a mount namespace: {e}"))?;
-    daemon.send(&serde_json::json!({
-        "request": "attach",
-        "uid": job.uid,
-        "job_id": job.job_id,
+    daemon.send(&Request::Attach(AttachTask {
+        uid: job.uid,
+        job_id: job.job_id,
     }))?;
     let binds = match daemon.answer()? {
-        Answer::Attached { binds } => binds,
+        Response::Attached { binds } => binds,
         other => return Err(format!("unexpected answer from hocus-agent: {other:?}")),
     };
     // The task's working directory was entered before the binds: entered again by its

@@ -1,5 +1,6 @@
-//! Talking to hocus-agent over its control socket: one JSON request line, then JSON
-//! answer lines, each awaited no longer than what is left of the caller's time.
+//! Talking to hocus-agent over its control socket, in the daemon's own terms
+//! (`hocus_control`): one JSON request line, then JSON response lines, each awaited no
+//! longer than what is left of the caller's time.
 
 use std::{
     io::{self, BufRead, BufReader, Read, Write},
@@ -8,38 +9,10 @@ use std::{
     time::{Duration, Instant},
 };
 
-use serde::Deserialize;
+use hocus_control::{Request, Response};
 
 /// An answer line is at most this long.
 const MAX_ANSWER: u64 = 64 << 10;
-
-/// The daemon's answers this plugin reads (a subset of hocus-agent's control protocol).
-#[derive(Debug, Deserialize)]
-#[serde(tag = "response", rename_all = "snake_case")]
-pub enum Answer {
-    Attached {
-        binds: usize,
-    },
-    Saved {
-        path: String,
-        files: usize,
-        missing: usize,
-    },
-    Progress {
-        files_done: usize,
-        files_total: usize,
-        #[serde(default)]
-        trees_done: usize,
-        #[serde(default)]
-        trees_total: usize,
-        finished: bool,
-    },
-    Error {
-        message: String,
-    },
-    #[serde(other)]
-    Unexpected,
-}
 
 /// A connection to the daemon, answering within `deadline`.
 pub struct Daemon {
@@ -68,8 +41,9 @@ impl Daemon {
         })
     }
 
-    pub fn send(&mut self, request: &serde_json::Value) -> Result<(), String> {
-        let mut line = request.to_string();
+    pub fn send(&mut self, request: &Request) -> Result<(), String> {
+        let mut line =
+            serde_json::to_string(request).map_err(|e| format!("writing the request: {e}"))?;
         line.push('\n');
         let stream = self.reader.get_mut().get_mut();
         stream
@@ -78,7 +52,7 @@ impl Daemon {
     }
 
     /// The next answer, within what is left of the time.
-    pub fn answer(&mut self) -> Result<Answer, String> {
+    pub fn answer(&mut self) -> Result<Response, String> {
         let left = self.deadline.saturating_duration_since(Instant::now());
         let late = || {
             format!(
@@ -108,8 +82,8 @@ impl Daemon {
             }
             Err(e) => return Err(format!("reading hocus-agent's answer: {e}")),
         }
-        match serde_json::from_str::<Answer>(line.trim()) {
-            Ok(Answer::Error { message }) => Err(format!("hocus-agent refused: {message}")),
+        match serde_json::from_str::<Response>(line.trim()) {
+            Ok(Response::Error { message }) => Err(format!("hocus-agent refused: {message}")),
             Ok(a) => Ok(a),
             Err(_) => Err(format!(
                 "unexpected answer from hocus-agent: {:.200}",

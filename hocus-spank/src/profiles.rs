@@ -5,11 +5,9 @@
 
 use std::{process::Command, time::Duration};
 
-use crate::{
-    attach::Job,
-    daemon::{Answer, Daemon},
-    settings::Settings,
-};
+use hocus_control::{JobProfile, Request, Response, status::Progress};
+
+use crate::{attach::Job, daemon::Daemon, settings::Settings};
 
 /// How long the job name may take to look up, when Slurm does not give it.
 const NAME_LOOKUP: Duration = Duration::from_secs(5);
@@ -58,37 +56,38 @@ pub fn key(option: Option<&str>, job_id: u32) -> Result<String, String> {
     Ok(name)
 }
 
-/// The request; a prolog's names the job's nodes and this one (from the prolog's
-/// environment), so that they share the job's files (docs/fanout.md).
-fn request(kind: &str, job: &Job, job_id: u32, key: &str) -> serde_json::Value {
+/// The job's profile as the daemon keeps it; a prolog's names the job's nodes and this
+/// one (from the prolog's environment), so that they share the job's files
+/// (docs/fanout.md).
+fn job_profile(job: &Job, job_id: u32, key: &str) -> JobProfile {
     let env = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
-    serde_json::json!({
-        "request": kind,
-        "job_id": job_id,
-        "uid": job.uid,
-        "gid": job.gid,
-        "groups": job.groups,
-        "key": key,
-        "nodes": env("SLURM_JOB_NODELIST").or_else(|| env("SLURM_NODELIST")),
-        "node": env("SLURMD_NODENAME"),
-    })
+    JobProfile {
+        job_id,
+        uid: job.uid,
+        gid: job.gid,
+        groups: job.groups.clone(),
+        key: key.to_owned(),
+        nodes: env("SLURM_JOB_NODELIST").or_else(|| env("SLURM_NODELIST")),
+        node: env("SLURMD_NODENAME"),
+    }
 }
 
 /// Prefetches from the profile saved under `key`, until done or `prefetch_timeout`;
 /// returns what to log.
 pub fn prefetch(settings: &Settings, job: &Job, job_id: u32, key: &str) -> Result<String, String> {
     let mut daemon = Daemon::connect(&settings.socket, settings.prefetch_timeout)?;
-    daemon.send(&request("prefetch_job_profile", job, job_id, key))?;
+    daemon.send(&Request::PrefetchJobProfile(job_profile(job, job_id, key)))?;
     let mut last = None;
     loop {
         match daemon.answer() {
-            Ok(Answer::Progress {
+            Ok(Response::Progress(Progress {
                 files_done,
                 files_total,
                 trees_done,
                 trees_total,
                 finished,
-            }) => {
+                ..
+            })) => {
                 let said = format!(
                     "prefetched {files_done} of {files_total} files and {trees_done} of {trees_total} trees from profile {key:?}"
                 );
@@ -112,14 +111,15 @@ pub fn prefetch(settings: &Settings, job: &Job, job_id: u32, key: &str) -> Resul
 /// Saves this job's working set under `key`; returns what to log.
 pub fn save(settings: &Settings, job: &Job, job_id: u32, key: &str) -> Result<String, String> {
     let mut daemon = Daemon::connect(&settings.socket, settings.timeout)?;
-    daemon.send(&request("save_job_profile", job, job_id, key))?;
+    daemon.send(&Request::SaveJobProfile(job_profile(job, job_id, key)))?;
     match daemon.answer()? {
-        Answer::Saved {
+        Response::Saved {
             path,
             files,
             missing,
         } => Ok(format!(
-            "profile {key:?} saved to {path} ({files} files, {missing} missing names)"
+            "profile {key:?} saved to {} ({files} files, {missing} missing names)",
+            path.display()
         )),
         other => Err(format!("unexpected answer from hocus-agent: {other:?}")),
     }

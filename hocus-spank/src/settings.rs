@@ -4,7 +4,7 @@
 use std::{path::PathBuf, time::Duration};
 
 /// The daemon's control socket unless the plugstack line names another.
-pub const DEFAULT_SOCKET: &str = "/run/hocus/agent.sock";
+pub const DEFAULT_SOCKET: &str = hocus_control::DEFAULT_SOCKET;
 /// How long a task waits for the daemon before it runs without local copies. The
 /// daemon's own job-start check takes at most 2 s.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);

@@ -26,6 +26,7 @@ use crate::shared::{
     attrs::{self, Times},
     dirs,
     identity::Identity,
+    relay as shared_relay,
     tree::{stable_inodes_of, stat_now},
     user::{AsUser, User},
 };
@@ -173,7 +174,7 @@ pub fn copy(
             return Err(CopyError::Changed);
         }
         attrs::copy_xattrs(&src, &out).map_err(local)?;
-        relay::keep_hash(&out, &poured.hash);
+        shared_relay::keep_hash(&out, &poured.hash);
         attrs::own(&out, before.uid(), before.gid(), before.mode()).map_err(local)?;
         // Not fsynced one by one (a journal commit each, taken one at a time): the
         // cache index is written only after the whole cache filesystem is flushed

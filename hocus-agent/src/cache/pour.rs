@@ -7,7 +7,7 @@ use std::{
     io::{self, Read, Seek, Write},
 };
 
-pub type Hash = [u8; 32];
+pub use crate::shared::relay::Hash;
 
 /// What `pour` moved: the bytes, and their hash.
 #[derive(Debug)]

@@ -1,25 +1,12 @@
-//! One file passed between the daemons of a job's nodes (docs/fanout.md): the wire of a
-//! transfer, and the asking end. The serving end is `control::fanout`.
+//! The asking end of the relay between the daemons of a job's nodes (docs/fanout.md):
+//! this node's copies fetched from its parent node, checked against the network's file
+//! and the first copy's hash. The vocabulary both ends share is `shared::relay`; the
+//! serving end is `control::relay`.
 //!
-//! A connection opens with a greeting line and a munge credential line; the server
-//! answers `OK` or `NO <why>` and closes. Then the client asks for files one at a time:
-//! the source path (u32 length, bytes); the server answers with one status byte:
-//! `FILE` followed by the size (u64), the mtime in ns (i64), the BLAKE3 hash of the bytes
-//! (32 bytes) and the bytes; `WAIT` while its own copy is still coming (then another
-//! status); `NOT_HELD`. Integers are big-endian.
-//!
-//! Nothing unverified enters a cache: the receiver compares the size and mtime the
-//! server offers with what it just read from the network itself, and the bytes with
-//! the hash the first node computed as it copied from the network (kept with the copy
-//! as an xattr); a short or corrupt transfer is an error and its temporary file is
-//! deleted by the copy around it.
-
 use std::{
-    ffi::CStr,
     fs::File,
     io::{self, BufRead, BufReader, Read, Write},
     net::{SocketAddr, TcpStream},
-    os::unix::ffi::OsStrExt,
     path::{Path, PathBuf},
     sync::{
         Mutex,
@@ -28,77 +15,11 @@ use std::{
     time::{Duration, Instant},
 };
 
-use super::pour::{Hash, PourError, Poured, pour};
-use crate::shared::attrs;
-
-pub const GREETING: &str = "HOCUS-RELAY 1";
-/// The longest source path asked for.
-pub const MAX_PATH: usize = 4096;
-pub const FILE: u8 = 0;
-pub const NOT_HELD: u8 = 1;
-pub const WAIT: u8 = 2;
-/// How often a server says WAIT while its own copy is coming: well within any timeout.
-pub const WAIT_EVERY: Duration = Duration::from_millis(500);
-
-/// Where the hash of a copy's bytes is kept, as the first node computed it copying from
-/// the network (`trusted.`: only root reads or writes it).
-const HASH_XATTR: &CStr = c"trusted.hocus.blake3";
-
-/// What a server offers for a file: its size, mtime and the hash of its bytes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Offer {
-    pub size: u64,
-    pub mtime_ns: i64,
-    pub hash: Hash,
-}
-
-impl Offer {
-    pub const LEN: usize = 8 + 8 + 32;
-
-    pub fn encode(&self) -> [u8; Self::LEN] {
-        let mut b = [0u8; Self::LEN];
-        b[..8].copy_from_slice(&self.size.to_be_bytes());
-        b[8..16].copy_from_slice(&self.mtime_ns.to_be_bytes());
-        b[16..].copy_from_slice(&self.hash);
-        b
-    }
-
-    pub fn decode(b: &[u8; Self::LEN]) -> Self {
-        Self {
-            size: u64::from_be_bytes(b[..8].try_into().expect("8 bytes")),
-            mtime_ns: i64::from_be_bytes(b[8..16].try_into().expect("8 bytes")),
-            hash: b[16..].try_into().expect("32 bytes"),
-        }
-    }
-}
-
-/// Records the hash of `file`'s bytes with it (best effort: without it, the hash is
-/// computed again when the copy is served).
-pub fn keep_hash(file: &File, hash: &Hash) {
-    let _ = attrs::set_xattr(file, HASH_XATTR, hash);
-}
-
-/// The hash of a copy's bytes: the one kept with it, else computed from them.
-pub fn hash_of(file: &File) -> io::Result<Hash> {
-    let mut kept = [0u8; 32];
-    if attrs::get_xattr(file, HASH_XATTR, &mut kept).ok() == Some(kept.len()) {
-        return Ok(kept);
-    }
-    let mut hasher = blake3::Hasher::new();
-    let mut f = file.try_clone()?;
-    io::copy(&mut f, &mut hasher)?;
-    let hash = *hasher.finalize().as_bytes();
-    keep_hash(file, &hash);
-    Ok(hash)
-}
-
-/// The path of a request, encoded.
-pub fn request(source: &Path) -> Vec<u8> {
-    let bytes = source.as_os_str().as_bytes();
-    let mut out = (bytes.len() as u32).to_be_bytes().to_vec();
-    out.extend_from_slice(bytes);
-    out
-}
+use super::pour::{PourError, Poured, pour};
+use crate::shared::{
+    munge,
+    relay::{FILE, GREETING, NOT_HELD, Offer, WAIT, request},
+};
 
 /// A job's parent node, as this node's copies ask it: where it is, the payload of the
 /// credentials that prove this node (one per connection), and whether it has failed
@@ -212,7 +133,7 @@ impl Parent {
     }
 
     fn connect(&self) -> io::Result<TcpStream> {
-        let cred = crate::shared::munge::encode(&self.payload, self.munge_socket.as_deref())?;
+        let cred = munge::encode(&self.payload, self.munge_socket.as_deref())?;
         let mut stream = TcpStream::connect_timeout(&self.addr, self.timeout)?;
         stream.set_read_timeout(Some(self.timeout))?;
         stream.set_write_timeout(Some(self.timeout))?;
@@ -260,17 +181,6 @@ impl Parent {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn an_offer_reads_back() {
-        let o = Offer {
-            size: 1 << 40,
-            mtime_ns: -5,
-            hash: [7; 32],
-        };
-        assert_eq!(Offer::decode(&o.encode()), o);
-        assert_eq!(request(Path::new("/a")), vec![0, 0, 0, 2, b'/', b'a']);
-    }
 
     /// A parent that answers one request with `offer` and `bytes`, and the Parent
     /// asking it (its connection made already: no munge here).
@@ -336,19 +246,5 @@ mod tests {
         // Another version than the network's now (size or mtime): not taken at all.
         let (got, written, failed) = fetched(good, &bytes, size + 1);
         assert!(matches!(got, Err(Miss::Differs)) && written.is_empty() && !failed);
-    }
-
-    #[test]
-    fn a_hash_is_kept_with_the_copy_or_computed() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("f");
-        std::fs::write(&path, b"bytes").unwrap();
-        let f = File::open(&path).unwrap();
-        assert_eq!(&hash_of(&f).unwrap(), blake3::hash(b"bytes").as_bytes());
-        keep_hash(&f, &[9; 32]);
-        // As root (the daemon), the kept one is trusted; others cannot set it.
-        if nix::unistd::geteuid().is_root() {
-            assert_eq!(hash_of(&f).unwrap(), [9; 32]);
-        }
     }
 }

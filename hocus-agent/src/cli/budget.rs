@@ -4,10 +4,10 @@ use anyhow::{Result, bail};
 
 use crate::{
     cli::{Context, ask},
-    control::protocol::{Request, Response},
     place::budget::mem_total,
     shared::size::{Size, human},
 };
+use hocus_control::{Request, Response};
 
 pub fn run(ctx: &Context, ssd: Option<Size>, ram: Option<Size>) -> Result<()> {
     if ssd.is_none() && ram.is_none() {

@@ -19,15 +19,13 @@ use anyhow::{Result, bail};
 use clap::{CommandFactory, Parser, Subcommand};
 
 use crate::{
-    control::{
-        client::{self, ClientError},
-        protocol::{Request, Response},
-    },
+    control::client::{self, ClientError},
     daemon,
     place::budget::Budgets,
     report::logs,
     shared::{settings::Settings, size::Size},
 };
+use hocus_control::{Request, Response};
 
 /// Where the daemon listens, and where it keeps its state when none runs.
 pub struct Context {

@@ -8,13 +8,12 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::{
     cli::{Context, profile::tell_refused},
-    control::{
-        client::{self, ClientError},
-        protocol::{Request, Response},
-    },
+    control::client::{self, ClientError},
     profile::format::read_exported,
-    shared::{size::human, status::Progress},
+    shared::size::human,
 };
+use hocus_control::status::Progress;
+use hocus_control::{Request, Response};
 
 pub fn run(ctx: &Context, file: &Path) -> Result<()> {
     // Read here first, for errors that say what is wrong; the daemon gets the descriptor.

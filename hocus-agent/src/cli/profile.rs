@@ -10,10 +10,7 @@ use anyhow::{Result, bail};
 
 use crate::{
     cli::{Context, ask_with},
-    control::{
-        client::{self, ClientError},
-        protocol::{Request, Response},
-    },
+    control::client::{self, ClientError},
     profile::{
         format::{self, Profile, ProfileWriter, read_exported},
         staging::Staging,
@@ -21,11 +18,10 @@ use crate::{
         working_set::WorkingSet,
     },
     report::show,
-    shared::{
-        replace,
-        status::{REFUSED_SHOWN, Refused},
-    },
+    shared::replace,
 };
+use hocus_control::status::{REFUSED_SHOWN, Refused};
+use hocus_control::{Request, Response};
 
 /// Entries handed over per part when the state directory is read directly.
 const PART: usize = 16_384;

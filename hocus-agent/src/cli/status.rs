@@ -4,9 +4,9 @@ use anyhow::{Result, bail};
 
 use crate::{
     cli::{Context, ask},
-    control::protocol::{Request, Response},
     report::show,
 };
+use hocus_control::{Request, Response};
 
 pub fn run(ctx: &Context, json: bool) -> Result<()> {
     let Some(response) = ask(ctx, &Request::Status)? else {

@@ -1,6 +1,7 @@
-//! What the handlers of a connection share: the settings they need (`Setup`), asking the
-//! daemon's loop (`ask`), answering the client (`send`), refusing it (`Refusal`), and
-//! reading a profile a client sent, checked as the caller (`read_profile`).
+//! What the handlers of a connection share: the settings they need (`Setup`), the
+//! client they answer (`Client`: responses written, refusals counted and written),
+//! asking the daemon's loop (`ask`), and reading a profile a client sent, checked as the
+//! caller (`read_profile`).
 
 use std::{
     fs,
@@ -9,11 +10,16 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use anyhow::Result;
+use anyhow::{Result, bail};
+use hocus_control::{MAX_PROFILE_BYTES, Response};
 use tokio::sync::mpsc;
 
 use crate::{
-    control::protocol::{Ask, Call, MAX_PROFILE_BYTES, Response},
+    control::{
+        gate::Gate,
+        messages::{Answer, Ask, Call},
+        refusal::Refusal,
+    },
     profile::{format::read_stream, staging::Staging},
     redirect::access::{self, Caller},
 };
@@ -30,17 +36,68 @@ pub struct Setup {
     pub job_profiles: String,
 }
 
-/// Why a request was refused before it reached the daemon's loop.
-pub struct Refusal {
-    pub reason: &'static str,
-    pub message: String,
+/// A connected client, as the handlers of its requests answer it.
+pub struct Client<'a> {
+    pub stream: &'a UnixStream,
+    gate: &'a Gate,
+    uid: u32,
 }
 
-pub fn refusal(reason: &'static str, message: impl Into<String>) -> Refusal {
-    Refusal {
-        reason,
-        message: message.into(),
+impl<'a> Client<'a> {
+    pub fn new(stream: &'a UnixStream, gate: &'a Gate, uid: u32) -> Self {
+        Self { stream, gate, uid }
     }
+
+    pub fn send(&self, response: &Response) -> Result<()> {
+        send(self.stream, response)
+    }
+
+    /// Tells the client why not, counted by its reason.
+    pub fn refuse(&self, r: Refusal) -> Result<()> {
+        self.gate
+            .refuse(r.reason, &format!("uid {}: {}", self.uid, r.message));
+        self.send(&r.response())
+    }
+
+    /// Passes the loop's answers on to the client until the loop is done.
+    pub fn forward(&self, mut answers: mpsc::UnboundedReceiver<Answer>) -> Result<()> {
+        while let Some(answer) = answers.blocking_recv() {
+            match answer {
+                Answer::Client(response) => self.send(&response)?,
+                Answer::Refused(r) => return self.refuse(r),
+                other => bail!("the daemon answered {other:?}, which is not for a client"),
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Writes one response line.
+pub fn send(mut stream: &UnixStream, response: &Response) -> Result<()> {
+    let mut out = serde_json::to_vec(response)?;
+    out.push(b'\n');
+    stream.write_all(&out)?;
+    Ok(())
+}
+
+/// Hands `ask` to the daemon's loop; its answers arrive on the returned receiver.
+pub fn ask(
+    calls: &mpsc::Sender<Call>,
+    caller: Caller,
+    ask: Ask,
+) -> Result<mpsc::UnboundedReceiver<Answer>, Refusal> {
+    let (reply, answers) = mpsc::unbounded_channel();
+    calls
+        .blocking_send(Call { caller, ask, reply })
+        .map_err(|_| Refusal::new("stopping", "the daemon is shutting down; try again"))?;
+    Ok(answers)
+}
+
+/// Asks the loop and waits for its one answer.
+pub fn ask_once(calls: &mpsc::Sender<Call>, caller: Caller, asked: Ask) -> Result<Answer, Refusal> {
+    ask(calls, caller, asked)?
+        .blocking_recv()
+        .ok_or_else(|| Refusal::new("stopping", "the daemon is shutting down; try again"))
 }
 
 /// Reads a profile from the descriptor a client sent (at most [`MAX_PROFILE_BYTES`], in
@@ -52,7 +109,7 @@ pub fn read_profile(
     caller: &Caller,
 ) -> Result<Staging, Refusal> {
     let Some(fd) = fd else {
-        return Err(refusal(
+        return Err(Refusal::new(
             "wrong_descriptors",
             "send the profile's descriptor",
         ));
@@ -62,14 +119,14 @@ pub fn read_profile(
     let len = match file.metadata() {
         Ok(m) if m.is_file() => m.len(),
         _ => {
-            return Err(refusal(
+            return Err(Refusal::new(
                 "bad_profile",
                 "send the profile as a regular file's descriptor",
             ));
         }
     };
     if len > MAX_PROFILE_BYTES {
-        return Err(refusal(
+        return Err(Refusal::new(
             "too_large",
             format!("a profile is at most {MAX_PROFILE_BYTES} bytes"),
         ));
@@ -99,7 +156,7 @@ pub fn read_profile(
         PROFILE_BATCH,
         &mut batch,
     )
-    .map_err(|e| refusal("bad_profile", e.to_string()))?;
+    .map_err(|e| Refusal::new("bad_profile", e.to_string()))?;
     staged.started_at(started);
     if let Some(first) = staged.refused.first() {
         log::warn!(
@@ -111,24 +168,4 @@ pub fn read_profile(
         );
     }
     Ok(staged)
-}
-
-/// Hands `ask` to the daemon's loop; its answers arrive on the returned receiver.
-pub fn ask(
-    calls: &mpsc::Sender<Call>,
-    caller: Caller,
-    ask: Ask,
-) -> Result<mpsc::UnboundedReceiver<Response>> {
-    let (reply, answers) = mpsc::unbounded_channel();
-    calls
-        .blocking_send(Call { caller, ask, reply })
-        .map_err(|_| anyhow::anyhow!("the daemon is shutting down"))?;
-    Ok(answers)
-}
-
-pub fn send(mut stream: &UnixStream, response: &Response) -> Result<()> {
-    let mut out = serde_json::to_vec(response)?;
-    out.push(b'\n');
-    stream.write_all(&out)?;
-    Ok(())
 }

@@ -18,11 +18,8 @@ use nix::sys::{
     socket::{ControlMessage, MsgFlags, sendmsg},
 };
 
-use crate::{
-    control::protocol::{Forward, Request, Response},
-    profile::format::Profile,
-    redirect::spawn::JobCommand,
-};
+use crate::profile::format::Profile;
+use hocus_control::{Forward, JobCommand, Request, Response};
 
 /// Why the CLI could not reach a daemon.
 #[derive(Debug, thiserror::Error)]

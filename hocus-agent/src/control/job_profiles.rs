@@ -13,30 +13,31 @@ use std::{
     fs::{self, File},
     os::{
         fd::OwnedFd,
-        unix::{ffi::OsStrExt, fs::DirBuilderExt, net::UnixStream},
+        unix::{ffi::OsStrExt, fs::DirBuilderExt},
     },
     path::{Path, PathBuf},
 };
 
 use anyhow::Result;
+use hocus_control::{JobProfile, Response};
 use tokio::sync::mpsc;
 
 use crate::{
     control::{
-        calls::{Setup, ask, read_profile, send},
-        fanout,
-        protocol::{Ask, Call, JobNodes, JobProfile, Query, Response},
+        calls::{Client, Setup, ask, ask_once, read_profile},
+        messages::{Answer, Ask, Call, JobNodes, Query},
+        refusal::Refusal,
     },
     profile::format::{Profile, ProfileWriter},
     redirect::access::{Caller, as_caller},
-    shared::replace,
+    shared::{relay, replace},
 };
 
 /// Keys name files: letters, digits, `.`, `_`, `-`, not starting with a dot.
 const MAX_KEY: usize = 128;
 
 /// Whether `key` may name a profile file.
-pub fn check_key(key: &str) -> Result<(), String> {
+pub fn check_key(key: &str) -> Result<(), Refusal> {
     let fine = !key.is_empty()
         && key.len() <= MAX_KEY
         && !key.starts_with('.')
@@ -46,23 +47,30 @@ pub fn check_key(key: &str) -> Result<(), String> {
     if fine {
         Ok(())
     } else {
-        Err(format!(
-            "the profile key {key:?} is not a name: letters, digits, '.', '_', '-' (at most {MAX_KEY}, not starting with '.')"
+        Err(Refusal::new(
+            "malformed",
+            format!(
+                "the profile key {key:?} is not a name: letters, digits, '.', '_', '-' (at most {MAX_KEY}, not starting with '.')"
+            ),
         ))
     }
 }
 
 /// The user's profile directory: `template` with {home}, {user} and {uid} filled in.
-pub fn dir_for(template: &str, uid: u32) -> Result<PathBuf, String> {
+pub fn dir_for(template: &str, uid: u32) -> Result<PathBuf, Refusal> {
+    let unknown = |why: String| Refusal::new("unknown_user", why);
     let user = nix::unistd::User::from_uid(uid.into())
-        .map_err(|e| format!("looking up uid {uid}: {e}"))?
-        .ok_or_else(|| format!("uid {uid} has no entry in the user database"))?;
+        .map_err(|e| unknown(format!("looking up uid {uid}: {e}")))?
+        .ok_or_else(|| unknown(format!("uid {uid} has no entry in the user database")))?;
     let dir = template
         .replace("{home}", &user.dir.to_string_lossy())
         .replace("{user}", &user.name)
         .replace("{uid}", &uid.to_string());
     if !dir.starts_with('/') {
-        return Err(format!("job-profiles gives {dir:?}, not an absolute path"));
+        return Err(Refusal::new(
+            "settings",
+            format!("job-profiles gives {dir:?}, not an absolute path: fix the daemon's settings"),
+        ));
     }
     Ok(PathBuf::from(dir))
 }
@@ -96,11 +104,13 @@ fn database_groups(uid: u32, gid: u32) -> Vec<u32> {
     )
 }
 
-/// Where `job`'s profile is, checked: the user's directory, and the file in it; `Err`
-/// is the message for the plugin.
-fn place(caller: &Caller, job: &JobProfile, setup: &Setup) -> Result<(PathBuf, PathBuf), String> {
+/// Where `job`'s profile is, checked: the user's directory, and the file in it.
+fn place(caller: &Caller, job: &JobProfile, setup: &Setup) -> Result<(PathBuf, PathBuf), Refusal> {
     if !caller.is_root() {
-        return Err("only root keeps Slurm jobs' profiles (hocus's SPANK plugin does, in a job's prolog and epilog)".into());
+        return Err(Refusal::new(
+            "not_root",
+            "only root keeps Slurm jobs' profiles (hocus's SPANK plugin does, in a job's prolog and epilog)",
+        ));
     }
     check_key(&job.key)?;
     let dir = dir_for(&setup.job_profiles, job.uid)?;
@@ -111,42 +121,49 @@ fn place(caller: &Caller, job: &JobProfile, setup: &Setup) -> Result<(PathBuf, P
 /// The epilog's request: writes the job's own working set to `DIR/KEY.json` as the user
 /// (a temporary file renamed over it once whole).
 pub fn save(
-    stream: &UnixStream,
+    client: &Client,
     caller: &Caller,
     job: JobProfile,
     calls: &mpsc::Sender<Call>,
     setup: &Setup,
 ) -> Result<()> {
-    let refuse = |message: String| send(stream, &Response::Error { message });
-    let (dir, path) = match place(caller, &job, setup) {
-        Ok(p) => p,
-        Err(m) => return refuse(m),
+    match saved(caller, &job, calls, setup) {
+        Ok(response) => client.send(&response),
+        Err(r) => client.refuse(r),
+    }
+}
+
+fn saved(
+    caller: &Caller,
+    job: &JobProfile,
+    calls: &mpsc::Sender<Call>,
+    setup: &Setup,
+) -> Result<Response, Refusal> {
+    let (dir, path) = place(caller, job, setup)?;
+    let taken = Ask::TakeJobProfile {
+        slurm_job: job.job_id,
     };
-    let taken = ask(
-        calls,
-        caller.clone(),
-        Ask::TakeJobProfile {
-            slurm_job: job.job_id,
-        },
-    )?
-    .blocking_recv();
-    let profile = match taken {
-        Some(Response::JobProfile(p)) => p,
-        Some(Response::Error { message }) => return refuse(message),
-        _ => return refuse("the daemon is stopping".into()),
+    let profile = match ask_once(calls, caller.clone(), taken)? {
+        Answer::JobProfile(p) => p,
+        Answer::Refused(r) => return Err(r),
+        _ => return Err(Refusal::new("stopping", "the daemon is stopping")),
     };
     let (files, missing) = (profile.files.len(), profile.missing.len());
     if files == 0 {
         // An empty profile would only replace a useful one.
-        return refuse(format!(
-            "Slurm job {} opened no watched file on this node: nothing saved",
-            job.job_id
+        return Err(Refusal::new(
+            "nothing_to_save",
+            format!(
+                "Slurm job {} opened no watched file on this node: nothing saved",
+                job.job_id
+            ),
         ));
     }
-    let written = as_caller(&user(&job), {
+    let written = as_caller(&user(job), {
         let path = path.clone();
         move || write_profile(&dir, &path, &profile)
     });
+    let failed = |e: String| Refusal::new("write_error", e);
     match written {
         Ok(Ok(())) => {
             log::info!(
@@ -155,21 +172,18 @@ pub fn save(
                 job.uid,
                 path.display()
             );
-            send(
-                stream,
-                &Response::Saved {
-                    path,
-                    files,
-                    missing,
-                },
-            )
+            Ok(Response::Saved {
+                path,
+                files,
+                missing,
+            })
         }
-        Ok(Err(e)) => refuse(format!(
+        Ok(Err(e)) => Err(failed(format!(
             "writing {} as uid {}: {e:#}",
             path.display(),
             job.uid
-        )),
-        Err(e) => refuse(format!("{e:#}")),
+        ))),
+        Err(e) => Err(failed(format!("{e:#}"))),
     }
 }
 
@@ -191,18 +205,24 @@ fn write_profile(dir: &Path, path: &Path, profile: &Profile) -> Result<()> {
 /// The prolog's request: opens `DIR/KEY.json` as the user, checks it as a profile the
 /// user sent, and prefetches from it, passing on the progress.
 pub fn prefetch(
-    stream: &UnixStream,
+    client: &Client,
     caller: &Caller,
     job: JobProfile,
     calls: &mpsc::Sender<Call>,
     setup: &Setup,
 ) -> Result<()> {
-    let refuse = |message: String| send(stream, &Response::Error { message });
-    let path = match place(caller, &job, setup) {
-        Ok((_, path)) => path,
-        Err(m) => return refuse(m),
-    };
-    let user = user(&job);
+    let asked = staged(caller, &job, setup).and_then(|(user, query)| ask(calls, user, query));
+    match asked {
+        // The plugin gives up at its own time: the prefetch goes on without it.
+        Ok(answers) => client.forward(answers),
+        Err(r) => client.refuse(r),
+    }
+}
+
+/// The prefetch to ask for, as the job's user: its profile read and checked.
+fn staged(caller: &Caller, job: &JobProfile, setup: &Setup) -> Result<(Caller, Ask), Refusal> {
+    let (_, path) = place(caller, job, setup)?;
+    let user = user(job);
     let opened = as_caller(&user, {
         let path = path.clone();
         move || open_profile(&path)
@@ -210,21 +230,21 @@ pub fn prefetch(
     let fd = match opened {
         Ok(Ok(fd)) => fd,
         Ok(Err(e)) if e.kind() == std::io::ErrorKind::NotFound => {
-            return refuse(format!("no profile at {} yet", path.display()));
-        }
-        Ok(Err(e)) => {
-            return refuse(format!(
-                "opening {} as uid {}: {e}",
-                path.display(),
-                job.uid
+            return Err(Refusal::new(
+                "no_profile",
+                format!("no profile at {} yet", path.display()),
             ));
         }
-        Err(e) => return refuse(format!("{e:#}")),
+        Ok(Err(e)) => {
+            return Err(Refusal::new(
+                "read_error",
+                format!("opening {} as uid {}: {e}", path.display(), job.uid),
+            ));
+        }
+        Err(e) => return Err(Refusal::new("read_error", format!("{e:#}"))),
     };
-    let staged = match read_profile(Some(fd), &setup.trees, &user) {
-        Ok(s) => Box::new(s),
-        Err(r) => return refuse(format!("{}: {}", path.display(), r.message)),
-    };
+    let staged = read_profile(Some(fd), &setup.trees, &user)
+        .map_err(|r| Refusal::new(r.reason, format!("{}: {}", path.display(), r.message)))?;
     log::info!(
         "Slurm job {}: prefetching from {} ({} files, {} missing names)",
         job.job_id,
@@ -232,20 +252,18 @@ pub fn prefetch(
         staged.files,
         staged.missing
     );
-    let relay = job_nodes(&job);
-    let mut answers = ask(calls, user, Ask::Client(Query::Prefetch { staged, relay }))?;
-    while let Some(response) = answers.blocking_recv() {
-        // The plugin gives up at its own time: the prefetch goes on without it.
-        send(stream, &response)?;
-    }
-    Ok(())
+    let query = Query::Prefetch {
+        staged: Box::new(staged),
+        relay: job_nodes(job),
+    };
+    Ok((user, Ask::Client(query)))
 }
 
 /// The job's nodes, if it has several and this one is among them: they share the
 /// working set (docs/fanout.md). A list that cannot be read only means no sharing.
 fn job_nodes(job: &JobProfile) -> Option<JobNodes> {
     let (list, me) = (job.nodes.as_deref()?, job.node.clone()?);
-    let nodes = match fanout::expand(list) {
+    let nodes = match relay::expand(list) {
         Ok(n) => n,
         Err(e) => {
             log::warn!(

@@ -9,7 +9,6 @@
 //! refusal is counted (`status`, metrics) and logged the first time.
 
 use std::{
-    collections::{BTreeMap, HashMap},
     fs,
     io::IoSliceMut,
     os::{
@@ -20,20 +19,23 @@ use std::{
         },
     },
     path::{Path, PathBuf},
-    sync::{Arc, Mutex},
+    sync::Arc,
     thread,
     time::Duration,
 };
 
 use anyhow::{Context, Result, bail};
+use hocus_control::{MAX_REQUEST_LINE, Request, Response};
 use nix::sys::socket::{ControlMessageOwned, MsgFlags, getsockopt, recvmsg, sockopt};
 use tokio::sync::mpsc;
 
 use crate::{
     control::{
-        calls::{Refusal, Setup, ask, read_profile, refusal, send},
+        calls::{Client, Setup, ask, ask_once, read_profile, send},
+        gate::{Control, Gate, Limits},
         job_profiles,
-        protocol::{Ask, Call, MAX_REQUEST_LINE, Query, Request, Response},
+        messages::{Answer, Ask, Call, Query},
+        refusal::Refusal,
         session,
     },
     profile::format::refuse_path,
@@ -41,7 +43,6 @@ use crate::{
         access::{self, Caller},
         identity,
     },
-    shared::status::ControlStatus,
 };
 
 /// How long a client has to send its whole request line.
@@ -54,99 +55,6 @@ const MAX_DESCRIPTORS: usize = 3;
 /// all of them, so that every descriptor a client sends is received, and closed, rather
 /// than left installed in the daemon by a truncated control message.
 const SCM_MAX_FD: usize = 253;
-
-/// How many clients may be connected at once.
-#[derive(Debug, Clone, Copy)]
-pub struct Limits {
-    pub total: usize,
-    pub per_user: usize,
-}
-
-/// Who is connected, and what was refused: shared by the connection threads.
-struct Gate {
-    limits: Limits,
-    state: Mutex<GateState>,
-}
-
-#[derive(Default)]
-struct GateState {
-    total: usize,
-    by_user: HashMap<u32, usize>,
-    refused: BTreeMap<String, u64>,
-}
-
-impl Gate {
-    /// Counts a refusal; the first of each kind is logged.
-    fn refuse(&self, reason: &str, detail: &str) {
-        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        let n = s.refused.entry(reason.to_owned()).or_default();
-        *n += 1;
-        if *n == 1 {
-            log::warn!(
-                "control socket: refused a client ({reason}): {detail}; counted from now on"
-            );
-        } else {
-            log::debug!("control socket: refused a client ({reason}): {detail}");
-        }
-    }
-
-    /// Admits a connection from `uid`, or says which limit it hit.
-    fn admit(self: &Arc<Self>, uid: u32) -> Result<Admitted, &'static str> {
-        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        if s.total >= self.limits.total {
-            return Err("too_many_clients");
-        }
-        let mine = s.by_user.entry(uid).or_default();
-        if *mine >= self.limits.per_user {
-            return Err("too_many_clients_of_user");
-        }
-        *mine += 1;
-        s.total += 1;
-        Ok(Admitted {
-            gate: Arc::clone(self),
-            uid,
-        })
-    }
-
-    fn status(&self) -> ControlStatus {
-        let s = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        ControlStatus {
-            clients: s.total,
-            max_clients: self.limits.total,
-            max_clients_per_user: self.limits.per_user,
-            refused: s.refused.clone(),
-        }
-    }
-}
-
-/// A connection counted against the limits until dropped.
-struct Admitted {
-    gate: Arc<Gate>,
-    uid: u32,
-}
-
-impl Drop for Admitted {
-    fn drop(&mut self) {
-        let mut s = self.gate.state.lock().unwrap_or_else(|e| e.into_inner());
-        s.total -= 1;
-        if let Some(n) = s.by_user.get_mut(&self.uid) {
-            *n -= 1;
-            if *n == 0 {
-                s.by_user.remove(&self.uid);
-            }
-        }
-    }
-}
-
-/// What the daemon reads about its control socket.
-#[derive(Clone)]
-pub struct Control(Arc<Gate>);
-
-impl Control {
-    pub fn status(&self) -> ControlStatus {
-        self.0.status()
-    }
-}
 
 /// Binds the socket (replacing a stale one) and serves each connection on a thread of
 /// its own. Requests go to the daemon's loop through `calls`.
@@ -171,10 +79,7 @@ pub fn serve(
         UnixListener::bind(socket).with_context(|| format!("binding {}", socket.display()))?;
     // Everyone may ask; what they get depends on who they are.
     fs::set_permissions(socket, fs::Permissions::from_mode(0o666))?;
-    let gate = Arc::new(Gate {
-        limits,
-        state: Mutex::default(),
-    });
+    let gate = Arc::new(Gate::new(limits));
     let accepting = Arc::clone(&gate);
     thread::Builder::new()
         .name("hocus-control".into())
@@ -249,22 +154,19 @@ fn answer(
 ) -> Result<()> {
     stream.set_read_timeout(Some(REQUEST_TIMEOUT))?;
     stream.set_write_timeout(Some(WRITE_TIMEOUT))?;
-    let refuse = |r: Refusal| {
-        gate.refuse(r.reason, &format!("uid {uid}: {}", r.message));
-        send(&stream, &Response::Error { message: r.message })
-    };
+    let client = Client::new(&stream, gate, uid);
     // The process that connected, however long this takes: its pidfd, then its /proc.
     let pidfd = identity::peer_pidfd(stream.as_raw_fd()).ok().map(Arc::new);
     let caller = match Caller::from_peer(pid, uid, gid, pidfd) {
         Ok(c) => c,
-        Err(message) => return refuse(refusal("identity", message)),
+        Err(message) => return client.refuse(Refusal::new("identity", message)),
     };
     let (request, fds, rest) = match read_request(&stream) {
         Ok(r) => r,
-        Err(r) => return refuse(r),
+        Err(r) => return client.refuse(r),
     };
     if fds.len() != request.descriptors() {
-        return refuse(refusal(
+        return client.refuse(Refusal::new(
             "wrong_descriptors",
             format!(
                 "this request takes {} descriptors, not {}",
@@ -277,22 +179,28 @@ fn answer(
         Request::Run(run) => {
             // The session lasts as long as the job: no read timeout from here on.
             stream.set_read_timeout(None)?;
-            return session::run(stream, caller, run, fds, rest, calls);
+            return session::run(&client, caller, run, fds, rest, calls);
         }
-        Request::Attach(task) => return session::attach(&stream, caller, task, calls),
+        Request::Attach(task) => return session::attach(&client, caller, task, calls),
         Request::SaveJobProfile(job) => {
-            return job_profiles::save(&stream, &caller, job, calls, setup);
+            return job_profiles::save(&client, &caller, job, calls, setup);
         }
         Request::PrefetchJobProfile(job) => {
-            return job_profiles::prefetch(&stream, &caller, job, calls, setup);
+            return job_profiles::prefetch(&client, &caller, job, calls, setup);
         }
         Request::Status => Query::Status,
-        Request::Export { root } => return export(&stream, calls, caller, root),
+        Request::Export { root } => return export(&client, calls, caller, root),
+        Request::Budgets { .. } if !caller.is_root() => {
+            return client.refuse(Refusal::new(
+                "not_root",
+                "only root may change the budgets: run it with sudo",
+            ));
+        }
         Request::Budgets { ssd, ram } => Query::Budgets { ssd, ram },
         Request::Import | Request::Prefetch => {
             let staged = match read_profile(fds.into_iter().next(), &setup.trees, &caller) {
                 Ok(p) => Box::new(p),
-                Err(r) => return refuse(r),
+                Err(r) => return client.refuse(r),
             };
             if matches!(request, Request::Import) {
                 Query::Import(staged)
@@ -304,18 +212,17 @@ fn answer(
             }
         }
     };
-    let mut answers = ask(calls, caller, Ask::Client(query))?;
-    while let Some(response) = answers.blocking_recv() {
-        send(&stream, &response)?;
+    match ask(calls, caller, Ask::Client(query)) {
+        Ok(answers) => client.forward(answers),
+        Err(r) => client.refuse(r),
     }
-    Ok(())
 }
 
 /// Sends the profile a part at a time: the loop fixes the order once and hands out the
 /// next part only when this connection asks, after the last one was checked as the
 /// caller and written, so a slow reader holds back only itself and nothing is held whole.
 fn export(
-    stream: &UnixStream,
+    client: &Client,
     calls: &mpsc::Sender<Call>,
     caller: Caller,
     root: Option<PathBuf>,
@@ -323,35 +230,26 @@ fn export(
     let mut ask_for = Ask::Client(Query::Export { root });
     let mut sent = [0usize; 3];
     loop {
-        let answer = ask(calls, caller.clone(), ask_for)?.blocking_recv();
-        let (order, part) = match answer {
-            Some(Response::Export { order, part }) => (order, part),
-            Some(other) => return send(stream, &other),
-            None => bail!("the daemon is shutting down"),
+        let (order, part) = match ask_once(calls, caller.clone(), ask_for) {
+            Ok(Answer::Export { order, part }) => (order, part),
+            Ok(Answer::Refused(r)) | Err(r) => return client.refuse(r),
+            Ok(other) => bail!("the daemon answered {other:?} to an export"),
         };
         let Some(mut part) = part else {
             let [files, missing, dirs] = sent;
-            return send(
-                stream,
-                &Response::Exported {
-                    files,
-                    missing,
-                    dirs,
-                },
-            );
+            return client.send(&Response::Exported {
+                files,
+                missing,
+                dirs,
+            });
         };
         if let Err(e) = access::filter_for(&mut part, &caller) {
-            return send(
-                stream,
-                &Response::Error {
-                    message: format!("{e:#}"),
-                },
-            );
+            return client.refuse(Refusal::new("read_error", format!("{e:#}")));
         }
         sent[0] += part.files.len();
         sent[1] += part.missing.len();
         sent[2] += part.dirs.len();
-        send(stream, &Response::Profile(part))?;
+        client.send(&Response::Profile(part))?;
         ask_for = Ask::ExportPart(order);
     }
 }
@@ -360,7 +258,7 @@ fn export(
 /// normalised (a job's working directory, an export's root).
 fn decode(line: &[u8]) -> Result<Request, Refusal> {
     let request = serde_json::from_slice::<Request>(line)
-        .map_err(|e| refusal("malformed", format!("malformed request: {e}")))?;
+        .map_err(|e| Refusal::new("malformed", format!("malformed request: {e}")))?;
     let path = match &request {
         Request::Export { root: Some(root) } => Some(root),
         Request::Run(run) => Some(&run.cwd),
@@ -369,7 +267,7 @@ fn decode(line: &[u8]) -> Result<Request, Refusal> {
     if let Some(path) = path {
         let text = path.to_str().unwrap_or("\0");
         if let Some(why) = refuse_path(text, &[PathBuf::from("/")]) {
-            return Err(refusal(
+            return Err(Refusal::new(
                 "malformed",
                 format!("the path {} {why}", path.display()),
             ));
@@ -395,17 +293,17 @@ fn read_request(stream: &UnixStream) -> Result<(Request, Vec<OwnedFd>, Vec<u8>),
             MsgFlags::MSG_CMSG_CLOEXEC,
         )
         .map_err(|e| match e {
-            nix::errno::Errno::EAGAIN => refusal(
+            nix::errno::Errno::EAGAIN => Refusal::new(
                 "timeout",
                 format!(
                     "send the whole request within {} s",
                     REQUEST_TIMEOUT.as_secs()
                 ),
             ),
-            e => refusal("read_error", e.to_string()),
+            e => Refusal::new("read_error", e.to_string()),
         })?;
         let cmsgs = msg.cmsgs().map_err(|_| {
-            refusal(
+            Refusal::new(
                 "wrong_descriptors",
                 format!("at most {MAX_DESCRIPTORS} descriptors; the control message was truncated"),
             )
@@ -421,20 +319,20 @@ fn read_request(stream: &UnixStream) -> Result<(Request, Vec<OwnedFd>, Vec<u8>),
             }
         }
         if msg.flags.contains(MsgFlags::MSG_CTRUNC) {
-            return Err(refusal(
+            return Err(Refusal::new(
                 "wrong_descriptors",
                 format!("at most {MAX_DESCRIPTORS} descriptors; the control message was truncated"),
             ));
         }
         if fds.len() > MAX_DESCRIPTORS {
-            return Err(refusal(
+            return Err(Refusal::new(
                 "wrong_descriptors",
                 format!("at most {MAX_DESCRIPTORS} descriptors, not {}", fds.len()),
             ));
         }
         let n = msg.bytes;
         if n == 0 {
-            return Err(refusal(
+            return Err(Refusal::new(
                 "closed",
                 "the client closed the connection before a whole request",
             ));
@@ -446,7 +344,7 @@ fn read_request(stream: &UnixStream) -> Result<(Request, Vec<OwnedFd>, Vec<u8>),
             return Ok((decode(&buf)?, fds, rest));
         }
         if buf.len() > MAX_REQUEST_LINE {
-            return Err(refusal(
+            return Err(Refusal::new(
                 "too_large",
                 format!("a request line is at most {MAX_REQUEST_LINE} bytes"),
             ));

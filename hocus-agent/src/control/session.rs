@@ -20,17 +20,20 @@ use nix::{
 };
 use tokio::sync::mpsc;
 
+use hocus_control::{AttachTask, Forward, JobCommand, Response};
+
 use crate::{
     control::{
-        calls::{ask, send},
-        protocol::{Ask, AttachTask, Call, Forward, Response},
+        calls::{Client, ask, ask_once},
+        messages::{Answer, Ask, Call},
+        refusal::Refusal,
     },
     redirect::{
         access::Caller,
         confirm,
-        jobs::SlurmTask,
+        jobs::{JobStart, SlurmTask},
         mountns::{self, Bind},
-        spawn::{self, JobCommand},
+        spawn,
     },
 };
 
@@ -40,13 +43,11 @@ const JOB_START_CHECK: Duration = Duration::from_secs(2);
 
 /// The binds for a job starting now: the daemon's, each confirmed against the network
 /// (what changed since it was copied is not bound, and its copy goes).
-fn confirmed_binds(
-    calls: &mpsc::Sender<Call>,
-    caller: &Caller,
-) -> Result<Result<Vec<Bind>, String>> {
-    let binds = match ask(calls, caller.clone(), Ask::Binds)?.blocking_recv() {
-        Some(Response::Binds(b)) => b,
-        _ => return Ok(Err("the daemon has no binds to give".into())),
+fn confirmed_binds(calls: &mpsc::Sender<Call>, caller: &Caller) -> Result<Vec<Bind>, Refusal> {
+    let binds = match ask_once(calls, caller.clone(), Ask::Binds)? {
+        Answer::Binds(b) => b,
+        Answer::Refused(r) => return Err(r),
+        _ => return Err(Refusal::new("busy", "the daemon has no binds to give")),
     };
     let started = Instant::now();
     let (checked, reused) = confirm::confirm_reusing(binds, JOB_START_CHECK);
@@ -66,7 +67,7 @@ fn confirmed_binds(
             },
         );
     }
-    Ok(Ok(checked.binds))
+    Ok(checked.binds)
 }
 
 /// What `bind_all` made: the binds, the snapshot views among them with the network
@@ -109,36 +110,49 @@ fn bind_all(binds: Vec<Bind>) -> Made {
 /// taken from its pidfd, and never the node's own. The task is followed as a job until
 /// it exits, its accesses counted as hits or misses.
 pub fn attach(
-    stream: &UnixStream,
+    client: &Client,
     caller: Caller,
     task: AttachTask,
     calls: &mpsc::Sender<Call>,
 ) -> Result<()> {
-    let refuse = |message: String| send(stream, &Response::Error { message });
+    match attached(caller, &task, calls) {
+        Ok(binds) => client.send(&Response::Attached { binds }),
+        Err(r) => client.refuse(r),
+    }
+}
+
+fn attached(
+    caller: Caller,
+    task: &AttachTask,
+    calls: &mpsc::Sender<Call>,
+) -> Result<usize, Refusal> {
     if !caller.is_root() {
-        return refuse(
-            "only root gives a namespace hocus's binds (hocus's Slurm plugin does, as a task starts); use hocus-agent run".into(),
-        );
+        return Err(Refusal::new(
+            "not_root",
+            "only root gives a namespace hocus's binds (hocus's Slurm plugin does, as a task starts); use hocus-agent run",
+        ));
     }
     let Some(pidfd) = caller.pidfd.clone() else {
-        return refuse("the kernel did not say which process connected (SO_PEERPIDFD)".into());
+        return Err(Refusal::new(
+            "identity",
+            "the kernel did not say which process connected (SO_PEERPIDFD)",
+        ));
     };
-    let binds = match confirmed_binds(calls, &caller)? {
-        Ok(b) => b,
-        Err(message) => return refuse(message),
-    };
+    let binds = confirmed_binds(calls, &caller)?;
     // This thread moves into the task's namespace (it ends with the connection).
-    let ns = match mountns::enter_namespace_of(&pidfd) {
-        Ok(ns) => ns,
-        Err(e) => return refuse(format!("cannot enter the task's mount namespace: {e}")),
-    };
+    let ns = mountns::enter_namespace_of(&pidfd).map_err(|e| {
+        Refusal::new(
+            "namespace",
+            format!("cannot enter the task's mount namespace: {e}"),
+        )
+    })?;
     let Made {
         binds: made,
         views,
         took,
     } = bind_all(binds);
     let id = caller.pid as u32;
-    let job = Ask::JobStarting {
+    let job = JobStart {
         id,
         binds: made.clone(),
         ns,
@@ -149,51 +163,54 @@ pub fn attach(
             uid: task.uid,
         }),
     };
-    match ask(calls, caller, job)?.blocking_recv() {
-        Some(Response::Error { message }) => {
-            // A job the daemon cannot follow would keep binds nobody detaches when
-            // their files change: the task runs on the network instead.
-            mountns::unbind_here(&made);
-            refuse(message)
-        }
-        _ => {
-            log::info!(
-                "task {id} of Slurm job {} for uid {}: {} local copies in place (mounted in {:.1} ms)",
-                task.job_id.map_or("?".into(), |j| j.to_string()),
-                task.uid,
-                made.len(),
-                took.as_secs_f64() * 1000.0
-            );
-            send(stream, &Response::Attached { binds: made.len() })
-        }
+    if let Answer::Refused(r) = ask_once(calls, caller, Ask::JobStarting(job))? {
+        // A job the daemon cannot follow would keep binds nobody detaches when their
+        // files change: the task runs on the network instead.
+        mountns::unbind_here(&made);
+        return Err(r);
     }
+    log::info!(
+        "task {id} of Slurm job {} for uid {}: {} local copies in place (mounted in {:.1} ms)",
+        task.job_id.map_or("?".into(), |j| j.to_string()),
+        task.uid,
+        made.len(),
+        took.as_secs_f64() * 1000.0
+    );
+    Ok(made.len())
 }
 
 /// A `hocus-agent run` session: the job's namespace and binds, the job itself, the
 /// signals its client forwards, and its exit status.
 pub fn run(
-    stream: UnixStream,
+    client: &Client,
     caller: Caller,
     run: JobCommand,
     fds: Vec<OwnedFd>,
     rest: Vec<u8>,
     calls: &mpsc::Sender<Call>,
 ) -> Result<()> {
-    let refuse = |message: String| send(&stream, &Response::Error { message });
     if run.argv.is_empty() {
-        return refuse("no command to run".into());
+        return client.refuse(Refusal::new("malformed", "no command to run"));
     }
     let Ok([stdin, stdout, stderr]) = <[OwnedFd; 3]>::try_from(fds) else {
-        return refuse("send the standard input, output and error along with the request".into());
+        return client.refuse(Refusal::new(
+            "wrong_descriptors",
+            "send the standard input, output and error along with the request",
+        ));
     };
-    let binds = match confirmed_binds(calls, &caller)? {
+    let binds = match confirmed_binds(calls, &caller) {
         Ok(b) => b,
-        Err(message) => return refuse(message),
+        Err(r) => return client.refuse(r),
     };
     // This thread moves to the job's namespace and forks the job from there.
     let ns = match mountns::enter_new_namespace() {
         Ok(ns) => ns,
-        Err(e) => return refuse(format!("cannot make a mount namespace: {e}")),
+        Err(e) => {
+            return client.refuse(Refusal::new(
+                "namespace",
+                format!("cannot make a mount namespace: {e}"),
+            ));
+        }
     };
     let Made {
         binds: made,
@@ -204,7 +221,7 @@ pub fn run(
     // before it starts, so its first opens are attributed.
     // SAFETY: gettid has no preconditions.
     let id = unsafe { libc::gettid() } as u32;
-    let job = Ask::JobStarting {
+    let job = JobStart {
         id,
         binds: made.clone(),
         ns,
@@ -212,10 +229,14 @@ pub fn run(
         views,
         slurm: None,
     };
-    ask(calls, caller.clone(), job)?.blocking_recv();
+    // A job the keeper does not follow still runs (its accesses count as misses); none
+    // starts while the daemon stops.
+    if let Err(r) = ask_once(calls, caller.clone(), Ask::JobStarting(job)) {
+        return client.refuse(r);
+    }
     // From here on the keeper follows the job: it is forgotten however this ends.
     let result = run_job(
-        &stream,
+        client,
         &caller,
         &run,
         [stdin, stdout, stderr],
@@ -229,7 +250,7 @@ pub fn run(
 
 /// Starts the job and sees it to its end: it is reaped however its client behaves.
 fn run_job(
-    stream: &UnixStream,
+    client: &Client,
     caller: &Caller,
     run: &JobCommand,
     std_fds: [OwnedFd; 3],
@@ -241,7 +262,7 @@ fn run_job(
         Ok(child) => child,
         Err(e) => {
             let message = format!("cannot start {}: {e}", run.argv[0]);
-            return send(stream, &Response::Error { message });
+            return client.refuse(Refusal::new("cannot_start", message));
         }
     };
     let pid = child.id() as i32;
@@ -253,12 +274,13 @@ fn run_job(
     );
     // A client already gone is told nothing more; its job is hung up below, as by a
     // closed terminal, when the forwarder meets the end of the connection.
-    let told = send(stream, &Response::Started { pid, binds });
+    let told = client.send(&Response::Started { pid, binds });
 
     // Signals from the client go to the job's process group. Once the job has exited (its
     // leader still unreaped, so its process group id cannot be anyone else's),
     // forwarding stops for good before the job is reaped.
     let ended = Arc::new(Mutex::new(false));
+    let stream = client.stream;
     let forwarding = stream
         .try_clone()
         .map_err(anyhow::Error::from)
@@ -288,13 +310,10 @@ fn run_job(
     let status = child.wait()?;
     told?;
     use std::os::unix::process::ExitStatusExt;
-    send(
-        stream,
-        &Response::Exited {
-            code: status.code(),
-            signal: status.signal(),
-        },
-    )
+    client.send(&Response::Exited {
+        code: status.code(),
+        signal: status.signal(),
+    })
 }
 
 /// Forwards the signals the client sends (one JSON line each) to the job's process group

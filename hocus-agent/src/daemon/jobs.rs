@@ -15,8 +15,9 @@ use std::{
 use hocus_common::{FIRST_VIEW_ROOT, MAX_VIEW_ROOTS};
 use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 
-use super::{Daemon, unix_now_ns};
+use super::{profiling::unix_now_ns, tracing::Tracing};
 use crate::{
+    control::refusal::Refusal,
     observe::{
         events::{Access, What},
         tracer::ViewRoot,
@@ -50,8 +51,150 @@ pub struct Jobs {
 }
 
 impl Jobs {
-    pub fn start(&mut self, id: u32) {
+    /// Job `id` starts: an attached task (its pidfd; a task of Slurm job `slurm_job`) is
+    /// followed as job `id` (the kernel side counts it and whatever it forks as the
+    /// job's); files opened in its snapshot views are placed under the network
+    /// directories they stand for.
+    pub fn start(
+        &mut self,
+        tracing: &mut Tracing,
+        id: u32,
+        task: Option<(Arc<OwnedFd>, Option<u32>)>,
+        views: Vec<(OwnedFd, PathBuf)>,
+    ) -> Result<(), Refusal> {
+        if let Some((pidfd, slurm_job)) = task {
+            self.follow_task(tracing, id, pidfd, slurm_job)?;
+        }
         self.running.insert(id);
+        self.place_views(tracing, id, views);
+        Ok(())
+    }
+
+    fn follow_task(
+        &mut self,
+        tracing: &mut Tracing,
+        id: u32,
+        pidfd: Arc<OwnedFd>,
+        slurm_job: Option<u32>,
+    ) -> Result<(), Refusal> {
+        if self.tasks.len() >= MAX_TASKS {
+            return Err(Refusal::new(
+                "too_many_tasks",
+                format!("{MAX_TASKS} tasks are attached on this node already"),
+            ));
+        }
+        tracing.tracer_mut().mark_job(id, id).map_err(|e| {
+            Refusal::new(
+                "not_followed",
+                format!("the kernel side cannot follow the task: {e:#}"),
+            )
+        })?;
+        self.tasks.insert(id, (pidfd, slurm_job));
+        let Some(slurm_job) = slurm_job else {
+            return Ok(());
+        };
+        if !self.profiles.iter().any(|(j, _)| *j == slurm_job) {
+            if self.profiles.len() >= MAX_JOB_PROFILES {
+                let running = |j: u32| self.tasks.values().any(|t| t.1 == Some(j));
+                let oldest = (0..self.profiles.len())
+                    .find(|&i| !running(self.profiles[i].0))
+                    .unwrap_or(0);
+                let (gone, _) = self.profiles.remove(oldest);
+                log::warn!(
+                    "the working sets of {MAX_JOB_PROFILES} Slurm jobs are kept already: Slurm job {gone}'s is forgotten before its epilog took it"
+                );
+            }
+            let mut ws = WorkingSet::new(unix_now_ns());
+            ws.set_limit(MAX_JOB_PROFILE_ENTRIES);
+            self.profiles.push((slurm_job, ws));
+        }
+        Ok(())
+    }
+
+    /// Adds an access of an attached task's process to its Slurm job's working set.
+    pub fn record_for_slurm_job(&mut self, a: &Access) {
+        let Some(&(_, Some(slurm_job))) = self.tasks.get(&a.job) else {
+            return;
+        };
+        let Some((_, ws)) = self.profiles.iter_mut().find(|(j, _)| *j == slurm_job) else {
+            return;
+        };
+        match a.what {
+            What::Open => {
+                ws.open(&a.path, a.uid, a.at_ns);
+            }
+            What::Missing => ws.missing(&a.path, a.at_ns),
+            What::Read(bytes) => ws.add_bytes_read(&a.path, bytes),
+        }
+    }
+
+    /// Slurm job `slurm_job`'s own working set, taken (its epilog saves it), with the
+    /// sizes and mtimes the node's working set `known` has of its files.
+    pub fn take_profile(&mut self, slurm_job: u32, known: &WorkingSet) -> Option<Profile> {
+        let i = self.profiles.iter().position(|(j, _)| *j == slurm_job)?;
+        let (_, ws) = self.profiles.remove(i);
+        let mut p = ws.to_profile();
+        for f in &mut p.files {
+            if let Some(known) = known.attributes(&f.path) {
+                f.size = known.size;
+                f.mtime_ns = known.mtime_ns;
+            }
+        }
+        Some(p)
+    }
+
+    fn place_views(&mut self, tracing: &mut Tracing, id: u32, views: Vec<(OwnedFd, PathBuf)>) {
+        for (view, dir) in views {
+            let Some(index) = self.index() else {
+                log::warn!(
+                    "{MAX_VIEW_ROOTS} snapshot views are followed already: opens in {} in job {id} are not counted",
+                    dir.display()
+                );
+                return;
+            };
+            let shown = dir.display().to_string();
+            match tracing.add_view_root(&view, index, dir) {
+                Ok(root) => self.views.entry(id).or_default().push((index, root, view)),
+                Err(e) => {
+                    self.free.push(index);
+                    log::warn!(
+                        "opens in the snapshot of {shown} in job {id} are not counted: {e:#}"
+                    );
+                }
+            }
+        }
+    }
+
+    /// Job `id` ended (what it did was read): it is forgotten.
+    pub fn ended(&mut self, tracing: &mut Tracing, id: u32) {
+        self.running.remove(&id);
+        self.tasks.remove(&id);
+        tracing.active();
+        for (index, root, _view) in self.views.remove(&id).unwrap_or_default() {
+            tracing.remove_view_root(index, &root);
+            self.free.push(index);
+        }
+    }
+
+    /// The attached tasks whose process exited.
+    pub fn exited_tasks(&self) -> Vec<u32> {
+        if self.tasks.is_empty() {
+            return Vec::new();
+        }
+        let (ids, mut fds): (Vec<u32>, Vec<PollFd>) = self
+            .tasks
+            .iter()
+            .map(|(id, (fd, _))| (*id, PollFd::new(fd.as_fd(), PollFlags::POLLIN)))
+            .unzip();
+        if poll(&mut fds, PollTimeout::ZERO).is_err() {
+            return Vec::new();
+        }
+        // A pidfd is readable once its process has exited.
+        ids.into_iter()
+            .zip(&fds)
+            .filter(|(_, fd)| fd.revents().is_some_and(|r| !r.is_empty()))
+            .map(|(id, _)| id)
+            .collect()
     }
 
     /// Whether any job runs (the tracer follows them: it does not rest).
@@ -66,155 +209,5 @@ impl Jobs {
                 FIRST_VIEW_ROOT + self.next - 1
             })
         })
-    }
-}
-
-impl Daemon {
-    /// Follows the attached process `id` (its pidfd), a task of Slurm job `slurm_job`,
-    /// as job `id`: the kernel side counts it and whatever it forks as the job's.
-    pub(super) fn follow_task(
-        &mut self,
-        id: u32,
-        pidfd: Arc<OwnedFd>,
-        slurm_job: Option<u32>,
-    ) -> Result<(), String> {
-        if self.jobs.tasks.len() >= MAX_TASKS {
-            return Err(format!(
-                "{MAX_TASKS} tasks are attached on this node already"
-            ));
-        }
-        self.tracer
-            .get_mut()
-            .mark_job(id, id)
-            .map_err(|e| format!("the kernel side cannot follow the task: {e:#}"))?;
-        self.jobs.tasks.insert(id, (pidfd, slurm_job));
-        let Some(slurm_job) = slurm_job else {
-            return Ok(());
-        };
-        if !self.jobs.profiles.iter().any(|(j, _)| *j == slurm_job) {
-            if self.jobs.profiles.len() >= MAX_JOB_PROFILES {
-                let running = |j: u32| self.jobs.tasks.values().any(|t| t.1 == Some(j));
-                let oldest = (0..self.jobs.profiles.len())
-                    .find(|&i| !running(self.jobs.profiles[i].0))
-                    .unwrap_or(0);
-                let (gone, _) = self.jobs.profiles.remove(oldest);
-                log::warn!(
-                    "the working sets of {MAX_JOB_PROFILES} Slurm jobs are kept already: Slurm job {gone}'s is forgotten before its epilog took it"
-                );
-            }
-            let mut ws = WorkingSet::new(unix_now_ns());
-            ws.set_limit(MAX_JOB_PROFILE_ENTRIES);
-            self.jobs.profiles.push((slurm_job, ws));
-        }
-        Ok(())
-    }
-
-    /// Adds an access of an attached task's process to its Slurm job's working set.
-    pub(super) fn record_for_slurm_job(&mut self, a: &Access) {
-        let Some(&(_, Some(slurm_job))) = self.jobs.tasks.get(&a.job) else {
-            return;
-        };
-        let Some((_, ws)) = self.jobs.profiles.iter_mut().find(|(j, _)| *j == slurm_job) else {
-            return;
-        };
-        match a.what {
-            What::Open => {
-                ws.open(&a.path, a.uid, a.at_ns);
-            }
-            What::Missing => ws.missing(&a.path, a.at_ns),
-            What::Read(bytes) => ws.add_bytes_read(&a.path, bytes),
-        }
-    }
-
-    /// Slurm job `slurm_job`'s own working set, taken (its epilog saves it), with the
-    /// sizes and mtimes the node's working set knows of its files.
-    pub(super) fn take_job_profile(&mut self, slurm_job: u32) -> Option<Profile> {
-        let i = self
-            .jobs
-            .profiles
-            .iter()
-            .position(|(j, _)| *j == slurm_job)?;
-        let (_, ws) = self.jobs.profiles.remove(i);
-        let mut p = ws.to_profile();
-        for f in &mut p.files {
-            if let Some(known) = self.ws.attributes(&f.path) {
-                f.size = known.size;
-                f.mtime_ns = known.mtime_ns;
-            }
-        }
-        Some(p)
-    }
-
-    /// Has the kernel side place files opened in job `id`'s snapshot views under the
-    /// network directories they stand for.
-    pub(super) fn place_views(&mut self, id: u32, views: Vec<(OwnedFd, PathBuf)>) {
-        for (view, dir) in views {
-            let Some(index) = self.jobs.index() else {
-                log::warn!(
-                    "{MAX_VIEW_ROOTS} snapshot views are followed already: opens in {} in job {id} are not counted",
-                    dir.display()
-                );
-                return;
-            };
-            match self.tracer.get_mut().add_view_root(&view, index) {
-                Ok(root) => {
-                    self.observer.add_view_root(index, dir);
-                    self.jobs
-                        .views
-                        .entry(id)
-                        .or_default()
-                        .push((index, root, view));
-                }
-                Err(e) => {
-                    self.jobs.free.push(index);
-                    log::warn!(
-                        "opens in the snapshot of {} in job {id} are not counted: {e:#}",
-                        dir.display()
-                    );
-                }
-            }
-        }
-    }
-
-    /// Job `id` ended: what it did is read, then it is forgotten.
-    pub(super) async fn job_ended(&mut self, id: u32) {
-        self.sweep().await;
-        self.jobs.running.remove(&id);
-        self.rest.active();
-        for (index, root, _view) in self.jobs.views.remove(&id).unwrap_or_default() {
-            self.tracer.get_mut().remove_view_root(&root);
-            self.observer.forget_view_root(index);
-            self.jobs.free.push(index);
-        }
-        let ended = self.keeper.job_ended(id).await;
-        self.check(ended);
-    }
-
-    /// Ends the attached tasks that exited.
-    pub(super) async fn reap_tasks(&mut self) {
-        if self.jobs.tasks.is_empty() {
-            return;
-        }
-        let ended: Vec<u32> = {
-            let (ids, mut fds): (Vec<u32>, Vec<PollFd>) = self
-                .jobs
-                .tasks
-                .iter()
-                .map(|(id, (fd, _))| (*id, PollFd::new(fd.as_fd(), PollFlags::POLLIN)))
-                .unzip();
-            if poll(&mut fds, PollTimeout::ZERO).is_err() {
-                return;
-            }
-            // A pidfd is readable once its process has exited.
-            ids.into_iter()
-                .zip(&fds)
-                .filter(|(_, fd)| fd.revents().is_some_and(|r| !r.is_empty()))
-                .map(|(id, _)| id)
-                .collect()
-        };
-        for id in ended {
-            self.jobs.tasks.remove(&id);
-            self.job_ended(id).await;
-        }
     }
 }

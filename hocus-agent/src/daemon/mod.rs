@@ -1,54 +1,63 @@
 //! The daemon: watches the chosen trees with the tracer, keeps the working set, saves it,
-//! and answers the control socket.
+//! places it with the keeper, and answers the control socket. This file is the loop and
+//! its dispatch; each state has one owner beside it: `tracing` (the kernel side, with
+//! `rest`), `stats` (sizes of newly seen files), `profiling` (the working set and its
+//! state directory), `jobs`, `relays`, `requests` (what waits, and the work done off the
+//! loop), and the `keeper` (placement, on its own thread). `trees` finds what is watched
+//! at start.
 
 use std::{
     net::SocketAddr,
-    os::unix::fs::MetadataExt,
-    path::{Path, PathBuf},
-    sync::mpsc as std_mpsc,
-    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
+    path::PathBuf,
+    time::{Duration, Instant},
 };
 
 use anyhow::{Result, bail};
-use hocus_common::{counter, kind, superblock};
+use hocus_control::{
+    Response,
+    status::{Status, TopFile, WatchedMount},
+};
 use tokio::{
-    io::{Interest, unix::AsyncFd},
     signal::unix::SignalKind,
     sync::{mpsc, oneshot},
 };
 
 use crate::{
-    cache::directory::Cache,
-    control::{calls, fanout, protocol::Call, server},
-    observe::{
-        events::{Observer, Watch},
-        mounts,
-        tracer::{Counters, Root, Tracer},
-        views::{Anchor, Views},
+    control::{
+        calls,
+        gate::{Control, Limits},
+        messages::{Answer, Ask, Call, JobNodes, Query},
+        refusal::Refusal,
+        relay, server,
     },
+    observe::{events::Observer, mounts, tracer::Tracer, views::Views},
     place::{budget::Budgets, placement::Filters},
-    profile::{
-        records,
-        store::StateDir,
-        working_set::{Attributes, WorkingSet},
-    },
-    redirect::leftovers,
+    profile::staging::Staging,
+    redirect::{jobs::JobStart, leftovers},
     report::metrics,
-    shared::{
-        memory,
-        settings::Settings,
-        status::{Status, TopFile, WatchedMount},
-        tree::Tree,
-    },
+    shared::{memory, settings::Settings},
 };
 
 mod jobs;
 mod keeper;
+mod profiling;
 mod relays;
 mod requests;
 mod rest;
+mod stats;
+mod tracing;
+mod trees;
 
-use keeper::{Handle as Keeper, KeeperError};
+use self::{
+    jobs::Jobs,
+    keeper::{Handle as Keeper, KeeperError},
+    profiling::{Profiling, unix_now_ns},
+    relays::Relays,
+    requests::{EXPORT_PART, Reply, Waiting},
+    stats::Stats,
+    tracing::Tracing,
+    trees::Trees,
+};
 
 pub struct Options {
     /// The effective settings (defaults, config file, flags).
@@ -87,254 +96,79 @@ pub fn run(opts: Options) -> Result<()> {
     result
 }
 
-/// Whether the syscall program follows every process: asked to, or a watched tree is on
-/// a filesystem whose opens and failed lookups are not all requests the tripwire sees
-/// (NFS answers them from its caches, a local disk has no server). Otherwise it follows
-/// jobs and the processes that used a watched mount (docs/overhead.md).
-fn follows_every_process(asked: Option<bool>, watched: &[WatchedMount]) -> bool {
-    if asked == Some(true) {
-        log::info!("following every process's syscalls (trace-every-process)");
-        return true;
-    }
-    if let Some(w) = watched.iter().find(|w| !mounts::is_fuse_type(&w.fs_type)) {
-        log::info!(
-            "following every process's syscalls: {} is on {}, whose opens and failed lookups do not all reach its server, where the tripwire would see who uses it",
-            w.path.display(),
-            w.fs_type
-        );
-        return true;
-    }
-    log::info!(
-        "following the syscalls of jobs and of processes that used a watched mount; every other process's are turned away at once"
-    );
-    false
-}
-
 struct Daemon {
     opts: Options,
-    state_dir: PathBuf,
     socket: PathBuf,
     started: Instant,
     started_unix_secs: u64,
     /// The control socket, once served.
-    control: Option<server::Control>,
+    control: Option<Control>,
     /// Where metrics are served (the port chosen when 0 was asked for).
     metrics_addr: Option<SocketAddr>,
     watched: Vec<WatchedMount>,
-    state: StateDir,
-    ws: WorkingSet,
-    dirty: bool,
-    last_save_error: Option<String>,
-    tracer: AsyncFd<Tracer>,
-    observer: Observer,
-    stat_requests: std_mpsc::Sender<String>,
-    stat_results: StatResults,
-    /// Stats asked for and not answered yet.
-    stats_pending: usize,
-    /// Client requests waiting for those stats.
-    waiting: Vec<requests::Waiting>,
-    reported_loss: u64,
-    /// The working set's bound was reached and logged.
-    said_profile_full: bool,
+    tracing: Tracing,
+    stats: Stats,
+    profiling: Profiling,
+    /// Client requests waiting for the stats under way.
+    waiting: Vec<Waiting>,
     keeper: Keeper,
     /// When the keeper last failed to take an order (logged at most every 10 s).
     keeper_failed_at: Option<Instant>,
-    /// Jobs' snapshot views and attached tasks.
-    jobs: jobs::Jobs,
-    /// Multi-node jobs whose files other nodes may fetch from here.
-    relays: relays::Relays,
     keeper_thread: Option<std::thread::JoinHandle<()>>,
-    /// The working set changed since it was last placed.
-    to_place: bool,
-    /// When the tracer rests, and how often it did.
-    rest: rest::Rest,
+    /// Jobs' snapshot views and attached tasks.
+    jobs: Jobs,
+    /// Multi-node jobs whose files other nodes may fetch from here.
+    relays: Relays,
 }
 
 impl Daemon {
     fn start(opts: Options, mut cache: keeper::Config) -> Result<Self> {
         let mount_table = mounts::read()?;
         let named = opts.settings.watch.clone().unwrap_or_default();
-        let given = if named.is_empty() {
-            let found = mounts::default_watches(&mount_table);
-            if found.is_empty() {
-                bail!(
-                    "no network filesystem is mounted (nfs, lustre, gpfs, cifs, sshfs, ...); name the trees to watch with --watch PATH"
-                );
-            }
-            found
-        } else {
-            named.clone()
-        };
-        let mut watches = Vec::new();
-        let mut watched = Vec::new();
-        // Each tree is held from its check on: one found on its own may be unmounted
-        // meanwhile (an automount expiring), and a path may lead elsewhere later.
-        let mut dirs = Vec::new();
-        for path in &given {
-            let checked = mounts::check_watch(path).and_then(|c| Ok((mounts::open_dir(&c)?, c)));
-            let (dir, canonical) = match checked {
-                Ok(c) => c,
-                // A mount found on its own that does not answer (its server or FUSE daemon
-                // is gone) is skipped; one the user named is an error.
-                Err(e) if named.is_empty() => {
-                    log::warn!("not watching {}: {e:#}", path.display());
-                    continue;
-                }
-                Err(e) => return Err(e),
-            };
-            let mount = mounts::mount_of(&mount_table, &canonical);
-            let fs_type = mount.map(|m| m.fs_type.clone()).unwrap_or_default();
-            let network = mount.is_some_and(mounts::Mount::is_network);
-            if network {
-                log::info!("watching {} ({fs_type})", canonical.display());
-            } else {
-                log::warn!(
-                    "watching {} although it is on {fs_type}, not a network filesystem",
-                    canonical.display()
-                );
-            }
-            let aliases = if canonical != *path && path.is_absolute() {
-                vec![path.clone()]
-            } else {
-                vec![]
-            };
-            watched.push(WatchedMount {
-                path: canonical.clone(),
-                fs_type,
-                network,
-            });
-            watches.push(Watch {
-                path: canonical,
-                aliases,
-            });
-            dirs.push(dir);
-        }
-        if watches.is_empty() {
-            bail!(
-                "none of the network filesystems mounted here can be reached; name the trees to watch with --watch PATH"
-            );
-        }
-        let prefixes: Vec<&Path> = watches
-            .iter()
-            .flat_map(|w| {
-                std::iter::once(w.path.as_path()).chain(w.aliases.iter().map(PathBuf::as_path))
-            })
-            .collect();
-
-        let state_dir = opts.settings.state_dir();
-        let mut state = StateDir::lock(&state_dir)?;
-        // A site-wide profile's file records live on local disk, beside its state.
-        records::spill_into(&state_dir);
-        let mut ws = WorkingSet::new(unix_now_ns());
-        ws.set_limit(opts.settings.max_profile_entries());
-        match state.load(&mut ws) {
-            Ok(()) => {
-                let (files, missing, _) = ws.counts();
-                if files + missing > 0 {
-                    log::info!(
-                        "continuing the profile in {} ({files} files, {missing} missing names)",
-                        state.profile_path().display(),
-                    );
-                }
-            }
-            Err(message) => log::error!("{message}"),
-        }
-
-        let mut tracer = Tracer::start(
-            &prefixes,
-            follows_every_process(opts.settings.trace_every_process, &watched),
+        let trees = Trees::find(&named, &mount_table)?;
+        let profiling = Profiling::load(
+            &opts.settings.state_dir(),
+            opts.settings.max_profile_entries(),
         )?;
+        let every_process =
+            trees::follows_every_process(opts.settings.trace_every_process, &trees.watched);
+        let mut tracer = Tracer::start(&trees.prefixes(), every_process)?;
         if !tracer.skipped.is_empty() {
             log::warn!(
                 "this kernel lacks some syscalls; not traced: {}",
                 tracer.skipped.join(", ")
             );
         }
-        cache.trees = watches.iter().map(|w| w.path.clone()).collect();
+        cache.trees = trees.paths();
         let cache_dir = cache.cache_dir.clone();
         // Before any job of this daemon's exists.
         leftovers::take_away_at_start(&cache_dir, &cache.trees);
         let (keeper, keeper_thread) = keeper::start(cache)?;
-        // Activity on these wakes the tracer when it rests.
-        let devices = dirs
-            .iter()
-            .map(|d| mounts::metadata_of(d).map(|m| m.dev()))
-            .collect::<std::io::Result<Vec<u64>>>()?;
-        // Files are placed under the watched trees, and under the cache's copies and
-        // snapshots (which jobs open through hocus's binds), whose paths below are the
-        // network paths.
-        let mut roots: Vec<Root> = watches
-            .iter()
-            .zip(dirs)
-            .map(|(w, dir)| Root {
-                path: w.path.clone(),
-                dir,
-                kind: superblock::WATCHED,
-            })
-            .collect();
-        for dir in [Cache::FILES, Cache::TREES] {
-            let path = cache_dir.join(dir);
-            roots.push(Root {
-                dir: mounts::open_dir(&path)?,
-                path,
-                kind: superblock::CACHE,
-            });
-        }
+        let devices = trees.devices()?;
+        let (watched, watches) = (trees.watched.clone(), trees.watches.clone());
+        let roots = trees.into_roots(&cache_dir)?;
         tracer.place_under(&roots)?;
         tracer.watch_devices(&devices)?;
-        let root_paths = roots
-            .iter()
-            .map(|r| match r.kind {
-                superblock::WATCHED => r.path.clone(),
-                _ => PathBuf::from("/"),
-            })
-            .collect();
-        let trees = watches.iter().map(|w| w.path.clone()).collect();
-        let (stat_requests, stat_results) = spawn_stat_worker(trees)?;
-        // Where those roots are by device and path inside their filesystems: how other
-        // namespaces' mounts are matched to them.
-        let mut anchors = Vec::new();
-        for r in roots.iter().filter(|r| r.kind == superblock::WATCHED) {
-            anchors.push(Anchor::of(&mount_table, &r.path, r.path.clone(), false)?);
-        }
-        anchors.push(Anchor::of(
-            &mount_table,
-            &cache_dir.join(Cache::TREES),
-            PathBuf::from("/"),
-            true,
-        )?);
-        let observer = Observer::new(watches, root_paths, Views::new(anchors));
+        let stats = Stats::start(watches.iter().map(|w| w.path.clone()).collect())?;
+        let anchors = trees::anchors(&mount_table, &roots, &cache_dir)?;
+        let observer = Observer::new(watches, trees::root_paths(&roots), Views::new(anchors));
         Ok(Self {
             socket: opts.settings.socket(),
-            state_dir,
             opts,
             started: Instant::now(),
             started_unix_secs: unix_now_ns() / 1_000_000_000,
             metrics_addr: None,
             control: None,
             watched,
-            state,
-            ws,
-            dirty: false,
-            last_save_error: None,
-            // SAFETY: the ring buffer's descriptor lives as long as the tracer, which the
-            // AsyncFd owns.
-            tracer: unsafe { AsyncFd::register_with_interest(tracer, Interest::READABLE) }
-                .map_err(|e| anyhow::anyhow!("watching the ring buffer: {}", e.into_parts().1))?,
-            observer,
-            stat_requests,
-            stat_results,
-            stats_pending: 0,
+            tracing: Tracing::new(tracer, observer)?,
+            stats,
+            profiling,
             waiting: Vec::new(),
-            reported_loss: 0,
-            said_profile_full: false,
             keeper,
             keeper_failed_at: None,
-            jobs: jobs::Jobs::default(),
-            relays: relays::Relays::default(),
             keeper_thread: Some(keeper_thread),
-            to_place: true,
-            rest: rest::Rest::new(),
+            jobs: Jobs::default(),
+            relays: Relays::default(),
         })
     }
 
@@ -348,39 +182,7 @@ impl Daemon {
             }
             None => None,
         };
-        let limits = server::Limits {
-            total: self.opts.settings.max_clients.unwrap_or(256),
-            per_user: self.opts.settings.max_clients_per_user.unwrap_or(16),
-        };
-        let setup = calls::Setup {
-            trees: self.watched.iter().map(|w| w.path.clone()).collect(),
-            job_profiles: self.opts.settings.job_profiles(),
-        };
-        if let Some(port) = self.opts.settings.relay_port() {
-            let serving = fanout::Serving {
-                port,
-                munge_socket: self.opts.settings.munge_socket.clone(),
-                timeout: self.opts.settings.relay_timeout(),
-            };
-            match fanout::serve(serving, calls_tx.clone()) {
-                Ok(addr) => log::info!(
-                    "relay: the nodes of multi-node Slurm jobs fetch their files from each other through {addr}"
-                ),
-                // Each node then reads from the network: slower, never broken.
-                Err(e) => log::warn!(
-                    "relay: cannot listen on port {port} ({e}): each node of a multi-node job reads its files from the network"
-                ),
-            }
-        }
-        self.control = Some(server::serve(&self.socket, calls_tx, limits, setup)?);
-        log::info!(
-            "ready: profile in {}, control socket {}{}",
-            self.state.profile_path().display(),
-            self.socket.display(),
-            self.metrics_addr
-                .map(|a| format!(", metrics on http://{a}/metrics"))
-                .unwrap_or_default()
-        );
+        self.serve(calls_tx)?;
         let mut poll = tokio::time::interval(POLL_INTERVAL);
         let mut sweep = tokio::time::interval(SWEEP_INTERVAL);
         let mut save = tokio::time::interval(self.opts.settings.save_interval());
@@ -390,25 +192,25 @@ impl Daemon {
         let mut hup = tokio::signal::unix::signal(SignalKind::hangup())?;
         loop {
             tokio::select! {
-                ready = self.tracer.readable_mut() => {
-                    let mut guard = ready?;
-                    guard.clear_ready();
+                ready = self.tracing.readable() => {
+                    ready?;
                     self.drain().await;
                 }
                 _ = poll.tick() => self.drain().await,
                 _ = sweep.tick() => {
                     self.sweep().await;
                     self.reap_tasks().await;
-                    self.rest_if_idle();
+                    let after = self.opts.settings.rest_after();
+                    self.tracing.rest_if_idle(after, self.jobs.running());
                     if !self.waiting.is_empty() {
                         self.answer_waiting().await;
                     }
                 }
-                _ = save.tick() => self.save(),
+                _ = save.tick() => self.profiling.save(),
                 _ = place.tick() => self.place().await,
-                Some(result) = self.stat_results.recv() => {
-                    self.stat_done(result);
-                    if self.stats_pending == 0 && !self.waiting.is_empty() {
+                Some((path, attrs)) = self.stats.next() => {
+                    self.profiling.stat_done(&path, attrs);
+                    if self.stats.pending() == 0 && !self.waiting.is_empty() {
                         self.answer_waiting().await;
                     }
                 }
@@ -429,108 +231,121 @@ impl Daemon {
         }
         // What was traced so far, then nothing more: the profile is complete.
         self.sweep().await;
-        self.tracer.get_mut().detach();
+        self.tracing.tracer_mut().detach();
         self.sweep().await;
         self.reap_tasks().await;
         log::info!("stopping: eBPF programs detached; saving the profile");
-        self.dirty = true;
-        self.save();
+        self.profiling.save_last();
         self.keeper.stop().await;
         if let Some(t) = self.keeper_thread.take() {
             let _ = tokio::task::spawn_blocking(move || t.join()).await;
         }
         log::info!("pins released; removing {}", self.socket.display());
         let _ = std::fs::remove_file(&self.socket);
-        match self.last_save_error {
+        match self.profiling.last_save_error() {
             Some(e) => bail!("the profile could not be saved: {e}"),
             None => Ok(()),
         }
     }
 
+    /// Serves the control socket and the relay port; their requests come in as calls.
+    fn serve(&mut self, calls: mpsc::Sender<Call>) -> Result<()> {
+        let settings = &self.opts.settings;
+        let limits = Limits {
+            total: settings.max_clients.unwrap_or(256),
+            per_user: settings.max_clients_per_user.unwrap_or(16),
+        };
+        let setup = calls::Setup {
+            trees: self.watched.iter().map(|w| w.path.clone()).collect(),
+            job_profiles: settings.job_profiles(),
+        };
+        if let Some(port) = settings.relay_port() {
+            let serving = relay::Serving {
+                port,
+                munge_socket: settings.munge_socket.clone(),
+                timeout: settings.relay_timeout(),
+            };
+            match relay::serve(serving, calls.clone()) {
+                Ok(addr) => log::info!(
+                    "relay: the nodes of multi-node Slurm jobs fetch their files from each other through {addr}"
+                ),
+                // Each node then reads from the network: slower, never broken.
+                Err(e) => log::warn!(
+                    "relay: cannot listen on port {port} ({e}): each node of a multi-node job reads its files from the network"
+                ),
+            }
+        }
+        self.control = Some(server::serve(&self.socket, calls, limits, setup)?);
+        log::info!(
+            "ready: profile in {}, control socket {}{}",
+            self.profiling.profile_path().display(),
+            self.socket.display(),
+            self.metrics_addr
+                .map(|a| format!(", metrics on http://{a}/metrics"))
+                .unwrap_or_default()
+        );
+        Ok(())
+    }
+
+    /// Reads what the kernel side sent and routes what it means.
     async fn drain(&mut self) {
-        let Self {
-            tracer,
-            observer,
-            ws,
-            ..
-        } = self;
-        let mut woken_by = None;
-        let n = tracer.get_mut().drain(|e| match e.kind {
-            kind::WAKE => woken_by = Some(e.tgid),
-            _ => observer.handle(e, ws),
-        });
-        if let Some(tgid) = woken_by {
-            self.wake(&format!("process {tgid} used a watched mount"));
+        let drained = self.tracing.drain(&mut self.profiling.ws);
+        if let Some(tgid) = drained.woken_by {
+            self.tracing
+                .wake(&format!("process {tgid} used a watched mount"));
         }
-        if n > 0 {
-            self.dirty = true;
-            self.to_place = true;
-            self.rest.active();
+        if drained.events > 0 {
+            self.profiling.changed();
         }
-        let accesses = std::mem::take(&mut self.observer.accesses);
+        self.route().await;
+    }
+
+    /// Routes what the observer found: accesses to the jobs and the keeper, changed and
+    /// refused files to the keeper, files to stat to the stat thread.
+    async fn route(&mut self) {
+        let observer = &mut self.tracing.observer;
+        let accesses = std::mem::take(&mut observer.accesses);
+        let changed = std::mem::take(&mut observer.changed);
+        let refused = std::mem::take(&mut observer.refused);
+        let to_stat: Vec<String> = observer.to_stat.drain().collect();
         for access in accesses {
-            self.record_for_slurm_job(&access);
+            self.jobs.record_for_slurm_job(&access);
             let sent = self.keeper.access(access).await;
             self.check(sent);
         }
-        let changed = std::mem::take(&mut self.observer.changed);
         for path in changed {
             let sent = self.keeper.invalidate(path).await;
             self.check(sent);
         }
-        let refused = std::mem::take(&mut self.observer.refused);
         for path in refused {
             let sent = self.keeper.refused(path).await;
             self.check(sent);
         }
-        for (tgid, key, inum) in std::mem::take(&mut self.observer.to_learn) {
-            self.learn_view(tgid, key, inum);
-        }
-        for path in self.observer.to_stat.drain() {
-            if self.stat_requests.send(path).is_ok() {
-                self.stats_pending += 1;
-            }
+        for path in to_stat {
+            self.stats.ask(path);
         }
     }
 
-    /// Learns how another mount namespace sees the watched trees, for the kernel side:
-    /// its absolute paths count from then on.
-    fn learn_view(&mut self, tgid: u32, key: hocus_common::NamespaceKey, inum: u32) {
-        let tracer = self.tracer.get_mut();
-        // Read before the mounts: a mount that changes them after this bumps it again.
-        let generation = match tracer.mount_generation() {
-            Ok(g) => g,
-            Err(e) => return log::warn!("reading the mount generation: {e:#}"),
-        };
-        match self.observer.views.learn(tgid, key, inum, generation) {
-            Ok((view, forget)) => {
-                if let Err(e) = tracer.set_view(key, view, forget) {
-                    log::warn!("giving the kernel the view of mount namespace {inum}: {e:#}");
-                }
-            }
-            // Gone already, or moved: the next lookup there asks again.
-            Err(e) => log::debug!("not learning mount namespace {inum}: {e:#}"),
+    async fn sweep(&mut self) {
+        self.drain().await;
+        // Bytes read (through descriptors or mapped pages) count in the profile and in
+        // placement.
+        if self.tracing.sweep(&mut self.profiling.ws) {
+            self.profiling.changed();
         }
-    }
-
-    fn stat_done(&mut self, (path, attrs): (String, Option<Attributes>)) {
-        self.stats_pending -= 1;
-        if let Some(attrs) = attrs {
-            self.ws.set_attributes(&path, attrs);
-            self.dirty = true;
-        }
+        self.profiling
+            .say_if_full(self.opts.settings.max_profile_entries());
+        self.tracing.report_loss();
     }
 
     async fn place(&mut self) {
         // The keeper has not taken the last view yet: the next tick tries again.
-        if self.to_place && self.keeper.view_waiting() {
+        if self.profiling.wants_placing() && self.keeper.view_waiting() {
             return;
         }
-        if std::mem::take(&mut self.to_place) {
-            let sent = self
-                .keeper
-                .place(self.ws.for_placement(PLACE_CANDIDATES))
-                .await;
+        if self.profiling.take_to_place() {
+            let view = self.profiling.ws.for_placement(PLACE_CANDIDATES);
+            let sent = self.keeper.place(view).await;
             self.check(sent);
         }
     }
@@ -552,71 +367,212 @@ impl Daemon {
         }
     }
 
-    async fn sweep(&mut self) {
-        self.drain().await;
-        let open = self.tracer.get_ref().open_files();
-        for key in self.observer.sweep(&open, &mut self.ws) {
-            self.tracer.get_mut().forget_open_file(&key);
-        }
-        let mapped = self.tracer.get_ref().mapped_files();
-        for key in self.observer.sweep_mapped(&mapped, &mut self.ws) {
-            self.tracer.get_mut().forget_mapped(&key);
-        }
-        if !self.observer.accesses.is_empty() {
-            // Bytes read (through descriptors or mapped pages) count in the profile and
-            // in placement.
-            self.dirty = true;
-            self.to_place = true;
-            self.rest.active();
-        }
-        self.report_loss();
-    }
-
-    fn report_loss(&mut self) {
-        if self.ws.dropped() > 0 && !self.said_profile_full {
-            log::warn!(
-                "the working set holds its most entries ({}, max-profile-entries): new names read are no longer recorded (writes still are); counted in status and hocus_profile_entries_dropped_total",
-                self.opts.settings.max_profile_entries()
-            );
-            self.said_profile_full = true;
-        }
-        let Ok(c) = self.tracer.get_ref().counters() else {
-            return;
-        };
-        let lost = lost(&c);
-        if lost > self.reported_loss {
-            log::warn!(
-                "{} events could not be delivered so far ({}); the profile misses them",
-                lost,
-                describe(&c)
-            );
-            self.reported_loss = lost;
-        }
-    }
-
-    fn save(&mut self) {
-        if !self.dirty {
-            return;
-        }
-        match self.state.save(&mut self.ws) {
-            Ok(()) => {
-                self.dirty = false;
-                self.last_save_error = None;
-            }
-            Err(e) => {
-                let message = format!("{e:#}");
-                if self.last_save_error.as_deref() != Some(&message) {
-                    log::error!("{message}; will retry");
+    /// Handles one call from a connection.
+    async fn answer(&mut self, call: Call) {
+        let Call { caller, ask, reply } = call;
+        let answer: Answer = match ask {
+            Ask::Client(request) => {
+                // Whatever the workload did before asking is in the ring buffer: read it
+                // first, and answer once the sizes of the files it saw are known.
+                self.sweep().await;
+                let waiting = Waiting::new(caller, request, reply);
+                if self.stats.pending() == 0 {
+                    self.respond(waiting).await;
+                } else {
+                    self.waiting.push(waiting);
                 }
-                self.last_save_error = Some(message);
+                return;
             }
+            Ask::Binds => {
+                // The first step of every job session, before its namespace is made: the
+                // tracer follows the job from its start.
+                self.tracing.wake("a job is starting");
+                match self.keeper.binds().await {
+                    Ok(binds) => Answer::Binds(binds),
+                    Err(e) => Refusal::new("busy", e.to_string()).into(),
+                }
+            }
+            Ask::JobStarting(start) => self.job_starting(start).await,
+            Ask::Stale { sources } => {
+                for source in sources {
+                    let sent = self
+                        .keeper
+                        .invalidate(source.to_string_lossy().into_owned())
+                        .await;
+                    self.check(sent);
+                }
+                return;
+            }
+            Ask::ExportPart(mut order) => {
+                let part = self.profiling.ws.export_part(&mut order, EXPORT_PART);
+                Answer::Export { order, part }
+            }
+            Ask::JobEnded { id } => {
+                self.job_ended(id).await;
+                return;
+            }
+            Ask::RelayJoin { job_id, from, to } => self.relays.join(job_id, &from, &to),
+            Ask::RelayFile {
+                job_id,
+                from,
+                source,
+            } => match self.relays.may_fetch(job_id, &from, &source) {
+                Err(r) => r.into(),
+                Ok(false) => Answer::Relay(crate::shared::relay::Holding::No),
+                Ok(true) => Answer::Relay(
+                    self.keeper
+                        .local_copy(source)
+                        .await
+                        .unwrap_or(crate::shared::relay::Holding::No),
+                ),
+            },
+            Ask::TakeJobProfile { slurm_job } => {
+                // What the job's last processes did is read first.
+                self.sweep().await;
+                match self.jobs.take_profile(slurm_job, &self.profiling.ws) {
+                    Some(p) => Answer::JobProfile(p),
+                    None => Refusal::new(
+                        "unknown_job",
+                        format!("no task of Slurm job {slurm_job} was attached on this node"),
+                    )
+                    .into(),
+                }
+            }
+        };
+        let _ = reply.send(answer);
+    }
+
+    /// A job starts: the keeper learns of it before anything it does.
+    async fn job_starting(&mut self, mut start: JobStart) -> Answer {
+        // Events already read belong to earlier jobs.
+        self.tracing.wake("a job is starting");
+        self.drain().await;
+        let task = start
+            .task
+            .take()
+            .map(|pidfd| (pidfd, start.slurm.map(|s| s.job_id)));
+        let views = std::mem::take(&mut start.views);
+        if let Err(r) = self.jobs.start(&mut self.tracing, start.id, task, views) {
+            return r.into();
         }
+        let started = self.keeper.job_starting(start).await;
+        // A job the keeper does not follow still runs: its accesses count as misses.
+        self.check(started);
+        Answer::Ready
+    }
+
+    /// Job `id` ended: what it did is read, then it is forgotten.
+    async fn job_ended(&mut self, id: u32) {
+        self.sweep().await;
+        self.jobs.ended(&mut self.tracing, id);
+        let ended = self.keeper.job_ended(id).await;
+        self.check(ended);
+    }
+
+    /// Ends the attached tasks that exited.
+    async fn reap_tasks(&mut self) {
+        for id in self.jobs.exited_tasks() {
+            self.job_ended(id).await;
+        }
+    }
+
+    /// Answers the requests that waited for stats: all of them once none are pending,
+    /// else those that waited too long.
+    async fn answer_waiting(&mut self) {
+        for w in requests::due(&mut self.waiting, self.stats.pending()) {
+            self.respond(w).await;
+        }
+    }
+
+    async fn respond(&mut self, w: Waiting) {
+        let Waiting {
+            caller,
+            request,
+            reply,
+            ..
+        } = w;
+        let answer: Answer = match request {
+            Query::Status => {
+                let status = self.status(STATUS_TOP_FILES).await;
+                return requests::send_status(status, caller, reply);
+            }
+            Query::Export { root } => {
+                let ws = &self.profiling.ws;
+                let mut order = ws.export_order(root.as_deref());
+                let part = ws.export_part(&mut order, EXPORT_PART);
+                let order = Box::new(order);
+                Answer::Export { order, part }
+            }
+            Query::Import(staged) => {
+                let Staging {
+                    set,
+                    files,
+                    missing,
+                    refused,
+                    refused_total,
+                    ..
+                } = *staged;
+                self.profiling.merge(set);
+                Response::Imported {
+                    files,
+                    missing,
+                    refused_total,
+                    refused,
+                }
+                .into()
+            }
+            Query::Prefetch { staged, relay } => {
+                return self.prefetch(*staged, relay, reply).await;
+            }
+            Query::Budgets { .. } if !caller.is_root() => Refusal::new(
+                "not_root",
+                "only root may change the budgets: run it with sudo",
+            )
+            .into(),
+            Query::Budgets { ssd, ram } => {
+                let set = self.keeper.set_budgets(ssd, ram).await;
+                match set.and(Ok(self.status(0).await)) {
+                    Ok(status) if status.cache.is_some() => {
+                        Response::Status(Box::new(status)).into()
+                    }
+                    Ok(_) => Refusal::new("busy", KeeperError::Busy.to_string()).into(),
+                    Err(e) => Refusal::new("busy", e.to_string()).into(),
+                }
+            }
+        };
+        let _ = reply.send(answer);
+    }
+
+    /// Merges a sent profile and warms the cache from it now, reporting progress.
+    async fn prefetch(&mut self, staged: Staging, relay: Option<JobNodes>, reply: Reply) {
+        let Staging {
+            set,
+            refused,
+            refused_total,
+            ..
+        } = staged;
+        // Placed now, from what the daemon knows of those files (sizes, writes seen),
+        // not only from what the sender said.
+        let profile = self.profiling.merge_to_prefetch(set);
+        let parent = match &relay {
+            Some(nodes) => self.relays.add(nodes, &profile, &self.opts.settings).await,
+            None => None,
+        };
+        let (tx, rx) = mpsc::unbounded_channel();
+        if let Err(e) = self.keeper.prefetch(profile, tx, parent).await {
+            let _ = reply.send(Refusal::new("busy", e.to_string()).into());
+            return;
+        }
+        // Progress arrives from the keeper's thread until it is done.
+        requests::send_progress(rx, refused, refused_total, reply);
     }
 
     async fn status(&mut self, top: usize) -> Status {
-        let (files, missing, dirs) = self.ws.counts();
+        let ws = &self.profiling.ws;
+        let (files, missing, dirs) = ws.counts();
         let roots: Vec<PathBuf> = self.watched.iter().map(|w| w.path.clone()).collect();
-        let (hottest, roots) = self.ws.summary(top, &roots);
+        let (hottest, roots) = ws.summary(top, &roots);
+        let (profile_bytes, dropped) = (ws.heap_bytes() as u64, ws.dropped());
         let paths: Vec<String> = hottest.iter().map(|f| f.path.clone()).collect();
         let n = paths.len();
         let held = match n {
@@ -640,24 +596,12 @@ impl Daemon {
                 held,
             })
             .collect();
-        let kernel = self
-            .tracer
-            .get_ref()
-            .counters()
-            .map(|c| {
-                counter::NAMES
-                    .iter()
-                    .zip(c)
-                    .map(|(n, v)| ((*n).to_owned(), v))
-                    .collect()
-            })
-            .unwrap_or_default();
         Status {
             pid: std::process::id(),
             version: env!("CARGO_PKG_VERSION").into(),
             uptime_secs: self.started.elapsed().as_secs(),
             started_unix_secs: self.started_unix_secs,
-            state_dir: self.state_dir.clone(),
+            state_dir: self.opts.settings.state_dir(),
             metrics_addr: self.metrics_addr,
             watched: self.watched.clone(),
             roots,
@@ -665,20 +609,20 @@ impl Daemon {
             files,
             missing,
             dirs,
-            profile_bytes: self.ws.heap_bytes() as u64,
+            profile_bytes,
             max_profile_entries: self.opts.settings.max_profile_entries(),
-            profile_entries_dropped: self.ws.dropped(),
-            tally: self.observer.tally.clone(),
-            kernel,
-            last_save_error: self.last_save_error.clone(),
-            not_traced: self.tracer.get_ref().skipped.clone(),
+            profile_entries_dropped: dropped,
+            tally: self.tracing.observer.tally.clone(),
+            kernel: self.tracing.counters(),
+            last_save_error: self.profiling.last_save_error().map(str::to_owned),
+            not_traced: self.tracing.tracer().skipped.clone(),
             cache,
             control: self
                 .control
                 .as_ref()
-                .map(server::Control::status)
+                .map(Control::status)
                 .unwrap_or_default(),
-            tracing: self.tracing_status(),
+            tracing: self.tracing.status(self.opts.settings.rest_after()),
         }
     }
 
@@ -724,7 +668,7 @@ impl Daemon {
                 .as_ref()
                 .map_or("the flags alone".into(), |p| p.display().to_string())
         );
-        self.ws.set_limit(new.max_profile_entries());
+        self.profiling.ws.set_limit(new.max_profile_entries());
         self.opts.settings = new;
         true
     }
@@ -736,55 +680,4 @@ async fn next_scrape(scrapes: &mut Option<metrics::Scrapes>) -> Option<oneshot::
         Some(s) => s.recv().await,
         None => std::future::pending().await,
     }
-}
-
-fn lost(c: &Counters) -> u64 {
-    c[counter::LOST_RING_FULL as usize] + c[counter::LOST_OPEN_FILES_FULL as usize]
-}
-
-fn describe(c: &Counters) -> String {
-    counter::NAMES
-        .iter()
-        .zip(c)
-        .skip(1)
-        .filter(|(_, v)| **v > 0)
-        .map(|(n, v)| format!("{n} {v}"))
-        .collect::<Vec<_>>()
-        .join(", ")
-}
-
-/// Files stat'ed, with what was found (None: gone).
-type StatResults = mpsc::UnboundedReceiver<(String, Option<Attributes>)>;
-
-/// Reads sizes and mtimes on its own thread: a stat on a network mount is a round trip.
-fn spawn_stat_worker(
-    trees: Vec<PathBuf>,
-) -> std::io::Result<(std_mpsc::Sender<String>, StatResults)> {
-    let (req_tx, req_rx) = std_mpsc::channel::<String>();
-    let (res_tx, res_rx) = mpsc::unbounded_channel();
-    std::thread::Builder::new()
-        .name("hocus-stat".into())
-        .spawn(move || {
-            for path in req_rx {
-                // Beneath its watched tree, following no symlink on the way.
-                let p = Path::new(&path);
-                let stat = trees.iter().find(|t| p.starts_with(t));
-                let stat = stat.and_then(|t| Tree::open(t).and_then(|t| t.stat(p)).ok());
-                let attrs = stat.map(|m| Attributes {
-                    size: m.size(),
-                    mtime_ns: m.mtime() * 1_000_000_000 + m.mtime_nsec(),
-                });
-                if res_tx.send((path, attrs)).is_err() {
-                    break;
-                }
-            }
-        })?;
-    Ok((req_tx, res_rx))
-}
-
-fn unix_now_ns() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap_or_default()
-        .as_nanos() as u64
 }

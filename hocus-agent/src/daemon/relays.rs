@@ -2,6 +2,7 @@
 //! the jobs whose prolog prefetch ran here with a node list, which nodes they have and
 //! which files their profile names (what other nodes may fetch from here, and nothing
 //! else), and this node's parent in the job's tree, which its copies come from first.
+//! `Relays` owns that state; the loop asks the keeper whether a copy is held.
 
 use std::{
     collections::HashSet,
@@ -10,14 +11,15 @@ use std::{
     time::{Duration, Instant},
 };
 
-use super::Daemon;
 use crate::{
     cache::relay::Parent,
     control::{
-        fanout,
-        protocol::{Holding, JobNodes, Response},
+        messages::{Answer, JobNodes},
+        refusal::Refusal,
+        relay::NOT_KNOWN_YET,
     },
     profile::format::Profile,
+    shared::{relay, settings::Settings},
 };
 
 /// Jobs served to other nodes at once: the oldest is forgotten first.
@@ -40,17 +42,18 @@ pub struct Relays {
     jobs: Vec<Relayed>,
 }
 
-impl Daemon {
+impl Relays {
     /// A job's prolog prefetch with `nodes`: its profile's files may be fetched from
     /// here by its other nodes; the parent node this node copies from first, if any.
-    pub(super) async fn relay_job(
+    pub async fn add(
         &mut self,
         nodes: &JobNodes,
         profile: &Profile,
+        settings: &Settings,
     ) -> Option<Arc<Parent>> {
-        let port = self.opts.settings.relay_port()?;
+        let port = settings.relay_port()?;
         let me = nodes.nodes.iter().position(|n| *n == nodes.me)?;
-        let relays = &mut self.relays.jobs;
+        let relays = &mut self.jobs;
         relays.retain(|r| r.job_id != nodes.job_id && r.since.elapsed() < SERVED_FOR);
         if relays.len() >= MAX_RELAYED {
             relays.remove(0);
@@ -62,7 +65,7 @@ impl Daemon {
             files: profile.files.iter().map(|f| f.path.clone()).collect(),
             since: Instant::now(),
         });
-        let parent = &nodes.nodes[fanout::parent(me, self.opts.settings.fanout_width())?];
+        let parent = &nodes.nodes[relay::parent(me, settings.fanout_width())?];
         let addr = match resolve(parent, port).await {
             Ok(a) => a,
             Err(e) => {
@@ -81,20 +84,22 @@ impl Daemon {
         Some(Arc::new(Parent::new(
             parent.clone(),
             addr,
-            fanout::payload(nodes.job_id, &nodes.me, parent),
-            self.opts.settings.munge_socket.clone(),
-            self.opts.settings.relay_timeout(),
+            relay::payload(nodes.job_id, &nodes.me, parent),
+            settings.munge_socket.clone(),
+            settings.relay_timeout(),
         )))
     }
 
     /// Node `from` asks to fetch `job_id`'s files from this node, which it calls `to`.
-    pub(super) fn relay_join(&self, job_id: u32, from: &str, to: &str) -> Response {
-        let refuse = |message: String| Response::Error { message };
+    pub fn join(&self, job_id: u32, from: &str, to: &str) -> Answer {
         let Some(job) = self.relayed(job_id) else {
-            return refuse(format!(
-                "Slurm job {job_id} is not known here (no prolog of it ran on this node)"
-            ));
+            return Refusal::new(
+                NOT_KNOWN_YET,
+                format!("Slurm job {job_id} is not known here (no prolog of it ran on this node)"),
+            )
+            .into();
         };
+        let refuse = |message: String| Refusal::new("relay_refused", message).into();
         if to != job.me {
             refuse(format!(
                 "the credential is for node {to}; this is node {}",
@@ -103,30 +108,24 @@ impl Daemon {
         } else if from == job.me || !job.nodes.contains(from) {
             refuse(format!("node {from} is not one of Slurm job {job_id}'s"))
         } else {
-            Response::Ready
+            Answer::Ready
         }
     }
 
-    /// Node `from` of the job asks for `source`: this node's copy, if it holds one and
-    /// the job's profile names it.
-    pub(super) async fn relay_file(&self, job_id: u32, from: &str, source: String) -> Response {
+    /// Whether node `from` of the job may fetch `source` from here: refused, or whether
+    /// the job's profile names it (only then is the keeper asked for its copy).
+    pub fn may_fetch(&self, job_id: u32, from: &str, source: &str) -> Result<bool, Refusal> {
         let Some(job) = self.relayed(job_id).filter(|j| j.nodes.contains(from)) else {
-            return Response::Error {
-                message: format!("node {from} may not fetch Slurm job {job_id}'s files"),
-            };
+            return Err(Refusal::new(
+                "relay_refused",
+                format!("node {from} may not fetch Slurm job {job_id}'s files"),
+            ));
         };
-        if !job.files.contains(&source) {
-            return Response::Relay(Holding::No);
-        }
-        match self.keeper.local_copy(source).await {
-            Ok(held) => Response::Relay(held),
-            Err(_) => Response::Relay(Holding::No),
-        }
+        Ok(job.files.contains(source))
     }
 
     fn relayed(&self, job_id: u32) -> Option<&Relayed> {
-        self.relays
-            .jobs
+        self.jobs
             .iter()
             .find(|r| r.job_id == job_id && r.since.elapsed() < SERVED_FOR)
     }

@@ -10,8 +10,9 @@
 
 use std::time::{Duration, Instant};
 
-use super::Daemon;
-use crate::shared::status::TracingStatus;
+use hocus_control::status::TracingStatus;
+
+use crate::observe::tracer::Tracer;
 
 pub struct Rest {
     /// When something was last learned or followed: an event, bytes read, a job.
@@ -42,20 +43,19 @@ impl Rest {
     }
 }
 
-impl Daemon {
-    /// Rests the tracer if nothing was learned for `rest-after` and no job runs.
-    pub(super) fn rest_if_idle(&mut self) {
-        let Some(after) = self.opts.settings.rest_after() else {
+impl Rest {
+    /// Rests `tracer` if nothing was learned for `after` and no job runs.
+    pub fn rest_if_idle(&mut self, tracer: &mut Tracer, after: Option<Duration>, jobs: bool) {
+        let Some(after) = after else {
             return;
         };
-        let tracer = self.tracer.get_mut();
-        if tracer.is_resting() || self.jobs.running() || self.rest.last_activity.elapsed() < after {
+        if tracer.is_resting() || jobs || self.last_activity.elapsed() < after {
             return;
         }
         match tracer.rest() {
             Ok(()) => {
-                self.rest.rests += 1;
-                self.rest.since = Instant::now();
+                self.rests += 1;
+                self.since = Instant::now();
                 log::info!(
                     "tracing rests: nothing to learn for {} s and no job running; the next use of a watched mount wakes it",
                     after.as_secs()
@@ -66,35 +66,33 @@ impl Daemon {
     }
 
     /// Attaches the syscall program again, if it rests (`why`: for the log).
-    pub(super) fn wake(&mut self, why: &str) {
-        self.rest.active();
-        let tracer = self.tracer.get_mut();
+    pub fn wake(&mut self, tracer: &mut Tracer, why: &str) {
+        self.active();
         if !tracer.is_resting() {
             return;
         }
         match tracer.wake() {
             Ok(()) => {
-                self.rest.wakeups += 1;
-                self.rest.rested += self.rest.since.elapsed();
-                self.rest.since = Instant::now();
+                self.wakeups += 1;
+                self.rested += self.since.elapsed();
+                self.since = Instant::now();
                 log::info!("tracing wakes: {why}");
             }
             Err(e) => log::error!("could not wake the tracer ({why}): {e:#}"),
         }
     }
 
-    pub(super) fn tracing_status(&self) -> TracingStatus {
-        let resting = self.tracer.get_ref().is_resting();
-        let followed = self.tracer.get_ref().followed();
-        let since = self.rest.since.elapsed();
+    pub fn status(&self, tracer: &Tracer, after: Option<Duration>) -> TracingStatus {
+        let resting = tracer.is_resting();
+        let followed = tracer.followed();
+        let since = self.since.elapsed();
         TracingStatus {
             resting,
             since_secs: since.as_secs(),
-            rest_after_secs: self.opts.settings.rest_after().map_or(0, |d| d.as_secs()),
-            rests: self.rest.rests,
-            wakeups: self.rest.wakeups,
-            resting_secs: (self.rest.rested + if resting { since } else { Duration::ZERO })
-                .as_secs(),
+            rest_after_secs: after.map_or(0, |d| d.as_secs()),
+            rests: self.rests,
+            wakeups: self.wakeups,
+            resting_secs: (self.rested + if resting { since } else { Duration::ZERO }).as_secs(),
             followed: followed.map_or(0, |f| f.count() as u64),
             every_process: followed.is_none(),
         }

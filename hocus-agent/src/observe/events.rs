@@ -14,14 +14,12 @@ use std::{
 use crate::{
     observe::views::Views,
     profile::working_set::WorkingSet,
-    shared::{
-        log_line::{self as logs, Process},
-        status::Tally,
-    },
+    shared::log_line::{self as logs, Process},
 };
 use hocus_common::{
     Event, FdKey, InodeKey, Mapped, NamespaceKey, OpenFile, ROOT_NONE, ROOT_VIEW, ev, kind,
 };
+use hocus_control::status::Tally;
 
 const O_ACCMODE: u32 = 0o3;
 const O_CREAT: u32 = 0o100;

@@ -6,10 +6,11 @@
 
 use std::path::PathBuf;
 
-use crate::{
-    profile::{format::Profile, working_set::WorkingSet},
-    shared::status::{REFUSED_SHOWN, Refused},
+use crate::profile::{
+    format::{Profile, keep_valid},
+    working_set::WorkingSet,
 };
+use hocus_control::status::{REFUSED_SHOWN, Refused};
 
 /// A profile being taken in, and what it came to.
 pub struct Staging {
@@ -44,7 +45,7 @@ impl Staging {
         mut batch: Profile,
         vouch: impl FnOnce(&mut Profile) -> Result<(), String>,
     ) -> Result<(), String> {
-        let refused = batch.keep_valid(&self.trees);
+        let refused = keep_valid(&mut batch, &self.trees);
         self.refused_total += refused.len();
         let room = REFUSED_SHOWN.saturating_sub(self.refused.len());
         self.refused.extend(refused.into_iter().take(room));

@@ -5,11 +5,11 @@ use std::{
     collections::HashSet,
     os::fd::OwnedFd,
     path::{Path, PathBuf},
+    sync::Arc,
 };
 
-use crate::{
-    cache::snapshot, observe::events::What, redirect::mountns::Bind, shared::status::Served,
-};
+use crate::{cache::snapshot, observe::events::What, redirect::mountns::Bind};
+use hocus_control::status::Served;
 
 /// A live job namespace and the binds in it.
 pub struct Job {
@@ -21,6 +21,23 @@ pub struct Job {
     /// (below the target), which the network serves.
     files: HashSet<PathBuf>,
     trees: Vec<(PathBuf, HashSet<PathBuf>)>,
+}
+
+/// A job starting, as its session made it: the binds in its mount namespace, and what
+/// the daemon follows it by.
+pub struct JobStart {
+    /// The daemon thread about to fork it (`hocus-agent run`: the kernel marks whatever
+    /// that thread forks as this job), or an attached task's pid.
+    pub id: u32,
+    pub ns: OwnedFd,
+    pub binds: Vec<Bind>,
+    /// The snapshot views among the binds (their mounts), with the network directory
+    /// each stands for: files opened in them are placed there.
+    pub views: Vec<(OwnedFd, PathBuf)>,
+    /// An attached task's pidfd: it is followed until that process exits.
+    pub task: Option<Arc<OwnedFd>>,
+    /// An attached Slurm task's job.
+    pub slurm: Option<SlurmTask>,
 }
 
 /// A Slurm task attached through the SPANK plugin: its job, and whose it is.

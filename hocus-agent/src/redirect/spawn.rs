@@ -10,23 +10,13 @@ use std::{
         fd::{AsRawFd, OwnedFd},
         unix::{ffi::OsStrExt, process::CommandExt},
     },
-    path::PathBuf,
     process::{Command, Stdio},
 };
 
 use anyhow::{Context, Result, bail};
-use serde::{Deserialize, Serialize};
+use hocus_control::JobCommand;
 
 use crate::redirect::{access::Caller, cgroups};
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
-/// What a job runs: its command line, environment and working directory (the
-/// caller's, sent by `hocus-agent run`).
-pub struct JobCommand {
-    pub argv: Vec<String>,
-    pub env: Vec<(String, String)>,
-    pub cwd: PathBuf,
-}
 
 /// Resource limits every job gets from its caller, not from the daemon (whose
 /// RLIMIT_MEMLOCK may be unlimited), by their names in /proc/PID/limits.

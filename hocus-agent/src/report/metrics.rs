@@ -16,6 +16,7 @@ use axum::{
     response::{Html, IntoResponse, Response},
     routing::get,
 };
+use hocus_control::status::{CacheStatus, Served, SlurmJob, Status};
 use prometheus_client::{
     collector::Collector,
     encoding::{DescriptorEncoder, EncodeMetric},
@@ -23,8 +24,6 @@ use prometheus_client::{
     registry::{Registry, Unit},
 };
 use tokio::sync::{mpsc, oneshot};
-
-use crate::shared::status::{CacheStatus, Served, SlurmJob, Status};
 
 const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 const CLASSIC: &str = "text/plain; version=0.0.4; charset=utf-8";

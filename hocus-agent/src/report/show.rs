@@ -3,13 +3,8 @@
 
 use std::{collections::HashMap, fmt::Write};
 
-use crate::{
-    profile::format::Profile,
-    shared::{
-        size::human as bytes,
-        status::{Served, Status},
-    },
-};
+use crate::{profile::format::Profile, shared::size::human as bytes};
+use hocus_control::status::{Served, Status};
 
 pub fn render(p: &Profile, top: usize) -> String {
     let mut out = String::new();

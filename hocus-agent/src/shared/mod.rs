@@ -1,7 +1,8 @@
 //! The ground floor: what several stages and faces share, and nothing else. The settings
-//! (flags and config file), sizes as people write them, what `status` reports, the
-//! per-file log lines, munge credentials, giving freed memory back, replacing a file whole (`replace`); and the safe-file
-//! primitives every stage works with as root: opening a directory and what lies beneath
+//! (flags and config file), sizes as people write them, the per-file log lines, munge
+//! credentials, what the two ends of the relay between a job's nodes agree on (`relay`),
+//! giving freed memory back, replacing a file whole (`replace`); and the
+//! safe-file primitives every stage works with as root: opening a directory and what lies beneath
 //! it without following symlinks (`dirs`), a watched tree held open (`tree`), a file's
 //! identity (`identity`), users' credentials taken on one thread (`user`), and the
 //! owner, times and xattrs a local stand-in keeps (`attrs`). Imports nothing of the
@@ -13,9 +14,9 @@ pub mod identity;
 pub mod log_line;
 pub mod memory;
 pub mod munge;
+pub mod relay;
 pub mod replace;
 pub mod settings;
 pub mod size;
-pub mod status;
 pub mod tree;
 pub mod user;

@@ -19,7 +19,7 @@ use crate::shared::{
 
 pub const DEFAULT_CONFIG: &str = "/etc/hocus/agent.toml";
 pub const DEFAULT_STATE_DIR: &str = "/var/lib/hocus";
-pub const DEFAULT_SOCKET: &str = "/run/hocus/agent.sock";
+pub const DEFAULT_SOCKET: &str = hocus_control::DEFAULT_SOCKET;
 pub const DEFAULT_JOB_PROFILES: &str = "{home}/.cache/hocus/profiles";
 pub const DEFAULT_CACHE_DIR: &str = "/var/cache/hocus";
 pub const DEFAULT_METRICS_ADDR: &str = "127.0.0.1:9742";

@@ -3,7 +3,7 @@
 
 use hocus_common::{InodeKey, kfunc};
 
-use super::{Typed, field, offset, task};
+use super::{Typed, current_task, field, offset};
 
 /// The mount a place was reached through: its root directory and its superblock.
 #[derive(Clone, Copy)]
@@ -60,7 +60,7 @@ fn cast(address: u64, btf_id: u32) -> Typed {
 /// valid at this syscall (a table only grows), and a wrong read lands on no known
 /// superblock anyway.
 pub fn file_at(fd: u32) -> Option<File> {
-    let files = task().follow(offset(|o| &o.task_files))?;
+    let files = current_task().follow(offset(|o| &o.task_files))?;
     let fdt = files.follow(offset(|o| &o.files_fdt))?;
     let slot = fdt.read::<u64>(offset(|o| &o.fdt_fd)) + u64::from(fd) * 8;
     let file = if can_cast() {

@@ -111,7 +111,7 @@ pub fn field<T>(object: u64, offset: u32) -> Option<T> {
 }
 
 /// The current task, typed.
-pub fn task() -> Typed {
+pub fn current_task() -> Typed {
     // SAFETY: no arguments; the current task, typed.
     Typed(unsafe { generated::bpf_get_current_task_btf() } as u64)
 }

@@ -4,9 +4,9 @@
 use hocus_common::NamespaceKey;
 
 use super::{
-    Typed,
+    Typed, current_task,
     files::{Dentry, Mount},
-    offset, task,
+    offset,
 };
 
 /// x86-64's `thread_info.status` bit for a 32-bit syscall in progress.
@@ -15,13 +15,13 @@ const TS_COMPAT: u32 = 0x0002;
 /// Whether the current syscall is a 32-bit one (`int 0x80` or a 32-bit process): its
 /// number and registers mean something else, so it is never read as a 64-bit one.
 pub fn is_compat() -> bool {
-    task().read::<u32>(offset(|o| &o.thread_status)) & TS_COMPAT != 0
+    current_task().read::<u32>(offset(|o| &o.thread_status)) & TS_COMPAT != 0
 }
 
 /// The current process's working directory: the mount it was reached through, and its
 /// dentry. Plain loads all the way.
 pub fn cwd() -> Option<(Mount, Dentry)> {
-    let fs = task().follow(offset(|o| &o.task_fs))?;
+    let fs = current_task().follow(offset(|o| &o.task_fs))?;
     // fs->pwd is a struct path: mnt then dentry (checked by the agent).
     let at = offset(|o| &o.fs_pwd_mnt);
     let mnt = fs.follow(at)?;
@@ -40,10 +40,10 @@ pub fn namespace_of(nsproxy: Typed) -> Option<(NamespaceKey, u32)> {
 }
 
 pub fn nsproxy() -> Option<Typed> {
-    task().follow(offset(|o| &o.task_nsproxy))
+    current_task().follow(offset(|o| &o.task_nsproxy))
 }
 
 pub fn root_dentry() -> Option<u64> {
-    let fs = task().follow(offset(|o| &o.task_fs))?;
+    let fs = current_task().follow(offset(|o| &o.task_fs))?;
     Some(fs.read(offset(|o| &o.fs_root_dentry)))
 }

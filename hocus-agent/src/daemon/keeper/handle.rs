@@ -3,19 +3,19 @@
 //! by [`ANSWER_TIMEOUT`] so that a keeper busy elsewhere becomes a clear error, never a
 //! stalled event loop.
 
-use std::{os::fd::OwnedFd, sync::Arc, time::Duration};
+use std::{sync::Arc, time::Duration};
 
 use tokio::sync::{mpsc, oneshot};
 
 use super::{Latest, Order, Progressing, Reconfigure};
 use crate::{
     cache::relay::Parent,
-    control::protocol::Holding,
     observe::events::Access,
     profile::{format::Profile, view::View},
-    redirect::{jobs::SlurmTask, mountns::Bind},
-    shared::status::CacheStatus,
+    redirect::{jobs::JobStart, mountns::Bind},
+    shared::relay::Holding,
 };
+use hocus_control::status::CacheStatus;
 
 /// How long the daemon waits for the keeper to take or answer a request.
 pub const ANSWER_TIMEOUT: Duration = Duration::from_secs(5);
@@ -143,23 +143,10 @@ impl Handle {
         self.ask(Order::Binds).await
     }
 
-    /// A job is about to be forked by the daemon thread `id`, in that thread's mount
-    /// namespace, with these binds; returns once the keeper follows it.
-    pub async fn job_starting(
-        &self,
-        id: u32,
-        binds: Vec<Bind>,
-        ns: OwnedFd,
-        slurm: Option<SlurmTask>,
-    ) -> Result<(), KeeperError> {
-        self.ask(|ack| Order::JobStarting {
-            id,
-            binds,
-            ns,
-            slurm,
-            ack,
-        })
-        .await
+    /// A job starts (its views and task taken by the daemon already); returns once the
+    /// keeper follows it.
+    pub async fn job_starting(&self, job: JobStart) -> Result<(), KeeperError> {
+        self.ask(|ack| Order::JobStarting(job, ack)).await
     }
 
     pub async fn job_ended(&self, id: u32) -> Result<(), KeeperError> {

@@ -17,7 +17,6 @@ pub use handle::{Handle, KeeperError};
 
 use std::{
     collections::{HashMap, HashSet, VecDeque},
-    os::fd::OwnedFd,
     path::{Path, PathBuf},
     sync::Arc,
     thread,
@@ -37,7 +36,6 @@ use self::{
 };
 use crate::{
     cache::{copy::CopyError, directory::Cache, pins::Pins, relay::Parent},
-    control::protocol::Holding,
     observe::events::Access,
     place::{budget::Budgets, placement::Filters},
     profile::{
@@ -45,19 +43,20 @@ use crate::{
         view::{File, View},
     },
     redirect::{
-        jobs::{Job, SlurmTask},
+        jobs::{Job, JobStart},
         mountns::{self, Bind, Expect, SnapshotDir},
     },
     shared::{
         identity::Identity,
         log_line::{self as logs, Process},
         memory,
+        relay::Holding,
         settings::Settings,
         size::human,
-        status::{CacheStatus, Progress, Served},
         user::User,
     },
 };
+use hocus_control::status::{CacheStatus, Progress, Served};
 
 /// How often the cache index is written while it changes.
 const INDEX_SAVE_INTERVAL: Duration = Duration::from_secs(1);
@@ -136,16 +135,10 @@ pub enum Order {
     },
     /// The binds a new job's namespace gets: every valid copy.
     Binds(oneshot::Sender<Vec<Bind>>),
-    /// Job `id` starts in the mount namespace `ns` with these binds; `ack` answers once
-    /// it is registered (so the job's first opens find it).
-    JobStarting {
-        id: u32,
-        binds: Vec<Bind>,
-        ns: OwnedFd,
-        /// An attached Slurm task's job: its counts are kept per Slurm job too.
-        slurm: Option<SlurmTask>,
-        ack: oneshot::Sender<()>,
-    },
+    /// A job starts in its mount namespace with its binds (an attached Slurm task's job
+    /// is counted per Slurm job too); answered once it is registered, so that the job's
+    /// first opens find it.
+    JobStarting(JobStart, oneshot::Sender<()>),
     JobEnded {
         id: u32,
     },
@@ -577,15 +570,10 @@ impl Keeper {
                     });
                 let _ = tx.send(trees.chain(files).collect());
             }
-            Order::JobStarting {
-                id,
-                binds,
-                ns,
-                slurm,
-                ack,
-            } => {
-                let mut job = Job::new(ns, binds, |b| self.cache.is_snapshot(&b.local));
-                if let Some(task) = slurm {
+            Order::JobStarting(start, ack) => {
+                let id = start.id;
+                let mut job = Job::new(start.ns, start.binds, |b| self.cache.is_snapshot(&b.local));
+                if let Some(task) = start.slurm {
                     job.slurm_job = Some(task.job_id);
                     served::task_started(&mut self.status.slurm_jobs, task);
                 }

@@ -7,7 +7,7 @@ use std::{
 };
 
 use super::{Keeper, Progressing};
-use crate::shared::status::Progress;
+use hocus_control::status::Progress;
 
 pub(super) struct Watcher {
     pub remaining: HashSet<String>,

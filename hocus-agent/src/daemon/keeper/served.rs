@@ -7,11 +7,9 @@ use super::Keeper;
 use crate::{
     observe::events::{Access, What},
     redirect::jobs::{self, Server, SlurmTask},
-    shared::{
-        log_line as logs,
-        status::{SLURM_JOBS_SHOWN, SlurmJob},
-    },
+    shared::log_line as logs,
 };
+use hocus_control::status::{SLURM_JOBS_SHOWN, SlurmJob};
 
 impl Keeper {
     /// Counts (and logs, if asked) who served an open, failed lookup or read.

@@ -3,8 +3,9 @@
 
 use std::path::{Path, PathBuf};
 
+use hocus_control::status::Refused;
+
 use super::Profile;
-use crate::shared::status::Refused;
 
 /// Paths longer than this are refused (Linux's PATH_MAX).
 const PATH_MAX: usize = 4096;
@@ -37,26 +38,25 @@ pub fn refuse_path(path: &str, trees: &[PathBuf]) -> Option<&'static str> {
     None
 }
 
-impl Profile {
-    /// Keeps the entries whose paths pass [`refuse_path`] for `trees`; returns the others.
-    pub fn keep_valid(&mut self, trees: &[PathBuf]) -> Vec<Refused> {
-        let mut refused = Vec::new();
-        let mut keep = |path: &str| match refuse_path(path, trees) {
-            None => true,
-            Some(why) => {
-                refused.push(Refused {
-                    // A path in a message is shown as text, whatever it holds.
-                    path: path.escape_debug().to_string(),
-                    why: why.to_owned(),
-                });
-                false
-            }
-        };
-        self.files.retain(|f| keep(&f.path));
-        self.missing.retain(|m| keep(&m.path));
-        self.dirs.retain(|d| keep(&d.path));
-        refused
-    }
+/// Keeps the entries of `profile` whose paths pass [`refuse_path`] for `trees`; returns
+/// the others.
+pub fn keep_valid(profile: &mut Profile, trees: &[PathBuf]) -> Vec<Refused> {
+    let mut refused = Vec::new();
+    let mut keep = |path: &str| match refuse_path(path, trees) {
+        None => true,
+        Some(why) => {
+            refused.push(Refused {
+                // A path in a message is shown as text, whatever it holds.
+                path: path.escape_debug().to_string(),
+                why: why.to_owned(),
+            });
+            false
+        }
+    };
+    profile.files.retain(|f| keep(&f.path));
+    profile.missing.retain(|m| keep(&m.path));
+    profile.dirs.retain(|d| keep(&d.path));
+    refused
 }
 
 #[cfg(test)]
@@ -64,6 +64,7 @@ pub(super) mod tests {
     use proptest::prelude::*;
 
     use super::*;
+    use crate::profile::format::to_json;
     use crate::profile::format::{FORMAT_VERSION, FileEntry, MissingEntry};
 
     pub fn trees() -> Vec<PathBuf> {
@@ -120,7 +121,7 @@ pub(super) mod tests {
             }],
             ..Default::default()
         };
-        let refused = p.keep_valid(&trees());
+        let refused = keep_valid(&mut p, &trees());
         assert_eq!(p.files.len(), 1);
         assert!(p.missing.is_empty());
         let named: Vec<&str> = refused.iter().map(|r| r.path.as_str()).collect();
@@ -157,8 +158,8 @@ pub(super) mod tests {
                 missing: paths.iter().map(|p| MissingEntry { path: p.clone(), ..Default::default() }).collect(),
                 ..Default::default()
             };
-            let mut back = Profile::from_json(&profile.to_json(), Path::new("x.json"), "").unwrap();
-            let refused = back.keep_valid(&trees());
+            let mut back = Profile::from_json(&to_json(&profile), Path::new("x.json"), "").unwrap();
+            let refused = keep_valid(&mut back, &trees());
             prop_assert_eq!(refused.len() + back.files.len() + back.missing.len(), 2 * paths.len());
             for path in back.files.iter().map(|f| &f.path).chain(back.missing.iter().map(|m| &m.path)) {
                 prop_assert_eq!(refuse_path(path, &trees()), None);

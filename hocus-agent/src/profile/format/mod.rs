@@ -1,167 +1,26 @@
-//! The profile file format (docs/profile-format.md): versioned JSON, what `profile
-//! export` writes and `import`, `prefetch` and `plan` read.
+//! The profile file format (docs/profile-format.md), the agent's side of it: its types are
+//! the control contract's (`hocus_control::profile`), as exports and imports carry them;
+//! here it is written part by part (`write`), read as a stream or from a file (`read`),
+//! and checked before root takes a path from it (`checks`).
 
 mod checks;
 mod read;
 mod write;
 
-use std::path::Path;
-
-use serde::{Deserialize, Serialize};
+pub use hocus_control::profile::{
+    DirEntry, Entry, FORMAT_VERSION, FileEntry, FormatError, MissingEntry, Profile,
+};
 
 pub use self::{
-    checks::refuse_path,
+    checks::{keep_valid, refuse_path},
     read::{ReadError, read_exported, read_profile, read_stream, stream_exported},
     write::ProfileWriter,
 };
 
-/// The newest format this hocus reads and the one it writes.
-pub const FORMAT_VERSION: u32 = 1;
-
-/// The profile file format.
-#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, Default)]
-pub struct Profile {
-    pub version: u32,
-    /// When the profile started (Unix time, ns); `first_touch_ns` counts from here.
-    pub started_unix_ns: u64,
-    /// Files in first-touch order: the order to prefetch them in.
-    pub files: Vec<FileEntry>,
-    /// Names that were looked up and did not exist.
-    pub missing: Vec<MissingEntry>,
-    /// Directories that were listed or changed.
-    #[serde(default)]
-    pub dirs: Vec<DirEntry>,
-}
-
-#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, Default)]
-pub struct FileEntry {
-    pub path: String,
-    /// Size in bytes when last seen.
-    pub size: u64,
-    /// Modification time when last seen, ns since the Unix epoch.
-    #[serde(default)]
-    pub mtime_ns: i64,
-    pub opens: u64,
-    pub bytes_read: u64,
-    pub first_touch_ns: u64,
-    #[serde(default)]
-    pub last_touch_ns: u64,
-    /// Distinct users that opened it.
-    #[serde(default)]
-    pub users: u32,
-    /// Their uids (only the caller's own for an ordinary user's export).
-    #[serde(default)]
-    pub uids: Vec<u32>,
-    /// Written, truncated, renamed or unlinked: the file is mutable.
-    pub written: bool,
-    /// Opens with write access (O_WRONLY, O_RDWR, O_CREAT, O_TRUNC), written or not.
-    #[serde(default)]
-    pub write_opens: u64,
-    /// A job was refused a write through a read-only copy of it: never bound again.
-    #[serde(default)]
-    pub refused: bool,
-}
-
-#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, Default)]
-pub struct MissingEntry {
-    pub path: String,
-    pub lookups: u64,
-    #[serde(default)]
-    pub first_touch_ns: u64,
-}
-
-#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, Default)]
-pub struct DirEntry {
-    pub path: String,
-    /// Times it was opened (to be listed).
-    pub opens: u64,
-    /// Entries were created, renamed or removed in it, or it was itself.
-    pub mutated: bool,
-}
-
-/// What is wrong with a profile file.
-#[derive(Debug, thiserror::Error)]
-pub enum FormatError {
-    #[error(
-        "{path} is not a hocus profile or is truncated ({reason}); it was left untouched: {advice}"
-    )]
-    Corrupt {
-        path: String,
-        reason: String,
-        advice: String,
-    },
-    #[error(
-        "{path} was written by a newer hocus (profile format version {found}, this hocus reads up to {FORMAT_VERSION}); it was left untouched: upgrade hocus-agent to use it"
-    )]
-    TooNew { path: String, found: u64 },
-}
-
-/// One entry of a profile, as saved and restored.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Entry {
-    File(FileEntry),
-    Missing(MissingEntry),
-    Dir(DirEntry),
-}
-
-impl Profile {
-    /// Its entries: files, then missing names, then directories.
-    pub fn into_entries(self) -> impl Iterator<Item = Entry> {
-        let files = self.files.into_iter().map(Entry::File);
-        let missing = self.missing.into_iter().map(Entry::Missing);
-        files
-            .chain(missing)
-            .chain(self.dirs.into_iter().map(Entry::Dir))
-    }
-
-    /// Parses a profile file's bytes; `path` and `advice` go into the error message.
-    pub fn from_json(bytes: &[u8], path: &Path, advice: &str) -> Result<Self, FormatError> {
-        let corrupt = |reason: String| FormatError::Corrupt {
-            path: path.display().to_string(),
-            reason,
-            advice: advice.to_owned(),
-        };
-        // Check the version first, so that a newer format is not reported as corrupt.
-        let value: serde_json::Value =
-            serde_json::from_slice(bytes).map_err(|e| corrupt(e.to_string()))?;
-        let version = value
-            .get("version")
-            .and_then(serde_json::Value::as_u64)
-            .ok_or_else(|| corrupt("no \"version\" number".into()))?;
-        if version > u64::from(FORMAT_VERSION) {
-            return Err(FormatError::TooNew {
-                path: path.display().to_string(),
-                found: version,
-            });
-        }
-        if version == 0 {
-            return Err(corrupt("version 0 does not exist".into()));
-        }
-        serde_json::from_value(value).map_err(|e| corrupt(e.to_string()))
-    }
-
-    #[cfg(test)]
-    pub fn to_json(&self) -> Vec<u8> {
-        let mut w = ProfileWriter::new(Vec::new());
-        w.part(self).expect("in memory");
-        w.finish().expect("in memory")
-    }
-
-    /// Entries held: files, missing names and directories.
-    #[cfg(test)]
-    pub fn len(&self) -> usize {
-        self.files.len() + self.missing.len() + self.dirs.len()
-    }
-
-    /// Keeps only entries under `root` (a directory path).
-    pub fn retain_under(&mut self, root: &Path) {
-        self.retain(|p| Path::new(p).starts_with(root));
-    }
-
-    /// Keeps only entries whose path satisfies `keep`.
-    pub fn retain(&mut self, mut keep: impl FnMut(&str) -> bool) {
-        self.files.retain(|f| keep(&f.path));
-        self.missing.retain(|m| keep(&m.path));
-        self.dirs.retain(|d| keep(&d.path));
-    }
+/// A profile written whole, as a file holds it.
+#[cfg(test)]
+pub fn to_json(p: &Profile) -> Vec<u8> {
+    let mut w = ProfileWriter::new(Vec::new());
+    w.part(p).expect("in memory");
+    w.finish().expect("in memory")
 }

@@ -212,6 +212,7 @@ mod tests {
 
     use super::*;
     use crate::profile::format::{FileEntry, MissingEntry, checks::tests::trees};
+    use crate::profile::format::{keep_valid, to_json};
 
     #[test]
     fn a_stream_reads_what_a_whole_read_does_in_batches() {
@@ -233,7 +234,7 @@ mod tests {
             dirs: vec![],
         };
         let mut batches = Vec::new();
-        let started = read_stream(&p.to_json()[..], Path::new("x"), "", 2, &mut |b| {
+        let started = read_stream(&to_json(&p)[..], Path::new("x"), "", 2, &mut |b| {
             batches.push(b);
             Ok(())
         })
@@ -272,11 +273,11 @@ mod tests {
     #[test]
             fn arbitrary_bytes_never_panic_the_reader(bytes in prop::collection::vec(any::<u8>(), 0..512)) {
                 let _ = read_stream(&bytes[..], Path::new("x.json"), "", 3, &mut |mut b| {
-                    b.keep_valid(&trees());
+                    keep_valid(&mut b, &trees());
                     Ok(())
                 });
                 if let Ok(mut p) = Profile::from_json(&bytes, Path::new("x.json"), "") {
-                    p.keep_valid(&trees());
+                    keep_valid(&mut p, &trees());
                 }
             }
         }

@@ -107,6 +107,7 @@ mod tests {
     use std::path::Path;
 
     use super::*;
+    use crate::profile::format::to_json;
     use crate::profile::format::{DirEntry, FileEntry, MissingEntry};
 
     #[test]
@@ -149,7 +150,7 @@ mod tests {
         assert_eq!(w.written, [3, 1, 1]);
         let bytes = w.finish().unwrap();
         assert_eq!(Profile::from_json(&bytes, Path::new("x"), "").unwrap(), p);
-        assert_eq!(bytes, p.to_json());
+        assert_eq!(bytes, to_json(&p));
         // An empty profile, and a file after the missing names, which the format cannot say.
         let mut w = ProfileWriter::new(Vec::new());
         w.part(&Profile {

@@ -24,7 +24,7 @@ mod codec;
 use self::codec::{END, decode, encode, frame, read_frame};
 use crate::{
     profile::{
-        format::{Entry, ReadError, read_profile},
+        format::{Entry, ReadError, keep_valid, read_profile},
         working_set::WorkingSet,
     },
     shared::replace::write_replacing,
@@ -363,7 +363,7 @@ fn read_legacy(dir: &Path) -> Result<Option<SavedState>, StateError> {
     match read_profile(&path, "") {
         Ok(mut p) => {
             // Written by hocus, but perhaps before paths were checked on import.
-            let refused = p.keep_valid(&[PathBuf::from("/")]);
+            let refused = keep_valid(&mut p, &[PathBuf::from("/")]);
             if let Some(first) = refused.first() {
                 log::warn!(
                     "{}: dropped {} entries whose paths are not absolute and normalised, e.g. {}: {}",
@@ -393,6 +393,7 @@ fn read_legacy(dir: &Path) -> Result<Option<SavedState>, StateError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::profile::format::to_json;
 
     fn names(dir: &Path) -> Vec<String> {
         let mut v: Vec<String> = fs::read_dir(dir)
@@ -524,7 +525,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let mut old = WorkingSet::new(3);
         old.open("/net/a", 1000, 5);
-        fs::write(dir.path().join("profile.json"), old.to_profile().to_json()).unwrap();
+        fs::write(dir.path().join("profile.json"), to_json(&old.to_profile())).unwrap();
         assert_eq!(reload(dir.path()).to_profile(), old.to_profile());
         assert_eq!(names(dir.path()), ["lock", "profile.state"]);
 

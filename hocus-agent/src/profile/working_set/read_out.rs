@@ -5,14 +5,12 @@
 use hashbrown::HashMap;
 
 use super::{DirRec, FileRec, MissingRec, NONE, WorkingSet, users::USERS};
-use crate::{
-    profile::{
-        format::{DirEntry, Entry, FORMAT_VERSION, FileEntry, MissingEntry, Profile},
-        paths::PathId,
-        view::{Facts, View},
-    },
-    shared::status::RootTotals,
+use crate::profile::{
+    format::{DirEntry, Entry, FORMAT_VERSION, FileEntry, MissingEntry, Profile},
+    paths::PathId,
+    view::{Facts, View},
 };
+use hocus_control::status::RootTotals;
 
 impl WorkingSet {
     fn facts(&self, f: &FileRec) -> Facts {

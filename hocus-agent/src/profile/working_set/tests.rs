@@ -3,7 +3,7 @@
 use std::path::{Path, PathBuf};
 
 use super::{export::FileOrder, *};
-use crate::profile::format::{FileEntry, FormatError};
+use crate::profile::format::{FileEntry, FormatError, to_json};
 
 const T0: u64 = 1_700_000_000_000_000_000;
 
@@ -268,7 +268,7 @@ fn a_bounded_view_keeps_the_files_written_or_opened_for_writing() {
 #[test]
 fn format_round_trips() {
     let p = sample().to_profile();
-    let back = Profile::from_json(&p.to_json(), Path::new("x.json"), "").unwrap();
+    let back = Profile::from_json(&to_json(&p), Path::new("x.json"), "").unwrap();
     assert_eq!(back, p);
     // and a working set rebuilt from it exports the same profile
     assert_eq!(WorkingSet::from_profile(back).to_profile(), p);
@@ -321,7 +321,7 @@ fn merging_is_additive_when_done_twice() {
 #[test]
 fn rejects_corrupt_truncated_and_newer_profiles() {
     let path = Path::new("/var/lib/hocus/profile.json");
-    let good = sample().to_profile().to_json();
+    let good = to_json(&sample().to_profile());
     let truncated = &good[..good.len() / 2];
     let e = Profile::from_json(truncated, path, "delete it").unwrap_err();
     assert!(matches!(e, FormatError::Corrupt { .. }), "{e}");

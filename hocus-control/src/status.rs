@@ -1,6 +1,6 @@
 //! What the daemon reports: `status` (and the metrics drawn from it) and a prefetch's
 //! progress. Plain data, made by the daemon and its keeper, carried by the control
-//! socket, rendered by `report`.
+//! socket, rendered by the agent's `report`.
 
 use std::{collections::BTreeMap, net::SocketAddr, path::PathBuf};
 
@@ -193,7 +193,7 @@ pub struct CacheStatus {
     /// Milliseconds copies spent on parent nodes (waiting for them and receiving).
     #[serde(default)]
     pub peer_wait_ms: u64,
-    /// Every copy that did not land, by `CopyError::reason`.
+    /// Every copy that did not land, by reason (the agent's `CopyError::reason`).
     #[serde(default)]
     pub copy_failures_by_reason: BTreeMap<String, u64>,
     pub invalidations: u64,

@@ -1,7 +1,7 @@
-//! The relay between the daemons of a multi-node Slurm job (docs/fanout.md): the tree
-//! its nodes form (from Slurm's node list, the same on every node), and this node's
-//! serving side, which passes its copies of the job's files to its children. The asking
-//! side is `cache::relay`.
+//! The serving end of the relay between the daemons of a multi-node Slurm job
+//! (docs/fanout.md): this node passes its copies of the job's files to its children in
+//! the job's tree of nodes. The vocabulary both ends share is `shared::relay`; the asking
+//! end is `cache::relay`.
 //!
 //! Who may fetch: a connection proves itself with a munge credential made by root (the
 //! asking node's daemon) naming the job, the asking node and this node; the daemon's
@@ -24,109 +24,26 @@ use std::{
 use tokio::sync::mpsc;
 
 use crate::{
-    cache::relay::{self, FILE, GREETING, MAX_PATH, NOT_HELD, Offer, WAIT, WAIT_EVERY},
     control::{
-        calls::ask,
-        protocol::{Ask, Call, Holding, Response},
+        calls::ask_once,
+        messages::{Answer, Ask, Call},
     },
     redirect::access::Caller,
-    shared::{identity::Identity, munge},
+    shared::{
+        identity::Identity,
+        munge,
+        relay::{self, FILE, GREETING, Holding, NOT_HELD, Offer, WAIT, WAIT_EVERY, parse_payload},
+    },
 };
 
 /// Connections served at once (a node's children: `fanout-width` times the copy workers
 /// of each, for the jobs starting together).
 pub const MAX_PEERS: usize = 256;
-/// The most nodes a job's list may name.
-pub const MAX_NODES: usize = 100_000;
 /// A connection that asks nothing for this long is closed.
 const IDLE: Duration = Duration::from_secs(600);
-
-/// The node whose daemon `nodes[me]` fetches from: its parent in the tree of `width`
-/// children per node, rooted at the first node (which reads from the network).
-pub fn parent(me: usize, width: usize) -> Option<usize> {
-    (me > 0).then(|| (me - 1) / width.max(1))
-}
-
-/// The payload of the credential node `from` proves itself to `to` with, for `job`.
-pub fn payload(job: u32, from: &str, to: &str) -> String {
-    format!("hocus-relay job={job} from={from} to={to}")
-}
-
-/// The job, asking node and named node of a payload.
-pub fn parse_payload(p: &str) -> Option<(u32, String, String)> {
-    let rest = p.strip_prefix("hocus-relay ")?;
-    let mut parts = rest.split(' ');
-    let job = parts.next()?.strip_prefix("job=")?.parse().ok()?;
-    let from = parts.next()?.strip_prefix("from=")?;
-    let to = parts.next()?.strip_prefix("to=")?;
-    if parts.next().is_some() || from.is_empty() || to.is_empty() {
-        return None;
-    }
-    Some((job, from.to_owned(), to.to_owned()))
-}
-
-/// Slurm's compressed host list (`node[1-3,7],gpu[01-02]x,login`) as names, in order;
-/// Err if it is malformed or names more than [`MAX_NODES`].
-pub fn expand(list: &str) -> Result<Vec<String>, String> {
-    let mut out = Vec::new();
-    for item in split_top(list) {
-        expand_one(item, &mut out)?;
-    }
-    if out.is_empty() {
-        return Err(format!("the node list {list:?} names no node"));
-    }
-    Ok(out)
-}
-
-/// Splits at the commas outside brackets.
-fn split_top(list: &str) -> Vec<&str> {
-    let (mut parts, mut depth, mut start) = (Vec::new(), 0, 0);
-    for (i, c) in list.char_indices() {
-        match c {
-            '[' => depth += 1,
-            ']' => depth -= 1,
-            ',' if depth == 0 => {
-                parts.push(&list[start..i]);
-                start = i + 1;
-            }
-            _ => {}
-        }
-    }
-    parts.push(&list[start..]);
-    parts.into_iter().filter(|p| !p.is_empty()).collect()
-}
-
-fn expand_one(item: &str, out: &mut Vec<String>) -> Result<(), String> {
-    let bad = || format!("the node list entry {item:?} is malformed");
-    let Some(open) = item.find('[') else {
-        if item.contains(']') {
-            return Err(bad());
-        }
-        out.push(item.to_owned());
-        return Ok(());
-    };
-    let close = open + item[open..].find(']').ok_or_else(bad)?;
-    let (prefix, ranges, suffix) = (&item[..open], &item[open + 1..close], &item[close + 1..]);
-    for range in ranges.split(',') {
-        let (lo, hi) = range.split_once('-').unwrap_or((range, range));
-        let width = lo.len();
-        let (a, b): (u64, u64) = (
-            lo.parse().map_err(|_| bad())?,
-            hi.parse().map_err(|_| bad())?,
-        );
-        if a > b || b - a >= MAX_NODES as u64 {
-            return Err(bad());
-        }
-        for n in a..=b {
-            // The rest may hold further brackets.
-            expand_one(&format!("{prefix}{n:0width$}{suffix}"), out)?;
-            if out.len() > MAX_NODES {
-                return Err(format!("the node list names more than {MAX_NODES} nodes"));
-            }
-        }
-    }
-    Ok(())
-}
+/// The reason the daemon refuses a node for a job whose prolog has not run here yet: it
+/// is asked again until `Serving::timeout`.
+pub const NOT_KNOWN_YET: &str = "relay_job_unknown";
 
 /// How the relay serves.
 #[derive(Debug, Clone)]
@@ -211,21 +128,10 @@ impl Peer<'_> {
             peer.job_id
         );
         peer.stream.set_read_timeout(Some(IDLE))?;
-        loop {
-            let mut len = [0u8; 4];
-            match peer.stream.read_exact(&mut len) {
-                Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(()),
-                other => other?,
-            }
-            let len = u32::from_be_bytes(len) as usize;
-            if len == 0 || len > MAX_PATH {
-                return Err(io::Error::other("a path of no or too many bytes"));
-            }
-            let mut path = vec![0u8; len];
-            peer.stream.read_exact(&mut path)?;
-            let source = String::from_utf8(path).map_err(io::Error::other)?;
+        while let Some(source) = relay::read_request(&mut peer.stream)? {
             peer.answer(source)?;
         }
+        Ok(())
     }
 
     /// Checks the credential and asks the daemon's loop whether the job is one of its
@@ -248,14 +154,14 @@ impl Peer<'_> {
                 to: to.clone(),
             };
             match self.ask(asked)? {
-                Response::Ready => break,
-                Response::Error { message } if message.contains("not known") => {
+                Answer::Ready => break,
+                Answer::Refused(r) if r.reason == NOT_KNOWN_YET => {
                     if Instant::now() >= deadline {
-                        return Err(message);
+                        return Err(r.message);
                     }
                     thread::sleep(Duration::from_millis(100));
                 }
-                Response::Error { message } => return Err(message),
+                Answer::Refused(r) => return Err(r.message),
                 other => return Err(format!("unexpected answer {other:?}")),
             }
         }
@@ -263,7 +169,7 @@ impl Peer<'_> {
         Ok(())
     }
 
-    fn ask(&self, asked: Ask) -> Result<Response, String> {
+    fn ask(&self, asked: Ask) -> Result<Answer, String> {
         let caller = Caller {
             pid: 0,
             uid: 0,
@@ -271,10 +177,7 @@ impl Peer<'_> {
             groups: Vec::new(),
             pidfd: None,
         };
-        ask(self.calls, caller, asked)
-            .map_err(|e| e.to_string())?
-            .blocking_recv()
-            .ok_or_else(|| "the daemon is stopping".to_owned())
+        ask_once(self.calls, caller, asked).map_err(|r| r.message)
     }
 
     /// Sends `source`'s copy once this node holds it; WAIT while it is coming.
@@ -287,24 +190,24 @@ impl Peer<'_> {
                 source: source.clone(),
             };
             match self.ask(asked).map_err(io::Error::other)? {
-                Response::Relay(Holding::Copy(local)) => {
+                Answer::Relay(Holding::Copy(local)) => {
                     return match std::fs::File::open(&local) {
                         Ok(f) => self.send(&f),
                         // Dropped meanwhile.
                         Err(_) => self.stream.write_all(&[NOT_HELD]),
                     };
                 }
-                Response::Relay(Holding::Coming) => {
+                Answer::Relay(Holding::Coming) => {
                     if said_wait.elapsed() >= WAIT_EVERY {
                         self.stream.write_all(&[WAIT])?;
                         said_wait = Instant::now();
                     }
                     thread::sleep(Duration::from_millis(50));
                 }
-                Response::Relay(Holding::No) => return self.stream.write_all(&[NOT_HELD]),
-                Response::Error { message } => {
-                    log::warn!("relay: node {}: {message}", self.from);
-                    return Err(io::Error::other(message));
+                Answer::Relay(Holding::No) => return self.stream.write_all(&[NOT_HELD]),
+                Answer::Refused(r) => {
+                    log::warn!("relay: node {}: {r}", self.from);
+                    return Err(io::Error::other(r.message));
                 }
                 other => return Err(io::Error::other(format!("unexpected answer {other:?}"))),
             }
@@ -325,54 +228,5 @@ impl Peer<'_> {
             return Err(io::Error::other("the copy is shorter than it was"));
         }
         Ok(())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_tree_has_width_children_per_node() {
-        assert_eq!(parent(0, 8), None);
-        assert_eq!(
-            (1..=8).map(|i| parent(i, 8)).collect::<Vec<_>>(),
-            [Some(0); 8]
-        );
-        assert_eq!(parent(9, 8), Some(1));
-        assert_eq!(parent(2, 1), Some(1), "a chain");
-    }
-
-    #[test]
-    fn slurms_node_lists_expand_in_order() {
-        assert_eq!(expand("node[1-3]").unwrap(), ["node1", "node2", "node3"]);
-        assert_eq!(
-            expand("a[09-11,20],b,c[1-2]x").unwrap(),
-            ["a09", "a10", "a11", "a20", "b", "c1x", "c2x"]
-        );
-        assert_eq!(
-            expand("r[1-2]n[1-2]").unwrap(),
-            ["r1n1", "r1n2", "r2n1", "r2n2"]
-        );
-        for bad in ["", "a[", "a]", "a[3-1]", "a[x]", "a[0-99999999]"] {
-            assert!(expand(bad).is_err(), "{bad:?}");
-        }
-    }
-
-    #[test]
-    fn a_payload_reads_back_and_nothing_else_does() {
-        let p = payload(42, "node2", "node1");
-        assert_eq!(
-            parse_payload(&p),
-            Some((42, "node2".into(), "node1".into()))
-        );
-        for bad in [
-            "hocus-relay job=x from=a to=b",
-            "hocus-relay job=1 from= to=b",
-            "hocus-relay job=1 from=a to=b extra",
-            "other job=1 from=a to=b",
-        ] {
-            assert_eq!(parse_payload(bad), None, "{bad}");
-        }
     }
 }

@@ -1,0 +1,124 @@
+//! What a connection's thread and the daemon's loop say to each other, inside the
+//! process: a client's request as the loop gets it, its profile read and checked already
+//! (`Query`); the steps of a job's session and of the relay (`Ask`); and the loop's
+//! answers (`Answer`). The wire a client speaks is `hocus_control`'s.
+
+use std::path::PathBuf;
+
+use hocus_control::Response;
+use tokio::sync::mpsc;
+
+use crate::{
+    control::refusal::Refusal,
+    profile::{format::Profile, staging::Staging, working_set::ExportOrder},
+    redirect::{access::Caller, jobs::JobStart, mountns::Bind},
+    shared::relay::Holding,
+};
+
+/// A multi-node job whose nodes pass its working set among themselves
+/// (docs/fanout.md): every node of it in Slurm's order, and this one.
+#[derive(Debug, Clone)]
+pub struct JobNodes {
+    pub job_id: u32,
+    pub nodes: Vec<String>,
+    pub me: String,
+}
+
+/// A client's request as the daemon's loop gets it, its profile read already.
+#[derive(Debug)]
+pub enum Query {
+    Status,
+    Export {
+        root: Option<PathBuf>,
+    },
+    /// A profile a client sent, read and checked by its connection.
+    Import(Box<Staging>),
+    /// The same, to warm the cache from now; a Slurm job's prolog prefetch on one of its
+    /// several nodes shares it with them (`relay`).
+    Prefetch {
+        staged: Box<Staging>,
+        relay: Option<JobNodes>,
+    },
+    Budgets {
+        ssd: Option<u64>,
+        ram: Option<u64>,
+    },
+}
+
+/// What a connection asks of the daemon's loop: a client's request, or one of the
+/// steps of a job session or of the relay.
+pub enum Ask {
+    Client(Query),
+    /// The binds to make in a new job's namespace.
+    Binds,
+    /// A job starts (answered `Ready`, or refused if it cannot be followed).
+    JobStarting(JobStart),
+    JobEnded {
+        id: u32,
+    },
+    /// The next part of an export under way (its order comes back with it).
+    ExportPart(Box<ExportOrder>),
+    /// Slurm job `slurm_job`'s own working set, taken: its epilog saves it.
+    TakeJobProfile {
+        slurm_job: u32,
+    },
+    /// Copies a job-start check found changed or gone on the network: drop them.
+    Stale {
+        sources: Vec<PathBuf>,
+    },
+    /// Node `from`, proven by a root munge credential, asks to fetch Slurm job
+    /// `job_id`'s files from this node, which it names `to` (`Ready` or refused).
+    RelayJoin {
+        job_id: u32,
+        from: String,
+        to: String,
+    },
+    /// Node `from` of the job asks for `source` (`Relay` or refused).
+    RelayFile {
+        job_id: u32,
+        from: String,
+        source: String,
+    },
+}
+
+/// What the loop answers a connection.
+#[derive(Debug)]
+pub enum Answer {
+    /// A response for the client, sent on as it is.
+    Client(Response),
+    /// Not done: the connection tells the client, and counts it by its reason.
+    Refused(Refusal),
+    /// The binds for a job's namespace.
+    Binds(Vec<Bind>),
+    /// Done: a job registered, a node admitted to the relay.
+    Ready,
+    /// An export's order, and its next part (none when all were given).
+    Export {
+        order: Box<ExportOrder>,
+        part: Option<Profile>,
+    },
+    /// A Slurm job's own working set.
+    JobProfile(Profile),
+    /// What this node holds of a file a job's other node asks for.
+    Relay(Holding),
+}
+
+impl From<Response> for Answer {
+    fn from(r: Response) -> Self {
+        Answer::Client(r)
+    }
+}
+
+impl From<Refusal> for Answer {
+    fn from(r: Refusal) -> Self {
+        Answer::Refused(r)
+    }
+}
+
+/// A request with its caller, waiting for the daemon's answer: one, or several
+/// (progress) until the sender is dropped.
+pub struct Call {
+    pub caller: Caller,
+    pub ask: Ask,
+    pub reply: mpsc::UnboundedSender<Answer>,
+}

@@ -1,0 +1,157 @@
+//! The working set as the daemon keeps it: recorded by the tracer, saved to the state
+//! directory every interval when it changed (a save that fails is retried and reported),
+//! placed again when it changed, bounded (`max-profile-entries`, said once when reached).
+
+use std::{
+    path::Path,
+    time::{SystemTime, UNIX_EPOCH},
+};
+
+use anyhow::Result;
+
+use crate::{
+    profile::{
+        format::Profile,
+        records,
+        store::StateDir,
+        working_set::{Attributes, WorkingSet},
+    },
+    shared::memory,
+};
+
+pub struct Profiling {
+    pub ws: WorkingSet,
+    state: StateDir,
+    /// Changed since it was last saved.
+    dirty: bool,
+    /// Changed since it was last placed.
+    to_place: bool,
+    last_save_error: Option<String>,
+    /// The bound was reached, and said.
+    said_full: bool,
+}
+
+impl Profiling {
+    /// Locks the state directory and continues the profile kept there, with at most
+    /// `limit` entries.
+    pub fn load(state_dir: &Path, limit: usize) -> Result<Self> {
+        let mut state = StateDir::lock(state_dir)?;
+        // A site-wide profile's file records live on local disk, beside its state.
+        records::spill_into(state_dir);
+        let mut ws = WorkingSet::new(unix_now_ns());
+        ws.set_limit(limit);
+        match state.load(&mut ws) {
+            Ok(()) => {
+                let (files, missing, _) = ws.counts();
+                if files + missing > 0 {
+                    log::info!(
+                        "continuing the profile in {} ({files} files, {missing} missing names)",
+                        state.profile_path().display(),
+                    );
+                }
+            }
+            Err(message) => log::error!("{message}"),
+        }
+        Ok(Self {
+            ws,
+            state,
+            dirty: false,
+            to_place: true,
+            last_save_error: None,
+            said_full: false,
+        })
+    }
+
+    pub fn profile_path(&self) -> std::path::PathBuf {
+        self.state.profile_path()
+    }
+
+    /// The working set changed: to be saved and placed.
+    pub fn changed(&mut self) {
+        self.dirty = true;
+        self.to_place = true;
+    }
+
+    /// Whether it changed since it was last placed; from now on it has not.
+    pub fn take_to_place(&mut self) -> bool {
+        std::mem::take(&mut self.to_place)
+    }
+
+    pub fn wants_placing(&self) -> bool {
+        self.to_place
+    }
+
+    /// A file's size and mtime, read from its tree.
+    pub fn stat_done(&mut self, path: &str, attrs: Option<Attributes>) {
+        if let Some(attrs) = attrs {
+            self.ws.set_attributes(path, attrs);
+            self.dirty = true;
+        }
+    }
+
+    /// Saves what changed; a failure is logged once per message and retried.
+    pub fn save(&mut self) {
+        if !self.dirty {
+            return;
+        }
+        match self.state.save(&mut self.ws) {
+            Ok(()) => {
+                self.dirty = false;
+                self.last_save_error = None;
+            }
+            Err(e) => {
+                let message = format!("{e:#}");
+                if self.last_save_error.as_deref() != Some(&message) {
+                    log::error!("{message}; will retry");
+                }
+                self.last_save_error = Some(message);
+            }
+        }
+    }
+
+    /// Saves it whole now, as the daemon stops.
+    pub fn save_last(&mut self) {
+        self.dirty = true;
+        self.save();
+    }
+
+    pub fn last_save_error(&self) -> Option<&str> {
+        self.last_save_error.as_deref()
+    }
+
+    /// Merges a checked profile a client sent, to be placed.
+    pub fn merge(&mut self, set: WorkingSet) {
+        self.ws.merge_state(set);
+        self.changed();
+        self.save();
+        // The import's batches and staging are gone (a site-wide one: tens of MiB).
+        memory::give_back();
+    }
+
+    /// Merges a profile sent to prefetch from, placed now (not later); returns what the
+    /// daemon knows of its files (sizes, writes seen), not only what the sender said.
+    pub fn merge_to_prefetch(&mut self, set: WorkingSet) -> Profile {
+        self.ws.merge_set(&set);
+        self.dirty = true;
+        self.to_place = false;
+        self.save();
+        self.ws.profile_for(&set)
+    }
+
+    /// Says once that the bound was reached.
+    pub fn say_if_full(&mut self, limit: usize) {
+        if self.ws.dropped() > 0 && !self.said_full {
+            log::warn!(
+                "the working set holds its most entries ({limit}, max-profile-entries): new names read are no longer recorded (writes still are); counted in status and hocus_profile_entries_dropped_total"
+            );
+            self.said_full = true;
+        }
+    }
+}
+
+pub fn unix_now_ns() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_nanos() as u64
+}

@@ -1,0 +1,205 @@
+//! The kernel side as the loop holds it: the eBPF programs and their ring buffer
+//! (`Tracer`), what the events mean for the working set (`Observer`), when the syscall
+//! program rests (`Rest`), and what could not be delivered. The loop takes what the
+//! observer found (accesses, changes, refused writes, files to stat) and routes it.
+
+use std::time::Duration;
+
+use hocus_common::{NamespaceKey, counter, kind};
+use hocus_control::status::TracingStatus;
+use tokio::io::{Interest, unix::AsyncFd};
+
+use super::rest::Rest;
+use crate::{
+    observe::{
+        events::Observer,
+        tracer::{Counters, Tracer, ViewRoot},
+    },
+    profile::working_set::WorkingSet,
+};
+
+pub struct Tracing {
+    tracer: AsyncFd<Tracer>,
+    pub observer: Observer,
+    rest: Rest,
+    /// Events lost so far, as last logged.
+    reported_loss: u64,
+}
+
+/// What one read of the ring buffer brought.
+pub struct Drained {
+    /// Events handled.
+    pub events: usize,
+    /// The process whose use of a watched mount woke the resting tracer.
+    pub woken_by: Option<u32>,
+}
+
+impl Tracing {
+    pub fn new(tracer: Tracer, observer: Observer) -> anyhow::Result<Self> {
+        // SAFETY: the ring buffer's descriptor lives as long as the tracer, which the
+        // AsyncFd owns.
+        let tracer = unsafe { AsyncFd::register_with_interest(tracer, Interest::READABLE) }
+            .map_err(|e| anyhow::anyhow!("watching the ring buffer: {}", e.into_parts().1))?;
+        Ok(Self {
+            tracer,
+            observer,
+            rest: Rest::new(),
+            reported_loss: 0,
+        })
+    }
+
+    pub fn tracer(&self) -> &Tracer {
+        self.tracer.get_ref()
+    }
+
+    pub fn tracer_mut(&mut self) -> &mut Tracer {
+        self.tracer.get_mut()
+    }
+
+    /// Waits until the ring buffer has events.
+    pub async fn readable(&mut self) -> std::io::Result<()> {
+        self.tracer.readable_mut().await?.clear_ready();
+        Ok(())
+    }
+
+    /// Reads the ring buffer into `ws`; views of other namespaces asked for are learned.
+    pub fn drain(&mut self, ws: &mut WorkingSet) -> Drained {
+        let Self {
+            tracer, observer, ..
+        } = self;
+        let mut woken_by = None;
+        let events = tracer.get_mut().drain(|e| match e.kind {
+            kind::WAKE => woken_by = Some(e.tgid),
+            _ => observer.handle(e, ws),
+        });
+        if events > 0 {
+            self.rest.active();
+        }
+        for (tgid, key, inum) in std::mem::take(&mut self.observer.to_learn) {
+            self.learn_view(tgid, key, inum);
+        }
+        Drained { events, woken_by }
+    }
+
+    /// Learns how another mount namespace sees the watched trees, for the kernel side:
+    /// its absolute paths count from then on.
+    fn learn_view(&mut self, tgid: u32, key: NamespaceKey, inum: u32) {
+        let tracer = self.tracer.get_mut();
+        // Read before the mounts: a mount that changes them after this bumps it again.
+        let generation = match tracer.mount_generation() {
+            Ok(g) => g,
+            Err(e) => return log::warn!("reading the mount generation: {e:#}"),
+        };
+        match self.observer.views.learn(tgid, key, inum, generation) {
+            Ok((view, forget)) => {
+                if let Err(e) = tracer.set_view(key, view, forget) {
+                    log::warn!("giving the kernel the view of mount namespace {inum}: {e:#}");
+                }
+            }
+            // Gone already, or moved: the next lookup there asks again.
+            Err(e) => log::debug!("not learning mount namespace {inum}: {e:#}"),
+        }
+    }
+
+    /// Closes in `ws` what processes that are gone still held open or mapped; whether
+    /// bytes were read meanwhile (the observer has accesses to route).
+    pub fn sweep(&mut self, ws: &mut WorkingSet) -> bool {
+        let open = self.tracer.get_ref().open_files();
+        for key in self.observer.sweep(&open, ws) {
+            self.tracer.get_mut().forget_open_file(&key);
+        }
+        let mapped = self.tracer.get_ref().mapped_files();
+        for key in self.observer.sweep_mapped(&mapped, ws) {
+            self.tracer.get_mut().forget_mapped(&key);
+        }
+        let read = !self.observer.accesses.is_empty();
+        if read {
+            self.rest.active();
+        }
+        read
+    }
+
+    /// Logs what the kernel side could not deliver, once more was lost.
+    pub fn report_loss(&mut self) {
+        let Ok(c) = self.tracer.get_ref().counters() else {
+            return;
+        };
+        let lost = lost(&c);
+        if lost > self.reported_loss {
+            log::warn!(
+                "{} events could not be delivered so far ({}); the profile misses them",
+                lost,
+                describe(&c)
+            );
+            self.reported_loss = lost;
+        }
+    }
+
+    /// The kernel side's counters by name.
+    pub fn counters(&self) -> Vec<(String, u64)> {
+        self.tracer
+            .get_ref()
+            .counters()
+            .map(|c| {
+                counter::NAMES
+                    .iter()
+                    .zip(c)
+                    .map(|(n, v)| ((*n).to_owned(), v))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// Something was learned or followed just now (a job started or ended).
+    pub fn active(&mut self) {
+        self.rest.active();
+    }
+
+    /// Rests the tracer if nothing was learned for `after` and no job runs.
+    pub fn rest_if_idle(&mut self, after: Option<Duration>, jobs_running: bool) {
+        self.rest
+            .rest_if_idle(self.tracer.get_mut(), after, jobs_running);
+    }
+
+    /// Attaches the syscall program again, if it rests (`why`: for the log).
+    pub fn wake(&mut self, why: &str) {
+        self.rest.wake(self.tracer.get_mut(), why);
+    }
+
+    pub fn status(&self, rest_after: Option<Duration>) -> TracingStatus {
+        self.rest.status(self.tracer.get_ref(), rest_after)
+    }
+
+    /// Has the kernel side place files opened in a job's snapshot view under the
+    /// network directory `dir` it stands for, as root `index`.
+    pub fn add_view_root(
+        &mut self,
+        view: &std::os::fd::OwnedFd,
+        index: u32,
+        dir: std::path::PathBuf,
+    ) -> anyhow::Result<ViewRoot> {
+        let root = self.tracer.get_mut().add_view_root(view, index)?;
+        self.observer.add_view_root(index, dir);
+        Ok(root)
+    }
+
+    pub fn remove_view_root(&mut self, index: u32, root: &ViewRoot) {
+        self.tracer.get_mut().remove_view_root(root);
+        self.observer.forget_view_root(index);
+    }
+}
+
+fn lost(c: &Counters) -> u64 {
+    c[counter::LOST_RING_FULL as usize] + c[counter::LOST_OPEN_FILES_FULL as usize]
+}
+
+fn describe(c: &Counters) -> String {
+    counter::NAMES
+        .iter()
+        .zip(c)
+        .skip(1)
+        .filter(|(_, v)| **v > 0)
+        .map(|(n, v)| format!("{n} {v}"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}

@@ -1,0 +1,303 @@
+//! What the two ends of the relay between a multi-node job's daemons agree on
+//! (docs/fanout.md): the tree the job's nodes form (from Slurm's node list, the same on
+//! every node), the credential's payload that proves a node, the wire of a transfer, and
+//! the hash of a copy's bytes kept with it. The asking end is `cache::relay`, the serving
+//! end `control::relay`.
+//!
+//! A connection opens with a greeting line and a munge credential line; the server
+//! answers `OK` or `NO <why>` and closes. Then the client asks for files one at a time:
+//! the source path (u32 length, bytes); the server answers with one status byte:
+//! `FILE` followed by the size (u64), the mtime in ns (i64), the BLAKE3 hash of the bytes
+//! (32 bytes) and the bytes; `WAIT` while its own copy is still coming (then another
+//! status); `NOT_HELD`. Integers are big-endian.
+//!
+//! Nothing unverified enters a cache: the receiver compares the size and mtime the
+//! server offers with what it just read from the network itself, and the bytes with
+//! the hash the first node computed as it copied from the network (kept with the copy
+//! as an xattr); a short or corrupt transfer is an error and its temporary file is
+//! deleted by the copy around it.
+
+use std::{
+    ffi::CStr,
+    fs::File,
+    io::{self, Read},
+    os::unix::ffi::OsStrExt,
+    path::{Path, PathBuf},
+    time::Duration,
+};
+
+use crate::shared::attrs;
+
+/// The BLAKE3 hash of a file's bytes.
+pub type Hash = [u8; 32];
+
+/// The most nodes a job's list may name.
+pub const MAX_NODES: usize = 100_000;
+
+pub const GREETING: &str = "HOCUS-RELAY 1";
+/// The longest source path asked for.
+pub const MAX_PATH: usize = 4096;
+pub const FILE: u8 = 0;
+pub const NOT_HELD: u8 = 1;
+pub const WAIT: u8 = 2;
+/// How often a server says WAIT while its own copy is coming: well within any timeout.
+pub const WAIT_EVERY: Duration = Duration::from_millis(500);
+
+/// Where the hash of a copy's bytes is kept, as the first node computed it copying from
+/// the network (`trusted.`: only root reads or writes it).
+const HASH_XATTR: &CStr = c"trusted.hocus.blake3";
+
+/// What a server offers for a file: its size, mtime and the hash of its bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Offer {
+    pub size: u64,
+    pub mtime_ns: i64,
+    pub hash: Hash,
+}
+
+impl Offer {
+    pub const LEN: usize = 8 + 8 + 32;
+
+    pub fn encode(&self) -> [u8; Self::LEN] {
+        let mut b = [0u8; Self::LEN];
+        b[..8].copy_from_slice(&self.size.to_be_bytes());
+        b[8..16].copy_from_slice(&self.mtime_ns.to_be_bytes());
+        b[16..].copy_from_slice(&self.hash);
+        b
+    }
+
+    pub fn decode(b: &[u8; Self::LEN]) -> Self {
+        Self {
+            size: u64::from_be_bytes(b[..8].try_into().expect("8 bytes")),
+            mtime_ns: i64::from_be_bytes(b[8..16].try_into().expect("8 bytes")),
+            hash: b[16..].try_into().expect("32 bytes"),
+        }
+    }
+}
+
+/// The path of a request, encoded.
+pub fn request(source: &Path) -> Vec<u8> {
+    let bytes = source.as_os_str().as_bytes();
+    let mut out = (bytes.len() as u32).to_be_bytes().to_vec();
+    out.extend_from_slice(bytes);
+    out
+}
+
+/// Reads the next request, the source path: None when the asking node closed the
+/// connection between requests.
+pub fn read_request(r: &mut impl Read) -> io::Result<Option<String>> {
+    let mut len = [0u8; 4];
+    match r.read_exact(&mut len) {
+        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(None),
+        other => other?,
+    }
+    let len = u32::from_be_bytes(len) as usize;
+    if len == 0 || len > MAX_PATH {
+        return Err(io::Error::other("a path of no or too many bytes"));
+    }
+    let mut path = vec![0u8; len];
+    r.read_exact(&mut path)?;
+    String::from_utf8(path).map(Some).map_err(io::Error::other)
+}
+
+/// What a node holds of a file another node of the job asks for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Holding {
+    /// Its copy, valid when last checked.
+    Copy(PathBuf),
+    /// Not yet: a copy or a prefetch is under way.
+    Coming,
+    No,
+}
+
+/// Records the hash of `file`'s bytes with it (best effort: without it, the hash is
+/// computed again when the copy is served).
+pub fn keep_hash(file: &File, hash: &Hash) {
+    let _ = attrs::set_xattr(file, HASH_XATTR, hash);
+}
+
+/// The hash of a copy's bytes: the one kept with it, else computed from them.
+pub fn hash_of(file: &File) -> io::Result<Hash> {
+    let mut kept = [0u8; 32];
+    if attrs::get_xattr(file, HASH_XATTR, &mut kept).ok() == Some(kept.len()) {
+        return Ok(kept);
+    }
+    let mut hasher = blake3::Hasher::new();
+    let mut f = file.try_clone()?;
+    io::copy(&mut f, &mut hasher)?;
+    let hash = *hasher.finalize().as_bytes();
+    keep_hash(file, &hash);
+    Ok(hash)
+}
+
+/// The node whose daemon `nodes[me]` fetches from: its parent in the tree of `width`
+/// children per node, rooted at the first node (which reads from the network).
+pub fn parent(me: usize, width: usize) -> Option<usize> {
+    (me > 0).then(|| (me - 1) / width.max(1))
+}
+
+/// The payload of the credential node `from` proves itself to `to` with, for `job`.
+pub fn payload(job: u32, from: &str, to: &str) -> String {
+    format!("hocus-relay job={job} from={from} to={to}")
+}
+
+/// The job, asking node and named node of a payload.
+pub fn parse_payload(p: &str) -> Option<(u32, String, String)> {
+    let rest = p.strip_prefix("hocus-relay ")?;
+    let mut parts = rest.split(' ');
+    let job = parts.next()?.strip_prefix("job=")?.parse().ok()?;
+    let from = parts.next()?.strip_prefix("from=")?;
+    let to = parts.next()?.strip_prefix("to=")?;
+    if parts.next().is_some() || from.is_empty() || to.is_empty() {
+        return None;
+    }
+    Some((job, from.to_owned(), to.to_owned()))
+}
+
+/// Slurm's compressed host list (`node[1-3,7],gpu[01-02]x,login`) as names, in order;
+/// Err if it is malformed or names more than [`MAX_NODES`].
+pub fn expand(list: &str) -> Result<Vec<String>, String> {
+    let mut out = Vec::new();
+    for item in split_top(list) {
+        expand_one(item, &mut out)?;
+    }
+    if out.is_empty() {
+        return Err(format!("the node list {list:?} names no node"));
+    }
+    Ok(out)
+}
+
+/// Splits at the commas outside brackets.
+fn split_top(list: &str) -> Vec<&str> {
+    let (mut parts, mut depth, mut start) = (Vec::new(), 0, 0);
+    for (i, c) in list.char_indices() {
+        match c {
+            '[' => depth += 1,
+            ']' => depth -= 1,
+            ',' if depth == 0 => {
+                parts.push(&list[start..i]);
+                start = i + 1;
+            }
+            _ => {}
+        }
+    }
+    parts.push(&list[start..]);
+    parts.into_iter().filter(|p| !p.is_empty()).collect()
+}
+
+fn expand_one(item: &str, out: &mut Vec<String>) -> Result<(), String> {
+    let bad = || format!("the node list entry {item:?} is malformed");
+    let Some(open) = item.find('[') else {
+        if item.contains(']') {
+            return Err(bad());
+        }
+        out.push(item.to_owned());
+        return Ok(());
+    };
+    let close = open + item[open..].find(']').ok_or_else(bad)?;
+    let (prefix, ranges, suffix) = (&item[..open], &item[open + 1..close], &item[close + 1..]);
+    for range in ranges.split(',') {
+        let (lo, hi) = range.split_once('-').unwrap_or((range, range));
+        let width = lo.len();
+        let (a, b): (u64, u64) = (
+            lo.parse().map_err(|_| bad())?,
+            hi.parse().map_err(|_| bad())?,
+        );
+        if a > b || b - a >= MAX_NODES as u64 {
+            return Err(bad());
+        }
+        for n in a..=b {
+            // The rest may hold further brackets.
+            expand_one(&format!("{prefix}{n:0width$}{suffix}"), out)?;
+            if out.len() > MAX_NODES {
+                return Err(format!("the node list names more than {MAX_NODES} nodes"));
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_offer_reads_back() {
+        let o = Offer {
+            size: 1 << 40,
+            mtime_ns: -5,
+            hash: [7; 32],
+        };
+        assert_eq!(Offer::decode(&o.encode()), o);
+        assert_eq!(request(Path::new("/a")), vec![0, 0, 0, 2, b'/', b'a']);
+        let mut two = request(Path::new("/net/f"));
+        two.extend(request(Path::new("/b")));
+        let mut r = &two[..];
+        assert_eq!(read_request(&mut r).unwrap().as_deref(), Some("/net/f"));
+        assert_eq!(read_request(&mut r).unwrap().as_deref(), Some("/b"));
+        assert_eq!(read_request(&mut r).unwrap(), None);
+        assert!(
+            read_request(&mut &[0u8, 0, 0, 0][..]).is_err(),
+            "an empty path"
+        );
+        assert!(read_request(&mut &[0u8, 1, 0, 0][..]).is_err(), "too long");
+    }
+
+    #[test]
+    fn a_hash_is_kept_with_the_copy_or_computed() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("f");
+        std::fs::write(&path, b"bytes").unwrap();
+        let f = File::open(&path).unwrap();
+        assert_eq!(&hash_of(&f).unwrap(), blake3::hash(b"bytes").as_bytes());
+        keep_hash(&f, &[9; 32]);
+        // As root (the daemon), the kept one is trusted; others cannot set it.
+        if nix::unistd::geteuid().is_root() {
+            assert_eq!(hash_of(&f).unwrap(), [9; 32]);
+        }
+    }
+
+    #[test]
+    fn the_tree_has_width_children_per_node() {
+        assert_eq!(parent(0, 8), None);
+        assert_eq!(
+            (1..=8).map(|i| parent(i, 8)).collect::<Vec<_>>(),
+            [Some(0); 8]
+        );
+        assert_eq!(parent(9, 8), Some(1));
+        assert_eq!(parent(2, 1), Some(1), "a chain");
+    }
+
+    #[test]
+    fn slurms_node_lists_expand_in_order() {
+        assert_eq!(expand("node[1-3]").unwrap(), ["node1", "node2", "node3"]);
+        assert_eq!(
+            expand("a[09-11,20],b,c[1-2]x").unwrap(),
+            ["a09", "a10", "a11", "a20", "b", "c1x", "c2x"]
+        );
+        assert_eq!(
+            expand("r[1-2]n[1-2]").unwrap(),
+            ["r1n1", "r1n2", "r2n1", "r2n2"]
+        );
+        for bad in ["", "a[", "a]", "a[3-1]", "a[x]", "a[0-99999999]"] {
+            assert!(expand(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn a_payload_reads_back_and_nothing_else_does() {
+        let p = payload(42, "node2", "node1");
+        assert_eq!(
+            parse_payload(&p),
+            Some((42, "node2".into(), "node1".into()))
+        );
+        for bad in [
+            "hocus-relay job=x from=a to=b",
+            "hocus-relay job=1 from= to=b",
+            "hocus-relay job=1 from=a to=b extra",
+            "other job=1 from=a to=b",
+        ] {
+            assert_eq!(parse_payload(bad), None, "{bad}");
+        }
+    }
+}
