@@ -153,3 +153,68 @@ impl Profile {
         self.dirs.retain(|d| keep(&d.path));
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rejects_corrupt_truncated_and_newer_profiles() {
+        let path = Path::new("/var/lib/hocus/profile.json");
+        let good = br#"{"version": 1, "started_unix_ns": 5, "files": [{"path": "/net/a.py", "size": 1, "opens": 2, "bytes_read": 3, "first_touch_ns": 4, "written": false}], "missing": []}"#;
+        let p = Profile::from_json(good, path, "").unwrap();
+        assert_eq!((p.started_unix_ns, p.len(), p.files[0].opens), (5, 1, 2));
+        let truncated = &good[..good.len() / 2];
+        let e = Profile::from_json(truncated, path, "delete it").unwrap_err();
+        assert!(matches!(e, FormatError::Corrupt { .. }), "{e}");
+        assert!(e.to_string().contains("/var/lib/hocus/profile.json"), "{e}");
+        assert!(e.to_string().contains("delete it"), "{e}");
+
+        let e = Profile::from_json(b"{\"version\": 2, \"whatever\": []}", path, "").unwrap_err();
+        assert!(matches!(e, FormatError::TooNew { found: 2, .. }), "{e}");
+        assert!(e.to_string().contains("upgrade"), "{e}");
+
+        for bad in [
+            &b"[1,2,3]"[..],
+            b"{\"version\": 1, \"files\": 3}",
+            b"{\"version\": 0}",
+        ] {
+            let e = Profile::from_json(bad, path, "").unwrap_err();
+            assert!(matches!(e, FormatError::Corrupt { .. }), "{e}");
+        }
+    }
+
+    #[test]
+    fn entries_come_in_file_order_and_retain_keeps_whole_components() {
+        let entry = |path: &str| FileEntry {
+            path: path.into(),
+            ..Default::default()
+        };
+        let mut p = Profile {
+            files: vec![entry("/net/env/a.py"), entry("/net/envy/b.py")],
+            missing: vec![MissingEntry {
+                path: "/net/env/nope".into(),
+                ..Default::default()
+            }],
+            dirs: vec![DirEntry {
+                path: "/net/env".into(),
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let kinds: Vec<&str> = p
+            .clone()
+            .into_entries()
+            .map(|e| match e {
+                Entry::File(_) => "file",
+                Entry::Missing(_) => "missing",
+                Entry::Dir(_) => "dir",
+            })
+            .collect();
+        assert_eq!(kinds, ["file", "file", "missing", "dir"]);
+        p.retain_under(Path::new("/net/env"));
+        assert_eq!(p.len(), 3);
+        assert!(p.files.iter().all(|f| f.path != "/net/envy/b.py"));
+        assert!(!p.is_empty());
+    }
+}

@@ -1,13 +1,13 @@
 //! `hocus-agent budget --ssd SIZE --ram SIZE|PCT`: change the running daemon's budgets.
 
 use anyhow::{Result, bail};
+use hocus_control::{Request, Response};
 
 use crate::{
-    cli::{Context, ask},
+    cli::context::{Context, ask},
     place::budget::mem_total,
     shared::size::{Size, human},
 };
-use hocus_control::{Request, Response};
 
 pub fn run(ctx: &Context, ssd: Option<Size>, ram: Option<Size>) -> Result<()> {
     if ssd.is_none() && ram.is_none() {

@@ -5,6 +5,7 @@
 //! May use: everything below it.
 
 mod budget;
+mod context;
 mod floor;
 mod generate;
 mod plan;
@@ -15,42 +16,15 @@ mod status;
 
 use std::{path::PathBuf, process::ExitCode};
 
-use anyhow::{Result, bail};
 use clap::{CommandFactory, Parser, Subcommand};
 
+use self::context::Context;
 use crate::{
-    control::client::{self, ClientError},
     daemon,
     place::budget::Budgets,
     report::logs,
     shared::{settings::Settings, size::Size},
 };
-use hocus_control::{Request, Response};
-
-/// Where the daemon listens, and where it keeps its state when none runs.
-pub struct Context {
-    pub socket: PathBuf,
-    pub state_dir: PathBuf,
-}
-
-/// Asks the daemon; `None` when none runs.
-fn ask(ctx: &Context, request: &Request) -> Result<Option<Response>> {
-    ask_with(ctx, request, None)
-}
-
-/// Asks the daemon, sending `file`'s descriptor along; `None` when none runs.
-fn ask_with(
-    ctx: &Context,
-    request: &Request,
-    file: Option<&std::fs::File>,
-) -> Result<Option<Response>> {
-    match client::call_with(&ctx.socket, request, file) {
-        Ok(Response::Error { message }) => bail!("the daemon refused: {message}"),
-        Ok(r) => Ok(Some(r)),
-        Err(ClientError::NoDaemon(_)) => Ok(None),
-        Err(ClientError::Other(e)) => Err(e),
-    }
-}
 
 /// Observe what jobs do on network filesystems (NFS, Lustre, GPFS, sshfs ...) and keep
 /// their working-set profile: hot files in first-touch order, failed lookups, writes.

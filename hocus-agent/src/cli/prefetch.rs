@@ -4,16 +4,18 @@
 use std::path::Path;
 
 use anyhow::{Result, bail};
+use hocus_control::{
+    status::Progress,
+    {Request, Response},
+};
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::{
-    cli::{Context, profile::tell_refused},
+    cli::{context::Context, profile::tell_refused},
     control::client::{self, ClientError},
     profile::format::read_exported,
     shared::size::human,
 };
-use hocus_control::status::Progress;
-use hocus_control::{Request, Response};
 
 pub fn run(ctx: &Context, file: &Path) -> Result<()> {
     // Read here first, for errors that say what is wrong; the daemon gets the descriptor.

@@ -7,9 +7,13 @@ use std::{
 };
 
 use anyhow::{Result, bail};
+use hocus_control::{
+    status::{REFUSED_SHOWN, Refused},
+    {Request, Response},
+};
 
 use crate::{
-    cli::{Context, ask_with},
+    cli::context::{Context, ask_with},
     control::client::{self, ClientError},
     profile::{
         format::{self, Profile, ProfileWriter, read_exported},
@@ -20,8 +24,6 @@ use crate::{
     report::show,
     shared::replace,
 };
-use hocus_control::status::{REFUSED_SHOWN, Refused};
-use hocus_control::{Request, Response};
 
 /// Entries handed over per part when the state directory is read directly.
 const PART: usize = 16_384;

@@ -5,7 +5,7 @@ use std::{path::Path, process::ExitCode};
 use anyhow::Result;
 
 use crate::{
-    cli::{Context, prefetch},
+    cli::{context::Context, prefetch},
     control::client,
 };
 

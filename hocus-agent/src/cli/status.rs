@@ -1,12 +1,12 @@
 //! `hocus-agent status`: what the daemon watches, holds and serves.
 
 use anyhow::{Result, bail};
+use hocus_control::{Request, Response};
 
 use crate::{
-    cli::{Context, ask},
+    cli::context::{Context, ask},
     report::show,
 };
-use hocus_control::{Request, Response};
 
 pub fn run(ctx: &Context, json: bool) -> Result<()> {
     let Some(response) = ask(ctx, &Request::Status)? else {

@@ -13,13 +13,13 @@ use std::{
 };
 
 use anyhow::{Context, Result, bail};
+use hocus_control::{Forward, JobCommand, Request, Response};
 use nix::sys::{
     signal::{SigSet, Signal},
     socket::{ControlMessage, MsgFlags, sendmsg},
 };
 
 use crate::profile::format::Profile;
-use hocus_control::{Forward, JobCommand, Request, Response};
 
 /// Why the CLI could not reach a daemon.
 #[derive(Debug, thiserror::Error)]

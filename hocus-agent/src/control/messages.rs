@@ -10,7 +10,7 @@ use tokio::sync::mpsc;
 
 use crate::{
     control::refusal::Refusal,
-    profile::{format::Profile, staging::Staging, working_set::ExportOrder},
+    profile::{format::Profile, staging::Staging, working_set::export::ExportOrder},
     redirect::{access::Caller, jobs::JobStart, mountns::Bind},
     shared::relay::Holding,
 };

@@ -4,6 +4,7 @@
 //! leave a tree), follows open files from open to close, and counts what it could not
 //! place.
 
+use hocus_control::status::Tally;
 use std::{
     collections::{HashMap, HashSet},
     ffi::OsStr,
@@ -19,7 +20,6 @@ use crate::{
 use hocus_common::{
     Event, FdKey, InodeKey, Mapped, NamespaceKey, OpenFile, ROOT_NONE, ROOT_VIEW, ev, kind,
 };
-use hocus_control::status::Tally;
 
 const O_ACCMODE: u32 = 0o3;
 const O_CREAT: u32 = 0o100;

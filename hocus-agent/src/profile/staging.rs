@@ -4,13 +4,13 @@
 //! only what its sender may vouch for. What was refused is named (the first
 //! `REFUSED_SHOWN`) and counted.
 
+use hocus_control::status::{REFUSED_SHOWN, Refused};
 use std::path::PathBuf;
 
 use crate::profile::{
     format::{Profile, keep_valid},
     working_set::WorkingSet,
 };
-use hocus_control::status::{REFUSED_SHOWN, Refused};
 
 /// A profile being taken in, and what it came to.
 pub struct Staging {

@@ -1,6 +1,7 @@
 //! The `hocus-agent run` jobs the keeper follows: each job's mount namespace and the binds
 //! in it, which of them (if any) serves a path, and the hits and misses that makes.
 
+use hocus_control::status::Served;
 use std::{
     collections::HashSet,
     os::fd::OwnedFd,
@@ -9,7 +10,6 @@ use std::{
 };
 
 use crate::{cache::snapshot, observe::events::What, redirect::mountns::Bind};
-use hocus_control::status::Served;
 
 /// A live job namespace and the binds in it.
 pub struct Job {

@@ -1,10 +1,10 @@
 //! Tables a person reads at a glance: the profile's totals, hottest files and trees, and
 //! failed lookups; the daemon's status.
 
+use hocus_control::status::{Served, Status};
 use std::{collections::HashMap, fmt::Write};
 
 use crate::{profile::format::Profile, shared::size::human as bytes};
-use hocus_control::status::{Served, Status};
 
 pub fn render(p: &Profile, top: usize) -> String {
     let mut out = String::new();

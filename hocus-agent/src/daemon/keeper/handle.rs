@@ -5,9 +5,10 @@
 
 use std::{sync::Arc, time::Duration};
 
+use hocus_control::status::CacheStatus;
 use tokio::sync::{mpsc, oneshot};
 
-use super::{Latest, Order, Progressing, Reconfigure};
+use super::order::{Latest, Order, Progressing, Reconfigure};
 use crate::{
     cache::relay::Parent,
     observe::events::Access,
@@ -15,7 +16,6 @@ use crate::{
     redirect::{jobs::JobStart, mountns::Bind},
     shared::relay::Holding,
 };
-use hocus_control::status::CacheStatus;
 
 /// How long the daemon waits for the keeper to take or answer a request.
 pub const ANSWER_TIMEOUT: Duration = Duration::from_secs(5);

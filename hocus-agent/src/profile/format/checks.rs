@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use hocus_control::status::Refused;
 
-use super::Profile;
+use hocus_control::profile::Profile;
 
 /// Paths longer than this are refused (Linux's PATH_MAX).
 const PATH_MAX: usize = 4096;

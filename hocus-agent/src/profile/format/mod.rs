@@ -8,7 +8,7 @@ mod read;
 mod write;
 
 pub use hocus_control::profile::{
-    DirEntry, Entry, FORMAT_VERSION, FileEntry, FormatError, MissingEntry, Profile,
+    DirEntry, Entry, FORMAT_VERSION, FileEntry, MissingEntry, Profile,
 };
 
 pub use self::{

@@ -9,7 +9,7 @@ use std::{
 
 use anyhow::{Result, bail};
 
-use super::{FORMAT_VERSION, FormatError, Profile};
+use hocus_control::profile::{FORMAT_VERSION, FormatError, Profile};
 
 /// Reads a profile from `reader` without ever holding it whole: its entries reach
 /// `batch` in profiles of at most `size` entries each, in file order. Returns the

@@ -5,7 +5,7 @@ use std::io::{self, Write};
 
 use serde::Serialize;
 
-use super::{FORMAT_VERSION, Profile};
+use hocus_control::profile::{FORMAT_VERSION, Profile};
 
 /// Writes a profile in the file format as it comes, part by part (files, then missing
 /// names, then directories), so that no whole profile need be held: one entry per line.

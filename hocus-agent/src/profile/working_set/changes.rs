@@ -2,8 +2,6 @@
 //! (`store`): a bit per entry (so an entry is listed once however often it changes), the
 //! list in the order of first change, and past a bound, "everything".
 
-use super::WorkingSet;
-use crate::profile::format::Entry;
 use crate::profile::paths::PathId;
 
 /// Past this many changed entries (or a quarter of all), a save rewrites the whole state
@@ -27,7 +25,7 @@ pub(super) struct Changes {
     missing: Bits,
     /// Which directories (by path) changed since the last save.
     dirs: Bits,
-    /// Entries changed since [`WorkingSet::take_changes`] last ran.
+    /// Entries changed since `take` last ran.
     listed: Vec<Changed>,
     /// So many changed that the next save rewrites everything.
     all: bool,
@@ -51,9 +49,31 @@ impl Changes {
         self.listed.push(c);
     }
 
-    fn everything(&mut self) {
+    /// Everything changed: the next save writes it all.
+    pub(super) fn everything(&mut self) {
         self.all = true;
         self.listed = Vec::new();
+    }
+
+    /// What changed since the last call, each entry once: everything (None), or those
+    /// listed, in the order they first changed. From now on nothing has.
+    pub(super) fn take(&mut self) -> Option<Vec<Changed>> {
+        let all = std::mem::take(&mut self.all);
+        let listed = std::mem::take(&mut self.listed);
+        if all {
+            self.files.clear_all();
+            self.missing.clear_all();
+            self.dirs.clear_all();
+            return None;
+        }
+        for c in &listed {
+            match *c {
+                Changed::File(i) => self.files.clear(i as usize),
+                Changed::Missing(id) => self.missing.clear(id as usize),
+                Changed::Dir(id) => self.dirs.clear(id as usize),
+            }
+        }
+        Some(listed)
     }
 
     pub(super) fn heap_bytes(&self) -> usize {
@@ -61,51 +81,6 @@ impl Changes {
             + self.missing.heap_bytes()
             + self.dirs.heap_bytes()
             + self.listed.capacity() * size_of::<Changed>()
-    }
-}
-
-impl WorkingSet {
-    /// Marks everything changed: the next save writes it all.
-    pub fn all_changed(&mut self) {
-        self.changes.everything();
-    }
-
-    /// What changed since the last call, as entries to save; `None` when so much changed
-    /// that everything should be (see [`WorkingSet::entries`]).
-    pub fn take_changes(&mut self) -> Option<Vec<Entry>> {
-        let all = std::mem::take(&mut self.changes.all);
-        let listed = std::mem::take(&mut self.changes.listed);
-        if all {
-            self.files.write_back();
-            self.changes.files.clear_all();
-            self.changes.missing.clear_all();
-            self.changes.dirs.clear_all();
-            return None;
-        }
-        let mut out = Vec::with_capacity(listed.len());
-        for c in listed {
-            match c {
-                Changed::File(i) => {
-                    self.changes.files.clear(i as usize);
-                    let f = self.files.get(i as usize);
-                    out.push(Entry::File(self.file_entry(&f)));
-                }
-                Changed::Missing(id) => {
-                    self.changes.missing.clear(id as usize);
-                    if let Some(m) = self.missing.get(&id) {
-                        out.push(Entry::Missing(self.missing_entry(id, m)));
-                    }
-                }
-                Changed::Dir(id) => {
-                    self.changes.dirs.clear(id as usize);
-                    if let Some(d) = self.dirs.get(&id) {
-                        out.push(Entry::Dir(self.dir_entry(id, d)));
-                    }
-                }
-            }
-        }
-        self.files.write_back();
-        Some(out)
     }
 }
 

@@ -10,7 +10,7 @@
 //! sent profile (`read_out`), and exporting it in parts (`export`).
 
 mod changes;
-mod export;
+pub mod export;
 mod merge;
 mod read_out;
 mod record;
@@ -22,7 +22,6 @@ mod tests;
 use hashbrown::HashMap;
 
 use self::{changes::Changes, users::UserSets};
-pub use self::{export::ExportOrder, record::Attributes};
 use crate::{
     profile::{
         format::Profile,
@@ -31,6 +30,13 @@ use crate::{
     },
     shared::memory::table_bytes,
 };
+
+/// Facts about a file read from the filesystem.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Attributes {
+    pub size: u64,
+    pub mtime_ns: i64,
+}
 
 /// The live, mutable form of a profile.
 #[derive(Default)]
@@ -224,6 +230,11 @@ impl WorkingSet {
             first_touch_ns,
             ..Default::default()
         })
+    }
+
+    /// Marks everything changed: the next save writes it all.
+    pub fn all_changed(&mut self) {
+        self.changes.everything();
     }
 
     /// The directory `path`, made if new, marked changed.

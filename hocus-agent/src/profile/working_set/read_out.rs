@@ -3,14 +3,14 @@
 //! the entries for the paths of a profile a client sent.
 
 use hashbrown::HashMap;
+use hocus_control::status::RootTotals;
 
-use super::{DirRec, FileRec, MissingRec, NONE, WorkingSet, users::USERS};
+use super::{DirRec, FileRec, MissingRec, NONE, WorkingSet, changes::Changed, users::USERS};
 use crate::profile::{
     format::{DirEntry, Entry, FORMAT_VERSION, FileEntry, MissingEntry, Profile},
     paths::PathId,
     view::{Facts, View},
 };
-use hocus_control::status::RootTotals;
 
 impl WorkingSet {
     fn facts(&self, f: &FileRec) -> Facts {
@@ -66,6 +66,31 @@ impl WorkingSet {
             opens: d.opens,
             mutated: d.mutated,
         }
+    }
+
+    /// What changed since the last call, as entries to save; `None` when so much changed
+    /// that everything should be (see [`WorkingSet::entries`]).
+    pub fn take_changes(&mut self) -> Option<Vec<Entry>> {
+        let changed = self.changes.take().map(|listed| {
+            listed
+                .into_iter()
+                .filter_map(|c| match c {
+                    Changed::File(i) => {
+                        Some(Entry::File(self.file_entry(&self.files.get(i as usize))))
+                    }
+                    Changed::Missing(id) => {
+                        let m = self.missing.get(&id)?;
+                        Some(Entry::Missing(self.missing_entry(id, m)))
+                    }
+                    Changed::Dir(id) => {
+                        let d = self.dirs.get(&id)?;
+                        Some(Entry::Dir(self.dir_entry(id, d)))
+                    }
+                })
+                .collect()
+        });
+        self.files.write_back();
+        changed
     }
 
     /// Every entry, one at a time: files in the order they were recorded, then missing

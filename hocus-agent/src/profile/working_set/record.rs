@@ -2,14 +2,7 @@
 //! writes, failed lookups, directories listed or changed. New read entries respect the
 //! bound (`room`); writes are always recorded.
 
-use super::{REFUSED, WRITTEN, WorkingSet, users::USERS};
-
-/// Facts about a file read from the filesystem.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Attributes {
-    pub size: u64,
-    pub mtime_ns: i64,
-}
+use super::{Attributes, REFUSED, WRITTEN, WorkingSet, users::USERS};
 
 impl WorkingSet {
     /// Records an open of a file; returns true when the file is new to the profile.

@@ -3,7 +3,7 @@
 use std::path::{Path, PathBuf};
 
 use super::{export::FileOrder, *};
-use crate::profile::format::{FileEntry, FormatError, to_json};
+use crate::profile::format::{FileEntry, to_json};
 
 const T0: u64 = 1_700_000_000_000_000_000;
 
@@ -316,26 +316,6 @@ fn merging_is_additive_when_done_twice() {
     assert_eq!(doubled.files[0].bytes_read, 168);
     assert_eq!(doubled.missing[0].lookups, 4);
     assert_eq!(doubled.dirs[0].opens, 2);
-}
-
-#[test]
-fn rejects_corrupt_truncated_and_newer_profiles() {
-    let path = Path::new("/var/lib/hocus/profile.json");
-    let good = to_json(&sample().to_profile());
-    let truncated = &good[..good.len() / 2];
-    let e = Profile::from_json(truncated, path, "delete it").unwrap_err();
-    assert!(matches!(e, FormatError::Corrupt { .. }), "{e}");
-    assert!(e.to_string().contains("/var/lib/hocus/profile.json"), "{e}");
-    assert!(e.to_string().contains("delete it"), "{e}");
-
-    let e = Profile::from_json(b"{\"version\": 2, \"whatever\": []}", path, "").unwrap_err();
-    assert!(matches!(e, FormatError::TooNew { found: 2, .. }), "{e}");
-    assert!(e.to_string().contains("upgrade"), "{e}");
-
-    let e = Profile::from_json(b"[1,2,3]", path, "").unwrap_err();
-    assert!(matches!(e, FormatError::Corrupt { .. }), "{e}");
-    let e = Profile::from_json(b"{\"version\": 1, \"files\": 3}", path, "").unwrap_err();
-    assert!(matches!(e, FormatError::Corrupt { .. }), "{e}");
 }
 
 #[test]

@@ -1,0 +1,87 @@
+//! The keeper's last placement: the view of the working set it placed (found by path
+//! through its index), which of its files are wanted and which pinned, and when.
+
+use std::time::Instant;
+
+use super::file_index::FileIndex;
+use crate::{
+    profile::view::{File, View},
+    shared::user::User,
+};
+
+pub struct Placement {
+    /// The last view of the working set, and where each file is in it.
+    view: View,
+    index: FileIndex,
+    /// Each file of the view, by place: wanted, and whether it is to be pinned. Indices,
+    /// not paths: a site-wide placement wants 100k files.
+    wanted: Vec<Option<bool>>,
+    /// When the working set was last placed.
+    placed_at: Instant,
+}
+
+impl Placement {
+    pub fn new() -> Self {
+        Self {
+            view: View::default(),
+            index: FileIndex::default(),
+            wanted: Vec::new(),
+            placed_at: Instant::now(),
+        }
+    }
+
+    pub fn view(&self) -> &View {
+        &self.view
+    }
+
+    /// Takes a new view of the working set; nothing of it is wanted until it is placed.
+    pub fn remember(&mut self, view: View) {
+        // The old view goes first: two site-wide views at once are ~24 MiB.
+        self.view = View::default();
+        self.index = FileIndex::of(&view);
+        self.view = view;
+        self.wanted = Vec::new();
+    }
+
+    /// Whether the last placement wants `source`, and pinned.
+    pub fn wanted(&self, source: &str) -> Option<bool> {
+        let i = self.index.position(&self.view, source)?;
+        self.wanted.get(i).copied().flatten()
+    }
+
+    /// Whether `path` is in the view and not wanted: placed, and left out.
+    pub fn left_out(&self, path: &str) -> bool {
+        self.index
+            .position(&self.view, path)
+            .is_some_and(|i| self.wanted.get(i).copied().flatten().is_none())
+    }
+
+    /// The file at `path`, if placement weighed it.
+    pub fn weighed(&self, path: &str) -> Option<File<'_>> {
+        self.index.find(&self.view, path)
+    }
+
+    /// A user seen reading `source` (`File::reader`), whose credentials copy it.
+    pub fn reader_of(&self, source: &str) -> Option<User> {
+        let uid = self.weighed(source)?.reader()?;
+        if uid == 0 {
+            Some(User::root())
+        } else {
+            User::lookup(uid)
+        }
+    }
+
+    /// The working set is being placed now.
+    pub fn placing(&mut self) {
+        self.placed_at = Instant::now();
+    }
+
+    /// The placement decided: each file of the view, by place, wanted and pinned or not.
+    pub fn placed(&mut self, wanted: Vec<Option<bool>>) {
+        self.wanted = wanted;
+    }
+
+    pub fn placed_at(&self) -> Instant {
+        self.placed_at
+    }
+}
