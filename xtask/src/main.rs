@@ -1,8 +1,11 @@
 //! `cargo xtask`: set up a machine, build, run and test hocus.
 
 mod bench;
+mod host;
 mod package;
 mod setup;
+
+use host::{as_root, cargo, is_root, status, target_dir};
 
 use std::{
     path::{Path, PathBuf},
@@ -385,27 +388,6 @@ fn millis(ms: f64) -> std::time::Duration {
     std::time::Duration::from_secs_f64(ms.max(0.0) / 1000.0)
 }
 
-pub fn workspace() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("xtask lives in the workspace")
-        .to_owned()
-}
-
-fn cargo() -> Command {
-    let mut cmd = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
-    cmd.current_dir(workspace());
-    cmd
-}
-
-fn status(cmd: &mut Command) -> Result<()> {
-    let status = cmd.status().with_context(|| format!("running {cmd:?}"))?;
-    if !status.success() {
-        bail!("{cmd:?} failed ({status})");
-    }
-    Ok(())
-}
-
 /// Builds hocus-agent, setting the machine up first if it lacks anything.
 fn build(release: bool) -> Result<PathBuf> {
     setup::ensure()?;
@@ -425,28 +407,6 @@ fn build(release: bool) -> Result<PathBuf> {
     Ok(target_dir()
         .join(if release { "release" } else { "debug" })
         .join("hocus-agent"))
-}
-
-pub fn target_dir() -> PathBuf {
-    std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| workspace().join("target"))
-}
-
-pub fn is_root() -> bool {
-    // SAFETY: geteuid has no preconditions.
-    unsafe { libc::geteuid() == 0 }
-}
-
-/// `program` as root: directly when we are root, else through `sudo -E`.
-fn as_root(program: &Path) -> Command {
-    if is_root() {
-        Command::new(program)
-    } else {
-        let mut cmd = Command::new("sudo");
-        cmd.arg("-E").arg(program);
-        cmd
-    }
 }
 
 fn test(filter: Option<String>) -> Result<()> {

@@ -17,7 +17,7 @@ use std::{
 
 use anyhow::{Context, Result, bail};
 
-use crate::{status, target_dir, workspace};
+use crate::host::{status, target_dir, workspace};
 
 pub const NAME: &str = "hocus";
 const VERSION: &str = env!("CARGO_PKG_VERSION");

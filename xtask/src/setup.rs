@@ -18,7 +18,7 @@ use std::{
 
 use anyhow::{Context, Result, bail};
 
-use crate::{is_root, status};
+use crate::host::{is_root, status};
 
 const PACKAGES: &[&str] = &[
     "rustc-web",

@@ -101,7 +101,7 @@ fn generate(file: &Path, missing: &Path, threads: usize, duration: Duration) -> 
 }
 
 pub fn events(agent_bin: &Path, e: &Events) -> Result<()> {
-    if !crate::is_root() {
+    if !crate::host::is_root() {
         bail!("the benchmark loads eBPF programs and mounts a tmpfs: run it as root");
     }
     // SAFETY: single-threaded at this point.
@@ -182,7 +182,7 @@ pub fn events(agent_bin: &Path, e: &Events) -> Result<()> {
         "goal: no loss below 1M events/s: {verdict}; loss always counted: {}",
         if exact { "met" } else { "not met" }
     );
-    super::write_figures(
+    super::common::write_figures(
         "events",
         &serde_json::json!({
             "threads": e.threads,

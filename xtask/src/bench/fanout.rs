@@ -20,7 +20,7 @@ use hocus_tests::{
     slurm::{Options, SERVER_ADDR, slurm_with},
 };
 
-use super::write_figures;
+use super::common::write_figures;
 
 pub struct Fanout {
     /// Nodes of the cluster; jobs on 1 ..= this many.
@@ -92,7 +92,7 @@ fn content(seed: u64, len: usize) -> Vec<u8> {
 }
 
 pub fn fanout(agent_bin: &Path, f: &Fanout) -> Result<()> {
-    super::for_slurm(agent_bin)?;
+    super::common::for_slurm(agent_bin)?;
     let cluster = slurm_with(Options {
         nodes: f.nodes.max(2),
         ..Options::default()

@@ -22,7 +22,7 @@ use std::{
 use anyhow::{Context, Result, bail};
 use hocus_tests::{Agent, NetworkMount};
 
-use super::median;
+use super::common::median;
 
 pub struct Overhead {
     pub rounds: usize,
@@ -199,7 +199,7 @@ fn start_floor(agent_bin: &Path) -> Result<Child> {
 }
 
 pub fn overhead(agent_bin: &Path, o: &Overhead) -> Result<()> {
-    if !crate::is_root() {
+    if !crate::host::is_root() {
         bail!("the benchmark loads eBPF programs and mounts filesystems: run it as root");
     }
     // With statistics on, every program run also reads the clock twice: the floor and the
@@ -363,7 +363,7 @@ pub fn overhead(agent_bin: &Path, o: &Overhead) -> Result<()> {
             })
         })
         .collect();
-    super::write_figures(
+    super::common::write_figures(
         "overhead",
         &serde_json::json!({
             "rounds": o.rounds,

@@ -131,7 +131,7 @@ fn timed(cmd: &mut Command) -> Result<(Duration, u64)> {
 }
 
 pub fn scale(agent_bin: &Path, s: &Scale) -> Result<()> {
-    if !crate::is_root() {
+    if !crate::host::is_root() {
         bail!("the benchmark runs the daemon: run it as root");
     }
     // SAFETY: single-threaded at this point.
@@ -290,5 +290,5 @@ pub fn scale(agent_bin: &Path, s: &Scale) -> Result<()> {
         "idle_cpu_fraction": idle_cpu,
         "settle_seconds": settled.as_secs_f64(),
     });
-    super::write_figures("scale", &figures)
+    super::common::write_figures("scale", &figures)
 }

@@ -14,7 +14,7 @@ use std::{
 use anyhow::{Result, bail};
 use hocus_tests::slurm::slurm;
 
-use super::{
+use super::common::{
     EmptyingPageCache, agent_on_local_disk, median, network, numpy_packages, write_figures,
 };
 
@@ -23,7 +23,7 @@ const PYTHON: &str = "/usr/bin/python3";
 const SCRIPT: &str = "import numpy, scipy, scipy.linalg, scipy.sparse, pandas";
 
 pub fn slurm_imports(agent_bin: &Path, runs: usize, round_trip: Duration) -> Result<()> {
-    super::for_slurm(agent_bin)?;
+    super::common::for_slurm(agent_bin)?;
     let packages = numpy_packages()?;
     let cluster = slurm();
     let net = network(round_trip);
