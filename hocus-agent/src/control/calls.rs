@@ -59,6 +59,14 @@ impl<'a> Client<'a> {
         self.send(&r.response())
     }
 
+    /// Answers the client: the response, or why not.
+    pub fn reply(&self, result: Result<Response, Refusal>) -> Result<()> {
+        match result {
+            Ok(response) => self.send(&response),
+            Err(r) => self.refuse(r),
+        }
+    }
+
     /// Passes the loop's answers on to the client until the loop is done.
     pub fn forward(&self, mut answers: mpsc::UnboundedReceiver<Answer>) -> Result<()> {
         while let Some(answer) = answers.blocking_recv() {

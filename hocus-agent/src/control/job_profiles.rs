@@ -24,7 +24,7 @@ use tokio::sync::mpsc;
 
 use crate::{
     control::{
-        calls::{Client, Setup, ask, ask_once, read_profile},
+        calls::{Setup, ask_once, read_profile},
         messages::{Answer, Ask, Call, JobNodes, Query},
         refusal::Refusal,
     },
@@ -121,19 +121,6 @@ fn place(caller: &Caller, job: &JobProfile, setup: &Setup) -> Result<(PathBuf, P
 /// The epilog's request: writes the job's own working set to `DIR/KEY.json` as the user
 /// (a temporary file renamed over it once whole).
 pub fn save(
-    client: &Client,
-    caller: &Caller,
-    job: JobProfile,
-    calls: &mpsc::Sender<Call>,
-    setup: &Setup,
-) -> Result<()> {
-    match saved(caller, &job, calls, setup) {
-        Ok(response) => client.send(&response),
-        Err(r) => client.refuse(r),
-    }
-}
-
-fn saved(
     caller: &Caller,
     job: &JobProfile,
     calls: &mpsc::Sender<Call>,
@@ -202,25 +189,13 @@ fn write_profile(dir: &Path, path: &Path, profile: &Profile) -> Result<()> {
     })
 }
 
-/// The prolog's request: opens `DIR/KEY.json` as the user, checks it as a profile the
-/// user sent, and prefetches from it, passing on the progress.
+/// The prolog's request: opens `DIR/KEY.json` as the user and checks it as a profile
+/// the user sent; the prefetch to ask the daemon's loop for, as the job's user.
 pub fn prefetch(
-    client: &Client,
     caller: &Caller,
-    job: JobProfile,
-    calls: &mpsc::Sender<Call>,
+    job: &JobProfile,
     setup: &Setup,
-) -> Result<()> {
-    let asked = staged(caller, &job, setup).and_then(|(user, query)| ask(calls, user, query));
-    match asked {
-        // The plugin gives up at its own time: the prefetch goes on without it.
-        Ok(answers) => client.forward(answers),
-        Err(r) => client.refuse(r),
-    }
-}
-
-/// The prefetch to ask for, as the job's user: its profile read and checked.
-fn staged(caller: &Caller, job: &JobProfile, setup: &Setup) -> Result<(Caller, Ask), Refusal> {
+) -> Result<(Caller, Ask), Refusal> {
     let (_, path) = place(caller, job, setup)?;
     let user = user(job);
     let opened = as_caller(&user, {

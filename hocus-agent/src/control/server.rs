@@ -183,10 +183,16 @@ fn answer(
         }
         Request::Attach(task) => return session::attach(&client, caller, task, calls),
         Request::SaveJobProfile(job) => {
-            return job_profiles::save(&client, &caller, job, calls, setup);
+            return client.reply(job_profiles::save(&caller, &job, calls, setup));
         }
         Request::PrefetchJobProfile(job) => {
-            return job_profiles::prefetch(&client, &caller, job, calls, setup);
+            // The plugin gives up at its own time: the prefetch goes on without it.
+            let asked = job_profiles::prefetch(&caller, &job, setup)
+                .and_then(|(user, query)| ask(calls, user, query));
+            return match asked {
+                Ok(answers) => client.forward(answers),
+                Err(r) => client.refuse(r),
+            };
         }
         Request::Status => Query::Status,
         Request::Export { root } => return export(&client, calls, caller, root),

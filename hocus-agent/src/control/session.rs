@@ -115,10 +115,7 @@ pub fn attach(
     task: AttachTask,
     calls: &mpsc::Sender<Call>,
 ) -> Result<()> {
-    match attached(caller, &task, calls) {
-        Ok(binds) => client.send(&Response::Attached { binds }),
-        Err(r) => client.refuse(r),
-    }
+    client.reply(attached(caller, &task, calls).map(|binds| Response::Attached { binds }))
 }
 
 fn attached(

@@ -212,21 +212,20 @@ mod tests {
         }
     }
 
+    /// `f`, opened `n` times with write access.
+    fn opened_for_writing(n: u64, f: FileEntry) -> FileEntry {
+        FileEntry {
+            write_opens: n,
+            ..f
+        }
+    }
+
     #[test]
     fn files_opened_for_writing_again_and_again_or_refused_stay_on_the_network() {
         let filters = Filters::default();
-        let lock = FileEntry {
-            write_opens: 5,
-            ..file("/net/cache/.lockfile", 0, 5, 0)
-        };
-        let upgraded = FileEntry {
-            write_opens: 2,
-            ..file("/net/env/numpy/core.py", 100, 300, 0)
-        };
-        let installed = FileEntry {
-            write_opens: 1,
-            ..file("/net/env/new.py", 100, 1, 0)
-        };
+        let lock = opened_for_writing(5, file("/net/cache/.lockfile", 0, 5, 0));
+        let upgraded = opened_for_writing(2, file("/net/env/numpy/core.py", 100, 300, 0));
+        let installed = opened_for_writing(1, file("/net/env/new.py", 100, 1, 0));
         let refused = FileEntry {
             refused: true,
             ..file("/net/cache/entry-atime", 8, 9, 0)
@@ -240,18 +239,9 @@ mod tests {
         );
         assert!(!cacheable(&four[3], &filters));
         // Beside the lock, an entry only written so far waits; once read it is placed.
-        let written_only = FileEntry {
-            write_opens: 1,
-            ..file("/net/cache/jit_f-atime", 8, 1, 1)
-        };
-        let read_since = FileEntry {
-            write_opens: 1,
-            ..file("/net/cache/jit_f-cache", 8, 2, 2)
-        };
-        let elsewhere = FileEntry {
-            write_opens: 1,
-            ..file("/net/other/jit_g-cache", 8, 1, 3)
-        };
+        let written_only = opened_for_writing(1, file("/net/cache/jit_f-atime", 8, 1, 1));
+        let read_since = opened_for_writing(1, file("/net/cache/jit_f-cache", 8, 2, 2));
+        let elsewhere = opened_for_writing(1, file("/net/other/jit_g-cache", 8, 1, 3));
         let files = [lock, written_only, read_since, elsewhere];
         let p = place(&listed(&files), &filters, 1 << 30, 0, &|_| false, &|_| {
             false

@@ -16,26 +16,6 @@ use std::{
 
 use crate::shared::{dirs, identity::Identity};
 
-// The unified syscall numbers of the new mount API (all architectures but alpha/mips).
-const SYS_OPEN_TREE: libc::c_long = 428;
-const SYS_MOVE_MOUNT: libc::c_long = 429;
-const SYS_FSOPEN: libc::c_long = 430;
-const SYS_FSCONFIG: libc::c_long = 431;
-const SYS_FSMOUNT: libc::c_long = 432;
-const SYS_MOUNT_SETATTR: libc::c_long = 442;
-const FSOPEN_CLOEXEC: libc::c_uint = 1;
-const FSMOUNT_CLOEXEC: libc::c_uint = 1;
-const FSCONFIG_SET_STRING: libc::c_uint = 1;
-const FSCONFIG_SET_FD: libc::c_uint = 5;
-const FSCONFIG_CMD_CREATE: libc::c_uint = 6;
-const OPEN_TREE_CLONE: libc::c_uint = 1;
-const OPEN_TREE_CLOEXEC: libc::c_uint = libc::O_CLOEXEC as libc::c_uint;
-const MOVE_MOUNT_F_EMPTY_PATH: libc::c_uint = 0x4;
-const MOVE_MOUNT_T_EMPTY_PATH: libc::c_uint = 0x40;
-const MOUNT_ATTR_RDONLY: u64 = 0x1;
-const MOUNT_ATTR_NOSUID: u64 = 0x2;
-const MOUNT_ATTR_NODEV: u64 = 0x4;
-
 /// struct mount_attr (linux/mount.h).
 #[repr(C)]
 struct MountAttr {
@@ -194,13 +174,15 @@ pub fn bind_read_only(b: &Bind) -> io::Result<Option<OwnedFd>> {
         } else {
             let source = clone_tree(libc::AT_FDCWD, &local, libc::AT_SYMLINK_NOFOLLOW)?;
             let attr = MountAttr {
-                attr_set: MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV,
+                attr_set: libc::MOUNT_ATTR_RDONLY
+                    | libc::MOUNT_ATTR_NOSUID
+                    | libc::MOUNT_ATTR_NODEV,
                 attr_clr: 0,
                 propagation: 0,
                 userns_fd: 0,
             };
             check(libc::syscall(
-                SYS_MOUNT_SETATTR,
+                libc::SYS_mount_setattr,
                 source.as_raw_fd(),
                 c"".as_ptr(),
                 libc::AT_EMPTY_PATH,
@@ -231,12 +213,12 @@ fn move_mount(source: &OwnedFd, target: &OwnedFd) -> io::Result<()> {
     // SAFETY: valid descriptors and empty C strings.
     check(unsafe {
         libc::syscall(
-            SYS_MOVE_MOUNT,
+            libc::SYS_move_mount,
             source.as_raw_fd(),
             c"".as_ptr(),
             target.as_raw_fd(),
             c"".as_ptr(),
-            MOVE_MOUNT_F_EMPTY_PATH | MOVE_MOUNT_T_EMPTY_PATH,
+            libc::MOVE_MOUNT_F_EMPTY_PATH | libc::MOVE_MOUNT_T_EMPTY_PATH,
         )
     })
     .map(drop)
@@ -266,16 +248,16 @@ fn show_passages(b: &Bind, network: &OwnedFd, view: &OwnedFd) -> io::Result<()> 
     Ok(())
 }
 
-/// A detached copy of the mount tree at `path` (from `dir`): `open_tree(OPEN_TREE_CLONE)`
+/// A detached copy of the mount tree at `path` (from `dir`): `open_tree(libc::OPEN_TREE_CLONE)`
 /// with `flags` (`AT_*`).
 fn clone_tree(dir: libc::c_int, path: &CStr, flags: libc::c_int) -> io::Result<OwnedFd> {
     // SAFETY: a valid descriptor (or AT_FDCWD) and C string; owned on success.
     unsafe {
         let fd = check(libc::syscall(
-            SYS_OPEN_TREE,
+            libc::SYS_open_tree,
             dir,
             path.as_ptr(),
-            OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC | flags as libc::c_uint,
+            libc::OPEN_TREE_CLONE | libc::OPEN_TREE_CLOEXEC | flags as libc::c_uint,
         ))?;
         Ok(OwnedFd::from_raw_fd(fd as i32))
     }
@@ -322,14 +304,14 @@ pub fn lazy_view(meta: &OwnedFd, data: &OwnedFd) -> io::Result<OwnedFd> {
     // SAFETY: plain syscalls with valid C strings; descriptors owned on success.
     unsafe {
         let fs = check(libc::syscall(
-            SYS_FSOPEN,
+            libc::SYS_fsopen,
             c"overlay".as_ptr(),
-            FSOPEN_CLOEXEC,
+            libc::FSOPEN_CLOEXEC,
         ))?;
         let fs = OwnedFd::from_raw_fd(fs as i32);
         let config = |cmd: libc::c_uint, key: &CStr, value: *const libc::c_char, fd: i32| {
             check(libc::syscall(
-                SYS_FSCONFIG,
+                libc::SYS_fsconfig,
                 fs.as_raw_fd(),
                 cmd,
                 key.as_ptr(),
@@ -339,35 +321,41 @@ pub fn lazy_view(meta: &OwnedFd, data: &OwnedFd) -> io::Result<OwnedFd> {
             .map_err(|e| io::Error::new(e.kind(), format!("overlay {key:?}: {e}")))
         };
         config(
-            FSCONFIG_SET_FD,
+            libc::FSCONFIG_SET_FD,
             c"lowerdir+",
             std::ptr::null(),
             meta.as_raw_fd(),
         )?;
         config(
-            FSCONFIG_SET_FD,
+            libc::FSCONFIG_SET_FD,
             c"datadir+",
             std::ptr::null(),
             data.as_raw_fd(),
         )?;
         // Metacopy stubs and their redirects are what make the layer lazy; they are
         // trusted only in `meta`, which only root can write.
-        config(FSCONFIG_SET_STRING, c"metacopy", c"on".as_ptr(), 0)?;
-        config(FSCONFIG_SET_STRING, c"redirect_dir", c"follow".as_ptr(), 0)?;
+        config(libc::FSCONFIG_SET_STRING, c"metacopy", c"on".as_ptr(), 0)?;
+        config(
+            libc::FSCONFIG_SET_STRING,
+            c"redirect_dir",
+            c"follow".as_ptr(),
+            0,
+        )?;
         check(libc::syscall(
-            SYS_FSCONFIG,
+            libc::SYS_fsconfig,
             fs.as_raw_fd(),
-            FSCONFIG_CMD_CREATE,
+            libc::FSCONFIG_CMD_CREATE,
             std::ptr::null::<libc::c_char>(),
             std::ptr::null::<libc::c_char>(),
             0,
         ))
         .map_err(|e| io::Error::new(e.kind(), format!("overlay: {e}")))?;
         let mnt = check(libc::syscall(
-            SYS_FSMOUNT,
+            libc::SYS_fsmount,
             fs.as_raw_fd(),
-            FSMOUNT_CLOEXEC,
-            (MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV) as libc::c_uint,
+            libc::FSMOUNT_CLOEXEC,
+            (libc::MOUNT_ATTR_RDONLY | libc::MOUNT_ATTR_NOSUID | libc::MOUNT_ATTR_NODEV)
+                as libc::c_uint,
         ))?;
         Ok(OwnedFd::from_raw_fd(mnt as i32))
     }
