@@ -30,7 +30,7 @@ use crate::{
         refusal::Refusal,
         relay, server,
     },
-    observe::{events::Observer, mounts, tracer::Tracer, views::Views},
+    observe::{events::Observer, mounts, places::Places, tracer::Tracer, views::Views},
     place::{budget::Budgets, placement::Filters},
     profile::staging::Staging,
     redirect::{jobs::JobStart, leftovers},
@@ -151,7 +151,8 @@ impl Daemon {
         tracer.watch_devices(&devices)?;
         let stats = Stats::start(watches.iter().map(|w| w.path.clone()).collect())?;
         let anchors = trees::anchors(&mount_table, &roots, &cache_dir)?;
-        let observer = Observer::new(watches, trees::root_paths(&roots), Views::new(anchors));
+        let places = Places::new(watches, trees::root_paths(&roots));
+        let observer = Observer::new(places, Views::new(anchors));
         Ok(Self {
             socket: opts.settings.socket(),
             opts,

@@ -179,13 +179,13 @@ impl Tracing {
         dir: std::path::PathBuf,
     ) -> anyhow::Result<ViewRoot> {
         let root = self.tracer.get_mut().add_view_root(view, index)?;
-        self.observer.add_view_root(index, dir);
+        self.observer.places.add_view_root(index, dir);
         Ok(root)
     }
 
     pub fn remove_view_root(&mut self, index: u32, root: &ViewRoot) {
         self.tracer.get_mut().remove_view_root(root);
-        self.observer.forget_view_root(index);
+        self.observer.places.forget_view_root(index);
     }
 }
 

@@ -18,8 +18,8 @@ use hocus_control::status::WatchedMount;
 use crate::{
     cache::directory::Cache,
     observe::{
-        events::Watch,
         mounts::{self, Mount},
+        places::Watch,
         tracer::Root,
         views::Anchor,
     },

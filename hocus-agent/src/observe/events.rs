@@ -4,21 +4,21 @@
 //! leave a tree), follows open files from open to close, and counts what it could not
 //! place.
 
-use hocus_control::status::Tally;
 use std::{
     collections::{HashMap, HashSet},
-    ffi::OsStr,
-    os::unix::ffi::OsStrExt,
-    path::{Component, Path, PathBuf},
+    path::Path,
 };
 
+use hocus_common::{Event, FdKey, InodeKey, Mapped, NamespaceKey, OpenFile, kind};
+use hocus_control::status::Tally;
+
 use crate::{
-    observe::views::Views,
+    observe::{
+        places::{Places, Unplaced},
+        views::Views,
+    },
     profile::working_set::WorkingSet,
     shared::log_line::{self as logs, Process},
-};
-use hocus_common::{
-    Event, FdKey, InodeKey, Mapped, NamespaceKey, OpenFile, ROOT_NONE, ROOT_VIEW, ev, kind,
 };
 
 const O_ACCMODE: u32 = 0o3;
@@ -27,14 +27,6 @@ const O_EXCL: u32 = 0o200;
 const O_TRUNC: u32 = 0o1000;
 const O_DIRECTORY: u32 = 0o200000;
 const O_PATH: u32 = 0o10000000;
-
-/// A watched tree: its canonical path, and other prefixes that reach it (e.g. the path
-/// the user named when it is a symlink).
-#[derive(Debug, Clone)]
-pub struct Watch {
-    pub path: PathBuf,
-    pub aliases: Vec<PathBuf>,
-}
 
 struct OpenInfo {
     path: String,
@@ -77,13 +69,8 @@ pub enum What {
 }
 
 pub struct Observer {
-    watches: Vec<Watch>,
-    /// Where each of the kernel's roots is, by `Event::root`: a watched tree's path, or
-    /// `/` for the cache's directories (the path below them is the network path).
-    roots: Vec<PathBuf>,
-    /// The network directory each snapshot view in a job stands for, by `Event::root`
-    /// (`FIRST_VIEW_ROOT` and up).
-    view_roots: HashMap<u32, PathBuf>,
+    /// Where the kernel's roots are, and the watched trees.
+    pub places: Places,
     /// How other mount namespaces see the watched trees.
     pub views: Views,
     /// Namespaces whose view the kernel asked for since last drained: (a process in it,
@@ -112,11 +99,9 @@ pub struct Observer {
 }
 
 impl Observer {
-    pub fn new(watches: Vec<Watch>, roots: Vec<PathBuf>, views: Views) -> Self {
+    pub fn new(places: Places, views: Views) -> Self {
         Self {
-            watches,
-            roots,
-            view_roots: HashMap::new(),
+            places,
             views,
             to_learn: Vec::new(),
             clock_offset_ns: monotonic_to_unix_offset(),
@@ -411,14 +396,23 @@ impl Observer {
         lost
     }
 
-    /// Files opened under kernel root `index` are under `dir` (a snapshot view's network
-    /// directory), until forgotten.
-    pub fn add_view_root(&mut self, index: u32, dir: PathBuf) {
-        self.view_roots.insert(index, dir);
-    }
-
-    pub fn forget_view_root(&mut self, index: u32) {
-        self.view_roots.remove(&index);
+    /// The normalized, watched, absolute path of an event, or None (counted).
+    fn resolve(&mut self, e: &Event) -> Option<String> {
+        match self.places.resolve(e, &self.views) {
+            Ok(path) => Some(path),
+            Err(Unplaced::Truncated) => {
+                self.tally.truncated += 1;
+                None
+            }
+            Err(Unplaced::Unresolved) => {
+                self.tally.unresolved += 1;
+                None
+            }
+            Err(Unplaced::Outside) => {
+                self.tally.outside_watched += 1;
+                None
+            }
+        }
     }
 
     /// Forgets an open file whose close will not be reported.
@@ -430,93 +424,6 @@ impl Observer {
         }
         self.bytes_counted.remove(&file_id);
     }
-
-    /// The normalized, watched, absolute path of an event, or None (counted).
-    fn resolve(&mut self, e: &Event) -> Option<String> {
-        if e.flags & ev::PATH_TRUNCATED != 0 {
-            self.tally.truncated += 1;
-            return None;
-        }
-        let raw = |bytes: &[u8], len: u32| -> PathBuf {
-            let bytes = &bytes[..(len as usize).min(bytes.len())];
-            let bytes = bytes.split(|b| *b == 0).next().unwrap_or_default();
-            PathBuf::from(OsStr::from_bytes(bytes))
-        };
-        let path = raw(&e.path, e.path_len);
-        let absolute = if e.root == ROOT_NONE {
-            path
-        } else if e.root == ROOT_VIEW {
-            // Another namespace's path: placed by its mounts, as learned.
-            let Some(placed) = self
-                .views
-                .resolve(&e.namespace, e.generation, &normalize(&path))
-            else {
-                self.tally.unresolved += 1;
-                return None;
-            };
-            placed
-        } else {
-            let root = match self.roots.get(e.root as usize) {
-                Some(root) => Some(root),
-                None => self.view_roots.get(&e.root),
-            };
-            let Some(root) = root else {
-                self.tally.unresolved += 1;
-                return None;
-            };
-            // The base is `/a/b` (or empty); the process's path is relative to it.
-            let base = raw(&e.base, e.base_len);
-            let mut placed = root.join(base.strip_prefix("/").unwrap_or(&base));
-            if path.components().any(|c| c == Component::ParentDir) {
-                // `..` from a directory bound elsewhere (a container's /env) climbs
-                // where the process is, not where the tree is: it names nothing here.
-                self.tally.unresolved += 1;
-                return None;
-            }
-            if !path.as_os_str().is_empty() {
-                placed.push(path);
-            }
-            placed
-        };
-        let normal = normalize(&absolute);
-        match self.watched(&normal) {
-            Some(p) => Some(p.to_string_lossy().into_owned()),
-            None => {
-                self.tally.outside_watched += 1;
-                None
-            }
-        }
-    }
-
-    /// `path` in canonical form if it lies in a watched tree.
-    fn watched(&self, path: &Path) -> Option<PathBuf> {
-        for w in &self.watches {
-            if path.starts_with(&w.path) {
-                return Some(path.to_owned());
-            }
-            for alias in &w.aliases {
-                if let Ok(rest) = path.strip_prefix(alias) {
-                    return Some(w.path.join(rest));
-                }
-            }
-        }
-        None
-    }
-}
-
-/// Removes `.` and `..` and repeated slashes without touching the filesystem.
-pub fn normalize(path: &Path) -> PathBuf {
-    let mut out = PathBuf::from("/");
-    for c in path.components() {
-        match c {
-            Component::Normal(part) => out.push(part),
-            Component::ParentDir => {
-                out.pop();
-            }
-            Component::RootDir | Component::CurDir | Component::Prefix(_) => {}
-        }
-    }
-    out
 }
 
 fn parent(path: &str) -> &str {
@@ -563,6 +470,9 @@ fn monotonic_to_unix_offset() -> i128 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use hocus_common::ROOT_NONE;
+
+    use crate::observe::places::Watch;
     use hocus_common::MAX_PATH;
 
     fn event(kind: u8, path: &str) -> Event {
@@ -605,14 +515,14 @@ mod tests {
     }
 
     fn observer() -> Observer {
-        Observer::new(
+        let places = Places::new(
             vec![Watch {
                 path: "/mnt/net".into(),
                 aliases: vec!["/home/net".into()],
             }],
             vec!["/mnt/net".into(), "/".into()],
-            Views::new(Vec::new()),
-        )
+        );
+        Observer::new(places, Views::new(Vec::new()))
     }
 
     #[test]
@@ -720,14 +630,5 @@ mod tests {
         assert!(p.files.iter().all(|f| f.written));
         assert_eq!(p.files.len(), 2);
         assert!(p.dirs.iter().any(|d| d.path == "/mnt/net/out" && d.mutated));
-    }
-
-    #[test]
-    fn normalizes_lexically() {
-        assert_eq!(
-            normalize(Path::new("/a/./b//c/../d")),
-            PathBuf::from("/a/b/d")
-        );
-        assert_eq!(normalize(Path::new("/../..")), PathBuf::from("/"));
     }
 }

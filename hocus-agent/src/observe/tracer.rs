@@ -12,22 +12,19 @@ use std::{
 
 use anyhow::{Context, Result, bail};
 use aya::{
-    Ebpf, EbpfLoader,
+    Ebpf,
     maps::{Array, HashMap, MapData, PerCpuArray, RingBuf},
-    programs::{
-        BtfTracePoint, TracePoint, tp_btf::BtfTracePointLinkId, trace_point::TracePointLinkId,
-    },
+    programs::BtfTracePoint,
 };
 use hocus_common::{
-    Calibration, Event, FdKey, Home, InodeKey, MAX_PREFIX, MAX_ROOTS, MAX_TREES, MAX_WATCHED,
-    Mapped, NamespaceKey, OpenFile, Superblock, SuperblockSlot, SyscallLayout, View, Watched,
-    counter, filter, kfunc, rest, superblock,
+    Calibration, Event, FdKey, Home, InodeKey, MAX_ROOTS, MAX_WATCHED, Mapped, NamespaceKey,
+    OpenFile, Superblock, SuperblockSlot, View, counter, filter, rest, superblock,
 };
 
 use crate::observe::{
-    btf::{self, Btf},
     followed::Followed,
-    kfuncs, mounts, syscalls, tracefs,
+    loader::{self, Floor, Link, Loaded, SYSCALLS_PROGRAM},
+    mounts,
 };
 
 /// A directory the kernel side places files under: a watched tree, or the cache's
@@ -64,63 +61,12 @@ pub struct Tracer {
     pub skipped: Vec<String>,
 }
 
-/// The programs and where each is attached. Syscalls are seen at one place, their exit
-/// (`tp_btf/sys_exit`), by one program dispatching on the syscall number: the
-/// per-syscall tracepoints (`syscalls:sys_enter_openat` ...) make the kernel build a
-/// record for every traced syscall of every process before any program runs, and a
-/// program at the entry too would run for every syscall on the node a second time
-/// (docs/overhead.md). Pages entering the page cache are counted for mapped watched
-/// files.
-const PROGRAMS: [(&str, Attach); 4] = [
-    (SYSCALLS_PROGRAM, Attach::Btf("sys_exit")),
-    ("process_fork", Attach::Event("sched", "sched_process_fork")),
-    ("process_exit", Attach::Event("sched", "sched_process_exit")),
-    (
-        "filemap_add",
-        Attach::Event("filemap", "mm_filemap_add_to_page_cache"),
-    ),
-];
-
-/// The program that rests while there is nothing to learn (`Tracer::rest`).
-const SYSCALLS_PROGRAM: &str = "syscall_exit";
-
-/// A tripwire for resting: requests to FUSE filesystems (sshfs ...), where the kernel
-/// has the tracepoint; other filesystems never reach it.
-const FUSE_TRIPWIRE: (&str, Attach) = ("fuse_request", Attach::Event("fuse", "fuse_request_send"));
-
-/// What `hocus-agent trace-floor` attaches: a program that returns at once, where the
-/// syscall program goes. What any design there costs, for `cargo xtask bench overhead`.
-const FLOOR: [(&str, Attach); 1] = [("floor", Attach::Btf("sys_exit"))];
-
-/// The floor program, attached while this lives (the links belong to the programs).
-pub struct Floor {
-    _programs: Ebpf,
-}
-
-#[derive(Clone, Copy)]
-enum Attach {
-    /// A BTF-typed tracepoint (`tp_btf`), by name: its arguments are typed pointers, and
-    /// the fields the program reads through them are plain loads, not helper calls.
-    Btf(&'static str),
-    /// A tracepoint, by category and name.
-    Event(&'static str, &'static str),
-}
-
-enum Link {
-    Btf(BtfTracePointLinkId),
-    Event(TracePointLinkId),
-}
-
 /// A snapshot view's root as the kernel side knows it.
 #[derive(Debug, Clone, Copy)]
 pub struct ViewRoot {
     dentry: u64,
     superblock: u64,
 }
-
-/// Programs loaded and attached: whether they cast files, the syscalls not traced, and
-/// the links.
-type Started = (Ebpf, bool, Vec<String>, Vec<(&'static str, Link)>);
 
 /// Kernel-side counters, summed over CPUs, by `hocus_common::counter` index.
 pub type Counters = [u64; counter::COUNT as usize];
@@ -130,38 +76,11 @@ impl Tracer {
     /// `every_process`: the syscall program follows every process, not only jobs and
     /// those that reached a watched mount's server (`hocus_common::follow`).
     pub fn start(prefixes: &[&Path], every_process: bool) -> Result<Self> {
-        let tracefs = tracefs::root()?;
-        let start = |kfuncs| -> Result<Started> {
-            let (mut ebpf, cast) = load(&tracefs, every_process, kfuncs)?;
-            let skipped = fill_tables(&mut ebpf, &tracefs, prefixes)?;
-            let links = attach(&mut ebpf, &PROGRAMS)
-                .map_err(|e| if cast { e.context(KfuncsRefused) } else { e })?;
-            Ok((ebpf, cast, skipped, links))
-        };
-        // A kernel whose verifier refuses the kfunc calls still gets the programs.
-        let name = kfunc::RDONLY_CAST_NAME;
-        let kfuncs = kfuncs_allowed();
-        let mut without = if kfuncs {
-            format!("this kernel has no {name}: before 6.2")
-        } else {
-            format!("{WITHOUT_KFUNCS}=1")
-        };
-        let (mut ebpf, cast, skipped, mut links) = match start(kfuncs) {
-            Err(e) if e.downcast_ref::<KfuncsRefused>().is_some() => {
-                log::warn!("{e:#}; loading them without");
-                without = format!("the kernel refused {name}");
-                start(false)?
-            }
-            started => started?,
-        };
-        if cast {
-            log::info!("the programs read open files with plain loads ({name})");
-        } else {
-            log::info!("the programs read open files with a helper call each ({without})");
-        }
-        if tracefs.join("events/fuse/fuse_request_send").exists() {
-            links.extend(attach(&mut ebpf, &[FUSE_TRIPWIRE])?);
-        }
+        let Loaded {
+            mut ebpf,
+            skipped,
+            links,
+        } = loader::start(prefixes, every_process)?;
         let events = RingBuf::try_from(ebpf.take_map("EVENTS").context("no EVENTS map")?)?;
         let open_files =
             HashMap::try_from(ebpf.take_map("OPEN_FILES").context("no OPEN_FILES map")?)?;
@@ -193,9 +112,7 @@ impl Tracer {
     /// Attaches the floor program (returns at once) where the real ones go, until the
     /// returned value is dropped: what tracing costs before any work is done.
     pub fn floor() -> Result<Floor> {
-        let (mut ebpf, _) = load(&tracefs::root()?, false, false)?;
-        attach(&mut ebpf, &FLOOR)?;
-        Ok(Floor { _programs: ebpf })
+        loader::floor()
     }
 
     /// Finds the roots in the kernel (through one of the agent's own syscalls on each,
@@ -446,23 +363,11 @@ impl Tracer {
     pub fn detach(&mut self) {
         let t0 = std::time::Instant::now();
         for (name, link) in std::mem::take(&mut self.links) {
-            if let Err(e) = self.detach_link(name, link) {
+            if let Err(e) = loader::detach(&mut self.ebpf, name, link) {
                 log::warn!("could not detach {name}: {e:#}");
             }
         }
         log::debug!("tracepoint links detached in {:?}", t0.elapsed());
-    }
-
-    fn detach_link(&mut self, name: &str, link: Link) -> Result<()> {
-        let program = self
-            .ebpf
-            .program_mut(name)
-            .with_context(|| format!("no program {name}"))?;
-        match link {
-            Link::Btf(id) => <&mut BtfTracePoint>::try_from(program)?.detach(id)?,
-            Link::Event(id) => <&mut TracePoint>::try_from(program)?.detach(id)?,
-        }
-        Ok(())
     }
 
     /// Tells the kernel side the watched mounts' devices (`st_dev`): activity on them
@@ -490,7 +395,7 @@ impl Tracer {
             bail!("the syscall program is not attached");
         };
         let (name, link) = self.links.remove(at);
-        self.detach_link(name, link)?;
+        loader::detach(&mut self.ebpf, name, link)?;
         // Detached first: a tripwire that fires before this only wakes it again.
         self.set_rest(rest::RESTING)?;
         self.resting = true;
@@ -616,187 +521,4 @@ impl AsRawFd for Tracer {
 /// A device number as the kernel keeps it (`s_dev`: major << 20 | minor).
 fn kernel_dev(dev: u64) -> u32 {
     (libc::major(dev) << 20) | libc::minor(dev)
-}
-
-/// Which of each syscall's arguments are read, by syscall number, and the watched
-/// prefixes. Returns the syscalls this kernel cannot trace.
-fn fill_tables(ebpf: &mut Ebpf, tracefs: &Path, prefixes: &[&Path]) -> Result<Vec<String>> {
-    let mut table: Array<_, SyscallLayout> =
-        Array::try_from(ebpf.map_mut("SYSCALLS").context("no SYSCALLS map")?)?;
-    let mut skipped = Vec::new();
-    for t in syscalls::all() {
-        match t.layout(tracefs) {
-            Ok(layout) => table.set(t.nr as u32, layout, 0)?,
-            Err(e) => {
-                log::warn!("not tracing {}: {e:#}", t.name);
-                skipped.push(t.name.to_owned());
-            }
-        }
-    }
-    let mut table: Array<_, Watched> =
-        Array::try_from(ebpf.map_mut("WATCHED").context("no WATCHED map")?)?;
-    for (i, entry) in prefix_table(prefixes)?.into_iter().enumerate() {
-        table.set(i as u32, entry, 0)?;
-    }
-    Ok(skipped)
-}
-
-/// The verifier refused the programs with their kfunc calls.
-#[derive(Debug)]
-struct KfuncsRefused;
-
-impl std::fmt::Display for KfuncsRefused {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "the kernel refused the programs' kfunc calls")
-    }
-}
-
-/// The environment variable that makes the agent load its programs as for a kernel
-/// without kfuncs: the tests take that way too; and a way round a kernel whose kfunc
-/// misbehaves.
-pub const WITHOUT_KFUNCS: &str = "HOCUS_WITHOUT_KFUNCS";
-
-fn kfuncs_allowed() -> bool {
-    std::env::var_os(WITHOUT_KFUNCS).is_none_or(|v| v != "1")
-}
-
-/// Loads the programs embedded in this binary, with the kernel's struct offsets (from
-/// its BTF) and the agent's own process id set; `kfuncs`: calling kfuncs where the
-/// kernel has them. Returns whether the programs cast files (`kfunc::RDONLY_CAST`).
-fn load(tracefs: &Path, every_process: bool, kfuncs: bool) -> Result<(Ebpf, bool)> {
-    raise_memlock_limit();
-    let fork_format = tracefs::Format::read(tracefs, "sched", "sched_process_fork")?;
-    let fork_parent = u32::from(fork_format.offset("parent_pid")?);
-    let fork_child = u32::from(fork_format.offset("child_pid")?);
-    let exit_format = tracefs::Format::read(tracefs, "sched", "sched_process_exit")?;
-    let group_dead = u32::from(exit_format.offset("group_dead")?);
-    let every_process = u32::from(every_process);
-    let filemap = tracefs::Format::read(tracefs, "filemap", "mm_filemap_add_to_page_cache")?;
-    let filemap_ino = u32::from(filemap.offset("i_ino")?);
-    let filemap_dev = u32::from(filemap.offset("s_dev")?);
-    // Kernels before folios (6.x) add one page at a time and have no `order`.
-    let filemap_order = filemap.offset("order").map_or(u32::MAX, u32::from);
-    // Kernels without FUSE tracepoints get no FUSE tripwire (`Tracer::start`).
-    let fuse_connection = tracefs::Format::read(tracefs, "fuse", "fuse_request_send")
-        .and_then(|f| f.offset("connection"))
-        .map_or(u32::MAX, u32::from);
-    // Following only processes that used a watched mount means every watched tree is on
-    // FUSE; with the tripwire there, a path syscall reached one only if it made a request.
-    let paths_by_request = u32::from(every_process == 0 && fuse_connection != u32::MAX);
-    let self_tgid = std::process::id();
-    let btf = Btf::from_kernel()?;
-    let mut offsets =
-        btf::kernel_offsets(&btf).context("finding the kernel struct fields hocus reads")?;
-    // A cast needs the kfunc and a struct to cast to; without either, the programs read
-    // files with the helper (`file_pointer_type` 0).
-    let cast = kfuncs
-        .then(|| btf.function(kfunc::RDONLY_CAST_NAME))
-        .flatten()
-        .filter(|_| offsets.file_pointer_type != 0);
-    if cast.is_none() {
-        offsets.file_pointer_type = 0;
-    }
-    let programs = kfuncs::rewrite(
-        aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/hocus")),
-        kfunc::RDONLY_CAST,
-        cast,
-    )?;
-    let ebpf = EbpfLoader::new()
-        .override_global("OFFSETS", &offsets, true)
-        .override_global("SELF_TGID", &self_tgid, true)
-        .override_global("FORK_PARENT_OFFSET", &fork_parent, true)
-        .override_global("FORK_CHILD_OFFSET", &fork_child, true)
-        .override_global("EXIT_GROUP_DEAD_OFFSET", &group_dead, true)
-        .override_global("TRACE_EVERY_PROCESS", &every_process, true)
-        .override_global("FILEMAP_INO_OFFSET", &filemap_ino, true)
-        .override_global("FILEMAP_DEV_OFFSET", &filemap_dev, true)
-        .override_global("FILEMAP_ORDER_OFFSET", &filemap_order, true)
-        .override_global("FUSE_CONNECTION_OFFSET", &fuse_connection, true)
-        .override_global("PATHS_BY_REQUEST", &paths_by_request, true)
-        .load(kfuncs::as_bytes(&programs))
-        .context(
-            "loading the eBPF programs into the kernel (needs root, or CAP_BPF and CAP_PERFMON)",
-        )?;
-    Ok((ebpf, cast.is_some()))
-}
-
-/// Loads (through the verifier) and attaches `programs`.
-fn attach(
-    ebpf: &mut Ebpf,
-    programs: &[(&'static str, Attach)],
-) -> Result<Vec<(&'static str, Link)>> {
-    let mut links = Vec::new();
-    let mut kernel_btf = None;
-    for &(name, at) in programs {
-        let program = ebpf
-            .program_mut(name)
-            .with_context(|| format!("no program {name}"))?;
-        match at {
-            Attach::Btf(tp) => {
-                let btf = match &mut kernel_btf {
-                    Some(btf) => btf,
-                    None => kernel_btf
-                        .insert(aya::Btf::from_sys_fs().context("reading the kernel's BTF")?),
-                };
-                let p: &mut BtfTracePoint = program.try_into()?;
-                p.load(tp, btf)
-                    .with_context(|| format!("the kernel's verifier rejected {name}"))?;
-                let link = p
-                    .attach()
-                    .with_context(|| format!("attaching {name} to the tracepoint {tp}"))?;
-                links.push((name, Link::Btf(link)));
-            }
-            Attach::Event(category, tp) => {
-                let p: &mut TracePoint = program.try_into()?;
-                p.load()
-                    .with_context(|| format!("the kernel's verifier rejected {name}"))?;
-                let link = p
-                    .attach(category, tp)
-                    .with_context(|| format!("attaching {name} to {category}:{tp}"))?;
-                links.push((name, Link::Event(link)));
-            }
-        }
-    }
-    Ok(links)
-}
-
-/// The kernel's prefix table: the watched trees, as the agent sees them.
-fn prefix_table(trees: &[&Path]) -> Result<Vec<Watched>> {
-    if trees.is_empty() || trees.len() > MAX_TREES {
-        bail!(
-            "between 1 and {MAX_TREES} paths can be watched, not {}",
-            trees.len()
-        );
-    }
-    let table = trees
-        .iter()
-        .map(|path| {
-            Watched::new(path.as_os_str().as_encoded_bytes()).with_context(|| {
-                format!(
-                    "{} is too long to watch (at most {} bytes)",
-                    path.display(),
-                    MAX_PREFIX - 1
-                )
-            })
-        })
-        .collect::<Result<Vec<_>>>()?;
-    if table.len() > MAX_WATCHED as usize {
-        bail!("too many watched trees (the kernel table holds {MAX_WATCHED})");
-    }
-    Ok(table)
-}
-
-/// Kernels before 5.11 charge BPF maps to RLIMIT_MEMLOCK; lift it so loading works there.
-fn raise_memlock_limit() {
-    let unlimited = libc::rlimit {
-        rlim_cur: libc::RLIM_INFINITY,
-        rlim_max: libc::RLIM_INFINITY,
-    };
-    // SAFETY: plain syscall with a valid pointer.
-    if unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &unlimited) } != 0 {
-        log::debug!(
-            "could not lift RLIMIT_MEMLOCK: {}",
-            std::io::Error::last_os_error()
-        );
-    }
 }

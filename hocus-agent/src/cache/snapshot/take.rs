@@ -1,27 +1,13 @@
-//! Snapshots: a local copy of a network directory tree that is read-only in practice
-//! (an environment's site-packages, a dataset). It holds every entry of the directories
-//! jobs used, cold files too (a lazy snapshot as stubs), so a job whose namespace binds
-//! it over the network directory gets its failed lookups answered locally as well: the
-//! ENOENT probes of an import storm never leave the node. A lazy snapshot does not walk
-//! directories no job used: those are passages, shown from the network itself.
-//!
-//! A snapshot is taken into a staging directory and renamed into place whole. Files
-//! the cache already holds (same identity) are hard-linked (their pins then cover the
-//! snapshot too); the others are copied like any file. Anything but directories, regular
-//! files and symlinks makes the tree unsuitable. Its stamp (every entry's identity)
-//! tells later whether the network tree is still the same.
+//! Taking a snapshot: the network tree walked by many threads, its directories made
+//! alike, the files it fills copied (or linked from the cache's copies of the same
+//! identity) beside the walk, the others written as stubs, all into a staging directory
+//! renamed into place whole; and measuring a tree before, where snapshots are whole.
 
 use std::{
-    collections::{BTreeMap, HashSet},
-    fs,
-    hash::BuildHasher,
-    io,
+    fs, io,
     os::{
         fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd},
-        unix::{
-            ffi::OsStrExt,
-            fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt},
-        },
+        unix::fs::{DirBuilderExt, PermissionsExt},
     },
     path::{Path, PathBuf},
     sync::{
@@ -36,241 +22,22 @@ use nix::{
     sys::stat::{FileStat, Mode},
 };
 
+use super::{
+    fill::{Fill, is_passage},
+    stamp::{Stamp, identity, racy},
+    stub::write_stub,
+};
 use crate::{
     cache::{
         copy::{self, CopyError},
         walk::{self, At, Met, WALKERS},
     },
-    profile::view::View,
     shared::{
         attrs::{self, Times},
         identity::Identity,
         user::User,
     },
 };
-
-/// Every entry's identity, by path relative to the tree's root ("" is the root).
-pub type Stamp = BTreeMap<PathBuf, Identity>;
-
-/// Which files' bytes a snapshot holds, and which of its directories it walks.
-#[derive(Debug, Clone, Default)]
-pub enum Fill {
-    /// Every file's, every directory: the snapshot is bound as it is.
-    #[default]
-    Whole,
-    /// Those of the files jobs used (the working set), and of those not readable by
-    /// everyone (the overlay reads as root, and root may be squashed on the network);
-    /// every other file is a stub whose bytes are read from the network on demand,
-    /// through an overlay (`redirect::mountns::lazy_view`). Only the directories jobs
-    /// used are walked; the others are passages, shown from the network itself.
-    Lazy(Used),
-}
-
-impl Fill {
-    /// Whether the snapshot holds the bytes of the file `path` of mode `mode`.
-    fn holds(&self, path: &Path, mode: u32) -> bool {
-        match self {
-            Fill::Whole => true,
-            Fill::Lazy(used) => mode & 0o004 == 0 || used.file(path),
-        }
-    }
-
-    /// Whether the snapshot walks the directory `path` (else it is a passage).
-    fn enters(&self, path: &Path) -> bool {
-        match self {
-            Fill::Whole => true,
-            Fill::Lazy(used) => used.dir(path),
-        }
-    }
-}
-
-/// What jobs used in a tree: the files whose bytes a lazy snapshot holds, and the
-/// directories it walks (those holding them, the missing names jobs probed and the
-/// directories they listed, and every directory above these). By 64-bit hashes of their
-/// paths: the 100k paths of a site-wide working set took ~10 MiB as a set of paths. Two
-/// paths with one hash (a chance in ~10^9 at 100k) only mean that a cold file's bytes
-/// are copied too, or a directory no job used is walked.
-#[derive(Debug, Clone, Default)]
-pub struct Used {
-    files: hashbrown::HashSet<u64>,
-    dirs: hashbrown::HashSet<u64>,
-    hasher: hashbrown::DefaultHashBuilder,
-}
-
-impl Used {
-    /// From the files whose bytes it holds and the directories jobs used
-    /// (`View::used_dirs`), beneath `root`; the files' directories are walked too.
-    pub fn new<'a>(
-        root: &Path,
-        files: impl IntoIterator<Item = &'a Path>,
-        dirs: impl IntoIterator<Item = &'a Path>,
-    ) -> Self {
-        let mut used = Used::default();
-        for f in files {
-            let h = used.hasher.hash_one(f);
-            used.files.insert(h);
-            if let Some(dir) = f.parent() {
-                used.add_dirs(root, dir);
-            }
-        }
-        for d in dirs {
-            used.add_dirs(root, d);
-        }
-        used
-    }
-
-    /// `dir` and the directories above it, up to `root`.
-    fn add_dirs(&mut self, root: &Path, dir: &Path) {
-        if !dir.starts_with(root) {
-            return;
-        }
-        for d in dir.ancestors() {
-            if !self.dirs.insert(self.hasher.hash_one(d)) || d == root {
-                break; // the ones above are in already
-            }
-        }
-    }
-
-    fn file(&self, path: &Path) -> bool {
-        self.files.contains(&self.hasher.hash_one(path))
-    }
-
-    fn dir(&self, path: &Path) -> bool {
-        self.dirs.contains(&self.hasher.hash_one(path))
-    }
-}
-
-/// Where snapshots could go. For every directory jobs used (opened files or probed
-/// names in it, or listed it), the directories above it that are clean (nothing in them
-/// was written, changed or refused) from the highest one jobs used themselves, highest
-/// first, down to the directory itself, never a watched tree's root. The caller takes
-/// the first of each list that fits. Not higher: a snapshot is read-only where it walks,
-/// and walking is cheap since it passes unused directories by, so a home directory
-/// above an environment would otherwise be taken, and a job's first write there refused.
-pub fn candidates(view: &View, trees: &[PathBuf], unclean: &[&Path]) -> Vec<Vec<PathBuf>> {
-    let mut dirty: HashSet<PathBuf> = HashSet::new();
-    let changed = view
-        .files()
-        .filter(|f| f.written || f.kept_on_the_network())
-        .map(|f| f.path)
-        .chain(
-            view.dirs
-                .iter()
-                .filter(|d| d.mutated)
-                .map(|d| d.path.as_str()),
-        )
-        .map(Path::new)
-        .chain(unclean.iter().copied());
-    for path in changed {
-        for a in path.ancestors() {
-            if !dirty.insert(a.to_owned()) {
-                break; // its ancestors are marked already
-            }
-        }
-    }
-    // (A directory holding a written file is unclean: it starts no chain.)
-    let mut active: Vec<&Path> = view.used_dirs().collect();
-    active.sort();
-    active.dedup();
-    let used = |d: &Path| active.binary_search(&d).is_ok();
-    let mut tops: HashSet<PathBuf> = HashSet::new();
-    let mut out = Vec::new();
-    // Deepest first: a chain that has a directory to fall back on claims its top.
-    for &dir in active.iter().rev() {
-        let Some(tree) = trees.iter().find(|t| dir.starts_with(t)) else {
-            continue;
-        };
-        // From the directory up to just below the tree's root, while clean; from the
-        // highest one used down.
-        let mut chain: Vec<PathBuf> = dir
-            .ancestors()
-            .take_while(|a| *a != tree.as_path() && !dirty.contains(*a))
-            .map(Path::to_owned)
-            .collect();
-        while chain.last().is_some_and(|top| !used(top)) {
-            chain.pop();
-        }
-        chain.reverse();
-        if chain.first().is_some_and(|top| tops.insert(top.clone())) {
-            out.push(chain);
-        }
-    }
-    out
-}
-
-fn identity(m: &Met) -> Identity {
-    let s = &m.stat;
-    Identity {
-        size: s.st_size as u64,
-        mtime_ns: s.st_mtime * 1_000_000_000 + s.st_mtime_nsec,
-        ctime_ns: s.st_ctime * 1_000_000_000 + s.st_ctime_nsec,
-        ino: if m.stable_inodes { s.st_ino } else { 0 },
-        mode: s.st_mode,
-        uid: s.st_uid,
-        gid: s.st_gid,
-    }
-}
-
-/// Measures a network tree: the bytes a snapshot of it holds (`fill`) and its entries,
-/// or None when it exceeds `limits`, holds something a snapshot cannot (devices,
-/// sockets, fifos), or cannot be reached beneath `tree` without a symlink.
-pub fn measure(tree: &Path, root: &Path, fill: &Fill, limits: Limits) -> Option<(u64, usize)> {
-    let count = Count::default();
-    let odd = AtomicBool::new(false);
-    let enter = |rel: &Path| fill.enters(&root.join(rel));
-    walk::walk::<CopyError>(tree, root, WALKERS, enter, |m| {
-        if !matches!(
-            m.stat.st_mode & libc::S_IFMT,
-            libc::S_IFREG | libc::S_IFDIR | libc::S_IFLNK
-        ) {
-            odd.store(true, Ordering::Relaxed);
-            return Ok(false);
-        }
-        count.add(m, root, fill, limits)?;
-        Ok(true)
-    })
-    .ok()?;
-    (!odd.into_inner()).then(|| {
-        (
-            count.bytes.into_inner(),
-            count.entries.into_inner() as usize,
-        )
-    })
-}
-
-/// Reads the stamp of a network tree (inside the watched `tree`), but for its
-/// `passages` (by path below `root`): those are shown from the network itself, and
-/// their names are in their parents' stamps.
-pub fn stamp(tree: &Path, root: &Path, passages: &HashSet<PathBuf>) -> io::Result<Stamp> {
-    let out = Mutex::new(Stamp::new());
-    walk::walk::<io::Error>(
-        tree,
-        root,
-        WALKERS,
-        |rel| !passages.contains(rel),
-        |m| {
-            if !is_passage(m) {
-                out.lock().unwrap().insert(m.rel.to_owned(), identity(m));
-            }
-            Ok(true)
-        },
-    )?;
-    Ok(out.into_inner().unwrap())
-}
-
-/// Whether `path`, inside the snapshot of `root`, lies in one of its `passages` (by
-/// path below the root): the network serves it.
-pub fn in_passage(root: &Path, passages: &HashSet<PathBuf>, path: &Path) -> bool {
-    !passages.is_empty()
-        && path
-            .strip_prefix(root)
-            .is_ok_and(|rel| rel.ancestors().any(|a| passages.contains(a)))
-}
-
-/// Whether the walk passed the entry `m` by: a directory it did not enter.
-fn is_passage(m: &Met) -> bool {
-    matches!(m.at, At::Entry { .. }) && m.stat.st_mode & libc::S_IFMT == libc::S_IFDIR
-}
 
 /// What taking a snapshot cost: bytes copied from the network, bytes linked from copies
 /// the cache had; and the directories whose stamp cannot vouch for them.
@@ -295,23 +62,6 @@ pub struct Taken {
     /// How long the walk took, and the whole snapshot (its copies end after the walk).
     pub walk_time: std::time::Duration,
     pub time: std::time::Duration,
-}
-
-/// How close to the reading of its stamp a directory's mtime makes it racy: the mtime's
-/// granularity (1 s) plus what a client may have cached, with a margin.
-const RACY: std::time::Duration = std::time::Duration::from_secs(3);
-
-/// The directories of `stamp`, read at `read_at`, that changed within `RACY` of it.
-fn racy(stamp: &Stamp, read_at: std::time::SystemTime) -> Vec<PathBuf> {
-    let since = read_at
-        .checked_sub(RACY)
-        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
-        .map_or(0, |d| d.as_nanos() as i64);
-    stamp
-        .iter()
-        .filter(|(_, id)| id.mode & libc::S_IFMT == libc::S_IFDIR && id.mtime_ns >= since)
-        .map(|(rel, _)| rel.clone())
-        .collect()
 }
 
 /// What a snapshot may hold at most: the bytes of the files it fills, and entries.
@@ -355,6 +105,33 @@ impl Count {
         }
         Ok(filled)
     }
+}
+
+/// Measures a network tree: the bytes a snapshot of it holds (`fill`) and its entries,
+/// or None when it exceeds `limits`, holds something a snapshot cannot (devices,
+/// sockets, fifos), or cannot be reached beneath `tree` without a symlink.
+pub fn measure(tree: &Path, root: &Path, fill: &Fill, limits: Limits) -> Option<(u64, usize)> {
+    let count = Count::default();
+    let odd = AtomicBool::new(false);
+    let enter = |rel: &Path| fill.enters(&root.join(rel));
+    walk::walk::<CopyError>(tree, root, WALKERS, enter, |m| {
+        if !matches!(
+            m.stat.st_mode & libc::S_IFMT,
+            libc::S_IFREG | libc::S_IFDIR | libc::S_IFLNK
+        ) {
+            odd.store(true, Ordering::Relaxed);
+            return Ok(false);
+        }
+        count.add(m, root, fill, limits)?;
+        Ok(true)
+    })
+    .ok()?;
+    (!odd.into_inner()).then(|| {
+        (
+            count.bytes.into_inner(),
+            count.entries.into_inner() as usize,
+        )
+    })
 }
 
 /// Threads copying a snapshot's files beside its walk.
@@ -541,81 +318,20 @@ fn make_dir(from: BorrowedFd, dst: &Path, stat: &FileStat) -> io::Result<()> {
     to.set_permissions(fs::Permissions::from_mode(stat.st_mode & 0o7777))
 }
 
-/// Writes the stub of a cold file into a lazy snapshot: a sparse file of its size, owner,
-/// mode, ACLs and times, marked for overlayfs as metadata only (`trusted.overlay.metacopy`)
-/// with its bytes at `/rel` in the data layer, the snapshot's network directory
-/// (`trusted.overlay.redirect`). `from` is the network file, opened without following.
-pub fn write_stub(from: &OwnedFd, rel: &Path, dst: &Path, m: &FileStat) -> io::Result<()> {
-    let f = fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .open(dst)?;
-    f.set_len(m.st_size as u64)?;
-    let redirect = Path::new("/").join(rel);
-    attrs::set_xattr(&f, METACOPY, b"")?;
-    attrs::set_xattr(
-        &f,
-        c"trusted.overlay.redirect",
-        redirect.as_os_str().as_bytes(),
-    )?;
-    attrs::copy_xattrs(from, &f)?;
-    attrs::own(&f, m.st_uid, m.st_gid, m.st_mode)?;
-    Times::of_stat(m).set(&f)
-}
-
-/// overlayfs's mark of a file whose bytes are in a data-only layer.
-const METACOPY: &std::ffi::CStr = c"trusted.overlay.metacopy";
-
-/// Whether `path` (in a snapshot) is a stub: its bytes are on the network.
-pub fn is_stub(path: &Path) -> bool {
-    attrs::has_xattr(path, METACOPY)
-}
-
 #[cfg(test)]
 mod tests {
+    use std::{
+        collections::HashSet,
+        os::unix::{ffi::OsStrExt, fs::MetadataExt},
+    };
+
     use super::*;
-    use crate::profile::working_set::WorkingSet;
-    use std::os::unix::fs::MetadataExt;
+    use crate::cache::snapshot::{Used, is_stub, stamp};
 
     const NONE: Limits = Limits {
         bytes: u64::MAX,
         entries: usize::MAX,
     };
-
-    #[test]
-    fn candidates_are_the_highest_clean_directories_jobs_used() {
-        let mut ws = WorkingSet::new(0);
-        ws.open("/net/env/lib/site-packages/numpy/core.py", 1, 1);
-        ws.missing("/net/env/lib/site-packages/numpy/core.abi3.so", 1);
-        ws.open("/net/env/lib/site-packages/scipy/x.py", 1, 1);
-        // Python lists the directories of its path.
-        ws.dir_opened("/net/env/lib/site-packages");
-        ws.open("/net/home/jax-cache/entry-1", 1, 1);
-        ws.mark_written("/net/home/jax-cache/entry-2", 1);
-        ws.open("/net/top.txt", 1, 1);
-        let trees = [PathBuf::from("/net")];
-        let c = candidates(&View::from(ws.to_profile()), &trees, &[]);
-        let tops: Vec<_> = c.iter().map(|chain| chain[0].clone()).collect();
-        // site-packages was used itself: one candidate for both packages, highest
-        // first; not /net/env, clean but only above what was used (a job's first write
-        // there would be refused). /net/home holds a written file: nothing above or at
-        // jax-cache is clean.
-        assert_eq!(tops, [PathBuf::from("/net/env/lib/site-packages")]);
-        assert_eq!(
-            c[0],
-            [
-                "/net/env/lib/site-packages",
-                "/net/env/lib/site-packages/scipy"
-            ]
-            .map(PathBuf::from)
-        );
-        // A refused write in scipy leaves only numpy's own directory.
-        let scipy = Path::new("/net/env/lib/site-packages/scipy/x.py");
-        let c = candidates(&View::from(ws.to_profile()), &trees, &[scipy]);
-        let tops: Vec<_> = c.iter().map(|chain| chain[0].clone()).collect();
-        assert_eq!(tops, [PathBuf::from("/net/env/lib/site-packages/numpy")]);
-    }
 
     #[test]
     fn takes_a_whole_tree_and_notices_changes() {

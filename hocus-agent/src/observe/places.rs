@@ -1,0 +1,157 @@
+//! Where the kernel's events happened, as the paths the agent sees: a root the kernel
+//! placed a file under (a watched tree, the cache's copies and snapshots, a snapshot's
+//! view in a job) and the path below it, another namespace's absolute path placed by its
+//! mounts, or the agent's own absolute path; normalized, and checked against the watched
+//! trees again (`..` in a process's path can leave a tree).
+
+use std::{
+    collections::HashMap,
+    ffi::OsStr,
+    os::unix::ffi::OsStrExt,
+    path::{Component, Path, PathBuf},
+};
+
+use hocus_common::{Event, ROOT_NONE, ROOT_VIEW, ev};
+
+use crate::observe::views::Views;
+
+/// A watched tree: its canonical path, and other prefixes that reach it (e.g. the path
+/// the user named when it is a symlink).
+#[derive(Debug, Clone)]
+pub struct Watch {
+    pub path: PathBuf,
+    pub aliases: Vec<PathBuf>,
+}
+
+/// Why an event has no watched path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Unplaced {
+    /// Longer than the kernel copies.
+    Truncated,
+    /// Its process, namespace or directory could not be placed.
+    Unresolved,
+    /// Not under a watched tree once normalized.
+    Outside,
+}
+
+pub struct Places {
+    watches: Vec<Watch>,
+    /// Where each of the kernel's roots is, by `Event::root`: a watched tree's path, or
+    /// `/` for the cache's directories (the path below them is the network path).
+    roots: Vec<PathBuf>,
+    /// The network directory each snapshot view in a job stands for, by `Event::root`
+    /// (`FIRST_VIEW_ROOT` and up).
+    view_roots: HashMap<u32, PathBuf>,
+}
+
+impl Places {
+    pub fn new(watches: Vec<Watch>, roots: Vec<PathBuf>) -> Self {
+        Self {
+            watches,
+            roots,
+            view_roots: HashMap::new(),
+        }
+    }
+
+    /// Files opened under kernel root `index` are under `dir` (a snapshot view's network
+    /// directory), until forgotten.
+    pub fn add_view_root(&mut self, index: u32, dir: PathBuf) {
+        self.view_roots.insert(index, dir);
+    }
+
+    pub fn forget_view_root(&mut self, index: u32) {
+        self.view_roots.remove(&index);
+    }
+
+    /// The normalized, watched, absolute path of an event (another namespace's placed
+    /// through `views`), or why there is none.
+    pub fn resolve(&self, e: &Event, views: &Views) -> Result<String, Unplaced> {
+        if e.flags & ev::PATH_TRUNCATED != 0 {
+            return Err(Unplaced::Truncated);
+        }
+        let raw = |bytes: &[u8], len: u32| -> PathBuf {
+            let bytes = &bytes[..(len as usize).min(bytes.len())];
+            let bytes = bytes.split(|b| *b == 0).next().unwrap_or_default();
+            PathBuf::from(OsStr::from_bytes(bytes))
+        };
+        let path = raw(&e.path, e.path_len);
+        let absolute = if e.root == ROOT_NONE {
+            path
+        } else if e.root == ROOT_VIEW {
+            // Another namespace's path: placed by its mounts, as learned.
+            let Some(placed) = views.resolve(&e.namespace, e.generation, &normalize(&path)) else {
+                return Err(Unplaced::Unresolved);
+            };
+            placed
+        } else {
+            let root = match self.roots.get(e.root as usize) {
+                Some(root) => Some(root),
+                None => self.view_roots.get(&e.root),
+            };
+            let Some(root) = root else {
+                return Err(Unplaced::Unresolved);
+            };
+            // The base is `/a/b` (or empty); the process's path is relative to it.
+            let base = raw(&e.base, e.base_len);
+            let mut placed = root.join(base.strip_prefix("/").unwrap_or(&base));
+            if path.components().any(|c| c == Component::ParentDir) {
+                // `..` from a directory bound elsewhere (a container's /env) climbs
+                // where the process is, not where the tree is: it names nothing here.
+                return Err(Unplaced::Unresolved);
+            }
+            if !path.as_os_str().is_empty() {
+                placed.push(path);
+            }
+            placed
+        };
+        let normal = normalize(&absolute);
+        match self.watched(&normal) {
+            Some(p) => Ok(p.to_string_lossy().into_owned()),
+            None => Err(Unplaced::Outside),
+        }
+    }
+
+    /// `path` in canonical form if it lies in a watched tree.
+    fn watched(&self, path: &Path) -> Option<PathBuf> {
+        for w in &self.watches {
+            if path.starts_with(&w.path) {
+                return Some(path.to_owned());
+            }
+            for alias in &w.aliases {
+                if let Ok(rest) = path.strip_prefix(alias) {
+                    return Some(w.path.join(rest));
+                }
+            }
+        }
+        None
+    }
+}
+
+/// Removes `.` and `..` and repeated slashes without touching the filesystem.
+pub fn normalize(path: &Path) -> PathBuf {
+    let mut out = PathBuf::from("/");
+    for c in path.components() {
+        match c {
+            Component::Normal(part) => out.push(part),
+            Component::ParentDir => {
+                out.pop();
+            }
+            Component::RootDir | Component::CurDir | Component::Prefix(_) => {}
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn normalizes_lexically() {
+        assert_eq!(
+            normalize(Path::new("/a/./b//c/../d")),
+            PathBuf::from("/a/b/d")
+        );
+        assert_eq!(normalize(Path::new("/../..")), PathBuf::from("/"));
+    }
+}
