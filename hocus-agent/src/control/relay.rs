@@ -27,6 +27,7 @@ use crate::{
     control::{
         calls::ask_once,
         messages::{Answer, Ask, Call},
+        refusal::Refusal,
     },
     redirect::access::Caller,
     shared::{
@@ -118,7 +119,7 @@ impl Peer<'_> {
             Ok(()) => peer.stream.write_all(b"OK\n")?,
             Err(why) => {
                 log::warn!("relay: refused {addr}: {why}");
-                let why = why.replace('\n', " ");
+                let why = why.message.replace('\n', " ");
                 return peer.stream.write_all(format!("NO {why}\n").as_bytes());
             }
         }
@@ -136,16 +137,17 @@ impl Peer<'_> {
 
     /// Checks the credential and asks the daemon's loop whether the job is one of its
     /// own, waiting (within `timeout`) for this node's prolog to tell it of the job.
-    fn join(&mut self, cred: &str, serving: &Serving) -> Result<(), String> {
-        let decoded = munge::decode(cred, serving.munge_socket.as_deref())?;
+    fn join(&mut self, cred: &str, serving: &Serving) -> Result<(), Refusal> {
+        let refused = |why: String| Refusal::new("relay_refused", why);
+        let decoded = munge::decode(cred, serving.munge_socket.as_deref()).map_err(refused)?;
         if decoded.uid != 0 {
-            return Err(format!(
+            return Err(refused(format!(
                 "a credential of uid {}: only nodes' hocus daemons (root) fetch from each other",
                 decoded.uid
-            ));
+            )));
         }
         let (job_id, from, to) = parse_payload(&decoded.payload)
-            .ok_or_else(|| "the credential names no job and nodes".to_owned())?;
+            .ok_or_else(|| refused("the credential names no job and nodes".to_owned()))?;
         let deadline = Instant::now() + serving.timeout;
         loop {
             let asked = Ask::RelayJoin {
@@ -157,19 +159,19 @@ impl Peer<'_> {
                 Answer::Ready => break,
                 Answer::Refused(r) if r.reason == NOT_KNOWN_YET => {
                     if Instant::now() >= deadline {
-                        return Err(r.message);
+                        return Err(r);
                     }
                     thread::sleep(Duration::from_millis(100));
                 }
-                Answer::Refused(r) => return Err(r.message),
-                other => return Err(format!("unexpected answer {other:?}")),
+                Answer::Refused(r) => return Err(r),
+                other => return Err(refused(format!("unexpected answer {other:?}"))),
             }
         }
         (self.job_id, self.from) = (job_id, from);
         Ok(())
     }
 
-    fn ask(&self, asked: Ask) -> Result<Answer, String> {
+    fn ask(&self, asked: Ask) -> Result<Answer, Refusal> {
         let caller = Caller {
             pid: 0,
             uid: 0,
@@ -177,7 +179,7 @@ impl Peer<'_> {
             groups: Vec::new(),
             pidfd: None,
         };
-        ask_once(self.calls, caller, asked).map_err(|r| r.message)
+        ask_once(self.calls, caller, asked)
     }
 
     /// Sends `source`'s copy once this node holds it; WAIT while it is coming.
@@ -189,7 +191,7 @@ impl Peer<'_> {
                 from: self.from.clone(),
                 source: source.clone(),
             };
-            match self.ask(asked).map_err(io::Error::other)? {
+            match self.ask(asked).map_err(|r| io::Error::other(r.message))? {
                 Answer::Relay(Holding::Copy(local)) => {
                     return match std::fs::File::open(&local) {
                         Ok(f) => self.send(&f),
