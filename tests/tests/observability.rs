@@ -247,9 +247,12 @@ fn status_without_a_daemon_says_so() {
     );
 }
 
-/// The JSON log lines of a daemon started with `--log-format json`.
+/// The JSON log lines of a daemon started with `--log-format json`. Only whole lines:
+/// the log is read while the daemon writes, so the last one may be half written.
 fn json_lines(log: &str) -> Vec<Value> {
-    log.lines()
+    let whole = log.rfind('\n').map_or("", |end| &log[..end]);
+    whole
+        .lines()
         .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not a JSON line ({e}): {l}")))
         .collect()
 }
