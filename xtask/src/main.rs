@@ -4,6 +4,7 @@ mod bench;
 mod host;
 mod package;
 mod setup;
+mod vm;
 
 use host::{as_root, cargo, is_root, status, target_dir};
 
@@ -55,6 +56,11 @@ enum Cmd {
     /// Benchmarks that print ratios against a baseline measured in the same run.
     #[command(subcommand)]
     Bench(Bench),
+    /// The kernel rig: Debian's stock kernels (5.10, 6.1, 6.12) booted under QEMU with
+    /// this machine's root filesystem, running hocus, a command or the integration
+    /// tests there (also against kernel NFS, which this kernel lacks).
+    #[command(subcommand)]
+    Vm(vm::Vm),
     /// `bench overhead`'s loop in a process of its own: prints seconds per iteration.
     #[command(hide = true)]
     SyscallLoop {
@@ -210,6 +216,7 @@ fn run(cli: Cli) -> Result<()> {
             Err(err).context("starting hocus-agent")
         }
         Cmd::Test { filter } => test(filter),
+        Cmd::Vm(v) => vm::run(v),
         Cmd::Package => {
             let agent = build(true)?;
             package::build(&agent).map(drop)

@@ -59,7 +59,7 @@ const TRACEFS: &str = "/sys/kernel/tracing";
 /// What this machine lacks, as readable step names.
 fn missing() -> Vec<&'static str> {
     let mut out = Vec::new();
-    if !missing_packages().is_empty() {
+    if !missing_packages(PACKAGES).is_empty() {
         out.push("Debian packages");
     }
     if !bpf_linker_ok() {
@@ -85,21 +85,9 @@ pub fn ensure() -> Result<()> {
 }
 
 pub fn run() -> Result<()> {
-    let packages = missing_packages();
+    let packages = missing_packages(PACKAGES);
     if !packages.is_empty() {
-        need_root("install Debian packages")?;
-        println!("setup: installing {}", packages.join(" "));
-        status(
-            Command::new("apt-get")
-                .arg("update")
-                .env("DEBIAN_FRONTEND", "noninteractive"),
-        )?;
-        status(
-            Command::new("apt-get")
-                .args(["install", "-y", "--no-install-recommends"])
-                .args(&packages)
-                .env("DEBIAN_FRONTEND", "noninteractive"),
-        )?;
+        install(&packages)?;
     } else {
         println!("setup: Debian packages present");
     }
@@ -144,15 +132,33 @@ pub fn run() -> Result<()> {
     Ok(())
 }
 
-fn need_root(what: &str) -> Result<()> {
+/// Installs Debian packages (as root).
+pub fn install(packages: &[&str]) -> Result<()> {
+    need_root("install Debian packages")?;
+    println!("setup: installing {}", packages.join(" "));
+    status(
+        Command::new("apt-get")
+            .arg("update")
+            .env("DEBIAN_FRONTEND", "noninteractive"),
+    )?;
+    status(
+        Command::new("apt-get")
+            .args(["install", "-y", "--no-install-recommends"])
+            .args(packages)
+            .env("DEBIAN_FRONTEND", "noninteractive"),
+    )
+}
+
+pub fn need_root(what: &str) -> Result<()> {
     if !is_root() {
         bail!("setup needs root to {what}: run `sudo -E cargo xtask setup`");
     }
     Ok(())
 }
 
-fn missing_packages() -> Vec<&'static str> {
-    PACKAGES
+/// Those of `packages` this machine lacks.
+pub fn missing_packages(packages: &[&'static str]) -> Vec<&'static str> {
+    packages
         .iter()
         .copied()
         .filter(|p| {

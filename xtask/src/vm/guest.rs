@@ -1,0 +1,203 @@
+//! One boot of a kernel under QEMU (virtme-ng): the guest runs this machine's root
+//! filesystem read-only (over 9p), with a private /tmp, runs one shell command in the
+//! checkout as root, and powers off. The command's output comes back through a folder
+//! the guest may write (`--rwdir`), printed here as it grows; so does its exit code.
+
+use std::{
+    fs,
+    io::{Read, Seek, SeekFrom, Write},
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+    thread,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context, Result, bail};
+
+use super::{kernels::Kernel, tools};
+use crate::host::{target_dir, workspace};
+
+/// What a boot is given.
+pub struct Boot<'a> {
+    pub kernel: &'a Kernel,
+    /// A shell command, run with `sh -c` in the checkout.
+    pub command: String,
+    /// Variables set for the command (besides PATH and the HOCUS_ and CI ones of this
+    /// process, which it inherits).
+    pub env: Vec<(String, String)>,
+    pub memory_mib: u32,
+    pub cpus: u32,
+    /// The whole boot, command included, is stopped after this long.
+    pub timeout: Duration,
+}
+
+/// How a boot ended.
+pub struct Ended {
+    /// The command's exit code; None if the guest never got to finish it (a panic, a
+    /// hang stopped by the timeout): `console` says why.
+    pub code: Option<i32>,
+    pub console: PathBuf,
+    pub took: Duration,
+}
+
+/// Boots, runs the command with its output printed here as it comes, and powers off.
+pub fn run(boot: &Boot) -> Result<Ended> {
+    let vng = tools::vng()?;
+    let dir = run_dir()?;
+    let out = dir.join("out");
+    let rc = dir.join("rc");
+    let script = dir.join("guest.sh");
+    fs::write(&out, "")?;
+    fs::write(&script, guest_script(boot, &out, &rc))?;
+    let console = dir.join("console.log");
+    let started = Instant::now();
+    let mut cmd = Command::new(&vng);
+    cmd.env("PATH", tools::path_with_vng())
+        .arg("--verbose")
+        .args(tools::accel())
+        .arg("-r")
+        .arg(&boot.kernel.image)
+        .args(["--memory", &format!("{}M", boot.memory_mib)])
+        .args(["--cpus", &boot.cpus.to_string()])
+        .arg(format!("--rwdir={}", dir.display()))
+        .arg("--cwd")
+        .arg(workspace())
+        .arg("--")
+        .arg(format!("sh {}", script.display()))
+        .stdin(Stdio::null())
+        .stdout(fs::File::create(&console)?)
+        .stderr(fs::File::create(dir.join("vng.err"))?);
+    // Its own process group: a timeout stops QEMU with it.
+    std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+    let mut child = cmd
+        .spawn()
+        .with_context(|| format!("starting {}", vng.display()))?;
+    let done = Arc::new(AtomicBool::new(false));
+    let printer = {
+        let (out, done) = (out.clone(), done.clone());
+        thread::spawn(move || follow(&out, &done))
+    };
+    let status = loop {
+        if let Some(status) = child.try_wait()? {
+            break Some(status);
+        }
+        if started.elapsed() > boot.timeout {
+            // SAFETY: plain kill(2) of the group we made.
+            unsafe { libc::kill(-(child.id() as i32), libc::SIGKILL) };
+            let _ = child.wait();
+            break None;
+        }
+        thread::sleep(Duration::from_millis(200));
+    };
+    done.store(true, Ordering::Relaxed);
+    let _ = printer.join();
+    let code = fs::read_to_string(&rc)
+        .ok()
+        .and_then(|s| s.trim().parse().ok());
+    if status.is_none() {
+        eprintln!(
+            "vm: the guest ran past {} s and was stopped",
+            boot.timeout.as_secs()
+        );
+    }
+    Ok(Ended {
+        code,
+        console,
+        took: started.elapsed(),
+    })
+}
+
+/// A fresh folder for one boot's script, output and console, under `target/vm/runs`
+/// (the guest sees the checkout).
+fn run_dir() -> Result<PathBuf> {
+    let runs = target_dir().join("vm/runs");
+    fs::create_dir_all(&runs)?;
+    // The last few are kept, to read a console after the fact.
+    let mut old: Vec<_> = fs::read_dir(&runs)?.flatten().map(|e| e.path()).collect();
+    old.sort();
+    for dir in old.iter().rev().skip(8) {
+        let _ = fs::remove_dir_all(dir);
+    }
+    let stamp = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)?
+        .as_millis();
+    let dir = runs.join(format!("{stamp}-{}", std::process::id()));
+    fs::create_dir(&dir)?;
+    Ok(dir)
+}
+
+/// The guest's side: the environment, the command, its output and exit code into the
+/// shared folder. The guest's root is read-only but for /tmp and a few overlays.
+fn guest_script(boot: &Boot, out: &Path, rc: &Path) -> String {
+    let mut s = String::from("#!/bin/sh\n");
+    s += &format!("exec >>{} 2>&1\n", quote(&out.display().to_string()));
+    let inherited = std::env::vars().filter(|(k, _)| {
+        k == "PATH" || k == "CI" || k == "RUST_BACKTRACE" || k.starts_with("HOCUS_")
+    });
+    for (k, v) in inherited.chain(boot.env.iter().cloned()) {
+        s += &format!("export {k}={}\n", quote(&v));
+    }
+    // What the tests and the daemon expect of a machine, as on the host.
+    s += "mountpoint -q /sys/kernel/tracing || mount -t tracefs none /sys/kernel/tracing\n";
+    s += "ip link set lo up 2>/dev/null\n";
+    s += &format!("cd {}\n", quote(&workspace().display().to_string()));
+    s += &format!("sh -c {}\n", quote(&boot.command));
+    s += &format!("echo $? > {}\n", quote(&rc.display().to_string()));
+    s += "sync\n";
+    s
+}
+
+/// Single-quoted for sh.
+pub fn quote(s: &str) -> String {
+    format!("'{}'", s.replace('\'', r"'\''"))
+}
+
+/// Prints what the guest writes to `path` as it comes, until `done` and all is out.
+fn follow(path: &Path, done: &AtomicBool) {
+    let Ok(mut file) = fs::File::open(path) else {
+        return;
+    };
+    let mut at = 0;
+    let mut buf = vec![0u8; 1 << 16];
+    loop {
+        let finished = done.load(Ordering::Relaxed);
+        let _ = file.seek(SeekFrom::Start(at));
+        while let Ok(n) = file.read(&mut buf) {
+            if n == 0 {
+                break;
+            }
+            at += n as u64;
+            let mut stdout = std::io::stdout().lock();
+            let _ = stdout.write_all(&buf[..n]);
+            let _ = stdout.flush();
+        }
+        if finished {
+            return;
+        }
+        thread::sleep(Duration::from_millis(250));
+    }
+}
+
+/// The console's last lines, for a guest that did not finish its command.
+pub fn console_tail(console: &Path, lines: usize) -> String {
+    let text = fs::read_to_string(console).unwrap_or_default();
+    let all: Vec<&str> = text.lines().collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
+}
+
+/// Fails unless the boot's command ran and exited 0.
+pub fn check(ended: &Ended, what: &str) -> Result<()> {
+    match ended.code {
+        Some(0) => Ok(()),
+        Some(code) => bail!("{what} exited with {code} in the guest"),
+        None => bail!(
+            "{what}: the guest never finished it; its console ended with:\n{}\n(all of it: {})",
+            console_tail(&ended.console, 30),
+            ended.console.display()
+        ),
+    }
+}

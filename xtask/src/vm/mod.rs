@@ -1,0 +1,272 @@
+//! `cargo xtask vm`: the kernel rig. Debian's stock kernels (5.10, 6.1, 6.12) booted on
+//! this machine under QEMU with its root filesystem, running hocus, a command or the
+//! integration tests there, with their output and exit code brought back. Kernel NFS
+//! lives there too: this machine's kernel has no NFS client.
+//!
+//! - `kernels`: which kernels, fetched from Debian's archive and cached;
+//! - `guest`: one boot running one command;
+//! - `tools`: QEMU, virtme-ng and the guest's NFS tools, installed when missing.
+
+pub mod guest;
+pub mod kernels;
+mod tools;
+
+use std::{path::PathBuf, time::Duration};
+
+use anyhow::{Context, Result, bail};
+use clap::{Subcommand, ValueEnum};
+
+use crate::host::{cargo, is_root, target_dir};
+use guest::{Boot, quote};
+use kernels::{Kernel, SERIES};
+
+#[derive(Subcommand)]
+pub enum Vm {
+    /// Fetch the kernels the rig boots (Debian 11, 12, 13's: 5.10, 6.1, 6.12) from
+    /// Debian's archive, unless cached in target/vm, and list them.
+    Kernels {
+        /// Ask the archive for newer ones even when some are cached.
+        #[arg(long)]
+        refresh: bool,
+    },
+    /// Boot a kernel with the release build of hocus-agent on PATH and run a shell
+    /// command there, as root in the checkout; exits with the command's code. E.g.
+    /// `cargo xtask vm run --kernel 6.1 -- hocus-agent --version`.
+    Run {
+        #[command(flatten)]
+        guest: GuestArgs,
+        /// The command (run with `sh -c`).
+        #[arg(last = true, required = true)]
+        command: Vec<String>,
+    },
+    /// Run integration test files in a guest, against sshfs or kernel NFS (the tests'
+    /// network mount, HOCUS_TEST_FS), e.g. `cargo xtask vm test --kernel 6.1 --fs nfs3
+    /// --test observe`.
+    Test {
+        #[command(flatten)]
+        guest: GuestArgs,
+        /// The filesystem of the tests' network mounts.
+        #[arg(long, value_enum, default_value_t = TestFs::Nfs3)]
+        fs: TestFs,
+        /// A test file of tests/tests (repeatable; default: smoke).
+        #[arg(long = "test", value_name = "NAME")]
+        tests: Vec<String>,
+        /// Only tests whose name contains this.
+        filter: Option<String>,
+    },
+}
+
+/// Where and how long a guest runs.
+#[derive(clap::Args)]
+pub struct GuestArgs {
+    /// The kernel to boot: 5.10, 6.1 or 6.12 (repeatable: one boot each, in turn).
+    #[arg(long, default_value = "6.1")]
+    kernel: Vec<String>,
+    /// The guest's memory, in MiB.
+    #[arg(long, default_value_t = 4096)]
+    memory_mib: u32,
+    /// Stop a guest that runs longer than this, in seconds.
+    #[arg(long, default_value_t = 1800)]
+    timeout_secs: u64,
+}
+
+/// The filesystems the tests can put their network mount on.
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum TestFs {
+    /// sshfs over loopback (FUSE), as on this machine.
+    Sshfs,
+    /// Kernel NFS, version 3, served by the guest's own nfsd.
+    Nfs3,
+    /// Kernel NFS, version 4.2.
+    Nfs4,
+}
+
+impl TestFs {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Sshfs => "sshfs",
+            Self::Nfs3 => "nfs3",
+            Self::Nfs4 => "nfs4",
+        }
+    }
+}
+
+pub fn run(vm: Vm) -> Result<()> {
+    if !is_root() {
+        bail!("the rig boots kernels and installs what it lacks: run it as root");
+    }
+    tools::ensure()?;
+    match vm {
+        Vm::Kernels { refresh } => {
+            for s in SERIES {
+                let k = kernels::fetch(s, refresh)?;
+                println!(
+                    "{:5} {:22} {} ({}, {})",
+                    s.name,
+                    s.distribution,
+                    k.release,
+                    k.package,
+                    k.image.display()
+                );
+            }
+            Ok(())
+        }
+        Vm::Run { guest, command } => {
+            let agent = crate::build(true)?;
+            let bin = agent.parent().context("the agent's folder")?;
+            let command = format!(
+                "export PATH={}:$PATH HOCUS_AGENT_BIN={}; {}",
+                quote(&bin.display().to_string()),
+                quote(&agent.display().to_string()),
+                command.join(" ")
+            );
+            let mut last = 0;
+            for k in guest.kernels()? {
+                let ended = guest.boot(&k, command.clone(), Vec::new())?;
+                last = ended.code.unwrap_or(124);
+                if ended.code.is_none() {
+                    eprintln!("{}", guest::console_tail(&ended.console, 30));
+                }
+            }
+            std::process::exit(last)
+        }
+        Vm::Test {
+            guest,
+            fs,
+            tests,
+            filter,
+        } => {
+            let tests = if tests.is_empty() {
+                vec!["smoke".to_owned()]
+            } else {
+                tests
+            };
+            for k in guest.kernels()? {
+                test_in(&guest, &k, fs, &tests, filter.as_deref())?;
+            }
+            Ok(())
+        }
+    }
+}
+
+impl GuestArgs {
+    fn kernels(&self) -> Result<Vec<Kernel>> {
+        self.kernel
+            .iter()
+            .map(|name| kernels::fetch(kernels::series(name)?, false))
+            .collect()
+    }
+
+    fn boot(
+        &self,
+        kernel: &Kernel,
+        command: String,
+        env: Vec<(String, String)>,
+    ) -> Result<guest::Ended> {
+        println!(
+            "vm: booting {} ({}) under QEMU",
+            kernel.release, kernel.series.distribution
+        );
+        let ended = guest::run(&Boot {
+            kernel,
+            command,
+            env,
+            memory_mib: self.memory_mib,
+            cpus: 2,
+            timeout: Duration::from_secs(self.timeout_secs),
+        })?;
+        println!(
+            "vm: {} done in {:.0} s ({})",
+            kernel.release,
+            ended.took.as_secs_f64(),
+            match ended.code {
+                Some(c) => format!("exit code {c}"),
+                None => "did not finish".to_owned(),
+            }
+        );
+        Ok(ended)
+    }
+}
+
+/// Runs test files `tests` of tests/tests in a guest of `kernel`, one after the other,
+/// with the debug build of the agent.
+pub fn test_in(
+    guest: &GuestArgs,
+    kernel: &Kernel,
+    fs: TestFs,
+    tests: &[String],
+    filter: Option<&str>,
+) -> Result<()> {
+    let agent = crate::build(false)?;
+    let binaries = test_binaries(tests)?;
+    let mut command = String::from("set -e\n");
+    for (name, binary) in &binaries {
+        command += &format!(
+            "echo '== {name} on {} over {}'\n",
+            kernel.release,
+            fs.name()
+        );
+        command += &format!("{} --test-threads 1", quote(&binary.display().to_string()));
+        if let Some(f) = filter {
+            command += &format!(" {}", quote(f));
+        }
+        command += "\n";
+    }
+    let env = vec![
+        ("HOCUS_AGENT_BIN".to_owned(), agent.display().to_string()),
+        (
+            "HOCUS_SPANK_PLUGIN".to_owned(),
+            agent
+                .with_file_name("libhocus_spank.so")
+                .display()
+                .to_string(),
+        ),
+        ("HOCUS_TEST_FS".to_owned(), fs.name().to_owned()),
+    ];
+    let ended = guest.boot(kernel, command, env)?;
+    guest::check(
+        &ended,
+        &format!("the tests {} on {}", tests.join(", "), kernel.release),
+    )
+}
+
+/// The test binaries of the named files of tests/tests, built.
+fn test_binaries(names: &[String]) -> Result<Vec<(String, PathBuf)>> {
+    let mut cmd = cargo();
+    cmd.args(["test", "--package", "hocus-tests", "--no-run"])
+        .args(["--message-format", "json"]);
+    for n in names {
+        cmd.args(["--test", n]);
+    }
+    let out = cmd.output().context("building the tests")?;
+    if !out.status.success() {
+        bail!(
+            "building the tests failed:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let mut found = Vec::new();
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let Ok(msg) = serde_json::from_str::<serde_json::Value>(line) else {
+            continue;
+        };
+        let (Some(name), Some(exe)) = (msg["target"]["name"].as_str(), msg["executable"].as_str())
+        else {
+            continue;
+        };
+        if names.iter().any(|n| n == name) {
+            found.push((name.to_owned(), PathBuf::from(exe)));
+        }
+    }
+    for n in names {
+        if !found.iter().any(|(f, _)| f == n) {
+            bail!("no test file {n} in tests/tests");
+        }
+    }
+    // The guest runs them from the checkout: they must be there.
+    let target = target_dir();
+    if let Some((_, outside)) = found.iter().find(|(_, p)| !p.starts_with(&target)) {
+        bail!("{} is outside {}", outside.display(), target.display());
+    }
+    Ok(found)
+}

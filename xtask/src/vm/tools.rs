@@ -1,0 +1,77 @@
+//! What the rig needs on this machine, installed the first time it runs: QEMU, kmod
+//! (`depmod` for the unpacked kernels, `modprobe` in the guest), the kernel NFS server
+//! and client tools the guest runs (it uses this machine's root filesystem), and
+//! virtme-ng from PyPI in a virtualenv of its own.
+
+use std::{
+    ffi::OsString,
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+use anyhow::{Result, bail};
+
+use crate::{
+    host::status,
+    setup::{install, missing_packages, need_root},
+};
+
+const PACKAGES: &[&str] = &[
+    "qemu-system-x86",
+    "kmod",
+    // The guests' NFS servers and clients (nfsd, rpcbind, mountd, mount.nfs).
+    "nfs-kernel-server",
+    "nfs-common",
+    "rpcbind",
+    "python3-venv",
+];
+/// virtme-ng's version: the one the rig was written against.
+const VIRTME_NG: &str = "virtme-ng==1.42";
+const VENV: &str = "/opt/virtme-ng";
+
+/// Installs what is missing; quiet when all is there.
+pub fn ensure() -> Result<()> {
+    let packages = missing_packages(PACKAGES);
+    if !packages.is_empty() {
+        install(&packages)?;
+    }
+    if !vng_path().is_file() {
+        need_root(&format!("install virtme-ng into {VENV}"))?;
+        println!("vm: installing {VIRTME_NG} into {VENV}");
+        status(Command::new("/usr/bin/python3").args(["-m", "venv", VENV]))?;
+        status(Command::new(Path::new(VENV).join("bin/pip")).args(["install", "-q", VIRTME_NG]))?;
+    }
+    Ok(())
+}
+
+fn vng_path() -> PathBuf {
+    Path::new(VENV).join("bin/vng")
+}
+
+pub fn vng() -> Result<PathBuf> {
+    let vng = vng_path();
+    if !vng.is_file() {
+        bail!("{} is missing: cargo xtask vm installs it", vng.display());
+    }
+    Ok(vng)
+}
+
+/// PATH with virtme-ng's own commands first (vng runs `virtme-run`).
+pub fn path_with_vng() -> OsString {
+    let mut dirs = vec![Path::new(VENV).join("bin")];
+    dirs.extend(std::env::split_paths(
+        &std::env::var_os("PATH").unwrap_or_default(),
+    ));
+    std::env::join_paths(dirs).unwrap_or_default()
+}
+
+/// Software emulation (TCG) unless asked for KVM with HOCUS_VM_KVM=1: on the machines
+/// this was written on, /dev/kvm exists without the CPU's virtualization flags and a
+/// KVM guest hangs at boot (toolchain.md).
+pub fn accel() -> Vec<&'static str> {
+    if std::env::var_os("HOCUS_VM_KVM").is_some_and(|v| v == "1") {
+        Vec::new()
+    } else {
+        vec!["--disable-kvm"]
+    }
+}
