@@ -74,22 +74,28 @@ pub mod filter {
 /// their start, and any other process from its first request to a watched mount's
 /// server (a FUSE request, a page read from it), which is seen in full. Every other
 /// process's syscalls are turned away after one array load: the node's work that never
-/// touches a watched tree pays the floor and no more. A bitmap with one bit for every
+/// touches a watched tree pays the floor and no more. A table with one byte for every
 /// process id the kernel can hand out (`PID_MAX_LIMIT`, 2^22 on 64-bit): a thread group
 /// id, or the thread id of a thread a followed process made, until it exits. No two
-/// processes share a bit, so nobody can crowd another out of the table.
+/// processes share a byte, so nobody can crowd another out of the table; and a byte, not
+/// a bit, so that following or forgetting one is a plain store, which every kernel has
+/// (an atomic OR on a word of bits needs 5.12) and which no other CPU's store undoes.
 pub mod follow {
     /// The kernel's `PID_MAX_LIMIT` on 64-bit: no process id reaches it.
     pub const IDS: u32 = 1 << 22;
-    pub const WORDS: u32 = IDS / 64;
+    /// Ids per entry of the table: a cache line of bytes.
+    pub const PER_ENTRY: usize = 64;
+    pub const ENTRIES: u32 = IDS / PER_ENTRY as u32;
+    pub type Entry = [u8; PER_ENTRY];
 
-    /// The word of the bitmap that holds `id`'s bit.
-    pub const fn word(id: u32) -> u32 {
-        id / 64
+    /// The entry that holds `id`'s byte.
+    pub const fn entry(id: u32) -> u32 {
+        id / PER_ENTRY as u32
     }
 
-    pub const fn bit(id: u32) -> u64 {
-        1 << (id % 64)
+    /// `id`'s byte in its entry.
+    pub const fn byte(id: u32) -> usize {
+        id as usize % PER_ENTRY
     }
 }
 
@@ -212,6 +218,11 @@ pub struct KernelOffsets {
     pub dentry_inode: u32,
     /// inode.i_ino
     pub inode_ino: u32,
+    /// task_struct.signal, the thread group's shared state
+    pub task_signal: u32,
+    /// signal_struct.live: the group's threads not yet exiting; 0 at the last one's
+    /// `sched_process_exit` (what `group_dead` says on kernels whose record has it).
+    pub signal_live: u32,
     /// The pt_regs fields holding a syscall's six arguments, by position: constants
     /// (read-only data) for the verifier, so each is read with a plain load.
     pub regs_args: [u32; 6],
@@ -646,13 +657,13 @@ mod tests {
     }
 
     #[test]
-    fn every_process_id_has_a_bit_of_its_own() {
+    fn every_process_id_has_a_byte_of_its_own() {
         let ids = [0, 1, 63, 64, 65, 4_194_303];
         for (i, a) in ids.iter().enumerate() {
-            assert!(follow::word(*a) < follow::WORDS);
+            assert!(follow::entry(*a) < follow::ENTRIES);
             for b in &ids[i + 1..] {
                 assert!(
-                    follow::word(*a) != follow::word(*b) || follow::bit(*a) != follow::bit(*b),
+                    follow::entry(*a) != follow::entry(*b) || follow::byte(*a) != follow::byte(*b),
                     "{a} and {b}"
                 );
             }

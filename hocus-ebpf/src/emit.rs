@@ -32,6 +32,12 @@ static EVENTS: RingBuf = RingBuf::with_byte_size(RING_BYTES, 0);
 /// Two path buffers per CPU (rename has two paths); too big for the 512-byte stack.
 #[map]
 pub static SCRATCH: PerCpuArray<PathBuf> = PerCpuArray::with_max_entries(2, 0);
+/// Where the path in each scratch slot lies (`paths::path_target`). Kept here, not on
+/// the stack: the verifier allows 512 bytes for a program and every function it calls
+/// together, and before 6.13 or so it adds up the frames of `syscall_exit`, the path
+/// functions and the walk, two Targets among them, to more.
+#[map]
+pub static TARGETS: PerCpuArray<Target> = PerCpuArray::with_max_entries(2, 0);
 #[map]
 static NEXT_ID: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
 
@@ -66,16 +72,17 @@ pub struct Target {
     pub len: u32,
 }
 
-impl Target {
-    /// An event about an open file or a process, with no path.
-    pub fn none() -> Self {
-        Self {
-            flags: 0,
-            located: None,
-            view: None,
-            len: 0,
-        }
-    }
+/// Slot `slot` of `TARGETS`, reset: under `located` if given, with no path of the
+/// process's and no view.
+pub fn target(slot: u32, located: Option<Located>) -> Option<&'static mut Target> {
+    let t = TARGETS.get_ptr_mut(slot)?;
+    // SAFETY: per-CPU scratch owned by this program run.
+    let t = unsafe { &mut *t };
+    t.flags = 0;
+    t.located = located;
+    t.view = None;
+    t.len = 0;
+    Some(t)
 }
 
 /// A mount namespace whose view of the watched trees the agent holds (or is asked to
@@ -99,9 +106,10 @@ pub fn next_id() -> u64 {
     }
 }
 
-/// Sends an event; the path is scratch slot `slot`'s. A full ring buffer is counted,
-/// with what kind of event it lost.
-pub fn emit(h: &Header, t: &Target, slot: u32) {
+/// Sends an event, about where `t` says (None: an open file or a process, no path); the
+/// path is scratch slot `slot`'s. A full ring buffer is counted, with what kind of event
+/// it lost.
+pub fn emit(h: &Header, t: Option<&Target>, slot: u32) {
     let Some(mut entry) = EVENTS.reserve::<Event>(0) else {
         count(counter::LOST_RING_FULL);
         match h.kind {
@@ -116,14 +124,14 @@ pub fn emit(h: &Header, t: &Target, slot: u32) {
     // is written field by field because an Event does not fit on the BPF stack.
     unsafe {
         (*e).kind = h.kind;
-        (*e).flags = t.flags;
+        (*e).flags = t.map_or(0, |t| t.flags);
         (*e).tgid = h.tgid;
         (*e).uid = bpf_get_current_uid_gid() as u32;
         (*e).time_ns = bpf_ktime_get_ns();
         (*e).file_id = h.file_id;
         (*e).bytes = h.bytes;
         (*e).open_flags = h.open_flags;
-        (*e).path_len = t.len;
+        (*e).path_len = t.map_or(0, |t| t.len);
         (*e).comm = bpf_get_current_comm().unwrap_or([0; 16]);
         let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
         (*e).job = JOBS.get(&tgid).copied().unwrap_or(0);
@@ -132,13 +140,14 @@ pub fn emit(h: &Header, t: &Target, slot: u32) {
         (*e).namespace = NamespaceKey::default();
         (*e).generation = 0;
         (*e).ns_inum = 0;
-        if let Some(v) = t.view {
+        let (view, located, len) = t.map_or((None, None, 0), |t| (t.view, t.located, t.len));
+        if let Some(v) = view {
             (*e).root = ROOT_VIEW;
             (*e).namespace = v.key;
             (*e).generation = v.generation;
             (*e).ns_inum = v.inum;
         }
-        if let Some(l) = t.located {
+        if let Some(l) = located {
             (*e).root = l.root;
             let start = l.start as usize & (MAX_PATH - 1);
             let len = (MAX_PATH - start) & (MAX_PATH - 1);
@@ -151,7 +160,7 @@ pub fn emit(h: &Header, t: &Target, slot: u32) {
                 );
             }
         }
-        if t.len > 0 {
+        if len > 0 {
             match SCRATCH.get_ptr(slot) {
                 Some(buf) => {
                     let _ = bpf_probe_read_kernel_buf(buf as *const u8, &mut (*e).path);

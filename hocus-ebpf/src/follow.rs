@@ -17,13 +17,13 @@ use crate::{
 /// A map the agent maps into its memory.
 const BPF_F_MMAPABLE: u32 = 1 << 10;
 
-/// The processes `syscall_exit` follows, a bit each.
+/// The processes `syscall_exit` follows, a byte each.
 #[map]
-static FOLLOWED: Array<u64> = Array::with_max_entries(follow::WORDS, BPF_F_MMAPABLE);
+static FOLLOWED: Array<follow::Entry> = Array::with_max_entries(follow::ENTRIES, BPF_F_MMAPABLE);
 /// The threads that made a request to a watched FUSE mount since their last path
-/// syscall was looked at (`follow::word`/`bit`, by thread id; `PATHS_BY_REQUEST`).
+/// syscall was looked at (`follow::entry`/`byte`, by thread id; `PATHS_BY_REQUEST`).
 #[map]
-static REQUESTED: Array<u64> = Array::with_max_entries(follow::WORDS, 0);
+static REQUESTED: Array<follow::Entry> = Array::with_max_entries(follow::ENTRIES, 0);
 /// The `hocus-agent run` job each process belongs to: the id is the daemon thread that
 /// forked the job's first process. Set at fork, inherited by every descendant.
 #[map]
@@ -37,8 +37,8 @@ pub fn is_followed(tgid: u32) -> bool {
 
 pub fn in_followed(id: u32) -> bool {
     FOLLOWED
-        .get(follow::word(id))
-        .is_none_or(|w| w & follow::bit(id) != 0)
+        .get(follow::entry(id))
+        .is_none_or(|e| e[follow::byte(id)] != 0)
 }
 
 /// Follows `id` from now on: a process, or a thread a followed process made.
@@ -46,52 +46,48 @@ pub fn follow(id: u32) {
     if id == 0 || traces_every_process() {
         return;
     }
-    set_bit(&FOLLOWED, id);
+    mark(&FOLLOWED, id);
 }
 
 /// Stops following `id` (gone).
 pub fn unfollow(id: u32) {
-    clear_bit(&FOLLOWED, id);
+    take(&FOLLOWED, id);
 }
 
 /// Thread `thread` made a request to a watched mount (`may_reach_watched`).
 pub fn requested(thread: u32) {
     if paths_by_request() {
-        set_bit(&REQUESTED, thread);
+        mark(&REQUESTED, thread);
     }
 }
 
-/// Sets `id`'s bit in a bitmap by process or thread id (`hocus_common::follow`). Bits
-/// are set and cleared atomically: other CPUs set and clear others in the same word. The
-/// word is read first, so that a bit already set costs no locked operation.
-fn set_bit(map: &Array<u64>, id: u32) {
-    if let Some(w) = map.get_ptr_mut(follow::word(id)) {
-        // SAFETY: map value pointer, valid for this program run.
+/// Sets `id`'s byte in a table by process or thread id (`hocus_common::follow`): a plain
+/// store, read first so that a byte already set is not written (its cache line stays
+/// shared between CPUs).
+fn mark(map: &Array<follow::Entry>, id: u32) {
+    if let Some(entry) = map.get_ptr_mut(follow::entry(id)) {
+        // SAFETY: map value pointer, valid for this program run; the byte is inside it.
         unsafe {
-            if core::ptr::read_volatile(w) & follow::bit(id) == 0 {
-                core::intrinsics::atomic_or::<u64, u64, { core::intrinsics::AtomicOrdering::SeqCst }>(
-                    w,
-                    follow::bit(id),
-                );
+            let b = entry.cast::<u8>().add(follow::byte(id));
+            if core::ptr::read_volatile(b) == 0 {
+                core::ptr::write_volatile(b, 1);
             }
         }
     }
 }
 
-/// Clears `id`'s bit; whether it was set (as far as this CPU saw).
-fn clear_bit(map: &Array<u64>, id: u32) -> bool {
-    let Some(w) = map.get_ptr_mut(follow::word(id)) else {
+/// Clears `id`'s byte; whether it was set.
+fn take(map: &Array<follow::Entry>, id: u32) -> bool {
+    let Some(entry) = map.get_ptr_mut(follow::entry(id)) else {
         return false;
     };
-    // SAFETY: as in `set_bit`.
+    // SAFETY: as in `mark`.
     unsafe {
-        if core::ptr::read_volatile(w) & follow::bit(id) == 0 {
+        let b = entry.cast::<u8>().add(follow::byte(id));
+        if core::ptr::read_volatile(b) == 0 {
             return false;
         }
-        core::intrinsics::atomic_and::<u64, u64, { core::intrinsics::AtomicOrdering::SeqCst }>(
-            w,
-            !follow::bit(id),
-        );
+        core::ptr::write_volatile(b, 0);
     }
     true
 }
@@ -99,11 +95,11 @@ fn clear_bit(map: &Array<u64>, id: u32) -> bool {
 /// Whether a path syscall (a failed lookup, a mutation) of thread `thread` may have
 /// reached a watched tree, before its path is read (~105 ns for the first eight bytes
 /// alone). With `PATHS_BY_REQUEST`, a process at home reached one only if the thread made
-/// a request to a watched mount since its last path syscall (its `REQUESTED` bit, taken
+/// a request to a watched mount since its last path syscall (its `REQUESTED` byte, taken
 /// here): on FUSE every lookup of a name the kernel does not hold is one. Elsewhere (a
 /// job's namespace, whose binds answer lookups from local copies; a container) always.
 pub fn may_reach_watched(thread: u32) -> bool {
-    if !paths_by_request() || clear_bit(&REQUESTED, thread) {
+    if !paths_by_request() || take(&REQUESTED, thread) {
         return true;
     }
     match (nsproxy(), HOME.get(0)) {

@@ -98,12 +98,18 @@ pub fn locate(mount: Mount, dentry: Dentry) -> Option<Located> {
             return None;
         }
         pos -= len;
-        // SAFETY: the destination is inside `buf` (pos < MAX_PATH, len <= NAME_MAX, the
+        // The helper's size must be bounded in its own register. LLVM drops a mask it
+        // knows changes nothing (the test above), and the verifiers before 6.13 or so do
+        // not carry that test's bound over to the register the size ends up in: a
+        // volatile read hides what LLVM knows, so the mask stays.
+        // SAFETY: a read of a local.
+        let size = unsafe { core::ptr::read_volatile(&len) } & NAME_MAX;
+        // SAFETY: the destination is inside `buf` (pos < MAX_PATH, size <= NAME_MAX, the
         // buffer is 2 * MAX_PATH); the source is read with the fault-tolerant helper.
         unsafe {
             generated::bpf_probe_read_kernel(
                 buf.bytes.as_mut_ptr().add(pos & (MAX_PATH - 1)).cast(),
-                (len & NAME_MAX) as u32,
+                size as u32,
                 name as *const _,
             );
         }

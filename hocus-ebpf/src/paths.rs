@@ -21,7 +21,7 @@ use hocus_common::{
 
 use crate::{
     agent::HOME,
-    emit::{Header, SCRATCH, Target, ViewRef, emit},
+    emit::{Header, SCRATCH, Target, ViewRef, emit, target},
     kernel::{
         files::file_at,
         task::{cwd, namespace_of, nsproxy, root_dentry},
@@ -67,14 +67,13 @@ pub fn mounts_change() {
 }
 
 /// Where the path of a path syscall (failed lookup, mutation) lies, if watched, read
-/// into scratch slot `slot`. A loss is counted here, by its reason (`Skip::count`).
+/// into scratch slot `slot`; the answer is kept in `TARGETS` at the same slot. A loss is
+/// counted here, by its reason (`Skip::count`).
 ///
 /// These return Options, not `Step`s: with a reason returned through every exit, the
 /// verifier's states no longer merged and `syscall_exit` took over a million
-/// instructions to verify (against about 500 thousand); and a `Target` converted from
-/// an Option into a Result is copied byte by byte over spilled registers, which it
-/// refuses.
-pub fn path_target(dfd: i32, user_path: u64, slot: u32) -> Option<Target> {
+/// instructions to verify (against about 500 thousand).
+pub fn path_target(dfd: i32, user_path: u64, slot: u32) -> Option<&'static Target> {
     // One read of user memory tells an absolute path and gives the prefix test its
     // first eight bytes; a short path at the end of a page is read a byte at a time.
     let word = FirstWord::of(user_path);
@@ -93,14 +92,14 @@ pub fn path_target(dfd: i32, user_path: u64, slot: u32) -> Option<Target> {
         file_at(dfd as u32)?.place()?
     };
     let located = locate(mount, dentry)?;
-    let (_, mut t) = read_target(user_path, slot)?;
+    let (_, t) = read_target(user_path, slot)?;
     t.located = Some(located);
     Some(t)
 }
 
 /// Reads a user path into scratch slot `slot`: what an event carries, `len` bytes of
-/// `t`.
-fn read_target(user_path: u64, slot: u32) -> Option<(&'static PathBuf, Target)> {
+/// the target, which is slot `slot` of `TARGETS`, reset.
+fn read_target(user_path: u64, slot: u32) -> Option<(&'static PathBuf, &'static mut Target)> {
     let buf = SCRATCH.get_ptr_mut(slot)?;
     // SAFETY: per-CPU scratch owned by this program run; the user pointer is read with
     // the fault-tolerant helper.
@@ -116,10 +115,8 @@ fn read_target(user_path: u64, slot: u32) -> Option<(&'static PathBuf, Target)> 
     if len == 0 {
         return None;
     }
-    let mut t = Target {
-        len: len as u32,
-        ..Target::none()
-    };
+    let t = target(slot, None)?;
+    t.len = len as u32;
     if len >= MAX_PATH - 1 {
         // Sent all the same, cut and flagged.
         t.flags |= ev::PATH_TRUNCATED;
@@ -160,7 +157,7 @@ impl FirstWord {
 /// An absolute path means what it means to the agent in the agent's own namespace and
 /// root, and in the namespaces it made for jobs; elsewhere (a container) it means what
 /// that namespace's mounts say, which the agent learns from its mountinfo.
-fn absolute_target(user_path: u64, word: FirstWord, slot: u32) -> Option<Target> {
+fn absolute_target(user_path: u64, word: FirstWord, slot: u32) -> Option<&'static Target> {
     let nsproxy = nsproxy()?;
     let home = HOME.get(0)?;
     let at_home = nsproxy.0 == home.nsproxy;
@@ -204,7 +201,7 @@ fn absolute_target(user_path: u64, word: FirstWord, slot: u32) -> Option<Target>
             {
                 return None;
             }
-            let (path, mut t) = read_target(user_path, slot)?;
+            let (path, t) = read_target(user_path, slot)?;
             if !v.prefixes.iter().any(|w| w.is_set() && w.holds(path)) {
                 return None;
             }
@@ -215,12 +212,10 @@ fn absolute_target(user_path: u64, word: FirstWord, slot: u32) -> Option<Target>
             Skip::ForeignNamespace.count();
             if unsafe { ASKED.get(&key) } != Some(&generation) {
                 let _ = ASKED.insert(&key, &generation, 0);
+                let ask = target(slot, None)?;
+                ask.view = Some(view);
                 let h = Header::new(kind::LEARN_VIEW, (bpf_get_current_pid_tgid() >> 32) as u32);
-                let ask = Target {
-                    view: Some(view),
-                    ..Target::none()
-                };
-                emit(&h, &ask, 0);
+                emit(&h, Some(ask), 0);
             }
             None
         }

@@ -7,7 +7,7 @@ use hocus_common::{MAX_WATCHED, kind, rest};
 
 use crate::{
     agent::current,
-    emit::{Header, Target, emit},
+    emit::{Header, emit},
     follow::follow,
 };
 
@@ -39,7 +39,7 @@ pub fn tripped(dev: u32) -> Option<u32> {
     }
     // SAFETY: as above. Two CPUs may both get here: the agent wakes once either way.
     unsafe { *state = rest::WAKING };
-    emit(&Header::new(kind::WAKE, tgid), &Target::none(), 0);
+    emit(&Header::new(kind::WAKE, tgid), None, 0);
     thread
 }
 

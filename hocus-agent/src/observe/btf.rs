@@ -287,6 +287,8 @@ pub fn kernel_offsets(btf: &Btf) -> Result<KernelOffsets> {
         thread_status: o("task_struct", "thread_info.status")?,
         dentry_inode: o("dentry", "d_inode")?,
         inode_ino: o("inode", "i_ino")?,
+        task_signal: o("task_struct", "signal")?,
+        signal_live: o("signal_struct", "live")?,
         regs_args: syscall_arguments(btf)?,
         file_pointer_type: file_pointer_type(btf),
     })

@@ -1,11 +1,11 @@
 //! The processes the syscall program follows (`hocus_common::follow`), as the agent sees
-//! and changes them. The kernel side's bitmap is mapped into the agent's memory: counting
-//! it is a read of memory, not 65,536 lookups, and following a job's process is the same
-//! atomic OR on a word the kernel side makes, so neither loses the other's bits.
+//! and changes them. The kernel side's table (a byte per process id) is mapped into the
+//! agent's memory: counting it is a read of memory, not 65,536 lookups, and following a
+//! job's process is a store of its byte, as the kernel side makes it.
 
 use std::{
     os::fd::{AsFd, AsRawFd},
-    sync::atomic::{AtomicU64, Ordering},
+    sync::atomic::{AtomicU8, AtomicU64, Ordering},
 };
 
 use anyhow::{Context, Result, bail};
@@ -13,11 +13,11 @@ use aya::maps::Map;
 use hocus_common::follow;
 use memmap2::{MmapOptions, MmapRaw};
 
-const WORDS: usize = follow::WORDS as usize;
+const BYTES: usize = follow::IDS as usize;
 
 pub struct Followed {
-    /// The array's `WORDS` u64s, shared with the kernel side.
-    words: MmapRaw,
+    /// The array's bytes, one per process id, shared with the kernel side.
+    table: MmapRaw,
 }
 
 impl Followed {
@@ -26,25 +26,31 @@ impl Followed {
         let Map::Array(data) = map else {
             bail!("FOLLOWED is not an array");
         };
-        let words = MmapOptions::new()
-            .len(WORDS * 8)
+        let table = MmapOptions::new()
+            .len(BYTES)
             .map_raw(data.fd().as_fd().as_raw_fd())
             .context("mapping the FOLLOWED table")?;
-        Ok(Self { words })
+        Ok(Self { table })
     }
 
+    fn bytes(&self) -> &[AtomicU8] {
+        // SAFETY: `BYTES` bytes (the array's entries hold no padding), mapped for as long
+        // as self lives, and only ever read and written whole (here and by the kernel).
+        unsafe { std::slice::from_raw_parts(self.table.as_ptr().cast(), BYTES) }
+    }
+
+    /// The same bytes eight at a time, for counting.
     fn words(&self) -> &[AtomicU64] {
-        // SAFETY: `WORDS` u64s, mapped for as long as self lives, aligned to a page, and
-        // only ever read and written atomically (here and by the kernel side).
-        unsafe { std::slice::from_raw_parts(self.words.as_ptr().cast(), WORDS) }
+        // SAFETY: as above; the mapping is aligned to a page.
+        unsafe { std::slice::from_raw_parts(self.table.as_ptr().cast(), BYTES / 8) }
     }
 
     /// Follows process `pid` from now on.
     pub fn follow(&self, pid: u32) -> Result<()> {
-        let Some(word) = self.words().get(follow::word(pid) as usize) else {
+        let Some(byte) = self.bytes().get(pid as usize) else {
             bail!("process id {pid} is beyond any the kernel hands out");
         };
-        word.fetch_or(follow::bit(pid), Ordering::SeqCst);
+        byte.store(1, Ordering::SeqCst);
         Ok(())
     }
 
@@ -53,6 +59,7 @@ impl Followed {
     /// cannot tell a thread from a process at fork), yet its own syscalls are never the
     /// workload.
     pub fn count(&self) -> usize {
+        // Every byte is 0 or 1: a word's ones are its followed ids.
         let all: usize = self
             .words()
             .iter()
@@ -62,9 +69,9 @@ impl Followed {
     }
 
     fn is_set(&self, id: u32) -> bool {
-        self.words()
-            .get(follow::word(id) as usize)
-            .is_some_and(|w| w.load(Ordering::Relaxed) & follow::bit(id) != 0)
+        self.bytes()
+            .get(id as usize)
+            .is_some_and(|b| b.load(Ordering::Relaxed) != 0)
     }
 }
 

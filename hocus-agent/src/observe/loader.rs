@@ -194,7 +194,9 @@ fn load(tracefs: &Path, every_process: bool, kfuncs: bool) -> Result<(Ebpf, bool
     let fork_parent = u32::from(fork_format.offset("parent_pid")?);
     let fork_child = u32::from(fork_format.offset("child_pid")?);
     let exit_format = tracefs::Format::read(tracefs, "sched", "sched_process_exit")?;
-    let group_dead = u32::from(exit_format.offset("group_dead")?);
+    // Older kernels (Debian's 5.10 to 6.12) do not say in the record whether the group
+    // is gone: the programs read the group's count instead (`KernelOffsets::signal_live`).
+    let group_dead = exit_format.offset("group_dead").map_or(u32::MAX, u32::from);
     let every_process = u32::from(every_process);
     let filemap = tracefs::Format::read(tracefs, "filemap", "mm_filemap_add_to_page_cache")?;
     let filemap_ino = u32::from(filemap.offset("i_ino")?);

@@ -9,6 +9,7 @@ use aya_ebpf::{
 use crate::{
     agent::{global, self_tgid},
     follow::{JOBS, follow, in_followed, unfollow},
+    kernel::task::group_is_dead,
     skip::{OrSkip, Step, finish},
 };
 
@@ -17,7 +18,8 @@ use crate::{
 static FORK_PARENT_OFFSET: u32 = 12;
 #[unsafe(no_mangle)]
 static FORK_CHILD_OFFSET: u32 = 20;
-/// Offset of `group_dead` in sched_process_exit records.
+/// Offset of `group_dead` in sched_process_exit records; `u32::MAX` where the record has
+/// none (Debian's 5.10, 6.1 and 6.12 kernels): the group count is read instead.
 #[unsafe(no_mangle)]
 static EXIT_GROUP_DEAD_OFFSET: u32 = 32;
 
@@ -67,8 +69,8 @@ fn try_process_fork(ctx: &TracePointContext) -> Step {
 }
 
 /// sched_process_exit: forget the exiting thread's job, and stop following it; the
-/// process too once its last thread is gone (`group_dead`). The exiting task is the
-/// current one.
+/// process too once its last thread is gone (`group_dead`, or the group count where the
+/// record lacks it). The exiting task is the current one.
 ///
 /// ```text
 /// field:char comm[16];                       offset:8;  size:16; signed:0;
@@ -85,10 +87,14 @@ pub fn process_exit(ctx: TracePointContext) -> u32 {
     if thread != tgid {
         unfollow(thread);
     }
-    // SAFETY: the offset comes from the tracepoint's format file.
-    let group_dead: u8 =
-        unsafe { ctx.read_at(global(&EXIT_GROUP_DEAD_OFFSET) as usize) }.unwrap_or(0);
-    if group_dead != 0 {
+    let at = global(&EXIT_GROUP_DEAD_OFFSET);
+    let group_dead = if at == u32::MAX {
+        group_is_dead()
+    } else {
+        // SAFETY: the offset comes from the tracepoint's format file.
+        unsafe { ctx.read_at::<u8>(at as usize) }.is_ok_and(|d| d != 0)
+    };
+    if group_dead {
         unfollow(tgid);
     }
     0

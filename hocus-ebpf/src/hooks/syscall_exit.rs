@@ -31,7 +31,7 @@ use hocus_common::{
 
 use crate::{
     agent::{global, self_tgid},
-    emit::{Header, Target, emit, next_id},
+    emit::{Header, emit, next_id, target},
     follow::{is_followed, may_reach_watched},
     kernel::{
         Typed, field,
@@ -244,7 +244,7 @@ fn close(c: &Call) -> Step {
         bytes,
         ..c.header(kind::CLOSE, file_id, 0)
     };
-    emit(&h, &Target::none(), 0);
+    emit(&h, None, 0);
     Ok(())
 }
 
@@ -264,7 +264,7 @@ fn written(c: &Call) -> Step {
     } else {
         kind::TRUNCATE
     };
-    emit(&c.header(k, file.file_id, 0), &Target::none(), 0);
+    emit(&c.header(k, file.file_id, 0), None, 0);
     Ok(())
 }
 
@@ -286,7 +286,7 @@ fn mapped(c: &Call) -> Step {
     // library) add to it.
     let fresh = Mapped { file_id, pages: 0 };
     if MAPPED.insert(&inode, &fresh, BPF_NOEXIST).is_ok() {
-        emit(&c.header(kind::MAPPED, file_id, 0), &Target::none(), 0);
+        emit(&c.header(kind::MAPPED, file_id, 0), None, 0);
     }
     Ok(())
 }
@@ -312,7 +312,7 @@ fn open(c: &Call) -> Step {
                 bytes,
                 ..c.header(kind::CLOSE, file_id, 0)
             };
-            emit(&h, &Target::none(), 0);
+            emit(&h, None, 0);
         }
     }
     let Some((file, located)) = opened(fd) else {
@@ -326,11 +326,12 @@ fn open(c: &Call) -> Step {
     }
     let file_id = next_id();
     remember(&key, stale, file_id, file);
-    let target = Target {
-        located: Some(located),
-        ..Target::none()
-    };
-    emit(&c.header(kind::OPEN, file_id, c.open_flags()), &target, 0);
+    let target = target(0, Some(located)).or_skip()?;
+    emit(
+        &c.header(kind::OPEN, file_id, c.open_flags()),
+        Some(target),
+        0,
+    );
     Ok(())
 }
 
@@ -354,10 +355,10 @@ fn rename(c: &Call) -> Step {
     let (args, l) = (&c.args, c.layout);
     // One after the other: both use the same walk buffer.
     if let Some(t) = path_target(args.dfd(l.dfd), args.get(l.path).or_skip()?, 0) {
-        emit(&c.header(kind::RENAME_FROM, 0, 0), &t, 0);
+        emit(&c.header(kind::RENAME_FROM, 0, 0), Some(t), 0);
     }
     if let Some(t) = path_target(args.dfd(l.dfd2), args.get(l.path2).or_skip()?, 1) {
-        emit(&c.header(kind::RENAME_TO, 0, 0), &t, 1);
+        emit(&c.header(kind::RENAME_TO, 0, 0), Some(t), 1);
     }
     Ok(())
 }
@@ -400,7 +401,7 @@ fn path_syscall(c: &Call) -> Step {
     if is_compat() {
         return Err(Skip::Compat);
     }
-    emit(&c.header(k, 0, flags), &t, 0);
+    emit(&c.header(k, 0, flags), Some(t), 0);
     Ok(())
 }
 

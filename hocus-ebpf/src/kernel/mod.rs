@@ -7,8 +7,8 @@
 //!   current task;
 //! - `files`: a descriptor's `struct file`, its mount and dentry, a dentry's parent and
 //!   name, an inode's number;
-//! - `task`: the current task's working directory, root, mount namespace, and whether
-//!   its syscall is a 32-bit one.
+//! - `task`: the current task's working directory, root, mount namespace, whether its
+//!   syscall is a 32-bit one, and whether its thread group is gone.
 
 pub mod files;
 pub mod task;
@@ -42,6 +42,8 @@ static OFFSETS: KernelOffsets = KernelOffsets {
     thread_status: 0,
     dentry_inode: 0,
     inode_ino: 0,
+    task_signal: 0,
+    signal_live: 0,
     regs_args: [0; 6],
     file_pointer_type: 0,
 };

@@ -1,5 +1,5 @@
-//! The current task: its working directory, its root, its mount namespace, and whether
-//! the syscall it is in is a 32-bit one.
+//! The current task: its working directory, its root, its mount namespace, whether the
+//! syscall it is in is a 32-bit one, and whether its thread group is gone.
 
 use hocus_common::NamespaceKey;
 
@@ -46,4 +46,13 @@ pub fn nsproxy() -> Option<Typed> {
 pub fn root_dentry() -> Option<u64> {
     let fs = current_task().follow(offset(|o| &o.task_fs))?;
     Some(fs.read(offset(|o| &o.fs_root_dentry)))
+}
+
+/// Whether the exiting current task was its thread group's last live thread: the group
+/// count (`signal->live`) is taken down before `sched_process_exit`, so it reads 0 at
+/// the last one's. For kernels whose record has no `group_dead`.
+pub fn group_is_dead() -> bool {
+    current_task()
+        .follow(offset(|o| &o.task_signal))
+        .is_some_and(|signal| signal.read::<i32>(offset(|o| &o.signal_live)) == 0)
 }
