@@ -16,6 +16,18 @@ pub struct WatchedMount {
     pub network: bool,
 }
 
+/// The way one part of hocus works on the running kernel: with the kernel feature it
+/// prefers, or a fallback where the kernel lacks it (docs/kernels.md).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Route {
+    /// The part, in the user's words: "the current task", "snapshots" ...
+    pub part: String,
+    /// How it works here, and with what.
+    pub way: String,
+    /// Not the preferred way: this kernel lacks what that one needs.
+    pub fallback: bool,
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Status {
     pub pid: u32,
@@ -58,6 +70,11 @@ pub struct Status {
     /// Whether the syscall program is attached, or rests.
     #[serde(default)]
     pub tracing: TracingStatus,
+    /// The running kernel (`uname -r`), and the way each part of hocus takes on it.
+    #[serde(default)]
+    pub kernel_release: String,
+    #[serde(default)]
+    pub routes: Vec<Route>,
 }
 
 /// The syscall program: attached while there is something to learn or a job to follow,

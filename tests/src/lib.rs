@@ -561,12 +561,14 @@ impl Agent {
         )
     }
 
-    /// Starts the daemon as on a kernel without kfuncs: its programs read open files
-    /// with the helper (`HOCUS_WITHOUT_KFUNCS`).
-    pub fn start_without_kfuncs(args: &[&str]) -> Self {
+    /// Starts the daemon as on an older kernel: taking `fallbacks` (comma-separated, or
+    /// `all`: hocus-agent's `HOCUS_FALLBACKS`) where this kernel has what the preferred
+    /// way needs.
+    pub fn start_with_fallbacks(fallbacks: &str, args: &[&str]) -> Self {
         let dir = agent_dir(&std::env::temp_dir());
         let state_dir = dir.path().join("state");
-        Self::launch(dir, state_dir, args, &["env", "HOCUS_WITHOUT_KFUNCS=1"])
+        let set = format!("HOCUS_FALLBACKS={fallbacks}");
+        Self::launch(dir, state_dir, args, &["env", &set])
     }
 
     /// Starts a daemon on an existing state directory (a restart).

@@ -532,7 +532,7 @@ fn whole_snapshots_hold_cold_files_too() {
     assert!(
         agent
             .log()
-            .contains("snapshots copy every file of their tree (whole-snapshots)")
+            .contains("snapshots: copies of every file of their tree (whole-snapshots)")
     );
     let script = "import mypkg; print(mypkg.VALUE + 1)";
     let python = |cmd: &mut Command| python_output(cmd, net.path("env"));

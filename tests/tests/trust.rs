@@ -706,8 +706,24 @@ os.execvp(sys.argv[1], sys.argv[1:])
 
 #[test]
 fn a_callers_pid_taken_by_another_process_before_its_job_starts_gives_no_job() {
+    pid_taken_before_the_job_starts(Agent::start, "(SO_PEERPIDFD)");
+}
+
+/// The same where the socket does not hand out the caller's pidfd (before 6.5): the
+/// daemon takes one of its pid as it accepts the connection.
+#[test]
+fn a_callers_pid_taken_by_another_process_gives_no_job_without_peer_pidfds() {
+    pid_taken_before_the_job_starts(
+        |args| Agent::start_with_fallbacks("peer-pidfd", args),
+        "a pidfd of their pid taken as the connection is accepted",
+    );
+}
+
+/// `route`: how the daemon says it knows who a caller is.
+fn pid_taken_before_the_job_starts(start: fn(&[&str]) -> Agent, route: &str) {
     let net = NetworkMount::start();
-    let agent = Agent::start(&["--watch", net.mount.to_str().unwrap()]);
+    let agent = start(&["--watch", net.mount.to_str().unwrap()]);
+    assert!(agent.log().contains(route), "{}", agent.log());
     agent.status();
     let (uid, gid) = test_user();
     // The process that connects (P) hands the connection to its child (Q) and exits;

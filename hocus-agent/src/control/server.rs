@@ -156,7 +156,7 @@ fn answer(
     stream.set_write_timeout(Some(WRITE_TIMEOUT))?;
     let client = Client::new(&stream, gate, uid);
     // The process that connected, however long this takes: its pidfd, then its /proc.
-    let pidfd = identity::peer_pidfd(stream.as_raw_fd()).ok().map(Arc::new);
+    let pidfd = identity::caller_pidfd(stream.as_raw_fd(), pid).map(Arc::new);
     let caller = match Caller::from_peer(pid, uid, gid, pidfd) {
         Ok(c) => c,
         Err(message) => return client.refuse(Refusal::new("identity", message)),

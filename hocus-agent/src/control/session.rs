@@ -132,7 +132,7 @@ fn attached(
     let Some(pidfd) = caller.pidfd.clone() else {
         return Err(Refusal::new(
             "identity",
-            "the kernel did not say which process connected (SO_PEERPIDFD)",
+            "the process that connected is gone",
         ));
     };
     let binds = confirmed_binds(calls, &caller)?;

@@ -30,12 +30,16 @@ use crate::{
         refusal::Refusal,
         relay, server,
     },
-    observe::{events::Observer, mounts, places::Places, tracer::Tracer, views::Views},
+    observe::{events::Observer, loader, mounts, places::Places, tracer::Tracer, views::Views},
     place::{budget::Budgets, placement::Filters},
     profile::staging::Staging,
-    redirect::{jobs::JobStart, leftovers},
+    redirect::{identity, jobs::JobStart, leftovers},
     report::metrics,
-    shared::{memory, settings::Settings},
+    shared::{
+        kernel::{self, Route},
+        memory,
+        settings::Settings,
+    },
 };
 
 mod jobs;
@@ -119,10 +123,16 @@ struct Daemon {
     jobs: Jobs,
     /// Multi-node jobs whose files other nodes may fetch from here.
     relays: Relays,
+    /// The running kernel, and the way each part takes on it.
+    kernel_release: String,
+    routes: Vec<Route>,
 }
 
 impl Daemon {
     fn start(opts: Options, mut cache: keeper::Config) -> Result<Self> {
+        let kernel_release = kernel::release();
+        kernel::check_supported(&kernel_release)?;
+        kernel::check_fallbacks()?;
         let mount_table = mounts::read()?;
         let named = opts.settings.watch.clone().unwrap_or_default();
         let trees = Trees::find(&named, &mount_table)?;
@@ -130,8 +140,11 @@ impl Daemon {
             &opts.settings.state_dir(),
             opts.settings.max_profile_entries(),
         )?;
-        let every_process =
-            trees::follows_every_process(opts.settings.trace_every_process, &trees.watched);
+        let (every_process, following) = trees::follows_every_process(
+            opts.settings.trace_every_process,
+            &trees.watched,
+            loader::has_fuse_tripwire()?,
+        );
         let mut tracer = Tracer::start(&trees.prefixes(), every_process)?;
         if !tracer.skipped.is_empty() {
             log::warn!(
@@ -143,7 +156,10 @@ impl Daemon {
         let cache_dir = cache.cache_dir.clone();
         // Before any job of this daemon's exists.
         leftovers::take_away_at_start(&cache_dir, &cache.trees);
-        let (keeper, keeper_thread) = keeper::start(cache)?;
+        let (keeper, keeper_thread, snapshots) = keeper::start(cache)?;
+        let mut routes = tracer.routes.clone();
+        routes.extend([following, snapshots, identity::route()]);
+        kernel::log_routes(&kernel_release, &routes);
         let devices = trees.devices()?;
         let (watched, watches) = (trees.watched.clone(), trees.watches.clone());
         let roots = trees.into_roots(&cache_dir)?;
@@ -170,6 +186,8 @@ impl Daemon {
             keeper_thread: Some(keeper_thread),
             jobs: Jobs::default(),
             relays: Relays::default(),
+            kernel_release,
+            routes,
         })
     }
 
@@ -624,6 +642,8 @@ impl Daemon {
                 .map(Control::status)
                 .unwrap_or_default(),
             tracing: self.tracing.status(self.opts.settings.rest_after()),
+            kernel_release: self.kernel_release.clone(),
+            routes: self.routes.clone(),
         }
     }
 

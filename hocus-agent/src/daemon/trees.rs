@@ -23,6 +23,7 @@ use crate::{
         tracer::Root,
         views::Anchor,
     },
+    shared::kernel::{Route, route},
 };
 
 /// The watched trees.
@@ -179,24 +180,35 @@ pub fn root_paths(roots: &[Root]) -> Vec<PathBuf> {
 }
 
 /// Whether the syscall program follows every process: asked to, or a watched tree is on
-/// a filesystem whose opens and failed lookups are not all requests the tripwire sees
-/// (NFS answers them from its caches, a local disk has no server). Otherwise it follows
-/// jobs and the processes that used a watched mount (docs/overhead.md).
-pub fn follows_every_process(asked: Option<bool>, watched: &[WatchedMount]) -> bool {
+/// a filesystem whose opens and failed lookups are not all requests a tripwire sees (NFS
+/// answers them from its caches, a local disk has no server), or the kernel has no
+/// tripwire for it (FUSE's tracepoint is newer than Debian 13's kernel). Otherwise it
+/// follows jobs and the processes that used a watched mount (docs/overhead.md). With
+/// the way that takes.
+pub fn follows_every_process(
+    asked: Option<bool>,
+    watched: &[WatchedMount],
+    fuse_tripwire: bool,
+) -> (bool, Route) {
+    const PART: &str = "processes followed";
     if asked == Some(true) {
-        log::info!("following every process's syscalls (trace-every-process)");
-        return true;
+        return (
+            true,
+            route(PART, "every process (trace-every-process)", false),
+        );
     }
     if let Some(w) = watched.iter().find(|w| !mounts::is_fuse_type(&w.fs_type)) {
-        log::info!(
-            "following every process's syscalls: {} is on {}, whose opens and failed lookups do not all reach its server, where the tripwire would see who uses it",
+        let way = format!(
+            "every process: {} is on {}, whose opens and failed lookups do not all reach its server, where the tripwire would see who uses it",
             w.path.display(),
             w.fs_type
         );
-        return true;
+        return (true, route(PART, way, true));
     }
-    log::info!(
-        "following the syscalls of jobs and of processes that used a watched mount; every other process's are turned away at once"
-    );
-    false
+    if !fuse_tripwire {
+        let way = "every process: this kernel has no FUSE request tracepoint (fuse:fuse_request_send) to see who uses the watched mounts";
+        return (true, route(PART, way, true));
+    }
+    let way = "jobs and the processes that used a watched mount (the FUSE tripwire); every other process's syscalls are turned away at once";
+    (false, route(PART, way, false))
 }

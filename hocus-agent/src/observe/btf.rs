@@ -50,6 +50,8 @@ struct Type {
     /// The referenced type, for typedefs and modifiers.
     refers_to: u32,
     members: Vec<Member>,
+    /// An enum's names (their string offsets).
+    names: Vec<u32>,
 }
 
 /// The kernel's types, as far as struct layouts go.
@@ -98,6 +100,7 @@ impl Btf {
             kind: 0,
             refers_to: 0,
             members: Vec::new(),
+            names: Vec::new(),
         }];
         let mut at = hdr_len + type_off;
         let end = at + type_len;
@@ -112,6 +115,7 @@ impl Btf {
             );
             at += 12;
             let mut members = Vec::new();
+            let mut names = Vec::new();
             let extra = match kind {
                 KIND_INT | KIND_VAR | KIND_DECL_TAG => 4,
                 KIND_ARRAY => 12,
@@ -131,8 +135,15 @@ impl Btf {
                     }
                     12 * vlen
                 }
-                KIND_ENUM | KIND_FUNC_PROTO => 8 * vlen,
-                KIND_DATASEC | KIND_ENUM64 => 12 * vlen,
+                KIND_ENUM | KIND_ENUM64 => {
+                    let size = if kind == KIND_ENUM { 8 } else { 12 };
+                    for i in 0..vlen {
+                        names.push(u32_at(at + size * i)?);
+                    }
+                    size * vlen
+                }
+                KIND_FUNC_PROTO => 8 * vlen,
+                KIND_DATASEC => 12 * vlen,
                 _ => 0,
             };
             at += extra;
@@ -141,6 +152,7 @@ impl Btf {
                 kind,
                 refers_to: size_or_type,
                 members,
+                names,
             });
         }
         let mut btf = Self {
@@ -230,6 +242,17 @@ impl Btf {
             .iter()
             .position(|t| t.kind == KIND_FUNC && self.name(t.name_off) == name)?;
         u32::try_from(id).ok()
+    }
+
+    /// Whether the kernel has BPF helper `name` (`get_current_task_btf`): its enum of
+    /// helpers (`bpf_func_id`) names every one it has.
+    pub fn has_helper(&self, name: &str) -> bool {
+        let wanted = format!("BPF_FUNC_{name}");
+        self.types
+            .iter()
+            .filter(|t| matches!(t.kind, KIND_ENUM | KIND_ENUM64))
+            .filter(|t| self.name(t.name_off) == "bpf_func_id")
+            .any(|t| t.names.iter().any(|n| self.name(*n) == wanted))
     }
 
     /// The id of struct `name` if its first field points to a struct `target`.
@@ -335,6 +358,15 @@ mod tests {
         // x86-64's pt_regs: r15 first, then down to di at 112; orig_ax after ax.
         assert_eq!(o.regs_nr, 120);
         assert_eq!(o.regs_args, [112, 104, 96, 56, 72, 64]);
+    }
+
+    #[test]
+    fn knows_the_helpers_the_kernel_has() {
+        let btf = Btf::from_kernel().unwrap();
+        // 5.11 and later: the kernels hocus is tested on here.
+        assert!(btf.has_helper("get_current_task_btf"));
+        assert!(btf.has_helper("probe_read_kernel"));
+        assert!(!btf.has_helper("no_such_helper"));
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! Loading the kernel side for this kernel: the programs embedded in this binary, told
-//! where the tracepoints' fields are (tracefs), where kernel struct fields are (BTF), how
-//! to call kfuncs (or not, where the kernel refuses them), which syscalls matter and
+//! where the tracepoints' fields are (tracefs), where kernel struct fields are (BTF), and
+//! fitted to what the kernel offers (typed tasks, kfuncs, atomics: `probe`, `rewrite`),
+//! each choice a `Route` said in the log and in `status`; told which syscalls matter and
 //! which trees are watched; then attached where each goes. A kernel variant of a hook is
 //! one more entry in `PROGRAMS` (or a choice among entries) here.
 
@@ -16,9 +17,14 @@ use aya::{
 };
 use hocus_common::{MAX_PREFIX, MAX_TREES, MAX_WATCHED, SyscallLayout, Watched, kfunc};
 
-use crate::observe::{
-    btf::{self, Btf},
-    kfuncs, syscalls, tracefs,
+use crate::{
+    observe::{
+        btf::{self, Btf},
+        probe,
+        rewrite::Object,
+        syscalls, tracefs,
+    },
+    shared::kernel::{self, Route, route},
 };
 
 /// The programs and where each is attached. Syscalls are seen at one place, their exit
@@ -44,6 +50,15 @@ pub const SYSCALLS_PROGRAM: &str = "syscall_exit";
 /// A tripwire for resting: requests to FUSE filesystems (sshfs ...), where the kernel
 /// has the tracepoint; other filesystems never reach it.
 const FUSE_TRIPWIRE: (&str, Attach) = ("fuse_request", Attach::Event("fuse", "fuse_request_send"));
+
+/// Whether this kernel has FUSE's request tracepoint, the tripwire that lets the
+/// programs follow only the processes that use a FUSE mount (newer kernels than
+/// Debian 13's).
+pub fn has_fuse_tripwire() -> Result<bool> {
+    Ok(tracefs::root()?
+        .join("events/fuse/fuse_request_send")
+        .exists())
+}
 
 /// What `hocus-agent trace-floor` attaches: a program that returns at once, where the
 /// syscall program goes. What any design there costs, for `cargo xtask bench overhead`.
@@ -74,26 +89,32 @@ pub struct Loaded {
     /// Syscalls this kernel lacks, not traced.
     pub skipped: Vec<String>,
     pub links: Vec<(&'static str, Link)>,
+    /// The way each part of the programs takes on this kernel.
+    pub routes: Vec<Route>,
 }
 
-/// Loads and attaches the programs for the watched `prefixes`: with kfunc calls where
-/// the kernel has them and its verifier takes them, else without (said in the log); the
-/// FUSE tripwire where the kernel has FUSE's tracepoint.
+/// Loads and attaches the programs for the watched `prefixes`, fitted to this kernel:
+/// each feature it lacks has a fallback, said in the routes (and the log); the FUSE
+/// tripwire where the kernel has FUSE's tracepoint.
 pub fn start(prefixes: &[&Path], every_process: bool) -> Result<Loaded> {
     let tracefs = tracefs::root()?;
     let start = |kfuncs| -> Result<(Loaded, bool)> {
-        let (mut ebpf, cast) = load(&tracefs, every_process, kfuncs)?;
+        let (mut ebpf, fitted) = load(&tracefs, every_process, kfuncs)?;
         let skipped = fill_tables(&mut ebpf, &tracefs, prefixes)?;
-        let links = attach(&mut ebpf, &PROGRAMS)
-            .map_err(|e| if cast { e.context(KfuncsRefused) } else { e })?;
-        Ok((
-            Loaded {
-                ebpf,
-                skipped,
-                links,
-            },
-            cast,
-        ))
+        let links = attach(&mut ebpf, &PROGRAMS).map_err(|e| {
+            if fitted.cast {
+                e.context(KfuncsRefused)
+            } else {
+                e
+            }
+        })?;
+        let loaded = Loaded {
+            ebpf,
+            skipped,
+            links,
+            routes: fitted.routes,
+        };
+        Ok((loaded, fitted.cast))
     };
     // A kernel whose verifier refuses the kfunc calls still gets the programs.
     let name = kfunc::RDONLY_CAST_NAME;
@@ -101,7 +122,7 @@ pub fn start(prefixes: &[&Path], every_process: bool) -> Result<Loaded> {
     let mut without = if kfuncs {
         format!("this kernel has no {name}: before 6.2")
     } else {
-        format!("{WITHOUT_KFUNCS}=1")
+        format!("{}=kfuncs", kernel::FALLBACKS)
     };
     let (mut loaded, cast) = match start(kfuncs) {
         Err(e) if e.downcast_ref::<KfuncsRefused>().is_some() => {
@@ -111,12 +132,20 @@ pub fn start(prefixes: &[&Path], every_process: bool) -> Result<Loaded> {
         }
         started => started?,
     };
-    if cast {
-        log::info!("the programs read open files with plain loads ({name})");
+    loaded.routes.push(if cast {
+        route(
+            "open files",
+            format!("read with plain loads ({name})"),
+            false,
+        )
     } else {
-        log::info!("the programs read open files with a helper call each ({without})");
-    }
-    if tracefs.join("events/fuse/fuse_request_send").exists() {
+        route(
+            "open files",
+            format!("read with a helper call per field ({without})"),
+            true,
+        )
+    });
+    if has_fuse_tripwire()? {
         let links = attach(&mut loaded.ebpf, &[FUSE_TRIPWIRE])?;
         loaded.links.extend(links);
     }
@@ -176,33 +205,66 @@ impl std::fmt::Display for KfuncsRefused {
     }
 }
 
-/// The environment variable that makes the agent load its programs as for a kernel
-/// without kfuncs: the tests take that way too; and a way round a kernel whose kfunc
-/// misbehaves.
-pub const WITHOUT_KFUNCS: &str = "HOCUS_WITHOUT_KFUNCS";
-
 fn kfuncs_allowed() -> bool {
-    std::env::var_os(WITHOUT_KFUNCS).is_none_or(|v| v != "1")
+    !kernel::forced("kfuncs")
+}
+
+/// How the programs were fitted to this kernel.
+struct Fitted {
+    /// The programs cast files (`kfunc::RDONLY_CAST`).
+    cast: bool,
+    routes: Vec<Route>,
 }
 
 /// Loads the programs embedded in this binary, with the kernel's struct offsets (from
-/// its BTF) and the agent's own process id set; `kfuncs`: calling kfuncs where the
-/// kernel has them. Returns whether the programs cast files (`kfunc::RDONLY_CAST`).
-fn load(tracefs: &Path, every_process: bool, kfuncs: bool) -> Result<(Ebpf, bool)> {
+/// its BTF) and the agent's own process id set, fitted to what this kernel offers;
+/// `kfuncs`: calling kfuncs where the kernel has them.
+fn load(tracefs: &Path, every_process: bool, kfuncs: bool) -> Result<(Ebpf, Fitted)> {
     raise_memlock_limit();
+    let mut routes = Vec::new();
     let fork_format = tracefs::Format::read(tracefs, "sched", "sched_process_fork")?;
     let fork_parent = u32::from(fork_format.offset("parent_pid")?);
     let fork_child = u32::from(fork_format.offset("child_pid")?);
     let exit_format = tracefs::Format::read(tracefs, "sched", "sched_process_exit")?;
     // Older kernels (Debian's 5.10 to 6.12) do not say in the record whether the group
     // is gone: the programs read the group's count instead (`KernelOffsets::signal_live`).
-    let group_dead = exit_format.offset("group_dead").map_or(u32::MAX, u32::from);
+    let group_dead = match exit_format.offset("group_dead") {
+        Ok(at) if !kernel::forced("group-dead") => u32::from(at),
+        _ => u32::MAX,
+    };
+    routes.push(if group_dead == u32::MAX {
+        let why = kernel::why("group-dead", "sched_process_exit has no group_dead");
+        route(
+            "processes that exit",
+            format!("forgotten by their thread group's count ({why})"),
+            true,
+        )
+    } else {
+        route(
+            "processes that exit",
+            "forgotten by sched_process_exit's group_dead",
+            false,
+        )
+    });
     let every_process = u32::from(every_process);
     let filemap = tracefs::Format::read(tracefs, "filemap", "mm_filemap_add_to_page_cache")?;
     let filemap_ino = u32::from(filemap.offset("i_ino")?);
     let filemap_dev = u32::from(filemap.offset("s_dev")?);
     // Kernels before folios (6.x) add one page at a time and have no `order`.
     let filemap_order = filemap.offset("order").map_or(u32::MAX, u32::from);
+    routes.push(if filemap_order == u32::MAX {
+        route(
+            "pages of mapped files",
+            "counted a page at a time (mm_filemap_add_to_page_cache has no order)",
+            true,
+        )
+    } else {
+        route(
+            "pages of mapped files",
+            "counted by folio (its order)",
+            false,
+        )
+    });
     // Kernels without FUSE tracepoints get no FUSE tripwire (`Tracer::start`).
     let fuse_connection = tracefs::Format::read(tracefs, "fuse", "fuse_request_send")
         .and_then(|f| f.offset("connection"))
@@ -214,22 +276,59 @@ fn load(tracefs: &Path, every_process: bool, kfuncs: bool) -> Result<(Ebpf, bool
     let btf = Btf::from_kernel()?;
     let mut offsets =
         btf::kernel_offsets(&btf).context("finding the kernel struct fields hocus reads")?;
+    // 5.10 cannot hand out the current task typed: every field is read with the helper.
+    let typed_task = btf.has_helper("get_current_task_btf") && !kernel::forced("typed-task");
+    routes.push(if typed_task {
+        route(
+            "the current task",
+            "read with plain loads (bpf_get_current_task_btf)",
+            false,
+        )
+    } else {
+        let why = kernel::why("typed-task", "no bpf_get_current_task_btf: before 5.11");
+        route(
+            "the current task",
+            format!("read with a helper call per field ({why})"),
+            true,
+        )
+    });
     // A cast needs the kfunc and a struct to cast to; without either, the programs read
     // files with the helper (`file_pointer_type` 0).
     let cast = kfuncs
         .then(|| btf.function(kfunc::RDONLY_CAST_NAME))
         .flatten()
-        .filter(|_| offsets.file_pointer_type != 0);
+        .filter(|_| offsets.file_pointer_type != 0 && typed_task);
     if cast.is_none() {
         offsets.file_pointer_type = 0;
     }
-    let programs = kfuncs::rewrite(
-        aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/hocus")),
-        kfunc::RDONLY_CAST,
-        cast,
-    )?;
+    let mut programs = Object::new(aya::include_bytes_aligned!(concat!(
+        env!("OUT_DIR"),
+        "/hocus"
+    )));
+    programs.kfunc_calls(kfunc::RDONLY_CAST, cast)?;
+    // Before 5.12 the verifier refuses any compare-exchange in the object.
+    routes.push(if probe::atomics() && !kernel::forced("atomics") {
+        route(
+            "closes of watched files",
+            "claimed by a compare-exchange",
+            false,
+        )
+    } else {
+        programs.plain_compare_exchanges()?;
+        let why = kernel::why("atomics", "no BPF atomics: before 5.12");
+        route(
+            "closes of watched files",
+            format!(
+                "claimed by a plain store ({why}); a close racing another thread's open of \
+                 the same number may be sent twice, and is counted once"
+            ),
+            true,
+        )
+    });
+    let typed_task = u32::from(typed_task);
     let ebpf = EbpfLoader::new()
         .override_global("OFFSETS", &offsets, true)
+        .override_global("TYPED_TASK", &typed_task, true)
         .override_global("SELF_TGID", &self_tgid, true)
         .override_global("FORK_PARENT_OFFSET", &fork_parent, true)
         .override_global("FORK_CHILD_OFFSET", &fork_child, true)
@@ -240,11 +339,15 @@ fn load(tracefs: &Path, every_process: bool, kfuncs: bool) -> Result<(Ebpf, bool
         .override_global("FILEMAP_ORDER_OFFSET", &filemap_order, true)
         .override_global("FUSE_CONNECTION_OFFSET", &fuse_connection, true)
         .override_global("PATHS_BY_REQUEST", &paths_by_request, true)
-        .load(kfuncs::as_bytes(&programs))
+        .load(programs.bytes())
         .context(
             "loading the eBPF programs into the kernel (needs root, or CAP_BPF and CAP_PERFMON)",
         )?;
-    Ok((ebpf, cast.is_some()))
+    let fitted = Fitted {
+        cast: cast.is_some(),
+        routes,
+    };
+    Ok((ebpf, fitted))
 }
 
 /// Loads (through the verifier) and attaches `programs`.

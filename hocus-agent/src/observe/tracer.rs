@@ -21,10 +21,13 @@ use hocus_common::{
     OpenFile, Superblock, SuperblockSlot, View, counter, filter, rest, superblock,
 };
 
-use crate::observe::{
-    followed::Followed,
-    loader::{self, Floor, Link, Loaded, SYSCALLS_PROGRAM},
-    mounts,
+use crate::{
+    observe::{
+        followed::Followed,
+        loader::{self, Floor, Link, Loaded, SYSCALLS_PROGRAM},
+        mounts,
+    },
+    shared::kernel::Route,
 };
 
 /// A directory the kernel side places files under: a watched tree, or the cache's
@@ -59,6 +62,8 @@ pub struct Tracer {
     resting: bool,
     /// Syscalls this kernel lacks, skipped.
     pub skipped: Vec<String>,
+    /// The way each part of the programs takes on this kernel.
+    pub routes: Vec<Route>,
 }
 
 /// A snapshot view's root as the kernel side knows it.
@@ -80,6 +85,7 @@ impl Tracer {
             mut ebpf,
             skipped,
             links,
+            routes,
         } = loader::start(prefixes, every_process)?;
         let events = RingBuf::try_from(ebpf.take_map("EVENTS").context("no EVENTS map")?)?;
         let open_files =
@@ -106,6 +112,7 @@ impl Tracer {
             superblocks: std::collections::HashMap::new(),
             resting: false,
             skipped,
+            routes,
         })
     }
 

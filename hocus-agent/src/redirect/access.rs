@@ -26,7 +26,8 @@ pub struct Caller {
     pub uid: u32,
     pub gid: u32,
     pub groups: Vec<u32>,
-    /// The process that connected (SO_PEERPIDFD), to tell it from one that took its pid.
+    /// The process that connected (`identity::caller_pidfd`), to tell it from one that
+    /// took its pid; None once it is gone.
     pub pidfd: Option<Arc<OwnedFd>>,
 }
 

@@ -12,7 +12,7 @@ use std::{
     io::{self, Read},
     os::{
         fd::{AsRawFd, FromRawFd, OwnedFd, RawFd},
-        unix::ffi::OsStringExt,
+        unix::{ffi::OsStringExt, net::UnixStream},
     },
     sync::Arc,
 };
@@ -21,6 +21,8 @@ use nix::{
     fcntl::{OFlag, open, openat, readlinkat},
     sys::stat::Mode,
 };
+
+use crate::shared::kernel::{self, Route};
 
 /// What a job inherits from its caller, read from its `/proc` entry.
 #[derive(Debug, Clone, Default)]
@@ -58,6 +60,55 @@ pub fn peer_pidfd(socket: RawFd) -> io::Result<OwnedFd> {
     }
     // SAFETY: the kernel gave us this descriptor.
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// The process at the other end of a Unix socket, pinned by a pidfd: the socket's own
+/// (`SO_PEERPIDFD`), else one of its pid taken now (before 6.5, or with the
+/// `peer-pidfd` fallback): then the process may have exited since it connected and its
+/// pid been given to another, which `read` refuses unless it has the socket's
+/// credentials and namespaces (docs/security.md). None if the process is gone.
+pub fn caller_pidfd(socket: RawFd, pid: i32) -> Option<OwnedFd> {
+    if !kernel::forced("peer-pidfd") {
+        if let Ok(fd) = peer_pidfd(socket) {
+            return Some(fd);
+        }
+    }
+    pidfd_open(pid).ok()
+}
+
+fn pidfd_open(pid: i32) -> io::Result<OwnedFd> {
+    // SAFETY: pidfd_open returns a new descriptor or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a new descriptor we own.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
+}
+
+/// The way callers are known on this kernel: by the pidfd the socket hands out
+/// (`SO_PEERPIDFD`, 6.5), or by their pid, pinned with a pidfd taken as the request is
+/// read (docs/security.md says what that leaves).
+pub fn route() -> Route {
+    const PART: &str = "who a caller is";
+    let works = !kernel::forced("peer-pidfd")
+        && UnixStream::pair().is_ok_and(|(a, _b)| peer_pidfd(a.as_raw_fd()).is_ok());
+    if works {
+        kernel::route(
+            PART,
+            "the socket's credentials and pidfd (SO_PEERPIDFD)",
+            false,
+        )
+    } else {
+        let why = kernel::why("peer-pidfd", "no SO_PEERPIDFD: before 6.5");
+        kernel::route(
+            PART,
+            format!(
+                "the socket's credentials, and a pidfd of their pid taken as the connection is accepted ({why})"
+            ),
+            true,
+        )
+    }
 }
 
 /// Whether the process of `pidfd` is still alive (not yet exited).
@@ -171,19 +222,7 @@ pub fn read(
         _ => format!("the daemon cannot read who your process is now ({e}); try again"),
     })?;
     // The directory was opened while the connecting process lived: it is that process's.
-    let pinned = match pidfd {
-        Some(fd) => alive(fd),
-        // Without SO_PEERPIDFD (kernels before 6.5), a pidfd taken now is the best check.
-        None => {
-            // SAFETY: pidfd_open returns a new descriptor or -1.
-            let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
-            fd >= 0 && {
-                // SAFETY: a new descriptor we own.
-                let fd = unsafe { OwnedFd::from_raw_fd(fd as RawFd) };
-                alive(&fd)
-            }
-        }
-    };
+    let pinned = pidfd.is_some_and(|fd| alive(fd));
     if !pinned {
         return Err(gone());
     }
@@ -236,18 +275,21 @@ mod tests {
         let pid = std::process::id() as i32;
         // SAFETY: plain id queries.
         let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
-        let p = read(None, pid, uid, gid, For::Job).unwrap();
+        let me = Arc::new(pidfd_open(pid).unwrap());
+        let p = read(Some(&me), pid, uid, gid, For::Job).unwrap();
         assert!(p.limits.contains("Max locked memory"));
         assert!(!p.cgroup.is_empty());
         assert!(
-            read(None, pid, uid + 1, gid, For::Request)
+            read(Some(&me), pid, uid + 1, gid, For::Request)
                 .unwrap_err()
                 .contains("identity changed")
         );
+        // No pidfd: the process is gone (`caller_pidfd` found none).
         assert!(
-            read(None, i32::MAX, uid, gid, For::Request)
+            read(None, pid, uid, gid, For::Request)
                 .unwrap_err()
                 .contains("exited")
         );
+        assert!(caller_pidfd(-1, i32::MAX).is_none());
     }
 }

@@ -297,7 +297,7 @@ pub fn render_status(s: &Status) -> String {
         out,
         "following: {}",
         if r.every_process {
-            "every process (trace-every-process, or a watched tree not on FUSE: docs/overhead.md)"
+            "every process (why: the route of \"processes followed\" below; docs/overhead.md)"
                 .to_owned()
         } else {
             format!(
@@ -342,6 +342,20 @@ pub fn render_status(s: &Status) -> String {
             refused.join(", ")
         }
     );
+    if !s.kernel_release.is_empty() {
+        let fallbacks = s.routes.iter().filter(|r| r.fallback).count();
+        let _ = writeln!(
+            out,
+            "kernel {}: {} of {} parts take a fallback (docs/kernels.md)",
+            s.kernel_release,
+            fallbacks,
+            s.routes.len()
+        );
+        for r in &s.routes {
+            let note = if r.fallback { " [fallback]" } else { "" };
+            let _ = writeln!(out, "  {}: {}{note}", r.part, r.way);
+        }
+    }
     if !s.not_traced.is_empty() {
         let _ = writeln!(
             out,

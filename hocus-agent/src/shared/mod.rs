@@ -1,4 +1,5 @@
-//! The ground floor: what several stages and faces share, and nothing else. The settings
+//! The ground floor: what several stages and faces share, and nothing else. The running
+//! kernel and the ways hocus takes on it (`kernel`), the settings
 //! (flags and config file), sizes as people write them, the per-file log lines, munge
 //! credentials, what the two ends of the relay between a job's nodes agree on (`relay`),
 //! giving freed memory back, replacing a file whole (`replace`); and the
@@ -11,6 +12,7 @@
 pub mod attrs;
 pub mod dirs;
 pub mod identity;
+pub mod kernel;
 pub mod log_line;
 pub mod memory;
 pub mod munge;

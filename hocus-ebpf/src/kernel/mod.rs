@@ -48,6 +48,17 @@ static OFFSETS: KernelOffsets = KernelOffsets {
     file_pointer_type: 0,
 };
 
+/// Whether the kernel hands out the current task typed (`bpf_get_current_task_btf`,
+/// 5.11): the task and the structs it points to are then read with plain loads; else
+/// (5.10) each field with the helper. Set by the agent: a constant to the verifier, which
+/// never looks at the other way (nor at the helper this kernel lacks).
+#[unsafe(no_mangle)]
+static TYPED_TASK: u32 = 1;
+
+fn typed_task() -> bool {
+    global(&TYPED_TASK) != 0
+}
+
 /// Where a typed pointer is written and read back as a plain number (`Typed::address`).
 #[map]
 static ADDRESS: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
@@ -65,7 +76,7 @@ pub fn regs_args() -> &'static [u32; 6] {
 
 /// A kernel object whose type the verifier knows from BTF: the tracepoint's arguments,
 /// the current task, and the struct pointers in their fields. Its fields are read with
-/// plain loads, which the JIT guards against faults (a null or stale pointer reads
+/// plain loads (with the helper on a kernel that cannot type the task, `TYPED_TASK`), which the JIT guards against faults (a null or stale pointer reads
 /// zeros), instead of a helper call each: every syscall on the node pays for what is
 /// read before it is turned away. The offsets are read-only data, constants to the
 /// verifier, which checks each load against the kernel's types. Anything else (the
@@ -76,7 +87,13 @@ pub fn regs_args() -> &'static [u32; 6] {
 pub struct Typed(pub u64);
 
 impl Typed {
+    /// The field `offset` bytes in; zeros if it cannot be read, as a plain load through a
+    /// bad pointer reads.
     pub fn read<T: Copy>(self, offset: u32) -> T {
+        if !typed_task() {
+            // SAFETY: integers and arrays of them only; all zeros is one.
+            return field(self.0, offset).unwrap_or(unsafe { core::mem::zeroed() });
+        }
         // SAFETY: see the type.
         unsafe { core::ptr::read_volatile((self.0 + u64::from(offset)) as *const T) }
     }
@@ -112,8 +129,12 @@ pub fn field<T>(object: u64, offset: u32) -> Option<T> {
         .ok()
 }
 
-/// The current task, typed.
+/// The current task: typed where the kernel can (`TYPED_TASK`), else its address.
 pub fn current_task() -> Typed {
+    if !typed_task() {
+        // SAFETY: no arguments.
+        return Typed(unsafe { generated::bpf_get_current_task() });
+    }
     // SAFETY: no arguments; the current task, typed.
     Typed(unsafe { generated::bpf_get_current_task_btf() } as u64)
 }

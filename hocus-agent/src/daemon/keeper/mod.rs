@@ -59,7 +59,12 @@ use crate::{
         jobs::JobStart,
         mountns::{self, Bind, Expect},
     },
-    shared::{memory, relay::Holding, size::human},
+    shared::{
+        kernel::{Route, route},
+        memory,
+        relay::Holding,
+        size::human,
+    },
 };
 
 /// How often the cache index is written while it changes.
@@ -71,8 +76,9 @@ const PLACE_AGAIN_ANYWAY: Duration = Duration::from_secs(300);
 /// few milliseconds then; nothing for a job's few thousand files).
 const BIG_VIEW: usize = 50_000;
 
-/// Starts the keeper; orders go in through the returned handle.
-pub fn start(config: Config) -> Result<(Handle, thread::JoinHandle<()>)> {
+/// Starts the keeper; orders go in through the returned handle. Also returns the way
+/// snapshots are made on this kernel.
+pub fn start(config: Config) -> Result<(Handle, thread::JoinHandle<()>, Route)> {
     let (cache, repairs) = Cache::open(&config.cache_dir)?;
     if repairs != Default::default() {
         log::info!(
@@ -95,9 +101,9 @@ pub fn start(config: Config) -> Result<(Handle, thread::JoinHandle<()>)> {
     // so that a worker never waits on the keeper.
     let (done_tx, done_rx) = tokio_mpsc::unbounded_channel::<Done>();
     let (order_tx, order_rx) = tokio_mpsc::channel::<Order>(ORDER_QUEUE);
-    let lazy_views = if config.whole_snapshots {
-        log::info!("snapshots copy every file of their tree (whole-snapshots)");
-        false
+    let (lazy_views, snapshots) = if config.whole_snapshots {
+        let way = "copies of every file of their tree (whole-snapshots)";
+        (false, route("snapshots", way, false))
     } else {
         lazy_views_here(cache.tmp_dir())
     };
@@ -133,24 +139,30 @@ pub fn start(config: Config) -> Result<(Handle, thread::JoinHandle<()>)> {
     let handle = thread::Builder::new()
         .name("hocus-keeper".into())
         .spawn(move || keeper.run(order_rx, done_rx))?;
-    Ok((Handle::new(order_tx, latest), handle))
+    Ok((Handle::new(order_tx, latest), handle, snapshots))
 }
 
-/// Whether this kernel shows lazy snapshots, said in the log either way.
-fn lazy_views_here(tmp: &Path) -> bool {
+/// Whether this kernel shows lazy snapshots, and the route that makes.
+fn lazy_views_here(tmp: &Path) -> (bool, Route) {
     match mountns::lazy_views_work(tmp) {
-        Ok(()) => {
-            log::info!(
-                "snapshots are lazy: they hold the working set's bytes, and the other files are read from the network when opened (overlayfs, the network as a data-only layer)"
-            );
-            true
-        }
-        Err(e) => {
-            log::info!(
-                "snapshots copy every file of their tree: this kernel cannot show lazy ones ({e}; overlayfs with data-only layers given as descriptors needs Linux 6.13)"
-            );
-            false
-        }
+        Ok(()) => (
+            true,
+            route(
+                "snapshots",
+                "lazy: the working set's bytes, the other files read from the network when opened (overlayfs, the network as a data-only layer)",
+                false,
+            ),
+        ),
+        Err(e) => (
+            false,
+            route(
+                "snapshots",
+                format!(
+                    "copies of every file of their tree: this kernel cannot show lazy ones ({e}; overlayfs with data-only layers given as descriptors needs Linux 6.13)"
+                ),
+                true,
+            ),
+        ),
     }
 }
 
