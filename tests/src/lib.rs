@@ -17,6 +17,7 @@ use std::{
 
 use serde_json::Value;
 
+pub mod nfs;
 pub mod slurm;
 
 /// Panics unless we are root: the tests load eBPF programs and mount filesystems.
@@ -44,13 +45,17 @@ fn run(cmd: &mut Command) -> Output {
     out
 }
 
-/// An sshfs mount of a local directory over SFTP on 127.0.0.1: `server` is the exported
+/// A network mount of a local directory: sshfs over SFTP on 127.0.0.1, or kernel NFS
+/// where `HOCUS_TEST_FS` says so (`nfs`, in the rig's guests). `server` is the exported
 /// directory (the server's view), `mount` the network filesystem (the client's view).
 pub struct NetworkMount {
     dir: tempfile::TempDir,
     pub server: PathBuf,
     pub mount: PathBuf,
-    sshd: Child,
+    /// The SFTP server; None on NFS.
+    sshd: Option<Child>,
+    /// The NFS version mounted; None on sshfs.
+    pub nfs: Option<nfs::Version>,
     /// Where clients reach the server: 127.0.0.1, or an address in a network namespace.
     host: String,
     port: u16,
@@ -118,6 +123,24 @@ impl NetworkMount {
         fs::create_dir_all(&server).unwrap();
         fs::set_permissions(&server, fs::Permissions::from_mode(0o755)).unwrap();
         fs::create_dir_all(&mount).unwrap();
+        if let Some(version) = nfs::from_env() {
+            assert!(remote.is_none(), "a remote server is sshfs's only");
+            if let Some((u, g)) = owner {
+                std::os::unix::fs::chown(&server, Some(u), Some(g)).unwrap();
+            }
+            nfs::export_and_mount(&server, &mount, version, false);
+            let mount = fs::canonicalize(&mount).unwrap();
+            return Self {
+                dir,
+                server,
+                mount,
+                sshd: None,
+                nfs: Some(version),
+                host: "127.0.0.1".to_owned(),
+                port: 2049,
+                owner,
+            };
+        }
         fs::create_dir_all("/run/sshd").unwrap();
 
         for key in ["host_key", "client_key"] {
@@ -179,7 +202,8 @@ impl NetworkMount {
             dir,
             server,
             mount,
-            sshd,
+            sshd: Some(sshd),
+            nfs: None,
             host,
             port,
             owner,
@@ -218,23 +242,43 @@ impl NetworkMount {
     /// Mounts the same export again at `at` in the mount namespace of process `holder`:
     /// another client of the same server, as another node would be.
     pub fn mount_in_namespace_of(&self, holder: u32, at: &Path) {
-        let sshfs = self.sshfs(at);
+        let mount = match self.nfs {
+            Some(version) => nfs::mount_command(&self.server, at, version),
+            None => self.sshfs(at),
+        };
         run(Command::new("nsenter")
             .args(["-t", &holder.to_string(), "-m", "-n", "--"])
-            .arg(sshfs.get_program())
-            .args(sshfs.get_args()));
+            .arg(mount.get_program())
+            .args(mount.get_args()));
     }
 
     /// Kills the server side (sshd and the sshfs client process): the mount stays, dead,
     /// as when a file server goes away.
     pub fn kill_server(&self) {
+        if self.nfs.is_some() {
+            // The export goes: its clients' requests fail from now on.
+            nfs::unexport(&self.server);
+            let _ = Command::new("exportfs").arg("-f").status();
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while fs::read_dir(&self.mount).is_ok() {
+                assert!(
+                    Instant::now() < deadline,
+                    "{} still answers",
+                    self.mount.display()
+                );
+                thread::sleep(Duration::from_millis(100));
+            }
+            return;
+        }
         let _ = Command::new("pkill")
             .arg("-KILL")
             .arg("-f")
             .arg(format!("sshfs .*{}", self.mount.display()))
             .status();
-        // SAFETY: plain kill(2) on our child.
-        unsafe { libc::kill(self.sshd.id() as i32, libc::SIGKILL) };
+        if let Some(sshd) = &self.sshd {
+            // SAFETY: plain kill(2) on our child.
+            unsafe { libc::kill(sshd.id() as i32, libc::SIGKILL) };
+        }
         let deadline = Instant::now() + Duration::from_secs(10);
         while fs::metadata(&self.mount).is_ok() {
             assert!(
@@ -261,6 +305,14 @@ impl NetworkMount {
         let path = self.server_path(rel);
         fs::create_dir_all(path.parent().unwrap()).unwrap();
         fs::write(&path, content).unwrap();
+        // On NFS owners are real: what sshfs's uid= shows, the server holds.
+        if let (Some(_), Some((u, g))) = (self.nfs, self.owner) {
+            let mut p = path.as_path();
+            while p != self.server {
+                std::os::unix::fs::chown(p, Some(u), Some(g)).unwrap();
+                p = p.parent().unwrap();
+            }
+        }
         self.path(rel)
     }
 
@@ -386,14 +438,25 @@ impl Drop for LocalDisk {
 
 impl Drop for NetworkMount {
     fn drop(&mut self) {
+        if self.nfs.is_some() {
+            let _ = Command::new("umount")
+                .arg("-l")
+                .arg(&self.mount)
+                .stderr(Stdio::null())
+                .status();
+            nfs::remove(&self.server);
+            return;
+        }
         if self.host != "127.0.0.1" {
             // Mounted only in nodes' namespaces: their sshfs clients go with the server.
             let _ = Command::new("pkill")
                 .arg("-f")
                 .arg(format!("sshfs .*{}:{}", self.host, self.server.display()))
                 .status();
-            let _ = self.sshd.kill();
-            let _ = self.sshd.wait();
+            if let Some(sshd) = &mut self.sshd {
+                let _ = sshd.kill();
+                let _ = sshd.wait();
+            }
             return;
         }
         // Lazy unmount: a test may have left a process with a file open on it.
@@ -406,8 +469,10 @@ impl Drop for NetworkMount {
             .arg(&self.mount)
             .stderr(Stdio::null())
             .status();
-        let _ = self.sshd.kill();
-        let _ = self.sshd.wait();
+        if let Some(sshd) = &mut self.sshd {
+            let _ = sshd.kill();
+            let _ = sshd.wait();
+        }
     }
 }
 
@@ -563,12 +628,13 @@ impl Agent {
 
     /// Starts the daemon as on an older kernel: taking `fallbacks` (comma-separated, or
     /// `all`: hocus-agent's `HOCUS_FALLBACKS`) where this kernel has what the preferred
-    /// way needs.
+    /// way needs. It inherits a descriptor without close-on-exec (9), as a daemon
+    /// started by a careless parent does: no job may get it.
     pub fn start_with_fallbacks(fallbacks: &str, args: &[&str]) -> Self {
         let dir = agent_dir(&std::env::temp_dir());
         let state_dir = dir.path().join("state");
-        let set = format!("HOCUS_FALLBACKS={fallbacks}");
-        Self::launch(dir, state_dir, args, &["env", &set])
+        let script = format!("exec 9</dev/null; exec env HOCUS_FALLBACKS={fallbacks} \"$@\"");
+        Self::launch(dir, state_dir, args, &["sh", "-c", &script, "sh"])
     }
 
     /// Starts a daemon on an existing state directory (a restart).

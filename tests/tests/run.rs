@@ -59,9 +59,20 @@ fn cached(agent: &Agent, path: &std::path::Path) {
 
 #[test]
 fn a_job_sees_local_copies_read_only_at_the_network_paths() {
+    local_copies_read_only(Agent::start);
+}
+
+/// The same as on a kernel before 5.12, where binds are made read-only by a remount
+/// (no `mount_setattr`), with every other fallback too.
+#[test]
+fn a_job_sees_local_copies_read_only_with_every_fallback() {
+    local_copies_read_only(|args| Agent::start_with_fallbacks("all", args));
+}
+
+fn local_copies_read_only(start: fn(&[&str]) -> Agent) {
     let net = NetworkMount::start();
     let file = net.put("env/lib/mod.py", b"X = 1\n");
-    let agent = Agent::start(&["--watch", net.mount.to_str().unwrap()]);
+    let agent = start(&["--watch", net.mount.to_str().unwrap()]);
     read_all(&file);
     cached(&agent, &file);
     let out = agent.run_job(&format!("{BINDS}; cat {}; exit 7", file.display()));
@@ -597,8 +608,19 @@ fn a_write_into_a_snapshot_fails_and_the_tree_goes_back_to_the_network() {
 
 #[test]
 fn a_job_has_the_callers_limits_and_umask_and_no_descriptor_of_the_daemon() {
+    callers_limits_and_no_descriptor(Agent::start);
+}
+
+/// The same as on a kernel before 5.11, whose `close_range` cannot mark descriptors
+/// close-on-exec: the daemon marked what it inherited at start.
+#[test]
+fn a_job_gets_no_descriptor_of_the_daemon_with_every_fallback() {
+    callers_limits_and_no_descriptor(|args| Agent::start_with_fallbacks("all", args));
+}
+
+fn callers_limits_and_no_descriptor(start: fn(&[&str]) -> Agent) {
     let net = NetworkMount::start();
-    let agent = Agent::start(&["--watch", net.mount.to_str().unwrap()]);
+    let agent = start(&["--watch", net.mount.to_str().unwrap()]);
     let (uid, gid) = hocus_tests::test_user();
     let mut cmd = agent.cli(&[
         "run",

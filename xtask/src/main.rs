@@ -466,6 +466,9 @@ fn test(filter: Option<String>) -> Result<()> {
                 .env("HOCUS_SPANK_PLUGIN", package::PLUGIN),
         )?;
         package::remove()?;
+        // Debian's kernels under QEMU, with kernel NFS, which this kernel lacks.
+        println!("== other kernels: Debian's 5.10, 6.1 and 6.12 under QEMU, over kernel NFS");
+        vm::test_kernels()?;
         // Benchmarks run in CI only as smoke runs: that they work, not what they say
         // (the debug build of the daemon, one short round).
         println!("== benchmarks, smoke runs (bench all --quick)");

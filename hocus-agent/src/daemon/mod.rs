@@ -33,7 +33,7 @@ use crate::{
     observe::{events::Observer, loader, mounts, places::Places, tracer::Tracer, views::Views},
     place::{budget::Budgets, placement::Filters},
     profile::staging::Staging,
-    redirect::{identity, jobs::JobStart, leftovers},
+    redirect::{identity, jobs::JobStart, leftovers, mountns, spawn},
     report::metrics,
     shared::{
         kernel::{self, Route},
@@ -133,6 +133,7 @@ impl Daemon {
         let kernel_release = kernel::release();
         kernel::check_supported(&kernel_release)?;
         kernel::check_fallbacks()?;
+        spawn::close_inherited_on_exec();
         let mount_table = mounts::read()?;
         let named = opts.settings.watch.clone().unwrap_or_default();
         let trees = Trees::find(&named, &mount_table)?;
@@ -158,7 +159,12 @@ impl Daemon {
         leftovers::take_away_at_start(&cache_dir, &cache.trees);
         let (keeper, keeper_thread, snapshots) = keeper::start(cache)?;
         let mut routes = tracer.routes.clone();
-        routes.extend([following, snapshots, identity::route()]);
+        routes.extend([
+            following,
+            snapshots,
+            mountns::read_only_route(),
+            identity::route(),
+        ]);
         kernel::log_routes(&kernel_release, &routes);
         let devices = trees.devices()?;
         let (watched, watches) = (trees.watched.clone(), trees.watches.clone());

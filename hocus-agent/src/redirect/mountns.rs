@@ -14,7 +14,11 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use crate::shared::{dirs, identity::Identity};
+use crate::shared::{
+    dirs,
+    identity::Identity,
+    kernel::{self, Route},
+};
 
 /// struct mount_attr (linux/mount.h).
 #[repr(C)]
@@ -172,24 +176,7 @@ pub fn bind_read_only(b: &Bind) -> io::Result<Option<OwnedFd>> {
             )?;
             lazy_view(&OwnedFd::from_raw_fd(meta as i32), &target)?
         } else {
-            let source = clone_tree(libc::AT_FDCWD, &local, libc::AT_SYMLINK_NOFOLLOW)?;
-            let attr = MountAttr {
-                attr_set: libc::MOUNT_ATTR_RDONLY
-                    | libc::MOUNT_ATTR_NOSUID
-                    | libc::MOUNT_ATTR_NODEV,
-                attr_clr: 0,
-                propagation: 0,
-                userns_fd: 0,
-            };
-            check(libc::syscall(
-                libc::SYS_mount_setattr,
-                source.as_raw_fd(),
-                c"".as_ptr(),
-                libc::AT_EMPTY_PATH,
-                &attr as *const MountAttr,
-                size_of::<MountAttr>(),
-            ))?;
-            source
+            read_only_clone(&local)?
         };
         move_mount(&source, &target)?;
         if let Err(e) = show_passages(b, &target, &source) {
@@ -205,6 +192,103 @@ pub fn bind_read_only(b: &Bind) -> io::Result<Option<OwnedFd>> {
             ));
         }
         Ok(b.lazy.then_some(source))
+    }
+}
+
+/// A detached clone of the mount tree at `local` (in the root-only cache), read-only,
+/// nosuid and nodev before anything can see it.
+fn read_only_clone(local: &CStr) -> io::Result<OwnedFd> {
+    if kernel::forced("mount-setattr") {
+        return read_only_clone_by_remount(local);
+    }
+    let source = clone_tree(libc::AT_FDCWD, local, libc::AT_SYMLINK_NOFOLLOW)?;
+    match set_read_only(&source) {
+        Err(e) if e.raw_os_error() == Some(libc::ENOSYS) => {
+            drop(source);
+            read_only_clone_by_remount(local)
+        }
+        done => done.map(|()| source),
+    }
+}
+
+/// `mount_setattr` (5.12) of a detached mount: read-only, nosuid, nodev.
+fn set_read_only(mount: &OwnedFd) -> io::Result<()> {
+    let attr = MountAttr {
+        attr_set: libc::MOUNT_ATTR_RDONLY | libc::MOUNT_ATTR_NOSUID | libc::MOUNT_ATTR_NODEV,
+        attr_clr: 0,
+        propagation: 0,
+        userns_fd: 0,
+    };
+    // SAFETY: a valid descriptor, an empty C string and the struct with its size.
+    check(unsafe {
+        libc::syscall(
+            libc::SYS_mount_setattr,
+            mount.as_raw_fd(),
+            c"".as_ptr(),
+            libc::AT_EMPTY_PATH,
+            &attr as *const MountAttr,
+            size_of::<MountAttr>(),
+        )
+    })
+    .map(drop)
+}
+
+/// The same without `mount_setattr` (before 5.12): `local` is bound over itself in this
+/// thread's namespace, remounted read-only, cloned (a clone keeps the flags), and the
+/// bind taken away again. Only root reaches the cache, and no process of the job runs
+/// yet: nothing sees the bind while it is writable.
+fn read_only_clone_by_remount(local: &CStr) -> io::Result<OwnedFd> {
+    // SAFETY: valid C strings; null for what a bind and a remount do not take.
+    unsafe {
+        let (no_fs, no_data) = (std::ptr::null(), std::ptr::null());
+        let bind = libc::mount(
+            local.as_ptr(),
+            local.as_ptr(),
+            no_fs,
+            libc::MS_BIND,
+            no_data,
+        );
+        check(bind.into())?;
+        let flags =
+            libc::MS_REMOUNT | libc::MS_BIND | libc::MS_RDONLY | libc::MS_NOSUID | libc::MS_NODEV;
+        let clone = check(libc::mount(no_fs, local.as_ptr(), no_fs, flags, no_data).into())
+            .and_then(|_| clone_tree(libc::AT_FDCWD, local, libc::AT_SYMLINK_NOFOLLOW));
+        let _ = libc::umount2(local.as_ptr(), libc::MNT_DETACH);
+        clone
+    }
+}
+
+/// How read-only binds are made on this kernel: `mount_setattr` on the detached clone,
+/// or a read-only remount before it is cloned (before 5.12).
+pub fn read_only_route() -> Route {
+    // A bad descriptor: EBADF where the syscall exists.
+    // SAFETY: the kernel checks the descriptor first; nothing is read.
+    let ret = unsafe {
+        libc::syscall(
+            libc::SYS_mount_setattr,
+            -1,
+            c"".as_ptr(),
+            libc::AT_EMPTY_PATH,
+            std::ptr::null::<MountAttr>(),
+            0,
+        )
+    };
+    let missing = ret < 0 && io::Error::last_os_error().raw_os_error() == Some(libc::ENOSYS);
+    if missing || kernel::forced("mount-setattr") {
+        let why = kernel::why("mount-setattr", "no mount_setattr: before 5.12");
+        kernel::route(
+            "read-only binds",
+            format!(
+                "bound over themselves in the job's namespace, remounted read-only, then cloned ({why})"
+            ),
+            true,
+        )
+    } else {
+        kernel::route(
+            "read-only binds",
+            "cloned, then made read-only before they are attached (mount_setattr)",
+            false,
+        )
     }
 }
 

@@ -16,7 +16,10 @@ use std::{
 use anyhow::{Context, Result, bail};
 use hocus_control::JobCommand;
 
-use crate::redirect::{access::Caller, cgroups};
+use crate::{
+    redirect::{access::Caller, cgroups},
+    shared::kernel,
+};
 
 /// Resource limits every job gets from its caller, not from the daemon (whose
 /// RLIMIT_MEMLOCK may be unlimited), by their names in /proc/PID/limits.
@@ -103,6 +106,7 @@ pub fn spawn(
     let (uid, gid) = (caller.uid, caller.gid);
     let groups: Vec<libc::gid_t> = process.groups.clone();
     let cwd = CString::new(run.cwd.as_os_str().as_bytes())?;
+    let close_range_forced = kernel::forced("close-range");
     // SAFETY: runs in the forked child before exec, calling only async-signal-safe
     // syscalls on data prepared before the fork.
     unsafe {
@@ -138,16 +142,23 @@ pub fn spawn(
             }
             // Nothing of the daemon's beyond stdin, stdout and stderr reaches the job, not
             // even descriptors it inherited without close-on-exec. CLOEXEC rather than
-            // close: std's exec error pipe must live until the exec.
+            // close: std's exec error pipe must live until the exec. Before 5.11 the
+            // kernel has no CLOSE_RANGE_CLOEXEC (EINVAL): the daemon marked what it
+            // inherited close-on-exec at start (`close_inherited_on_exec`), and opens
+            // everything else so.
             const CLOSE_RANGE_CLOEXEC: libc::c_uint = 4;
-            if libc::syscall(
-                libc::SYS_close_range,
-                3,
-                libc::c_uint::MAX,
-                CLOSE_RANGE_CLOEXEC,
-            ) != 0
+            if !close_range_forced
+                && libc::syscall(
+                    libc::SYS_close_range,
+                    3,
+                    libc::c_uint::MAX,
+                    CLOSE_RANGE_CLOEXEC,
+                ) != 0
             {
-                return Err(std::io::Error::last_os_error());
+                let e = std::io::Error::last_os_error();
+                if !matches!(e.raw_os_error(), Some(libc::EINVAL | libc::ENOSYS)) {
+                    return Err(e);
+                }
             }
             if libc::setsid() < 0
                 || libc::setgroups(groups.len(), groups.as_ptr()) != 0
@@ -164,6 +175,29 @@ pub fn spawn(
         });
     }
     Ok(cmd.spawn()?)
+}
+
+/// Marks every descriptor this process inherited (beyond stdin, stdout and stderr)
+/// close-on-exec, so that no job gets one, on kernels whose `close_range` cannot do it
+/// as the job starts (before 5.11). Call once, at start.
+pub fn close_inherited_on_exec() {
+    let Ok(entries) = std::fs::read_dir("/proc/self/fd") else {
+        return;
+    };
+    let fds: Vec<i32> = entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse().ok())
+        .filter(|fd| *fd > 2)
+        .collect();
+    for fd in fds {
+        // SAFETY: plain fcntl on a descriptor number; one closed since fails harmlessly.
+        unsafe {
+            let flags = libc::fcntl(fd, libc::F_GETFD);
+            if flags >= 0 {
+                libc::fcntl(fd, libc::F_SETFD, flags | libc::FD_CLOEXEC);
+            }
+        }
+    }
 }
 
 #[cfg(test)]

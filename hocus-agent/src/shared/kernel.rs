@@ -53,13 +53,16 @@ pub const FALLBACKS: &str = "HOCUS_FALLBACKS";
 /// What `FALLBACKS` can name: the current task read with the helper (`typed-task`),
 /// open files read with the helper (`kfuncs`), closes claimed by a plain store
 /// (`atomics`), exits told by the group's count (`group-dead`), callers pinned by their
-/// pid (`peer-pidfd`).
-pub const FALLBACK_NAMES: [&str; 5] = [
+/// pid (`peer-pidfd`), read-only binds by a remount (`mount-setattr`), a job's
+/// descriptors closed on exec by marks made at start (`close-range`).
+pub const FALLBACK_NAMES: [&str; 7] = [
     "typed-task",
     "kfuncs",
     "atomics",
     "group-dead",
     "peer-pidfd",
+    "mount-setattr",
+    "close-range",
 ];
 
 /// Whether `FALLBACKS` asks for fallback `name` (one of `FALLBACK_NAMES`).

@@ -145,11 +145,19 @@ fn guest_script(boot: &Boot, out: &Path, rc: &Path) -> String {
     s += "mountpoint -q /sys/kernel/tracing || mount -t tracefs none /sys/kernel/tracing\n";
     s += "ip link set lo up 2>/dev/null\n";
     s += &format!("cd {}\n", quote(&workspace().display().to_string()));
+    // Before the host stops a guest that runs too long, what it was doing.
+    let watchdog = boot.timeout.as_secs().saturating_sub(90).max(30);
+    s += &format!("( sleep {watchdog}; {DIAGNOSE} ) &\n");
     s += &format!("sh -c {}\n", quote(&boot.command));
     s += &format!("echo $? > {}\n", quote(&rc.display().to_string()));
     s += "sync\n";
     s
 }
+
+/// What the guest says when its command runs long: the processes, and where the
+/// threads of hocus's are in the kernel.
+const DIAGNOSE: &str = r#"echo "== the guest ran long; its processes:"; ps axf -o pid,stat,wchan:30,args; for p in $(pgrep -f hocus); do for t in /proc/$p/task/*; do echo "$t $(cat $t/comm) $(head -4 $t/stack | tr '
+' ' ')"; done; done"#;
 
 /// Single-quoted for sh.
 pub fn quote(s: &str) -> String {

@@ -188,6 +188,30 @@ impl GuestArgs {
     }
 }
 
+/// What `cargo xtask test` runs in the guests: the smoke suite on each of Debian's
+/// kernels over kernel NFS (v3 on 5.10 and 6.12, v4.2 on 6.1).
+pub fn test_kernels() -> Result<()> {
+    if !is_root() {
+        bail!("the rig boots kernels and installs what it lacks: run it as root");
+    }
+    tools::ensure()?;
+    let guest = GuestArgs {
+        kernel: Vec::new(),
+        memory_mib: 4096,
+        timeout_secs: 900,
+    };
+    let runs = [
+        ("5.10", TestFs::Nfs3),
+        ("6.1", TestFs::Nfs4),
+        ("6.12", TestFs::Nfs3),
+    ];
+    for (name, fs) in runs {
+        let kernel = kernels::fetch(kernels::series(name)?, false)?;
+        test_in(&guest, &kernel, fs, &["smoke".to_owned()], None)?;
+    }
+    Ok(())
+}
+
 /// Runs test files `tests` of tests/tests in a guest of `kernel`, one after the other,
 /// with the debug build of the agent.
 pub fn test_in(

@@ -1,0 +1,171 @@
+//! Kernel NFS for the tests: the kernel's own NFS server (nfsd, with rpcbind and mountd
+//! from nfs-kernel-server) serving a directory of the test's to 127.0.0.1, and the
+//! kernel's NFS client mounting it, v3 or v4.2. This machine's kernel has neither: the
+//! tests that use it run in the rig's guests (`cargo xtask vm test --fs nfs3`), which
+//! boot Debian's stock kernels.
+
+use std::{
+    fs,
+    path::Path,
+    process::Command,
+    sync::{
+        OnceLock,
+        atomic::{AtomicU32, Ordering},
+    },
+};
+
+use crate::run;
+
+/// The NFS versions the tests mount with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Version {
+    V3,
+    V4,
+}
+
+impl Version {
+    fn option(self) -> &'static str {
+        match self {
+            Self::V3 => "vers=3,nolock",
+            Self::V4 => "vers=4.2",
+        }
+    }
+}
+
+/// Which filesystem the tests' network mounts are: sshfs unless `HOCUS_TEST_FS` says
+/// `nfs3` or `nfs4`.
+pub fn from_env() -> Option<Version> {
+    match std::env::var("HOCUS_TEST_FS").as_deref() {
+        Ok("nfs3") => Some(Version::V3),
+        Ok("nfs4") => Some(Version::V4),
+        Ok("sshfs") | Err(_) => None,
+        Ok(other) => panic!("HOCUS_TEST_FS={other}: it takes sshfs, nfs3 or nfs4"),
+    }
+}
+
+/// Starts the NFS server once per test binary (it lives as long as the guest).
+fn server() {
+    static STARTED: OnceLock<()> = OnceLock::new();
+    STARTED.get_or_init(|| {
+        for module in ["nfsd", "nfs", "nfsv3", "nfsv4"] {
+            // Built in, or loadable: either way it is there after this.
+            let _ = Command::new("modprobe").arg(module).status();
+        }
+        if !Path::new("/proc/fs/nfsd/threads").exists() {
+            run(Command::new("mount").args(["-t", "nfsd", "nfsd", "/proc/fs/nfsd"]));
+        }
+        for dir in ["/run/rpcbind", "/var/lib/nfs"] {
+            fs::create_dir_all(dir).unwrap();
+        }
+        let running = |name: &str| {
+            Command::new("pgrep")
+                .args(["-x", name])
+                .output()
+                .is_ok_and(|o| o.status.success())
+        };
+        if !running("rpcbind") {
+            run(Command::new("rpcbind").arg("-w"));
+        }
+        if !running("rpc.mountd") {
+            run(&mut Command::new("rpc.mountd"));
+        }
+        run(Command::new("rpc.nfsd").arg("8"));
+        // NFSv4 sees the exports beneath one root export (fsid=0): every export is bound
+        // beneath it.
+        fs::create_dir_all(ROOT).unwrap();
+        run(Command::new("mount").args(["-t", "tmpfs", "-o", "mode=0755", "hocus-nfs", ROOT]));
+        run(Command::new("exportfs")
+            .args(["-o", "ro,fsid=0,no_subtree_check,insecure"])
+            .arg(format!("127.0.0.1:{ROOT}")));
+    });
+}
+
+/// The NFSv4 root export, beneath which each export is bound (`exported_as`).
+const ROOT: &str = "/run/hocus-nfs";
+
+/// Where the server exports `dir` (bound there by `export_and_mount`): its name below
+/// the v4 root.
+fn exported_as(dir: &Path) -> String {
+    let name: String = dir
+        .display()
+        .to_string()
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+        .collect();
+    name.trim_matches('_').to_owned()
+}
+
+/// Exports `dir` to 127.0.0.1 (root squashed or not) and mounts it at `at`. `dir`
+/// becomes a tmpfs of its own first: the guests' /tmp (an overlay) cannot be exported.
+pub fn export_and_mount(dir: &Path, at: &Path, version: Version, root_squash: bool) {
+    server();
+    run(Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "mode=0755", "hocus-export"])
+        .arg(dir));
+    let exported = Path::new(ROOT).join(exported_as(dir));
+    fs::create_dir_all(&exported).unwrap();
+    run(Command::new("mount").arg("--bind").arg(dir).arg(&exported));
+    // Every export needs an fsid of its own: a tmpfs has no UUID to tell them apart.
+    static NEXT_FSID: AtomicU32 = AtomicU32::new(1);
+    let fsid = std::process::id() * 1000 + NEXT_FSID.fetch_add(1, Ordering::Relaxed);
+    let squash = if root_squash {
+        "root_squash"
+    } else {
+        "no_root_squash"
+    };
+    run(Command::new("exportfs")
+        .arg("-o")
+        .arg(format!(
+            "rw,sync,{squash},fsid={fsid},no_subtree_check,insecure"
+        ))
+        .arg(format!("127.0.0.1:{}", exported.display())));
+    mount(dir, at, version);
+}
+
+/// The command that mounts the export of `dir` at `at`.
+pub fn mount_command(dir: &Path, at: &Path, version: Version) -> Command {
+    let name = exported_as(dir);
+    let remote = match version {
+        Version::V3 => format!("127.0.0.1:{ROOT}/{name}"),
+        Version::V4 => format!("127.0.0.1:/{name}"),
+    };
+    let mut cmd = Command::new("mount");
+    cmd.args(["-t", "nfs", "-o", version.option()])
+        .arg(remote)
+        .arg(at);
+    cmd
+}
+
+/// Mounts the export of `dir` at `at`.
+fn mount(dir: &Path, at: &Path, version: Version) {
+    let out = mount_command(dir, at, version)
+        .output()
+        .expect("running mount");
+    if !out.status.success() {
+        panic!(
+            "mounting {} over NFS failed ({}): {}\n(kernel NFS runs in the rig's guests: cargo xtask vm test --fs nfs3)",
+            dir.display(),
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
+/// Unexports `dir` (its clients then get errors, as from a server that dropped it).
+pub fn unexport(dir: &Path) {
+    let exported = Path::new(ROOT).join(exported_as(dir));
+    let _ = Command::new("exportfs")
+        .arg("-u")
+        .arg(format!("127.0.0.1:{}", exported.display()))
+        .status();
+}
+
+/// Unexports `dir` and takes its tmpfs away.
+pub fn remove(dir: &Path) {
+    unexport(dir);
+    let exported = Path::new(ROOT).join(exported_as(dir));
+    for mounted in [exported.as_path(), dir] {
+        let _ = Command::new("umount").arg("-l").arg(mounted).status();
+    }
+    let _ = fs::remove_dir(&exported);
+}
