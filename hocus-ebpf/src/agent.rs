@@ -9,12 +9,11 @@ use hocus_common::Home;
 #[unsafe(no_mangle)]
 static SELF_TGID: u32 = 0;
 /// Non-zero: `syscall_exit` follows every process, not only followed ones
-/// (`--trace-every-process`, or a watched tree not on FUSE).
+/// (`--trace-every-process`, or a watched tree without a tripwire).
 #[unsafe(no_mangle)]
 static TRACE_EVERY_PROCESS: u32 = 0;
-/// Non-zero: every watched tree is on FUSE and the FUSE tripwire is attached, so a path
-/// syscall of a process at home reached a watched tree only if its thread made a request
-/// to it (`follow::REQUESTED`); the others are turned away before their path is read.
+/// Non-zero: every watched tree has its tripwire attached (FUSE, NFS), so a path
+/// syscall of a process at home reached a watched tree only if its thread tripped it (`follow::REQUESTED`); the others are turned away before their path is read.
 #[unsafe(no_mangle)]
 static PATHS_BY_REQUEST: u32 = 0;
 

@@ -20,7 +20,7 @@ const BPF_F_MMAPABLE: u32 = 1 << 10;
 /// The processes `syscall_exit` follows, a byte each.
 #[map]
 static FOLLOWED: Array<follow::Entry> = Array::with_max_entries(follow::ENTRIES, BPF_F_MMAPABLE);
-/// The threads that made a request to a watched FUSE mount since their last path
+/// The threads that made a request to a watched mount (FUSE, NFS) since their last path
 /// syscall was looked at (`follow::entry`/`byte`, by thread id; `PATHS_BY_REQUEST`).
 #[map]
 static REQUESTED: Array<follow::Entry> = Array::with_max_entries(follow::ENTRIES, 0);
@@ -96,7 +96,8 @@ fn take(map: &Array<follow::Entry>, id: u32) -> bool {
 /// reached a watched tree, before its path is read (~105 ns for the first eight bytes
 /// alone). With `PATHS_BY_REQUEST`, a process at home reached one only if the thread made
 /// a request to a watched mount since its last path syscall (its `REQUESTED` byte, taken
-/// here): on FUSE every lookup of a name the kernel does not hold is one. Elsewhere (a
+/// here): on FUSE every lookup of a name the kernel does not hold is one, on NFS every
+/// walk through one of its directories checks a permission there. Elsewhere (a
 /// job's namespace, whose binds answer lookups from local copies; a container) always.
 pub fn may_reach_watched(thread: u32) -> bool {
     if !paths_by_request() || take(&REQUESTED, thread) {

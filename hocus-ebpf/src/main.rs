@@ -34,7 +34,8 @@
 //!   `syscall_exit`;
 //! - `hooks`: the programs, one file per hook: `syscall_exit` (`tp_btf/sys_exit`),
 //!   `sched` (fork, exit), `filemap` (pages entering the page cache), `fuse` (requests
-//!   to FUSE mounts) and `floor` (the benchmark's empty program).
+//!   to FUSE mounts), `nfs` (the NFS client's permission and attribute checks) and
+//!   `floor` (the benchmark's empty program).
 //!
 //! A kernel variant of a hook (another attach point for older kernels, a filesystem's
 //! own tracepoint) is a new file in `hooks/` built on the modules above; the agent picks

@@ -1,5 +1,5 @@
-//! Tripwires: work a watched mount's server does for a process (a FUSE request, pages
-//! entering the page cache) follows that process from then on, and wakes a resting
+//! Tripwires: work a watched mount's client or server does for a process (a FUSE
+//! request, an NFS permission check, pages entering the page cache) follows that process from then on, and wakes a resting
 //! `syscall_exit`. Other filesystems never pass here, so resting costs them nothing.
 
 use aya_ebpf::{macros::map, maps::Array};

@@ -7,7 +7,10 @@ use std::{
     fs,
     io::Read,
     net::TcpListener,
-    os::unix::{fs::PermissionsExt, net::UnixStream},
+    os::{
+        fd::{AsRawFd, OwnedFd},
+        unix::{fs::PermissionsExt, net::UnixStream},
+    },
     path::{Path, PathBuf},
     process::{Child, Command, Output, Stdio},
     sync::Mutex,
@@ -759,8 +762,10 @@ impl Agent {
         serde_json::from_slice(&out.stdout).expect("status prints JSON")
     }
 
-    /// The tracepoints the daemon's programs are attached to now, from its descriptors'
-    /// fdinfo: the kernel's own account of its BPF links.
+    /// The daemon's programs attached now (`syscall_exit`, `fuse_request` ...), from its
+    /// descriptors' fdinfo: the kernel's own account of its BPF links, each naming its
+    /// program's id, whose name the kernel gives (older kernels name no tracepoint
+    /// there).
     pub fn attached(&self) -> Vec<String> {
         let dir = format!("/proc/{}/fdinfo", self.pid());
         fs::read_dir(&dir)
@@ -769,9 +774,10 @@ impl Agent {
             .filter(|info| info.contains("link_type:"))
             .filter_map(|info| {
                 info.lines()
-                    .find_map(|l| l.strip_prefix("tp_name:"))
-                    .map(|n| n.trim().to_owned())
+                    .find_map(|l| l.strip_prefix("prog_id:"))
+                    .and_then(|id| id.trim().parse().ok())
             })
+            .map(|id| program_name(id).unwrap_or_else(|e| panic!("BPF program {id}: {e}")))
             .collect()
     }
 
@@ -997,6 +1003,35 @@ pub fn missing_lookups(profile: &Value, path: &Path) -> Option<u64> {
         .iter()
         .find(|m| m["path"] == path)
         .map(|m| m["lookups"].as_u64().unwrap())
+}
+
+/// The name of loaded BPF program `id` (at most 15 bytes), from the kernel.
+fn program_name(id: u32) -> std::io::Result<String> {
+    const BPF_PROG_GET_FD_BY_ID: libc::c_long = 13;
+    const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
+    // struct bpf_prog_info up to its name (offset 64, 16 bytes).
+    const INFO_LEN: usize = 80;
+    let bpf = |cmd: libc::c_long, attr: &mut [u64; 2]| {
+        // SAFETY: `attr` is a zeroed union bpf_attr prefix the command reads.
+        let r = unsafe { libc::syscall(libc::SYS_bpf, cmd, attr.as_mut_ptr(), 16usize) };
+        if r < 0 {
+            Err(std::io::Error::last_os_error())
+        } else {
+            Ok(r as i32)
+        }
+    };
+    let fd = bpf(BPF_PROG_GET_FD_BY_ID, &mut [u64::from(id), 0])?;
+    // SAFETY: a descriptor the kernel just gave this process.
+    let fd = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+    let mut info = [0u8; INFO_LEN];
+    let mut attr = [
+        u64::from(fd.as_raw_fd() as u32) | ((INFO_LEN as u64) << 32),
+        info.as_mut_ptr() as u64,
+    ];
+    bpf(BPF_OBJ_GET_INFO_BY_FD, &mut attr)?;
+    let name = &info[64..];
+    let end = name.iter().position(|&b| b == 0).unwrap_or(name.len());
+    Ok(String::from_utf8_lossy(&name[..end]).into_owned())
 }
 
 /// Reads a whole file, returning its length.

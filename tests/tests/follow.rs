@@ -142,10 +142,24 @@ fn a_process_is_followed_from_its_first_use_of_the_mount_with_its_children_until
     writeln!(script.input, "go").unwrap();
     assert!(script.child.wait().unwrap().success());
     assert_eq!(followed(&agent), before);
+
+    // A process whose only use of the mount is a failed lookup the client may answer
+    // from its cache (NFS keeps the name as missing) is followed, and its lookup seen.
+    let mut lookup = Steps::start(
+        "import os, sys\nos.path.exists(sys.argv[1])\nprint('looked', flush=True)\nsys.stdin.readline()",
+        &[missing.to_str().unwrap()],
+    );
+    lookup.done("looked");
+    assert_eq!(followed(&agent), before + 1);
+    wait_until(15, "the second failed lookup in the profile", || {
+        missing_lookups(&agent.export(), &missing) == Some(2)
+    });
+    writeln!(lookup.input, "go").unwrap();
+    assert!(lookup.child.wait().unwrap().success());
 }
 
 #[test]
-fn every_process_is_followed_when_asked_or_when_a_watched_tree_is_not_on_fuse() {
+fn every_process_is_followed_when_asked_or_when_a_watched_tree_has_no_tripwire() {
     let net = NetworkMount::start();
     let agent = Agent::start(&[
         "--watch",

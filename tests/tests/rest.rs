@@ -11,7 +11,7 @@ use hocus_tests::{
 };
 use serde_json::Value;
 
-const SYSCALLS: &str = "sys_exit";
+const SYSCALLS: &str = "syscall_exit";
 
 fn tracing(agent: &Agent) -> Value {
     agent.status()["tracing"].clone()
@@ -33,8 +33,13 @@ fn start(net: &NetworkMount) -> Agent {
     let agent = Agent::start(&["--watch", net.mount.to_str().unwrap(), "--rest-after", "5"]);
     let links = agent.attached();
     assert!(links.iter().any(|t| t == SYSCALLS), "{links:?}");
-    // The tripwires stay attached while it rests.
-    for tripwire in ["fuse_request_send", "mm_filemap_add_to_page_cache"] {
+    // The tripwires stay attached while it rests: the mount's own, and pages entering
+    // the page cache.
+    let tripwires: &[&str] = match net.nfs {
+        Some(_) => &["nfs_access", "filemap_add"],
+        None => &["fuse_request", "filemap_add"],
+    };
+    for &tripwire in tripwires {
         assert!(links.iter().any(|t| t == tripwire), "{links:?}");
     }
     agent

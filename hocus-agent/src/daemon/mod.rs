@@ -30,7 +30,9 @@ use crate::{
         refusal::Refusal,
         relay, server,
     },
-    observe::{events::Observer, loader, mounts, places::Places, tracer::Tracer, views::Views},
+    observe::{
+        events::Observer, mounts, places::Places, tracefs, tracer::Tracer, tripwires, views::Views,
+    },
     place::{budget::Budgets, placement::Filters},
     profile::staging::Staging,
     redirect::{identity, jobs::JobStart, leftovers, mountns, spawn},
@@ -141,12 +143,12 @@ impl Daemon {
             &opts.settings.state_dir(),
             opts.settings.max_profile_entries(),
         )?;
-        let (every_process, following) = trees::follows_every_process(
+        let (every_process, tripwires, following) = trees::follows_every_process(
             opts.settings.trace_every_process,
             &trees.watched,
-            loader::has_fuse_tripwire()?,
+            &tripwires::on_this_kernel(&tracefs::root()?),
         );
-        let mut tracer = Tracer::start(&trees.prefixes(), every_process)?;
+        let mut tracer = Tracer::start(&trees.prefixes(), every_process, &tripwires)?;
         if !tracer.skipped.is_empty() {
             log::warn!(
                 "this kernel lacks some syscalls; not traced: {}",

@@ -21,6 +21,7 @@ use crate::{
         mounts::{self, Mount},
         places::Watch,
         tracer::Root,
+        tripwires::Tripwire,
         views::Anchor,
     },
     shared::kernel::{Route, route},
@@ -179,36 +180,94 @@ pub fn root_paths(roots: &[Root]) -> Vec<PathBuf> {
         .collect()
 }
 
-/// Whether the syscall program follows every process: asked to, or a watched tree is on
-/// a filesystem whose opens and failed lookups are not all requests a tripwire sees (NFS
-/// answers them from its caches, a local disk has no server), or the kernel has no
-/// tripwire for it (FUSE's tracepoint is newer than Debian 13's kernel). Otherwise it
-/// follows jobs and the processes that used a watched mount (docs/overhead.md). With
-/// the way that takes.
+/// How the syscall program finds whom to follow, from the watched trees and the
+/// tripwires this kernel `has` (`observe::tripwires`): it follows jobs and the processes
+/// that used a watched mount, seen by the mount's tripwire; or every process, when
+/// asked to, or when a watched tree is on a filesystem with no tripwire (Lustre, GPFS, a
+/// local disk) or one this kernel lacks (FUSE's is newer than Debian 13's kernel).
+/// Returns whether it follows every process, the tripwires to attach (those of the
+/// watched trees; they also wake a resting program), and the way taken.
 pub fn follows_every_process(
     asked: Option<bool>,
     watched: &[WatchedMount],
-    fuse_tripwire: bool,
-) -> (bool, Route) {
+    has: &[Tripwire],
+) -> (bool, Vec<Tripwire>, Route) {
     const PART: &str = "processes followed";
+    let mut wanted: Vec<Tripwire> = Vec::new();
+    let mut without = None;
+    for w in watched {
+        match Tripwire::of(&w.fs_type) {
+            Some(t) if has.contains(&t) => {
+                if !wanted.contains(&t) {
+                    wanted.push(t);
+                }
+            }
+            Some(t) => {
+                without.get_or_insert(format!(
+                    "every process: this kernel has no {} tripwire ({}) to see who uses {}",
+                    t.filesystems(),
+                    t.tracepoints(),
+                    w.path.display()
+                ));
+            }
+            None => {
+                without.get_or_insert(format!(
+                    "every process: {} is on {}, which has no tripwire to see who uses it",
+                    w.path.display(),
+                    w.fs_type
+                ));
+            }
+        }
+    }
     if asked == Some(true) {
-        return (
-            true,
-            route(PART, "every process (trace-every-process)", false),
-        );
+        let way = route(PART, "every process (trace-every-process)", false);
+        return (true, wanted, way);
     }
-    if let Some(w) = watched.iter().find(|w| !mounts::is_fuse_type(&w.fs_type)) {
-        let way = format!(
-            "every process: {} is on {}, whose opens and failed lookups do not all reach its server, where the tripwire would see who uses it",
-            w.path.display(),
-            w.fs_type
-        );
-        return (true, route(PART, way, true));
+    if let Some(way) = without {
+        return (true, wanted, route(PART, way, true));
     }
-    if !fuse_tripwire {
-        let way = "every process: this kernel has no FUSE request tracepoint (fuse:fuse_request_send) to see who uses the watched mounts";
-        return (true, route(PART, way, true));
+    let names: Vec<&str> = wanted.iter().map(|t| t.filesystems()).collect();
+    let way = format!(
+        "jobs and the processes that used a watched mount (the {} tripwire); every other process's syscalls are turned away at once",
+        names.join(" and ")
+    );
+    (false, wanted, route(PART, way, false))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn on(path: &str, fs_type: &str) -> WatchedMount {
+        WatchedMount {
+            path: PathBuf::from(path),
+            fs_type: fs_type.to_owned(),
+            network: true,
+        }
     }
-    let way = "jobs and the processes that used a watched mount (the FUSE tripwire); every other process's syscalls are turned away at once";
-    (false, route(PART, way, false))
+
+    #[test]
+    fn every_process_is_followed_where_a_watched_tree_has_no_tripwire_here() {
+        use Tripwire::{Fuse, Nfs};
+        let sshfs = on("/home", "fuse.sshfs");
+        let nfs = on("/sw", "nfs4");
+        let lustre = on("/scratch", "lustre");
+        let both = [sshfs.clone(), nfs.clone()];
+        let (every, wanted, way) = follows_every_process(None, &both, &[Fuse, Nfs]);
+        assert!(!every && !way.fallback);
+        assert_eq!(wanted, [Fuse, Nfs]);
+        assert!(way.way.contains("FUSE and NFS tripwire"), "{}", way.way);
+        // Debian's kernels have no FUSE tripwire: the NFS one still wakes a rest.
+        let (every, wanted, way) = follows_every_process(None, &both, &[Nfs]);
+        assert!(every && way.fallback);
+        assert_eq!(wanted, [Nfs]);
+        assert!(way.way.contains("no FUSE tripwire"), "{}", way.way);
+        let (every, wanted, way) = follows_every_process(None, &[nfs.clone(), lustre], &[Nfs]);
+        assert!(every && way.fallback);
+        assert_eq!(wanted, [Nfs]);
+        assert!(way.way.contains("/scratch is on lustre"), "{}", way.way);
+        let (every, wanted, way) = follows_every_process(Some(true), &[nfs], &[Nfs]);
+        assert!(every && !way.fallback);
+        assert_eq!(wanted, [Nfs]);
+    }
 }

@@ -57,15 +57,23 @@ impl Followed {
     /// How many processes (and threads of followed processes) are followed now, not
     /// counting the daemon's own threads: whatever it forks is a job's (the kernel side
     /// cannot tell a thread from a process at fork), yet its own syscalls are never the
-    /// workload.
+    /// workload. Its threads come and go as it works: a set byte counts unless it is one
+    /// of them, read again after looking (a thread clears its byte as it exits, before
+    /// it leaves /proc).
     pub fn count(&self) -> usize {
-        // Every byte is 0 or 1: a word's ones are its followed ids.
-        let all: usize = self
-            .words()
-            .iter()
-            .map(|w| w.load(Ordering::Relaxed).count_ones() as usize)
-            .sum();
-        all.saturating_sub(own_threads().filter(|t| self.is_set(*t)).count())
+        let mut n = 0;
+        for (w, word) in self.words().iter().enumerate() {
+            // Every byte is 0 or 1: a word's ones are its followed ids.
+            if word.load(Ordering::Relaxed) == 0 {
+                continue;
+            }
+            for id in (w * 8..w * 8 + 8).map(|i| i as u32) {
+                if self.is_set(id) && !is_own_thread(id) && self.is_set(id) {
+                    n += 1;
+                }
+            }
+        }
+        n
     }
 
     fn is_set(&self, id: u32) -> bool {
@@ -75,9 +83,8 @@ impl Followed {
     }
 }
 
-fn own_threads() -> impl Iterator<Item = u32> {
-    std::fs::read_dir("/proc/self/task")
-        .into_iter()
-        .flatten()
-        .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+fn is_own_thread(id: u32) -> bool {
+    std::path::Path::new("/proc/self/task")
+        .join(id.to_string())
+        .exists()
 }

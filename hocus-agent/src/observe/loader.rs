@@ -23,6 +23,7 @@ use crate::{
         probe,
         rewrite::Object,
         syscalls, tracefs,
+        tripwires::Tripwire,
     },
     shared::kernel::{self, Route, route},
 };
@@ -46,19 +47,6 @@ const PROGRAMS: [(&str, Attach); 4] = [
 
 /// The program that rests while there is nothing to learn (`Tracer::rest`).
 pub const SYSCALLS_PROGRAM: &str = "syscall_exit";
-
-/// A tripwire for resting: requests to FUSE filesystems (sshfs ...), where the kernel
-/// has the tracepoint; other filesystems never reach it.
-const FUSE_TRIPWIRE: (&str, Attach) = ("fuse_request", Attach::Event("fuse", "fuse_request_send"));
-
-/// Whether this kernel has FUSE's request tracepoint, the tripwire that lets the
-/// programs follow only the processes that use a FUSE mount (newer kernels than
-/// Debian 13's).
-pub fn has_fuse_tripwire() -> Result<bool> {
-    Ok(tracefs::root()?
-        .join("events/fuse/fuse_request_send")
-        .exists())
-}
 
 /// What `hocus-agent trace-floor` attaches: a program that returns at once, where the
 /// syscall program goes. What any design there costs, for `cargo xtask bench overhead`.
@@ -94,9 +82,9 @@ pub struct Loaded {
 }
 
 /// Loads and attaches the programs for the watched `prefixes`, fitted to this kernel:
-/// each feature it lacks has a fallback, said in the routes (and the log); the FUSE
-/// tripwire where the kernel has FUSE's tracepoint.
-pub fn start(prefixes: &[&Path], every_process: bool) -> Result<Loaded> {
+/// each feature it lacks has a fallback, said in the routes (and the log); and
+/// `tripwires` (which the kernel must have).
+pub fn start(prefixes: &[&Path], every_process: bool, tripwires: &[Tripwire]) -> Result<Loaded> {
     let tracefs = tracefs::root()?;
     let start = |kfuncs| -> Result<(Loaded, bool)> {
         let (mut ebpf, fitted) = load(&tracefs, every_process, kfuncs)?;
@@ -145,8 +133,13 @@ pub fn start(prefixes: &[&Path], every_process: bool) -> Result<Loaded> {
             true,
         )
     });
-    if has_fuse_tripwire()? {
-        let links = attach(&mut loaded.ebpf, &[FUSE_TRIPWIRE])?;
+    for &tripwire in tripwires {
+        let hooks: Vec<(&str, Attach)> = tripwire
+            .hooks()
+            .iter()
+            .map(|&(name, (category, event))| (name, Attach::Event(category, event)))
+            .collect();
+        let links = attach(&mut loaded.ebpf, &hooks)?;
         loaded.links.extend(links);
     }
     Ok(loaded)
@@ -265,13 +258,14 @@ fn load(tracefs: &Path, every_process: bool, kfuncs: bool) -> Result<(Ebpf, Fitt
             false,
         )
     });
-    // Kernels without FUSE tracepoints get no FUSE tripwire (`Tracer::start`).
-    let fuse_connection = tracefs::Format::read(tracefs, "fuse", "fuse_request_send")
-        .and_then(|f| f.offset("connection"))
-        .map_or(u32::MAX, u32::from);
-    // Following only processes that used a watched mount means every watched tree is on
-    // FUSE; with the tripwire there, a path syscall reached one only if it made a request.
-    let paths_by_request = u32::from(every_process == 0 && fuse_connection != u32::MAX);
+    // Where the tripwires' records hold the mount's device (`tripwires`); nothing is
+    // read where the kernel lacks them (not attached then).
+    let fuse_connection = device_offset(tracefs, ("fuse", "fuse_request_send"), "connection");
+    let nfs_access_dev = device_offset(tracefs, ("nfs", "nfs_access_enter"), "dev");
+    // Following only processes that used a watched mount means every watched tree has
+    // its tripwire (`trees::follows_every_process`): a path syscall reached one only if
+    // its thread tripped it.
+    let paths_by_request = u32::from(every_process == 0);
     let self_tgid = std::process::id();
     let btf = Btf::from_kernel()?;
     let mut offsets =
@@ -338,6 +332,7 @@ fn load(tracefs: &Path, every_process: bool, kfuncs: bool) -> Result<(Ebpf, Fitt
         .override_global("FILEMAP_DEV_OFFSET", &filemap_dev, true)
         .override_global("FILEMAP_ORDER_OFFSET", &filemap_order, true)
         .override_global("FUSE_CONNECTION_OFFSET", &fuse_connection, true)
+        .override_global("NFS_ACCESS_DEV_OFFSET", &nfs_access_dev, true)
         .override_global("PATHS_BY_REQUEST", &paths_by_request, true)
         .load(programs.bytes())
         .context(
@@ -348,6 +343,14 @@ fn load(tracefs: &Path, every_process: bool, kfuncs: bool) -> Result<(Ebpf, Fitt
         routes,
     };
     Ok((ebpf, fitted))
+}
+
+/// The offset of `field` in `event`'s records, or u32::MAX (a read that fails) where the
+/// kernel has no such event.
+fn device_offset(tracefs: &Path, (category, event): (&str, &str), field: &str) -> u32 {
+    tracefs::Format::read(tracefs, category, event)
+        .and_then(|f| f.offset(field))
+        .map_or(u32::MAX, u32::from)
 }
 
 /// Loads (through the verifier) and attaches `programs`.

@@ -2,7 +2,8 @@
 //! (`tracer`; `loader` fits them to this kernel, with what `probe` finds it offers and
 //! the instructions `rewrite` changes), keeps the processes they follow (`followed`),
 //! finds tracepoint field offsets (`tracefs`), kernel struct field offsets (`btf`) and
-//! the syscalls to trace (`syscalls`), reads the mount table (`mounts`), and turns the
+//! the syscalls to trace (`syscalls`), knows which filesystems have a tripwire that sees
+//! who uses them (`tripwires`), reads the mount table (`mounts`), and turns the
 //! kernel's events into working-set updates, accesses for the keeper and changes to
 //! invalidate (`events`).
 //!
@@ -19,4 +20,5 @@ pub mod rewrite;
 pub mod syscalls;
 pub mod tracefs;
 pub mod tracer;
+pub mod tripwires;
 pub mod views;

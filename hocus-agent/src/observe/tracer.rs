@@ -26,6 +26,7 @@ use crate::{
         followed::Followed,
         loader::{self, Floor, Link, Loaded, SYSCALLS_PROGRAM},
         mounts,
+        tripwires::Tripwire,
     },
     shared::kernel::Route,
 };
@@ -80,13 +81,14 @@ impl Tracer {
     /// Loads and attaches the programs for the given watched prefixes (canonical paths).
     /// `every_process`: the syscall program follows every process, not only jobs and
     /// those that reached a watched mount's server (`hocus_common::follow`).
-    pub fn start(prefixes: &[&Path], every_process: bool) -> Result<Self> {
+    /// `tripwires`: attached (`observe::tripwires`).
+    pub fn start(prefixes: &[&Path], every_process: bool, tripwires: &[Tripwire]) -> Result<Self> {
         let Loaded {
             mut ebpf,
             skipped,
             links,
             routes,
-        } = loader::start(prefixes, every_process)?;
+        } = loader::start(prefixes, every_process, tripwires)?;
         let events = RingBuf::try_from(ebpf.take_map("EVENTS").context("no EVENTS map")?)?;
         let open_files =
             HashMap::try_from(ebpf.take_map("OPEN_FILES").context("no OPEN_FILES map")?)?;

@@ -7,5 +7,6 @@
 mod filemap;
 mod floor;
 mod fuse;
+mod nfs;
 mod sched;
 mod syscall_exit;
