@@ -59,6 +59,8 @@ pub struct NetworkMount {
     sshd: Option<Child>,
     /// The NFS version mounted; None on sshfs.
     pub nfs: Option<nfs::Version>,
+    /// On NFS, the client's requests (`server_log`).
+    client_log: Option<nfs::ClientLog>,
     /// Where clients reach the server: 127.0.0.1, or an address in a network namespace.
     host: String,
     port: u16,
@@ -69,6 +71,15 @@ impl NetworkMount {
     /// Starts an sshd on a free loopback port and mounts its export with sshfs.
     pub fn start() -> Self {
         Self::start_owned_by(None)
+    }
+
+    /// The mount's filesystem type, as the mount table says it.
+    pub fn fs_type(&self) -> &'static str {
+        match self.nfs {
+            None => "fuse.sshfs",
+            Some(nfs::Version::V3) => "nfs",
+            Some(nfs::Version::V4) => "nfs4",
+        }
     }
 
     /// A share with a realistic network between client and server: every byte takes
@@ -133,12 +144,14 @@ impl NetworkMount {
             }
             nfs::export_and_mount(&server, &mount, version, false);
             let mount = fs::canonicalize(&mount).unwrap();
+            let client_log = Some(nfs::ClientLog::start(&mount, &server));
             return Self {
                 dir,
                 server,
                 mount,
                 sshd: None,
                 nfs: Some(version),
+                client_log,
                 host: "127.0.0.1".to_owned(),
                 port: 2049,
                 owner,
@@ -210,6 +223,7 @@ impl NetworkMount {
             host,
             port,
             owner,
+            client_log: None,
         };
         if remote.is_some() {
             return this;
@@ -324,9 +338,13 @@ impl NetworkMount {
     }
 
     /// The server's log: every SFTP open, opendir and stat it was asked for, by path on
-    /// the server.
+    /// the server. On NFS, the requests the client made for this mount
+    /// (`nfs::ClientLog`): lookups, listings and reads.
     pub fn server_log(&self) -> String {
-        fs::read_to_string(self.dir.path().join("sftp.log")).unwrap_or_default()
+        match &self.client_log {
+            Some(log) => log.text(),
+            None => fs::read_to_string(self.dir.path().join("sftp.log")).unwrap_or_default(),
+        }
     }
 
     /// A Python package `mypkg` (`import mypkg.core; mypkg.core.VALUE` is 41) in the
@@ -361,10 +379,13 @@ impl NetworkMount {
 
     /// The bytes the server sent of files under `rel` since its log was `before` long.
     pub fn bytes_served_inside(&self, rel: &str, before: usize) -> u64 {
-        let inside = format!("close \"{}/", self.server_path(rel).display());
+        let inside = format!("\"{}/", self.server_path(rel).display());
         self.server_log()[before..]
             .lines()
-            .filter(|l| l.contains(&inside))
+            // SFTP's close of a file says what was read through it; NFS's reads each.
+            .filter(|l| {
+                l.contains(&format!("close {inside}")) || l.starts_with(&format!("read {inside}"))
+            })
             .filter_map(|l| {
                 l.split(" bytes read ")
                     .nth(1)?
@@ -394,7 +415,8 @@ impl NetworkMount {
                         .and_then(|p| p.strip_suffix('"'))
                         .is_some_and(|p| Path::new(p).is_dir())
                 };
-                !dir("lstat name \"") && !dir("statvfs \"")
+                // NFS: the check's walk may look a directory up again.
+                !dir("lstat name \"") && !dir("statvfs \"") && !dir("lookup \"")
             })
             .map(str::to_owned)
             .collect()
@@ -1003,6 +1025,14 @@ pub fn missing_lookups(profile: &Value, path: &Path) -> Option<u64> {
         .iter()
         .find(|m| m["path"] == path)
         .map(|m| m["lookups"].as_u64().unwrap())
+}
+
+/// Whether the running kernel's BTF names `name` (a function, a type), read apart from
+/// the daemon's own probes.
+pub fn kernel_btf_names(name: &str) -> bool {
+    let btf = fs::read("/sys/kernel/btf/vmlinux").expect("the kernel's BTF");
+    let needle = [name.as_bytes(), b"\0"].concat();
+    btf.windows(needle.len()).any(|w| w == needle.as_slice())
 }
 
 /// The name of loaded BPF program `id` (at most 15 bytes), from the kernel.

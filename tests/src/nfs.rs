@@ -5,11 +5,13 @@
 //! boot Debian's stock kernels.
 
 use std::{
+    collections::HashMap,
     fs,
-    path::Path,
+    os::unix::fs::MetadataExt,
+    path::{Path, PathBuf},
     process::Command,
     sync::{
-        OnceLock,
+        Mutex, OnceLock,
         atomic::{AtomicU32, Ordering},
     },
 };
@@ -154,10 +156,11 @@ fn mount(dir: &Path, at: &Path, version: Version) {
 /// Unexports `dir` (its clients then get errors, as from a server that dropped it).
 pub fn unexport(dir: &Path) {
     let exported = Path::new(ROOT).join(exported_as(dir));
+    // Quietly: a share whose server was killed is unexported a second time as it goes.
     let _ = Command::new("exportfs")
         .arg("-u")
         .arg(format!("127.0.0.1:{}", exported.display()))
-        .status();
+        .output();
 }
 
 /// Unexports `dir` and takes its tmpfs away.
@@ -168,4 +171,140 @@ pub fn remove(dir: &Path) {
         let _ = Command::new("umount").arg("-l").arg(mounted).status();
     }
     let _ = fs::remove_dir(&exported);
+}
+
+/// The NFS client's tracepoints that stand for requests to the server: a lookup of a name
+/// it does not hold (an open's, too), a directory listing read from the server, a read of
+/// bytes not cached. What the tests read as the server's log on NFS (`ClientLog`).
+const REQUEST_EVENTS: [&str; 4] = [
+    "nfs_lookup_enter",
+    "nfs_initiate_read",
+    "nfs_readdir_cache_fill",
+    "nfs_readdir_uncached",
+];
+
+const TRACEFS: &str = "/sys/kernel/tracing";
+
+/// Starts recording the client's requests (once per test binary): a trace buffer big
+/// enough for a test binary's NFS traffic, emptied.
+fn record_requests() {
+    static STARTED: OnceLock<()> = OnceLock::new();
+    STARTED.get_or_init(|| {
+        let t = Path::new(TRACEFS);
+        if !t.join("events").is_dir() {
+            run(Command::new("mount").args(["-t", "tracefs", "tracefs", TRACEFS]));
+        }
+        fs::write(t.join("buffer_size_kb"), "32768").unwrap();
+        for event in REQUEST_EVENTS {
+            fs::write(t.join("events/nfs").join(event).join("enable"), "1")
+                .unwrap_or_else(|e| panic!("enabling nfs:{event}: {e}"));
+        }
+        fs::write(t.join("trace"), "").unwrap();
+    });
+}
+
+/// What the kernel's NFS client asked the server for one mount, read from its
+/// tracepoints (the tests' stand-in for sshfs's SFTP server log), by path on the server:
+/// `open "P"` (a lookup made to open P), `lookup "P"`, `opendir "P"`, and
+/// `read "P" bytes read N` (an RPC). Files are named by their inode number (NFS's
+/// fileid), found on the server side; what was deleted since keeps its number. Lines
+/// keep their text once read, so a length marks a point in the log.
+pub struct ClientLog {
+    /// The mount's device, as the events print it (`00:3c`).
+    device: String,
+    /// The server's directory, whose inode numbers are the fileids.
+    server: PathBuf,
+    names: Mutex<HashMap<u64, PathBuf>>,
+}
+
+impl ClientLog {
+    pub fn start(mount: &Path, server: &Path) -> Self {
+        record_requests();
+        let dev = fs::metadata(mount).unwrap().dev();
+        let (major, minor) = (libc::major(dev), libc::minor(dev));
+        Self {
+            device: format!("{major:02x}:{minor:02x}"),
+            server: server.to_owned(),
+            names: Mutex::new(HashMap::new()),
+        }
+    }
+
+    pub fn text(&self) -> String {
+        let trace = fs::read_to_string(Path::new(TRACEFS).join("trace")).unwrap();
+        let mut log = String::new();
+        for line in trace.lines().filter(|l| !l.starts_with('#')) {
+            if let Some(entry) = self.entry(line) {
+                log.push_str(&entry);
+                log.push('\n');
+            }
+        }
+        log
+    }
+
+    fn entry(&self, line: &str) -> Option<String> {
+        let field = |name: &str| {
+            line.split_whitespace()
+                .find_map(|w| w.strip_prefix(name))
+                .map(str::to_owned)
+        };
+        let (event, _) = line.split_once(": ")?.1.split_once(':')?;
+        let file = |id: &str| -> Option<PathBuf> {
+            let ino = id.strip_prefix(&self.device)?.strip_prefix(':')?;
+            Some(self.path_of(ino.parse().ok()?))
+        };
+        match event {
+            "nfs_lookup_enter" => {
+                let name = field("name=")?;
+                let (dir, name) = name.split_once('/')?;
+                let path = file(dir)?.join(name);
+                let what = if line.contains("OPEN") {
+                    "open"
+                } else {
+                    "lookup"
+                };
+                Some(format!("{what} \"{}\"", path.display()))
+            }
+            "nfs_initiate_read" => {
+                let path = file(&field("fileid=")?)?;
+                let count = field("count=")?;
+                Some(format!("read \"{}\" bytes read {count}", path.display()))
+            }
+            "nfs_readdir_cache_fill" | "nfs_readdir_uncached" => {
+                let path = file(&field("fileid=")?)?;
+                Some(format!("opendir \"{}\"", path.display()))
+            }
+            _ => None,
+        }
+    }
+
+    /// The server path of inode `ino`, as first found.
+    fn path_of(&self, ino: u64) -> PathBuf {
+        let mut names = self.names.lock().unwrap();
+        if !names.contains_key(&ino) {
+            let mut found = vec![];
+            walk(&self.server, &mut found);
+            for (i, path) in found {
+                names.entry(i).or_insert(path);
+            }
+        }
+        names
+            .get(&ino)
+            .cloned()
+            .unwrap_or_else(|| self.server.join(format!("<inode {ino}>")))
+    }
+}
+
+fn walk(dir: &Path, found: &mut Vec<(u64, PathBuf)>) {
+    found.push((fs::metadata(dir).map_or(0, |m| m.ino()), dir.to_owned()));
+    let Ok(entries) = fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let path = e.path();
+        match e.file_type() {
+            Ok(t) if t.is_dir() => walk(&path, found),
+            Ok(_) => found.push((e.metadata().map_or(0, |m| m.ino()), path)),
+            Err(_) => {}
+        }
+    }
 }

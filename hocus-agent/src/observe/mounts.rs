@@ -183,7 +183,9 @@ pub fn mount_of<'a>(mounts: &'a [Mount], path: &Path) -> Option<&'a Mount> {
 pub fn default_watches(mounts: &[Mount]) -> Vec<PathBuf> {
     let mut points: Vec<PathBuf> = mounts
         .iter()
-        .filter(|m| m.is_network())
+        // A diskless node's root on the network is not a tree to watch (`/` never is):
+        // the network mounts below it are.
+        .filter(|m| m.is_network() && m.mount_point != Path::new("/"))
         .map(|m| m.mount_point.clone())
         .collect();
     points.sort_by_key(|p| p.as_os_str().len());
@@ -278,6 +280,19 @@ mod tests {
     #[test]
     fn default_watches_skip_nested_mounts() {
         let m = parse(SAMPLE).unwrap();
+        assert_eq!(
+            default_watches(&m),
+            ["/home", "/data", "/mnt/net share"].map(PathBuf::from)
+        );
+    }
+
+    #[test]
+    fn a_diskless_nodes_root_on_the_network_leaves_the_mounts_below_it() {
+        let diskless = SAMPLE.replace(
+            "252:1 / / rw,relatime shared:1 - ext4 /dev/vda rw",
+            "0:20 / / rw shared:1 - nfs 10.0.0.1:/roots/node7 rw,vers=3",
+        );
+        let m = parse(&diskless).unwrap();
         assert_eq!(
             default_watches(&m),
             ["/home", "/data", "/mnt/net share"].map(PathBuf::from)
