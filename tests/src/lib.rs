@@ -111,11 +111,28 @@ impl NetworkMount {
     /// there, with no client yet: nodes mount it with `mount_in_namespace_of` (at
     /// `mount`, the same path on every node).
     pub fn start_serving_from(holder: u32, addr: &str) -> Self {
-        Self::start_at(&std::env::temp_dir(), None, None, Some((holder, addr)))
+        Self::start_at(
+            &std::env::temp_dir(),
+            None,
+            None,
+            Some((holder, addr)),
+            None,
+        )
     }
 
     fn start_in(parent: &Path, owner: Option<(u32, u32)>, round_trip: Option<Duration>) -> Self {
-        Self::start_at(parent, owner, round_trip, None)
+        Self::start_at(parent, owner, round_trip, None, None)
+    }
+
+    /// A kernel NFS share exported and mounted as `share` says (root squashed, with
+    /// mount options), its root owned by `owner`: in the rig's guests only, where
+    /// `HOCUS_TEST_FS` names an NFS version.
+    pub fn start_nfs(owner: Option<(u32, u32)>, share: nfs::Share) -> Self {
+        assert!(
+            nfs::from_env().is_some(),
+            "kernel NFS runs in the rig's guests: cargo xtask vm test --fs nfs3 --test nfs"
+        );
+        Self::start_at(&std::env::temp_dir(), owner, None, None, Some(share))
     }
 
     fn start_at(
@@ -123,6 +140,7 @@ impl NetworkMount {
         owner: Option<(u32, u32)>,
         round_trip: Option<Duration>,
         remote: Option<(u32, &str)>,
+        share: Option<nfs::Share>,
     ) -> Self {
         require_root();
         let dir = tempfile::Builder::new()
@@ -142,7 +160,7 @@ impl NetworkMount {
             if let Some((u, g)) = owner {
                 std::os::unix::fs::chown(&server, Some(u), Some(g)).unwrap();
             }
-            nfs::export_and_mount(&server, &mount, version, false);
+            nfs::export_and_mount(&server, &mount, version, share.unwrap_or_default());
             let mount = fs::canonicalize(&mount).unwrap();
             let client_log = Some(nfs::ClientLog::start(&mount, &server));
             return Self {
@@ -260,7 +278,9 @@ impl NetworkMount {
     /// another client of the same server, as another node would be.
     pub fn mount_in_namespace_of(&self, holder: u32, at: &Path) {
         let mount = match self.nfs {
-            Some(version) => nfs::mount_command(&self.server, at, version),
+            // Another node's client: a superblock of its own (the kernel would share
+            // one between mounts of the same export).
+            Some(version) => nfs::mount_command(&self.server, at, version, "nosharecache"),
             None => self.sshfs(at),
         };
         run(Command::new("nsenter")

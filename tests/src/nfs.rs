@@ -97,9 +97,18 @@ fn exported_as(dir: &Path) -> String {
     name.trim_matches('_').to_owned()
 }
 
-/// Exports `dir` to 127.0.0.1 (root squashed or not) and mounts it at `at`. `dir`
-/// becomes a tmpfs of its own first: the guests' /tmp (an overlay) cannot be exported.
-pub fn export_and_mount(dir: &Path, at: &Path, version: Version, root_squash: bool) {
+/// How a share is exported and mounted, beyond the version.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Share {
+    /// The server maps the client's root to nobody (most sites' exports).
+    pub root_squash: bool,
+    /// More mount options (`actimeo=600`, `noac` ...).
+    pub options: &'static str,
+}
+
+/// Exports `dir` to 127.0.0.1 and mounts it at `at`. `dir` becomes a tmpfs of its own
+/// first: the guests' /tmp (an overlay) cannot be exported.
+pub fn export_and_mount(dir: &Path, at: &Path, version: Version, share: Share) {
     server();
     run(Command::new("mount")
         .args(["-t", "tmpfs", "-o", "mode=0755", "hocus-export"])
@@ -110,7 +119,7 @@ pub fn export_and_mount(dir: &Path, at: &Path, version: Version, root_squash: bo
     // Every export needs an fsid of its own: a tmpfs has no UUID to tell them apart.
     static NEXT_FSID: AtomicU32 = AtomicU32::new(1);
     let fsid = std::process::id() * 1000 + NEXT_FSID.fetch_add(1, Ordering::Relaxed);
-    let squash = if root_squash {
+    let squash = if share.root_squash {
         "root_squash"
     } else {
         "no_root_squash"
@@ -121,26 +130,28 @@ pub fn export_and_mount(dir: &Path, at: &Path, version: Version, root_squash: bo
             "rw,sync,{squash},fsid={fsid},no_subtree_check,insecure"
         ))
         .arg(format!("127.0.0.1:{}", exported.display())));
-    mount(dir, at, version);
+    mount(dir, at, version, share.options);
 }
 
-/// The command that mounts the export of `dir` at `at`.
-pub fn mount_command(dir: &Path, at: &Path, version: Version) -> Command {
+/// The command that mounts the export of `dir` at `at`, with more `options` if not empty.
+pub fn mount_command(dir: &Path, at: &Path, version: Version, options: &str) -> Command {
     let name = exported_as(dir);
     let remote = match version {
         Version::V3 => format!("127.0.0.1:{ROOT}/{name}"),
         Version::V4 => format!("127.0.0.1:/{name}"),
     };
+    let mut all = version.option().to_owned();
+    if !options.is_empty() {
+        all = format!("{all},{options}");
+    }
     let mut cmd = Command::new("mount");
-    cmd.args(["-t", "nfs", "-o", version.option()])
-        .arg(remote)
-        .arg(at);
+    cmd.args(["-t", "nfs", "-o", &all]).arg(remote).arg(at);
     cmd
 }
 
 /// Mounts the export of `dir` at `at`.
-fn mount(dir: &Path, at: &Path, version: Version) {
-    let out = mount_command(dir, at, version)
+fn mount(dir: &Path, at: &Path, version: Version, options: &str) {
+    let out = mount_command(dir, at, version, options)
         .output()
         .expect("running mount");
     if !out.status.success() {

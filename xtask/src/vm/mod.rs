@@ -262,6 +262,10 @@ fn test_binaries(names: &[String]) -> Result<Vec<(String, PathBuf)>> {
     for n in names {
         cmd.args(["--test", n]);
     }
+    // tests/nfs.rs needs kernel NFS: built for the guests alone.
+    if names.iter().any(|n| n == "nfs") {
+        cmd.args(["--features", "kernel-nfs"]);
+    }
     let out = cmd.output().context("building the tests")?;
     if !out.status.success() {
         bail!(
