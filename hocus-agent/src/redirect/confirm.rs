@@ -102,9 +102,57 @@ pub fn confirm_reusing(binds: Vec<Bind>, allowed: Duration) -> (Confirmed, usize
     (checked, reused)
 }
 
-/// Checks `binds` against the network within `allowed`.
+/// Checks runs that may still be waiting for a server past their time, at most: a
+/// server that does not answer blocks whoever asks it (a hard NFS mount, until it is
+/// back), and each job start would leave its checks behind; beyond this many, a job's
+/// copies are not checked (nor bound) until some come back.
+const STUCK_AT_MOST: usize = 8;
+
+/// Check runs not yet finished (`STUCK_AT_MOST`).
+static IN_FLIGHT: AtomicUsize = AtomicUsize::new(0);
+
+/// Checks `binds` against the network within `allowed`, whatever the network does: the
+/// checks run on a thread of their own, and what they have not answered in time is
+/// not bound (a silent server holds that thread, not the job).
 pub fn confirm(binds: Vec<Bind>, allowed: Duration) -> Confirmed {
+    let count = binds.len();
+    let none = || Confirmed {
+        unchecked: count,
+        ..Confirmed::default()
+    };
+    if count == 0 {
+        return Confirmed::default();
+    }
+    if IN_FLIGHT.fetch_add(1, Ordering::SeqCst) >= STUCK_AT_MOST {
+        IN_FLIGHT.fetch_sub(1, Ordering::SeqCst);
+        log::warn!(
+            "job start: {STUCK_AT_MOST} checks of earlier jobs' copies still wait for the network (a server not answering?): this job's {count} local copies are not bound"
+        );
+        return none();
+    }
     let deadline = Instant::now() + allowed;
+    let (tx, rx) = std::sync::mpsc::channel();
+    let spawned = thread::Builder::new()
+        .name("hocus-confirm".into())
+        .spawn(move || {
+            let confirmed = confirm_until(binds, deadline);
+            IN_FLIGHT.fetch_sub(1, Ordering::SeqCst);
+            let _ = tx.send(confirmed);
+        });
+    if let Err(e) = spawned {
+        IN_FLIGHT.fetch_sub(1, Ordering::SeqCst);
+        log::warn!("job start: no thread to check the local copies ({e}): none bound");
+        return none();
+    }
+    // A moment past the deadline: the checks stop taking items at it.
+    match rx.recv_timeout(allowed + Duration::from_millis(100)) {
+        Ok(confirmed) => confirmed,
+        Err(_) => none(),
+    }
+}
+
+/// The checks of [`confirm`], on its thread: each item started before `deadline`.
+fn confirm_until(binds: Vec<Bind>, deadline: Instant) -> Confirmed {
     let mut trees: HashMap<PathBuf, Option<Tree>> = HashMap::new();
     for b in &binds {
         trees
