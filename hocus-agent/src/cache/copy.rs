@@ -161,7 +161,9 @@ pub fn copy(
         let copied = poured.bytes;
         // Changed while we read? Look at the open file and at the name again.
         let after = src.metadata().map_err(CopyError::Source)?;
+        // As the reader again: a squashed root may not even search the file's directory.
         let by_name = {
+            let _as_reader = AsUser::take(reader).map_err(CopyError::Source)?;
             let fd = open_beneath(&tree_fd, rel, libc::O_PATH)?;
             File::from(fd).metadata().map_err(CopyError::Source)?
         };

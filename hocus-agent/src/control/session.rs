@@ -35,6 +35,7 @@ use crate::{
         mountns::{self, Bind},
         spawn,
     },
+    shared::user::User,
 };
 
 /// How long a job's start may wait for its copies to be checked against the network;
@@ -50,7 +51,13 @@ fn confirmed_binds(calls: &mpsc::Sender<Call>, caller: &Caller) -> Result<Vec<Bi
         _ => return Err(Refusal::new("busy", "the daemon has no binds to give")),
     };
     let started = Instant::now();
-    let (checked, reused) = confirm::confirm_reusing(binds, JOB_START_CHECK);
+    // As the job's user (an attached Slurm task's caller is root): root may be squashed.
+    let asking = (!caller.is_root()).then(|| User {
+        uid: caller.uid,
+        gid: caller.gid,
+        groups: caller.groups.clone(),
+    });
+    let (checked, reused) = confirm::confirm_reusing(binds, JOB_START_CHECK, asking);
     log::info!(
         "job start: {} local copies confirmed against the network in {:.1} ms ({} stale, {} not checked in time, {reused} confirmed by another job's start just before)",
         checked.binds.len(),

@@ -35,6 +35,7 @@ use crate::{
     shared::{
         identity::Identity,
         tree::{Tree, stat_now},
+        user::{AsUser, User},
     },
 };
 
@@ -84,7 +85,11 @@ static RECENT: Mutex<Option<HashMap<(PathBuf, PathBuf), Instant>>> = Mutex::new(
 /// node start at once, and each would ask the server the same thing): checks run one at
 /// a time, and a bind confirmed less than [`REUSE`] ago is given without asking again.
 /// Returns also how many were given so.
-pub fn confirm_reusing(binds: Vec<Bind>, allowed: Duration) -> (Confirmed, usize) {
+pub fn confirm_reusing(
+    binds: Vec<Bind>,
+    allowed: Duration,
+    asking: Option<User>,
+) -> (Confirmed, usize) {
     let mut guard = RECENT.lock().unwrap_or_else(|e| e.into_inner());
     let recent = guard.get_or_insert_with(HashMap::new);
     let began = Instant::now();
@@ -93,7 +98,7 @@ pub fn confirm_reusing(binds: Vec<Bind>, allowed: Duration) -> (Confirmed, usize
     let (fresh, to_check): (Vec<Bind>, Vec<Bind>) = binds
         .into_iter()
         .partition(|b| recent.contains_key(&key(b)));
-    let mut checked = confirm(to_check, allowed);
+    let mut checked = confirm(to_check, allowed, asking);
     for b in &checked.binds {
         recent.insert(key(b), began);
     }
@@ -114,7 +119,11 @@ static IN_FLIGHT: AtomicUsize = AtomicUsize::new(0);
 /// Checks `binds` against the network within `allowed`, whatever the network does: the
 /// checks run on a thread of their own, and what they have not answered in time is
 /// not bound (a silent server holds that thread, not the job).
-pub fn confirm(binds: Vec<Bind>, allowed: Duration) -> Confirmed {
+///
+/// The network is asked as `asking` (the job's user) where given: root may be squashed
+/// there, and may not even search a user's private directory. What the network
+/// refuses to tell is not bound, and its copy stays.
+pub fn confirm(binds: Vec<Bind>, allowed: Duration, asking: Option<User>) -> Confirmed {
     let count = binds.len();
     let none = || Confirmed {
         unchecked: count,
@@ -135,7 +144,7 @@ pub fn confirm(binds: Vec<Bind>, allowed: Duration) -> Confirmed {
     let spawned = thread::Builder::new()
         .name("hocus-confirm".into())
         .spawn(move || {
-            let confirmed = confirm_until(binds, deadline);
+            let confirmed = confirm_until(binds, deadline, asking.as_ref());
             IN_FLIGHT.fetch_sub(1, Ordering::SeqCst);
             let _ = tx.send(confirmed);
         });
@@ -152,7 +161,7 @@ pub fn confirm(binds: Vec<Bind>, allowed: Duration) -> Confirmed {
 }
 
 /// The checks of [`confirm`], on its thread: each item started before `deadline`.
-fn confirm_until(binds: Vec<Bind>, deadline: Instant) -> Confirmed {
+fn confirm_until(binds: Vec<Bind>, deadline: Instant, asking: Option<&User>) -> Confirmed {
     let mut trees: HashMap<PathBuf, Option<Tree>> = HashMap::new();
     for b in &binds {
         trees
@@ -208,16 +217,19 @@ fn confirm_until(binds: Vec<Bind>, deadline: Instant) -> Confirmed {
         thread::scope(|s| {
             for _ in 0..PARALLEL.min(level.len()) {
                 s.spawn(|| {
+                    let Ok(_as_user) = asking.map(AsUser::take).transpose() else {
+                        return; // its items stay unchecked
+                    };
                     while Instant::now() < deadline {
                         let Some(item) = level.get(next.fetch_add(1, Ordering::Relaxed)) else {
                             return;
                         };
                         let i = item.bind;
                         let tree = trees.get(&binds[i].tree).and_then(Option::as_ref);
-                        let same = tree.and_then(|t| check(t, item, &opened));
+                        let found = tree.map_or(Found::Unanswered, |t| check(t, item, &opened));
                         let mut r = results.lock().unwrap();
-                        match same {
-                            Some(fd) => {
+                        match found {
+                            Found::Same(fd) => {
                                 r[i].0 += 1;
                                 let mut held = now_open.lock().unwrap();
                                 if let (Some(rel), Some(fd)) = (item.dir, fd) {
@@ -226,7 +238,8 @@ fn confirm_until(binds: Vec<Bind>, deadline: Instant) -> Confirmed {
                                     }
                                 }
                             }
-                            None => r[i].1 = true,
+                            Found::Changed => r[i].1 = true,
+                            Found::Unanswered => {}
                         }
                     }
                 });
@@ -256,17 +269,37 @@ fn at<'a>(levels: &mut Vec<Vec<Item<'a>>>, depth: usize, item: Item<'a>) {
     levels[depth].push(item);
 }
 
+/// What a check found of one item.
+enum Found {
+    /// As it was, with the directory held open for those below it.
+    Same(Option<File>),
+    /// Changed, or gone.
+    Changed,
+    /// The network refused to say (permission): neither bound nor dropped.
+    Unanswered,
+}
+
 /// Whether the item's path still has the identity its copy (or its snapshot) was made
-/// at, and for a racy directory still the names of the snapshot's copy: Some, with the
-/// directory held open for those below it; None if not.
-fn check(tree: &Tree, item: &Item, opened: &Opened) -> Option<Option<File>> {
+/// at, and for a racy directory still the names of the snapshot's copy.
+fn check(tree: &Tree, item: &Item, opened: &Opened) -> Found {
+    match same(tree, item, opened) {
+        Ok(Some(fd)) => Found::Same(fd),
+        Ok(None) => Found::Changed,
+        Err(e) if matches!(e.raw_os_error(), Some(libc::EACCES | libc::EPERM)) => Found::Unanswered,
+        Err(_) => Found::Changed,
+    }
+}
+
+fn same(tree: &Tree, item: &Item, opened: &Opened) -> std::io::Result<Option<Option<File>>> {
     let parent = item
         .dir
         .and_then(|rel| Some((rel.parent()?, rel.file_name()?)))
         .and_then(|(parent, name)| Some((opened.get(&(item.bind, parent.to_owned()))?, name)));
     let fd = match parent {
         Some((parent, name)) => {
-            let name = CString::new(name.as_bytes()).ok()?;
+            let Ok(name) = CString::new(name.as_bytes()) else {
+                return Ok(None);
+            };
             // SAFETY: a valid directory descriptor and C string; owned on success.
             let fd = unsafe {
                 libc::openat(
@@ -275,12 +308,15 @@ fn check(tree: &Tree, item: &Item, opened: &Opened) -> Option<Option<File>> {
                     libc::O_PATH | libc::O_NOFOLLOW | libc::O_DIRECTORY | libc::O_CLOEXEC,
                 )
             };
+            if fd < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
             // SAFETY: as above.
-            (fd >= 0).then(|| File::from(unsafe { OwnedFd::from_raw_fd(fd) }))?
+            File::from(unsafe { OwnedFd::from_raw_fd(fd) })
         }
-        None => File::from(tree.open_beneath(&item.path, libc::O_PATH).ok()?),
+        None => File::from(tree.open_beneath(&item.path, libc::O_PATH)?),
     };
-    let same = stat_now(&fd).is_ok_and(|m| tree.identity(&m) == *item.identity);
+    let same = tree.identity(&stat_now(&fd)?) == *item.identity;
     let names_same = item.names_of.as_ref().is_none_or(|local| {
         let local_names = std::fs::read_dir(local).and_then(|entries| {
             entries
@@ -289,7 +325,7 @@ fn check(tree: &Tree, item: &Item, opened: &Opened) -> Option<Option<File>> {
         });
         matches!((tree.names(&item.path), local_names), (Ok(a), Ok(b)) if a == b)
     });
-    (same && names_same).then(|| item.dir.map(|_| fd))
+    Ok((same && names_same).then(|| item.dir.map(|_| fd)))
 }
 
 #[cfg(test)]
@@ -346,11 +382,11 @@ mod tests {
         ];
         fs::write(&changed, "v2, longer").unwrap();
         fs::remove_file(&gone).unwrap();
-        let all_same = confirm(binds.clone()[..1].to_vec(), Duration::from_secs(5));
+        let all_same = confirm(binds.clone()[..1].to_vec(), Duration::from_secs(5), None);
         assert_eq!(all_same.binds.len(), 1);
         // A name added deep in a snapshot changes its directory.
         fs::write(pkg.join("sub/added.py"), "").unwrap();
-        let c = confirm(binds, Duration::from_secs(5));
+        let c = confirm(binds, Duration::from_secs(5), None);
         assert_eq!(
             c.binds.iter().map(|b| &b.target).collect::<Vec<_>>(),
             vec![&same]
@@ -361,6 +397,7 @@ mod tests {
         let late = confirm(
             vec![bind(dir.path(), same.clone(), Expect::File(id(&same)))],
             Duration::ZERO,
+            None,
         );
         assert_eq!(
             (late.binds.len(), late.stale.len(), late.unchecked),
@@ -392,7 +429,12 @@ mod tests {
                 passages: Vec::new(),
             }]
         };
-        assert_eq!(confirm(expect(true), Duration::from_secs(5)).binds.len(), 1);
+        assert_eq!(
+            confirm(expect(true), Duration::from_secs(5), None)
+                .binds
+                .len(),
+            1
+        );
         // A name added; the directory's identity is then taken as it is now, as a
         // server keeping seconds would show the same identity as before.
         fs::write(net.join("b.py"), "").unwrap();
@@ -406,12 +448,12 @@ mod tests {
         };
         // Its identity vouches for it; only the names show the change.
         assert_eq!(
-            confirm(expect_now(false), Duration::from_secs(5))
+            confirm(expect_now(false), Duration::from_secs(5), None)
                 .binds
                 .len(),
             1
         );
-        let c = confirm(expect_now(true), Duration::from_secs(5));
+        let c = confirm(expect_now(true), Duration::from_secs(5), None);
         assert_eq!((c.binds.len(), c.stale), (0, vec![net.clone()]));
     }
 }

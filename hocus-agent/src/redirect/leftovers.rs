@@ -48,13 +48,17 @@ impl Ours {
     }
 
     fn made(&self, m: &Mount) -> bool {
-        if m.fs_type == "overlay" {
-            return m.super_options.split(',').any(|o| {
+        let view = m.fs_type == "overlay"
+            && m.super_options.split(',').any(|o| {
                 o.strip_prefix("lowerdir+=")
                     .is_some_and(|layer| Path::new(layer).starts_with(&self.cache_dir))
             });
-        }
-        (m.major, m.minor) == self.dev && m.root.starts_with(&self.inside) && m.root != self.inside
+        // A bind of a copy or snapshot: the cache may itself be on an overlay (a
+        // container's root, a diskless node's /tmp), so this is asked of overlays too.
+        let bind = (m.major, m.minor) == self.dev
+            && m.root.starts_with(&self.inside)
+            && m.root != self.inside;
+        view || bind
     }
 }
 
@@ -189,5 +193,28 @@ mod tests {
         // a user's own bind, another cache's, or the cache's disk itself. (85 is the
         // cache's, outside any watched tree: `take_away` leaves it.)
         assert_eq!(made, [80, 81, 85]);
+    }
+
+    /// The cache on an overlay itself (a container's root, the rig's guests' /tmp): its
+    /// binds are overlay mounts too, found by device and path all the same.
+    #[test]
+    fn binds_of_a_cache_on_an_overlay_are_ours() {
+        let table = mounts::parse(
+            "\
+23 1 0:21 / / ro,relatime - 9p /dev/root ro,trans=virtio
+54 23 0:46 / /tmp rw,relatime - overlay rw_overlay rw,lowerdir=/tmp,upperdir=/run/u,workdir=/run/w
+73 54 0:60 / /tmp/net rw,relatime - nfs 127.0.0.1:/exp rw,vers=3
+111 73 0:46 /hocus-agent-x/cache/trees/tmp/net/env /tmp/net/env ro,nosuid,nodev,relatime - overlay rw_overlay rw,lowerdir=/tmp,upperdir=/run/u,workdir=/run/w
+112 73 0:46 /other/env /tmp/net/other ro - overlay rw_overlay rw,lowerdir=/tmp,upperdir=/run/u,workdir=/run/w
+",
+        )
+        .unwrap();
+        let ours = Ours::of(&table, Path::new("/tmp/hocus-agent-x/cache")).unwrap();
+        let made: Vec<u32> = table
+            .iter()
+            .filter(|m| ours.made(m))
+            .map(|m| m.id)
+            .collect();
+        assert_eq!(made, [111]);
     }
 }
