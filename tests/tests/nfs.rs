@@ -25,7 +25,6 @@ fn as_user(cmd: &mut Command) -> Output {
 /// user seen reading it; the copy keeps its owner and mode, and that user's jobs read
 /// it on the node.
 #[test]
-#[ignore = "found on 6.1: the copy is made as the reader and confirmed at the job's start as its user, yet the user's job shows no bind of it and its open is not counted as served; issue 35, next step"]
 fn under_root_squash_a_private_file_is_copied_as_its_reader_and_served_to_their_jobs() {
     let user = test_user();
     let net = NetworkMount::start_nfs(

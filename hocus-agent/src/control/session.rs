@@ -51,13 +51,7 @@ fn confirmed_binds(calls: &mpsc::Sender<Call>, caller: &Caller) -> Result<Vec<Bi
         _ => return Err(Refusal::new("busy", "the daemon has no binds to give")),
     };
     let started = Instant::now();
-    // As the job's user (an attached Slurm task's caller is root): root may be squashed.
-    let asking = (!caller.is_root()).then(|| User {
-        uid: caller.uid,
-        gid: caller.gid,
-        groups: caller.groups.clone(),
-    });
-    let (checked, reused) = confirm::confirm_reusing(binds, JOB_START_CHECK, asking);
+    let (checked, reused) = confirm::confirm_reusing(binds, JOB_START_CHECK, job_user(caller));
     log::info!(
         "job start: {} local copies confirmed against the network in {:.1} ms ({} stale, {} not checked in time, {reused} confirmed by another job's start just before)",
         checked.binds.len(),
@@ -85,13 +79,23 @@ struct Made {
     took: std::time::Duration,
 }
 
-/// Makes each bind it can in this thread's namespace.
-fn bind_all(binds: Vec<Bind>) -> Made {
+/// Who the network is asked as for a job: its user (root may be squashed there). An
+/// attached Slurm task's caller is root, and stays root.
+fn job_user(caller: &Caller) -> Option<User> {
+    (!caller.is_root()).then(|| User {
+        uid: caller.uid,
+        gid: caller.gid,
+        groups: caller.groups.clone(),
+    })
+}
+
+/// Makes each bind it can in this thread's namespace, looking the targets up as `user`.
+fn bind_all(binds: Vec<Bind>, user: Option<&User>) -> Made {
     let started = std::time::Instant::now();
     let mut made = Vec::new();
     let mut views = Vec::new();
     for b in binds {
-        match mountns::bind_read_only(&b) {
+        match mountns::bind_read_only(&b, user) {
             Ok(view) => {
                 views.extend(view.map(|v| (v, b.target.clone())));
                 made.push(b);
@@ -154,7 +158,7 @@ fn attached(
         binds: made,
         views,
         took,
-    } = bind_all(binds);
+    } = bind_all(binds, job_user(&caller).as_ref());
     let id = caller.pid as u32;
     let job = JobStart {
         id,
@@ -220,7 +224,7 @@ pub fn run(
         binds: made,
         views,
         took,
-    } = bind_all(binds);
+    } = bind_all(binds, job_user(&caller).as_ref());
     // The kernel marks whatever this thread forks as job `id`; the daemon learns the job
     // before it starts, so its first opens are attributed.
     // SAFETY: gettid has no preconditions.

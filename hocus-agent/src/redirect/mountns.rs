@@ -18,6 +18,7 @@ use crate::shared::{
     dirs,
     identity::Identity,
     kernel::{self, Route},
+    user::{AsUser, User},
 };
 
 /// struct mount_attr (linux/mount.h).
@@ -159,11 +160,16 @@ fn make_slave() -> io::Result<()> {
 
 /// Binds `b.local` read-only, nosuid, nodev over `b.target`; for a lazy snapshot, the
 /// overlay of `b.local` over the network directory, whose mount is returned (the
-/// daemon tells the kernel side to place files under its root).
-pub fn bind_read_only(b: &Bind) -> io::Result<Option<OwnedFd>> {
+/// daemon tells the kernel side to place files under its root). The target is looked
+/// up as `user` (the job's) where given: root may be squashed on the network, and not
+/// even search the user's private directory.
+pub fn bind_read_only(b: &Bind, user: Option<&User>) -> io::Result<Option<OwnedFd>> {
     let local = cstr(&b.local)?;
     // Opened before anything is mounted over it: the network directory itself.
-    let target = open_target(b)?;
+    let target = {
+        let _as_user = user.map(AsUser::take).transpose()?;
+        open_target(b)?
+    };
     // SAFETY: valid C strings and struct pointers; descriptors are owned on success.
     unsafe {
         let source = if b.lazy {
@@ -592,10 +598,10 @@ mod tests {
         std::thread::spawn(move || {
             enter_new_namespace().unwrap();
             let read = |p: &str| std::fs::read_to_string(net2.join(p)).unwrap();
-            let err = bind_read_only(&swapped).unwrap_err();
+            let err = bind_read_only(&swapped, None).unwrap_err();
             assert!(err.to_string().contains("showing the network's"), "{err}");
             assert_eq!(read("used/a"), "network", "the view stayed mounted");
-            bind_read_only(&good).unwrap();
+            bind_read_only(&good, None).unwrap();
             assert_eq!(read("used/a"), "snapshot");
             assert_eq!(read("unused/b"), "network");
             // The passage is the network's, writable as it is there; the rest is not.
