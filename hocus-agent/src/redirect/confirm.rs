@@ -120,9 +120,9 @@ static IN_FLIGHT: AtomicUsize = AtomicUsize::new(0);
 /// checks run on a thread of their own, and what they have not answered in time is
 /// not bound (a silent server holds that thread, not the job).
 ///
-/// The network is asked as `asking` (the job's user) where given: root may be squashed
-/// there, and may not even search a user's private directory. What the network
-/// refuses to tell is not bound, and its copy stays.
+/// What the network refuses to tell root is asked again as `asking` (the job's user)
+/// where given: root may be squashed there, and may not even search a user's private
+/// directory. What it refuses to tell them too is not bound, and its copy stays.
 pub fn confirm(binds: Vec<Bind>, allowed: Duration, asking: Option<User>) -> Confirmed {
     let count = binds.len();
     let none = || Confirmed {
@@ -217,16 +217,19 @@ fn confirm_until(binds: Vec<Bind>, deadline: Instant, asking: Option<&User>) -> 
         thread::scope(|s| {
             for _ in 0..PARALLEL.min(level.len()) {
                 s.spawn(|| {
-                    let Ok(_as_user) = asking.map(AsUser::take).transpose() else {
-                        return; // its items stay unchecked
-                    };
                     while Instant::now() < deadline {
                         let Some(item) = level.get(next.fetch_add(1, Ordering::Relaxed)) else {
                             return;
                         };
                         let i = item.bind;
                         let tree = trees.get(&binds[i].tree).and_then(Option::as_ref);
-                        let found = tree.map_or(Found::Unanswered, |t| check(t, item, &opened));
+                        let mut found = tree.map_or(Found::Unanswered, |t| check(t, item, &opened));
+                        // Refused to root (squashed): asked again as the job's user.
+                        if let (Found::Unanswered, Some(t), Some(user)) = (&found, tree, asking) {
+                            if let Ok(_as_user) = AsUser::take(user) {
+                                found = check(t, item, &opened);
+                            }
+                        }
                         let mut r = results.lock().unwrap();
                         match found {
                             Found::Same(fd) => {

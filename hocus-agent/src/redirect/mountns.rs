@@ -160,15 +160,18 @@ fn make_slave() -> io::Result<()> {
 
 /// Binds `b.local` read-only, nosuid, nodev over `b.target`; for a lazy snapshot, the
 /// overlay of `b.local` over the network directory, whose mount is returned (the
-/// daemon tells the kernel side to place files under its root). The target is looked
-/// up as `user` (the job's) where given: root may be squashed on the network, and not
-/// even search the user's private directory.
+/// daemon tells the kernel side to place files under its root). A target root may not
+/// look up is looked up again as `user` (the job's) where given: root may be squashed
+/// on the network, and not even search the user's private directory.
 pub fn bind_read_only(b: &Bind, user: Option<&User>) -> io::Result<Option<OwnedFd>> {
     let local = cstr(&b.local)?;
     // Opened before anything is mounted over it: the network directory itself.
-    let target = {
-        let _as_user = user.map(AsUser::take).transpose()?;
-        open_target(b)?
+    let target = match (open_target(b), user) {
+        (Err(e), Some(user)) if matches!(e.raw_os_error(), Some(libc::EACCES | libc::EPERM)) => {
+            let _as_user = AsUser::take(user)?;
+            open_target(b)?
+        }
+        (target, _) => target?,
     };
     // SAFETY: valid C strings and struct pointers; descriptors are owned on success.
     unsafe {
