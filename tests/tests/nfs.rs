@@ -76,40 +76,8 @@ fn under_root_squash_a_private_file_is_copied_as_its_reader_and_served_to_their_
 /// node, meanwhile, still sees the old size: NFS's own semantics, not the daemon's.
 #[test]
 fn a_job_sees_a_change_the_clients_attribute_cache_still_hides() {
-    let net = NetworkMount::start_nfs(
-        None,
-        Share {
-            root_squash: false,
-            options: "actimeo=600",
-        },
-    );
     // At the share's root, which is never snapshotted: a copy of its own.
-    let file = net.put("config.py", b"VERSION = 1\n");
-    let agent = Agent::start(&[
-        "--watch",
-        net.mount.to_str().unwrap(),
-        "--revalidate",
-        "3600",
-    ]);
-    assert_eq!(fs::read(&file).unwrap(), b"VERSION = 1\n");
-    wait_until(30, "the copy", || agent.local_copy(&file).exists());
-
-    // Changed on the server: longer, and a second later (mtimes in whole seconds on
-    // some servers).
-    std::thread::sleep(std::time::Duration::from_millis(1100));
-    fs::write(net.server_path("config.py"), b"VERSION = 22\n").unwrap();
-    let cached_size = fs::metadata(&file).unwrap().len();
-    assert_eq!(
-        cached_size, 12,
-        "the client's attribute cache should still hold the old size"
-    );
-
-    let out = agent.run_job(&format!("cat {}", file.display()));
-    assert_success(&out);
-    assert_eq!(String::from_utf8_lossy(&out.stdout), "VERSION = 22\n");
-    wait_until(10, "the stale copy dropped or made again", || {
-        fs::read(agent.local_copy(&file)).map_or(true, |b| b == b"VERSION = 22\n")
-    });
+    a_job_sees_the_server_change_of("config.py");
 }
 
 /// The same for a file inside a snapshotted directory, rewritten in place on the
@@ -118,6 +86,12 @@ fn a_job_sees_a_change_the_clients_attribute_cache_still_hides() {
 #[test]
 #[ignore = "found failing on 6.1 (whole-copy snapshots): the job reads the snapshot's old copy; issue 35, next step"]
 fn a_job_sees_a_file_rewritten_in_place_inside_a_snapshot() {
+    a_job_sees_the_server_change_of("sw/lib/config.py");
+}
+
+/// File `rel` of a share mounted with `actimeo=600`, read and copied, rewritten on the
+/// server while the client's attribute cache holds the old size: a job reads the new.
+fn a_job_sees_the_server_change_of(rel: &str) {
     let net = NetworkMount::start_nfs(
         None,
         Share {
@@ -125,7 +99,7 @@ fn a_job_sees_a_file_rewritten_in_place_inside_a_snapshot() {
             options: "actimeo=600",
         },
     );
-    let file = net.put("sw/lib/config.py", b"VERSION = 1\n");
+    let file = net.put(rel, b"VERSION = 1\n");
     let agent = Agent::start(&[
         "--watch",
         net.mount.to_str().unwrap(),
@@ -138,7 +112,7 @@ fn a_job_sees_a_file_rewritten_in_place_inside_a_snapshot() {
     // Changed on the server: longer, and a second later (mtimes in whole seconds on
     // some servers).
     std::thread::sleep(std::time::Duration::from_millis(1100));
-    fs::write(net.server_path("sw/lib/config.py"), b"VERSION = 22\n").unwrap();
+    fs::write(net.server_path(rel), b"VERSION = 22\n").unwrap();
     let cached_size = fs::metadata(&file).unwrap().len();
     assert_eq!(
         cached_size, 12,
