@@ -419,24 +419,24 @@ impl NetworkMount {
 
     /// What a job asked the server inside `rel` of the share since the log was `before`
     /// bytes long, leaving out what hocus asks as a job starts: its check stats each
-    /// directory of a snapshot from the server (so the job sees what the network
-    /// holds), and mounting a snapshot's view asks the network filesystem for its
-    /// limits (overlayfs checks each layer's name length: one statvfs of the snapshot's
-    /// directory). A job served by a snapshot sends nothing else: no open, no listing,
-    /// no lookup of a missing name.
+    /// directory and file of a snapshot from the server (so the job sees what the
+    /// network holds), and mounting a snapshot's view asks the network filesystem for
+    /// its limits (overlayfs checks each layer's name length: one statvfs of the
+    /// snapshot's directory). A job served by a snapshot sends nothing else: no open,
+    /// no read, no listing, no lookup of a missing name.
     pub fn job_requests_inside(&self, rel: &str, before: usize) -> Vec<String> {
         let inside = format!("\"{}/", self.server_path(rel).display());
         self.server_log()[before..]
             .lines()
             .filter(|l| l.contains(&inside))
             .filter(|l| {
-                let dir = |prefix: &str| {
+                let entry = |prefix: &str| {
                     l.strip_prefix(prefix)
                         .and_then(|p| p.strip_suffix('"'))
-                        .is_some_and(|p| Path::new(p).is_dir())
+                        .is_some_and(|p| Path::new(p).symlink_metadata().is_ok())
                 };
-                // NFS: the check's walk may look a directory up again.
-                !dir("lstat name \"") && !dir("statvfs \"") && !dir("lookup \"")
+                // NFS: the check's walk may look an entry up again.
+                !entry("lstat name \"") && !entry("statvfs \"") && !entry("lookup \"")
             })
             .map(str::to_owned)
             .collect()

@@ -167,6 +167,56 @@ fn a_file_opened_for_writing_again_and_again_is_never_bound_and_a_fresh_install_
     assert!(f["write_opens"].as_u64() >= Some(4), "{f}");
 }
 
+/// Another node rewrites a module in place (`open(..., "w")`: same inode, no name added
+/// or removed, so no directory of the snapshot changes): a job started after it imports
+/// the new module, as a plain `python3` on the mount does.
+#[test]
+fn a_module_rewritten_in_place_inside_a_snapshot_is_imported_as_the_server_has_it() {
+    let net = NetworkMount::start();
+    net.put("env/lib/mypkg/__init__.py", b"from . import core\n");
+    let core = net.put("env/lib/mypkg/core.py", b"VALUE = 1\n");
+    net.put("env/empty/README", b"nothing to import here\n");
+    let agent = Agent::start(&[
+        "--watch",
+        net.mount.to_str().unwrap(),
+        "--revalidate",
+        "3600",
+    ]);
+    import_through_env(&net, "mypkg");
+    agent.wait_for_snapshot(&net.path("env/lib"));
+    let job = format!(
+        "PYTHONPATH={}:{} PYTHONDONTWRITEBYTECODE=1 python3 -c 'import mypkg.core; print(mypkg.core.VALUE)'",
+        net.path("env/empty").display(),
+        net.path("env/lib").display()
+    );
+    let value = || {
+        let out = agent.run_job(&job);
+        assert_success(&out);
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    assert_eq!(value(), "1\n");
+    // A second later (mtimes in whole seconds over SFTP), rewritten in place.
+    thread::sleep(Duration::from_millis(1100));
+    let ino = fs::metadata(net.server_path("env/lib/mypkg/core.py"))
+        .unwrap()
+        .ino();
+    fs::write(net.server_path("env/lib/mypkg/core.py"), b"VALUE = 22\n").unwrap();
+    assert_eq!(
+        fs::metadata(net.server_path("env/lib/mypkg/core.py"))
+            .unwrap()
+            .ino(),
+        ino
+    );
+    wait_until(30, "a plain process to see the change", || {
+        fs::read(&core).is_ok_and(|b| b == b"VALUE = 22\n")
+    });
+    assert_eq!(value(), "22\n");
+    // The snapshot went, and the module's own stale copy with it.
+    wait_until(10, "the stale copy dropped or made again", || {
+        fs::read(agent.local_copy(&core)).map_or(true, |b| b == b"VALUE = 22\n")
+    });
+}
+
 #[test]
 fn a_new_job_sees_what_the_network_holds_not_an_older_copy() {
     let net = NetworkMount::start();

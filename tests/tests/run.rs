@@ -661,44 +661,89 @@ fn callers_limits_and_no_descriptor(start: fn(&[&str]) -> Agent) {
 #[test]
 fn a_job_runs_in_its_callers_cgroups_not_the_daemons() {
     // A batch system puts each job in a cgroup with its limits; a job started through
-    // hocus must stay inside it. Here: a memory cgroup made for the caller.
+    // hocus must stay inside it. Here: a cgroup made for the caller in each hierarchy
+    // this machine has of the two that hold limits: v1's memory (this machine) and v2
+    // (Debian's default since 11, the rig's guests).
     let net = NetworkMount::start();
     let agent = Agent::start(&["--watch", net.mount.to_str().unwrap()]);
-    let own = fs::read_to_string("/proc/self/cgroup").unwrap();
-    let memory = own
-        .lines()
-        .find_map(|l| l.split_once(":memory:").map(|(_, p)| p.to_owned()))
-        .expect("a memory cgroup v1 hierarchy (toolchain.md: mounted on these machines)");
-    let job_cgroup = Path::new("/sys/fs/cgroup/memory")
-        .join(memory.trim_start_matches('/'))
-        .join(format!("hocus-test-{}", std::process::id()));
-    fs::create_dir(&job_cgroup).unwrap();
-    struct Remove(std::path::PathBuf);
+    let name = format!("hocus-test-{}", std::process::id());
+    let made = caller_cgroups()
+        .into_iter()
+        .map(|(line, dir)| (line, dir.join(&name)))
+        .collect::<Vec<_>>();
+    assert!(
+        !made.is_empty(),
+        "neither a memory cgroup v1 nor a cgroup v2 hierarchy is mounted"
+    );
+    struct Remove(Vec<std::path::PathBuf>);
     impl Drop for Remove {
         fn drop(&mut self) {
-            let _ = fs::remove_dir(&self.0);
+            for d in &self.0 {
+                let _ = fs::remove_dir(d);
+            }
         }
     }
-    let _remove = Remove(job_cgroup.clone());
-    let procs = job_cgroup.join("cgroup.procs");
+    let _remove = Remove(made.iter().map(|(_, d)| d.clone()).collect());
+    for (_, dir) in &made {
+        fs::create_dir(dir).unwrap();
+    }
+    let procs: Vec<_> = made.iter().map(|(_, d)| d.join("cgroup.procs")).collect();
     let mut cmd = agent.cli(&["run", "--", "cat", "/proc/self/cgroup"]);
     cmd.current_dir("/");
     // SAFETY: runs in the forked child before exec: open and write, then exec.
     unsafe {
-        cmd.pre_exec(move || fs::write(&procs, "0"));
+        cmd.pre_exec(move || procs.iter().try_for_each(|p| fs::write(p, "0")));
     }
     let out = cmd.output().unwrap();
     assert_success(&out);
-    let name = job_cgroup.file_name().unwrap().to_str().unwrap().to_owned();
-    let line = text(&out.stdout)
-        .lines()
-        .find(|l| l.contains(":memory:"))
-        .map(str::to_owned)
-        .unwrap();
-    assert!(
-        line.ends_with(&format!("/{name}")),
-        "the job is not in its caller's cgroup: {line}"
-    );
+    let job = text(&out.stdout);
+    for (prefix, _) in &made {
+        let line = job
+            .lines()
+            .find(|l| l.starts_with(prefix.as_str()))
+            .unwrap();
+        assert!(
+            line.ends_with(&format!("/{name}")),
+            "the job is not in its caller's cgroup: {line}"
+        );
+    }
     let daemon = fs::read_to_string(format!("/proc/{}/cgroup", agent.pid())).unwrap();
     assert!(!daemon.contains(&name), "the daemon moved instead");
+}
+
+/// This process's cgroup directories in the memory v1 and the v2 hierarchies, each with
+/// the start of its line in /proc/self/cgroup (`N:memory:`, `0::`).
+fn caller_cgroups() -> Vec<(String, std::path::PathBuf)> {
+    let own = fs::read_to_string("/proc/self/cgroup").unwrap();
+    let mountinfo = fs::read_to_string("/proc/self/mountinfo").unwrap();
+    // The mount point of the hierarchy whose type and options `wanted` accepts.
+    let mounted = |wanted: &dyn Fn(&str, &str) -> bool| {
+        mountinfo.lines().find_map(|l| {
+            let (left, right) = l.split_once(" - ")?;
+            let mut r = right.split(' ');
+            let (fs_type, options) = (r.next()?, r.nth(1)?);
+            wanted(fs_type, options)
+                .then(|| left.split(' ').nth(4).map(std::path::PathBuf::from))?
+        })
+    };
+    let mut out = Vec::new();
+    for line in own.lines() {
+        let mut parts = line.splitn(3, ':');
+        let (Some(id), Some(controllers), Some(path)) = (parts.next(), parts.next(), parts.next())
+        else {
+            continue;
+        };
+        let mount = match controllers {
+            "" => mounted(&|t, _| t == "cgroup2"),
+            "memory" => mounted(&|t, o| t == "cgroup" && o.split(',').any(|o| o == "memory")),
+            _ => None,
+        };
+        if let Some(m) = mount {
+            out.push((
+                format!("{id}:{controllers}:"),
+                m.join(path.trim_start_matches('/')),
+            ));
+        }
+    }
+    out
 }

@@ -2,16 +2,17 @@
 //! be given is checked against the network, so a job sees what a plain process on the
 //! mount sees at that moment (a network filesystem's close-to-open promise) and hocus
 //! adds no staleness of its own. A copied file must still have the identity it was
-//! copied at; a snapshot, every directory it was taken from (a name added, removed or
-//! renamed changes its directory). The checks run in parallel, bounded in time: what is
-//! not confirmed in time is not bound, and the job reads the network there.
+//! copied at; a snapshot, every entry it was taken from: a name added, removed or
+//! renamed changes its directory, a file rewritten in place (another node's write)
+//! changes only the file. The checks run in parallel, bounded in time: what is not
+//! confirmed in time is not bound, and the job reads the network there.
 //!
 //! Each stat asks the server (`copy::stat_now`): an attribute cached by the client is
-//! what the check must not trust. A snapshot's directories are checked level by level,
-//! each opened from its parent's descriptor: over a network every component looked up
-//! is a round trip, and a job's start waits for them. A directory changed just before its snapshot was
-//! stamped may change again without a new mtime (seconds on SFTP): its names are
-//! compared with the snapshot's too.
+//! what the check must not trust. A snapshot is checked level by level, each entry
+//! opened from its parent directory's descriptor: over a network every component looked
+//! up is a round trip, and a job's start waits for them. A directory changed just before
+//! its snapshot was stamped may change again without a new mtime (seconds on SFTP): its
+//! names are compared with the snapshot's too.
 
 use std::{
     collections::HashMap,
@@ -41,13 +42,20 @@ use crate::{
 
 /// One check: the network path, the identity it must still have, and for a racy
 /// directory the snapshot's copy of it, whose names it must still have. A snapshot's
-/// directory also says where it is below the snapshot's root.
+/// entry also says where it is below the snapshot's root.
 struct Item<'a> {
     bind: usize,
     path: PathBuf,
-    dir: Option<&'a Path>,
+    entry: Option<&'a Path>,
     identity: &'a Identity,
     names_of: Option<PathBuf>,
+}
+
+impl Item<'_> {
+    /// A snapshot's directory: held open for the entries below it.
+    fn is_dir(&self) -> bool {
+        self.entry.is_some() && self.identity.mode & libc::S_IFMT == libc::S_IFDIR
+    }
 }
 
 /// Checks running at once: the network's round trip, not its bandwidth, is what a
@@ -63,7 +71,9 @@ const HELD_OPEN: usize = 4096;
 pub struct Confirmed {
     /// Still what the network holds: to bind.
     pub binds: Vec<Bind>,
-    /// Changed or gone on the network (their copies are stale).
+    /// Changed or gone on the network (their copies are stale): a copied file, or in
+    /// a snapshot the first entry found changed (the snapshot goes, and that file's
+    /// own copy too).
     pub stale: Vec<PathBuf>,
     /// Not checked within the time allowed (not bound either).
     pub unchecked: usize,
@@ -168,8 +178,8 @@ fn confirm_until(binds: Vec<Bind>, deadline: Instant, asking: Option<&User>) -> 
             .entry(b.tree.clone())
             .or_insert_with(|| Tree::open(&b.tree).ok());
     }
-    // One stat per item: a copied file, or one directory of a snapshot, by depth: the
-    // items of a level are checked in parallel, each directory from its parent's
+    // One stat per item: a copied file, or one entry of a snapshot, by depth: the
+    // items of a level are checked in parallel, each entry from its parent's
     // descriptor, opened on the level before.
     let mut levels: Vec<Vec<Item>> = Vec::new();
     let mut checks = vec![0usize; binds.len()];
@@ -183,24 +193,24 @@ fn confirm_until(binds: Vec<Bind>, deadline: Instant, asking: Option<&User>) -> 
                     Item {
                         bind: i,
                         path: b.target.clone(),
-                        dir: None,
+                        entry: None,
                         identity: id,
                         names_of: None,
                     },
                 );
             }
-            Expect::Dirs(dirs) => {
-                checks[i] = dirs.len();
-                for d in dirs {
+            Expect::Snapshot(entries) => {
+                checks[i] = entries.len();
+                for e in entries {
                     at(
                         &mut levels,
-                        d.rel.components().count(),
+                        e.rel.components().count(),
                         Item {
                             bind: i,
-                            path: b.target.join(&d.rel),
-                            dir: Some(&d.rel),
-                            identity: &d.identity,
-                            names_of: d.racy.then(|| b.local.join(&d.rel)),
+                            path: b.target.join(&e.rel),
+                            entry: Some(&e.rel),
+                            identity: &e.identity,
+                            names_of: (e.racy && e.is_dir()).then(|| b.local.join(&e.rel)),
                         },
                     );
                 }
@@ -208,8 +218,8 @@ fn confirm_until(binds: Vec<Bind>, deadline: Instant, asking: Option<&User>) -> 
             Expect::Nothing => {}
         }
     }
-    // Per bind: the checks passed, and whether one failed.
-    let results: Mutex<Vec<(usize, bool)>> = Mutex::new(vec![(0, false); binds.len()]);
+    // Per bind: the checks passed, and the first path found changed.
+    let results: Mutex<Vec<(usize, Option<PathBuf>)>> = Mutex::new(vec![(0, None); binds.len()]);
     let mut opened = Opened::new();
     for level in &levels {
         let next = AtomicUsize::new(0);
@@ -235,13 +245,15 @@ fn confirm_until(binds: Vec<Bind>, deadline: Instant, asking: Option<&User>) -> 
                             Found::Same(fd) => {
                                 r[i].0 += 1;
                                 let mut held = now_open.lock().unwrap();
-                                if let (Some(rel), Some(fd)) = (item.dir, fd) {
+                                if let (Some(rel), Some(fd)) = (item.entry, fd) {
                                     if held.len() < HELD_OPEN {
                                         held.insert((i, rel.to_owned()), Arc::new(fd));
                                     }
                                 }
                             }
-                            Found::Changed => r[i].1 = true,
+                            Found::Changed => {
+                                r[i].1.get_or_insert_with(|| item.path.clone());
+                            }
                             Found::Unanswered => {}
                         }
                     }
@@ -253,9 +265,9 @@ fn confirm_until(binds: Vec<Bind>, deadline: Instant, asking: Option<&User>) -> 
     }
     let results = results.into_inner().unwrap();
     let mut out = Confirmed::default();
-    for ((b, (passed, failed)), needed) in binds.into_iter().zip(results).zip(checks) {
-        if failed {
-            out.stale.push(b.target);
+    for ((b, (passed, changed)), needed) in binds.into_iter().zip(results).zip(checks) {
+        if let Some(changed) = changed {
+            out.stale.push(changed);
         } else if passed == needed && needed > 0 {
             out.binds.push(b);
         } else {
@@ -274,7 +286,7 @@ fn at<'a>(levels: &mut Vec<Vec<Item<'a>>>, depth: usize, item: Item<'a>) {
 
 /// What a check found of one item.
 enum Found {
-    /// As it was, with the directory held open for those below it.
+    /// As it was, with a snapshot's directory held open for those below it.
     Same(Option<File>),
     /// Changed, or gone.
     Changed,
@@ -295,7 +307,7 @@ fn check(tree: &Tree, item: &Item, opened: &Opened) -> Found {
 
 fn same(tree: &Tree, item: &Item, opened: &Opened) -> std::io::Result<Option<Option<File>>> {
     let parent = item
-        .dir
+        .entry
         .and_then(|rel| Some((rel.parent()?, rel.file_name()?)))
         .and_then(|(parent, name)| Some((opened.get(&(item.bind, parent.to_owned()))?, name)));
     let fd = match parent {
@@ -303,6 +315,11 @@ fn same(tree: &Tree, item: &Item, opened: &Opened) -> std::io::Result<Option<Opt
             let Ok(name) = CString::new(name.as_bytes()) else {
                 return Ok(None);
             };
+            // A file or link: its identity is all there is to check, in one call.
+            if !item.is_dir() {
+                let same = tree.identity_now_at(parent, &name)? == *item.identity;
+                return Ok(same.then_some(None));
+            }
             // SAFETY: a valid directory descriptor and C string; owned on success.
             let fd = unsafe {
                 libc::openat(
@@ -328,13 +345,13 @@ fn same(tree: &Tree, item: &Item, opened: &Opened) -> std::io::Result<Option<Opt
         });
         matches!((tree.names(&item.path), local_names), (Ok(a), Ok(b)) if a == b)
     });
-    Ok((same && names_same).then(|| item.dir.map(|_| fd)))
+    Ok((same && names_same).then(|| item.is_dir().then_some(fd)))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::redirect::mountns::SnapshotDir;
+    use crate::redirect::mountns::SnapshotEntry;
     use std::{fs, path::Path};
 
     fn bind(tree: &Path, target: PathBuf, expect: Expect) -> Bind {
@@ -357,44 +374,56 @@ mod tests {
             dir.path().join("changed"),
             dir.path().join("gone"),
         );
-        let pkg = dir.path().join("pkg");
-        fs::create_dir_all(pkg.join("sub")).unwrap();
+        let (pkg, lib) = (dir.path().join("pkg"), dir.path().join("lib"));
+        for root in [&pkg, &lib] {
+            fs::create_dir_all(root.join("sub")).unwrap();
+            fs::write(root.join("sub/mod.py"), "v1").unwrap();
+            std::os::unix::fs::symlink("mod.py", root.join("sub/link.py")).unwrap();
+        }
         for f in [&same, &changed, &gone] {
             fs::write(f, "v1").unwrap();
         }
         let id = |p: &Path| tree.identity(&fs::symlink_metadata(p).unwrap());
-        let dirs = |root: &Path| {
-            Expect::Dirs(vec![
-                SnapshotDir {
-                    rel: PathBuf::new(),
-                    identity: id(root),
-                    racy: false,
-                },
-                SnapshotDir {
-                    rel: PathBuf::from("sub"),
-                    identity: id(&root.join("sub")),
-                    racy: false,
-                },
-            ])
+        // Links are stamped as links (their target, when it is in the snapshot, has
+        // its own entry).
+        let snapshot = |root: &Path| {
+            Expect::Snapshot(
+                ["", "sub", "sub/mod.py", "sub/link.py"]
+                    .into_iter()
+                    .map(|rel| SnapshotEntry {
+                        rel: PathBuf::from(rel),
+                        identity: id(&root.join(rel)),
+                        racy: false,
+                    })
+                    .collect(),
+            )
         };
         let binds = vec![
             bind(dir.path(), same.clone(), Expect::File(id(&same))),
             bind(dir.path(), changed.clone(), Expect::File(id(&changed))),
             bind(dir.path(), gone.clone(), Expect::File(id(&gone))),
-            bind(dir.path(), pkg.clone(), dirs(&pkg)),
+            bind(dir.path(), pkg.clone(), snapshot(&pkg)),
+            bind(dir.path(), lib.clone(), snapshot(&lib)),
         ];
         fs::write(&changed, "v2, longer").unwrap();
         fs::remove_file(&gone).unwrap();
         let all_same = confirm(binds.clone()[..1].to_vec(), Duration::from_secs(5), None);
         assert_eq!(all_same.binds.len(), 1);
-        // A name added deep in a snapshot changes its directory.
+        let snapshots_same = confirm(binds.clone()[3..].to_vec(), Duration::from_secs(5), None);
+        assert_eq!(snapshots_same.binds.len(), 2, "{snapshots_same:?}");
+        // A name added deep in a snapshot changes its directory; a file rewritten in
+        // place changes only itself.
         fs::write(pkg.join("sub/added.py"), "").unwrap();
+        fs::write(lib.join("sub/mod.py"), "v2, longer").unwrap();
         let c = confirm(binds, Duration::from_secs(5), None);
         assert_eq!(
             c.binds.iter().map(|b| &b.target).collect::<Vec<_>>(),
             vec![&same]
         );
-        assert_eq!(c.stale, vec![changed, gone, pkg]);
+        assert_eq!(
+            c.stale,
+            vec![changed, gone, pkg.join("sub"), lib.join("sub/mod.py")]
+        );
         assert_eq!(c.unchecked, 0);
         // Nothing checked in time: nothing bound, nothing called stale.
         let late = confirm(
@@ -423,7 +452,7 @@ mod tests {
                 local: local.clone(),
                 target: net.clone(),
                 tree: dir.path().to_owned(),
-                expect: Expect::Dirs(vec![SnapshotDir {
+                expect: Expect::Snapshot(vec![SnapshotEntry {
                     rel: PathBuf::new(),
                     identity,
                     racy,
@@ -444,7 +473,7 @@ mod tests {
         let now = tree.identity(&fs::symlink_metadata(&net).unwrap());
         let expect_now = |racy| {
             let mut b = expect(racy);
-            if let Expect::Dirs(d) = &mut b[0].expect {
+            if let Expect::Snapshot(d) = &mut b[0].expect {
                 d[0].identity = now;
             }
             b

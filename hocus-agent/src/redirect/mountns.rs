@@ -59,19 +59,25 @@ pub enum Expect {
     Nothing,
     /// A file, at this identity.
     File(Identity),
-    /// A snapshot: each directory of it.
-    Dirs(Vec<SnapshotDir>),
+    /// A snapshot: each entry of it (directories, files, symlinks).
+    Snapshot(Vec<SnapshotEntry>),
 }
 
-/// A directory of a snapshot, as it was when the snapshot was taken.
+/// An entry of a snapshot, as it was when the snapshot was taken.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct SnapshotDir {
+pub struct SnapshotEntry {
     /// Relative to the snapshot's root; "" is the root.
     pub rel: PathBuf,
     pub identity: Identity,
-    /// Changed just before it was stamped, so an unchanged identity does not prove it
-    /// unchanged: its names are compared too (`snapshot::Taken::racy`).
+    /// A directory changed just before it was stamped, so an unchanged identity does
+    /// not prove it unchanged: its names are compared too (`snapshot::Taken::racy`).
     pub racy: bool,
+}
+
+impl SnapshotEntry {
+    pub fn is_dir(&self) -> bool {
+        self.identity.mode & libc::S_IFMT == libc::S_IFDIR
+    }
 }
 
 fn check(ret: libc::c_long) -> io::Result<libc::c_long> {

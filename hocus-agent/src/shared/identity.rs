@@ -47,6 +47,20 @@ impl Identity {
         id
     }
 
+    /// From a `statx` answer (`STATX_BASIC_STATS`).
+    pub fn of_statx(s: &libc::statx, stable_inodes: bool) -> Self {
+        let ns = |t: libc::statx_timestamp| t.tv_sec * 1_000_000_000 + i64::from(t.tv_nsec);
+        Self {
+            size: s.stx_size,
+            mtime_ns: ns(s.stx_mtime),
+            ctime_ns: ns(s.stx_ctime),
+            ino: if stable_inodes { s.stx_ino } else { 0 },
+            mode: u32::from(s.stx_mode),
+            uid: s.stx_uid,
+            gid: s.stx_gid,
+        }
+    }
+
     pub fn of(m: &fs::Metadata) -> Self {
         Self {
             size: m.size(),

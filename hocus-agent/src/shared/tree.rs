@@ -42,6 +42,27 @@ impl Tree {
         Identity::on(m, self.stable_inodes)
     }
 
+    /// The identity of entry `name` of directory `dir` of this tree (a symlink itself,
+    /// not followed), asked of the server (`stat_now`): one call, no descriptor.
+    pub fn identity_now_at(&self, dir: &File, name: &std::ffi::CStr) -> io::Result<Identity> {
+        // SAFETY: a valid descriptor, a C string and a statx buffer of the right size.
+        let stx = unsafe {
+            let mut stx: libc::statx = std::mem::zeroed();
+            let ret = libc::statx(
+                dir.as_raw_fd(),
+                name.as_ptr(),
+                libc::AT_SYMLINK_NOFOLLOW | libc::AT_STATX_FORCE_SYNC,
+                libc::STATX_BASIC_STATS,
+                &mut stx,
+            );
+            if ret != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            stx
+        };
+        Ok(Identity::of_statx(&stx, self.stable_inodes))
+    }
+
     pub fn stable_inodes(&self) -> bool {
         self.stable_inodes
     }

@@ -13,7 +13,7 @@ use super::decide::snapshot_holding;
 use crate::{
     cache::snapshot,
     profile::view::View,
-    redirect::mountns::{Bind, Expect, SnapshotDir},
+    redirect::mountns::{Bind, Expect, SnapshotEntry},
 };
 
 /// A snapshot in place: where it is, and what the network tree was.
@@ -228,17 +228,19 @@ impl Snapshots {
     }
 
     /// The binds of the snapshots in place, each with what the network held when it was
-    /// made (checked as a job starts: `redirect::confirm`).
+    /// made (checked as a job starts: `redirect::confirm`): its directories and files.
+    /// Not its symlinks: a link cannot be changed in place, only replaced, which changes
+    /// its directory.
     pub fn binds(&self) -> impl Iterator<Item = Bind> + '_ {
         self.held.iter().map(|(root, snap)| Bind {
             local: snap.local.clone(),
             target: root.clone(),
             tree: snap.tree.clone(),
-            expect: Expect::Dirs(
+            expect: Expect::Snapshot(
                 snap.stamp
                     .iter()
-                    .filter(|(_, id)| id.mode & libc::S_IFMT == libc::S_IFDIR)
-                    .map(|(rel, id)| SnapshotDir {
+                    .filter(|(_, id)| id.mode & libc::S_IFMT != libc::S_IFLNK)
+                    .map(|(rel, id)| SnapshotEntry {
                         rel: rel.clone(),
                         identity: *id,
                         racy: snap.racy.contains(rel),
