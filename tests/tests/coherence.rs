@@ -32,6 +32,17 @@ fn import_through_env(net: &NetworkMount, module: &str) {
     assert_success(&out);
 }
 
+/// A daemon whose revalidation is far away: only the job-start check can see a change
+/// in time.
+fn checking_only_at_job_start(net: &NetworkMount) -> Agent {
+    Agent::start(&[
+        "--watch",
+        net.mount.to_str().unwrap(),
+        "--revalidate",
+        "3600",
+    ])
+}
+
 fn drop_caches() {
     fs::write("/proc/sys/vm/drop_caches", "3").unwrap();
 }
@@ -176,12 +187,7 @@ fn a_module_rewritten_in_place_inside_a_snapshot_is_imported_as_the_server_has_i
     net.put("env/lib/mypkg/__init__.py", b"from . import core\n");
     let core = net.put("env/lib/mypkg/core.py", b"VALUE = 1\n");
     net.put("env/empty/README", b"nothing to import here\n");
-    let agent = Agent::start(&[
-        "--watch",
-        net.mount.to_str().unwrap(),
-        "--revalidate",
-        "3600",
-    ]);
+    let agent = checking_only_at_job_start(&net);
     import_through_env(&net, "mypkg");
     agent.wait_for_snapshot(&net.path("env/lib"));
     let job = format!(
@@ -225,13 +231,7 @@ fn a_new_job_sees_what_the_network_holds_not_an_older_copy() {
     let deleted = net.put("cache/deleted.bin", b"to be deleted\n");
     net.put("env/lib/mypkg/__init__.py", b"");
     net.put("env/empty/README", b"nothing to import here\n");
-    // Revalidation far away: only the job-start check can see the changes in time.
-    let agent = Agent::start(&[
-        "--watch",
-        net.mount.to_str().unwrap(),
-        "--revalidate",
-        "3600",
-    ]);
+    let agent = checking_only_at_job_start(&net);
     for f in [&kept, &rewritten, &deleted] {
         read_all(f);
     }

@@ -129,8 +129,9 @@ fn parse_line(line: &str) -> Result<Mount> {
         .next()
         .filter(|t| !t.is_empty())
         .context("missing filesystem type")?;
-    let source = a.next().unwrap_or_default();
+    let source = unescape(a.next().unwrap_or_default());
     let super_options = a.next().unwrap_or_default();
+    let root = nfs_root(fs_type, &source).unwrap_or(root);
     Ok(Mount {
         id,
         parent,
@@ -139,9 +140,24 @@ fn parse_line(line: &str) -> Result<Mount> {
         root: PathBuf::from(root),
         mount_point: PathBuf::from(mount_point),
         fs_type: fs_type.to_owned(),
-        source: unescape(source),
+        source,
         super_options: super_options.to_owned(),
     })
+}
+
+/// Kernel NFS shows every mount's root as `/` (its `show_path`), and the directory
+/// mounted in the source instead (`server:/export/env/pkg` for a bind of `env/pkg` of a
+/// mount of `server:/export`): the root, for the paths below each mount to compare.
+fn nfs_root(fs_type: &str, source: &str) -> Option<String> {
+    if !matches!(fs_type, "nfs" | "nfs4") {
+        return None;
+    }
+    // `host:/path`, `[v6 address]:/path`.
+    let after_host = match source.strip_prefix('[') {
+        Some(rest) => rest.split_once("]:")?.1,
+        None => source.split_once(':')?.1,
+    };
+    after_host.starts_with('/').then(|| after_host.to_owned())
 }
 
 /// Undoes the octal escapes mountinfo uses for space, tab, newline and backslash.
@@ -252,6 +268,22 @@ mod tests {
         // optional fields of any number before the separator
         assert_eq!(m[6].fs_type, "cifs");
         assert_eq!(m[6].parent, 22);
+    }
+
+    #[test]
+    fn an_nfs_mount_s_root_is_the_directory_its_source_names() {
+        let binds = "\
+60 22 0:35 / /srv rw,relatime - nfs4 server:/export/home/alice/env rw,vers=4.2
+61 22 0:37 / /opt/sw rw,relatime - nfs [fd00::1]:/sw rw,vers=3
+";
+        let m = parse(&format!("{SAMPLE}{binds}")).unwrap();
+        // A bind of a subdirectory of the /home mount: the same superblock, a root
+        // below the other's.
+        assert_eq!(m[2].root, PathBuf::from("/export/home"));
+        assert_eq!(m[7].root, PathBuf::from("/export/home/alice/env"));
+        assert_eq!(m[8].root, PathBuf::from("/sw"));
+        // Not NFS: as the kernel shows it.
+        assert_eq!(m[3].root, PathBuf::from("/"));
     }
 
     #[test]
