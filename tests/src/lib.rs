@@ -1019,6 +1019,16 @@ pub fn assert_success(out: &Output) {
     );
 }
 
+/// Whether the running kernel is Linux `major.minor` or newer.
+pub fn kernel_at_least(major: u32, minor: u32) -> bool {
+    let release = fs::read_to_string("/proc/sys/kernel/osrelease").unwrap();
+    let mut parts = release.trim().split(['.', '-']).map(|p| p.parse::<u32>());
+    match (parts.next(), parts.next()) {
+        (Some(Ok(a)), Some(Ok(b))) => (a, b) >= (major, minor),
+        _ => panic!("an unreadable kernel release: {release}"),
+    }
+}
+
 /// Polls `cond` every 100 ms until it holds, or panics with `what` after `secs`.
 pub fn wait_until(secs: u64, what: &str, mut cond: impl FnMut() -> bool) {
     let deadline = Instant::now() + Duration::from_secs(secs);

@@ -176,7 +176,22 @@ fn confirm_until(binds: Vec<Bind>, deadline: Instant, asking: Option<&User>) -> 
     for b in &binds {
         trees
             .entry(b.tree.clone())
-            .or_insert_with(|| Tree::open(&b.tree).ok());
+            .or_insert_with(|| match Tree::open(&b.tree) {
+                Ok(tree) => Some(tree),
+                // A user may own a directory above a watched mount and swap it for a
+                // symlink: nothing is checked (nor bound) through it, and that is said.
+                Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
+                    log::warn!(
+                        "not binding the copies of {}: its path now goes through a symlink ({e}); the job reads the network there",
+                        b.tree.display()
+                    );
+                    None
+                }
+                Err(e) => {
+                    log::debug!("not binding the copies of {}: {e}", b.tree.display());
+                    None
+                }
+            });
     }
     // One stat per item: a copied file, or one entry of a snapshot, by depth: the
     // items of a level are checked in parallel, each entry from its parent's
