@@ -57,6 +57,11 @@ fn the_daemon_starts_profiles_serves_a_job_prefetches_and_stops_cleanly() {
         );
     }
 
+    // A first start (no cache yet, no earlier daemon) has nothing to warn about.
+    let log = agent.log();
+    let start = log.split(" ready: ").next().unwrap();
+    assert!(!start.contains(" WARN "), "a first start warned:\n{log}");
+
     // A plain import, outside any job: what it opens and what it probes in vain.
     let mut python = Command::new("python3");
     python.args(["-c", IMPORT]);

@@ -231,15 +231,65 @@ fn check(what: &str, ok: bool) -> Result<()> {
     Ok(())
 }
 
-/// Installs `deb` as an admin would and checks what it left: every file in place, the
-/// binary runs, the daemon neither started nor enabled.
-pub fn install(deb: &Path) -> Result<()> {
-    if STATE.iter().any(|d| Path::new(d).exists()) && !installed() {
-        bail!(
-            "{} exist on this machine but the hocus package is not installed: a daemon of your own keeps its state there; the package test would purge it. Move them away, or run the tests on a fresh machine (as CI does)",
-            STATE.join(" and ")
-        );
+/// A daemon's state of this machine's own (`cargo xtask run` keeps it in /var/lib/hocus
+/// and /var/cache/hocus), set aside while the package is tested (its purge removes
+/// them) and put back afterwards, whatever happens meanwhile.
+pub struct SetAside(Vec<(PathBuf, PathBuf)>);
+
+impl SetAside {
+    pub fn take() -> Result<Self> {
+        let aside = |d: &str| PathBuf::from(format!("{d}.set-aside-by-the-tests"));
+        for d in STATE {
+            if aside(d).exists() {
+                bail!(
+                    "{} holds what an earlier test run set aside of {d} and did not put back (it was killed?): move it back to {d} (or remove it), then run the tests again",
+                    aside(d).display()
+                );
+            }
+        }
+        let running = Command::new("pgrep").args(["-x", "hocus-agent"]).output();
+        if running.is_ok_and(|o| o.status.success()) && STATE.iter().any(|d| Path::new(d).exists())
+        {
+            bail!(
+                "a hocus-agent runs on this machine and keeps its state in {}: the package test would purge it. Stop that daemon first",
+                STATE.join(" and ")
+            );
+        }
+        let mut taken = SetAside(Vec::new());
+        for d in STATE {
+            if Path::new(d).exists() {
+                fs::rename(d, aside(d))
+                    .with_context(|| format!("setting {d} aside for the package test"))?;
+                println!("package: {d} set aside as {} meanwhile", aside(d).display());
+                taken.0.push((PathBuf::from(d), aside(d)));
+            }
+        }
+        Ok(taken)
     }
+}
+
+impl Drop for SetAside {
+    fn drop(&mut self) {
+        for (d, aside) in &self.0 {
+            // What the test's install left there (its purge removes it; a failed run
+            // may not have got that far).
+            let _ = fs::remove_dir_all(d);
+            match fs::rename(aside, d) {
+                Ok(()) => println!("package: {} put back", d.display()),
+                Err(e) => eprintln!(
+                    "package: could not put {} back as {} ({e}): move it back by hand",
+                    aside.display(),
+                    d.display()
+                ),
+            }
+        }
+    }
+}
+
+/// Installs `deb` as an admin would and checks what it left: every file in place, the
+/// binary runs, the daemon neither started nor enabled. State of this machine's own
+/// daemon must have been set aside first ([`SetAside`]).
+pub fn install(deb: &Path) -> Result<()> {
     apt(&["install", "--reinstall", &deb.display().to_string()])?;
     let listed = output(Command::new("dpkg").args(["-L", NAME]))?;
     for file in [
@@ -294,13 +344,6 @@ pub fn remove() -> Result<()> {
         "purge: the configuration is gone",
         !Path::new("/etc/hocus/agent.toml").exists(),
     )
-}
-
-fn installed() -> bool {
-    Command::new("dpkg-query")
-        .args(["-W", "-f=${Status}", NAME])
-        .output()
-        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("install ok installed"))
 }
 
 fn output(cmd: &mut Command) -> Result<String> {

@@ -102,8 +102,11 @@ pub fn take_away_at_start(cache_dir: &Path, trees: &[PathBuf]) {
 /// Takes away, in every mount namespace of the node but this process's, the mounts of
 /// the cache at `cache_dir` (canonical) that lie in a watched tree (`trees`).
 pub fn take_away(cache_dir: &Path, trees: &[PathBuf]) -> Result<Taken> {
-    let cache_dir = fs::canonicalize(cache_dir)
-        .with_context(|| format!("finding the cache {}", cache_dir.display()))?;
+    let cache_dir = match fs::canonicalize(cache_dir) {
+        // A first start: no earlier daemon had a cache here to leave bound.
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Taken::default()),
+        found => found.with_context(|| format!("finding the cache {}", cache_dir.display()))?,
+    };
     let ours = Ours::of(&mounts::read()?, &cache_dir)?;
     let own = fs::metadata("/proc/self/ns/mnt")?.ino();
     let mut seen = HashSet::from([own]);
