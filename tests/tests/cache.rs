@@ -8,7 +8,7 @@ use std::{
         process::CommandExt,
     },
     path::{Path, PathBuf},
-    process::Command,
+    process::{Command, Output},
 };
 
 use hocus_tests::{Agent, NetworkMount, assert_success, read_all, wait_until};
@@ -530,6 +530,30 @@ fn prefetch_warms_a_new_daemon_before_the_job() {
 
 /// More files than the daemon hands its copy workers at once (1024): the rest wait
 /// their turn, each copy that ends starts the next, and the prefetch waits for them all.
+/// `prefetch` of a profile of `files` (a file gone from the network is listed with 13
+/// bytes), all in directory `dir`, which was written to: a directory written to is never
+/// held as a snapshot, so they are copied one by one.
+fn prefetch_file_by_file(agent: &Agent, dir: &Path, files: &[PathBuf]) -> Output {
+    let entries: Vec<Value> = files
+        .iter()
+        .enumerate()
+        .map(|(i, f)| {
+            let size = fs::metadata(f).map_or(13, |m| m.len());
+            serde_json::json!({"path": f, "size": size, "mtime_ns": 0, "opens": 1,
+                "bytes_read": size, "first_touch_ns": i, "last_touch_ns": i,
+                "users": 1, "uids": [0], "written": false})
+        })
+        .collect();
+    let profile = serde_json::json!({"version": 1, "started_unix_ns": 1, "files": entries,
+        "missing": [], "dirs": [{"path": dir, "opens": 1, "mutated": true}]});
+    let path = agent.dir.path().join("file-by-file.json");
+    fs::write(&path, profile.to_string()).unwrap();
+    agent
+        .cli(&["prefetch", "--profile", path.to_str().unwrap()])
+        .output()
+        .unwrap()
+}
+
 #[test]
 fn a_prefetch_of_more_files_than_copies_at_once_gets_them_all() {
     const FILES: usize = 1500;
@@ -537,31 +561,8 @@ fn a_prefetch_of_more_files_than_copies_at_once_gets_them_all() {
     let files: Vec<PathBuf> = (0..FILES)
         .map(|i| net.put(&format!("many/f{i:04}.py"), format!("# {i}\n").as_bytes()))
         .collect();
-    // A directory written to is never held as a snapshot: its files are copied one by
-    // one, which is what this is about.
-    let entries: Vec<Value> = files
-        .iter()
-        .enumerate()
-        .map(|(i, f)| {
-            let size = fs::metadata(f).unwrap().len();
-            serde_json::json!({"path": f, "size": size, "mtime_ns": 0, "opens": 1,
-                "bytes_read": size, "first_touch_ns": i, "last_touch_ns": i,
-                "users": 1, "uids": [0], "written": false})
-        })
-        .collect();
-    let many = net.path("many");
-    let profile = serde_json::json!({"version": 1, "started_unix_ns": 1, "files": entries,
-        "missing": [], "dirs": [{"path": many, "opens": 1, "mutated": true}]});
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("many.json");
-    fs::write(&path, profile.to_string()).unwrap();
-
     let agent = Agent::start(&["--watch", net.mount.to_str().unwrap()]);
-    let out = agent
-        .cli(&["prefetch", "--profile", path.to_str().unwrap()])
-        .output()
-        .unwrap();
-    assert_success(&out);
+    let out = prefetch_file_by_file(&agent, &net.path("many"), &files);
     let said = String::from_utf8_lossy(&out.stdout);
     assert!(
         said.contains(&format!("prefetched {FILES} files")),
@@ -574,6 +575,34 @@ fn a_prefetch_of_more_files_than_copies_at_once_gets_them_all() {
     for f in [&files[0], &files[1023], &files[1024], &files[FILES - 1]] {
         assert_eq!(fs::read(agent.local_copy(f)).unwrap(), fs::read(f).unwrap());
     }
+}
+
+/// A site-wide profile imported on a node whose server no longer has most of its files:
+/// the log sums them up per tree, not a line each (it once wrote 5,822), and the count
+/// is in status.
+#[test]
+fn files_of_an_imported_profile_gone_from_the_server_are_said_in_one_line() {
+    const GONE: usize = 400;
+    let net = NetworkMount::start();
+    let kept = net.put("old/kept.py", b"# still here\n");
+    let mut files = vec![kept.clone()];
+    files.extend((1..=GONE).map(|i| net.path(&format!("old/gone{i}.py"))));
+    let agent = Agent::start(&["--watch", net.mount.to_str().unwrap()]);
+    assert_success(&prefetch_file_by_file(&agent, &net.path("old"), &files));
+    assert!(agent.local_copy(&kept).exists(), "{}", agent.log());
+    let line = format!(
+        "files not cached, gone from the network: {GONE} in {}",
+        net.mount.display()
+    );
+    wait_until(30, "the summed-up line", || agent.log().contains(&line));
+    let log = agent.log();
+    assert!(!log.contains("not caching"), "{log}");
+    let c = agent.cache();
+    assert_eq!(
+        n(&c["copy_failures_by_reason"]["gone"]),
+        GONE as u64,
+        "{c:#}"
+    );
 }
 
 #[test]

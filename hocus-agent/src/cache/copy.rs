@@ -60,10 +60,17 @@ impl CopyError {
             CopyError::NoSpace => "no_space",
             CopyError::Unsafe(_) => "refused",
             CopyError::TooLarge { .. } | CopyError::TooMany { .. } => "too_large",
+            CopyError::Source(_) if self.is_gone() => "gone",
             CopyError::Source(_) => "read_error",
             CopyError::Local(_) => "write_error",
             CopyError::Peer(_) => "peer",
         }
+    }
+
+    /// The file (or a directory above it) is no longer on the network: an imported
+    /// profile's files often are, by the thousand.
+    pub fn is_gone(&self) -> bool {
+        matches!(self, CopyError::Source(e) if matches!(e.raw_os_error(), Some(libc::ENOENT | libc::ENOTDIR)))
     }
 }
 

@@ -2,7 +2,8 @@
 //! kernel and the ways hocus takes on it (`kernel`), the settings
 //! (flags and config file), sizes as people write them, the per-file log lines, munge
 //! credentials, what the two ends of the relay between a job's nodes agree on (`relay`),
-//! giving freed memory back, replacing a file whole (`replace`); and the
+//! giving freed memory back, replacing a file whole (`replace`), log lines of one cause
+//! summed up (`tally`); and the
 //! safe-file primitives every stage works with as root: opening a directory and what lies beneath
 //! it without following symlinks (`dirs`), a watched tree held open (`tree`), a file's
 //! identity (`identity`), users' credentials taken on one thread (`user`), and the
@@ -20,5 +21,6 @@ pub mod relay;
 pub mod replace;
 pub mod settings;
 pub mod size;
+pub mod tally;
 pub mod tree;
 pub mod user;

@@ -169,7 +169,14 @@ impl Keeper {
             }
             Err(CopyError::NoSpace) => self.cache_full(&source, expected),
             Err(e) => {
-                log::warn!("not caching {source}: {e}");
+                match self.tree_of(Path::new(&source)).cloned() {
+                    // By the thousand after a profile's import: summed up.
+                    Some(tree) if e.is_gone() => {
+                        self.said
+                            .add("files not cached, gone from the network", &tree, &source)
+                    }
+                    _ => log::warn!("not caching {source}: {e}"),
+                }
                 self.copies.failed(source.clone());
             }
         }

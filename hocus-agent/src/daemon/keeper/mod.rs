@@ -64,8 +64,12 @@ use crate::{
         memory,
         relay::Holding,
         size::human,
+        tally::Tally,
     },
 };
+
+/// How often lines summed up (`Keeper::said`) are said at most.
+const SAID_EVERY: Duration = Duration::from_secs(10);
 
 /// How often the cache index is written while it changes.
 const INDEX_SAVE_INTERVAL: Duration = Duration::from_secs(1);
@@ -135,6 +139,7 @@ pub fn start(config: Config) -> Result<(Handle, thread::JoinHandle<()>, Route)> 
         prefetches: Prefetches::default(),
         jobs: Jobs::default(),
         status,
+        said: Tally::default(),
     };
     let handle = thread::Builder::new()
         .name("hocus-keeper".into())
@@ -183,6 +188,8 @@ struct Keeper {
     prefetches: Prefetches,
     jobs: Jobs,
     status: CacheStatus,
+    /// What happens to files by the thousand, said summed up (`tally`).
+    said: Tally,
 }
 
 impl Keeper {
@@ -226,6 +233,9 @@ impl Keeper {
         });
         self.jobs.release_all();
         self.cache.save_now();
+        for line in self.said.due(Duration::ZERO) {
+            log::warn!("{line}");
+        }
     }
 
     /// A worker finished something.
@@ -266,6 +276,9 @@ impl Keeper {
         if last_save.elapsed() >= INDEX_SAVE_INTERVAL {
             self.cache.save();
             *last_save = Instant::now();
+        }
+        for line in self.said.due(SAID_EVERY) {
+            log::warn!("{line}");
         }
     }
 

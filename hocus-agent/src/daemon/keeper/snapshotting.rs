@@ -225,10 +225,17 @@ impl Keeper {
                 self.tree_done(&root, 0, true);
             }
             Err(e) => {
-                log::info!(
-                    "no snapshot of {}: {e}; its files are served one by one",
-                    root.display()
-                );
+                match self.tree_of(&root).cloned() {
+                    Some(tree) if e.is_gone() => self.said.add(
+                        "directories not snapshotted, gone from the network",
+                        &tree,
+                        &root.to_string_lossy(),
+                    ),
+                    _ => log::info!(
+                        "no snapshot of {}: {e}; its files are served one by one",
+                        root.display()
+                    ),
+                }
                 self.snapshots.unsuitable(root.clone());
                 self.place_after_snapshots();
                 self.tree_done(&root, expected, false);

@@ -25,11 +25,12 @@ const CONTROL_REFUSALS: [&str; 12] = [
     "no_thread",
 ];
 /// Copy failure reasons (`CopyError::reason`), always all listed.
-const COPY_FAILURES: [&str; 6] = [
+const COPY_FAILURES: [&str; 7] = [
     "changed",
     "no_space",
     "refused",
     "too_large",
+    "gone",
     "read_error",
     "write_error",
 ];
