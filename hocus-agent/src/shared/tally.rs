@@ -1,11 +1,15 @@
 //! Log lines that come by the thousand for one cause (an imported profile whose files
 //! are gone from the server: a line per file once flooded the log with 5,822), summed
 //! up instead: one line per kind and tree, with a count and an example, said at most
-//! once per interval. Bounded: the kinds are the code's, the trees the watched ones.
+//! once per interval ([`Tally`]). And warnings a user can cause at will (a symlink
+//! swapped in before every job, a peer knocking on the relay): a few a minute of each
+//! kind, then how many more were not said ([`warn_limited!`](crate::warn_limited)).
+//! Bounded: the kinds are the code's, the trees the watched ones.
 
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, HashMap},
     path::{Path, PathBuf},
+    sync::Mutex,
     time::{Duration, Instant},
 };
 
@@ -44,6 +48,48 @@ impl Tally {
     }
 }
 
+/// Lines of one kind said per minute at most.
+pub const PER_MINUTE: u32 = 5;
+
+/// A kind's minute: when it began, lines said in it, lines not said since the last said.
+type Minute = (Instant, u32, u64);
+
+static LIMITS: Mutex<Option<HashMap<&'static str, Minute>>> = Mutex::new(None);
+
+/// Whether a line of `kind` may be said now ([`PER_MINUTE`]), and how many were not
+/// said before it.
+pub fn may_say(kind: &'static str) -> Option<u64> {
+    let mut guard = LIMITS.lock().unwrap_or_else(|e| e.into_inner());
+    let (start, said, unsaid) = guard
+        .get_or_insert_with(HashMap::new)
+        .entry(kind)
+        .or_insert((Instant::now(), 0, 0));
+    if start.elapsed() >= Duration::from_secs(60) {
+        (*start, *said) = (Instant::now(), 0);
+    }
+    if *said >= PER_MINUTE {
+        *unsaid += 1;
+        return None;
+    }
+    *said += 1;
+    Some(std::mem::take(unsaid))
+}
+
+/// `log::warn!` for what a user can cause at will: [`PER_MINUTE`] lines of each kind (a
+/// name) a minute, then one saying how many were not said.
+#[macro_export]
+macro_rules! warn_limited {
+    ($kind:expr, $($arg:tt)+) => {
+        if let Some(unsaid) = $crate::shared::tally::may_say($kind) {
+            if unsaid > 0 {
+                log::warn!("{} ({unsaid} more like it not said)", format_args!($($arg)+));
+            } else {
+                log::warn!($($arg)+);
+            }
+        }
+    };
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -66,5 +112,25 @@ mod tests {
             ]
         );
         assert!(t.due(Duration::ZERO).is_empty());
+    }
+
+    #[test]
+    fn a_kind_is_said_a_few_times_a_minute_then_counted() {
+        let said: Vec<_> = (0..8).map(|_| may_say("a test's kind")).collect();
+        assert_eq!(
+            said,
+            [
+                Some(0),
+                Some(0),
+                Some(0),
+                Some(0),
+                Some(0),
+                None,
+                None,
+                None
+            ]
+        );
+        // Another kind is not held back by it.
+        assert_eq!(may_say("another test's kind"), Some(0));
     }
 }

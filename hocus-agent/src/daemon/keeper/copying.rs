@@ -175,7 +175,8 @@ impl Keeper {
                         self.said
                             .add("files not cached, gone from the network", &tree, &source)
                     }
-                    _ => log::warn!("not caching {source}: {e}"),
+                    // A user can make these (files of theirs a root copy is refused).
+                    _ => crate::warn_limited!("not caching", "not caching {source}: {e}"),
                 }
                 self.copies.failed(source.clone());
             }
