@@ -2,7 +2,10 @@
 //! into a running daemon, then what it costs: import time, the daemon's memory above its
 //! empty size, `status` and `profile export` times, and CPU while idle. Baselines from
 //! the same run: reading the profile file once (import), and the daemon's own size
-//! before the import (memory).
+//! before the import (memory). And whether requests wait behind that work: `status`
+//! and `run -- true`, asked every 250 ms from before the import until the daemon has
+//! settled (placement, the first saves, a revalidation), their slowest answers against
+//! their times on the idle daemon.
 
 use std::{
     fs::File,
@@ -130,6 +133,79 @@ fn timed(cmd: &mut Command) -> Result<(Duration, u64)> {
     Ok((took, peak))
 }
 
+/// Waits until the daemon `pid` uses under 5% of a core for a second (at most 60 s);
+/// how long that took.
+fn settle(pid: u32) -> Result<Duration> {
+    let settling = Instant::now();
+    while settling.elapsed() < Duration::from_secs(60) {
+        let before = cpu_time(pid)?;
+        std::thread::sleep(Duration::from_secs(1));
+        if (cpu_time(pid)? - before) < Duration::from_millis(50) {
+            break;
+        }
+    }
+    Ok(settling.elapsed())
+}
+
+/// `hocus-agent run -- true`: a job start, all of it (the check of the copies, the
+/// namespace, the binds).
+fn job(agent: &Agent) -> Command {
+    let mut cmd = agent.cli(&["run", "--", "true"]);
+    cmd.current_dir("/");
+    cmd
+}
+
+/// How long `cmd` took to answer, failing if it failed.
+fn answer(cmd: &mut Command) -> Result<Duration> {
+    let t = Instant::now();
+    let out = cmd.output()?;
+    if !out.status.success() {
+        bail!(
+            "{cmd:?} failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(t.elapsed())
+}
+
+fn median_of(n: usize, mut f: impl FnMut() -> Result<Duration>) -> Result<Duration> {
+    let mut v = (0..n).map(|_| f()).collect::<Result<Vec<_>>>()?;
+    v.sort();
+    Ok(v[v.len() / 2])
+}
+
+/// The slowest answers while polling.
+#[derive(Default)]
+struct Slowest {
+    status: Duration,
+    run: Duration,
+    polls: usize,
+}
+
+/// Runs `during` while another thread asks the daemon `status` and `run -- true` every
+/// 250 ms, as a monitoring agent and a batch system would: the slowest answers.
+fn while_polling<T>(agent: &Agent, during: impl FnOnce() -> Result<T>) -> Result<(T, Slowest)> {
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        let poller = scope.spawn(|| -> Result<Slowest> {
+            let mut slowest = Slowest::default();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                slowest.status = slowest.status.max(answer(&mut agent.cli(&["status"]))?);
+                slowest.run = slowest.run.max(answer(&mut job(agent))?);
+                slowest.polls += 1;
+                std::thread::sleep(Duration::from_millis(250));
+            }
+            Ok(slowest)
+        });
+        let result = during();
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let slowest = poller
+            .join()
+            .map_err(|_| anyhow::anyhow!("the poller panicked"))??;
+        Ok((result?, slowest))
+    })
+}
+
 pub fn scale(agent_bin: &Path, s: &Scale) -> Result<()> {
     if !crate::host::is_root() {
         bail!("the benchmark runs the daemon: run it as root");
@@ -165,8 +241,14 @@ pub fn scale(agent_bin: &Path, s: &Scale) -> Result<()> {
     std::thread::sleep(Duration::from_millis(500));
     let empty_kib = proc_kib(pid, "VmRSS:")?;
 
-    let (import, cli_kib) =
-        timed(&mut agent.cli(&["profile", "import", profile.to_str().unwrap()]))?;
+    let idle_status = median_of(5, || answer(&mut agent.cli(&["status"])))?;
+    let idle_run = median_of(5, || answer(&mut job(&agent)))?;
+    let ((import, cli_kib, settled_import), slowest) = while_polling(&agent, || {
+        let (import, cli_kib) =
+            timed(&mut agent.cli(&["profile", "import", profile.to_str().unwrap()]))?;
+        // Until the keeper is done with what the import asked of it.
+        Ok((import, cli_kib, settle(pid)?))
+    })?;
     let imported = agent.status();
     if imported["files"].as_u64() != Some(s.files as u64) {
         bail!(
@@ -196,15 +278,7 @@ pub fn scale(agent_bin: &Path, s: &Scale) -> Result<()> {
 
     // Idle: once the keeper is done with what the import asked of it (here, trying
     // files that do not exist on the server), and a save of everything, nothing changes.
-    let settling = Instant::now();
-    while settling.elapsed() < Duration::from_secs(60) {
-        let before = cpu_time(pid)?;
-        std::thread::sleep(Duration::from_secs(1));
-        if (cpu_time(pid)? - before) < Duration::from_millis(50) {
-            break;
-        }
-    }
-    let settled = settling.elapsed();
+    let settled = settle(pid)?;
     std::thread::sleep(Duration::from_secs(3));
     let before = cpu_time(pid)?;
     std::thread::sleep(s.idle);
@@ -265,6 +339,28 @@ pub fn scale(agent_bin: &Path, s: &Scale) -> Result<()> {
         "time for the daemon to settle after the export",
         settled.as_secs_f64()
     );
+    let ms = |d: Duration| d.as_secs_f64() * 1000.0;
+    println!(
+        "{:<44} {:>9.1} ms {:>18.1} ms idle  <= 50 ms: {}",
+        "slowest status, import until settled",
+        ms(slowest.status),
+        ms(idle_status),
+        verdict(slowest.status <= Duration::from_millis(50))
+    );
+    let run_above = slowest.run.saturating_sub(idle_run);
+    println!(
+        "{:<44} {:>9.1} ms {:>18.1} ms idle  <= 150 ms above: {}",
+        "slowest run -- true, import until settled",
+        ms(slowest.run),
+        ms(idle_run),
+        verdict(run_above <= Duration::from_millis(150))
+    );
+    println!(
+        "{:<44} {:>10.1} s ({} polls)",
+        "  polled for (import, then settling)",
+        (import + settled_import).as_secs_f64(),
+        slowest.polls
+    );
     println!(
         "{:<44} {:>10.2} % {:>24}  ~0: {}",
         "daemon CPU while idle (of one core)",
@@ -288,6 +384,11 @@ pub fn scale(agent_bin: &Path, s: &Scale) -> Result<()> {
         "status_ms": status.as_secs_f64() * 1000.0,
         "export_seconds": export.as_secs_f64(),
         "idle_cpu_fraction": idle_cpu,
+        "idle_status_ms": ms(idle_status),
+        "idle_run_ms": ms(idle_run),
+        "slowest_status_ms": ms(slowest.status),
+        "slowest_run_ms": ms(slowest.run),
+        "polls": slowest.polls,
         "settle_seconds": settled.as_secs_f64(),
     });
     super::common::write_figures("scale", &figures)
