@@ -248,7 +248,8 @@ pub fn scale(agent_bin: &Path, s: &Scale) -> Result<()> {
             timed(&mut agent.cli(&["profile", "import", profile.to_str().unwrap()]))?;
         // Until the keeper is done with what the import asked of it.
         Ok((import, cli_kib, settle(pid)?))
-    })?;
+    })
+    .with_context(|| format!("the daemon's log:\n{}", agent.log()))?;
     let imported = agent.status();
     if imported["files"].as_u64() != Some(s.files as u64) {
         bail!(

@@ -146,6 +146,44 @@ impl Snapshots {
         ))
     }
 
+    /// [`Snapshots::fill`] of each of `roots`, in one pass over the view.
+    pub fn fills<'a>(
+        &self,
+        roots: impl Iterator<Item = &'a Path>,
+        view: &View,
+    ) -> HashMap<PathBuf, snapshot::Fill> {
+        let roots: HashSet<&Path> = roots.collect();
+        if !self.lazy || roots.is_empty() {
+            return HashMap::new();
+        }
+        let mut files: HashMap<&Path, Vec<&Path>> = HashMap::new();
+        let mut dirs: HashMap<&Path, Vec<&Path>> = HashMap::new();
+        for f in view.files() {
+            let path = Path::new(f.path);
+            for dir in path.ancestors().skip(1) {
+                if let Some(root) = roots.get(dir) {
+                    files.entry(root).or_default().push(path);
+                }
+            }
+        }
+        for used in view.used_dirs() {
+            for dir in used.ancestors() {
+                if let Some(root) = roots.get(dir) {
+                    dirs.entry(root).or_default().push(used);
+                }
+            }
+        }
+        roots
+            .iter()
+            .map(|root| {
+                let (f, d) = (files.remove(root), dirs.remove(root));
+                let used =
+                    snapshot::Used::new(root, f.into_iter().flatten(), d.into_iter().flatten());
+                (root.to_path_buf(), snapshot::Fill::Lazy(used))
+            })
+            .collect()
+    }
+
     /// The bytes of the working set's files under each directory of `chains`.
     pub fn hot_bytes(chains: &[Vec<PathBuf>], view: &View) -> HashMap<PathBuf, u64> {
         let mut hot: HashMap<PathBuf, u64> =
