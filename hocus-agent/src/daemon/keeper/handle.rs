@@ -1,9 +1,13 @@
 //! The daemon's async face on the keeper thread, in the actor style: one `async fn` per
 //! request, each a message on a bounded queue with a `oneshot` reply, each wait bounded
 //! by [`ANSWER_TIMEOUT`] so that a keeper busy elsewhere becomes a clear error, never a
-//! stalled event loop.
+//! stalled event loop. What `status` asks waits far less: a keeper busy with a million
+//! entries is shown as it last published itself ([`Published`]).
 
-use std::{sync::Arc, time::Duration};
+use std::{
+    sync::{Arc, Mutex},
+    time::Duration,
+};
 
 use hocus_control::status::CacheStatus;
 use tokio::sync::{mpsc, oneshot};
@@ -29,16 +33,47 @@ pub enum KeeperError {
     Busy,
 }
 
+/// How long `status` waits for the keeper before showing what it last published.
+const STATUS_WAIT: Duration = Duration::from_millis(20);
+
+/// The keeper's status as it last published it (once a second, and after each order).
+pub type Published = Arc<Mutex<Option<CacheStatus>>>;
+
 /// Sends orders to the keeper; cheap to clone.
 #[derive(Clone)]
 pub struct Handle {
     orders: mpsc::Sender<Order>,
     latest: Latest,
+    published: Published,
 }
 
 impl Handle {
-    pub(super) fn new(orders: mpsc::Sender<Order>, latest: Latest) -> Self {
-        Self { orders, latest }
+    pub(super) fn new(orders: mpsc::Sender<Order>, latest: Latest, published: Published) -> Self {
+        Self {
+            orders,
+            latest,
+            published,
+        }
+    }
+
+    /// Like `ask`, waiting at most `wait` in all: the order is not queued if the queue is
+    /// full.
+    async fn ask_briefly<T>(
+        &self,
+        make: impl FnOnce(oneshot::Sender<T>) -> Order,
+        wait: Duration,
+    ) -> Result<T, KeeperError> {
+        let (reply, answer) = oneshot::channel();
+        match self.orders.try_send(make(reply)) {
+            Ok(()) => {}
+            Err(mpsc::error::TrySendError::Full(_)) => return Err(KeeperError::Busy),
+            Err(mpsc::error::TrySendError::Closed(_)) => return Err(KeeperError::Stopped),
+        }
+        match tokio::time::timeout(wait, answer).await {
+            Ok(Ok(t)) => Ok(t),
+            Ok(Err(_)) => Err(KeeperError::Stopped),
+            Err(_) => Err(KeeperError::Busy),
+        }
     }
 
     /// Queues an order that needs no answer; waits only while the queue is full.
@@ -129,13 +164,23 @@ impl Handle {
         self.tell(Order::Budgets { ssd, ram }).await
     }
 
+    /// Its status now, or, if it is busy (a million entries placed), as it last
+    /// published it.
     pub async fn status(&self) -> Result<CacheStatus, KeeperError> {
-        self.ask(Order::Status).await
+        match self.ask_briefly(Order::Status, STATUS_WAIT).await {
+            Err(KeeperError::Busy) => {
+                let published = self.published.lock().unwrap_or_else(|e| e.into_inner());
+                published.clone().ok_or(KeeperError::Busy)
+            }
+            answered => answered,
+        }
     }
 
     /// Where each file is held: "ram", "ssd" or "network".
+    /// Where each file is held, if the keeper answers at once (`status` shows it).
     pub async fn where_held(&self, paths: Vec<String>) -> Result<Vec<String>, KeeperError> {
-        self.ask(|reply| Order::WhereHeld(paths, reply)).await
+        self.ask_briefly(|reply| Order::WhereHeld(paths, reply), STATUS_WAIT)
+            .await
     }
 
     /// The binds a new job's namespace gets.
@@ -167,7 +212,7 @@ mod tests {
     #[tokio::test]
     async fn a_keeper_behind_on_placements_gets_one_order_for_the_newest() {
         let (tx, mut rx) = mpsc::channel(4);
-        let handle = Handle::new(tx, Latest::default());
+        let handle = Handle::new(tx, Latest::default(), Published::default());
         // The keeper is busy: a hundred placements arrive (a storm of events) ...
         for n in 0..100 {
             let view = View::of_files(&vec![FileEntry::default(); n]);
@@ -183,5 +228,24 @@ mod tests {
         // Once taken, the next placement queues an order again.
         handle.place(View::default()).await.unwrap();
         assert!(matches!(rx.try_recv(), Ok(Order::PlaceLatest)));
+    }
+
+    #[tokio::test]
+    async fn a_busy_keeper_s_status_is_what_it_last_published() {
+        // A keeper that never answers (busy with a million entries).
+        let (tx, _rx) = mpsc::channel(4);
+        let published = Published::default();
+        let handle = Handle::new(tx, Latest::default(), published.clone());
+        // Nothing published yet: said busy, at once.
+        let t = std::time::Instant::now();
+        assert!(matches!(handle.status().await, Err(KeeperError::Busy)));
+        *published.lock().unwrap() = Some(CacheStatus {
+            cached_files: 7,
+            ..CacheStatus::default()
+        });
+        assert_eq!(handle.status().await.unwrap().cached_files, 7);
+        assert!(handle.where_held(vec!["/a".into()]).await.is_err());
+        // Each waited its brief bound, not ANSWER_TIMEOUT.
+        assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
     }
 }

@@ -68,6 +68,9 @@ use crate::{
     },
 };
 
+/// How often the keeper publishes its status at most (`Handle::status`).
+const PUBLISH_EVERY: Duration = Duration::from_millis(250);
+
 /// How often lines summed up (`Keeper::said`) are said at most.
 const SAID_EVERY: Duration = Duration::from_secs(10);
 
@@ -125,6 +128,7 @@ pub fn start(config: Config) -> Result<(Handle, thread::JoinHandle<()>, Route)> 
             .collect(),
         ..Default::default()
     };
+    let published = handle::Published::default();
     let mut keeper = Keeper {
         latest: latest.clone(),
         effective_ssd_budget: config.ssd_budget,
@@ -140,11 +144,13 @@ pub fn start(config: Config) -> Result<(Handle, thread::JoinHandle<()>, Route)> 
         jobs: Jobs::default(),
         status,
         said: Tally::default(),
+        published: published.clone(),
+        published_at: Instant::now() - PUBLISH_EVERY,
     };
     let handle = thread::Builder::new()
         .name("hocus-keeper".into())
         .spawn(move || keeper.run(order_rx, done_rx))?;
-    Ok((Handle::new(order_tx, latest), handle, snapshots))
+    Ok((Handle::new(order_tx, latest, published), handle, snapshots))
 }
 
 /// Whether this kernel shows lazy snapshots, and the route that makes.
@@ -190,6 +196,9 @@ struct Keeper {
     status: CacheStatus,
     /// What happens to files by the thousand, said summed up (`tally`).
     said: Tally,
+    /// Its status for `status` to show while it is busy (`Handle::status`), and when.
+    published: handle::Published,
+    published_at: Instant,
 }
 
 impl Keeper {
@@ -279,6 +288,12 @@ impl Keeper {
         }
         for line in self.said.due(SAID_EVERY) {
             log::warn!("{line}");
+        }
+        // Not after every order (an open a job makes is one): a few times a second.
+        if self.published_at.elapsed() >= PUBLISH_EVERY {
+            let status = self.status();
+            *self.published.lock().unwrap_or_else(|e| e.into_inner()) = Some(status);
+            self.published_at = Instant::now();
         }
     }
 
