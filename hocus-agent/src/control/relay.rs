@@ -118,7 +118,10 @@ impl Peer<'_> {
         match peer.join(cred.trim_end(), serving) {
             Ok(()) => peer.stream.write_all(b"OK\n")?,
             Err(why) => {
-                crate::warn_limited!("relay refusal", "relay: refused {addr}: {why}");
+                crate::shared::tally::warn_limited!(
+                    "relay refusal",
+                    "relay: refused {addr}: {why}"
+                );
                 let why = why.message.replace('\n', " ");
                 return peer.stream.write_all(format!("NO {why}\n").as_bytes());
             }
@@ -208,7 +211,11 @@ impl Peer<'_> {
                 }
                 Answer::Relay(Holding::No) => return self.stream.write_all(&[NOT_HELD]),
                 Answer::Refused(r) => {
-                    crate::warn_limited!("relay node refused", "relay: node {}: {r}", self.from);
+                    crate::shared::tally::warn_limited!(
+                        "relay node refused",
+                        "relay: node {}: {r}",
+                        self.from
+                    );
                     return Err(io::Error::other(r.message));
                 }
                 other => return Err(io::Error::other(format!("unexpected answer {other:?}"))),

@@ -181,7 +181,7 @@ fn confirm_until(binds: Vec<Bind>, deadline: Instant, asking: Option<&User>) -> 
                 // A user may own a directory above a watched mount and swap it for a
                 // symlink: nothing is checked (nor bound) through it, and that is said.
                 Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
-                    crate::warn_limited!(
+                    crate::shared::tally::warn_limited!(
                         "bind through a symlink",
                         "not binding the copies of {}: its path now goes through a symlink ({e}); the job reads the network there",
                         b.tree.display()

@@ -3,7 +3,7 @@
 //! up instead: one line per kind and tree, with a count and an example, said at most
 //! once per interval ([`Tally`]). And warnings a user can cause at will (a symlink
 //! swapped in before every job, a peer knocking on the relay): a few a minute of each
-//! kind, then how many more were not said ([`warn_limited!`](crate::warn_limited)).
+//! kind, then how many more were not said ([`warn_limited!`]).
 //! Bounded: the kinds are the code's, the trees the watched ones.
 
 use std::{
@@ -77,7 +77,6 @@ pub fn may_say(kind: &'static str) -> Option<u64> {
 
 /// `log::warn!` for what a user can cause at will: [`PER_MINUTE`] lines of each kind (a
 /// name) a minute, then one saying how many were not said.
-#[macro_export]
 macro_rules! warn_limited {
     ($kind:expr, $($arg:tt)+) => {
         if let Some(unsaid) = $crate::shared::tally::may_say($kind) {
@@ -89,6 +88,7 @@ macro_rules! warn_limited {
         }
     };
 }
+pub(crate) use warn_limited;
 
 #[cfg(test)]
 mod tests {

@@ -176,7 +176,10 @@ impl Keeper {
                             .add("files not cached, gone from the network", &tree, &source)
                     }
                     // A user can make these (files of theirs a root copy is refused).
-                    _ => crate::warn_limited!("not caching", "not caching {source}: {e}"),
+                    _ => crate::shared::tally::warn_limited!(
+                        "not caching",
+                        "not caching {source}: {e}"
+                    ),
                 }
                 self.copies.failed(source.clone());
             }
