@@ -203,16 +203,10 @@ fn a_module_rewritten_in_place_inside_a_snapshot_is_imported_as_the_server_has_i
     assert_eq!(value(), "1\n");
     // A second later (mtimes in whole seconds over SFTP), rewritten in place.
     thread::sleep(Duration::from_millis(1100));
-    let ino = fs::metadata(net.server_path("env/lib/mypkg/core.py"))
-        .unwrap()
-        .ino();
-    fs::write(net.server_path("env/lib/mypkg/core.py"), b"VALUE = 22\n").unwrap();
-    assert_eq!(
-        fs::metadata(net.server_path("env/lib/mypkg/core.py"))
-            .unwrap()
-            .ino(),
-        ino
-    );
+    let on_server = net.server_path("env/lib/mypkg/core.py");
+    let ino = fs::metadata(&on_server).unwrap().ino();
+    fs::write(&on_server, b"VALUE = 22\n").unwrap();
+    assert_eq!(fs::metadata(&on_server).unwrap().ino(), ino);
     wait_until(30, "a plain process to see the change", || {
         fs::read(&core).is_ok_and(|b| b == b"VALUE = 22\n")
     });

@@ -456,7 +456,7 @@ fn test(filter: Option<String>) -> Result<()> {
         println!("== the Debian package: install, Slurm tests on the installed files, remove");
         let release = build(true)?;
         let deb = package::build(&release)?;
-        let _aside = package::SetAside::take()?;
+        let aside = package::SetAside::take()?;
         package::install(&deb)?;
         status(
             cargo()
@@ -467,7 +467,7 @@ fn test(filter: Option<String>) -> Result<()> {
                 .env("HOCUS_SPANK_PLUGIN", package::PLUGIN),
         )?;
         package::remove()?;
-        drop(_aside);
+        drop(aside);
         // Debian's kernels under QEMU, with kernel NFS, which this kernel lacks.
         println!("== other kernels: Debian's 5.10, 6.1 and 6.12 under QEMU, over kernel NFS");
         vm::test_kernels()?;

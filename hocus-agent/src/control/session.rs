@@ -100,14 +100,7 @@ fn bind_all(binds: Vec<Bind>, user: Option<&User>) -> Made {
                 views.extend(view.map(|v| (v, b.target.clone())));
                 made.push(b);
             }
-            // A user may own a directory above a watched mount and swap it for a
-            // symlink: said, as no bind is ever made through one.
-            Err(e) if e.raw_os_error() == Some(libc::ELOOP) => crate::shared::tally::warn_limited!(
-                "bind through a symlink",
-                "not binding {}: its path now goes through a symlink ({e}); the job reads the network there",
-                b.target.display()
-            ),
-            Err(e) => log::debug!("not binding {}: {e}", b.target.display()),
+            Err(e) => mountns::say_not_bound(&b.target, &e),
         }
     }
     Made {

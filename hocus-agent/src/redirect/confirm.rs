@@ -32,7 +32,7 @@ use std::{
 };
 
 use crate::{
-    redirect::mountns::{Bind, Expect},
+    redirect::mountns::{self, Bind, Expect},
     shared::{
         identity::Identity,
         tree::{Tree, stat_now},
@@ -54,7 +54,7 @@ struct Item<'a> {
 impl Item<'_> {
     /// A snapshot's directory: held open for the entries below it.
     fn is_dir(&self) -> bool {
-        self.entry.is_some() && self.identity.mode & libc::S_IFMT == libc::S_IFDIR
+        self.entry.is_some() && self.identity.is_dir()
     }
 }
 
@@ -174,25 +174,12 @@ pub fn confirm(binds: Vec<Bind>, allowed: Duration, asking: Option<User>) -> Con
 fn confirm_until(binds: Vec<Bind>, deadline: Instant, asking: Option<&User>) -> Confirmed {
     let mut trees: HashMap<PathBuf, Option<Tree>> = HashMap::new();
     for b in &binds {
-        trees
-            .entry(b.tree.clone())
-            .or_insert_with(|| match Tree::open(&b.tree) {
-                Ok(tree) => Some(tree),
-                // A user may own a directory above a watched mount and swap it for a
-                // symlink: nothing is checked (nor bound) through it, and that is said.
-                Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
-                    crate::shared::tally::warn_limited!(
-                        "bind through a symlink",
-                        "not binding the copies of {}: its path now goes through a symlink ({e}); the job reads the network there",
-                        b.tree.display()
-                    );
-                    None
-                }
-                Err(e) => {
-                    log::debug!("not binding the copies of {}: {e}", b.tree.display());
-                    None
-                }
-            });
+        trees.entry(b.tree.clone()).or_insert_with(|| {
+            // Nothing is checked (nor bound) through a tree it cannot open.
+            Tree::open(&b.tree)
+                .inspect_err(|e| mountns::say_not_bound(&b.tree, e))
+                .ok()
+        });
     }
     // One stat per item: a copied file, or one entry of a snapshot, by depth: the
     // items of a level are checked in parallel, each entry from its parent's
@@ -226,7 +213,7 @@ fn confirm_until(binds: Vec<Bind>, deadline: Instant, asking: Option<&User>) -> 
                             path: b.target.join(&e.rel),
                             entry: Some(&e.rel),
                             identity: &e.identity,
-                            names_of: (e.racy && e.is_dir()).then(|| b.local.join(&e.rel)),
+                            names_of: (e.racy && e.identity.is_dir()).then(|| b.local.join(&e.rel)),
                         },
                     );
                 }

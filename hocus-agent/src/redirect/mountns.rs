@@ -74,9 +74,19 @@ pub struct SnapshotEntry {
     pub racy: bool,
 }
 
-impl SnapshotEntry {
-    pub fn is_dir(&self) -> bool {
-        self.identity.mode & libc::S_IFMT == libc::S_IFDIR
+/// Says why `path` (a bind's target, or the tree of a job's copies) is not bound, where
+/// `e` is one: a user may own a directory above a watched mount and swap it for a
+/// symlink, and no bind is ever made through one. Otherwise only at debug level.
+pub fn say_not_bound(path: &Path, e: &io::Error) {
+    if e.raw_os_error() == Some(libc::ELOOP) {
+        // They can do it before every job: said a few times a minute.
+        crate::shared::tally::warn_limited!(
+            "bind through a symlink",
+            "not binding {}: its path now goes through a symlink ({e}); the job reads the network there",
+            path.display()
+        );
+    } else {
+        log::debug!("not binding {}: {e}", path.display());
     }
 }
 

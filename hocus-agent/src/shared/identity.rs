@@ -47,6 +47,14 @@ impl Identity {
         id
     }
 
+    pub fn is_dir(&self) -> bool {
+        self.mode & libc::S_IFMT == libc::S_IFDIR
+    }
+
+    pub fn is_symlink(&self) -> bool {
+        self.mode & libc::S_IFMT == libc::S_IFLNK
+    }
+
     /// From a `statx` answer (`STATX_BASIC_STATS`).
     pub fn of_statx(s: &libc::statx, stable_inodes: bool) -> Self {
         let ns = |t: libc::statx_timestamp| t.tv_sec * 1_000_000_000 + i64::from(t.tv_nsec);

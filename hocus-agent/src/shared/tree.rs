@@ -45,21 +45,7 @@ impl Tree {
     /// The identity of entry `name` of directory `dir` of this tree (a symlink itself,
     /// not followed), asked of the server (`stat_now`): one call, no descriptor.
     pub fn identity_now_at(&self, dir: &File, name: &std::ffi::CStr) -> io::Result<Identity> {
-        // SAFETY: a valid descriptor, a C string and a statx buffer of the right size.
-        let stx = unsafe {
-            let mut stx: libc::statx = std::mem::zeroed();
-            let ret = libc::statx(
-                dir.as_raw_fd(),
-                name.as_ptr(),
-                libc::AT_SYMLINK_NOFOLLOW | libc::AT_STATX_FORCE_SYNC,
-                libc::STATX_BASIC_STATS,
-                &mut stx,
-            );
-            if ret != 0 {
-                return Err(io::Error::last_os_error());
-            }
-            stx
-        };
+        let stx = statx_now(dir, name, libc::AT_SYMLINK_NOFOLLOW)?;
         Ok(Identity::of_statx(&stx, self.stable_inodes))
     }
 
@@ -127,21 +113,28 @@ pub fn stable_inodes_of(tree: &Path, fd: &OwnedFd) -> bool {
 /// what the client cached (FUSE's and NFS's attribute caches) is fetched again first
 /// (`AT_STATX_FORCE_SYNC`).
 pub fn stat_now(f: &File) -> io::Result<fs::Metadata> {
-    // SAFETY: a valid descriptor, an empty path and a statx buffer of the right size.
-    let ret = unsafe {
+    statx_now(f, c"", libc::AT_EMPTY_PATH)?;
+    f.metadata()
+}
+
+/// `statx(dir, name, flags)`, asking the server rather than the client's attribute cache
+/// (`AT_STATX_FORCE_SYNC`).
+fn statx_now(dir: &File, name: &std::ffi::CStr, flags: libc::c_int) -> io::Result<libc::statx> {
+    // SAFETY: a valid descriptor, a C string and a statx buffer of the right size.
+    unsafe {
         let mut stx: libc::statx = std::mem::zeroed();
-        libc::statx(
-            f.as_raw_fd(),
-            c"".as_ptr(),
-            libc::AT_EMPTY_PATH | libc::AT_STATX_FORCE_SYNC,
+        let ret = libc::statx(
+            dir.as_raw_fd(),
+            name.as_ptr(),
+            flags | libc::AT_STATX_FORCE_SYNC,
             libc::STATX_BASIC_STATS,
             &mut stx,
-        )
-    };
-    if ret != 0 {
-        return Err(io::Error::last_os_error());
+        );
+        if ret != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(stx)
     }
-    f.metadata()
 }
 
 #[cfg(test)]

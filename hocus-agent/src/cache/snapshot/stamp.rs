@@ -63,7 +63,7 @@ pub fn racy(stamp: &Stamp, read_at: std::time::SystemTime) -> Vec<PathBuf> {
         .map_or(0, |d| d.as_nanos() as i64);
     stamp
         .iter()
-        .filter(|(_, id)| id.mode & libc::S_IFMT == libc::S_IFDIR && id.mtime_ns >= since)
+        .filter(|(_, id)| id.is_dir() && id.mtime_ns >= since)
         .map(|(rel, _)| rel.clone())
         .collect()
 }

@@ -371,10 +371,7 @@ mod tests {
             take(&tree, &root, &Fill::Whole, NONE, &dest, &tmp, &cached).unwrap();
         assert_eq!((taken.copied, taken.linked), (11, 6));
         // Every directory was just made: none of their stamps can vouch for them.
-        let dirs = stamp_taken
-            .iter()
-            .filter(|(_, id)| id.mode & libc::S_IFMT == libc::S_IFDIR)
-            .count();
+        let dirs = stamp_taken.iter().filter(|(_, id)| id.is_dir()).count();
         assert_eq!(taken.racy.len(), dirs);
         assert!(taken.racy.contains(&PathBuf::from("pkg/sub")));
         assert_eq!(

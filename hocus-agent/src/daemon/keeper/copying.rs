@@ -169,17 +169,10 @@ impl Keeper {
             }
             Err(CopyError::NoSpace) => self.cache_full(&source, expected),
             Err(e) => {
-                match self.tree_of(Path::new(&source)).cloned() {
-                    // By the thousand after a profile's import: summed up.
-                    Some(tree) if e.is_gone() => {
-                        self.said
-                            .add("files not cached, gone from the network", &tree, &source)
-                    }
-                    // A user can make these (files of theirs a root copy is refused).
-                    _ => crate::shared::tally::warn_limited!(
-                        "not caching",
-                        "not caching {source}: {e}"
-                    ),
+                let gone = "files not cached, gone from the network";
+                // A user can make the others (files of theirs a root copy is refused).
+                if !self.tally_gone(&e, gone, Path::new(&source)) {
+                    crate::shared::tally::warn_limited!("not caching", "not caching {source}: {e}");
                 }
                 self.copies.failed(source.clone());
             }

@@ -36,8 +36,17 @@ pub enum KeeperError {
 /// How long `status` waits for the keeper before showing what it last published.
 const STATUS_WAIT: Duration = Duration::from_millis(20);
 
-/// The keeper's status as it last published it (once a second, and after each order).
+/// The keeper's status as it last published it (at most every 250 ms).
 pub type Published = Arc<Mutex<Option<CacheStatus>>>;
+
+/// The keeper's answer, if it comes within `wait`.
+async fn within<T>(wait: Duration, answer: oneshot::Receiver<T>) -> Result<T, KeeperError> {
+    match tokio::time::timeout(wait, answer).await {
+        Ok(Ok(t)) => Ok(t),
+        Ok(Err(_)) => Err(KeeperError::Stopped),
+        Err(_) => Err(KeeperError::Busy),
+    }
+}
 
 /// Sends orders to the keeper; cheap to clone.
 #[derive(Clone)]
@@ -69,11 +78,7 @@ impl Handle {
             Err(mpsc::error::TrySendError::Full(_)) => return Err(KeeperError::Busy),
             Err(mpsc::error::TrySendError::Closed(_)) => return Err(KeeperError::Stopped),
         }
-        match tokio::time::timeout(wait, answer).await {
-            Ok(Ok(t)) => Ok(t),
-            Ok(Err(_)) => Err(KeeperError::Stopped),
-            Err(_) => Err(KeeperError::Busy),
-        }
+        within(wait, answer).await
     }
 
     /// Queues an order that needs no answer; waits only while the queue is full.
@@ -92,11 +97,7 @@ impl Handle {
     ) -> Result<T, KeeperError> {
         let (reply, answer) = oneshot::channel();
         self.tell(make(reply)).await?;
-        match tokio::time::timeout(ANSWER_TIMEOUT, answer).await {
-            Ok(Ok(t)) => Ok(t),
-            Ok(Err(_)) => Err(KeeperError::Stopped),
-            Err(_) => Err(KeeperError::Busy),
-        }
+        within(ANSWER_TIMEOUT, answer).await
     }
 
     /// Whether the last view sent is still waiting for the keeper: a newer one would
@@ -176,8 +177,8 @@ impl Handle {
         }
     }
 
-    /// Where each file is held: "ram", "ssd" or "network".
-    /// Where each file is held, if the keeper answers at once (`status` shows it).
+    /// Where each file is held ("ram", "ssd" or "network"), if the keeper answers at
+    /// once (`status` shows it).
     pub async fn where_held(&self, paths: Vec<String>) -> Result<Vec<String>, KeeperError> {
         self.ask_briefly(|reply| Order::WhereHeld(paths, reply), STATUS_WAIT)
             .await

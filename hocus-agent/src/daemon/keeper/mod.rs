@@ -53,7 +53,7 @@ pub use self::{
     order::{Config, Reconfigure},
 };
 use crate::{
-    cache::{directory::Cache, relay::Parent},
+    cache::{copy::CopyError, directory::Cache, relay::Parent},
     profile::{format::Profile, view::View},
     redirect::{
         jobs::JobStart,
@@ -242,9 +242,7 @@ impl Keeper {
         });
         self.jobs.release_all();
         self.cache.save_now();
-        for line in self.said.due(Duration::ZERO) {
-            log::warn!("{line}");
-        }
+        self.say_tallied(Duration::ZERO);
     }
 
     /// A worker finished something.
@@ -286,15 +284,31 @@ impl Keeper {
             self.cache.save();
             *last_save = Instant::now();
         }
-        for line in self.said.due(SAID_EVERY) {
-            log::warn!("{line}");
-        }
+        self.say_tallied(SAID_EVERY);
         // Not after every order (an open a job makes is one): a few times a second.
         if self.published_at.elapsed() >= PUBLISH_EVERY {
             let status = self.status();
             *self.published.lock().unwrap_or_else(|e| e.into_inner()) = Some(status);
             self.published_at = Instant::now();
         }
+    }
+
+    /// Says what was summed up (`said`) once its first line is `every` old.
+    fn say_tallied(&mut self, every: Duration) {
+        for line in self.said.due(every) {
+            log::warn!("{line}");
+        }
+    }
+
+    /// Sums `path` up among `what` (e.g. "files not cached, gone from the network") if
+    /// `e` says it is gone from the network (by the thousand after a profile's import);
+    /// whether it did.
+    fn tally_gone(&mut self, e: &CopyError, what: &'static str, path: &Path) -> bool {
+        let Some(tree) = self.tree_of(path).filter(|_| e.is_gone()).cloned() else {
+            return false;
+        };
+        self.said.add(what, &tree, &path.to_string_lossy());
+        true
     }
 
     fn obey(&mut self, order: Order) {

@@ -135,18 +135,14 @@ impl Snapshots {
     /// Which files a snapshot of `root` holds the bytes of, and which directories it
     /// walks: with lazy views, what the working set `view` used under it; else all.
     pub fn fill(&self, root: &Path, view: &View) -> snapshot::Fill {
-        if !self.lazy {
-            return snapshot::Fill::Whole;
-        }
-        let under = |p: &&Path| p.starts_with(root);
-        snapshot::Fill::Lazy(snapshot::Used::new(
-            root,
-            view.files().map(|f| Path::new(f.path)).filter(under),
-            view.used_dirs().filter(under),
-        ))
+        // Whole where the map is empty (not lazy).
+        self.fills(std::iter::once(root), view)
+            .remove(root)
+            .unwrap_or_default()
     }
 
-    /// [`Snapshots::fill`] of each of `roots`, in one pass over the view.
+    /// [`Snapshots::fill`] of each of `roots`, in one pass over the view (none if
+    /// snapshots are whole).
     pub fn fills<'a>(
         &self,
         roots: impl Iterator<Item = &'a Path>,
@@ -277,7 +273,7 @@ impl Snapshots {
             expect: Expect::Snapshot(
                 snap.stamp
                     .iter()
-                    .filter(|(_, id)| id.mode & libc::S_IFMT != libc::S_IFLNK)
+                    .filter(|(_, id)| !id.is_symlink())
                     .map(|(rel, id)| SnapshotEntry {
                         rel: rel.clone(),
                         identity: *id,

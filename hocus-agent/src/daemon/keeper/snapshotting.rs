@@ -241,16 +241,12 @@ impl Keeper {
                 self.tree_done(&root, 0, true);
             }
             Err(e) => {
-                match self.tree_of(&root).cloned() {
-                    Some(tree) if e.is_gone() => self.said.add(
-                        "directories not snapshotted, gone from the network",
-                        &tree,
-                        &root.to_string_lossy(),
-                    ),
-                    _ => log::info!(
+                let gone = "directories not snapshotted, gone from the network";
+                if !self.tally_gone(&e, gone, &root) {
+                    log::info!(
                         "no snapshot of {}: {e}; its files are served one by one",
                         root.display()
-                    ),
+                    );
                 }
                 self.snapshots.unsuitable(root.clone());
                 self.place_after_snapshots();
