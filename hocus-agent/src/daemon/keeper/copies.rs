@@ -60,6 +60,13 @@ impl Copies {
         self.in_flight.keys().any(|s| Path::new(s).starts_with(dir))
     }
 
+    /// The directories a copy under way is below (each of their ancestors), for many
+    /// questions of `under_way_below` at once.
+    pub fn dirs_under_way(&self) -> HashSet<&Path> {
+        let sources = self.in_flight.keys().map(|s| Path::new(s.as_str()));
+        sources.flat_map(|s| s.ancestors().skip(1)).collect()
+    }
+
     /// The sources under way.
     pub fn sources_under_way(&self) -> impl Iterator<Item = (&String, &u64)> {
         self.in_flight.iter()

@@ -119,12 +119,17 @@ pub fn moves<'a>(
     out
 }
 
-/// The snapshot root (among `roots`) that holds `path`: a change there drops it.
-pub fn snapshot_holding<'a>(
+/// The snapshot root (a key of `roots`) that holds `path`, and what it maps to: a
+/// change there drops it. By `path`'s ancestors, not by every root: a site-wide
+/// working set has thousands of snapshots, and this is asked for every file.
+pub fn snapshot_holding<'a, V>(
     path: &Path,
-    roots: impl IntoIterator<Item = &'a PathBuf>,
-) -> Option<&'a PathBuf> {
-    roots.into_iter().find(|root| path.starts_with(root))
+    roots: &'a HashMap<PathBuf, V>,
+) -> Option<(&'a PathBuf, &'a V)> {
+    if roots.is_empty() {
+        return None;
+    }
+    path.ancestors().find_map(|dir| roots.get_key_value(dir))
 }
 
 #[cfg(test)]
@@ -229,12 +234,16 @@ mod tests {
 
     #[test]
     fn a_write_under_a_snapshot_drops_that_snapshot_only() {
-        let roots = [PathBuf::from("/net/env"), PathBuf::from("/net/data")];
-        assert_eq!(
-            snapshot_holding(Path::new("/net/env/lib/x.py"), &roots),
-            Some(&roots[0])
-        );
-        assert_eq!(snapshot_holding(Path::new("/net/environ/x"), &roots), None);
-        assert_eq!(snapshot_holding(Path::new("/net/out.log"), &roots), None);
+        let roots: HashMap<PathBuf, u8> = [
+            (PathBuf::from("/net/env"), 1),
+            (PathBuf::from("/net/data"), 2),
+        ]
+        .into();
+        let holding = |p: &str| snapshot_holding(Path::new(p), &roots).map(|(_, v)| *v);
+        assert_eq!(holding("/net/env/lib/x.py"), Some(1));
+        assert_eq!(holding("/net/env"), Some(1));
+        assert_eq!(holding("/net/environ/x"), None);
+        assert_eq!(holding("/net/out.log"), None);
+        assert_eq!(holding("/net"), None);
     }
 }

@@ -37,6 +37,8 @@ pub struct Snapshots {
     pub lazy: bool,
     /// In place, by network directory.
     held: HashMap<PathBuf, Snapshot>,
+    /// The sum of their `bytes`.
+    held_bytes: u64,
     /// Being taken, with their expected bytes.
     taking: HashMap<PathBuf, u64>,
     /// Chains of directories (by their top) being measured for a snapshot.
@@ -52,6 +54,7 @@ impl Snapshots {
         Self {
             lazy,
             held: HashMap::new(),
+            held_bytes: 0,
             taking: HashMap::new(),
             measuring: HashSet::new(),
             unsuitable: HashMap::new(),
@@ -61,7 +64,7 @@ impl Snapshots {
 
     /// The snapshot in place (not one being taken) holding `path`, and its root.
     pub fn held(&self, path: &Path) -> Option<(&PathBuf, &Snapshot)> {
-        self.held.iter().find(|(root, _)| path.starts_with(root))
+        snapshot_holding(path, &self.held)
     }
 
     /// Whether a snapshot in place serves `path` (not one of its passages).
@@ -78,22 +81,22 @@ impl Snapshots {
 
     /// The snapshot root (in place or being taken) holding `path`, if any.
     pub fn holding(&self, path: &Path) -> Option<PathBuf> {
-        let roots = self.held.keys().chain(self.taking.keys());
-        snapshot_holding(path, roots).cloned()
+        let held = snapshot_holding(path, &self.held).map(|(root, _)| root);
+        held.or_else(|| snapshot_holding(path, &self.taking).map(|(root, _)| root))
+            .cloned()
     }
 
     /// Whether a snapshot holding `path` is being measured or taken: its copy waits,
     /// and is adopted from the snapshot (or started if none is taken).
     pub fn coming(&self, path: &Path) -> bool {
-        self.measuring
-            .iter()
-            .chain(self.taking.keys())
-            .any(|root| path.starts_with(root))
+        snapshot_holding(path, &self.taking).is_some()
+            || (!self.measuring.is_empty()
+                && path.ancestors().any(|dir| self.measuring.contains(dir)))
     }
 
     /// Bytes the snapshots in place hold beyond the cache's copies.
     pub fn bytes(&self) -> u64 {
-        self.held.values().map(|s| s.bytes).sum()
+        self.held_bytes
     }
 
     pub fn roots(&self) -> impl Iterator<Item = &PathBuf> {
@@ -245,14 +248,21 @@ impl Snapshots {
     }
 
     pub fn hold(&mut self, root: PathBuf, snapshot: Snapshot) {
-        self.held.insert(root, snapshot);
+        self.held_bytes += snapshot.bytes;
+        if let Some(old) = self.held.insert(root, snapshot) {
+            self.held_bytes -= old.bytes;
+        }
     }
 
     /// Forgets the snapshot of `root`, in place or being taken; whether one was in
     /// place.
     pub fn forget(&mut self, root: &Path) -> bool {
         self.taking.remove(root);
-        self.held.remove(root).is_some()
+        let held = self.held.remove(root);
+        if let Some(old) = &held {
+            self.held_bytes -= old.bytes;
+        }
+        held.is_some()
     }
 
     /// A name, unique in this run, for a local tree moved away to be deleted.

@@ -3,7 +3,10 @@
 //! cache, filling a lazy snapshot's stub once its file is copied, and dropping a
 //! snapshot when its tree changes or jobs outgrow it.
 
-use std::path::{Path, PathBuf};
+use std::{
+    collections::{HashMap, HashSet},
+    path::{Path, PathBuf},
+};
 
 use super::{
     Keeper,
@@ -15,12 +18,19 @@ use crate::{
     shared::{identity::Identity, log_line as logs, size::human},
 };
 
+/// The cache's copies under a snapshot's root, by source: its local copy and identity.
+type Cached = HashMap<PathBuf, (PathBuf, Identity)>;
+
 impl Keeper {
     /// What one snapshot may fill: half of what the SSD budget leaves.
     fn snapshot_room(&self) -> u64 {
+        self.snapshot_free() / 2
+    }
+
+    /// What the SSD budget leaves beyond the cache's copies and the snapshots in place.
+    fn snapshot_free(&self) -> u64 {
         self.effective_ssd_budget
             .saturating_sub(self.cache.used() + self.snapshots.bytes())
-            / 2
     }
 
     /// Drops the snapshots whose passages jobs now use, so that they are taken again
@@ -55,22 +65,28 @@ impl Keeper {
         } else {
             Default::default()
         };
-        // Lazy snapshots to start, started after the loop: what each fills is then read
-        // from the view in one pass for them all (a pass per snapshot took 35 ms at a
-        // million files, for each of thousands, the keeper answering nothing meanwhile).
-        let mut chosen: Vec<(PathBuf, u64)> = Vec::new();
+        // Lazy snapshots to start, started after the loop: what each fills and the
+        // copies it links are then found in one pass for them all. The loop asks nothing
+        // per chain that grows with the others: a site-wide working set has thousands
+        // of chains (a scan of every snapshot or copy per chain kept the keeper 8 s from
+        // answering anything).
+        let mut chosen: HashMap<PathBuf, u64> = HashMap::new();
+        let copying = self.copies.dirs_under_way();
+        let free = self.snapshot_free();
+        let mut claimed = 0u64;
         for chain in chains {
             let taken = |d: &PathBuf| {
-                self.snapshots.holding(d).is_some() || chosen.iter().any(|(r, _)| d.starts_with(r))
+                self.snapshots.holding(d).is_some() || d.ancestors().any(|a| chosen.contains_key(a))
             };
             if chain.iter().any(taken) {
                 continue; // held already, or being taken
             }
             // Copies still under way there are linked into the snapshot once done.
-            if self.copies.under_way_below(&chain[0]) {
+            if copying.contains(chain[0].as_path()) {
                 continue;
             }
-            let room = self.snapshot_room();
+            // Half of what is left once the snapshots chosen so far are taken.
+            let room = free.saturating_sub(claimed) / 2;
             let chain: Vec<PathBuf> = chain
                 .into_iter()
                 .filter(|root| !self.snapshots.is_unsuitable(root))
@@ -88,7 +104,8 @@ impl Keeper {
                     .map(|root| (root, hot.get(root).copied().unwrap_or(0)))
                     .find(|(_, bytes)| *bytes <= room);
                 if let Some((root, bytes)) = fits {
-                    chosen.push((root.clone(), bytes));
+                    claimed += bytes;
+                    chosen.insert(root.clone(), bytes);
                 }
                 continue;
             }
@@ -103,14 +120,35 @@ impl Keeper {
                 room,
             });
         }
-        let mut fills = self.snapshots.fills(
-            chosen.iter().map(|(root, _)| root.as_path()),
-            self.placement.view(),
-        );
+        let roots: HashSet<&Path> = chosen.keys().map(PathBuf::as_path).collect();
+        let mut fills = self
+            .snapshots
+            .fills(roots.iter().copied(), self.placement.view());
+        let mut cached = self.cached_under(&roots);
         for (root, bytes) in chosen {
             let fill = fills.remove(&root).unwrap_or_default();
-            self.start_snapshot(root, bytes, fill);
+            let cached = cached.remove(&root).unwrap_or_default();
+            self.start_snapshot(root, bytes, fill, cached);
         }
+    }
+
+    /// The cache's copies under each of `roots` (linked into their snapshots), in one
+    /// pass over the cache.
+    fn cached_under(&self, roots: &HashSet<&Path>) -> HashMap<PathBuf, Cached> {
+        let mut under: HashMap<PathBuf, Cached> = HashMap::new();
+        if roots.is_empty() {
+            return under;
+        }
+        for (source, copy) in self.cache.sources() {
+            let path = Path::new(source);
+            if let Some(root) = path.ancestors().find(|a| roots.contains(a)) {
+                under
+                    .entry(root.to_owned())
+                    .or_default()
+                    .insert(path.to_owned(), (self.cache.local(source), copy.identity));
+            }
+        }
+        under
     }
 
     /// A chain was measured: the directory chosen is snapshotted, if nothing took its
@@ -132,7 +170,11 @@ impl Keeper {
                 || self.copies.under_way_below(&root);
             if !busy && bytes <= self.snapshot_room() {
                 let fill = self.snapshots.fill(&root, self.placement.view());
-                self.start_snapshot(root, bytes, fill);
+                let cached = self
+                    .cached_under(&HashSet::from([root.as_path()]))
+                    .remove(&root)
+                    .unwrap_or_default();
+                self.start_snapshot(root, bytes, fill, cached);
             }
         }
         // Copies that waited for this measurement, and are not in the snapshot.
@@ -144,16 +186,10 @@ impl Keeper {
         }
     }
 
-    fn start_snapshot(&mut self, root: PathBuf, bytes: u64, fill: snapshot::Fill) {
+    fn start_snapshot(&mut self, root: PathBuf, bytes: u64, fill: snapshot::Fill, cached: Cached) {
         let Some(tree) = self.tree_of(&root).cloned() else {
             return;
         };
-        let cached = self
-            .cache
-            .sources()
-            .filter(|(s, _)| Path::new(s).starts_with(&root))
-            .map(|(s, c)| (PathBuf::from(s), (self.cache.local(s), c.identity)))
-            .collect();
         log::info!("taking a snapshot of {} ({})", root.display(), human(bytes));
         self.snapshots.taking(root.clone(), bytes);
         // A prefetch under way waits for it too.
