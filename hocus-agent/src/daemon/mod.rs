@@ -34,7 +34,10 @@ use crate::{
         events::Observer, mounts, places::Places, tracefs, tracer::Tracer, tripwires, views::Views,
     },
     place::{budget::Budgets, placement::Filters},
-    profile::staging::Staging,
+    profile::{
+        staging::Staging,
+        working_set::{VIEW_SLICE, ViewBuild},
+    },
     redirect::{identity, jobs::JobStart, leftovers, mountns, spawn},
     report::metrics,
     shared::{
@@ -121,6 +124,8 @@ struct Daemon {
     keeper: Keeper,
     /// When the keeper last failed to take an order (logged at most every 10 s).
     keeper_failed_at: Option<Instant>,
+    /// The next placement's view, being built a slice per turn of the loop.
+    view_build: Option<ViewBuild>,
     keeper_thread: Option<std::thread::JoinHandle<()>>,
     /// Jobs' snapshot views and attached tasks.
     jobs: Jobs,
@@ -192,6 +197,7 @@ impl Daemon {
             waiting: Vec::new(),
             keeper,
             keeper_failed_at: None,
+            view_build: None,
             keeper_thread: Some(keeper_thread),
             jobs: Jobs::default(),
             relays: Relays::default(),
@@ -235,6 +241,12 @@ impl Daemon {
                     }
                 }
                 _ = save.tick() => self.profiling.save(),
+                // A snapshot or placement view of a large working set: a slice per turn,
+                // between the rest.
+                () = tokio::task::yield_now(), if self.profiling.slicing() || self.view_build.is_some() => {
+                    self.profiling.write_slice();
+                    self.build_view().await;
+                }
                 _ = place.tick() => self.place().await,
                 Some((path, attrs)) = self.stats.next() => {
                     self.profiling.stat_done(&path, attrs);
@@ -246,7 +258,8 @@ impl Daemon {
                 Some(reply) = next_scrape(&mut scrapes) => {
                     // What the workload did so far is counted first.
                     self.sweep().await;
-                    let _ = reply.send(self.status(0).await);
+                    let status = self.status(0);
+                    tokio::spawn(async move { reply.send(status.await) });
                 }
                 _ = hup.recv() => {
                     if self.reload().await {
@@ -371,8 +384,19 @@ impl Daemon {
         if self.profiling.wants_placing() && self.keeper.view_waiting() {
             return;
         }
-        if self.profiling.take_to_place() {
-            let view = self.profiling.ws.for_placement(PLACE_CANDIDATES);
+        if self.view_build.is_none() && self.profiling.take_to_place() {
+            self.view_build = Some(self.profiling.ws.view_build(PLACE_CANDIDATES));
+            self.build_view().await;
+        }
+    }
+
+    /// Builds a slice of the view being built; sends it to the keeper once it is done.
+    async fn build_view(&mut self) {
+        let Some(build) = &mut self.view_build else {
+            return;
+        };
+        if let Some(view) = self.profiling.ws.build_view(build, VIEW_SLICE) {
+            self.view_build = None;
             let sent = self.keeper.place(view).await;
             self.check(sent);
         }
@@ -415,10 +439,17 @@ impl Daemon {
                 // The first step of every job session, before its namespace is made: the
                 // tracer follows the job from its start.
                 self.tracing.wake("a job is starting");
-                match self.keeper.binds().await {
-                    Ok(binds) => Answer::Binds(binds),
-                    Err(e) => Refusal::new("busy", e.to_string()).into(),
-                }
+                // Answered off the loop: a keeper busy placing a million entries holds
+                // up this job, not the loop.
+                let keeper = self.keeper.clone();
+                tokio::spawn(async move {
+                    let answer = match keeper.binds().await {
+                        Ok(binds) => Answer::Binds(binds),
+                        Err(e) => Refusal::new("busy", e.to_string()).into(),
+                    };
+                    reply.send(answer)
+                });
+                return;
             }
             Ask::JobStarting(start) => self.job_starting(start).await,
             Ask::Stale { sources } => {
@@ -521,7 +552,7 @@ impl Daemon {
         } = w;
         let answer: Answer = match request {
             Query::Status => {
-                let status = self.status(STATUS_TOP_FILES).await;
+                let status = self.status(STATUS_TOP_FILES);
                 return requests::send_status(status, caller, reply);
             }
             Query::Export { root } => {

@@ -1,6 +1,7 @@
 //! The working set as the daemon keeps it: recorded by the tracer, saved to the state
-//! directory every interval when it changed (a save that fails is retried and reported),
-//! placed again when it changed, bounded (`max-profile-entries`, said once when reached).
+//! directory every interval when it changed (a save that fails is retried and reported;
+//! a whole snapshot is written a slice per turn of the loop, `store::Sliced`), placed
+//! again when it changed, bounded (`max-profile-entries`, said once when reached).
 
 use std::{
     path::Path,
@@ -13,7 +14,7 @@ use crate::{
     profile::{
         format::Profile,
         records,
-        store::StateDir,
+        store::{SLICE, Sliced, StateDir},
         working_set::{Attributes, WorkingSet},
     },
     shared::memory,
@@ -29,6 +30,8 @@ pub struct Profiling {
     last_save_error: Option<String>,
     /// The bound was reached, and said.
     said_full: bool,
+    /// A snapshot being written, a slice at a time.
+    sliced: Option<Sliced>,
 }
 
 impl Profiling {
@@ -59,6 +62,7 @@ impl Profiling {
             to_place: true,
             last_save_error: None,
             said_full: false,
+            sliced: None,
         })
     }
 
@@ -89,30 +93,77 @@ impl Profiling {
         }
     }
 
-    /// Saves what changed; a failure is logged once per message and retried.
+    /// Saves what changed; a failure is logged once per message and retried. A whole
+    /// snapshot is only begun: [`Profiling::write_slice`] writes it.
     pub fn save(&mut self) {
-        if !self.dirty {
+        self.sliced_done();
+        if !self.dirty || self.sliced.is_some() {
             return;
         }
-        match self.state.save(&mut self.ws) {
-            Ok(()) => {
+        match self.state.save_or_begin(&mut self.ws) {
+            Ok(sliced) => {
                 self.dirty = false;
-                self.last_save_error = None;
-            }
-            Err(e) => {
-                let message = format!("{e:#}");
-                if self.last_save_error.as_deref() != Some(&message) {
-                    log::error!("{message}; will retry");
+                if sliced.is_none() {
+                    self.last_save_error = None;
                 }
-                self.last_save_error = Some(message);
+                self.sliced = sliced;
+            }
+            Err(e) => self.save_failed(e),
+        }
+    }
+
+    /// Whether a snapshot has slices to write (then the loop calls `write_slice`).
+    pub fn slicing(&self) -> bool {
+        self.sliced.as_ref().is_some_and(Sliced::handing_over)
+    }
+
+    /// Writes the next slice of the snapshot being written; once its writer has finished,
+    /// it is in place (or its failure said).
+    pub fn write_slice(&mut self) {
+        if let Some(sliced) = &mut self.sliced
+            && !sliced.next_slice(&self.ws, SLICE)
+        {
+            self.sliced_done();
+        }
+    }
+
+    /// Takes the result of the snapshot being written, if its writer has finished.
+    fn sliced_done(&mut self) {
+        let Some(result) = self.sliced.as_ref().and_then(Sliced::result) else {
+            return;
+        };
+        let sliced = self.sliced.take().expect("checked above");
+        match self.state.sliced_done(&sliced, result, &mut self.ws) {
+            Ok(()) => self.last_save_error = None,
+            Err(e) => {
+                self.dirty = true;
+                self.save_failed(e);
             }
         }
     }
 
-    /// Saves it whole now, as the daemon stops.
+    fn save_failed(&mut self, e: anyhow::Error) {
+        let message = format!("{e:#}");
+        if self.last_save_error.as_deref() != Some(&message) {
+            log::error!("{message}; will retry");
+        }
+        self.last_save_error = Some(message);
+    }
+
+    /// Saves it whole now, as the daemon stops (a snapshot being written is finished
+    /// first).
     pub fn save_last(&mut self) {
+        if let Some(mut sliced) = self.sliced.take() {
+            let result = sliced.finish(&self.ws);
+            if let Err(e) = self.state.sliced_done(&sliced, result, &mut self.ws) {
+                self.save_failed(e);
+            }
+        }
         self.dirty = true;
-        self.save();
+        match self.state.save(&mut self.ws) {
+            Ok(()) => self.last_save_error = None,
+            Err(e) => self.save_failed(e),
+        }
     }
 
     pub fn last_save_error(&self) -> Option<&str> {

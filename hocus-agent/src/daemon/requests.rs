@@ -7,6 +7,7 @@
 
 use std::{
     collections::HashSet,
+    future::Future,
     time::{Duration, Instant},
 };
 
@@ -68,8 +69,13 @@ pub fn due(waiting: &mut Vec<Waiting>, pending: usize) -> Vec<Waiting> {
 }
 
 /// Sends a status, its hottest files narrowed to those `caller` may read, off the loop.
-pub fn send_status(mut status: hocus_control::status::Status, caller: Caller, reply: Reply) {
+pub fn send_status(
+    status: impl Future<Output = hocus_control::status::Status> + Send + 'static,
+    caller: Caller,
+    reply: Reply,
+) {
     tokio::spawn(async move {
+        let mut status = status.await;
         status.top = readable_by(status.top, &caller).await;
         let _ = reply.send(Response::Status(Box::new(status)).into());
     });

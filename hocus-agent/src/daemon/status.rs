@@ -1,7 +1,9 @@
 //! What `status` shows (and the metrics are made of): the daemon's parts, each asked
-//! for its own.
+//! for its own. The loop takes its own parts' figures; what the keeper says is waited
+//! for by the future it returns, off the loop (a keeper busy with a million entries
+//! never holds the loop up: it shows what it last published).
 
-use std::path::PathBuf;
+use std::{future::Future, path::PathBuf};
 
 use hocus_control::status::{Status, TopFile};
 
@@ -10,37 +12,15 @@ use crate::control::gate::Control;
 use super::Daemon;
 
 impl Daemon {
-    pub(super) async fn status(&mut self, top: usize) -> Status {
+    /// The status with its `top` hottest files: the loop's part now, the keeper's in
+    /// the future returned.
+    pub(super) fn status(&mut self, top: usize) -> impl Future<Output = Status> + 'static {
         let ws = &self.profiling.ws;
         let (files, missing, dirs) = ws.counts();
         let roots: Vec<PathBuf> = self.watched.iter().map(|w| w.path.clone()).collect();
         let (hottest, roots) = ws.summary(top, &roots);
         let (profile_bytes, dropped) = (ws.heap_bytes() as u64, ws.dropped());
-        let paths: Vec<String> = hottest.iter().map(|f| f.path.clone()).collect();
-        let n = paths.len();
-        let held = match n {
-            0 => Vec::new(),
-            _ => self
-                .keeper
-                .where_held(paths)
-                .await
-                // The keeper is busy (a million entries placed): not known this once.
-                .unwrap_or_else(|_| vec!["unknown".into(); n]),
-        };
-        let cache = self.keeper.status().await;
-        let cache = self.check(cache);
-        let top = hottest
-            .into_iter()
-            .zip(held)
-            .map(|(f, held)| TopFile {
-                path: f.path,
-                opens: f.opens,
-                size: f.size,
-                bytes_read: f.bytes_read,
-                held,
-            })
-            .collect();
-        Status {
+        let mut status = Status {
             pid: std::process::id(),
             version: env!("CARGO_PKG_VERSION").into(),
             uptime_secs: self.started.elapsed().as_secs(),
@@ -49,7 +29,7 @@ impl Daemon {
             metrics_addr: self.metrics_addr,
             watched: self.watched.clone(),
             roots,
-            top,
+            top: Vec::new(),
             files,
             missing,
             dirs,
@@ -60,7 +40,7 @@ impl Daemon {
             kernel: self.tracing.counters(),
             last_save_error: self.profiling.last_save_error().map(str::to_owned),
             not_traced: self.tracing.tracer().skipped.clone(),
-            cache,
+            cache: None,
             control: self
                 .control
                 .as_ref()
@@ -69,6 +49,34 @@ impl Daemon {
             tracing: self.tracing.status(self.opts.settings.rest_after()),
             kernel_release: self.kernel_release.clone(),
             routes: self.routes.clone(),
+        };
+        let keeper = self.keeper.clone();
+        async move {
+            let paths: Vec<String> = hottest.iter().map(|f| f.path.clone()).collect();
+            let (cache, held) = match keeper.status(paths).await {
+                Ok((cache, held)) => (Some(cache), held),
+                Err(e) => {
+                    log::debug!("status without the cache: {e}");
+                    (None, Vec::new())
+                }
+            };
+            // Held is "unknown" when the keeper was busy (a million entries placed).
+            let held = held
+                .into_iter()
+                .chain(std::iter::repeat("unknown".to_owned()));
+            status.cache = cache;
+            status.top = hottest
+                .into_iter()
+                .zip(held)
+                .map(|(f, held)| TopFile {
+                    path: f.path,
+                    opens: f.opens,
+                    size: f.size,
+                    bytes_read: f.bytes_read,
+                    held,
+                })
+                .collect();
+            status
         }
     }
 }

@@ -289,6 +289,7 @@ impl Keeper {
     }
 
     pub(super) fn drop_copy(&mut self, source: &str) {
+        self.board.withdraw(Path::new(source));
         self.jobs.detach(source);
         self.pinning.unpin(source);
         self.cache.remove(source);

@@ -1,18 +1,18 @@
 //! The daemon's async face on the keeper thread, in the actor style: one `async fn` per
 //! request, each a message on a bounded queue with a `oneshot` reply, each wait bounded
 //! by [`ANSWER_TIMEOUT`] so that a keeper busy elsewhere becomes a clear error, never a
-//! stalled event loop. What `status` asks waits far less: a keeper busy with a million
-//! entries is shown as it last published itself ([`Published`]).
+//! stalled event loop. What `status` and a job's start ask waits far less: a keeper busy
+//! with a million entries is read from its [`Board`].
 
-use std::{
-    sync::{Arc, Mutex},
-    time::Duration,
-};
+use std::{sync::Arc, time::Duration};
 
 use hocus_control::status::CacheStatus;
 use tokio::sync::{mpsc, oneshot};
 
-use super::order::{Latest, Order, Progressing, Reconfigure};
+use super::{
+    board::Board,
+    order::{Latest, Order, Progressing, Reconfigure},
+};
 use crate::{
     cache::relay::Parent,
     observe::events::Access,
@@ -35,9 +35,8 @@ pub enum KeeperError {
 
 /// How long `status` waits for the keeper before showing what it last published.
 const STATUS_WAIT: Duration = Duration::from_millis(20);
-
-/// The keeper's status as it last published it (at most every 250 ms).
-pub type Published = Arc<Mutex<Option<CacheStatus>>>;
+/// How long a job's start waits for the keeper before taking the binds on its board.
+const BINDS_WAIT: Duration = Duration::from_millis(50);
 
 /// The keeper's answer, if it comes within `wait`.
 async fn within<T>(wait: Duration, answer: oneshot::Receiver<T>) -> Result<T, KeeperError> {
@@ -53,15 +52,15 @@ async fn within<T>(wait: Duration, answer: oneshot::Receiver<T>) -> Result<T, Ke
 pub struct Handle {
     orders: mpsc::Sender<Order>,
     latest: Latest,
-    published: Published,
+    board: Arc<Board>,
 }
 
 impl Handle {
-    pub(super) fn new(orders: mpsc::Sender<Order>, latest: Latest, published: Published) -> Self {
+    pub(super) fn new(orders: mpsc::Sender<Order>, latest: Latest, board: Arc<Board>) -> Self {
         Self {
             orders,
             latest,
-            published,
+            board,
         }
     }
 
@@ -165,34 +164,41 @@ impl Handle {
         self.tell(Order::Budgets { ssd, ram }).await
     }
 
-    /// Its status now, or, if it is busy (a million entries placed), as it last
-    /// published it.
-    pub async fn status(&self) -> Result<CacheStatus, KeeperError> {
-        match self.ask_briefly(Order::Status, STATUS_WAIT).await {
+    /// Its status now, with where each of `paths` is held ("ram", "ssd" or
+    /// "network"); or, if it is busy (a million entries placed), its status as it last
+    /// published it, and no paths.
+    pub async fn status(
+        &self,
+        paths: Vec<String>,
+    ) -> Result<(CacheStatus, Vec<String>), KeeperError> {
+        match self
+            .ask_briefly(|reply| Order::Status(paths, reply), STATUS_WAIT)
+            .await
+        {
             Err(KeeperError::Busy) => {
-                let published = self.published.lock().unwrap_or_else(|e| e.into_inner());
-                published.clone().ok_or(KeeperError::Busy)
+                let status = self.board.status().ok_or(KeeperError::Busy)?;
+                Ok((status, Vec::new()))
             }
             answered => answered,
         }
     }
 
-    /// Where each file is held ("ram", "ssd" or "network"), if the keeper answers at
-    /// once (`status` shows it).
-    pub async fn where_held(&self, paths: Vec<String>) -> Result<Vec<String>, KeeperError> {
-        self.ask_briefly(|reply| Order::WhereHeld(paths, reply), STATUS_WAIT)
-            .await
-    }
-
-    /// The binds a new job's namespace gets.
+    /// The binds a new job's namespace gets: from the keeper, or if it is busy, from its
+    /// board.
     pub async fn binds(&self) -> Result<Vec<Bind>, KeeperError> {
-        self.ask(Order::Binds).await
+        match self.ask_briefly(Order::Binds, BINDS_WAIT).await {
+            Err(KeeperError::Busy) => match self.board.binds() {
+                Some(binds) => Ok(binds),
+                None => self.ask(Order::Binds).await,
+            },
+            answered => answered,
+        }
     }
 
-    /// A job starts (its views and task taken by the daemon already); returns once the
-    /// keeper follows it.
+    /// A job starts (its views and task taken by the daemon already). Not waited for:
+    /// the keeper takes orders in turn, so it follows the job before any of its opens.
     pub async fn job_starting(&self, job: JobStart) -> Result<(), KeeperError> {
-        self.ask(|ack| Order::JobStarting(job, ack)).await
+        self.tell(Order::JobStarting(job)).await
     }
 
     pub async fn job_ended(&self, id: u32) -> Result<(), KeeperError> {
@@ -213,7 +219,7 @@ mod tests {
     #[tokio::test]
     async fn a_keeper_behind_on_placements_gets_one_order_for_the_newest() {
         let (tx, mut rx) = mpsc::channel(4);
-        let handle = Handle::new(tx, Latest::default(), Published::default());
+        let handle = Handle::new(tx, Latest::default(), Arc::default());
         // The keeper is busy: a hundred placements arrive (a storm of events) ...
         for n in 0..100 {
             let view = View::of_files(&vec![FileEntry::default(); n]);
@@ -235,17 +241,34 @@ mod tests {
     async fn a_busy_keeper_s_status_is_what_it_last_published() {
         // A keeper that never answers (busy with a million entries).
         let (tx, _rx) = mpsc::channel(4);
-        let published = Published::default();
-        let handle = Handle::new(tx, Latest::default(), published.clone());
+        let board = Arc::new(Board::default());
+        let handle = Handle::new(tx, Latest::default(), board.clone());
         // Nothing published yet: said busy, at once.
         let t = std::time::Instant::now();
-        assert!(matches!(handle.status().await, Err(KeeperError::Busy)));
-        *published.lock().unwrap() = Some(CacheStatus {
+        assert!(matches!(
+            handle.status(Vec::new()).await,
+            Err(KeeperError::Busy)
+        ));
+        board.write_status(CacheStatus {
             cached_files: 7,
             ..CacheStatus::default()
         });
-        assert_eq!(handle.status().await.unwrap().cached_files, 7);
-        assert!(handle.where_held(vec!["/a".into()]).await.is_err());
+        let (status, held) = handle.status(vec!["/a".into()]).await.unwrap();
+        assert_eq!(status.cached_files, 7);
+        assert!(held.is_empty());
+        // A job's start takes the binds on the board.
+        board.write_binds(vec![Bind {
+            local: "/cache/a".into(),
+            target: "/net/a".into(),
+            tree: "/net".into(),
+            expect: Default::default(),
+            lazy: false,
+            passages: Vec::new(),
+        }]);
+        assert_eq!(
+            handle.binds().await.unwrap()[0].target.to_str(),
+            Some("/net/a")
+        );
         // Each waited its brief bound, not ANSWER_TIMEOUT.
         assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
     }

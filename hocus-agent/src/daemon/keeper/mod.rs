@@ -12,6 +12,7 @@
 //! and `served`. What it decides is `decide` (plain functions); what it has done is
 //! `work` (the workers); what it is told is `order`.
 
+mod board;
 mod copies;
 mod copying;
 mod decide;
@@ -128,7 +129,7 @@ pub fn start(config: Config) -> Result<(Handle, thread::JoinHandle<()>, Route)> 
             .collect(),
         ..Default::default()
     };
-    let published = handle::Published::default();
+    let board = Arc::new(board::Board::default());
     let mut keeper = Keeper {
         latest: latest.clone(),
         effective_ssd_budget: config.ssd_budget,
@@ -144,13 +145,14 @@ pub fn start(config: Config) -> Result<(Handle, thread::JoinHandle<()>, Route)> 
         jobs: Jobs::default(),
         status,
         said: Tally::default(),
-        published: published.clone(),
+        board: board.clone(),
         published_at: Instant::now() - PUBLISH_EVERY,
+        binds_due: board::BindsDue::default(),
     };
     let handle = thread::Builder::new()
         .name("hocus-keeper".into())
         .spawn(move || keeper.run(order_rx, done_rx))?;
-    Ok((Handle::new(order_tx, latest, published), handle, snapshots))
+    Ok((Handle::new(order_tx, latest, board), handle, snapshots))
 }
 
 /// Whether this kernel shows lazy snapshots, and the route that makes.
@@ -196,9 +198,11 @@ struct Keeper {
     status: CacheStatus,
     /// What happens to files by the thousand, said summed up (`tally`).
     said: Tally,
-    /// Its status for `status` to show while it is busy (`Handle::status`), and when.
-    published: handle::Published,
+    /// What `status` and a job's start read while it is busy (`Handle::status`,
+    /// `Handle::binds`); when its status was written there, and when its binds are due.
+    board: Arc<board::Board>,
     published_at: Instant,
+    binds_due: board::BindsDue,
 }
 
 impl Keeper {
@@ -247,6 +251,8 @@ impl Keeper {
 
     /// A worker finished something.
     fn done(&mut self, done: Done) {
+        // Copies and snapshots land, revalidations drop them: the binds may change.
+        self.binds_due.changed();
         match done {
             Done::Copied(source, result, origin) => {
                 if origin.peer {
@@ -287,9 +293,13 @@ impl Keeper {
         self.say_tallied(SAID_EVERY);
         // Not after every order (an open a job makes is one): a few times a second.
         if self.published_at.elapsed() >= PUBLISH_EVERY {
-            let status = self.status();
-            *self.published.lock().unwrap_or_else(|e| e.into_inner()) = Some(status);
+            self.board.write_status(self.status());
             self.published_at = Instant::now();
+        }
+        if self.binds_due.due() {
+            let t = Instant::now();
+            self.board.write_binds(self.binds());
+            self.binds_due.written(t.elapsed());
         }
     }
 
@@ -312,6 +322,19 @@ impl Keeper {
     }
 
     fn obey(&mut self, order: Order) {
+        // Orders that neither make nor drop copies leave the binds as they are.
+        let questions = matches!(
+            order,
+            Order::Access(_)
+                | Order::Status(..)
+                | Order::Binds(_)
+                | Order::LocalCopy(..)
+                | Order::JobStarting(_)
+                | Order::JobEnded { .. }
+        );
+        if !questions {
+            self.binds_due.changed();
+        }
         match order {
             Order::PlaceLatest => self.place_latest(),
             Order::Prefetch(profile, tx, parent) => self.prefetch(profile, tx, parent),
@@ -327,28 +350,18 @@ impl Keeper {
                 );
                 self.set_budgets(Some(r.ssd_budget), Some(r.ram_budget));
             }
-            Order::Status(tx) => {
-                let _ = tx.send(self.status());
+            Order::Status(paths, tx) => {
+                let held = paths.iter().map(|p| self.where_held(p).to_owned());
+                let _ = tx.send((self.status(), held.collect()));
             }
             Order::LocalCopy(source, tx) => {
                 let _ = tx.send(self.holding(&source));
-            }
-            Order::WhereHeld(paths, tx) => {
-                let _ = tx.send(
-                    paths
-                        .iter()
-                        .map(|p| self.where_held(p).to_owned())
-                        .collect(),
-                );
             }
             Order::Budgets { ssd, ram } => self.set_budgets(ssd, ram),
             Order::Binds(tx) => {
                 let _ = tx.send(self.binds());
             }
-            Order::JobStarting(start, ack) => {
-                self.job_starting(start);
-                let _ = ack.send(());
-            }
+            Order::JobStarting(start) => self.job_starting(start),
             Order::JobEnded { id } => {
                 if let Some(j) = self.jobs.end(id) {
                     jobs::task_ended(&mut self.status.slurm_jobs, j);

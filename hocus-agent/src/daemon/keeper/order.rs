@@ -74,9 +74,8 @@ pub enum Order {
     Prefetch(Profile, Progressing, Option<Arc<Parent>>),
     /// Where this node's copy of a file is, for a job's other node asking for it.
     LocalCopy(String, oneshot::Sender<Holding>),
-    Status(oneshot::Sender<CacheStatus>),
-    /// Where each file is held: "ram", "ssd" or "network".
-    WhereHeld(Vec<String>, oneshot::Sender<Vec<String>>),
+    /// Its status, and where each file is held: "ram", "ssd" or "network".
+    Status(Vec<String>, oneshot::Sender<(CacheStatus, Vec<String>)>),
     /// New budgets (bytes); pins and copies beyond them are released.
     Budgets {
         ssd: Option<u64>,
@@ -85,9 +84,9 @@ pub enum Order {
     /// The binds a new job's namespace gets: every valid copy.
     Binds(oneshot::Sender<Vec<Bind>>),
     /// A job starts in its mount namespace with its binds (an attached Slurm task's job
-    /// is counted per Slurm job too); answered once it is registered, so that the job's
-    /// first opens find it.
-    JobStarting(JobStart, oneshot::Sender<()>),
+    /// is counted per Slurm job too). Sent before the job runs: the job's first opens
+    /// come after it in this queue.
+    JobStarting(JobStart),
     JobEnded {
         id: u32,
     },

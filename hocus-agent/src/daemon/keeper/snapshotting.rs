@@ -391,6 +391,7 @@ impl Keeper {
         if !self.snapshots.forget(root) {
             return false;
         }
+        self.board.withdraw(root);
         log::info!(
             "dropping the snapshot of {} ({why}): later opens go to the network",
             root.display()

@@ -20,14 +20,14 @@ use anyhow::{Context, Result, bail};
 use nix::fcntl::{Flock, FlockArg};
 
 mod codec;
+mod sliced;
+
+pub use self::sliced::{SLICE, Sliced};
 
 use self::codec::{END, decode, encode, frame, read_frame};
-use crate::{
-    profile::{
-        format::{Entry, ReadError, keep_valid, read_profile},
-        working_set::WorkingSet,
-    },
-    shared::replace::write_replacing,
+use crate::profile::{
+    format::{Entry, ReadError, keep_valid, read_profile},
+    working_set::WorkingSet,
 };
 
 const STATE_FILE: &str = "profile.state";
@@ -48,6 +48,8 @@ pub struct StateDir {
     journal: Option<File>,
     journal_bytes: u64,
     state_bytes: u64,
+    /// The generation of the snapshot being written in slices.
+    slicing: Option<u64>,
 }
 
 impl StateDir {
@@ -83,6 +85,7 @@ impl StateDir {
             journal: None,
             journal_bytes: 0,
             state_bytes: 0,
+            slicing: None,
         })
     }
 
@@ -95,14 +98,31 @@ impl StateDir {
     /// snapshot when the journal has grown past it (or everything changed). On failure
     /// nothing is lost: the next save writes everything.
     pub fn save(&mut self, ws: &mut WorkingSet) -> Result<()> {
+        match self.save_or_begin(ws)? {
+            None => Ok(()),
+            Some(mut sliced) => {
+                let result = sliced.finish(ws);
+                self.sliced_done(&sliced, result, ws)
+            }
+        }
+    }
+
+    /// [`StateDir::save`], but a snapshot it needs is only begun: the caller writes it a
+    /// slice at a time ([`Sliced`]), appending nothing meanwhile.
+    pub fn save_or_begin(&mut self, ws: &mut WorkingSet) -> Result<Option<Sliced>> {
+        if self.slicing.is_some() {
+            // What changed waits for the snapshot being written: the journal it would go
+            // to is the one that snapshot replaces.
+            return Ok(None);
+        }
         let result = match ws.take_changes() {
-            None => self.write_snapshot(ws),
-            Some(changes) if changes.is_empty() => return Ok(()),
+            None => self.begin_sliced(ws).map(Some),
+            Some(changes) if changes.is_empty() => return Ok(None),
             Some(changes) => match self.append(&changes, ws.started_unix_ns) {
                 Ok(()) if self.journal_bytes > JOURNAL_FOLD_BYTES.max(self.state_bytes) => {
-                    self.write_snapshot(ws)
+                    self.begin_sliced(ws).map(Some)
                 }
-                other => other,
+                other => other.map(|()| None),
             },
         };
         if result.is_err() {
@@ -150,38 +170,15 @@ impl StateDir {
         Ok(())
     }
 
-    /// Writes the whole working set as the next generation's snapshot, then drops the
-    /// journal it replaces.
-    fn write_snapshot(&mut self, ws: &WorkingSet) -> Result<()> {
-        let next = self.generation + 1;
-        let path = self.profile_path();
-        let ((), bytes) = write_replacing(&path, |w| {
-            w.write_all(STATE_MAGIC)?;
-            w.write_all(&next.to_le_bytes())?;
-            w.write_all(&ws.started_unix_ns.to_le_bytes())?;
-            let mut buf = Vec::new();
-            let mut count = 0u64;
-            for e in ws.entries() {
-                buf.clear();
-                frame(&mut buf, |b| encode(b, &e));
-                w.write_all(&buf)?;
-                count += 1;
-            }
-            // The end: a record of the count, so that a cut file is never taken as whole.
-            buf.clear();
-            frame(&mut buf, |b| {
-                b.push(END);
-                b.extend_from_slice(&count.to_le_bytes());
-            });
-            w.write_all(&buf)
-        })?;
+    /// The snapshot of generation `next` (`bytes` long) is in place: the journal it
+    /// replaces goes.
+    fn snapshot_in_place(&mut self, next: u64, bytes: u64) {
         let old = self.journal_path(self.generation);
         self.generation = next;
         self.journal = None;
         self.journal_bytes = 0;
         self.state_bytes = bytes;
         let _ = fs::remove_file(old);
-        Ok(())
     }
 
     /// Loads the saved working set into `ws`. A missing one loads nothing; a bad one is
@@ -470,6 +467,71 @@ mod tests {
         );
         drop(state);
         assert_eq!(reload(dir.path()).to_profile(), back.to_profile());
+    }
+
+    #[test]
+    fn a_snapshot_written_in_slices_while_the_set_changes_loses_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut state = StateDir::lock(dir.path()).unwrap();
+        let mut ws = WorkingSet::new(0);
+        for i in 0..100 {
+            ws.open(&format!("/net/f{i}"), 0, i);
+            ws.missing(&format!("/net/m{i}"), i);
+        }
+        ws.dir_opened("/net");
+        ws.all_changed();
+        let mut sliced = state.save_or_begin(&mut ws).unwrap().expect("a snapshot");
+        // Ten entries a turn; between turns the set changes, behind the pass and ahead of
+        // it, and grows.
+        let mut turns = 0;
+        while sliced.next_slice(&ws, 10) {
+            turns += 1;
+            ws.open("/net/f0", 0, 1000 + turns);
+            ws.open("/net/f99", 0, 2000 + turns);
+            ws.open(&format!("/net/new{turns}"), 0, 3000);
+            ws.missing("/net/m50", 4000);
+        }
+        assert!(turns >= 20, "{turns} turns");
+        // Nothing is appended while it is written: the old state stays whole, and what
+        // changed waits.
+        assert!(state.save_or_begin(&mut ws).unwrap().is_none());
+        let journals = names(dir.path())
+            .into_iter()
+            .filter(|n| n.contains("journal"));
+        assert_eq!(journals.count(), 0);
+        let result = loop {
+            if let Some(r) = sliced.result() {
+                break r;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        };
+        state.sliced_done(&sliced, result, &mut ws).unwrap();
+        assert_eq!(names(dir.path()), ["lock", "profile.state"]);
+        // What changed meanwhile goes to the next generation's journal.
+        state.save(&mut ws).unwrap();
+        drop(state);
+        assert_eq!(reload(dir.path()).to_profile(), ws.to_profile());
+    }
+
+    #[test]
+    fn a_snapshot_given_up_leaves_the_old_one() {
+        let (dir, mut state, mut ws) = saved_snapshot_of_one_file();
+        let kept = ws.to_profile();
+        ws.open("/net/b", 0, 2);
+        ws.all_changed();
+        let mut sliced = state.save_or_begin(&mut ws).unwrap().unwrap();
+        assert!(sliced.next_slice(&ws, 1));
+        drop(sliced);
+        // The writer removes its temporary file; only the old snapshot is there.
+        for _ in 0..1000 {
+            if names(dir.path()) == ["lock", "profile.state"] {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        assert_eq!(names(dir.path()), ["lock", "profile.state"]);
+        drop(state);
+        assert_eq!(reload(dir.path()).to_profile(), kept);
     }
 
     #[test]

@@ -15,6 +15,7 @@ mod merge;
 mod read_out;
 mod record;
 mod users;
+mod view_build;
 
 #[cfg(test)]
 mod tests;
@@ -22,6 +23,10 @@ mod tests;
 use hashbrown::HashMap;
 
 use self::{changes::Changes, users::UserSets};
+pub use self::{
+    read_out::Pass,
+    view_build::{VIEW_SLICE, ViewBuild},
+};
 use crate::{
     profile::{
         format::Profile,

@@ -2,18 +2,28 @@
 //! hottest files, totals per watched tree), the bounded view placement works from, and
 //! the entries for the paths of a profile a client sent.
 
-use hashbrown::HashMap;
 use hocus_control::status::RootTotals;
 
 use super::{DirRec, FileRec, MissingRec, NONE, WorkingSet, changes::Changed, users::USERS};
 use crate::profile::{
     format::{DirEntry, Entry, FORMAT_VERSION, FileEntry, MissingEntry, Profile},
     paths::PathId,
-    view::{Facts, View},
+    view::Facts,
 };
 
+/// How far [`WorkingSet::next_entries`] has come: the files recorded and the names
+/// held as the pass began (entries added meanwhile are marked changed: a journal after
+/// the snapshot holds them).
+pub struct Pass {
+    file: usize,
+    files: usize,
+    /// Missing names (false) and directories (true).
+    names: Vec<(bool, PathId)>,
+    name: usize,
+}
+
 impl WorkingSet {
-    fn facts(&self, f: &FileRec) -> Facts {
+    pub(super) fn facts(&self, f: &FileRec) -> Facts {
         Facts {
             size: f.size,
             bytes_read: f.bytes_read,
@@ -52,7 +62,7 @@ impl WorkingSet {
     }
 
     /// The directories, by path.
-    fn dir_entries(&self) -> Vec<DirEntry> {
+    pub(super) fn dir_entries(&self) -> Vec<DirEntry> {
         let mut ids: Vec<PathId> = self.dirs.keys().copied().collect();
         self.paths.sort_by_path(&mut ids, |id| *id);
         ids.iter()
@@ -106,6 +116,46 @@ impl WorkingSet {
             .iter()
             .map(|(id, d)| Entry::Dir(self.dir_entry(*id, d)));
         files.chain(missing).chain(dirs)
+    }
+
+    /// A pass over every entry that goes a slice at a time ([`WorkingSet::next_entries`]),
+    /// the set changing in between: a snapshot written while the daemon goes on.
+    pub fn pass(&self) -> Pass {
+        Pass {
+            file: 0,
+            files: self.files.len(),
+            names: (self.missing.keys().map(|id| (false, *id)))
+                .chain(self.dirs.keys().map(|id| (true, *id)))
+                .collect(),
+            name: 0,
+        }
+    }
+
+    /// Up to `n` more entries of `pass` (files in the order they were recorded, then
+    /// missing names and directories), each as it is now; whether any are left.
+    pub fn next_entries(&self, pass: &mut Pass, n: usize, mut out: impl FnMut(Entry)) -> bool {
+        let files = n.min(pass.files - pass.file);
+        if files > 0 {
+            let mut recs = Vec::with_capacity(files);
+            self.files.get_into(pass.file, files, &mut recs);
+            for f in &recs {
+                out(Entry::File(self.file_entry(f)));
+            }
+            pass.file += files;
+        }
+        let names = (n - files).min(pass.names.len() - pass.name);
+        for &(dir, id) in &pass.names[pass.name..pass.name + names] {
+            // Entries are never removed: each is there still.
+            if dir {
+                if let Some(d) = self.dirs.get(&id) {
+                    out(Entry::Dir(self.dir_entry(id, d)));
+                }
+            } else if let Some(m) = self.missing.get(&id) {
+                out(Entry::Missing(self.missing_entry(id, m)));
+            }
+        }
+        pass.name += names;
+        pass.file < pass.files || pass.name < pass.names.len()
     }
 
     /// The files opened most (then read most), hottest first.
@@ -191,74 +241,6 @@ impl WorkingSet {
         let mut at: Vec<u32> = best.into_iter().map(|(_, i)| i as u32).collect();
         at.sort_unstable();
         at
-    }
-
-    /// What placement needs, bounded: the `n` files of most opens per page (what
-    /// placement ranks by), those written or opened for writing (they keep copies and
-    /// their directories off the cache), and the `n` missing names looked up most, with
-    /// the directories. A site-wide profile is not copied whole to the keeper.
-    pub fn for_placement(&self, n: usize) -> View {
-        let mut view = View::default();
-        let mut scratch = Vec::new();
-        let mut add = |f: &FileRec| {
-            let uids = self.users.get(f.bits & USERS);
-            view.push_file(self.facts(f), uids, |out| {
-                scratch.clear();
-                self.paths.write_path(f.path, &mut scratch);
-                // Interned from &str, split at '/': always UTF-8.
-                out.push_str(std::str::from_utf8(&scratch).unwrap_or_default());
-            });
-        };
-        let whole = self.files.len() <= n && self.missing.len() <= n;
-        if whole {
-            self.files.scan(|_, f| add(f));
-        } else {
-            let per_page = |f: &FileRec| {
-                let pages = f.size.div_ceil(4096).max(1);
-                std::cmp::Reverse((u64::from(f.opens) << 20) / pages)
-            };
-            // Those written or opened for writing are gathered in the same pass.
-            let mut writes = Vec::new();
-            let mut chosen = self.top_files(n, per_page, |i, f| {
-                if writes.len() < n && (f.write_opens > 0 || f.written() || f.refused()) {
-                    writes.push(i as u32);
-                }
-            });
-            // Read back in the order they were recorded; a file both hot and written once.
-            chosen.extend(writes);
-            chosen.sort_unstable();
-            chosen.dedup();
-            for i in chosen {
-                add(&self.files.get(i as usize));
-            }
-        }
-        let mut missing: Vec<(PathId, &MissingRec)> = if whole {
-            let mut all: Vec<_> = self.missing.iter().map(|(id, m)| (*id, m)).collect();
-            self.paths.sort_by_path(&mut all, |m| m.0);
-            all
-        } else {
-            // Placement weighs a missing name for where it was looked up (a directory
-            // jobs probe is a snapshot candidate): one per directory is enough, the one
-            // looked up most, rather than 100k names with their strings.
-            let mut by_dir: HashMap<PathId, (PathId, &MissingRec)> = HashMap::new();
-            for (&id, m) in &self.missing {
-                let best = by_dir.entry(self.paths.parent(id)).or_insert((id, m));
-                if m.lookups > best.1.lookups {
-                    *best = (id, m);
-                }
-            }
-            by_dir.into_values().collect()
-        };
-        if missing.len() > n {
-            missing.select_nth_unstable_by_key(n - 1, |(_, m)| std::cmp::Reverse(m.lookups));
-            missing.truncate(n);
-        }
-        view.missing = missing
-            .into_iter()
-            .map(|(id, m)| self.missing_entry(id, m))
-            .collect();
-        view.dirs = self.dir_entries();
-        view
     }
 
     /// The entries this set holds for the paths `other` holds, as a profile: what the

@@ -3,7 +3,10 @@
 use std::path::{Path, PathBuf};
 
 use super::{export::FileOrder, *};
-use crate::profile::format::{FileEntry, to_json};
+use crate::profile::{
+    format::{FileEntry, to_json},
+    view::View,
+};
 
 const T0: u64 = 1_700_000_000_000_000_000;
 
@@ -350,4 +353,47 @@ fn a_bounded_working_set_drops_new_reads_but_keeps_writes() {
         p.files.iter().find(|f| f.path == "/net/a").unwrap().opens,
         2
     );
+}
+
+/// The view built a record at a time, the loop answering between slices, is the view
+/// built at once; and a set that changes between slices still gives a whole view.
+#[test]
+fn a_view_built_in_slices_is_the_view_built_at_once() {
+    let mut ws = WorkingSet::default();
+    for i in 0..40u64 {
+        for _ in 0..(i % 7 + 1) {
+            ws.open(&format!("/net/d{}/f{i}.py", i % 4), 1000, i);
+        }
+        ws.missing(&format!("/net/d{}/m{i}.so", i % 4), i);
+    }
+    ws.mark_written("/net/d0/f3.py", 50);
+    ws.dir_opened("/net/d1");
+    for n in [5, 100] {
+        let mut build = ws.view_build(n);
+        let mut slices = 0;
+        let view = loop {
+            slices += 1;
+            if let Some(view) = ws.build_view(&mut build, 1) {
+                break view;
+            }
+        };
+        assert!(slices > 40, "{slices} slices");
+        // One missing name per directory comes in no particular order.
+        let sorted = |mut v: View| {
+            v.missing.sort_by(|a, b| a.path.cmp(&b.path));
+            v
+        };
+        assert_eq!(sorted(view), sorted(ws.for_placement(n)), "n = {n}");
+    }
+    let mut build = ws.view_build(5);
+    let mut turn = 0;
+    let view = loop {
+        turn += 1;
+        ws.open(&format!("/net/new/f{turn}.py"), 1000, 100 + turn);
+        if let Some(view) = ws.build_view(&mut build, 3) {
+            break view;
+        }
+    };
+    assert!(view.len() >= 5, "{}", view.len());
+    assert_eq!(view.missing.len(), 4, "one per directory");
 }

@@ -1,0 +1,185 @@
+//! The bounded view placement works from (`profile::view`), built a slice at a time so
+//! that the daemon's loop answers between slices: at a million files one build is a pass
+//! over every record (~120 ms). The set changes between slices; the view is a picture of
+//! it for ranking, not a promise (what a job may read is checked against the network as
+//! it starts, and a write invalidates a copy at once).
+
+use std::{cmp::Reverse, collections::BinaryHeap};
+
+use hashbrown::HashMap;
+
+use super::{FileRec, MissingRec, WorkingSet, users::USERS};
+use crate::profile::{paths::PathId, view::View};
+
+/// Records scanned, or files added to the view, per slice: ~10 ms of the loop's time.
+pub const VIEW_SLICE: usize = 65_536;
+
+/// A view being built: see [`WorkingSet::build_view`].
+pub struct ViewBuild {
+    n: usize,
+    /// Every file goes in (a set of at most `n`): no ranking.
+    whole: bool,
+    /// The next record to scan (ranking) or to add (once ranked).
+    at: usize,
+    /// The best so far by opens per page, the worst on top, and the written ones.
+    best: BinaryHeap<(Reverse<u64>, usize)>,
+    writes: Vec<u32>,
+    /// The files chosen, in the order they were recorded, once all are ranked.
+    chosen: Option<Vec<u32>>,
+    view: View,
+}
+
+impl WorkingSet {
+    /// [`WorkingSet::build_view`] in one go. What placement needs, bounded: the `n` files of most opens per page (what
+    /// placement ranks by), those written or opened for writing (they keep copies and
+    /// their directories off the cache), and the `n` missing names looked up most, with
+    /// the directories. A site-wide profile is not copied whole to the keeper.
+    #[cfg(test)]
+    pub fn for_placement(&self, n: usize) -> View {
+        let mut build = self.view_build(n);
+        loop {
+            if let Some(view) = self.build_view(&mut build, usize::MAX) {
+                return view;
+            }
+        }
+    }
+
+    /// Starts building [`WorkingSet::for_placement`]'s view a slice at a time.
+    pub fn view_build(&self, n: usize) -> ViewBuild {
+        let whole = self.files.len() <= n && self.missing.len() <= n;
+        ViewBuild {
+            n,
+            whole,
+            at: 0,
+            best: BinaryHeap::new(),
+            writes: Vec::new(),
+            chosen: whole.then(Vec::new),
+            view: View::default(),
+        }
+    }
+
+    /// Goes on with `b` for about `slice` records; the view, once it is done.
+    pub fn build_view(&self, b: &mut ViewBuild, slice: usize) -> Option<View> {
+        match &b.chosen {
+            None => self.rank(b, slice),
+            Some(_) => self.add_chosen(b, slice),
+        }
+        if b.chosen.is_none() || b.at < self.files_to_add(b) {
+            return None;
+        }
+        self.add_missing_and_dirs(&mut b.view, b.whole, b.n);
+        Some(std::mem::take(&mut b.view))
+    }
+
+    /// How many files the view takes in all.
+    fn files_to_add(&self, b: &ViewBuild) -> usize {
+        match &b.chosen {
+            Some(_) if b.whole => self.files.len(),
+            Some(chosen) => chosen.len(),
+            None => usize::MAX,
+        }
+    }
+
+    /// Ranks the next `slice` records, keeping the best `n` by opens per page and the
+    /// written ones; once all are ranked, fixes the choice.
+    fn rank(&self, b: &mut ViewBuild, slice: usize) {
+        let end = self.files.len().min(b.at.saturating_add(slice));
+        let mut recs = Vec::with_capacity(end - b.at);
+        self.files.get_into(b.at, end - b.at, &mut recs);
+        for (k, f) in recs.iter().enumerate() {
+            let i = b.at + k;
+            if b.writes.len() < b.n && (f.write_opens > 0 || f.written() || f.refused()) {
+                b.writes.push(i as u32);
+            }
+            if b.n == 0 {
+                continue;
+            }
+            let pages = f.size.div_ceil(4096).max(1);
+            // Ties keep the first recorded.
+            let key = (Reverse((u64::from(f.opens) << 20) / pages), i);
+            if b.best.len() < b.n {
+                b.best.push(key);
+            } else if let Some(mut worst) = b.best.peek_mut()
+                && key < *worst
+            {
+                *worst = key;
+            }
+        }
+        b.at = end;
+        if b.at < self.files.len() {
+            return;
+        }
+        // Read back in the order they were recorded, as their records and leaf names are
+        // stored; a file both hot and written once.
+        let mut chosen: Vec<u32> = std::mem::take(&mut b.best)
+            .into_iter()
+            .map(|(_, i)| i as u32)
+            .collect();
+        chosen.append(&mut b.writes);
+        chosen.sort_unstable();
+        chosen.dedup();
+        b.chosen = Some(chosen);
+        b.at = 0;
+    }
+
+    /// Adds the next `slice` chosen files (every file, if the view is whole).
+    fn add_chosen(&self, b: &mut ViewBuild, slice: usize) {
+        let end = self.files_to_add(b).min(b.at.saturating_add(slice));
+        let mut scratch = Vec::new();
+        let view = &mut b.view;
+        let mut add = |f: &FileRec| {
+            let uids = self.users.get(f.bits & USERS);
+            view.push_file(self.facts(f), uids, |out| {
+                scratch.clear();
+                self.paths.write_path(f.path, &mut scratch);
+                // Interned from &str, split at '/': always UTF-8.
+                out.push_str(std::str::from_utf8(&scratch).unwrap_or_default());
+            });
+        };
+        match &b.chosen {
+            Some(_) if b.whole => {
+                let mut recs = Vec::with_capacity(end - b.at);
+                self.files.get_into(b.at, end - b.at, &mut recs);
+                recs.iter().for_each(&mut add);
+            }
+            Some(chosen) => {
+                for &i in &chosen[b.at..end] {
+                    add(&self.files.get(i as usize));
+                }
+            }
+            None => {}
+        }
+        b.at = end;
+    }
+
+    /// The view's missing names (all, or the one looked up most per directory, `n` at
+    /// most) and its directories.
+    fn add_missing_and_dirs(&self, view: &mut View, whole: bool, n: usize) {
+        let mut missing: Vec<(PathId, &MissingRec)> = if whole {
+            let mut all: Vec<_> = self.missing.iter().map(|(id, m)| (*id, m)).collect();
+            self.paths.sort_by_path(&mut all, |m| m.0);
+            all
+        } else {
+            // Placement weighs a missing name for where it was looked up (a directory
+            // jobs probe is a snapshot candidate): one per directory is enough, the one
+            // looked up most, rather than 100k names with their strings.
+            let mut by_dir: HashMap<PathId, (PathId, &MissingRec)> = HashMap::new();
+            for (&id, m) in &self.missing {
+                let best = by_dir.entry(self.paths.parent(id)).or_insert((id, m));
+                if m.lookups > best.1.lookups {
+                    *best = (id, m);
+                }
+            }
+            by_dir.into_values().collect()
+        };
+        if missing.len() > n {
+            missing.select_nth_unstable_by_key(n - 1, |(_, m)| Reverse(m.lookups));
+            missing.truncate(n);
+        }
+        view.missing = missing
+            .into_iter()
+            .map(|(id, m)| self.missing_entry(id, m))
+            .collect();
+        view.dirs = self.dir_entries();
+    }
+}
