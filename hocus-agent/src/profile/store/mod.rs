@@ -78,6 +78,14 @@ impl StateDir {
             ),
             Err(e) => return Err(e).with_context(|| format!("locking {}", lock_path.display())),
         };
+        // A snapshot cut short by a killed daemon left its temporary file: with the lock
+        // held, no other writer has one.
+        let cut = format!(".{STATE_FILE}.tmp-");
+        for entry in fs::read_dir(dir).into_iter().flatten().flatten() {
+            if entry.file_name().to_string_lossy().starts_with(&cut) {
+                let _ = fs::remove_file(entry.path());
+            }
+        }
         Ok(Self {
             dir: dir.to_owned(),
             _lock: lock,
@@ -509,6 +517,21 @@ mod tests {
         assert_eq!(names(dir.path()), ["lock", "profile.state"]);
         // What changed meanwhile goes to the next generation's journal.
         state.save(&mut ws).unwrap();
+        drop(state);
+        assert_eq!(reload(dir.path()).to_profile(), ws.to_profile());
+    }
+
+    #[test]
+    fn a_snapshot_cut_by_a_killed_daemon_is_cleared_at_the_next_start() {
+        let (dir, state, ws) = saved_snapshot_of_one_file();
+        drop(state);
+        fs::write(
+            dir.path().join(".profile.state.tmp-99999"),
+            b"half a snapshot",
+        )
+        .unwrap();
+        let state = StateDir::lock(dir.path()).unwrap();
+        assert_eq!(names(dir.path()), ["lock", "profile.state"]);
         drop(state);
         assert_eq!(reload(dir.path()).to_profile(), ws.to_profile());
     }
