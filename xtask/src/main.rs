@@ -129,9 +129,12 @@ enum Bench {
     /// What hocus costs processes: a loop of open / read / close / failed stat on an
     /// unwatched local directory (in a process that never touches a watched tree, and in
     /// one that does) and on a watched network mount, with nothing attached, with empty
-    /// programs on the same tracepoints (the floor), and with the daemon.
+    /// programs on the same tracepoints (the floor), and with the daemon; then real
+    /// programs (git status, du, find, tar) on unwatched data, with no daemon and with
+    /// it in both modes (a FUSE mount; a local directory, every process followed).
     Overhead {
-        /// Rounds of each condition, interleaved (the median is shown).
+        /// Rounds of each condition of the loops, interleaved (the median is shown); 0
+        /// leaves the loops out.
         #[arg(long, default_value_t = 5)]
         rounds: usize,
         /// Loop iterations per round on the unwatched directory.
@@ -146,6 +149,10 @@ enum Bench {
         /// A smoke run (CI): one short round.
         #[arg(long)]
         quick: bool,
+        /// Rounds of the real programs' case (git status, du, find, tar on unwatched
+        /// data, with no daemon and with it in both modes); 0 leaves it out.
+        #[arg(long, default_value_t = 7)]
+        program_rounds: usize,
         /// Another build of hocus-agent to measure as well (e.g. the previous release).
         #[arg(long, value_name = "BINARY")]
         compare_with: Option<PathBuf>,
@@ -265,6 +272,7 @@ fn bench(agent: &Path, b: Bench) -> Result<()> {
             watched_iterations,
             round_trip_ms,
             quick,
+            program_rounds,
             compare_with,
         } => {
             let round_trip = millis(round_trip_ms);
@@ -272,11 +280,12 @@ fn bench(agent: &Path, b: Bench) -> Result<()> {
                 bench::Overhead::quick(round_trip)
             } else {
                 bench::Overhead {
-                    rounds: rounds.max(1),
+                    rounds,
                     local_iterations: iterations.max(10),
                     watched_iterations: watched_iterations.max(10),
                     round_trip,
                     compare_with,
+                    program_rounds,
                 }
             };
             bench::overhead(agent, &o)

@@ -15,10 +15,10 @@ impl Daemon {
     /// The status with its `top` hottest files: the loop's part now, the keeper's in
     /// the future returned.
     pub(super) fn status(&mut self, top: usize) -> impl Future<Output = Status> + 'static {
+        let roots: Vec<PathBuf> = self.watched.iter().map(|w| w.path.clone()).collect();
+        let (hottest, roots) = self.profiling.summary(top, &roots);
         let ws = &self.profiling.ws;
         let (files, missing, dirs) = ws.counts();
-        let roots: Vec<PathBuf> = self.watched.iter().map(|w| w.path.clone()).collect();
-        let (hottest, roots) = ws.summary(top, &roots);
         let (profile_bytes, dropped) = (ws.heap_bytes() as u64, ws.dropped());
         let mut status = Status {
             pid: std::process::id(),

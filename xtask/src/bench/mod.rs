@@ -8,6 +8,7 @@ mod events;
 mod fanout;
 mod imports;
 mod overhead;
+mod programs;
 mod scale;
 mod slurm;
 

@@ -8,7 +8,8 @@
 //! (nothing to learn for `rest-after` seconds, its syscall program detached; the tree's
 //! user wakes it). The medians are shown as ratios to no programs, measured in this run;
 //! and the two unwatched loops, run in turns, paired round by round: what following
-//! costs a process, with the machine's moods between conditions cancelled.
+//! costs a process, with the machine's moods between conditions cancelled. Then real
+//! programs on unwatched data, in both of the daemon's modes (`programs`).
 
 use std::{
     ffi::CString,
@@ -34,6 +35,8 @@ pub struct Overhead {
     /// Another build of hocus-agent, measured as a fourth condition (e.g. the last
     /// release, to see what a change did).
     pub compare_with: Option<std::path::PathBuf>,
+    /// Rounds of the real programs' case (`programs`); 0 leaves it out.
+    pub program_rounds: usize,
 }
 
 impl Overhead {
@@ -45,6 +48,7 @@ impl Overhead {
             watched_iterations: 100,
             round_trip,
             compare_with: None,
+            program_rounds: 1,
         }
     }
 }
@@ -211,6 +215,9 @@ pub fn overhead(agent_bin: &Path, o: &Overhead) -> Result<()> {
              for numbers that mean something: sysctl kernel.bpf_stats_enabled=0"
         );
     }
+    if o.rounds == 0 && o.program_rounds == 0 {
+        bail!("nothing to measure: --rounds and --program-rounds are both 0");
+    }
     // SAFETY: single-threaded at this point.
     unsafe { std::env::set_var("HOCUS_AGENT_BIN", agent_bin) };
     let net = NetworkMount::start_with_round_trip(o.round_trip);
@@ -220,6 +227,23 @@ pub fn overhead(agent_bin: &Path, o: &Overhead) -> Result<()> {
         .prefix("hocus-overhead")
         .tempdir_in("/var/tmp")?;
     std::fs::write(local.path().join("file.bin"), [7u8; 4096])?;
+    if o.rounds > 0 {
+        loops(agent_bin, o, &net, &watched, local.path())?;
+    }
+    if o.program_rounds > 0 {
+        super::programs::real_programs(&net, o.program_rounds)?;
+    }
+    Ok(())
+}
+
+/// The syscall loops' case: every condition, `o.rounds` rounds interleaved.
+fn loops(
+    agent_bin: &Path,
+    o: &Overhead,
+    net: &NetworkMount,
+    watched: &Path,
+    local: &Path,
+) -> Result<()> {
     println!(
         "overhead: a loop of open / read 64 B / close / failed stat; {} rounds, interleaved; \
          unwatched: {} iterations on local disk, in a process that never touches a watched \
@@ -263,8 +287,8 @@ pub fn overhead(agent_bin: &Path, o: &Overhead) -> Result<()> {
             // Warm the page cache, the dentry cache and the daemon's first copy. What
             // touches the watched tree runs in processes of its own: this one forks the
             // loops, and a process that used the tree passes that on to its children.
-            syscall_loop(local.path(), o.local_iterations / 10)?;
-            loop_in_process(&watched, o.watched_iterations / 10 + 1, None)?;
+            syscall_loop(local, o.local_iterations / 10)?;
+            loop_in_process(watched, o.watched_iterations / 10 + 1, None)?;
             if *condition == Condition::Resting {
                 wait_until_resting(agent.as_ref().unwrap())?;
             }
@@ -274,17 +298,17 @@ pub fn overhead(agent_bin: &Path, o: &Overhead) -> Result<()> {
             let slice = (o.local_iterations / SLICES).max(1);
             // Each goes first as often as the other (SLICES is even).
             for i in 0..SLICES {
-                let run = |touch| loop_in_process(local.path(), slice, touch);
+                let run = |touch| loop_in_process(local, slice, touch);
                 let (o1, u1) = if i % 2 == 0 {
-                    (run(None)?, run(Some(&watched))?)
+                    (run(None)?, run(Some(watched))?)
                 } else {
-                    let u1 = run(Some(&watched))?;
+                    let u1 = run(Some(watched))?;
                     (run(None)?, u1)
                 };
                 other += o1 / SLICES as f64;
                 user += u1 / SLICES as f64;
             }
-            let on_watched = loop_in_process(&watched, o.watched_iterations, None)?;
+            let on_watched = loop_in_process(watched, o.watched_iterations, None)?;
             let t = &mut times[i];
             t.other.push(other * 1e6);
             t.user.push(user * 1e6);

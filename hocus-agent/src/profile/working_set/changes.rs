@@ -29,11 +29,15 @@ pub(super) struct Changes {
     listed: Vec<Changed>,
     /// So many changed that the next save rewrites everything.
     all: bool,
+    /// Changes noted since the set was made, saves or not: what was read out of it
+    /// (a status's summary) is still true while this stays the same.
+    edits: u64,
 }
 
 impl Changes {
     /// Entry `c` changed, in a set of `len` entries.
     pub(super) fn note(&mut self, c: Changed, len: usize) {
+        self.edits += 1;
         let first = match c {
             Changed::File(i) => self.files.set(i as usize),
             Changed::Missing(id) => self.missing.set(id as usize),
@@ -51,8 +55,19 @@ impl Changes {
 
     /// Everything changed: the next save writes it all.
     pub(super) fn everything(&mut self) {
+        self.edits += 1;
         self.all = true;
         self.listed = Vec::new();
+    }
+
+    pub(super) fn edits(&self) -> u64 {
+        self.edits
+    }
+
+    /// These changes replace a set that had seen `earlier` edits: they count on from
+    /// there, so that nothing read out of the old set passes for this one's.
+    pub(super) fn count_on_from(&mut self, earlier: u64) {
+        self.edits += earlier + 1;
     }
 
     /// What changed since the last call, each entry once: everything (None), or those

@@ -21,9 +21,10 @@ impl WorkingSet {
     /// empty (keeping this one's bound), else merged entry by entry.
     pub fn merge_state(&mut self, other: WorkingSet) {
         if self.len() == 0 {
-            let (limit, dropped) = (self.limit, self.dropped);
+            let (limit, dropped, edits) = (self.limit, self.dropped, self.edits());
             *self = other;
             (self.limit, self.dropped) = (limit, dropped);
+            self.changes.count_on_from(edits);
             return;
         }
         self.merge_set(&other);

@@ -238,6 +238,12 @@ impl WorkingSet {
     }
 
     /// Marks everything changed: the next save writes it all.
+    /// How many changes the set has seen: while it stays the same, so does everything
+    /// read out of it.
+    pub fn edits(&self) -> u64 {
+        self.changes.edits()
+    }
+
     pub fn all_changed(&mut self) {
         self.changes.everything();
     }

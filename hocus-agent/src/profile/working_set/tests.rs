@@ -397,3 +397,58 @@ fn a_view_built_in_slices_is_the_view_built_at_once() {
     assert!(view.len() >= 5, "{}", view.len());
     assert_eq!(view.missing.len(), 4, "one per directory");
 }
+
+/// What is read out of a set (a status's summary) is kept while its edits stay the
+/// same: every kind of change moves them, and a set taken whole in place of an empty
+/// one counts on past both.
+#[test]
+fn every_change_moves_the_edits() {
+    let mut ws = WorkingSet::default();
+    let mut last = ws.edits();
+    let mut moved = |ws: &WorkingSet, what: &str| {
+        assert!(ws.edits() > last, "{what} did not move the edits");
+        last = ws.edits();
+    };
+    ws.open("/net/a.py", 1000, 1);
+    moved(&ws, "an open");
+    ws.set_attributes(
+        "/net/a.py",
+        Attributes {
+            size: 5,
+            mtime_ns: 1,
+        },
+    );
+    moved(&ws, "attributes");
+    ws.add_bytes_read("/net/a.py", 10);
+    moved(&ws, "bytes read");
+    ws.mark_written("/net/a.py", 2);
+    moved(&ws, "a write");
+    ws.opened_for_writing("/net/a.py", 3);
+    moved(&ws, "an open for writing");
+    ws.mark_refused("/net/a.py", 4);
+    moved(&ws, "a refusal");
+    ws.missing("/net/nope", 5);
+    moved(&ws, "a failed lookup");
+    ws.dir_opened("/net");
+    moved(&ws, "a listing");
+    ws.dir_mutated("/net");
+    moved(&ws, "a directory changed");
+    ws.all_changed();
+    moved(&ws, "everything changed");
+    let before = ws.edits();
+    assert_eq!(ws.edits(), before, "reading changes nothing");
+    let _ = ws.summary(3, &[]);
+    assert_eq!(ws.edits(), before, "a summary changes nothing");
+
+    // An empty set that saw changes takes a set whole (an import into a fresh daemon):
+    // its edits count on past its own, never back to the other's.
+    let mut empty = WorkingSet::default();
+    empty.all_changed();
+    empty.all_changed();
+    let seen = empty.edits();
+    let mut small = WorkingSet::default();
+    small.open("/net/w", 0, 1);
+    assert!(small.edits() < seen);
+    empty.merge_state(small);
+    assert!(empty.edits() > seen);
+}
