@@ -316,6 +316,7 @@ fn bench(agent: &Path, b: Bench) -> Result<()> {
                 bench::Scale {
                     files: files.max(10),
                     idle: std::time::Duration::from_secs(idle_secs.max(1)),
+                    poll_at_least: std::time::Duration::from_secs(35),
                 }
             };
             bench::scale(agent, &s)

@@ -12,7 +12,7 @@ use super::{FileRec, MissingRec, WorkingSet, users::USERS};
 use crate::profile::{paths::PathId, view::View};
 
 /// Records scanned, or files added to the view, per slice: ~10 ms of the loop's time.
-pub const VIEW_SLICE: usize = 65_536;
+pub const VIEW_SLICE: usize = 16_384;
 
 /// A view being built: see [`WorkingSet::build_view`].
 pub struct ViewBuild {
