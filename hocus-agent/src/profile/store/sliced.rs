@@ -175,7 +175,12 @@ impl Sliced {
         if self.slices.is_some() {
             return None;
         }
-        self.written.try_recv().ok()
+        match self.written.try_recv() {
+            Ok(result) => Some(result),
+            Err(mpsc::TryRecvError::Empty) => None,
+            // It panicked: the snapshot is not in place, and the next save tries again.
+            Err(mpsc::TryRecvError::Disconnected) => Some(Err(ended())),
+        }
     }
 
     /// Encodes what is left, waiting for the writer when it is behind, and waits for its
@@ -188,10 +193,12 @@ impl Sliced {
                 }
             }
         }
-        self.written
-            .recv()
-            .unwrap_or_else(|_| Err(io::Error::other("the thread saving the profile ended")))
+        self.written.recv().unwrap_or_else(|_| Err(ended()))
     }
+}
+
+fn ended() -> io::Error {
+    io::Error::other("the thread saving the profile ended without a word")
 }
 
 impl Drop for Sliced {
