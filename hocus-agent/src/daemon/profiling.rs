@@ -94,26 +94,22 @@ impl Profiling {
     /// ([`WorkingSet::summary`]), taken again only once the set changed.
     pub fn summary(&mut self, top: usize, roots: &[PathBuf]) -> (Vec<FileEntry>, Vec<RootTotals>) {
         let edits = self.ws.edits();
-        if let Some(s) = &self.summary
-            && s.edits == edits
-            && s.top >= top
-            && s.roots == roots
-        {
-            let (hottest, totals) = &s.said;
-            return (hottest[..top.min(hottest.len())].to_vec(), totals.clone());
+        let kept = self
+            .summary
+            .as_ref()
+            .is_some_and(|s| s.edits == edits && s.top >= top && s.roots == roots);
+        if !kept {
+            // As many hottest as the last one asked: a status and a scrape take turns.
+            let n = top.max(self.summary.as_ref().map_or(0, |s| s.top));
+            self.summary = Some(Summary {
+                edits,
+                top: n,
+                roots: roots.to_vec(),
+                said: self.ws.summary(n, roots),
+            });
         }
-        // As many hottest as the last one asked: a status and a scrape take turns.
-        let n = top.max(self.summary.as_ref().map_or(0, |s| s.top));
-        let said = self.ws.summary(n, roots);
-        let (hottest, totals) = &said;
-        let answer = (hottest[..top.min(hottest.len())].to_vec(), totals.clone());
-        self.summary = Some(Summary {
-            edits,
-            top: n,
-            roots: roots.to_vec(),
-            said,
-        });
-        answer
+        let (hottest, totals) = &self.summary.as_ref().expect("kept or taken above").said;
+        (hottest[..top.min(hottest.len())].to_vec(), totals.clone())
     }
 
     /// Whether it changed since it was last placed; from now on it has not.

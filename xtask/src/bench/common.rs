@@ -16,6 +16,24 @@ use crate::host;
 
 pub const MIB: usize = 1 << 20;
 
+/// Polls `cond` every 200 ms until it holds; after `secs`, fails saying what was waited
+/// for, with the daemon's log.
+pub fn wait_for(
+    agent: &Agent,
+    secs: u64,
+    what: &str,
+    mut cond: impl FnMut() -> bool,
+) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    while !cond() {
+        if Instant::now() > deadline {
+            bail!("{what}: not within {secs} s\n{}", agent.log());
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    Ok(())
+}
+
 /// Writes a benchmark's figures as JSON beside its table (target/bench/NAME.json).
 pub fn write_figures(name: &str, figures: &serde_json::Value) -> Result<()> {
     let dir = host::target_dir().join("bench");

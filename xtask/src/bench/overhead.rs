@@ -23,7 +23,7 @@ use std::{
 use anyhow::{Context, Result, bail};
 use hocus_tests::{Agent, NetworkMount};
 
-use super::common::median;
+use super::common::{median, wait_for};
 
 pub struct Overhead {
     pub rounds: usize,
@@ -111,14 +111,10 @@ const REST_AFTER: &str = "5";
 
 /// Waits until the daemon's syscall program rests.
 fn wait_until_resting(agent: &Agent) -> Result<()> {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while agent.status()["tracing"]["resting"] != true {
-        if Instant::now() > deadline {
-            bail!("the daemon did not rest within 30 s (--rest-after {REST_AFTER})");
-        }
-        std::thread::sleep(Duration::from_millis(200));
-    }
-    Ok(())
+    let what = format!("the daemon's rest (--rest-after {REST_AFTER})");
+    wait_for(agent, 30, &what, || {
+        agent.status()["tracing"]["resting"] == true
+    })
 }
 
 /// The loop, with the calls made directly: one syscall each, nothing else in between.

@@ -19,7 +19,7 @@ use std::{
 use anyhow::{Context, Result, bail};
 use hocus_tests::{Agent, NetworkMount};
 
-use super::common::median;
+use super::common::{median, wait_for};
 
 /// The programs, as `sh -c` scripts (`{repo}`: this checkout).
 const PROGRAMS: [(&str, &str); 4] = [
@@ -90,20 +90,16 @@ fn served_job(watch: &Path, file: &Path) -> Result<(Agent, Child)> {
     let agent = Agent::start(&["--watch", watch.to_str().unwrap()]);
     // Learned (read by a process using the tree), then copied.
     std::fs::read(file).with_context(|| format!("reading {}", file.display()))?;
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while agent.settled()["cached_files"].as_u64() < Some(1) {
-        if Instant::now() > deadline {
-            bail!(
-                "{} was not cached within 60 s:\n{}",
-                file.display(),
-                agent.log()
-            );
-        }
-        std::thread::sleep(Duration::from_millis(500));
-    }
-    let started = agent.status()["cache"]["jobs_started"]
-        .as_u64()
-        .unwrap_or(0);
+    let cached = format!("a copy of {}", file.display());
+    wait_for(&agent, 60, &cached, || {
+        agent.settled()["cached_files"].as_u64() >= Some(1)
+    })?;
+    let jobs = || {
+        agent.status()["cache"]["jobs_started"]
+            .as_u64()
+            .unwrap_or(0)
+    };
+    let started = jobs();
     let script = format!("cat '{}' >/dev/null && exec cat >/dev/null", file.display());
     let job = agent
         .cli(&["run", "--", "sh", "-c", &script])
@@ -112,16 +108,7 @@ fn served_job(watch: &Path, file: &Path) -> Result<(Agent, Child)> {
         .stdout(Stdio::null())
         .spawn()
         .context("starting the served job")?;
-    while agent.status()["cache"]["jobs_started"]
-        .as_u64()
-        .unwrap_or(0)
-        <= started
-    {
-        if Instant::now() > deadline {
-            bail!("the served job did not start:\n{}", agent.log());
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    wait_for(&agent, 60, "the served job's start", || jobs() > started)?;
     // Its read of the file is done.
     std::thread::sleep(Duration::from_millis(500));
     Ok((agent, job))

@@ -15,7 +15,8 @@ use anyhow::{Result, bail};
 use hocus_tests::slurm::slurm;
 
 use super::common::{
-    EmptyingPageCache, agent_on_local_disk, median, network, numpy_packages, write_figures,
+    EmptyingPageCache, agent_on_local_disk, median, network, numpy_packages, wait_for,
+    write_figures,
 };
 
 /// Debian's interpreter: the test user's environment has no other.
@@ -61,20 +62,12 @@ pub fn slurm_imports(agent_bin: &Path, runs: usize, round_trip: Duration) -> Res
     };
     // The first job teaches the daemon the working set; the snapshot follows.
     job(&remote, &[])?;
-    let deadline = Instant::now() + Duration::from_secs(600);
-    while !agent.cache()["snapshots"]
-        .as_array()
-        .is_some_and(|s| s.iter().any(|p| p == remote.to_str().unwrap()))
-    {
-        if Instant::now() > deadline {
-            bail!(
-                "no snapshot of {} within 600 s:\n{}",
-                remote.display(),
-                agent.log()
-            );
-        }
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    let what = format!("a snapshot of {}", remote.display());
+    wait_for(&agent, 600, &what, || {
+        agent.cache()["snapshots"]
+            .as_array()
+            .is_some_and(|s| s.iter().any(|p| p == remote.to_str().unwrap()))
+    })?;
     agent.settled();
 
     println!(

@@ -11,7 +11,7 @@
 use std::{
     collections::HashSet,
     path::{Path, PathBuf},
-    sync::{Arc, Mutex, MutexGuard},
+    sync::{Mutex, MutexGuard},
     time::{Duration, Instant},
 };
 
@@ -32,7 +32,7 @@ pub struct Board {
 
 #[derive(Default)]
 struct Binds {
-    list: Option<Arc<Vec<Bind>>>,
+    list: Option<Vec<Bind>>,
     /// Dropped since the list was written: copies by source, snapshots by root.
     withdrawn: HashSet<PathBuf>,
 }
@@ -53,17 +53,16 @@ impl Board {
     /// The binds written last, less those withdrawn since.
     pub fn binds(&self) -> Option<Vec<Bind>> {
         let binds = lock(&self.binds);
-        let list = binds.list.clone()?;
         let withdrawn = &binds.withdrawn;
         let kept = |b: &&Bind| {
             withdrawn.is_empty() || !b.target.ancestors().any(|a| withdrawn.contains(a))
         };
-        Some(list.iter().filter(kept).cloned().collect())
+        Some(binds.list.as_ref()?.iter().filter(kept).cloned().collect())
     }
 
     pub fn write_binds(&self, list: Vec<Bind>) {
         let mut binds = lock(&self.binds);
-        binds.list = Some(Arc::new(list));
+        binds.list = Some(list);
         binds.withdrawn.clear();
     }
 

@@ -48,8 +48,8 @@ pub struct StateDir {
     journal: Option<File>,
     journal_bytes: u64,
     state_bytes: u64,
-    /// The generation of the snapshot being written in slices.
-    slicing: Option<u64>,
+    /// A snapshot is being written in slices.
+    slicing: bool,
 }
 
 impl StateDir {
@@ -93,7 +93,7 @@ impl StateDir {
             journal: None,
             journal_bytes: 0,
             state_bytes: 0,
-            slicing: None,
+            slicing: false,
         })
     }
 
@@ -118,7 +118,7 @@ impl StateDir {
     /// [`StateDir::save`], but a snapshot it needs is only begun: the caller writes it a
     /// slice at a time ([`Sliced`]), appending nothing meanwhile.
     pub fn save_or_begin(&mut self, ws: &mut WorkingSet) -> Result<Option<Sliced>> {
-        if self.slicing.is_some() {
+        if self.slicing {
             // What changed waits for the snapshot being written: the journal it would go
             // to is the one that snapshot replaces.
             return Ok(None);

@@ -81,7 +81,7 @@ impl StateDir {
                 let _ = report.send(result.map(|((), bytes)| bytes));
             })
             .context("starting the thread that saves the profile")?;
-        self.slicing = Some(generation);
+        self.slicing = true;
         Ok(Sliced {
             generation,
             pass: ws.pass(),
@@ -103,7 +103,7 @@ impl StateDir {
         result: io::Result<u64>,
         ws: &mut WorkingSet,
     ) -> Result<()> {
-        self.slicing = None;
+        self.slicing = false;
         match result {
             Ok(bytes) => {
                 self.snapshot_in_place(sliced.generation, bytes);

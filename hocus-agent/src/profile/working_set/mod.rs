@@ -9,6 +9,7 @@
 //! changed for the next save (`changes`), reading it out for status, placement and a
 //! sent profile (`read_out`), and exporting it in parts (`export`).
 
+mod best;
 mod changes;
 pub mod export;
 mod merge;
@@ -237,13 +238,13 @@ impl WorkingSet {
         })
     }
 
-    /// Marks everything changed: the next save writes it all.
     /// How many changes the set has seen: while it stays the same, so does everything
     /// read out of it.
     pub fn edits(&self) -> u64 {
         self.changes.edits()
     }
 
+    /// Marks everything changed: the next save writes it all.
     pub fn all_changed(&mut self) {
         self.changes.everything();
     }

@@ -4,7 +4,9 @@
 
 use hocus_control::status::RootTotals;
 
-use super::{DirRec, FileRec, MissingRec, NONE, WorkingSet, changes::Changed, users::USERS};
+use super::{
+    DirRec, FileRec, MissingRec, NONE, WorkingSet, best::Best, changes::Changed, users::USERS,
+};
 use crate::profile::{
     format::{DirEntry, Entry, FORMAT_VERSION, FileEntry, MissingEntry, Profile},
     paths::PathId,
@@ -218,29 +220,12 @@ impl WorkingSet {
         key: impl Fn(&FileRec) -> K,
         mut visit: impl FnMut(usize, &FileRec),
     ) -> Vec<u32> {
-        let n = n.min(self.files.len());
-        // One pass keeping the best so far, the worst of them on top: the records are
-        // read once, in order, and only `n` are held (not a million keys sorted out on
-        // the daemon's loop). Ties keep the first recorded.
-        let mut best = std::collections::BinaryHeap::with_capacity(n);
+        let mut best = Best::new(n.min(self.files.len()));
         self.files.scan(|i, f| {
             visit(i, f);
-            if n == 0 {
-                return;
-            }
-            let k = (key(f), i);
-            if best.len() < n {
-                best.push(k);
-            } else if let Some(mut worst) = best.peek_mut()
-                && k < *worst
-            {
-                *worst = k;
-            }
+            best.offer(key(f), i);
         });
-        // In the order they were recorded, as their records and leaf names are stored.
-        let mut at: Vec<u32> = best.into_iter().map(|(_, i)| i as u32).collect();
-        at.sort_unstable();
-        at
+        best.indices()
     }
 
     /// The entries this set holds for the paths `other` holds, as a profile: what the

@@ -4,11 +4,11 @@
 //! it for ranking, not a promise (what a job may read is checked against the network as
 //! it starts, and a write invalidates a copy at once).
 
-use std::{cmp::Reverse, collections::BinaryHeap};
+use std::cmp::Reverse;
 
 use hashbrown::HashMap;
 
-use super::{FileRec, MissingRec, WorkingSet, users::USERS};
+use super::{FileRec, MissingRec, WorkingSet, best::Best, users::USERS};
 use crate::profile::{paths::PathId, view::View};
 
 /// Records scanned, or files added to the view, per slice: ~10 ms of the loop's time.
@@ -21,8 +21,8 @@ pub struct ViewBuild {
     whole: bool,
     /// The next record to scan (ranking) or to add (once ranked).
     at: usize,
-    /// The best so far by opens per page, the worst on top, and the written ones.
-    best: BinaryHeap<(Reverse<u64>, usize)>,
+    /// The best so far by opens per page, and the written ones.
+    best: Best<Reverse<u64>>,
     writes: Vec<u32>,
     /// The files chosen, in the order they were recorded, once all are ranked.
     chosen: Option<Vec<u32>>,
@@ -30,10 +30,11 @@ pub struct ViewBuild {
 }
 
 impl WorkingSet {
-    /// [`WorkingSet::build_view`] in one go. What placement needs, bounded: the `n` files of most opens per page (what
-    /// placement ranks by), those written or opened for writing (they keep copies and
-    /// their directories off the cache), and the `n` missing names looked up most, with
-    /// the directories. A site-wide profile is not copied whole to the keeper.
+    /// [`WorkingSet::build_view`] in one go. What placement needs, bounded: the `n` files
+    /// of most opens per page (what placement ranks by), those written or opened for
+    /// writing (they keep copies and their directories off the cache), and the `n`
+    /// missing names looked up most, with the directories. A site-wide profile is not
+    /// copied whole to the keeper.
     #[cfg(test)]
     pub fn for_placement(&self, n: usize) -> View {
         let mut build = self.view_build(n);
@@ -51,7 +52,7 @@ impl WorkingSet {
             n,
             whole,
             at: 0,
-            best: BinaryHeap::new(),
+            best: Best::new(n),
             writes: Vec::new(),
             chosen: whole.then(Vec::new),
             view: View::default(),
@@ -91,19 +92,8 @@ impl WorkingSet {
             if b.writes.len() < b.n && (f.write_opens > 0 || f.written() || f.refused()) {
                 b.writes.push(i as u32);
             }
-            if b.n == 0 {
-                continue;
-            }
             let pages = f.size.div_ceil(4096).max(1);
-            // Ties keep the first recorded.
-            let key = (Reverse((u64::from(f.opens) << 20) / pages), i);
-            if b.best.len() < b.n {
-                b.best.push(key);
-            } else if let Some(mut worst) = b.best.peek_mut()
-                && key < *worst
-            {
-                *worst = key;
-            }
+            b.best.offer(Reverse((u64::from(f.opens) << 20) / pages), i);
         }
         b.at = end;
         if b.at < self.files.len() {
@@ -111,10 +101,7 @@ impl WorkingSet {
         }
         // Read back in the order they were recorded, as their records and leaf names are
         // stored; a file both hot and written once.
-        let mut chosen: Vec<u32> = std::mem::take(&mut b.best)
-            .into_iter()
-            .map(|(_, i)| i as u32)
-            .collect();
+        let mut chosen = std::mem::replace(&mut b.best, Best::new(0)).indices();
         chosen.append(&mut b.writes);
         chosen.sort_unstable();
         chosen.dedup();
