@@ -92,6 +92,13 @@ pub struct TracingStatus {
     pub wakeups: u64,
     /// Seconds spent resting in all.
     pub resting_secs: u64,
+    /// It rests while jobs run, every request of theirs hitting local copies: their
+    /// hits are not counted meanwhile (a miss, a write, a job start wakes it).
+    #[serde(default)]
+    pub with_jobs: bool,
+    /// Seconds spent resting while jobs ran, in all.
+    #[serde(default)]
+    pub resting_with_jobs_secs: u64,
     /// Processes (and threads of followed processes) the syscall program follows now:
     /// jobs, and processes that used a watched mount's server; unless `every_process`.
     #[serde(default)]

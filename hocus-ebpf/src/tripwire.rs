@@ -21,9 +21,10 @@ static WATCHED_DEVICES: Array<u32> = Array::with_max_entries(MAX_WATCHED, 0);
 
 /// If `dev` is a watched mount's device, the current process is followed from now on
 /// (this very syscall too: its exit comes after), and a resting `syscall_exit` is asked
-/// to attach again, once. The agent's own work on the mount (copies, checks) is
-/// neither. Returns the thread, if `dev` is watched.
-pub fn tripped(dev: u32) -> Option<u32> {
+/// to attach again, once: by any request, or while jobs served from local copies run,
+/// by one that `reads_or_changes` the mount. The agent's own work on the mount (copies,
+/// checks) is neither. Returns the thread, if `dev` is watched.
+pub fn tripped(dev: u32, reads_or_changes: bool) -> Option<u32> {
     if !is_watched_device(dev) {
         return None;
     }
@@ -34,8 +35,10 @@ pub fn tripped(dev: u32) -> Option<u32> {
         return thread;
     };
     // SAFETY: map value pointer, valid for this program run.
-    if unsafe { *state } != rest::RESTING {
-        return thread;
+    match unsafe { *state } {
+        rest::RESTING => {}
+        rest::RESTING_WITH_JOBS if reads_or_changes => {}
+        _ => return thread,
     }
     // SAFETY: as above. Two CPUs may both get here: the agent wakes once either way.
     unsafe { *state = rest::WAKING };

@@ -156,3 +156,125 @@ fn a_job_started_at_rest_is_followed_from_its_first_open() {
     );
     wait_resting(&agent, 2);
 }
+
+/// Whether the daemon may rest while jobs run (`status`'s route: FUSE's tripwire sees
+/// exactly the requests that reach the server; NFS's fires on cached path walks too).
+fn rests_with_jobs(agent: &Agent) -> bool {
+    let status = agent.status();
+    let route = status["routes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["part"] == "tracing while jobs run")
+        .unwrap_or_else(|| panic!("no route for tracing while jobs run: {status:#}"));
+    route["way"].as_str().unwrap().starts_with("rests")
+}
+
+/// A job in the background, killed if the test fails before it ends.
+struct Job(std::process::Child);
+
+impl Drop for Job {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn opens_local(agent: &Agent) -> u64 {
+    agent.cache()["served"][0]["opens_local"].as_u64().unwrap()
+}
+
+#[test]
+fn a_job_whose_opens_all_hit_runs_at_rest_and_its_first_miss_wakes_it() {
+    let net = NetworkMount::start();
+    let a = net.put("env/lib/hit_a.py", b"VALUE = 'a'\n");
+    let b = net.put("env/lib/hit_b.py", b"VALUE = 'b'\n");
+    let first = net.put("data/first_miss.txt", b"held open while the tracer wakes\n");
+    let second = net.put("data/second_miss.txt", b"read once it is awake\n");
+    let agent = start(&net);
+    // A first job reads a and b from the network: the daemon copies them.
+    let both = format!("{} {}", a.display(), b.display());
+    assert_success(&agent.run_job(&format!("cat {both} >/dev/null")));
+    wait_until(60, "local copies of both", || {
+        agent.local_copy(&a).exists() && agent.local_copy(&b).exists()
+    });
+    agent.settled();
+
+    // A second job opens them again and again (every open a hit, each path walk through
+    // the mount's directories checked with the server once the kernel's entry times
+    // out), until told to go on (or for 90 s at most: a failed test leaves no job
+    // behind): then it opens a file no copy serves and holds it, and reads another.
+    let go = tempfile::tempdir().unwrap();
+    let flag = go.path().join("go");
+    let script = format!(
+        "i=0; while [ ! -e {flag} ] && [ $i -lt 900 ]; do cat {both} >/dev/null; sleep 0.1; i=$((i+1)); done; \
+         exec 3< {first}; sleep 2; cat <&3 >/dev/null; cat {second} >/dev/null",
+        flag = flag.display(),
+        first = first.display(),
+        second = second.display(),
+    );
+    let mut job = Job(agent
+        .cli(&["run", "--", "sh", "-c", &script])
+        .current_dir("/")
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap());
+
+    if !rests_with_jobs(&agent) {
+        // NFS: its tripwire fires on the client's cached path walks too, so it cannot
+        // tell a served job's misses: the job is followed all along, and the tracer
+        // rests once it has ended.
+        std::thread::sleep(std::time::Duration::from_secs(9));
+        let t = tracing(&agent);
+        assert_eq!(t["resting"], false, "{t}");
+        assert!(agent.attached().iter().any(|t| t == SYSCALLS));
+        fs::write(&flag, "").unwrap();
+        assert!(job.0.wait().unwrap().success());
+        wait_resting(&agent, t["rests"].as_u64().unwrap() + 1);
+        return;
+    }
+
+    // Every request hits: it rests while the job runs, the job's hits uncounted.
+    wait_until(30, "the tracer to rest while the job runs", || {
+        let t = tracing(&agent);
+        t["resting"] == true && t["with_jobs"] == true
+    });
+    assert!(!agent.attached().iter().any(|t| t == SYSCALLS));
+    let uncounted = opens_local(&agent);
+    let woke = tracing(&agent)["wakeups"].as_u64().unwrap();
+    std::thread::sleep(std::time::Duration::from_secs(3));
+    let t = tracing(&agent);
+    assert_eq!(
+        (t["resting"].as_bool(), t["wakeups"].as_u64()),
+        (Some(true), Some(woke)),
+        "path walks woke it: {t}"
+    );
+    assert_eq!(opens_local(&agent), uncounted);
+    assert!(
+        agent
+            .log()
+            .contains("jobs run whose requests all hit local copies"),
+        "{}",
+        agent.log()
+    );
+
+    // The first miss wakes it; the file the job still holds is learned, the next one
+    // is seen by the syscall program.
+    fs::write(&flag, "").unwrap();
+    wait_until(10, "the job's miss to wake the tracer", || {
+        tracing(&agent)["resting"] == false
+    });
+    assert!(agent.attached().iter().any(|t| t == SYSCALLS));
+    let status = job.0.wait().unwrap();
+    assert!(status.success(), "{status}");
+    let p = agent.export();
+    for miss in [&first, &second] {
+        let f =
+            file_entry(&p, miss).unwrap_or_else(|| panic!("{} not learned: {p:#}", miss.display()));
+        assert!(f["opens"].as_u64() >= Some(1), "{f}");
+    }
+    let t = tracing(&agent);
+    assert_eq!(t["wakeups"].as_u64(), Some(woke + 1), "{t}");
+    assert!(t["resting_with_jobs_secs"].as_u64() >= Some(3), "{t}");
+    assert!(agent.metric("hocus_tracing_resting_with_jobs_seconds_total") >= 3);
+}

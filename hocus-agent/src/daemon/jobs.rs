@@ -197,9 +197,16 @@ impl Jobs {
             .collect()
     }
 
-    /// Whether any job runs (the tracer follows them: it does not rest).
+    /// Whether any job runs.
     pub fn running(&self) -> bool {
         !self.running.is_empty()
+    }
+
+    /// Whether a running task's Slurm job keeps its own working set.
+    pub fn keep_their_own_profiles(&self) -> bool {
+        self.tasks
+            .values()
+            .any(|(_, slurm_job)| slurm_job.is_some())
     }
 
     fn index(&mut self) -> Option<u32> {

@@ -134,6 +134,8 @@ struct Daemon {
     /// The running kernel, and the way each part takes on it.
     kernel_release: String,
     routes: Vec<Route>,
+    /// The tracer may rest while jobs run whose requests all hit local copies.
+    rests_with_jobs: bool,
 }
 
 impl Daemon {
@@ -154,6 +156,7 @@ impl Daemon {
             &trees.watched,
             &tripwires::on_this_kernel(&tracefs::root()?),
         );
+        let (rests_with_jobs, at_rest) = trees::rests_while_jobs_run(every_process, &tripwires);
         let mut tracer = Tracer::start(&trees.prefixes(), every_process, &tripwires)?;
         if !tracer.skipped.is_empty() {
             log::warn!(
@@ -169,6 +172,7 @@ impl Daemon {
         let mut routes = tracer.routes.clone();
         routes.extend([
             following,
+            at_rest,
             snapshots,
             mountns::read_only_route(),
             identity::route(),
@@ -181,7 +185,11 @@ impl Daemon {
         tracer.watch_devices(&devices)?;
         let stats = Stats::start(watches.iter().map(|w| w.path.clone()).collect())?;
         let anchors = trees::anchors(&mount_table, &roots, &cache_dir)?;
-        let places = Places::new(watches, trees::root_paths(&roots));
+        let places = Places::new(
+            watches,
+            trees::root_paths(&roots),
+            trees::served_from(&roots),
+        );
         let observer = Observer::new(places, Views::new(anchors));
         Ok(Self {
             socket: opts.settings.socket(),
@@ -203,6 +211,7 @@ impl Daemon {
             relays: Relays::default(),
             kernel_release,
             routes,
+            rests_with_jobs,
         })
     }
 
@@ -235,7 +244,7 @@ impl Daemon {
                     self.sweep().await;
                     self.reap_tasks().await;
                     let after = self.opts.settings.rest_after();
-                    self.tracing.rest_if_idle(after, self.jobs.running());
+                    self.tracing.rest_if_idle(after, self.jobs_at_rest());
                     if !self.waiting.is_empty() {
                         self.answer_waiting().await;
                     }
@@ -326,6 +335,19 @@ impl Daemon {
                 .unwrap_or_default()
         );
         Ok(())
+    }
+
+    /// Whether jobs run, and whether the tracer may rest while they do: while every
+    /// request of theirs hits local copies, unless a Slurm job keeps its own profile
+    /// (everything it reads must be in it, hits too: it is followed all along).
+    fn jobs_at_rest(&self) -> rest::Jobs {
+        if !self.jobs.running() {
+            rest::Jobs::None
+        } else if self.rests_with_jobs && !self.jobs.keep_their_own_profiles() {
+            rest::Jobs::Served
+        } else {
+            rest::Jobs::Followed
+        }
     }
 
     /// Reads what the kernel side sent and routes what it means.

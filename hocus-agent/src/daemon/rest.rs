@@ -1,18 +1,30 @@
 //! When the tracer rests. The syscall program makes every syscall of every process on
 //! the node take the kernel's traced path, watched or not (docs/overhead.md); so while
-//! there is nothing to learn (no job to follow, and nothing done on the watched trees
-//! for `rest-after` seconds) it is detached, and the node pays nothing. It is attached
-//! again before a job starts (so the job's accesses are all counted), and by the
-//! kernel side's tripwires, which only watched mounts reach: the first request to a
-//! watched FUSE mount, or pages read from a watched mount's server. What a process does
-//! before that, and what is served from the client's caches alone, is not seen: the
-//! profile learns from what reaches the network.
+//! there is nothing to learn for `rest-after` seconds (nothing reached the network or
+//! changed a tree: no job runs, or every job's requests hit local copies) it is
+//! detached, and the node pays nothing. It is attached again before a job starts (so
+//! the job's accesses are all counted), and by the kernel side's tripwires, which only
+//! watched mounts reach: the first request to a watched FUSE mount, or pages read from
+//! a watched mount's server. A file the waking process opened before the program was
+//! attached again is learned if it still holds it (`observe::held`); what is served
+//! from the client's caches alone is not seen: the profile learns from what reaches
+//! the network. While jobs run at rest, their hits are not counted.
 
 use std::time::{Duration, Instant};
 
 use hocus_control::status::TracingStatus;
 
 use crate::observe::tracer::Tracer;
+
+/// The jobs running, for resting.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Jobs {
+    None,
+    /// Jobs run, and the tracer may rest while their requests all hit local copies.
+    Served,
+    /// Jobs run that the tracer follows all along.
+    Followed,
+}
 
 pub struct Rest {
     /// When something was last learned or followed: an event, bytes read, a job.
@@ -23,6 +35,10 @@ pub struct Rest {
     wakeups: u64,
     /// Time spent resting before `since`.
     rested: Duration,
+    /// The rest under way began while jobs ran (all served).
+    with_jobs: bool,
+    /// Time spent resting while jobs ran, before `since`.
+    rested_with_jobs: Duration,
 }
 
 impl Rest {
@@ -34,6 +50,8 @@ impl Rest {
             rests: 0,
             wakeups: 0,
             rested: Duration::ZERO,
+            with_jobs: false,
+            rested_with_jobs: Duration::ZERO,
         }
     }
 
@@ -44,25 +62,46 @@ impl Rest {
 }
 
 impl Rest {
-    /// Rests `tracer` if nothing was learned for `after` and no job runs.
-    pub fn rest_if_idle(&mut self, tracer: &mut Tracer, after: Option<Duration>, jobs: bool) {
+    /// Rests `tracer` if nothing was learned for `after`, and the jobs that run (if
+    /// any) may run at rest.
+    pub fn rest_if_idle(&mut self, tracer: &mut Tracer, after: Option<Duration>, jobs: Jobs) {
         let Some(after) = after else {
             return;
         };
-        if tracer.is_resting() || jobs || self.last_activity.elapsed() < after {
+        if tracer.is_resting() && self.with_jobs && jobs == Jobs::None {
+            self.jobs_ended(tracer);
+        }
+        if tracer.is_resting() || jobs == Jobs::Followed || self.last_activity.elapsed() < after {
             return;
         }
-        match tracer.rest() {
+        match tracer.rest(jobs == Jobs::Served) {
             Ok(()) => {
                 self.rests += 1;
                 self.since = Instant::now();
+                self.with_jobs = jobs == Jobs::Served;
+                let why = if self.with_jobs {
+                    "jobs run whose requests all hit local copies (their hits are not counted while it rests)"
+                } else {
+                    "no job running"
+                };
                 log::info!(
-                    "tracing rests: nothing to learn for {} s and no job running; the next use of a watched mount wakes it",
+                    "tracing rests: nothing to learn for {} s, {why}; a miss, a write or a job start wakes it",
                     after.as_secs()
                 );
             }
             Err(e) => log::warn!("could not rest the tracer: {e:#}"),
         }
+    }
+
+    /// The jobs that ran at rest ended: the rest goes on without them.
+    fn jobs_ended(&mut self, tracer: &mut Tracer) {
+        if let Err(e) = tracer.rest_without_jobs() {
+            return log::warn!("could not tell the kernel side no job runs: {e:#}");
+        }
+        self.rested_with_jobs += self.since.elapsed();
+        self.rested += self.since.elapsed();
+        self.since = Instant::now();
+        self.with_jobs = false;
     }
 
     /// Attaches the syscall program again, if it rests (`why`: for the log).
@@ -75,6 +114,9 @@ impl Rest {
             Ok(()) => {
                 self.wakeups += 1;
                 self.rested += self.since.elapsed();
+                if self.with_jobs {
+                    self.rested_with_jobs += self.since.elapsed();
+                }
                 self.since = Instant::now();
                 log::info!("tracing wakes: {why}");
             }
@@ -86,13 +128,22 @@ impl Rest {
         let resting = tracer.is_resting();
         let followed = tracer.followed();
         let since = self.since.elapsed();
+        let now = |with: bool| {
+            if resting && with {
+                since
+            } else {
+                Duration::ZERO
+            }
+        };
         TracingStatus {
             resting,
             since_secs: since.as_secs(),
             rest_after_secs: after.map_or(0, |d| d.as_secs()),
             rests: self.rests,
             wakeups: self.wakeups,
-            resting_secs: (self.rested + if resting { since } else { Duration::ZERO }).as_secs(),
+            resting_secs: (self.rested + now(true)).as_secs(),
+            with_jobs: resting && self.with_jobs,
+            resting_with_jobs_secs: (self.rested_with_jobs + now(self.with_jobs)).as_secs(),
             followed: followed.map_or(0, |f| f.count() as u64),
             every_process: followed.is_none(),
         }

@@ -3,13 +3,13 @@
 //! program rests (`Rest`), and what could not be delivered. The loop takes what the
 //! observer found (accesses, changes, refused writes, files to stat) and routes it.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use hocus_common::{NamespaceKey, counter, kind};
 use hocus_control::status::TracingStatus;
 use tokio::io::{Interest, unix::AsyncFd};
 
-use super::rest::Rest;
+use super::rest::{Jobs, Rest};
 use crate::{
     observe::{
         events::Observer,
@@ -24,7 +24,17 @@ pub struct Tracing {
     rest: Rest,
     /// Events lost so far, as last logged.
     reported_loss: u64,
+    /// Processes that woke the resting tracer, and when: the files they hold are looked
+    /// at once their open events, if the program saw them, are in (`WOKEN_LOOK_AFTER`).
+    woken: Vec<(u32, Instant)>,
 }
+
+/// How long after a process woke the tracer the files it holds are looked at: long
+/// enough for the events of a syscall that returned after the program was attached
+/// again to be drained (the loop drains every 20 ms), so no open counts twice.
+const WOKEN_LOOK_AFTER: Duration = Duration::from_millis(50);
+/// Processes whose files are waiting to be looked at, at most.
+const MAX_WOKEN: usize = 64;
 
 /// What one read of the ring buffer brought.
 pub struct Drained {
@@ -45,6 +55,7 @@ impl Tracing {
             observer,
             rest: Rest::new(),
             reported_loss: 0,
+            woken: Vec::new(),
         })
     }
 
@@ -62,17 +73,34 @@ impl Tracing {
         Ok(())
     }
 
-    /// Reads the ring buffer into `ws`; views of other namespaces asked for are learned.
+    /// Reads the ring buffer into `ws`; views of other namespaces asked for are learned,
+    /// and the files processes that woke the tracer hold.
     pub fn drain(&mut self, ws: &mut WorkingSet) -> Drained {
         let Self {
             tracer, observer, ..
         } = self;
+        let learned = observer.learned;
         let mut woken_by = None;
-        let events = tracer.get_mut().drain(|e| match e.kind {
+        let mut events = tracer.get_mut().drain(|e| match e.kind {
             kind::WAKE => woken_by = Some(e.tgid),
             _ => observer.handle(e, ws),
         });
-        if events > 0 {
+        if let Some(tgid) = woken_by {
+            if self.woken.len() < MAX_WOKEN {
+                self.woken.push((tgid, Instant::now()));
+            }
+        }
+        if !self.woken.is_empty() {
+            let (due, later) = std::mem::take(&mut self.woken)
+                .into_iter()
+                .partition(|(_, at)| at.elapsed() >= WOKEN_LOOK_AFTER);
+            self.woken = later;
+            for (tgid, _) in due {
+                self.observer.found_open(tgid, ws);
+            }
+        }
+        if self.observer.learned != learned {
+            events += 1;
             self.rest.active();
         }
         for (tgid, key, inum) in std::mem::take(&mut self.observer.to_learn) {
@@ -104,6 +132,7 @@ impl Tracing {
     /// Closes in `ws` what processes that are gone still held open or mapped; whether
     /// bytes were read meanwhile (the observer has accesses to route).
     pub fn sweep(&mut self, ws: &mut WorkingSet) -> bool {
+        let learned = self.observer.learned;
         let open = self.tracer.get_ref().open_files();
         for key in self.observer.sweep(&open, ws) {
             self.tracer.get_mut().forget_open_file(&key);
@@ -112,11 +141,10 @@ impl Tracing {
         for key in self.observer.sweep_mapped(&mapped, ws) {
             self.tracer.get_mut().forget_mapped(&key);
         }
-        let read = !self.observer.accesses.is_empty();
-        if read {
+        if self.observer.learned != learned {
             self.rest.active();
         }
-        read
+        !self.observer.accesses.is_empty()
     }
 
     /// Logs what the kernel side could not deliver, once more was lost.
@@ -155,10 +183,10 @@ impl Tracing {
         self.rest.active();
     }
 
-    /// Rests the tracer if nothing was learned for `after` and no job runs.
-    pub fn rest_if_idle(&mut self, after: Option<Duration>, jobs_running: bool) {
-        self.rest
-            .rest_if_idle(self.tracer.get_mut(), after, jobs_running);
+    /// Rests the tracer if nothing was learned for `after`, and the jobs that run (if
+    /// any) may run at rest.
+    pub fn rest_if_idle(&mut self, after: Option<Duration>, jobs: Jobs) {
+        self.rest.rest_if_idle(self.tracer.get_mut(), after, jobs);
     }
 
     /// Attaches the syscall program again, if it rests (`why`: for the log).

@@ -168,6 +168,14 @@ pub fn anchors(mount_table: &[Mount], roots: &[Root], cache_dir: &Path) -> Resul
     Ok(anchors)
 }
 
+/// The index of the first of the cache's roots (the watched trees' come first).
+pub fn served_from(roots: &[Root]) -> usize {
+    roots
+        .iter()
+        .position(|r| r.kind != superblock::WATCHED)
+        .unwrap_or(roots.len())
+}
+
 /// What the observer takes a root's paths to be: a watched tree's own path; the cache's
 /// copies and snapshots stand for `/` (the network paths are below them).
 pub fn root_paths(roots: &[Root]) -> Vec<PathBuf> {
@@ -232,6 +240,26 @@ pub fn follows_every_process(
         names.join(" and ")
     );
     (false, wanted, route(PART, way, false))
+}
+
+/// Whether the tracer may rest while jobs run whose requests all hit local copies: only
+/// when the tripwires of every watched tree see exactly the requests that reach the
+/// server (a miss, a write), so that what a served job does that is news wakes it.
+pub fn rests_while_jobs_run(every_process: bool, tripwires: &[Tripwire]) -> (bool, Route) {
+    const PART: &str = "tracing while jobs run";
+    if every_process {
+        let way = "followed: every process is followed, and no tripwire sees a served job's misses";
+        return (false, route(PART, way, false));
+    }
+    if let Some(t) = tripwires.iter().find(|t| !t.sees_only_server_requests()) {
+        let way = format!(
+            "followed: the {} tripwire fires on the client's cached path walks too, so it cannot tell a served job's misses",
+            t.filesystems()
+        );
+        return (false, route(PART, way, false));
+    }
+    let way = "rests while every job's requests hit local copies (their hits are not counted meanwhile); a miss, a write, a job start wakes it";
+    (true, route(PART, way, false))
 }
 
 #[cfg(test)]

@@ -14,6 +14,7 @@ use hocus_control::status::Tally;
 
 use crate::{
     observe::{
+        held,
         places::{Places, Unplaced},
         views::Views,
     },
@@ -32,6 +33,8 @@ struct OpenInfo {
     path: String,
     is_dir: bool,
     written: bool,
+    /// Opened through a local copy: its reads are hits, not the network's.
+    served: bool,
     job: u32,
     process: Process,
 }
@@ -40,6 +43,7 @@ struct OpenInfo {
 /// that job's reads), and the pages already added to the working set.
 struct MappedInfo {
     path: String,
+    served: bool,
     job: u32,
     process: Process,
     counted: u64,
@@ -96,6 +100,10 @@ pub struct Observer {
     /// Files a job tried to write through a read-only copy since last drained.
     pub refused: Vec<String>,
     pub tally: Tally,
+    /// Events that reached the network or changed a tree (opens, failed lookups and
+    /// reads not served by a local copy, writes): while it grows, there is something to
+    /// learn, and the tracer does not rest.
+    pub learned: u64,
 }
 
 impl Observer {
@@ -117,6 +125,7 @@ impl Observer {
             changed: Vec::new(),
             refused: Vec::new(),
             tally: Tally::default(),
+            learned: 0,
         }
     }
 
@@ -141,6 +150,9 @@ impl Observer {
                     if !info.is_dir {
                         let bytes = e.bytes.saturating_sub(counted);
                         ws.add_bytes_read(&info.path, bytes);
+                        if bytes > 0 && !info.served {
+                            self.learned += 1;
+                        }
                         if bytes > 0 {
                             self.accesses
                                 .push(read(&info.path, info.job, &info.process, bytes));
@@ -160,6 +172,7 @@ impl Observer {
                         e.file_id,
                         MappedInfo {
                             path: info.path.clone(),
+                            served: info.served,
                             job: info.job,
                             process: info.process.clone(),
                             counted: 0,
@@ -170,6 +183,7 @@ impl Observer {
             }
             kind::WRITE | kind::TRUNCATE if e.path_len == 0 => {
                 self.tally.mutations += 1;
+                self.learned += 1;
                 if let Some(info) = self.open.get_mut(&e.file_id) {
                     if !info.written && logs::writes() {
                         let what = if e.kind == kind::WRITE {
@@ -190,6 +204,10 @@ impl Observer {
         let Some(path) = self.resolve(e) else {
             return;
         };
+        // A refused write was aimed at a local copy: that is news too.
+        if !self.places.is_served(e.root) || e.kind == kind::REFUSED_WRITE {
+            self.learned += 1;
+        }
         let uid = e.uid;
         match e.kind {
             kind::OPEN => {
@@ -248,6 +266,7 @@ impl Observer {
                         path,
                         is_dir,
                         written: truncates || creates,
+                        served: self.places.is_served(e.root),
                         job: e.job,
                         process: who,
                     },
@@ -323,6 +342,9 @@ impl Observer {
             let counted = self.bytes_counted.entry(file.file_id).or_insert(0);
             if !info.is_dir && file.bytes_read > *counted {
                 let bytes = file.bytes_read - *counted;
+                if !info.served {
+                    self.learned += 1;
+                }
                 ws.add_bytes_read(&info.path, bytes);
                 self.accesses
                     .push(read(&info.path, info.job, &info.process, bytes));
@@ -382,6 +404,9 @@ impl Observer {
             if m.pages > info.counted {
                 let bytes = (m.pages - info.counted) * self.page_size;
                 info.counted = m.pages;
+                if !info.served {
+                    self.learned += 1;
+                }
                 ws.add_bytes_read(&info.path, bytes);
                 self.accesses
                     .push(read(&info.path, info.job, &info.process, bytes));
@@ -412,6 +437,51 @@ impl Observer {
                 self.tally.outside_watched += 1;
                 None
             }
+        }
+    }
+
+    /// Learns the watched files process `pid` holds open that no open event named: it
+    /// woke the resting tracer, and opened them before the syscall program was attached
+    /// again. The process is counted as no job's (its job is the kernel's to know).
+    pub fn found_open(&mut self, pid: u32, ws: &mut WorkingSet) {
+        let seen: HashSet<&str> = self
+            .open
+            .values()
+            .filter(|i| i.process.pid == pid)
+            .map(|i| i.path.as_str())
+            .collect();
+        let places = &self.places;
+        let held = held::files_open(pid, |p| places.watched_path(p).is_some());
+        let mut found = Vec::new();
+        for h in held {
+            let Some(path) = places.watched_path(&h.path) else {
+                continue;
+            };
+            let path = path.to_string_lossy().into_owned();
+            if !seen.contains(path.as_str()) && !found.iter().any(|(p, _)| *p == path) {
+                found.push((path, h));
+            }
+        }
+        let at = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        for (path, h) in found {
+            log::debug!(
+                "{path}: held by {}[{pid}], opened while tracing rested",
+                h.comm
+            );
+            self.learned += 1;
+            if ws.open(&path, h.uid, at) {
+                self.to_stat.insert(path.clone());
+            }
+            self.accesses.push(Access {
+                path,
+                job: 0,
+                process: Process { pid, comm: h.comm },
+                what: What::Open,
+                uid: h.uid,
+                at_ns: at,
+            });
         }
     }
 
@@ -521,6 +591,7 @@ mod tests {
                 aliases: vec!["/home/net".into()],
             }],
             vec!["/mnt/net".into(), "/".into()],
+            1,
         );
         Observer::new(places, Views::new(Vec::new()))
     }
@@ -617,6 +688,80 @@ mod tests {
         assert_eq!(p.files.len(), 1, "a directory is not a file");
         assert_eq!(p.files[0].path, "/mnt/net/lib/a.py");
         assert_eq!((o.tally.unresolved, o.tally.outside_watched), (1, 1));
+    }
+
+    #[test]
+    fn what_local_copies_served_teaches_nothing_new() {
+        let (mut o, mut ws) = (observer(), WorkingSet::new(0));
+        // Opened through hocus's bind of its copy, read, closed: hits, nothing learned.
+        let mut hit = placed(kind::OPEN, 1, "/mnt/net/lib/a.py", "");
+        hit.file_id = 1;
+        o.handle(&hit, &mut ws);
+        let key = FdKey {
+            tgid: std::process::id(),
+            fd: 3,
+        };
+        let read = |bytes_read| OpenFile {
+            file_id: 1,
+            bytes_read,
+            ..Default::default()
+        };
+        o.sweep(&[(key, read(100))], &mut ws);
+        let mut close = placed(kind::CLOSE, 1, "", "");
+        close.file_id = 1;
+        close.bytes = 200;
+        o.handle(&close, &mut ws);
+        assert_eq!(o.learned, 0);
+        assert_eq!(ws.to_profile().files[0].bytes_read, 200, "hits still count");
+        // A write refused on a copy is news; so is an open, a read and a failed lookup
+        // that reached the network.
+        o.handle(
+            &placed(kind::REFUSED_WRITE, 1, "/mnt/net/lib/a.py", ""),
+            &mut ws,
+        );
+        assert_eq!(o.learned, 1);
+        let mut miss = event(kind::OPEN, "/mnt/net/lib/b.py");
+        miss.file_id = 2;
+        o.handle(&miss, &mut ws);
+        assert_eq!(o.learned, 2);
+        let read_b = OpenFile {
+            file_id: 2,
+            bytes_read: 10,
+            ..Default::default()
+        };
+        o.sweep(&[(key, read_b)], &mut ws);
+        assert_eq!(o.learned, 3);
+        o.handle(&event(kind::MISSING, "/mnt/net/lib/c.py"), &mut ws);
+        assert_eq!(o.learned, 4);
+    }
+
+    #[test]
+    fn finds_the_watched_files_a_woken_process_holds() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("held.py");
+        std::fs::write(&file, "x").unwrap();
+        let tree = dir.path().to_str().unwrap();
+        let places = Places::new(
+            vec![Watch {
+                path: tree.into(),
+                aliases: vec![],
+            }],
+            vec![tree.into(), "/".into()],
+            1,
+        );
+        let mut o = Observer::new(places, Views::new(Vec::new()));
+        let mut ws = WorkingSet::new(0);
+        let _held = std::fs::File::open(&file).unwrap();
+        o.found_open(std::process::id(), &mut ws);
+        let path = file.to_str().unwrap();
+        assert_eq!(ws.to_profile().files[0].path, path);
+        assert_eq!((o.learned, o.accesses.len()), (1, 1));
+        // Known from its open event already: not counted twice.
+        let mut open = event(kind::OPEN, path);
+        open.file_id = 9;
+        o.handle(&open, &mut ws);
+        o.found_open(std::process::id(), &mut ws);
+        assert_eq!(ws.to_profile().files[0].opens, 2);
     }
 
     #[test]

@@ -258,10 +258,11 @@ fn load(tracefs: &Path, every_process: bool, kfuncs: bool) -> Result<(Ebpf, Fitt
             false,
         )
     });
-    // Where the tripwires' records hold the mount's device (`tripwires`); nothing is
-    // read where the kernel lacks them (not attached then).
-    let fuse_connection = device_offset(tracefs, ("fuse", "fuse_request_send"), "connection");
-    let nfs_access_dev = device_offset(tracefs, ("nfs", "nfs_access_enter"), "dev");
+    // Where the tripwires' records hold the mount's device (`tripwires`), and FUSE's
+    // its opcode; nothing is read where the kernel lacks them (not attached then).
+    let fuse_connection = field_offset(tracefs, ("fuse", "fuse_request_send"), "connection");
+    let fuse_opcode = field_offset(tracefs, ("fuse", "fuse_request_send"), "opcode");
+    let nfs_access_dev = field_offset(tracefs, ("nfs", "nfs_access_enter"), "dev");
     // Following only processes that used a watched mount means every watched tree has
     // its tripwire (`trees::follows_every_process`): a path syscall reached one only if
     // its thread tripped it.
@@ -332,6 +333,7 @@ fn load(tracefs: &Path, every_process: bool, kfuncs: bool) -> Result<(Ebpf, Fitt
         .override_global("FILEMAP_DEV_OFFSET", &filemap_dev, true)
         .override_global("FILEMAP_ORDER_OFFSET", &filemap_order, true)
         .override_global("FUSE_CONNECTION_OFFSET", &fuse_connection, true)
+        .override_global("FUSE_OPCODE_OFFSET", &fuse_opcode, true)
         .override_global("NFS_ACCESS_DEV_OFFSET", &nfs_access_dev, true)
         .override_global("PATHS_BY_REQUEST", &paths_by_request, true)
         .load(programs.bytes())
@@ -347,7 +349,7 @@ fn load(tracefs: &Path, every_process: bool, kfuncs: bool) -> Result<(Ebpf, Fitt
 
 /// The offset of `field` in `event`'s records, or u32::MAX (a read that fails) where the
 /// kernel has no such event.
-fn device_offset(tracefs: &Path, (category, event): (&str, &str), field: &str) -> u32 {
+fn field_offset(tracefs: &Path, (category, event): (&str, &str), field: &str) -> u32 {
     tracefs::Format::read(tracefs, category, event)
         .and_then(|f| f.offset(field))
         .map_or(u32::MAX, u32::from)

@@ -5,13 +5,15 @@
 //! the syscalls to trace (`syscalls`), knows which filesystems have a tripwire that sees
 //! who uses them (`tripwires`), reads the mount table (`mounts`), and turns the
 //! kernel's events into working-set updates, accesses for the keeper and changes to
-//! invalidate (`events`).
+//! invalidate (`events`), with the files a process that woke a resting tracer already
+//! held (`held`).
 //!
 //! May use: `profile`, `shared`.
 
 pub mod btf;
 pub mod events;
 pub mod followed;
+pub mod held;
 pub mod loader;
 pub mod mounts;
 pub mod places;

@@ -11,7 +11,7 @@ use std::{
     path::{Component, Path, PathBuf},
 };
 
-use hocus_common::{Event, ROOT_NONE, ROOT_VIEW, ev};
+use hocus_common::{Event, FIRST_VIEW_ROOT, ROOT_NONE, ROOT_VIEW, ev};
 
 use crate::observe::views::Views;
 
@@ -42,15 +42,35 @@ pub struct Places {
     /// The network directory each snapshot view in a job stands for, by `Event::root`
     /// (`FIRST_VIEW_ROOT` and up).
     view_roots: HashMap<u32, PathBuf>,
+    /// Roots from this index on are the cache's: what is opened under them is served.
+    served_from: usize,
 }
 
 impl Places {
-    pub fn new(watches: Vec<Watch>, roots: Vec<PathBuf>) -> Self {
+    /// `roots`: the watched trees', then (from `served_from` on) the cache's.
+    pub fn new(watches: Vec<Watch>, roots: Vec<PathBuf>, served_from: usize) -> Self {
         Self {
             watches,
             roots,
             view_roots: HashMap::new(),
+            served_from,
         }
+    }
+
+    /// Whether what the kernel placed under `root` was served by a local copy (the
+    /// cache's copies and snapshots, a snapshot's view in a job), not the network.
+    pub fn is_served(&self, root: u32) -> bool {
+        match root {
+            ROOT_NONE | ROOT_VIEW => false,
+            r if r >= FIRST_VIEW_ROOT => self.view_roots.contains_key(&r),
+            r => (r as usize) >= self.served_from && (r as usize) < self.roots.len(),
+        }
+    }
+
+    /// `path` in canonical form, if it lies in a watched tree (a path the kernel gave,
+    /// such as a descriptor's in /proc).
+    pub fn watched_path(&self, path: &Path) -> Option<PathBuf> {
+        self.watched(&normalize(path))
     }
 
     /// Files opened under kernel root `index` are under `dir` (a snapshot view's network

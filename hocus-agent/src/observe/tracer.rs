@@ -396,7 +396,9 @@ impl Tracer {
     /// Detaches the syscall program: no process on the node pays for tracing until the
     /// tripwires (a request to a watched FUSE mount, pages read into a watched mount's
     /// page cache) or `wake` attach it again. What processes do meanwhile is not seen.
-    pub fn rest(&mut self) -> Result<()> {
+    /// `with_jobs`: jobs run whose requests all hit local copies; only a request that
+    /// reads or changes a watched mount wakes it (`hocus_common::rest`).
+    pub fn rest(&mut self, with_jobs: bool) -> Result<()> {
         if self.resting {
             return Ok(());
         }
@@ -406,8 +408,21 @@ impl Tracer {
         let (name, link) = self.links.remove(at);
         loader::detach(&mut self.ebpf, name, link)?;
         // Detached first: a tripwire that fires before this only wakes it again.
-        self.set_rest(rest::RESTING)?;
+        self.set_rest(if with_jobs {
+            rest::RESTING_WITH_JOBS
+        } else {
+            rest::RESTING
+        })?;
         self.resting = true;
+        Ok(())
+    }
+
+    /// The jobs that ran at rest have ended: any use of a watched mount wakes it again.
+    pub fn rest_without_jobs(&mut self) -> Result<()> {
+        let map: Array<_, u32> = Array::try_from(self.ebpf.map("REST").context("no REST map")?)?;
+        if self.resting && map.get(&0, 0)? == rest::RESTING_WITH_JOBS {
+            self.set_rest(rest::RESTING)?;
+        }
         Ok(())
     }
 

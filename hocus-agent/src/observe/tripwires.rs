@@ -66,6 +66,17 @@ impl Tripwire {
         names.join(", ")
     }
 
+    /// Whether it fires only for requests that reach the server, so that a job served
+    /// from local copies never trips it: FUSE's does (every request goes to the FUSE
+    /// server); NFS's fires on every path walk through the mount, from the client's
+    /// caches too, so a served job whose paths cross an NFS directory trips it.
+    pub fn sees_only_server_requests(self) -> bool {
+        match self {
+            Self::Fuse => true,
+            Self::Nfs => false,
+        }
+    }
+
     pub fn filesystems(self) -> &'static str {
         match self {
             Self::Fuse => "FUSE",

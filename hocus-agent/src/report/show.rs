@@ -282,11 +282,17 @@ pub fn render_status(s: &Status) -> String {
     let r = &s.tracing;
     let _ = writeln!(
         out,
-        "tracing: {} for {}; rested {} times ({} in all), woke {} times; {}",
-        if r.resting { "resting" } else { "on" },
+        "tracing: {} for {}; rested {} times ({} in all, {} of it while jobs ran), woke {} times; {}",
+        match (r.resting, r.with_jobs) {
+            (true, true) =>
+                "resting while jobs run whose requests all hit local copies (their hits are not counted meanwhile)",
+            (true, false) => "resting",
+            _ => "on",
+        },
         duration(r.since_secs),
         r.rests,
         duration(r.resting_secs),
+        duration(r.resting_with_jobs_secs),
         r.wakeups,
         match r.rest_after_secs {
             0 => "never rests (rest-after 0)".to_owned(),

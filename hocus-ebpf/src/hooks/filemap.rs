@@ -49,7 +49,8 @@ fn try_filemap_add(ctx: &TracePointContext) -> Step {
             .ok()
             .or_skip()?,
     };
-    let _ = tripped(key.dev);
+    // Pages read from the server: news, whatever runs.
+    let _ = tripped(key.dev, true);
     let mapped = MAPPED.get_ptr_mut(&key).or_skip()?;
     current().or_skip()?;
     // SAFETY: as above; `u32::MAX`: this kernel adds one page at a time.

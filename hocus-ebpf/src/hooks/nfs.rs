@@ -24,7 +24,7 @@ static NFS_ACCESS_DEV_OFFSET: u32 = 8;
 pub fn nfs_access(ctx: TracePointContext) -> u32 {
     // SAFETY: the offset comes from the tracepoint's format file.
     if let Ok(dev) = unsafe { ctx.read_at::<u32>(global(&NFS_ACCESS_DEV_OFFSET) as usize) } {
-        if let Some(thread) = tripped(dev) {
+        if let Some(thread) = tripped(dev, true) {
             requested(thread);
         }
     }

@@ -214,7 +214,7 @@ impl Collector for Snapshot {
         gauge(
             e,
             "tracing_resting",
-            "1 while the syscall program is detached: nothing to learn for rest-after seconds and no job running.",
+            "1 while the syscall program is detached: nothing to learn for rest-after seconds (no job running, or every job's requests hitting local copies).",
             None,
             vec![(vec![], i64::from(r.resting))],
         )?;
@@ -238,6 +238,13 @@ impl Collector for Snapshot {
             "Seconds the syscall program spent detached.",
             None,
             vec![(vec![], r.resting_secs)],
+        )?;
+        counter(
+            e,
+            "tracing_resting_with_jobs_seconds",
+            "Seconds the syscall program spent detached while jobs ran, every request of theirs hitting local copies: their hits are not counted then.",
+            None,
+            vec![(vec![], r.resting_with_jobs_secs)],
         )?;
         gauge(
             e,
