@@ -184,6 +184,43 @@ fn opens_local(agent: &Agent) -> u64 {
     agent.cache()["served"][0]["opens_local"].as_u64().unwrap()
 }
 
+/// Runs a first job that reads `a` and `b` from the network, and waits for the daemon's
+/// copies of both. Returns both paths, for a shell.
+fn learn_copies(agent: &Agent, a: &Path, b: &Path) -> String {
+    let both = format!("{} {}", a.display(), b.display());
+    assert_success(&agent.run_job(&format!("cat {both} >/dev/null")));
+    wait_until(60, "local copies of both", || {
+        agent.local_copy(a).exists() && agent.local_copy(b).exists()
+    });
+    agent.settled();
+    both
+}
+
+/// A job that opens `both` again and again (every open a hit, each path walk through
+/// the mount's directories checked with the server once the kernel's entry times out)
+/// until `flag` exists (or for 90 s at most: a failed test leaves no job behind), then
+/// runs `then`.
+fn served_loop(agent: &Agent, both: &str, flag: &Path, then: &str) -> Job {
+    let script = format!(
+        "i=0; while [ ! -e {flag} ] && [ $i -lt 900 ]; do cat {both} >/dev/null; sleep 0.1; i=$((i+1)); done; {then}",
+        flag = flag.display(),
+    );
+    Job(agent
+        .cli(&["run", "--", "sh", "-c", &script])
+        .current_dir("/")
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap())
+}
+
+fn wait_resting_with_jobs(agent: &Agent) {
+    wait_until(30, "the tracer to rest while the job runs", || {
+        let t = tracing(agent);
+        t["resting"] == true && t["with_jobs"] == true
+    });
+    assert!(!agent.attached().iter().any(|t| t == SYSCALLS));
+}
+
 #[test]
 fn a_job_whose_opens_all_hit_runs_at_rest_and_its_first_miss_wakes_it() {
     let net = NetworkMount::start();
@@ -192,33 +229,17 @@ fn a_job_whose_opens_all_hit_runs_at_rest_and_its_first_miss_wakes_it() {
     let first = net.put("data/first_miss.txt", b"held open while the tracer wakes\n");
     let second = net.put("data/second_miss.txt", b"read once it is awake\n");
     let agent = start(&net);
-    // A first job reads a and b from the network: the daemon copies them.
-    let both = format!("{} {}", a.display(), b.display());
-    assert_success(&agent.run_job(&format!("cat {both} >/dev/null")));
-    wait_until(60, "local copies of both", || {
-        agent.local_copy(&a).exists() && agent.local_copy(&b).exists()
-    });
-    agent.settled();
-
-    // A second job opens them again and again (every open a hit, each path walk through
-    // the mount's directories checked with the server once the kernel's entry times
-    // out), until told to go on (or for 90 s at most: a failed test leaves no job
-    // behind): then it opens a file no copy serves and holds it, and reads another.
+    let both = learn_copies(&agent, &a, &b);
+    // A second job opens the copies again and again until told to go on: then it opens
+    // a file no copy serves and holds it, and reads another.
     let go = tempfile::tempdir().unwrap();
     let flag = go.path().join("go");
-    let script = format!(
-        "i=0; while [ ! -e {flag} ] && [ $i -lt 900 ]; do cat {both} >/dev/null; sleep 0.1; i=$((i+1)); done; \
-         exec 3< {first}; sleep 2; cat <&3 >/dev/null; cat {second} >/dev/null",
-        flag = flag.display(),
-        first = first.display(),
-        second = second.display(),
+    let then = format!(
+        "exec 3< {}; sleep 2; cat <&3 >/dev/null; cat {} >/dev/null",
+        first.display(),
+        second.display()
     );
-    let mut job = Job(agent
-        .cli(&["run", "--", "sh", "-c", &script])
-        .current_dir("/")
-        .stdout(std::process::Stdio::null())
-        .spawn()
-        .unwrap());
+    let mut job = served_loop(&agent, &both, &flag, &then);
 
     if !rests_with_jobs(&agent) {
         // NFS: its tripwire fires on the client's cached path walks too, so it cannot
@@ -235,11 +256,7 @@ fn a_job_whose_opens_all_hit_runs_at_rest_and_its_first_miss_wakes_it() {
     }
 
     // Every request hits: it rests while the job runs, the job's hits uncounted.
-    wait_until(30, "the tracer to rest while the job runs", || {
-        let t = tracing(&agent);
-        t["resting"] == true && t["with_jobs"] == true
-    });
-    assert!(!agent.attached().iter().any(|t| t == SYSCALLS));
+    wait_resting_with_jobs(&agent);
     let uncounted = opens_local(&agent);
     let woke = tracing(&agent)["wakeups"].as_u64().unwrap();
     std::thread::sleep(std::time::Duration::from_secs(3));
@@ -277,4 +294,42 @@ fn a_job_whose_opens_all_hit_runs_at_rest_and_its_first_miss_wakes_it() {
     assert_eq!(t["wakeups"].as_u64(), Some(woke + 1), "{t}");
     assert!(t["resting_with_jobs_secs"].as_u64() >= Some(3), "{t}");
     assert!(agent.metric("hocus_tracing_resting_with_jobs_seconds_total") >= 3);
+}
+
+#[test]
+fn a_rest_with_jobs_goes_on_when_they_end_and_then_any_use_wakes_it() {
+    let net = NetworkMount::start();
+    let a = net.put("env/lib/ends_a.py", b"VALUE = 'a'\n");
+    let b = net.put("env/lib/ends_b.py", b"VALUE = 'b'\n");
+    let agent = start(&net);
+    let both = learn_copies(&agent, &a, &b);
+    let go = tempfile::tempdir().unwrap();
+    let flag = go.path().join("go");
+    let mut job = served_loop(&agent, &both, &flag, "true");
+    let with_jobs = rests_with_jobs(&agent);
+    if with_jobs {
+        wait_resting_with_jobs(&agent);
+        std::thread::sleep(std::time::Duration::from_secs(2));
+    }
+    // The job ends without a miss: on FUSE the rest goes on, now without jobs; on NFS it
+    // begins once the job has ended.
+    fs::write(&flag, "").unwrap();
+    assert!(job.0.wait().unwrap().success());
+    wait_until(30, "a rest with no job running", || {
+        let t = tracing(&agent);
+        t["resting"] == true && t["with_jobs"] == false && agent.cache()["jobs_running"] == 0
+    });
+    assert!(!agent.attached().iter().any(|t| t == SYSCALLS));
+    // A lookup of a name nobody looked up: while served jobs ran, one of their path walks
+    // could make it, and it was no news; with no job, any use of the mount wakes it.
+    let woke = tracing(&agent)["wakeups"].as_u64().unwrap();
+    assert!(fs::metadata(net.path("data/never_there.py")).is_err());
+    wait_until(10, "the lookup to wake the tracer", || {
+        tracing(&agent)["resting"] == false
+    });
+    let t = tracing(&agent);
+    assert_eq!(t["wakeups"].as_u64(), Some(woke + 1), "{t}");
+    if with_jobs {
+        assert!(t["resting_with_jobs_secs"].as_u64() >= Some(2), "{t}");
+    }
 }
