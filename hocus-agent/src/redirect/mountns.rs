@@ -74,19 +74,27 @@ pub struct SnapshotEntry {
     pub racy: bool,
 }
 
-/// Says why `path` (a bind's target, or the tree of a job's copies) is not bound, where
-/// `e` is one: a user may own a directory above a watched mount and swap it for a
-/// symlink, and no bind is ever made through one. Otherwise only at debug level.
+/// Says why `path` (a bind's target, or the tree of a job's copies) is not bound: a
+/// user may own a directory above a watched mount and swap it for a symlink, and no bind
+/// is ever made through one; a file gone from the network is routine (debug level);
+/// anything else (a server's error, a refused lookup or mount: root squashed on NFS)
+/// is the administrator's to see. Users can cause each at will: said a few times a
+/// minute.
 pub fn say_not_bound(path: &Path, e: &io::Error) {
-    if e.raw_os_error() == Some(libc::ELOOP) {
-        // They can do it before every job: said a few times a minute.
-        crate::shared::tally::warn_limited!(
+    match e.raw_os_error() {
+        Some(libc::ELOOP) => crate::shared::tally::warn_limited!(
             "bind through a symlink",
             "not binding {}: its path now goes through a symlink ({e}); the job reads the network there",
             path.display()
-        );
-    } else {
-        log::debug!("not binding {}: {e}", path.display());
+        ),
+        Some(libc::ENOENT) => {
+            log::debug!("not binding {}: {e}", path.display());
+        }
+        _ => crate::shared::tally::warn_limited!(
+            "bind failed",
+            "not binding {}: {e}; the job reads the network there",
+            path.display()
+        ),
     }
 }
 
