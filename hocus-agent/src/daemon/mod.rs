@@ -156,8 +156,9 @@ impl Daemon {
             &trees.watched,
             &tripwires::on_this_kernel(&tracefs::root()?),
         );
-        let (rests_with_jobs, at_rest) = trees::rests_while_jobs_run(every_process, &tripwires);
         let mut tracer = Tracer::start(&trees.prefixes(), every_process, &tripwires)?;
+        let (rests_with_jobs, at_rest) =
+            trees::rests_while_jobs_run(every_process, &tripwires, tracer.tells_misses);
         if !tracer.skipped.is_empty() {
             log::warn!(
                 "this kernel lacks some syscalls; not traced: {}",

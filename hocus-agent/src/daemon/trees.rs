@@ -242,23 +242,32 @@ pub fn follows_every_process(
     (false, wanted, route(PART, way, false))
 }
 
-/// Whether the tracer may rest while jobs run whose requests all hit local copies: only
-/// when the tripwires of every watched tree see exactly the requests that reach the
-/// server (a miss, a write), so that what a served job does that is news wakes it.
-pub fn rests_while_jobs_run(every_process: bool, tripwires: &[Tripwire]) -> (bool, Route) {
+/// Whether the tracer may rest while jobs run whose requests all hit local copies: when
+/// the tripwires of every watched tree tell a served job's misses apart (`tells_misses`:
+/// their hooks for requests that read or change a mount are attached), so that what a
+/// served job does that is news wakes it.
+pub fn rests_while_jobs_run(
+    every_process: bool,
+    tripwires: &[Tripwire],
+    tells_misses: bool,
+) -> (bool, Route) {
     const PART: &str = "tracing while jobs run";
     if every_process {
         let way = "followed: every process is followed, and no tripwire sees a served job's misses";
         return (false, route(PART, way, false));
     }
-    if let Some(t) = tripwires.iter().find(|t| !t.sees_only_server_requests()) {
+    let names: Vec<&str> = tripwires.iter().map(|t| t.filesystems()).collect();
+    if !tells_misses {
         let way = format!(
-            "followed: the {} tripwire fires on the client's cached path walks too, so it cannot tell a served job's misses",
-            t.filesystems()
+            "followed: this kernel lacks the {} tripwire's hooks that tell a served job's misses apart",
+            names.join(" and ")
         );
-        return (false, route(PART, way, false));
+        return (false, route(PART, way, true));
     }
-    let way = "rests while every job's requests hit local copies (their hits are not counted meanwhile); a miss, a write, a job start wakes it";
+    let way = format!(
+        "rests while every job's requests hit local copies (their hits are not counted meanwhile); a miss, a write, a job start wakes it (the {} tripwire)",
+        names.join(" and ")
+    );
     (true, route(PART, way, false))
 }
 

@@ -79,6 +79,9 @@ pub struct Loaded {
     pub links: Vec<(&'static str, Link)>,
     /// The way each part of the programs takes on this kernel.
     pub routes: Vec<Route>,
+    /// Every tripwire's hooks that tell a served job's misses apart are attached: the
+    /// tracer may rest while jobs run whose requests all hit local copies.
+    pub tells_misses: bool,
 }
 
 /// Loads and attaches the programs for the watched `prefixes`, fitted to this kernel:
@@ -101,6 +104,7 @@ pub fn start(prefixes: &[&Path], every_process: bool, tripwires: &[Tripwire]) ->
             skipped,
             links,
             routes: fitted.routes,
+            tells_misses: true,
         };
         Ok((loaded, fitted.cast))
     };
@@ -141,8 +145,51 @@ pub fn start(prefixes: &[&Path], every_process: bool, tripwires: &[Tripwire]) ->
             .collect();
         let links = attach(&mut loaded.ebpf, &hooks)?;
         loaded.links.extend(links);
+        let (links, all) = attach_miss_hooks(&mut loaded.ebpf, &tracefs, tripwire);
+        loaded.links.extend(links);
+        loaded.tells_misses &= all;
     }
     Ok(loaded)
+}
+
+/// Attaches `tripwire`'s hooks that tell a served job's misses apart, where the kernel
+/// has them (and `nfs_change` where `dev` lies where it reads it). Returns the links,
+/// and whether every one a rest with jobs needs is attached; one that is missing or
+/// refused only keeps jobs followed (said in the log).
+fn attach_miss_hooks(
+    ebpf: &mut Ebpf,
+    tracefs: &Path,
+    tripwire: Tripwire,
+) -> (Vec<(&'static str, Link)>, bool) {
+    let mut links = Vec::new();
+    let mut all = true;
+    let change_dev = field_offset(tracefs, ("nfs", "nfs_setattr_enter"), "dev");
+    for &(name, (category, event), needed) in tripwire.miss_hooks() {
+        let present = tracefs.join("events").join(category).join(event).exists();
+        let placed =
+            name != "nfs_change" || field_offset(tracefs, (category, event), "dev") == change_dev;
+        let attached = match (present && placed)
+            .then(|| attach(ebpf, &[(name, Attach::Event(category, event))]))
+        {
+            Some(Ok(l)) => {
+                links.extend(l);
+                true
+            }
+            Some(Err(e)) => {
+                log::warn!("{e:#}");
+                false
+            }
+            None => false,
+        };
+        if !attached && needed {
+            log::info!(
+                "no {category}:{event} here: jobs on {} are followed all along",
+                tripwire.filesystems()
+            );
+            all = false;
+        }
+    }
+    (links, all)
 }
 
 /// Attaches the floor program (returns at once) where the real ones go, until the
@@ -262,6 +309,13 @@ fn load(tracefs: &Path, every_process: bool, kfuncs: bool) -> Result<(Ebpf, Fitt
     // its opcode; nothing is read where the kernel lacks them (not attached then).
     let fuse_connection = field_offset(tracefs, ("fuse", "fuse_request_send"), "connection");
     let fuse_opcode = field_offset(tracefs, ("fuse", "fuse_request_send"), "opcode");
+    let nfs = |event, field| field_offset(tracefs, ("nfs", event), field);
+    let nfs_lookup_dev = nfs("nfs_lookup_enter", "dev");
+    let nfs_lookup_flags = nfs("nfs_lookup_enter", "flags");
+    let nfs_create_dev = nfs("nfs_create_enter", "dev");
+    let nfs_atomic_open_dev = nfs("nfs_atomic_open_enter", "dev");
+    let nfs_change_dev = nfs("nfs_setattr_enter", "dev");
+    let nfs4_open_dev = field_offset(tracefs, ("nfs4", "nfs4_open_file"), "dev");
     let nfs_access_dev = field_offset(tracefs, ("nfs", "nfs_access_enter"), "dev");
     // Following only processes that used a watched mount means every watched tree has
     // its tripwire (`trees::follows_every_process`): a path syscall reached one only if
@@ -334,6 +388,12 @@ fn load(tracefs: &Path, every_process: bool, kfuncs: bool) -> Result<(Ebpf, Fitt
         .override_global("FILEMAP_ORDER_OFFSET", &filemap_order, true)
         .override_global("FUSE_CONNECTION_OFFSET", &fuse_connection, true)
         .override_global("FUSE_OPCODE_OFFSET", &fuse_opcode, true)
+        .override_global("NFS_LOOKUP_DEV_OFFSET", &nfs_lookup_dev, true)
+        .override_global("NFS_LOOKUP_FLAGS_OFFSET", &nfs_lookup_flags, true)
+        .override_global("NFS_CREATE_DEV_OFFSET", &nfs_create_dev, true)
+        .override_global("NFS_ATOMIC_OPEN_DEV_OFFSET", &nfs_atomic_open_dev, true)
+        .override_global("NFS4_OPEN_DEV_OFFSET", &nfs4_open_dev, true)
+        .override_global("NFS_CHANGE_DEV_OFFSET", &nfs_change_dev, true)
         .override_global("NFS_ACCESS_DEV_OFFSET", &nfs_access_dev, true)
         .override_global("PATHS_BY_REQUEST", &paths_by_request, true)
         .load(programs.bytes())
@@ -383,8 +443,11 @@ fn attach(
             }
             Attach::Event(category, tp) => {
                 let p: &mut TracePoint = program.try_into()?;
-                p.load()
-                    .with_context(|| format!("the kernel's verifier rejected {name}"))?;
+                // One program may go on several tracepoints (`nfs_change`).
+                if p.fd().is_err() {
+                    p.load()
+                        .with_context(|| format!("the kernel's verifier rejected {name}"))?;
+                }
                 let link = p
                     .attach(category, tp)
                     .with_context(|| format!("attaching {name} to {category}:{tp}"))?;

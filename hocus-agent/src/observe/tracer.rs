@@ -65,6 +65,8 @@ pub struct Tracer {
     pub skipped: Vec<String>,
     /// The way each part of the programs takes on this kernel.
     pub routes: Vec<Route>,
+    /// The tripwires tell a served job's misses apart (`loader::Loaded::tells_misses`).
+    pub tells_misses: bool,
 }
 
 /// A snapshot view's root as the kernel side knows it.
@@ -88,6 +90,7 @@ impl Tracer {
             skipped,
             links,
             routes,
+            tells_misses,
         } = loader::start(prefixes, every_process, tripwires)?;
         let events = RingBuf::try_from(ebpf.take_map("EVENTS").context("no EVENTS map")?)?;
         let open_files =
@@ -115,6 +118,7 @@ impl Tracer {
             resting: false,
             skipped,
             routes,
+            tells_misses,
         })
     }
 

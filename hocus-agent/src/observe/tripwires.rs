@@ -10,7 +10,10 @@
 //!   and opening the mount's root checks it may read it (`nfs:nfs_access_enter`, from
 //!   5.10 on, while the nfs module is loaded). A `stat` of the root alone is not seen
 //!   (its attributes' tracepoint fires for every `ls -l` of the mount's parent: it would
-//!   follow processes that only look at the mount from outside).
+//!   follow processes that only look at the mount from outside). A job served from
+//!   local copies trips it too (its path walks cross the mount's directories above its
+//!   binds), so the requests that read or change the mount are hooked beside it
+//!   (`miss_hooks`): they wake a rest with jobs running.
 //!
 //! Other filesystems (Lustre, GPFS, a local disk ...) have none here: a watched tree on
 //! one follows every process (docs/kernels.md).
@@ -27,6 +30,9 @@ pub enum Tripwire {
 
 /// A program of the kernel side, and the tracepoint (category, event) it goes on.
 pub type Hook = (&'static str, (&'static str, &'static str));
+/// A hook that tells a served job's misses apart, and whether a rest with jobs running
+/// needs it (`Tripwire::miss_hooks`).
+pub type MissHook = (&'static str, (&'static str, &'static str), bool);
 
 impl Tripwire {
     /// The tripwire for a filesystem type, if it has one.
@@ -66,14 +72,30 @@ impl Tripwire {
         names.join(", ")
     }
 
-    /// Whether it fires only for requests that reach the server, so that a job served
-    /// from local copies never trips it: FUSE's does (every request goes to the FUSE
-    /// server); NFS's fires on every path walk through the mount, from the client's
-    /// caches too, so a served job whose paths cross an NFS directory trips it.
-    pub fn sees_only_server_requests(self) -> bool {
+    /// The hooks that tell a served job's misses apart, each with whether a rest with
+    /// jobs running needs it: FUSE's own request hook does (it reads the opcode); NFS's
+    /// fires on every path walk through the mount, from the client's caches too, so the
+    /// requests that read or change the mount are hooked beside it (`hooks/nfs_request`):
+    /// opens and creates of names the client does not hold, NFSv4's opens (only where a
+    /// v4 mount loaded its module), and changes.
+    pub fn miss_hooks(self) -> &'static [MissHook] {
         match self {
-            Self::Fuse => true,
-            Self::Nfs => false,
+            Self::Fuse => &[],
+            Self::Nfs => &[
+                ("nfs_lookup", ("nfs", "nfs_lookup_enter"), true),
+                ("nfs_create", ("nfs", "nfs_create_enter"), true),
+                ("nfs_atomic_open", ("nfs", "nfs_atomic_open_enter"), true),
+                ("nfs4_open", ("nfs4", "nfs4_open_file"), false),
+                ("nfs_change", ("nfs", "nfs_setattr_enter"), true),
+                ("nfs_change", ("nfs", "nfs_remove_enter"), false),
+                ("nfs_change", ("nfs", "nfs_unlink_enter"), false),
+                ("nfs_change", ("nfs", "nfs_mkdir_enter"), false),
+                ("nfs_change", ("nfs", "nfs_rmdir_enter"), false),
+                ("nfs_change", ("nfs", "nfs_rename_enter"), false),
+                ("nfs_change", ("nfs", "nfs_link_enter"), false),
+                ("nfs_change", ("nfs", "nfs_symlink_enter"), false),
+                ("nfs_change", ("nfs", "nfs_initiate_write"), false),
+            ],
         }
     }
 

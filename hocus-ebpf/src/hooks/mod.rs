@@ -8,5 +8,6 @@ mod filemap;
 mod floor;
 mod fuse;
 mod nfs;
+mod nfs_request;
 mod sched;
 mod syscall_exit;

@@ -4,7 +4,8 @@
 //! cached failed lookup too), and opening the mount's root checks it may read it: a
 //! tripwire (`tripwire`), and the mark that lets that thread's next path syscall be
 //! looked at (`follow::requested`). Checked on Debian's 5.10, 6.1 and 6.12
-//! (docs/kernels.md).
+//! (docs/kernels.md). A served job's path walks fire it too: it wakes only a rest with
+//! no job running (`nfs_request` tells a served job's misses).
 //!
 //! ```text
 //! field:dev_t dev;                           offset:8;  size:4; signed:0;
@@ -24,7 +25,7 @@ static NFS_ACCESS_DEV_OFFSET: u32 = 8;
 pub fn nfs_access(ctx: TracePointContext) -> u32 {
     // SAFETY: the offset comes from the tracepoint's format file.
     if let Ok(dev) = unsafe { ctx.read_at::<u32>(global(&NFS_ACCESS_DEV_OFFSET) as usize) } {
-        if let Some(thread) = tripped(dev, true) {
+        if let Some(thread) = tripped(dev, false) {
             requested(thread);
         }
     }

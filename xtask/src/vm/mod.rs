@@ -203,10 +203,11 @@ pub fn test_kernels() -> Result<()> {
     // The smoke suite on each kernel; on Debian 12's, the suites kernel NFS changes the
     // answers of (who is followed, identities, the job-start check, root squash,
     // containers' mounts, attacks), over v3, and the NFS tests over v4.2 too. Two
-    // guests for v3, each within the guest's time limit.
+    // guests for v3, each within the guest's time limit. Resting while served jobs run
+    // on the oldest kernel too, and over v4.2 (its opens are other requests).
     let runs: [(&str, TestFs, &[&str]); 5] = [
-        ("5.10", TestFs::Nfs3, &["smoke"]),
-        ("6.1", TestFs::Nfs4, &["smoke", "follow", "nfs"]),
+        ("5.10", TestFs::Nfs3, &["smoke", "rest"]),
+        ("6.1", TestFs::Nfs4, &["smoke", "follow", "nfs", "rest"]),
         ("6.12", TestFs::Nfs3, &["smoke"]),
         (
             "6.1",
