@@ -185,11 +185,37 @@ fn rests_with_jobs(agent: &Agent) -> bool {
     route["way"].as_str().unwrap().starts_with("rests")
 }
 
-/// A job in the background, killed if the test fails before it ends.
-struct Job(std::process::Child);
+/// A job in the background (`hocus-agent run`), and the file its shell wrote its pid
+/// to: both killed if the test fails before it ends (a shell left looping over a
+/// network mount would hold the mount's teardown).
+struct Job(std::process::Child, std::path::PathBuf);
+
+impl Job {
+    /// Waits (at most 60 s) for the job to end; whether it succeeded.
+    fn wait(&mut self) -> bool {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        loop {
+            if let Some(status) = self.0.try_wait().unwrap() {
+                return status.success();
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the job did not end within 60 s"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+    }
+}
 
 impl Drop for Job {
     fn drop(&mut self) {
+        if let Some(pid) = fs::read_to_string(&self.1)
+            .ok()
+            .and_then(|p| p.trim().parse::<i32>().ok())
+        {
+            // SAFETY: plain kill(2).
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
@@ -216,16 +242,19 @@ fn learn_copies(agent: &Agent, a: &Path, b: &Path) -> String {
 /// until `flag` exists (or for 90 s at most: a failed test leaves no job behind), then
 /// runs `then`.
 fn served_loop(agent: &Agent, both: &str, flag: &Path, then: &str) -> Job {
+    let pid = flag.with_extension("pid");
     let script = format!(
-        "i=0; while [ ! -e {flag} ] && [ $i -lt 900 ]; do cat {both} >/dev/null; sleep 0.1; i=$((i+1)); done; {then}",
+        "echo $$ > {pid}; i=0; while [ ! -e {flag} ] && [ $i -lt 900 ]; do cat {both} >/dev/null; sleep 0.1; i=$((i+1)); done; {then}",
+        pid = pid.display(),
         flag = flag.display(),
     );
-    Job(agent
+    let child = agent
         .cli(&["run", "--", "sh", "-c", &script])
         .current_dir("/")
         .stdout(std::process::Stdio::null())
         .spawn()
-        .unwrap())
+        .unwrap();
+    Job(child, pid)
 }
 
 fn wait_resting_with_jobs(agent: &Agent) {
@@ -287,8 +316,7 @@ fn a_job_whose_opens_all_hit_runs_at_rest_and_its_first_miss_wakes_it() {
         tracing(&agent)["resting"] == false
     });
     assert!(agent.attached().iter().any(|t| t == SYSCALLS));
-    let status = job.0.wait().unwrap();
-    assert!(status.success(), "{status}");
+    assert!(job.wait());
     let p = agent.export();
     for miss in [&first, &second] {
         let f =
@@ -315,7 +343,7 @@ fn a_rest_with_jobs_goes_on_when_they_end_and_then_any_use_wakes_it() {
     std::thread::sleep(std::time::Duration::from_secs(2));
     // The job ends without a miss: the rest goes on, now without jobs.
     fs::write(&flag, "").unwrap();
-    assert!(job.0.wait().unwrap().success());
+    assert!(job.wait());
     wait_until(30, "a rest with no job running", || {
         let t = tracing(&agent);
         t["resting"] == true && t["with_jobs"] == false && agent.cache()["jobs_running"] == 0
