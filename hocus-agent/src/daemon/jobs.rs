@@ -15,7 +15,7 @@ use std::{
 use hocus_common::{FIRST_VIEW_ROOT, MAX_VIEW_ROOTS};
 use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 
-use super::{profiling::unix_now_ns, tracing::Tracing};
+use super::{profiling::unix_now_ns, rest, tracing::Tracing};
 use crate::{
     control::refusal::Refusal,
     observe::{
@@ -197,16 +197,22 @@ impl Jobs {
             .collect()
     }
 
-    /// Whether any job runs.
-    pub fn running(&self) -> bool {
-        !self.running.is_empty()
-    }
-
-    /// Whether a running task's Slurm job keeps its own working set.
-    pub fn keep_their_own_profiles(&self) -> bool {
-        self.tasks
+    /// Whether jobs run, and whether the tracer may rest while they do (where its
+    /// tripwires tell a served job's misses apart, `tells_misses`): while every request
+    /// of theirs hits local copies, unless a Slurm job keeps its own working set
+    /// (everything it reads must be in it, hits too: it is followed all along).
+    pub fn at_rest(&self, tells_misses: bool) -> rest::Jobs {
+        let own_profiles = self
+            .tasks
             .values()
-            .any(|(_, slurm_job)| slurm_job.is_some())
+            .any(|(_, slurm_job)| slurm_job.is_some());
+        if self.running.is_empty() {
+            rest::Jobs::None
+        } else if tells_misses && !own_profiles {
+            rest::Jobs::Served
+        } else {
+            rest::Jobs::Followed
+        }
     }
 
     fn index(&mut self) -> Option<u32> {

@@ -245,7 +245,8 @@ impl Daemon {
                     self.sweep().await;
                     self.reap_tasks().await;
                     let after = self.opts.settings.rest_after();
-                    self.tracing.rest_if_idle(after, self.jobs_at_rest());
+                    self.tracing
+                        .rest_if_idle(after, self.jobs.at_rest(self.rests_with_jobs));
                     if !self.waiting.is_empty() {
                         self.answer_waiting().await;
                     }
@@ -336,19 +337,6 @@ impl Daemon {
                 .unwrap_or_default()
         );
         Ok(())
-    }
-
-    /// Whether jobs run, and whether the tracer may rest while they do: while every
-    /// request of theirs hits local copies, unless a Slurm job keeps its own profile
-    /// (everything it reads must be in it, hits too: it is followed all along).
-    fn jobs_at_rest(&self) -> rest::Jobs {
-        if !self.jobs.running() {
-            rest::Jobs::None
-        } else if self.rests_with_jobs && !self.jobs.keep_their_own_profiles() {
-            rest::Jobs::Served
-        } else {
-            rest::Jobs::Followed
-        }
     }
 
     /// Reads what the kernel side sent and routes what it means.
