@@ -1029,6 +1029,42 @@ pub fn kernel_at_least(major: u32, minor: u32) -> bool {
     }
 }
 
+/// A job in the background (`hocus-agent run`, `srun`), and the file its shell wrote its
+/// pid to: both killed if the test fails before it ends (a shell left looping over a
+/// network mount would hold the mount's teardown).
+pub struct BackgroundJob(pub std::process::Child, pub PathBuf);
+
+impl BackgroundJob {
+    /// Waits (at most 60 s) for the job to end; whether it succeeded.
+    pub fn wait(&mut self) -> bool {
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Some(status) = self.0.try_wait().unwrap() {
+                return status.success();
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the job did not end within 60 s"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+impl Drop for BackgroundJob {
+    fn drop(&mut self) {
+        if let Some(pid) = fs::read_to_string(&self.1)
+            .ok()
+            .and_then(|p| p.trim().parse::<i32>().ok())
+        {
+            // SAFETY: plain kill(2).
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 /// Polls `cond` every 100 ms until it holds, or panics with `what` after `secs`.
 pub fn wait_until(secs: u64, what: &str, mut cond: impl FnMut() -> bool) {
     let deadline = Instant::now() + Duration::from_secs(secs);

@@ -454,6 +454,13 @@ impl Slurm {
     /// A Slurm client command run by the ordinary test user, from `/tmp`, with `env`
     /// added to its environment (which Slurm passes on to the job).
     pub fn as_user(&self, program: &str, args: &[&str], env: &[(&str, &str)]) -> Output {
+        self.command_as_user(program, args, env)
+            .output()
+            .unwrap_or_else(|e| panic!("{program}: {e}"))
+    }
+
+    /// The same command, to start in the background.
+    pub fn command_as_user(&self, program: &str, args: &[&str], env: &[(&str, &str)]) -> Command {
         let mut cmd = Command::new("runuser");
         cmd.args(["-u", USER, "--", "env"])
             .arg(format!("SLURM_CONF={}", self.conf.display()));
@@ -461,10 +468,9 @@ impl Slurm {
             cmd.arg(format!("{k}={v}"));
         }
         cmd.arg(program).args(args).current_dir("/tmp");
-        self.at_login(cmd)
-            .stdin(Stdio::null())
-            .output()
-            .unwrap_or_else(|e| panic!("{program}: {e}"))
+        let mut cmd = self.at_login(cmd);
+        cmd.stdin(Stdio::null());
+        cmd
     }
 
     /// Loads hocus's plugin with this plugstack line's arguments (none: no plugin).

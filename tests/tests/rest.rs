@@ -8,8 +8,8 @@
 use std::{fs, os::unix::process::CommandExt, path::Path, process::Command};
 
 use hocus_tests::{
-    Agent, NetworkMount, assert_success, file_entry, kernel_at_least, missing_lookups, test_user,
-    wait_until,
+    Agent, BackgroundJob, NetworkMount, assert_success, file_entry, kernel_at_least,
+    missing_lookups, test_user, wait_until,
 };
 use serde_json::Value;
 
@@ -185,42 +185,6 @@ fn rests_with_jobs(agent: &Agent) -> bool {
     route["way"].as_str().unwrap().starts_with("rests")
 }
 
-/// A job in the background (`hocus-agent run`), and the file its shell wrote its pid
-/// to: both killed if the test fails before it ends (a shell left looping over a
-/// network mount would hold the mount's teardown).
-struct Job(std::process::Child, std::path::PathBuf);
-
-impl Job {
-    /// Waits (at most 60 s) for the job to end; whether it succeeded.
-    fn wait(&mut self) -> bool {
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-        loop {
-            if let Some(status) = self.0.try_wait().unwrap() {
-                return status.success();
-            }
-            assert!(
-                std::time::Instant::now() < deadline,
-                "the job did not end within 60 s"
-            );
-            std::thread::sleep(std::time::Duration::from_millis(100));
-        }
-    }
-}
-
-impl Drop for Job {
-    fn drop(&mut self) {
-        if let Some(pid) = fs::read_to_string(&self.1)
-            .ok()
-            .and_then(|p| p.trim().parse::<i32>().ok())
-        {
-            // SAFETY: plain kill(2).
-            unsafe { libc::kill(pid, libc::SIGKILL) };
-        }
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 fn opens_local(agent: &Agent) -> u64 {
     agent.cache()["served"][0]["opens_local"].as_u64().unwrap()
 }
@@ -241,7 +205,7 @@ fn learn_copies(agent: &Agent, a: &Path, b: &Path) -> String {
 /// the mount's directories checked with the server once the kernel's entry times out)
 /// until `flag` exists (or for 90 s at most: a failed test leaves no job behind), then
 /// runs `then`.
-fn served_loop(agent: &Agent, both: &str, flag: &Path, then: &str) -> Job {
+fn served_loop(agent: &Agent, both: &str, flag: &Path, then: &str) -> BackgroundJob {
     let pid = flag.with_extension("pid");
     let script = format!(
         "echo $$ > {pid}; i=0; while [ ! -e {flag} ] && [ $i -lt 900 ]; do cat {both} >/dev/null; sleep 0.1; i=$((i+1)); done; {then}",
@@ -254,7 +218,7 @@ fn served_loop(agent: &Agent, both: &str, flag: &Path, then: &str) -> Job {
         .stdout(std::process::Stdio::null())
         .spawn()
         .unwrap();
-    Job(child, pid)
+    BackgroundJob(child, pid)
 }
 
 fn wait_resting_with_jobs(agent: &Agent) {

@@ -6,8 +6,8 @@
 use std::{fs, os::unix::fs::PermissionsExt, process::Output};
 
 use hocus_tests::{
-    Agent, NetworkMount, assert_success, file_entry, names_in, sample_names, slurm::slurm,
-    wait_until,
+    Agent, BackgroundJob, NetworkMount, assert_success, file_entry, names_in, sample_names,
+    slurm::slurm, wait_until,
 };
 
 /// Debian's interpreter: the test user's environment has no other.
@@ -451,4 +451,117 @@ fn tasks_starting_together_ask_the_server_once() {
             .count()
     };
     assert_eq!((by(0), by(1)), (1, 1), "{starts:#?}");
+}
+
+/// A Slurm job keeps its own profile (its epilog saves it), which must hold its hits;
+/// yet while all its opens hit, the tracer rests: opens through its task's binds are
+/// reported by fanotify marks on their mounts. A file the job opens for the first time
+/// while the tracer rests is counted as its hit and is in the profile its epilog saves,
+/// and nothing wakes the tracer.
+#[test]
+fn a_slurm_job_whose_opens_all_hit_runs_at_rest_and_its_profile_still_holds_them() {
+    use std::os::unix::fs::PermissionsExt as _;
+    let cluster = slurm();
+    let net = NetworkMount::start();
+    let files = ["a", "b", "c"].map(|n| net.put(&format!("env/lib/rest_{n}.py"), b"V = 1\n"));
+    let names = files.clone().map(|f| f.display().to_string());
+    let home = profiles_home();
+    let template = format!("{}/{{user}}", home.path().display());
+    let agent = Agent::start(&[
+        "--watch",
+        net.mount.to_str().unwrap(),
+        "--job-profiles",
+        &template,
+        "--rest-after",
+        "3",
+    ]);
+    cluster.plugin(Some(&format!("socket={}", agent.socket.display())));
+    let route = |agent: &Agent| {
+        let status = agent.status();
+        let routes = status["routes"].as_array().unwrap().clone();
+        routes
+            .into_iter()
+            .find(|r| r["part"] == "Slurm jobs' own profiles while the tracer rests")
+            .unwrap_or_else(|| panic!("no route: {status:#}"))["way"]
+            .as_str()
+            .unwrap()
+            .to_owned()
+    };
+    assert!(
+        route(&agent).starts_with("opens through"),
+        "{}",
+        route(&agent)
+    );
+
+    // A first job reads all three from the network; the daemon copies them.
+    let cat_all = format!("cat {} >/dev/null", names.join(" "));
+    assert_success(&cluster.as_user("srun", &["--quiet", "sh", "-c", &cat_all], &[]));
+    wait_until(60, "local copies of all three", || {
+        files.iter().all(|f| agent.local_copy(f).exists())
+    });
+    agent.settled();
+
+    // A second job, named "served": opens a and b again and again; told to, opens c
+    // (its first open of it, a hit), and goes on until told to end.
+    let flags = tempfile::tempdir_in("/tmp").unwrap();
+    // The job's user writes its shell's pid there.
+    fs::set_permissions(flags.path(), fs::Permissions::from_mode(0o1777)).unwrap();
+    let (first, second) = (flags.path().join("c"), flags.path().join("end"));
+    let hits = format!("cat {} {} >/dev/null", names[0], names[1]);
+    let until = |flag: &std::path::Path| {
+        format!(
+            "i=0; while [ ! -e {} ] && [ $i -lt 900 ]; do {hits}; sleep 0.1; i=$((i+1)); done",
+            flag.display()
+        )
+    };
+    let pid = flags.path().join("pid");
+    let script = format!(
+        "echo $$ > {}; {}; cat {} >/dev/null; {}",
+        pid.display(),
+        until(&first),
+        names[2],
+        until(&second)
+    );
+    let job = cluster
+        .command_as_user(
+            "srun",
+            &["--quiet", "--job-name=served", "sh", "-c", &script],
+            &[],
+        )
+        .spawn()
+        .unwrap();
+    let mut job = BackgroundJob(job, pid);
+    let tracing = |agent: &Agent| agent.status()["tracing"].clone();
+    wait_until(30, "the tracer to rest while the Slurm job runs", || {
+        let t = tracing(&agent);
+        t["resting"] == true && t["with_jobs"] == true
+    });
+    let opens_local = |agent: &Agent| {
+        agent.cache()["slurm_jobs"]
+            .as_array()
+            .and_then(|jobs| jobs.iter().max_by_key(|j| j["job_id"].as_u64()).cloned())
+            .map_or(0, |j| j["served"]["opens_local"].as_u64().unwrap_or(0))
+    };
+    let woke = tracing(&agent)["wakeups"].as_u64().unwrap();
+    // Its hits are counted at rest.
+    let before = opens_local(&agent);
+    wait_until(10, "the job's hits at rest to be counted", || {
+        opens_local(&agent) >= before + 10
+    });
+    fs::write(&first, "").unwrap();
+    std::thread::sleep(std::time::Duration::from_secs(2));
+    fs::write(&second, "").unwrap();
+    assert!(job.wait(), "{}", cluster.slurmd_log());
+    let t = tracing(&agent);
+    assert_eq!(t["wakeups"].as_u64(), Some(woke), "a hit woke it: {t}");
+
+    // The epilog saved the job's profile: c, opened only while the tracer rested, is in it.
+    let saved = home.path().join("hocus-test/served.json");
+    wait_until(30, "the epilog's profile", || saved.exists());
+    let profile: serde_json::Value = serde_json::from_slice(&fs::read(&saved).unwrap()).unwrap();
+    for f in &files {
+        let entry = file_entry(&profile, f)
+            .unwrap_or_else(|| panic!("{} not in the job's profile: {profile:#}", f.display()));
+        assert!(entry["opens"].as_u64() >= Some(1), "{entry}");
+    }
 }

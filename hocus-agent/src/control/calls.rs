@@ -8,6 +8,7 @@ use std::{
     io::{Read, Write},
     os::{fd::OwnedFd, unix::net::UnixStream},
     path::{Path, PathBuf},
+    sync::Arc,
 };
 
 use anyhow::{Result, bail};
@@ -21,7 +22,10 @@ use crate::{
         refusal::Refusal,
     },
     profile::{format::read_stream, staging::Staging},
-    redirect::access::{self, Caller},
+    redirect::{
+        access::{self, Caller},
+        bind_opens::BindOpens,
+    },
 };
 
 /// Entries of a profile sent checked at a time (one permission check each, as the user).
@@ -34,6 +38,9 @@ pub struct Setup {
     pub trees: Vec<PathBuf>,
     /// Where Slurm jobs' own profiles are kept (`job-profiles`: a template).
     pub job_profiles: String,
+    /// Where a Slurm task's binds are marked, so that its opens are seen while the
+    /// tracer rests (none on a kernel without fanotify's mount ids).
+    pub bind_opens: Option<Arc<BindOpens>>,
 }
 
 /// A connected client, as the handlers of its requests answer it.

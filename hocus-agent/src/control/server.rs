@@ -181,7 +181,10 @@ fn answer(
             stream.set_read_timeout(None)?;
             return session::run(&client, caller, run, fds, rest, calls);
         }
-        Request::Attach(task) => return session::attach(&client, caller, task, calls),
+        Request::Attach(task) => {
+            let marks = setup.bind_opens.as_deref();
+            return session::attach(&client, caller, task, calls, marks);
+        }
         Request::SaveJobProfile(job) => {
             return client.reply(job_profiles::save(&caller, &job, calls, setup));
         }

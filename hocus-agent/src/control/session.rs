@@ -30,6 +30,7 @@ use crate::{
     },
     redirect::{
         access::Caller,
+        bind_opens::BindOpens,
         confirm,
         jobs::{JobStart, SlurmTask},
         mountns::{self, Bind},
@@ -72,10 +73,12 @@ fn confirmed_binds(calls: &mpsc::Sender<Call>, caller: &Caller) -> Result<Vec<Bi
 }
 
 /// What `bind_all` made: the binds, the snapshot views among them with the network
-/// directory each stands for, and how long mounting them took.
+/// directory each stands for, the ids of the mounts marked (if every one was), and how
+/// long mounting them took.
 struct Made {
     binds: Vec<Bind>,
     views: Vec<(OwnedFd, PathBuf)>,
+    marked: Option<Vec<u64>>,
     took: std::time::Duration,
 }
 
@@ -89,15 +92,32 @@ fn job_user(caller: &Caller) -> Option<User> {
     })
 }
 
-/// Makes each bind it can in this thread's namespace, looking the targets up as `user`.
-fn bind_all(binds: Vec<Bind>, user: Option<&User>) -> Made {
+/// Makes each bind it can in this thread's namespace, looking the targets up as `user`;
+/// with `marks`, marks each bind's mount so that opens through it are reported.
+fn bind_all(binds: Vec<Bind>, user: Option<&User>, marks: Option<&BindOpens>) -> Made {
     let started = std::time::Instant::now();
     let mut made = Vec::new();
     let mut views = Vec::new();
+    let mut marked = marks.map(|_| Vec::new());
     for b in binds {
         match mountns::bind_read_only(&b, user) {
-            Ok(view) => {
-                views.extend(view.map(|v| (v, b.target.clone())));
+            Ok(mount) => {
+                if let (Some(ids), Some(marks)) = (&mut marked, marks) {
+                    match marks.mark(&mount) {
+                        Ok(id) => ids.push(id),
+                        Err(e) => {
+                            log::warn!(
+                                "opens through the bind on {} cannot be reported ({e}): the task is followed by the tracer all along",
+                                b.target.display()
+                            );
+                            marks.forget(ids.len());
+                            marked = None;
+                        }
+                    }
+                }
+                if b.lazy {
+                    views.push((mount, b.target.clone()));
+                }
                 made.push(b);
             }
             Err(e) => mountns::say_not_bound(&b.target, &e),
@@ -106,6 +126,7 @@ fn bind_all(binds: Vec<Bind>, user: Option<&User>) -> Made {
     Made {
         binds: made,
         views,
+        marked,
         took: started.elapsed(),
     }
 }
@@ -114,19 +135,23 @@ fn bind_all(binds: Vec<Bind>, user: Option<&User>) -> Made {
 /// plugin, in a Slurm task not yet its user's): the namespace is the calling process's,
 /// taken from its pidfd, and never the node's own. The task is followed as a job until
 /// it exits, its accesses counted as hits or misses.
+/// A Slurm task's binds are marked with `marks` (its Slurm job's own profile must learn
+/// its hits, and the tracer may rest meanwhile).
 pub fn attach(
     client: &Client,
     caller: Caller,
     task: AttachTask,
     calls: &mpsc::Sender<Call>,
+    marks: Option<&BindOpens>,
 ) -> Result<()> {
-    client.reply(attached(caller, &task, calls).map(|binds| Response::Attached { binds }))
+    client.reply(attached(caller, &task, calls, marks).map(|binds| Response::Attached { binds }))
 }
 
 fn attached(
     caller: Caller,
     task: &AttachTask,
     calls: &mpsc::Sender<Call>,
+    marks: Option<&BindOpens>,
 ) -> Result<usize, Refusal> {
     if !caller.is_root() {
         return Err(Refusal::new(
@@ -148,11 +173,13 @@ fn attached(
             format!("cannot enter the task's mount namespace: {e}"),
         )
     })?;
+    let marks = marks.filter(|_| task.job_id.is_some());
     let Made {
         binds: made,
         views,
+        marked,
         took,
-    } = bind_all(binds, job_user(&caller).as_ref());
+    } = bind_all(binds, job_user(&caller).as_ref(), marks);
     let id = caller.pid as u32;
     let job = JobStart {
         id,
@@ -160,6 +187,7 @@ fn attached(
         ns,
         task: Some(pidfd),
         views,
+        marked,
         slurm: task.job_id.map(|job_id| SlurmTask {
             job_id,
             uid: task.uid,
@@ -218,7 +246,8 @@ pub fn run(
         binds: made,
         views,
         took,
-    } = bind_all(binds, job_user(&caller).as_ref());
+        ..
+    } = bind_all(binds, job_user(&caller).as_ref(), None);
     // The kernel marks whatever this thread forks as job `id`; the daemon learns the job
     // before it starts, so its first opens are attributed.
     // SAFETY: gettid has no preconditions.
@@ -229,6 +258,7 @@ pub fn run(
         ns,
         task: None,
         views,
+        marked: None,
         slurm: None,
     };
     // A job the keeper does not follow still runs (its accesses count as misses); none

@@ -3,7 +3,9 @@
 //! job's opens in a lazy snapshot count as hits and teach the profile), and for an
 //! attached task (Slurm's, through hocus's SPANK plugin; a process the daemon did not
 //! fork) its pidfd, polled at each sweep to see it end, and its Slurm job's own working
-//! set, which the job's epilog saves for the user's next job with the same key.
+//! set, which the job's epilog saves for the user's next job with the same key. A Slurm
+//! task's opens through its binds are reported by fanotify (`redirect::bind_opens`):
+//! while the tracer rests they still reach its Slurm job's working set, so it may rest.
 
 use std::{
     collections::{HashMap, HashSet},
@@ -23,6 +25,11 @@ use crate::{
         tracer::ViewRoot,
     },
     profile::{format::Profile, working_set::WorkingSet},
+    redirect::{
+        bind_opens::{BindOpens, Opened},
+        jobs::SlurmTask,
+    },
+    shared::log_line::Process,
 };
 
 /// Attached tasks followed at once; more are refused (and run without hocus).
@@ -33,13 +40,25 @@ pub const MAX_JOB_PROFILES: usize = 64;
 /// Entries one Slurm job's working set holds at most.
 pub const MAX_JOB_PROFILE_ENTRIES: usize = 200_000;
 
+/// An attached task: its pidfd, its Slurm job, and the ids of its binds' mounts if each
+/// one's opens are reported.
+pub struct Task {
+    pub pidfd: Arc<OwnedFd>,
+    pub slurm: Option<SlurmTask>,
+    pub marked: Option<Vec<u64>>,
+}
+
 /// The loop's side of the jobs.
 #[derive(Default)]
 pub struct Jobs {
     /// Jobs started and not ended.
     running: HashSet<u32>,
-    /// Attached tasks, by job id (= pid): their pidfd, and their Slurm job.
-    tasks: HashMap<u32, (Arc<OwnedFd>, Option<u32>)>,
+    /// Attached tasks, by job id (= pid).
+    tasks: HashMap<u32, Task>,
+    /// The task each marked mount belongs to.
+    mounts: HashMap<u64, u32>,
+    /// Where the marks were made (their count given back as tasks end).
+    bind_opens: Option<Arc<BindOpens>>,
     /// Each Slurm job's own working set, in the order the jobs were first seen.
     profiles: Vec<(u32, WorkingSet)>,
     /// Each job's snapshot views: the kernel root index, the kernel's addresses, and the
@@ -51,6 +70,13 @@ pub struct Jobs {
 }
 
 impl Jobs {
+    pub fn new(bind_opens: Option<Arc<BindOpens>>) -> Self {
+        Self {
+            bind_opens,
+            ..Self::default()
+        }
+    }
+
     /// Job `id` starts: an attached task (its pidfd; a task of Slurm job `slurm_job`) is
     /// followed as job `id` (the kernel side counts it and whatever it forks as the
     /// job's); files opened in its snapshot views are placed under the network
@@ -59,24 +85,18 @@ impl Jobs {
         &mut self,
         tracing: &mut Tracing,
         id: u32,
-        task: Option<(Arc<OwnedFd>, Option<u32>)>,
+        task: Option<Task>,
         views: Vec<(OwnedFd, PathBuf)>,
     ) -> Result<(), Refusal> {
-        if let Some((pidfd, slurm_job)) = task {
-            self.follow_task(tracing, id, pidfd, slurm_job)?;
+        if let Some(task) = task {
+            self.follow_task(tracing, id, task)?;
         }
         self.running.insert(id);
         self.place_views(tracing, id, views);
         Ok(())
     }
 
-    fn follow_task(
-        &mut self,
-        tracing: &mut Tracing,
-        id: u32,
-        pidfd: Arc<OwnedFd>,
-        slurm_job: Option<u32>,
-    ) -> Result<(), Refusal> {
+    fn follow_task(&mut self, tracing: &mut Tracing, id: u32, task: Task) -> Result<(), Refusal> {
         if self.tasks.len() >= MAX_TASKS {
             return Err(Refusal::new(
                 "too_many_tasks",
@@ -89,13 +109,17 @@ impl Jobs {
                 format!("the kernel side cannot follow the task: {e:#}"),
             )
         })?;
-        self.tasks.insert(id, (pidfd, slurm_job));
+        let slurm_job = task.slurm.map(|s| s.job_id);
+        for &mount in task.marked.iter().flatten() {
+            self.mounts.insert(mount, id);
+        }
+        self.tasks.insert(id, task);
         let Some(slurm_job) = slurm_job else {
             return Ok(());
         };
         if !self.profiles.iter().any(|(j, _)| *j == slurm_job) {
             if self.profiles.len() >= MAX_JOB_PROFILES {
-                let running = |j: u32| self.tasks.values().any(|t| t.1 == Some(j));
+                let running = |j: u32| self.tasks.values().any(|t| slurm_job_of(t) == Some(j));
                 let oldest = (0..self.profiles.len())
                     .find(|&i| !running(self.profiles[i].0))
                     .unwrap_or(0);
@@ -113,7 +137,7 @@ impl Jobs {
 
     /// Adds an access of an attached task's process to its Slurm job's working set.
     pub fn record_for_slurm_job(&mut self, a: &Access) {
-        let Some(&(_, Some(slurm_job))) = self.tasks.get(&a.job) else {
+        let Some(slurm_job) = self.tasks.get(&a.job).and_then(slurm_job_of) else {
             return;
         };
         let Some((_, ws)) = self.profiles.iter_mut().find(|(j, _)| *j == slurm_job) else {
@@ -165,10 +189,74 @@ impl Jobs {
         }
     }
 
+    /// Reads the opens through marked binds queued now (read with the ring buffer, every
+    /// 20 ms at most: a read of an empty queue is one syscall). While the tracer rests
+    /// (`resting`: before the ring buffer was read) they are returned, to be counted as
+    /// hits and added to their Slurm jobs' working sets; awake, it saw them itself.
+    pub fn read_opens(&mut self, resting: bool) -> Vec<Access> {
+        const MAX_READ: usize = 16_384;
+        let Some(group) = self.bind_opens.as_ref().filter(|_| !self.mounts.is_empty()) else {
+            return Vec::new();
+        };
+        let read = match group.read(MAX_READ) {
+            Ok(r) => r,
+            Err(e) => {
+                log::warn!("reading the opens through Slurm tasks' binds: {e}");
+                self.opens_lost();
+                return Vec::new();
+            }
+        };
+        if read.overflowed && resting {
+            self.opens_lost();
+        }
+        if !resting {
+            return Vec::new();
+        }
+        read.opens
+            .into_iter()
+            .filter_map(|o| self.opened(o))
+            .collect()
+    }
+
+    /// An open through a marked bind, as the access the tracer would have seen: of the
+    /// task whose bind it went through, as its Slurm job's user.
+    fn opened(&self, o: Opened) -> Option<Access> {
+        let &job = self.mounts.get(&o.mount)?;
+        let slurm = self.tasks.get(&job)?.slurm?;
+        Some(Access {
+            path: o.path.to_str()?.to_owned(),
+            job,
+            process: Process {
+                pid: o.pid,
+                comm: String::new(),
+            },
+            what: What::Open,
+            uid: slurm.uid,
+            at_ns: unix_now_ns(),
+        })
+    }
+
+    /// Opens through marked binds were lost (the kernel's queue overflowed): every
+    /// Slurm task running now is followed by the tracer until it ends.
+    fn opens_lost(&mut self) {
+        log::warn!(
+            "opens through Slurm tasks' binds were lost (the fanotify queue overflowed): the tasks running now are followed by the tracer until they end"
+        );
+        for task in self.tasks.values_mut() {
+            task.marked = None;
+        }
+    }
+
     /// Job `id` ended (what it did was read): it is forgotten.
     pub fn ended(&mut self, tracing: &mut Tracing, id: u32) {
         self.running.remove(&id);
-        self.tasks.remove(&id);
+        if let Some(task) = self.tasks.remove(&id) {
+            self.mounts.retain(|_, t| *t != id);
+            let marks = task.marked.map_or(0, |m| m.len());
+            if let Some(opens) = &self.bind_opens {
+                opens.forget(marks);
+            }
+        }
         tracing.active();
         for (index, root, _view) in self.views.remove(&id).unwrap_or_default() {
             tracing.remove_view_root(index, &root);
@@ -184,7 +272,7 @@ impl Jobs {
         let (ids, mut fds): (Vec<u32>, Vec<PollFd>) = self
             .tasks
             .iter()
-            .map(|(id, (fd, _))| (*id, PollFd::new(fd.as_fd(), PollFlags::POLLIN)))
+            .map(|(id, t)| (*id, PollFd::new(t.pidfd.as_fd(), PollFlags::POLLIN)))
             .unzip();
         if poll(&mut fds, PollTimeout::ZERO).is_err() {
             return Vec::new();
@@ -199,13 +287,14 @@ impl Jobs {
 
     /// Whether jobs run, and whether the tracer may rest while they do (where its
     /// tripwires tell a served job's misses apart, `tells_misses`): while every request
-    /// of theirs hits local copies, unless a Slurm job keeps its own working set
-    /// (everything it reads must be in it, hits too: it is followed all along).
+    /// of theirs hits local copies. A Slurm job keeps its own working set, which must hold
+    /// its hits too: its tasks may run at rest only if their binds' opens are reported
+    /// (else they are followed all along).
     pub fn at_rest(&self, tells_misses: bool) -> rest::Jobs {
         let own_profiles = self
             .tasks
             .values()
-            .any(|(_, slurm_job)| slurm_job.is_some());
+            .any(|t| t.slurm.is_some() && t.marked.is_none());
         if self.running.is_empty() {
             rest::Jobs::None
         } else if tells_misses && !own_profiles {
@@ -223,4 +312,8 @@ impl Jobs {
             })
         })
     }
+}
+
+fn slurm_job_of(t: &Task) -> Option<u32> {
+    t.slurm.map(|s| s.job_id)
 }

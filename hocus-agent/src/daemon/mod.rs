@@ -9,6 +9,7 @@
 use std::{
     net::SocketAddr,
     path::PathBuf,
+    sync::Arc,
     time::{Duration, Instant},
 };
 
@@ -38,7 +39,12 @@ use crate::{
         staging::Staging,
         working_set::{VIEW_SLICE, ViewBuild},
     },
-    redirect::{identity, jobs::JobStart, leftovers, mountns, spawn},
+    redirect::{
+        bind_opens::{self, BindOpens},
+        identity,
+        jobs::JobStart,
+        leftovers, mountns, spawn,
+    },
     report::metrics,
     shared::{
         kernel::{self, Route},
@@ -136,6 +142,8 @@ struct Daemon {
     routes: Vec<Route>,
     /// The tracer may rest while jobs run whose requests all hit local copies.
     rests_with_jobs: bool,
+    /// Where opens through Slurm tasks' binds are reported.
+    bind_opens: Option<Arc<BindOpens>>,
 }
 
 impl Daemon {
@@ -170,10 +178,12 @@ impl Daemon {
         // Before any job of this daemon's exists.
         leftovers::take_away_at_start(&cache_dir, &cache.trees);
         let (keeper, keeper_thread, snapshots) = keeper::start(cache)?;
+        let (bind_opens, slurm_at_rest) = bind_opens::start();
         let mut routes = tracer.routes.clone();
         routes.extend([
             following,
             at_rest,
+            slurm_at_rest,
             snapshots,
             mountns::read_only_route(),
             identity::route(),
@@ -208,11 +218,12 @@ impl Daemon {
             keeper_failed_at: None,
             view_build: None,
             keeper_thread: Some(keeper_thread),
-            jobs: Jobs::default(),
+            jobs: Jobs::new(bind_opens.clone()),
             relays: Relays::default(),
             kernel_release,
             routes,
             rests_with_jobs,
+            bind_opens,
         })
     }
 
@@ -310,6 +321,7 @@ impl Daemon {
         let setup = calls::Setup {
             trees: self.watched.iter().map(|w| w.path.clone()).collect(),
             job_profiles: settings.job_profiles(),
+            bind_opens: self.bind_opens.clone(),
         };
         if let Some(port) = settings.relay_port() {
             let serving = relay::Serving {
@@ -339,9 +351,13 @@ impl Daemon {
         Ok(())
     }
 
-    /// Reads what the kernel side sent and routes what it means.
+    /// Reads what the kernel side sent (and the opens through Slurm tasks' binds) and
+    /// routes what it means.
     async fn drain(&mut self) {
+        let resting = self.tracing.tracer().is_resting();
         let drained = self.tracing.drain(&mut self.profiling.ws);
+        let opened = self.jobs.read_opens(resting);
+        self.tracing.observer.accesses.extend(opened);
         if let Some(tgid) = drained.woken_by {
             self.tracing
                 .wake(&format!("process {tgid} used a watched mount"));
@@ -517,10 +533,11 @@ impl Daemon {
         // Events already read belong to earlier jobs.
         self.tracing.wake("a job is starting");
         self.drain().await;
-        let task = start
-            .task
-            .take()
-            .map(|pidfd| (pidfd, start.slurm.map(|s| s.job_id)));
+        let task = start.task.take().map(|pidfd| jobs::Task {
+            pidfd,
+            slurm: start.slurm,
+            marked: start.marked.take(),
+        });
         let views = std::mem::take(&mut start.views);
         if let Err(r) = self.jobs.start(&mut self.tracing, start.id, task, views) {
             return r.into();

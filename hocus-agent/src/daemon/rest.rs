@@ -71,6 +71,11 @@ impl Rest {
         if tracer.is_resting() && self.with_jobs && jobs == Jobs::None {
             self.jobs_ended(tracer);
         }
+        if tracer.is_resting() && self.with_jobs && jobs == Jobs::Followed {
+            // A job's accesses can no longer be seen at rest (opens through its binds
+            // were lost).
+            return self.wake(tracer, "a job runs that must be followed");
+        }
         if tracer.is_resting() || jobs == Jobs::Followed || self.last_activity.elapsed() < after {
             return;
         }
@@ -80,7 +85,7 @@ impl Rest {
                 self.since = Instant::now();
                 self.with_jobs = jobs == Jobs::Served;
                 let why = if self.with_jobs {
-                    "jobs run whose requests all hit local copies (their hits are not counted while it rests)"
+                    "jobs run whose requests all hit local copies (only Slurm tasks' hits are counted while it rests)"
                 } else {
                     "no job running"
                 };

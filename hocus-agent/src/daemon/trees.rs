@@ -265,7 +265,7 @@ pub fn rests_while_jobs_run(
         return (false, route(PART, way, true));
     }
     let way = format!(
-        "rests while every job's requests hit local copies (their hits are not counted meanwhile); a miss, a write, a job start wakes it (the {} tripwire)",
+        "rests while every job's requests hit local copies (their hits are not counted meanwhile, but Slurm tasks'); a miss, a write, a job start wakes it (the {} tripwire)",
         names.join(" and ")
     );
     (true, route(PART, way, false))

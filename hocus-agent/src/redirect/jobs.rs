@@ -36,6 +36,9 @@ pub struct JobStart {
     pub views: Vec<(OwnedFd, PathBuf)>,
     /// An attached task's pidfd: it is followed until that process exits.
     pub task: Option<Arc<OwnedFd>>,
+    /// The ids of its binds' mounts, if each is marked (`bind_opens`): its opens of local
+    /// copies are then seen while the tracer rests.
+    pub marked: Option<Vec<u64>>,
     /// An attached Slurm task's job.
     pub slurm: Option<SlurmTask>,
 }

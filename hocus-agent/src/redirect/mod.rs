@@ -1,12 +1,14 @@
 //! Stage **redirect**: jobs on the local copies. Checking them against the network as
 //! a job starts (`confirm`), mount namespaces and read-only binds (`mountns`), starting
 //! a job as its caller (`spawn`, `cgroups`), who the caller is (`identity`), who may see
-//! what (`access`), which bind served a job's open (`jobs`), and the binds an earlier
-//! daemon left in jobs that outlived it (`leftovers`).
+//! what (`access`), which bind served a job's open (`jobs`), the binds an earlier
+//! daemon left in jobs that outlived it (`leftovers`), and opens through a Slurm task's
+//! binds, reported by fanotify (`bind_opens`).
 //!
 //! May use: `cache`, `observe`, `profile`, `shared`.
 
 pub mod access;
+pub mod bind_opens;
 pub mod cgroups;
 pub mod confirm;
 pub mod identity;

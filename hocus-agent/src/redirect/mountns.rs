@@ -183,11 +183,12 @@ fn make_slave() -> io::Result<()> {
 }
 
 /// Binds `b.local` read-only, nosuid, nodev over `b.target`; for a lazy snapshot, the
-/// overlay of `b.local` over the network directory, whose mount is returned (the
-/// daemon tells the kernel side to place files under its root). A target root may not
+/// overlay of `b.local` over the network directory. Returns the mount bound (a lazy
+/// view's: the daemon tells the kernel side to place files under its root; any bind's:
+/// its opens may be reported, `bind_opens`). A target root may not
 /// look up is looked up again as `user` (the job's) where given: root may be squashed
 /// on the network, and not even search the user's private directory.
-pub fn bind_read_only(b: &Bind, user: Option<&User>) -> io::Result<Option<OwnedFd>> {
+pub fn bind_read_only(b: &Bind, user: Option<&User>) -> io::Result<OwnedFd> {
     let local = cstr(&b.local)?;
     // Opened before anything is mounted over it: the network directory itself.
     let target = match (open_target(b), user) {
@@ -224,7 +225,7 @@ pub fn bind_read_only(b: &Bind, user: Option<&User>) -> io::Result<Option<OwnedF
                 ),
             ));
         }
-        Ok(b.lazy.then_some(source))
+        Ok(source)
     }
 }
 

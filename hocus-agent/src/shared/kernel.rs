@@ -54,8 +54,10 @@ pub const FALLBACKS: &str = "HOCUS_FALLBACKS";
 /// open files read with the helper (`kfuncs`), closes claimed by a plain store
 /// (`atomics`), exits told by the group's count (`group-dead`), callers pinned by their
 /// pid (`peer-pidfd`), read-only binds by a remount (`mount-setattr`), a job's
-/// descriptors closed on exec by marks made at start (`close-range`).
-pub const FALLBACK_NAMES: [&str; 7] = [
+/// descriptors closed on exec by marks made at start (`close-range`), Slurm tasks
+/// followed by the tracer all along rather than their binds' opens reported by
+/// fanotify (`bind-opens`).
+pub const FALLBACK_NAMES: [&str; 8] = [
     "typed-task",
     "kfuncs",
     "atomics",
@@ -63,6 +65,7 @@ pub const FALLBACK_NAMES: [&str; 7] = [
     "peer-pidfd",
     "mount-setattr",
     "close-range",
+    "bind-opens",
 ];
 
 /// Whether `FALLBACKS` asks for fallback `name` (one of `FALLBACK_NAMES`).
