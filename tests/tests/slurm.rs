@@ -460,6 +460,20 @@ fn tasks_starting_together_ask_the_server_once() {
 /// and nothing wakes the tracer.
 #[test]
 fn a_slurm_job_whose_opens_all_hit_runs_at_rest_and_its_profile_still_holds_them() {
+    served_slurm_job(None);
+}
+
+/// Without the marks (`HOCUS_FALLBACKS=bind-opens`: a kernel without fanotify's mount
+/// ids), the tracer follows a Slurm job all along: it never rests, and the profile
+/// holds the same files.
+#[test]
+fn without_the_marks_a_slurm_job_is_followed_all_along() {
+    served_slurm_job(Some("bind-opens"));
+}
+
+/// A Slurm job that opens two local copies again and again, then a third; with
+/// `fallbacks`, the daemon takes them.
+fn served_slurm_job(fallbacks: Option<&str>) {
     use std::os::unix::fs::PermissionsExt as _;
     let cluster = slurm();
     let net = NetworkMount::start();
@@ -467,32 +481,33 @@ fn a_slurm_job_whose_opens_all_hit_runs_at_rest_and_its_profile_still_holds_them
     let names = files.clone().map(|f| f.display().to_string());
     let home = profiles_home();
     let template = format!("{}/{{user}}", home.path().display());
-    let agent = Agent::start(&[
+    let args = [
         "--watch",
         net.mount.to_str().unwrap(),
         "--job-profiles",
         &template,
         "--rest-after",
         "3",
-    ]);
-    cluster.plugin(Some(&format!("socket={}", agent.socket.display())));
-    let route = |agent: &Agent| {
-        let status = agent.status();
-        let routes = status["routes"].as_array().unwrap().clone();
-        routes
-            .into_iter()
-            .find(|r| r["part"] == "Slurm jobs' own profiles while the tracer rests")
-            .unwrap_or_else(|| panic!("no route: {status:#}"))["way"]
-            .as_str()
-            .unwrap()
-            .to_owned()
+    ];
+    let agent = match fallbacks {
+        Some(f) => Agent::start_with_fallbacks(f, &args),
+        None => Agent::start(&args),
     };
-    assert!(
-        route(&agent).starts_with("opens through"),
-        "{}",
-        route(&agent)
+    cluster.plugin(Some(&format!("socket={}", agent.socket.display())));
+    let status = agent.status();
+    let way = status["routes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["part"] == "Slurm jobs' own profiles while the tracer rests")
+        .unwrap_or_else(|| panic!("no route: {status:#}"))["way"]
+        .clone();
+    let marked = fallbacks.is_none();
+    assert_eq!(
+        way.as_str().unwrap().starts_with("opens through"),
+        marked,
+        "{way}"
     );
-
     // A first job reads all three from the network; the daemon copies them.
     let cat_all = format!("cat {} >/dev/null", names.join(" "));
     assert_success(&cluster.as_user("srun", &["--quiet", "sh", "-c", &cat_all], &[]));
@@ -532,30 +547,38 @@ fn a_slurm_job_whose_opens_all_hit_runs_at_rest_and_its_profile_still_holds_them
         .unwrap();
     let mut job = BackgroundJob(job, pid);
     let tracing = |agent: &Agent| agent.status()["tracing"].clone();
-    wait_until(30, "the tracer to rest while the Slurm job runs", || {
-        let t = tracing(&agent);
-        t["resting"] == true && t["with_jobs"] == true
-    });
     let opens_local = |agent: &Agent| {
         agent.cache()["slurm_jobs"]
             .as_array()
             .and_then(|jobs| jobs.iter().max_by_key(|j| j["job_id"].as_u64()).cloned())
             .map_or(0, |j| j["served"]["opens_local"].as_u64().unwrap_or(0))
     };
+    if marked {
+        wait_until(30, "the tracer to rest while the Slurm job runs", || {
+            let t = tracing(&agent);
+            t["resting"] == true && t["with_jobs"] == true
+        });
+    } else {
+        // Twice the time it would take to rest.
+        std::thread::sleep(std::time::Duration::from_secs(6));
+    }
     let woke = tracing(&agent)["wakeups"].as_u64().unwrap();
-    // Its hits are counted at rest.
+    // Its hits are counted, at rest or followed.
     let before = opens_local(&agent);
-    wait_until(10, "the job's hits at rest to be counted", || {
+    wait_until(10, "the job's hits to be counted", || {
         opens_local(&agent) >= before + 10
     });
     fs::write(&first, "").unwrap();
     std::thread::sleep(std::time::Duration::from_secs(2));
+    let t = tracing(&agent);
+    assert_eq!(t["resting"] == true, marked, "{t}");
     fs::write(&second, "").unwrap();
     assert!(job.wait(), "{}", cluster.slurmd_log());
     let t = tracing(&agent);
     assert_eq!(t["wakeups"].as_u64(), Some(woke), "a hit woke it: {t}");
 
-    // The epilog saved the job's profile: c, opened only while the tracer rested, is in it.
+    // The epilog saved the job's profile: c (opened only while the tracer rested, where
+    // it rests) is in it.
     let saved = home.path().join("hocus-test/served.json");
     wait_until(30, "the epilog's profile", || saved.exists());
     let profile: serde_json::Value = serde_json::from_slice(&fs::read(&saved).unwrap()).unwrap();
