@@ -58,6 +58,10 @@ pub struct Status {
     pub max_profile_entries: usize,
     #[serde(default)]
     pub profile_entries_dropped: u64,
+    /// Accesses not counted as hits or misses: the cache keeper was busy and the most
+    /// accesses held for it waited already.
+    #[serde(default)]
+    pub accesses_uncounted: u64,
     pub tally: Tally,
     /// Kernel counters by name (events sent, and every kind of loss).
     pub kernel: Vec<(String, u64)>,

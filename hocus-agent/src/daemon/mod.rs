@@ -376,11 +376,11 @@ impl Daemon {
         let changed = std::mem::take(&mut observer.changed);
         let refused = std::mem::take(&mut observer.refused);
         let to_stat: Vec<String> = observer.to_stat.drain().collect();
-        for access in accesses {
-            self.jobs.record_for_slurm_job(&access);
-            let sent = self.keeper.access(access).await;
-            self.check(sent);
+        for access in &accesses {
+            self.jobs.record_for_slurm_job(access);
         }
+        let sent = self.keeper.accesses(accesses);
+        self.check(sent);
         for path in changed {
             let sent = self.keeper.invalidate(path).await;
             self.check(sent);

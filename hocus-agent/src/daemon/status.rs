@@ -36,6 +36,7 @@ impl Daemon {
             profile_bytes,
             max_profile_entries: self.opts.settings.max_profile_entries(),
             profile_entries_dropped: dropped,
+            accesses_uncounted: self.keeper.accesses_dropped(),
             tally: self.tracing.observer.tally.clone(),
             kernel: self.tracing.counters(),
             last_save_error: self.profiling.last_save_error().map(str::to_owned),

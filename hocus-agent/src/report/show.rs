@@ -334,6 +334,13 @@ pub fn render_status(s: &Status) -> String {
             s.max_profile_entries, s.profile_entries_dropped
         );
     }
+    if s.accesses_uncounted > 0 {
+        let _ = writeln!(
+            out,
+            "the cache keeper fell behind: {} accesses were not counted as hits or misses",
+            s.accesses_uncounted
+        );
+    }
     let c = &s.control;
     let refused: Vec<String> = c.refused.iter().map(|(r, n)| format!("{r} {n}")).collect();
     let _ = writeln!(

@@ -4,7 +4,10 @@
 //! stalled event loop. What `status` and a job's start ask waits far less: a keeper busy
 //! with a million entries is read from its [`Board`].
 
-use std::{sync::Arc, time::Duration};
+use std::{
+    sync::{Arc, Mutex},
+    time::Duration,
+};
 
 use hocus_control::status::CacheStatus;
 use tokio::sync::{mpsc, oneshot};
@@ -47,12 +50,18 @@ async fn within<T>(wait: Duration, answer: oneshot::Receiver<T>) -> Result<T, Ke
     }
 }
 
+/// Accesses held while the keeper's queue is full, at most; more are dropped (counted,
+/// and said in the log): they only count hits and misses.
+pub const MAX_HELD_ACCESSES: usize = 65_536;
+
 /// Sends orders to the keeper; cheap to clone.
 #[derive(Clone)]
 pub struct Handle {
     orders: mpsc::Sender<Order>,
     latest: Latest,
     board: Arc<Board>,
+    /// Accesses not yet queued (the queue was full), and how many were dropped.
+    held: Arc<Mutex<(Vec<Access>, u64)>>,
 }
 
 impl Handle {
@@ -61,6 +70,7 @@ impl Handle {
             orders,
             latest,
             board,
+            held: Arc::default(),
         }
     }
 
@@ -80,8 +90,18 @@ impl Handle {
         within(wait, answer).await
     }
 
-    /// Queues an order that needs no answer; waits only while the queue is full.
+    /// Queues an order that needs no answer; waits only while the queue is full. Accesses
+    /// held are queued first, so that the keeper sees everything in order (a job's
+    /// accesses before its end).
     async fn tell(&self, order: Order) -> Result<(), KeeperError> {
+        let held = self.take_held();
+        if !held.is_empty() {
+            self.send(Order::Accesses(held)).await?;
+        }
+        self.send(order).await
+    }
+
+    async fn send(&self, order: Order) -> Result<(), KeeperError> {
         match tokio::time::timeout(ANSWER_TIMEOUT, self.orders.send(order)).await {
             Ok(Ok(())) => Ok(()),
             Ok(Err(_)) => Err(KeeperError::Stopped),
@@ -151,8 +171,44 @@ impl Handle {
     }
 
     /// A process opened, failed to find or read a watched file.
-    pub async fn access(&self, access: Access) -> Result<(), KeeperError> {
-        self.tell(Order::Access(access)).await
+    /// What one read of the kernel side found: queued as one order, never waited for.
+    /// While the keeper's queue is full (the keeper busy with a million entries), they are
+    /// held here and go with the next order.
+    pub fn accesses(&self, mut accesses: Vec<Access>) -> Result<(), KeeperError> {
+        let mut held = self.take_held();
+        if held.is_empty() && accesses.is_empty() {
+            return Ok(());
+        }
+        held.append(&mut accesses);
+        match self.orders.try_send(Order::Accesses(held)) {
+            Ok(()) => Ok(()),
+            Err(mpsc::error::TrySendError::Closed(_)) => Err(KeeperError::Stopped),
+            Err(mpsc::error::TrySendError::Full(Order::Accesses(mut back))) => {
+                let mut kept = self.held.lock().unwrap_or_else(|e| e.into_inner());
+                let over = back.len().saturating_sub(MAX_HELD_ACCESSES);
+                if over > 0 {
+                    if kept.1 == 0 {
+                        log::warn!(
+                            "the cache keeper is busy and {MAX_HELD_ACCESSES} accesses wait for it: more are not counted as hits or misses until it catches up"
+                        );
+                    }
+                    kept.1 += over as u64;
+                    back.truncate(MAX_HELD_ACCESSES);
+                }
+                kept.0 = back;
+                Ok(())
+            }
+            Err(mpsc::error::TrySendError::Full(_)) => unreachable!("sent accesses"),
+        }
+    }
+
+    /// Accesses dropped because the keeper was busy (since start).
+    pub fn accesses_dropped(&self) -> u64 {
+        self.held.lock().map_or(0, |h| h.1)
+    }
+
+    fn take_held(&self) -> Vec<Access> {
+        std::mem::take(&mut self.held.lock().unwrap_or_else(|e| e.into_inner()).0)
     }
 
     pub async fn reconfigure(&self, r: Reconfigure) -> Result<(), KeeperError> {
@@ -235,6 +291,48 @@ mod tests {
         // Once taken, the next placement queues an order again.
         handle.place(View::default()).await.unwrap();
         assert!(matches!(rx.try_recv(), Ok(Order::PlaceLatest)));
+    }
+
+    #[tokio::test]
+    async fn accesses_never_wait_for_a_full_queue_and_go_first_with_the_next_order() {
+        use crate::observe::events::What;
+        let (tx, mut rx) = mpsc::channel(2);
+        let handle = Handle::new(tx, Latest::default(), Arc::default());
+        let access = |n: usize| Access {
+            path: format!("/net/{n}"),
+            job: 0,
+            process: Default::default(),
+            what: What::Open,
+            uid: 0,
+            at_ns: n as u64,
+        };
+        let paths = |order: Option<Order>| match order {
+            Some(Order::Accesses(a)) => a.iter().map(|a| a.at_ns as usize).collect::<Vec<_>>(),
+            _ => panic!("not accesses"),
+        };
+        // A keeper busy elsewhere: two reads fill its queue, the next ones are held,
+        // at once, up to the bound; the newest beyond it are dropped and counted.
+        handle.accesses(vec![access(0)]).unwrap();
+        handle.accesses(vec![access(1)]).unwrap();
+        handle.accesses(vec![access(2), access(3)]).unwrap();
+        handle
+            .accesses((4..4 + MAX_HELD_ACCESSES).map(access).collect())
+            .unwrap();
+        assert_eq!(handle.accesses_dropped(), 2);
+        // Nothing new, nothing sent.
+        assert_eq!(paths(rx.recv().await), vec![0]);
+        assert_eq!(paths(rx.recv().await), vec![1]);
+        assert!(rx.try_recv().is_err());
+        // The next order goes after what was held, in order.
+        handle.invalidate("/net/x".into()).await.unwrap();
+        let held = paths(rx.recv().await);
+        assert_eq!(held.len(), MAX_HELD_ACCESSES);
+        assert_eq!(
+            (held[0], held[MAX_HELD_ACCESSES - 1]),
+            (2, MAX_HELD_ACCESSES + 1)
+        );
+        assert!(matches!(rx.recv().await, Some(Order::Invalidate(p)) if p == "/net/x"));
+        assert!(rx.try_recv().is_err());
     }
 
     #[tokio::test]

@@ -325,7 +325,7 @@ impl Keeper {
         // Orders that neither make nor drop copies leave the binds as they are.
         let questions = matches!(
             order,
-            Order::Access(_)
+            Order::Accesses(_)
                 | Order::Status(..)
                 | Order::Binds(_)
                 | Order::LocalCopy(..)
@@ -340,7 +340,7 @@ impl Keeper {
             Order::Prefetch(profile, tx, parent) => self.prefetch(profile, tx, parent),
             Order::Refused(source) => self.refuse(source),
             Order::Invalidate(source) => self.invalidate(source),
-            Order::Access(access) => self.served(access),
+            Order::Accesses(accesses) => accesses.into_iter().for_each(|a| self.served(a)),
             Order::Reconfigure(r) => {
                 self.config.filters = r.filters;
                 self.config.revalidate = r.revalidate;

@@ -66,8 +66,9 @@ pub enum Order {
     PlaceLatest,
     /// The tracer saw the file written, truncated, renamed or unlinked.
     Invalidate(String),
-    /// A process opened, failed to find or read a watched file.
-    Access(Access),
+    /// Processes opened, failed to find or read watched files: what one read of the
+    /// kernel side found, in order.
+    Accesses(Vec<Access>),
     Reconfigure(Reconfigure),
     /// Place these files now and report progress until their copies are done; copies
     /// come from the job's parent node first, if there is one (docs/fanout.md).

@@ -134,6 +134,13 @@ impl Collector for Snapshot {
             None,
             one(s.profile_entries_dropped),
         )?;
+        counter(
+            e,
+            "accesses_uncounted",
+            "Accesses not counted as hits or misses: the cache keeper was busy and the most accesses held for it waited already.",
+            None,
+            one(s.accesses_uncounted),
+        )?;
         // The control socket: clients now, and those refused.
         let c = &s.control;
         gauge(
