@@ -53,6 +53,10 @@ pub enum Vm {
         tests: Vec<String>,
         /// Only tests whose name contains this.
         filter: Option<String>,
+        /// Also the agent's unit tests of what a kernel may lack (fanotify's marks on
+        /// binds), as the CI's guests run them.
+        #[arg(long)]
+        agent_unit_tests: bool,
     },
 }
 
@@ -135,6 +139,7 @@ pub fn run(vm: Vm) -> Result<()> {
             fs,
             tests,
             filter,
+            agent_unit_tests,
         } => {
             let tests = if tests.is_empty() {
                 vec!["smoke".to_owned()]
@@ -142,7 +147,7 @@ pub fn run(vm: Vm) -> Result<()> {
                 tests
             };
             for k in guest.kernels()? {
-                test_in(&guest, &k, fs, &tests, filter.as_deref())?;
+                test_in(&guest, &k, fs, &tests, filter.as_deref(), agent_unit_tests)?;
             }
             Ok(())
         }
@@ -204,7 +209,8 @@ pub fn test_kernels() -> Result<()> {
     // answers of (who is followed, identities, the job-start check, root squash,
     // containers' mounts, attacks), over v3, and the NFS tests over v4.2 too. Two
     // guests for v3, each within the guest's time limit. Resting while served jobs run
-    // on the oldest kernel too, and over v4.2 (its opens are other requests).
+    // on the oldest kernel too, and over v4.2 (its opens are other requests). On each
+    // kernel, the agent's own tests of what a kernel may lack (`AGENT_UNIT_TESTS`).
     let runs: [(&str, TestFs, &[&str]); 5] = [
         ("5.10", TestFs::Nfs3, &["smoke", "rest"]),
         ("6.1", TestFs::Nfs4, &["smoke", "follow", "nfs", "rest"]),
@@ -216,12 +222,47 @@ pub fn test_kernels() -> Result<()> {
         ),
         ("6.1", TestFs::Nfs3, &["run", "identity", "trust"]),
     ];
+    let mut unit_tested = Vec::new();
     for (name, fs, tests) in runs {
         let kernel = kernels::fetch(kernels::series(name)?, false)?;
         let tests: Vec<String> = tests.iter().map(|t| t.to_string()).collect();
-        test_in(&guest, &kernel, fs, &tests, None)?;
+        let unit = !unit_tested.contains(&name);
+        unit_tested.push(name);
+        test_in(&guest, &kernel, fs, &tests, None, unit)?;
     }
     Ok(())
+}
+
+/// The agent's unit tests (a filter each) that use the kernel's own features, beyond
+/// the integration tests: the fanotify marks on binds' mounts (Slurm tasks' opens while
+/// the tracer rests).
+const AGENT_UNIT_TESTS: [&str; 1] = ["redirect::bind_opens::"];
+
+/// The agent's unit-test binary, built.
+fn agent_unit_tests() -> Result<PathBuf> {
+    let out = cargo()
+        .args([
+            "test",
+            "--package",
+            "hocus-agent",
+            "--bin",
+            "hocus-agent",
+            "--no-run",
+        ])
+        .args(["--message-format", "json"])
+        .output()
+        .context("building the agent's unit tests")?;
+    if !out.status.success() {
+        bail!(
+            "building the agent's unit tests failed:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find_map(|m| m["executable"].as_str().map(PathBuf::from))
+        .context("no unit-test binary of hocus-agent")
 }
 
 /// Runs test files `tests` of tests/tests in a guest of `kernel`, one after the other,
@@ -233,10 +274,18 @@ pub fn test_in(
     fs: TestFs,
     tests: &[String],
     filter: Option<&str>,
+    unit: bool,
 ) -> Result<()> {
     let agent = crate::build(true)?;
     let binaries = test_binaries(tests)?;
     let mut command = String::from("set -e\n");
+    if unit {
+        let bin = quote(&agent_unit_tests()?.display().to_string());
+        for f in AGENT_UNIT_TESTS {
+            command += &format!("echo '== agent unit tests {f} on {}'\n", kernel.release);
+            command += &format!("{bin} {} --test-threads 1\n", quote(f));
+        }
+    }
     for (name, binary) in &binaries {
         command += &format!(
             "echo '== {name} on {} over {}'\n",
