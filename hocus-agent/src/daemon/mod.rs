@@ -4,7 +4,7 @@
 //! `rest`), `stats` (sizes of newly seen files), `profiling` (the working set and its
 //! state directory), `jobs`, `relays`, `requests` (what waits, and the work done off the
 //! loop), and the `keeper` (placement, on its own thread). `trees` finds what is watched
-//! at start.
+//! at start; `faces` starts the control socket and the relay port.
 
 use std::{
     net::SocketAddr,
@@ -25,11 +25,9 @@ use tokio::{
 
 use crate::{
     control::{
-        calls,
-        gate::{Control, Limits},
+        gate::Control,
         messages::{Answer, Ask, Call, JobNodes, Query},
         refusal::Refusal,
-        relay, server,
     },
     observe::{
         events::Observer, mounts, places::Places, tracefs, tracer::Tracer, tripwires, views::Views,
@@ -53,6 +51,7 @@ use crate::{
     },
 };
 
+mod faces;
 mod jobs;
 mod keeper;
 mod profiling;
@@ -311,46 +310,6 @@ impl Daemon {
         }
     }
 
-    /// Serves the control socket and the relay port; their requests come in as calls.
-    fn serve(&mut self, calls: mpsc::Sender<Call>) -> Result<()> {
-        let settings = &self.opts.settings;
-        let limits = Limits {
-            total: settings.max_clients.unwrap_or(256),
-            per_user: settings.max_clients_per_user.unwrap_or(16),
-        };
-        let setup = calls::Setup {
-            trees: self.watched.iter().map(|w| w.path.clone()).collect(),
-            job_profiles: settings.job_profiles(),
-            bind_opens: self.bind_opens.clone(),
-        };
-        if let Some(port) = settings.relay_port() {
-            let serving = relay::Serving {
-                port,
-                munge_socket: settings.munge_socket.clone(),
-                timeout: settings.relay_timeout(),
-            };
-            match relay::serve(serving, calls.clone()) {
-                Ok(addr) => log::info!(
-                    "relay: the nodes of multi-node Slurm jobs fetch their files from each other through {addr}"
-                ),
-                // Each node then reads from the network: slower, never broken.
-                Err(e) => log::warn!(
-                    "relay: cannot listen on port {port} ({e}): each node of a multi-node job reads its files from the network"
-                ),
-            }
-        }
-        self.control = Some(server::serve(&self.socket, calls, limits, setup)?);
-        log::info!(
-            "ready: profile in {}, control socket {}{}",
-            self.profiling.profile_path().display(),
-            self.socket.display(),
-            self.metrics_addr
-                .map(|a| format!(", metrics on http://{a}/metrics"))
-                .unwrap_or_default()
-        );
-        Ok(())
-    }
-
     /// Reads what the kernel side sent (and the opens through Slurm tasks' binds) and
     /// routes what it means.
     async fn drain(&mut self) {
@@ -465,7 +424,7 @@ impl Daemon {
             Ask::Binds => {
                 // The first step of every job session, before its namespace is made: the
                 // tracer follows the job from its start.
-                self.tracing.wake("a job is starting");
+                self.wake("a job is starting").await;
                 // Answered off the loop: a keeper busy placing a million entries holds
                 // up this job, not the loop.
                 let keeper = self.keeper.clone();
@@ -528,10 +487,19 @@ impl Daemon {
         let _ = reply.send(answer);
     }
 
+    /// Wakes the tracer (`why`: for the log). What was queued while it rested is read
+    /// first: opens through Slurm tasks' binds then are the tracer's to count no more.
+    async fn wake(&mut self, why: &str) {
+        if self.tracing.tracer().is_resting() {
+            self.drain().await;
+        }
+        self.tracing.wake(why);
+    }
+
     /// A job starts: the keeper learns of it before anything it does.
     async fn job_starting(&mut self, mut start: JobStart) -> Answer {
         // Events already read belong to earlier jobs.
-        self.tracing.wake("a job is starting");
+        self.wake("a job is starting").await;
         self.drain().await;
         let task = start.task.take().map(|pidfd| jobs::Task {
             pidfd,

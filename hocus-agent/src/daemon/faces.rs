@@ -1,0 +1,51 @@
+//! The daemon's faces, started once it is set up: the control socket (and its
+//! connections' shared settings) and the relay port; their requests come to the loop
+//! as calls.
+
+use anyhow::Result;
+use tokio::sync::mpsc;
+
+use super::Daemon;
+use crate::control::{calls, gate::Limits, messages::Call, relay, server};
+
+impl Daemon {
+    /// Serves the control socket and the relay port; their requests come in as calls.
+    pub(super) fn serve(&mut self, calls: mpsc::Sender<Call>) -> Result<()> {
+        let settings = &self.opts.settings;
+        let limits = Limits {
+            total: settings.max_clients.unwrap_or(256),
+            per_user: settings.max_clients_per_user.unwrap_or(16),
+        };
+        let setup = calls::Setup {
+            trees: self.watched.iter().map(|w| w.path.clone()).collect(),
+            job_profiles: settings.job_profiles(),
+            bind_opens: self.bind_opens.clone(),
+        };
+        if let Some(port) = settings.relay_port() {
+            let serving = relay::Serving {
+                port,
+                munge_socket: settings.munge_socket.clone(),
+                timeout: settings.relay_timeout(),
+            };
+            match relay::serve(serving, calls.clone()) {
+                Ok(addr) => log::info!(
+                    "relay: the nodes of multi-node Slurm jobs fetch their files from each other through {addr}"
+                ),
+                // Each node then reads from the network: slower, never broken.
+                Err(e) => log::warn!(
+                    "relay: cannot listen on port {port} ({e}): each node of a multi-node job reads its files from the network"
+                ),
+            }
+        }
+        self.control = Some(server::serve(&self.socket, calls, limits, setup)?);
+        log::info!(
+            "ready: profile in {}, control socket {}{}",
+            self.profiling.profile_path().display(),
+            self.socket.display(),
+            self.metrics_addr
+                .map(|a| format!(", metrics on http://{a}/metrics"))
+                .unwrap_or_default()
+        );
+        Ok(())
+    }
+}
