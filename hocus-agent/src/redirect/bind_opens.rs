@@ -307,6 +307,59 @@ mod tests {
         assert_eq!(read.opens[0].pid, std::process::id());
     }
 
+    /// A lazy snapshot's view (an overlay: a hot file's bytes local, a cold one's read
+    /// from the network layer) is marked as one mount: opens of both are reported with
+    /// their network paths. Needs lazy views (6.13; this machine's kernel and CI's).
+    #[test]
+    fn opens_in_a_lazy_snapshot_s_view_are_reported_by_its_network_paths() {
+        use std::os::fd::AsRawFd;
+        let dir = tempfile::tempdir().unwrap();
+        let (tree, meta) = (dir.path().join("tree"), dir.path().join("meta"));
+        let net = tree.join("env");
+        fs::create_dir_all(&net).unwrap();
+        fs::create_dir_all(&meta).unwrap();
+        fs::write(net.join("cold"), "network bytes").unwrap();
+        fs::write(net.join("hot"), "network").unwrap();
+        fs::write(meta.join("hot"), "local").unwrap();
+        let cold = fs::File::open(net.join("cold")).unwrap();
+        let m = nix::sys::stat::fstat(cold.as_raw_fd()).unwrap();
+        crate::cache::snapshot::write_stub(
+            &OwnedFd::from(cold),
+            std::path::Path::new("cold"),
+            &meta.join("cold"),
+            &m,
+        )
+        .unwrap();
+        let bind = Bind {
+            local: meta,
+            target: net.clone(),
+            tree,
+            expect: Expect::Nothing,
+            lazy: true,
+            passages: Vec::new(),
+        };
+        let (id, read) = std::thread::spawn(move || {
+            enter_new_namespace().unwrap();
+            let opens = BindOpens::new().unwrap();
+            let view = bind_read_only(&bind, None).unwrap();
+            let id = opens.mark(&view).unwrap();
+            assert_eq!(
+                fs::read_to_string(bind.target.join("hot")).unwrap(),
+                "local"
+            );
+            assert_eq!(
+                fs::read_to_string(bind.target.join("cold")).unwrap(),
+                "network bytes"
+            );
+            (id, opens.read(100).unwrap())
+        })
+        .join()
+        .unwrap();
+        let paths: Vec<_> = read.opens.iter().map(|o| o.path.clone()).collect();
+        assert_eq!(paths, [net.join("hot"), net.join("cold")]);
+        assert!(read.opens.iter().all(|o| o.mount == id));
+    }
+
     #[test]
     fn the_bound_on_marks_holds() {
         let opens = BindOpens::new().unwrap();

@@ -233,10 +233,11 @@ pub fn test_kernels() -> Result<()> {
     Ok(())
 }
 
-/// The agent's unit tests (a filter each) that use the kernel's own features, beyond
-/// the integration tests: the fanotify marks on binds' mounts (Slurm tasks' opens while
-/// the tracer rests).
-const AGENT_UNIT_TESTS: [&str; 1] = ["redirect::bind_opens::"];
+/// The agent's unit tests (a filter each, and what it skips) that use the kernel's own
+/// features, beyond the integration tests: the fanotify marks on binds' mounts (Slurm
+/// tasks' opens while the tracer rests), but in lazy snapshots' views, which these
+/// kernels lack (6.13).
+const AGENT_UNIT_TESTS: [(&str, &str); 1] = [("redirect::bind_opens::", "lazy_snapshot")];
 
 /// The agent's unit-test binary, built.
 fn agent_unit_tests() -> Result<PathBuf> {
@@ -281,9 +282,13 @@ pub fn test_in(
     let mut command = String::from("set -e\n");
     if unit {
         let bin = quote(&agent_unit_tests()?.display().to_string());
-        for f in AGENT_UNIT_TESTS {
+        for (f, skip) in AGENT_UNIT_TESTS {
             command += &format!("echo '== agent unit tests {f} on {}'\n", kernel.release);
-            command += &format!("{bin} {} --test-threads 1\n", quote(f));
+            command += &format!(
+                "{bin} {} --skip {} --test-threads 1\n",
+                quote(f),
+                quote(skip)
+            );
         }
     }
     for (name, binary) in &binaries {
