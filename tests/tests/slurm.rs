@@ -474,7 +474,6 @@ fn without_the_marks_a_slurm_job_is_followed_all_along() {
 /// A Slurm job that opens two local copies again and again, then a third; with
 /// `fallbacks`, the daemon takes them.
 fn served_slurm_job(fallbacks: Option<&str>) {
-    use std::os::unix::fs::PermissionsExt as _;
     let cluster = slurm();
     let net = NetworkMount::start();
     let files = ["a", "b", "c"].map(|n| net.put(&format!("env/lib/rest_{n}.py"), b"V = 1\n"));

@@ -19,7 +19,7 @@ impl Daemon {
         let setup = calls::Setup {
             trees: self.watched.iter().map(|w| w.path.clone()).collect(),
             job_profiles: settings.job_profiles(),
-            bind_opens: self.bind_opens.clone(),
+            bind_opens: self.jobs.bind_opens(),
         };
         if let Some(port) = settings.relay_port() {
             let serving = relay::Serving {

@@ -40,12 +40,20 @@ pub const MAX_JOB_PROFILES: usize = 64;
 /// Entries one Slurm job's working set holds at most.
 pub const MAX_JOB_PROFILE_ENTRIES: usize = 200_000;
 
-/// An attached task: its pidfd, its Slurm job, and the ids of its binds' mounts if each
-/// one's opens are reported.
+/// An attached task starting: its pidfd, its Slurm job, and the ids of its binds' mounts
+/// if each one's opens are reported.
 pub struct Task {
     pub pidfd: Arc<OwnedFd>,
     pub slurm: Option<SlurmTask>,
     pub marked: Option<Vec<u64>>,
+}
+
+/// What the loop keeps of an attached task.
+struct Attached {
+    pidfd: Arc<OwnedFd>,
+    slurm: Option<SlurmTask>,
+    /// Every open through its binds is reported (its mounts are in `Jobs::mounts`).
+    reported: bool,
 }
 
 /// The loop's side of the jobs.
@@ -54,7 +62,7 @@ pub struct Jobs {
     /// Jobs started and not ended.
     running: HashSet<u32>,
     /// Attached tasks, by job id (= pid).
-    tasks: HashMap<u32, Task>,
+    tasks: HashMap<u32, Attached>,
     /// The task each marked mount belongs to.
     mounts: HashMap<u64, u32>,
     /// Where the marks were made (their count given back as tasks end).
@@ -113,7 +121,12 @@ impl Jobs {
         for &mount in task.marked.iter().flatten() {
             self.mounts.insert(mount, id);
         }
-        self.tasks.insert(id, task);
+        let attached = Attached {
+            pidfd: task.pidfd,
+            slurm: task.slurm,
+            reported: task.marked.is_some(),
+        };
+        self.tasks.insert(id, attached);
         let Some(slurm_job) = slurm_job else {
             return Ok(());
         };
@@ -243,18 +256,19 @@ impl Jobs {
             "opens through Slurm tasks' binds were lost (the fanotify queue overflowed): the tasks running now are followed by the tracer until they end"
         );
         for task in self.tasks.values_mut() {
-            task.marked = None;
+            task.reported = false;
         }
     }
 
     /// Job `id` ended (what it did was read): it is forgotten.
     pub fn ended(&mut self, tracing: &mut Tracing, id: u32) {
         self.running.remove(&id);
-        if let Some(task) = self.tasks.remove(&id) {
+        if self.tasks.remove(&id).is_some() {
+            // Its marks go with its mounts, counted here even if its opens were lost.
+            let marked = self.mounts.len();
             self.mounts.retain(|_, t| *t != id);
-            let marks = task.marked.map_or(0, |m| m.len());
             if let Some(opens) = &self.bind_opens {
-                opens.forget(marks);
+                opens.forget(marked - self.mounts.len());
             }
         }
         tracing.active();
@@ -294,7 +308,7 @@ impl Jobs {
         let own_profiles = self
             .tasks
             .values()
-            .any(|t| t.slurm.is_some() && t.marked.is_none());
+            .any(|t| t.slurm.is_some() && !t.reported);
         if self.running.is_empty() {
             rest::Jobs::None
         } else if tells_misses && !own_profiles {
@@ -302,6 +316,11 @@ impl Jobs {
         } else {
             rest::Jobs::Followed
         }
+    }
+
+    /// Where opens through Slurm tasks' binds are reported, if they are.
+    pub fn bind_opens(&self) -> Option<Arc<BindOpens>> {
+        self.bind_opens.clone()
     }
 
     fn index(&mut self) -> Option<u32> {
@@ -314,6 +333,6 @@ impl Jobs {
     }
 }
 
-fn slurm_job_of(t: &Task) -> Option<u32> {
+fn slurm_job_of(t: &Attached) -> Option<u32> {
     t.slurm.map(|s| s.job_id)
 }

@@ -9,7 +9,6 @@
 use std::{
     net::SocketAddr,
     path::PathBuf,
-    sync::Arc,
     time::{Duration, Instant},
 };
 
@@ -37,12 +36,7 @@ use crate::{
         staging::Staging,
         working_set::{VIEW_SLICE, ViewBuild},
     },
-    redirect::{
-        bind_opens::{self, BindOpens},
-        identity,
-        jobs::JobStart,
-        leftovers, mountns, spawn,
-    },
+    redirect::{bind_opens, identity, jobs::JobStart, leftovers, mountns, spawn},
     report::metrics,
     shared::{
         kernel::{self, Route},
@@ -141,8 +135,6 @@ struct Daemon {
     routes: Vec<Route>,
     /// The tracer may rest while jobs run whose requests all hit local copies.
     rests_with_jobs: bool,
-    /// Where opens through Slurm tasks' binds are reported.
-    bind_opens: Option<Arc<BindOpens>>,
 }
 
 impl Daemon {
@@ -217,12 +209,11 @@ impl Daemon {
             keeper_failed_at: None,
             view_build: None,
             keeper_thread: Some(keeper_thread),
-            jobs: Jobs::new(bind_opens.clone()),
+            jobs: Jobs::new(bind_opens),
             relays: Relays::default(),
             kernel_release,
             routes,
             rests_with_jobs,
-            bind_opens,
         })
     }
 

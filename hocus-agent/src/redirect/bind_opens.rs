@@ -17,14 +17,18 @@ use std::{
         fd::{AsRawFd, FromRawFd, OwnedFd, RawFd},
         unix::ffi::OsStrExt,
     },
-    path::PathBuf,
+    path::{Path, PathBuf},
     sync::{
         Arc,
         atomic::{AtomicUsize, Ordering},
     },
 };
 
-use crate::shared::kernel::{self, Route};
+use super::mountns::check;
+use crate::shared::{
+    dirs,
+    kernel::{self, Route},
+};
 
 /// The group for this daemon, and the way Slurm tasks' hits are seen while the tracer
 /// rests: reported by fanotify, or (a kernel without it, or `HOCUS_FALLBACKS=bind-opens`)
@@ -79,14 +83,6 @@ pub struct Read {
     pub overflowed: bool,
 }
 
-fn check(ret: libc::c_int) -> io::Result<libc::c_int> {
-    if ret < 0 {
-        Err(io::Error::last_os_error())
-    } else {
-        Ok(ret)
-    }
-}
-
 impl BindOpens {
     /// A group of its own. Fails where the kernel lacks fanotify or `statx`'s mount
     /// ids (before 5.8): jobs are then followed by the tracer.
@@ -97,9 +93,9 @@ impl BindOpens {
             | libc::FAN_UNLIMITED_MARKS;
         let event_flags = libc::O_RDONLY | libc::O_CLOEXEC | libc::O_LARGEFILE;
         // SAFETY: plain flags; the descriptor is owned on success.
-        let fd = check(unsafe { libc::fanotify_init(flags, event_flags as libc::c_uint) })?;
+        let fd = check(unsafe { libc::fanotify_init(flags, event_flags as libc::c_uint) }.into())?;
         // SAFETY: a descriptor just made, owned by nothing else.
-        let group = unsafe { OwnedFd::from_raw_fd(fd) };
+        let group = unsafe { OwnedFd::from_raw_fd(fd as RawFd) };
         mount_id(group.as_raw_fd())?;
         Ok(Self {
             group,
@@ -119,18 +115,20 @@ impl BindOpens {
         let flags = libc::FAN_MARK_ADD | libc::FAN_MARK_MOUNT;
         // The mount's descriptor is an O_PATH one, which fanotify_mark does not take as
         // its object: its magic link in /proc names the same mount and root.
-        let link = std::ffi::CString::new(format!("/proc/self/fd/{}", mount.as_raw_fd()))
-            .expect("no NUL in a number");
+        let link = dirs::magic_link(mount);
         // SAFETY: a valid descriptor and C string.
-        let marked = check(unsafe {
-            libc::fanotify_mark(
-                self.group.as_raw_fd(),
-                flags,
-                libc::FAN_OPEN,
-                libc::AT_FDCWD,
-                link.as_ptr(),
-            )
-        });
+        let marked = check(
+            unsafe {
+                libc::fanotify_mark(
+                    self.group.as_raw_fd(),
+                    flags,
+                    libc::FAN_OPEN,
+                    libc::AT_FDCWD,
+                    link.as_ptr(),
+                )
+            }
+            .into(),
+        );
         match marked.and_then(|_| mount_id(mount.as_raw_fd())) {
             Ok(id) => Ok(id),
             Err(e) => {
@@ -185,13 +183,6 @@ impl BindOpens {
     }
 }
 
-/// The group's descriptor, to wait on: readable when opens are queued.
-impl AsRawFd for BindOpens {
-    fn as_raw_fd(&self) -> RawFd {
-        self.group.as_raw_fd()
-    }
-}
-
 /// The events in `buf` (whole ones: the kernel never splits one): each carries a
 /// descriptor of the opened file, closed here.
 fn events(mut buf: &[u8], out: &mut Read) {
@@ -226,32 +217,32 @@ fn events(mut buf: &[u8], out: &mut Read) {
 /// job sees, up to its namespace's root: a bind sits on the network path it serves.
 fn opened(file: &OwnedFd, pid: u32) -> Option<Opened> {
     let mount = mount_id(file.as_raw_fd()).ok()?;
-    let link = std::fs::read_link(format!("/proc/self/fd/{}", file.as_raw_fd())).ok()?;
+    let link = dirs::magic_link(file);
+    let path = std::fs::read_link(Path::new(OsStr::from_bytes(link.as_bytes()))).ok()?;
     // A file unlinked since (a copy dropped) says so: it names no network file now.
-    if !link.is_absolute() || link.as_os_str().as_bytes().ends_with(b" (deleted)") {
+    if !path.is_absolute() || path.as_os_str().as_bytes().ends_with(b" (deleted)") {
         return None;
     }
-    Some(Opened {
-        mount,
-        path: PathBuf::from(OsStr::from_bytes(link.as_os_str().as_bytes())),
-        pid,
-    })
+    Some(Opened { mount, path, pid })
 }
 
 /// The id of the mount `fd` lies on (`statx`'s `STATX_MNT_ID`, 5.8).
-pub fn mount_id(fd: RawFd) -> io::Result<u64> {
+fn mount_id(fd: RawFd) -> io::Result<u64> {
     // SAFETY: zeroed is a valid statx.
     let mut stx: libc::statx = unsafe { std::mem::zeroed() };
     // SAFETY: a valid descriptor, an empty C string with AT_EMPTY_PATH, a struct to fill.
-    check(unsafe {
-        libc::statx(
-            fd,
-            c"".as_ptr(),
-            libc::AT_EMPTY_PATH,
-            libc::STATX_MNT_ID,
-            &mut stx,
-        )
-    })?;
+    check(
+        unsafe {
+            libc::statx(
+                fd,
+                c"".as_ptr(),
+                libc::AT_EMPTY_PATH,
+                libc::STATX_MNT_ID,
+                &mut stx,
+            )
+        }
+        .into(),
+    )?;
     if stx.stx_mask & libc::STATX_MNT_ID == 0 {
         return Err(io::Error::new(
             io::ErrorKind::Unsupported,
@@ -267,9 +258,25 @@ mod tests {
     use crate::redirect::mountns::{Bind, Expect, bind_read_only, enter_new_namespace};
     use std::fs;
 
-    /// A real bind made as a job's are, in a namespace of a thread of its own, its mount
-    /// marked: an open through it is reported with its path and mount; the copy opened
-    /// by its own path and a file beside it are not. Run as root, as the daemon is.
+    /// Makes `bind` as a job's are, in a namespace of a thread of its own, marks its
+    /// mount, runs `open` there, and returns the mount's id and what the group read.
+    fn opened_through(bind: Bind, open: impl FnOnce(&Bind) + Send + 'static) -> (u64, Read) {
+        std::thread::spawn(move || {
+            enter_new_namespace().unwrap();
+            let opens = BindOpens::new().unwrap();
+            let mount = bind_read_only(&bind, None).unwrap();
+            let id = opens.mark(&mount).unwrap();
+            assert_eq!(opens.marked(), 1);
+            open(&bind);
+            (id, opens.read(100).unwrap())
+        })
+        .join()
+        .unwrap()
+    }
+
+    /// A real bind, its mount marked: an open through it is reported with its path and
+    /// mount; the copy opened by its own path and a file beside it are not. Run as root,
+    /// as the daemon is.
     #[test]
     fn an_open_through_a_marked_bind_is_reported_and_one_beside_it_is_not() {
         let dir = tempfile::tempdir().unwrap();
@@ -291,19 +298,11 @@ mod tests {
             lazy: false,
             passages: Vec::new(),
         };
-        let (id, read) = std::thread::spawn(move || {
-            enter_new_namespace().unwrap();
-            let opens = BindOpens::new().unwrap();
-            let mount = bind_read_only(&bind, None).unwrap();
-            let id = opens.mark(&mount).unwrap();
-            assert_eq!(opens.marked(), 1);
+        let (id, read) = opened_through(bind, move |bind| {
             assert_eq!(fs::read_to_string(&bind.target).unwrap(), "local");
             fs::read_to_string(&copy).unwrap();
             fs::read_to_string(&other).unwrap();
-            (id, opens.read(100).unwrap())
-        })
-        .join()
-        .unwrap();
+        });
         assert!(!read.overflowed);
         assert_eq!(read.opens.len(), 1, "{:?}", read.opens);
         assert_eq!(read.opens[0].mount, id);
@@ -316,7 +315,6 @@ mod tests {
     /// their network paths. Needs lazy views (6.13; this machine's kernel and CI's).
     #[test]
     fn opens_in_a_lazy_snapshot_s_view_are_reported_by_its_network_paths() {
-        use std::os::fd::AsRawFd;
         let dir = tempfile::tempdir().unwrap();
         let (tree, meta) = (dir.path().join("tree"), dir.path().join("meta"));
         let net = tree.join("env");
@@ -342,11 +340,7 @@ mod tests {
             lazy: true,
             passages: Vec::new(),
         };
-        let (id, read) = std::thread::spawn(move || {
-            enter_new_namespace().unwrap();
-            let opens = BindOpens::new().unwrap();
-            let view = bind_read_only(&bind, None).unwrap();
-            let id = opens.mark(&view).unwrap();
+        let (id, read) = opened_through(bind, |bind| {
             assert_eq!(
                 fs::read_to_string(bind.target.join("hot")).unwrap(),
                 "local"
@@ -355,10 +349,7 @@ mod tests {
                 fs::read_to_string(bind.target.join("cold")).unwrap(),
                 "network bytes"
             );
-            (id, opens.read(100).unwrap())
-        })
-        .join()
-        .unwrap();
+        });
         let paths: Vec<_> = read.opens.iter().map(|o| o.path.clone()).collect();
         assert_eq!(paths, [net.join("hot"), net.join("cold")]);
         assert!(read.opens.iter().all(|o| o.mount == id));

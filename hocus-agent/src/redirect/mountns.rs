@@ -98,7 +98,7 @@ pub fn say_not_bound(path: &Path, e: &io::Error) {
     }
 }
 
-fn check(ret: libc::c_long) -> io::Result<libc::c_long> {
+pub(super) fn check(ret: libc::c_long) -> io::Result<libc::c_long> {
     if ret < 0 {
         Err(io::Error::last_os_error())
     } else {
@@ -568,7 +568,7 @@ fn detach_here(targets: &[PathBuf]) -> usize {
 
 /// Detaches the mount whose root `mount` (a descriptor) names, through its magic link.
 fn detach(mount: &OwnedFd) -> io::Result<()> {
-    let at = CString::new(format!("/proc/self/fd/{}", mount.as_raw_fd()))?;
+    let at = dirs::magic_link(mount);
     // SAFETY: a valid C string.
     check(unsafe { libc::umount2(at.as_ptr(), libc::MNT_DETACH) }.into()).map(drop)
 }

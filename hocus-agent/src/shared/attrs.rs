@@ -19,6 +19,8 @@ use std::{
 
 use nix::sys::stat::FileStat;
 
+use crate::shared::dirs;
+
 /// Gives `f` owner `uid`, group `gid` and permission bits `mode`, in that order.
 pub fn own(f: &File, uid: u32, gid: u32, mode: u32) -> io::Result<()> {
     std::os::unix::fs::fchown(f, Some(uid), Some(gid))?;
@@ -122,8 +124,7 @@ pub fn has_xattr(path: &Path, name: &CStr) -> bool {
 /// not made. Filesystems without xattrs (sshfs) have none. `src` may be an O_PATH
 /// descriptor: it is read through its /proc/self/fd link, which names it and nothing else.
 pub fn copy_xattrs(src: &impl AsRawFd, dst: &File) -> io::Result<()> {
-    let link =
-        CString::new(format!("/proc/self/fd/{}", src.as_raw_fd())).expect("no NUL in a number");
+    let link = dirs::magic_link(src);
     let list = |buf: &mut [u8]| {
         // SAFETY: NUL-terminated path, buffer of the given size (empty: asks the size).
         let n = unsafe { libc::listxattr(link.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };

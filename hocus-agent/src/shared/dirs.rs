@@ -13,6 +13,12 @@ use std::{
     path::Path,
 };
 
+/// The /proc link that names what `fd` names (an O_PATH descriptor's file, or a mount's
+/// root), for the calls that take a path and not a descriptor.
+pub fn magic_link(fd: &impl AsRawFd) -> CString {
+    CString::new(format!("/proc/self/fd/{}", fd.as_raw_fd())).expect("no NUL in a number")
+}
+
 /// `openat2`'s resolve flags that follow no symlink and no magic link on any component.
 pub const NO_SYMLINKS: u64 = libc::RESOLVE_NO_SYMLINKS | libc::RESOLVE_NO_MAGICLINKS;
 

@@ -11,7 +11,7 @@ pub mod guest;
 pub mod kernels;
 mod tools;
 
-use std::{path::PathBuf, time::Duration};
+use std::{path::PathBuf, process::Command, time::Duration};
 
 use anyhow::{Context, Result, bail};
 use clap::{Subcommand, ValueEnum};
@@ -241,29 +241,35 @@ const AGENT_UNIT_TESTS: [(&str, &str); 1] = [("redirect::bind_opens::", "lazy_sn
 
 /// The agent's unit-test binary, built.
 fn agent_unit_tests() -> Result<PathBuf> {
-    let out = cargo()
-        .args([
-            "test",
-            "--package",
-            "hocus-agent",
-            "--bin",
-            "hocus-agent",
-            "--no-run",
-        ])
-        .args(["--message-format", "json"])
-        .output()
-        .context("building the agent's unit tests")?;
+    let mut cmd = cargo();
+    cmd.args(["test", "--package", "hocus-agent", "--bin", "hocus-agent"]);
+    let built = test_executables(&mut cmd, "the agent's unit tests")?;
+    built
+        .into_iter()
+        .next()
+        .map(|(_, exe)| exe)
+        .context("no unit-test binary of hocus-agent")
+}
+
+/// Builds the tests `cmd` (`cargo test ...`) names without running them; returns each
+/// test target's name and executable.
+fn test_executables(cmd: &mut Command, what: &str) -> Result<Vec<(String, PathBuf)>> {
+    cmd.args(["--no-run", "--message-format", "json"]);
+    let out = cmd.output().with_context(|| format!("building {what}"))?;
     if !out.status.success() {
         bail!(
-            "building the agent's unit tests failed:\n{}",
+            "building {what} failed:\n{}",
             String::from_utf8_lossy(&out.stderr)
         );
     }
-    String::from_utf8_lossy(&out.stdout)
+    Ok(String::from_utf8_lossy(&out.stdout)
         .lines()
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .find_map(|m| m["executable"].as_str().map(PathBuf::from))
-        .context("no unit-test binary of hocus-agent")
+        .filter_map(|m| {
+            let name = m["target"]["name"].as_str()?.to_owned();
+            Some((name, PathBuf::from(m["executable"].as_str()?)))
+        })
+        .collect())
 }
 
 /// Runs test files `tests` of tests/tests in a guest of `kernel`, one after the other,
@@ -324,8 +330,7 @@ pub fn test_in(
 /// The test binaries of the named files of tests/tests, built.
 fn test_binaries(names: &[String]) -> Result<Vec<(String, PathBuf)>> {
     let mut cmd = cargo();
-    cmd.args(["test", "--package", "hocus-tests", "--no-run"])
-        .args(["--message-format", "json"]);
+    cmd.args(["test", "--package", "hocus-tests"]);
     for n in names {
         cmd.args(["--test", n]);
     }
@@ -333,26 +338,8 @@ fn test_binaries(names: &[String]) -> Result<Vec<(String, PathBuf)>> {
     if names.iter().any(|n| n == "nfs") {
         cmd.args(["--features", "kernel-nfs"]);
     }
-    let out = cmd.output().context("building the tests")?;
-    if !out.status.success() {
-        bail!(
-            "building the tests failed:\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    let mut found = Vec::new();
-    for line in String::from_utf8_lossy(&out.stdout).lines() {
-        let Ok(msg) = serde_json::from_str::<serde_json::Value>(line) else {
-            continue;
-        };
-        let (Some(name), Some(exe)) = (msg["target"]["name"].as_str(), msg["executable"].as_str())
-        else {
-            continue;
-        };
-        if names.iter().any(|n| n == name) {
-            found.push((name.to_owned(), PathBuf::from(exe)));
-        }
-    }
+    let mut found = test_executables(&mut cmd, "the tests")?;
+    found.retain(|(name, _)| names.contains(name));
     for n in names {
         if !found.iter().any(|(f, _)| f == n) {
             bail!("no test file {n} in tests/tests");
