@@ -58,7 +58,7 @@ pub fn run(boot: &Boot) -> Result<Ended> {
     let mut cmd = Command::new(&vng);
     cmd.env("PATH", tools::path_with_vng())
         .arg("--verbose")
-        .args(tools::accel())
+        .args(tools::accel(boot.kernel.series))
         .arg("-r")
         .arg(&boot.kernel.image)
         .args(["--memory", &format!("{}M", boot.memory_mib)])

@@ -20,6 +20,12 @@ pub struct Series {
     pub name: &'static str,
     pub distribution: &'static str,
     suite: &'static str,
+    /// Emulate all the guest's CPUs on one host thread (QEMU's single-threaded TCG).
+    /// 5.10 needs it: with one thread per CPU, a CPU that meets the int3 of a jump label
+    /// being patched (`text_poke_bp`, e.g. when a program is attached at `sys_exit`)
+    /// keeps running QEMU's stale translation of it after the patch, and 5.10's int3
+    /// handler, seeing the byte gone, retries it forever (docs/kernels.md).
+    pub one_emulation_thread: bool,
 }
 
 /// Debian 11, 12 and 13: the stock kernels of today's clusters besides this machine's.
@@ -28,16 +34,19 @@ pub const SERIES: [Series; 3] = [
         name: "5.10",
         distribution: "Debian 11 (bullseye)",
         suite: "bullseye",
+        one_emulation_thread: true,
     },
     Series {
         name: "6.1",
         distribution: "Debian 12 (bookworm)",
         suite: "bookworm",
+        one_emulation_thread: false,
     },
     Series {
         name: "6.12",
         distribution: "Debian 13 (trixie)",
         suite: "trixie",
+        one_emulation_thread: false,
     },
 ];
 

@@ -14,6 +14,7 @@ use anyhow::{Result, bail};
 use crate::{
     host::status,
     setup::{install, missing_packages, need_root},
+    vm::kernels::Series,
 };
 
 const PACKAGES: &[&str] = &[
@@ -67,10 +68,13 @@ pub fn path_with_vng() -> OsString {
 
 /// Software emulation (TCG) unless asked for KVM with HOCUS_VM_KVM=1: on the machines
 /// this was written on, /dev/kvm exists without the CPU's virtualization flags and a
-/// KVM guest hangs at boot (toolchain.md).
-pub fn accel() -> Vec<&'static str> {
+/// KVM guest hangs at boot (toolchain.md). Emulated, a kernel series may ask for one
+/// emulation thread for all its CPUs (`Series::one_emulation_thread`).
+pub fn accel(series: Series) -> Vec<&'static str> {
     if std::env::var_os("HOCUS_VM_KVM").is_some_and(|v| v == "1") {
         Vec::new()
+    } else if series.one_emulation_thread {
+        vec!["--disable-kvm", "--qemu-opts=-accel tcg,thread=single"]
     } else {
         vec!["--disable-kvm"]
     }
