@@ -238,6 +238,7 @@ fn export(
 ) -> Result<()> {
     let mut ask_for = Ask::Client(Query::Export { root });
     let mut sent = [0usize; 3];
+    let mut first = true;
     loop {
         let (order, part) = match ask_once(calls, caller.clone(), ask_for) {
             Ok(Answer::Export { order, part }) => (order, part),
@@ -255,11 +256,18 @@ fn export(
         if let Err(e) = access::filter_for(&mut part, &caller) {
             return client.refuse(Refusal::new("read_error", format!("{e:#}")));
         }
+        ask_for = Ask::ExportPart(order);
+        let entries = part.files.len() + part.missing.len() + part.dirs.len();
+        // The first part goes even empty (it carries the start); a later empty one was
+        // spent sorting what comes next, or held nothing of the caller's.
+        if entries == 0 && !std::mem::replace(&mut first, false) {
+            continue;
+        }
+        first = false;
         sent[0] += part.files.len();
         sent[1] += part.missing.len();
         sent[2] += part.dirs.len();
         client.send(&Response::Profile(part))?;
-        ask_for = Ask::ExportPart(order);
     }
 }
 

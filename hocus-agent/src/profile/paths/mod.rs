@@ -10,11 +10,14 @@
 //! (parent, name), so that growing the table of children reads no name back, and a
 //! lookup reads one only when parent and hash match.
 
-use std::{cmp::Ordering, collections::HashMap, hash::BuildHasher};
+use std::hash::BuildHasher;
 
 use hashbrown::{DefaultHashBuilder, HashTable};
 
 use crate::{profile::records::Records, shared::memory::table_bytes};
+
+mod sort;
+pub use sort::SlicedSort;
 
 /// A path held in [`Paths`]; `Paths::ROOT` is `/`.
 pub type PathId = u32;
@@ -256,136 +259,6 @@ impl Paths {
         }
         under
     }
-
-    /// Sorts `items` by their paths (`path`), as strings would sort. Each path is a
-    /// directory's path (written once per directory, with its `/`) and a leaf name (read
-    /// once each, in the order names were stored: those on disk are read in order): two
-    /// in one directory compare by their names alone, others as the strings they join
-    /// into. A comparison walking the tree up from both paths cost ~60 ns at a million
-    /// paths (200k missing names sorted in 220 ms on the daemon's loop).
-    pub fn sort_by_path<T: Copy>(&self, items: &mut [T], path: impl Fn(&T) -> PathId) {
-        // (the path's id, then its directory's index; where its leaf name is; the item),
-        // 12 bytes an item: a sort of 200k missing names holds ~6 MB while it runs.
-        let mut keys: Vec<(u32, u32, u32)> = (items.iter().enumerate())
-            .map(|(i, item)| (path(item), 0, i as u32))
-            .collect();
-        keys.sort_unstable();
-        let mut text = Joined {
-            // Names in site trees are ~15 bytes: room for them at once, not doubled as
-            // they come.
-            leaves: Vec::with_capacity(keys.len() * 18),
-            ..Joined::default()
-        };
-        let mut buf = Vec::new();
-        for key in &mut keys {
-            let id = key.0;
-            let (dir, leaf) = if id == Self::ROOT {
-                (text.dir(u32::MAX, |_| {}), text.leaf(b"/"))
-            } else {
-                let parent = self.parent(id);
-                let dir = text.dir(parent, |out| {
-                    if parent != Self::ROOT {
-                        self.write_path(parent, out);
-                    }
-                    out.push(b'/');
-                });
-                (dir, text.leaf(self.name_in(id, &mut buf)))
-            };
-            *key = (dir, leaf, key.2);
-        }
-        keys.sort_unstable_by(|a, b| {
-            let (la, lb) = (text.leaf_at(a.1), text.leaf_at(b.1));
-            if a.0 == b.0 {
-                return la.cmp(lb);
-            }
-            let (da, db) = (text.dir_at(a.0), text.dir_at(b.0));
-            let common = da.len().min(db.len());
-            match da[..common].cmp(&db[..common]) {
-                Ordering::Equal => da.iter().chain(la).cmp(db.iter().chain(lb)),
-                o => o,
-            }
-        });
-        drop(text);
-        // Moved into place along the permutation's cycles: no second list of items.
-        for start in 0..keys.len() {
-            if keys[start].2 == u32::MAX {
-                continue;
-            }
-            let first = items[start];
-            let mut at = start;
-            loop {
-                let from = std::mem::replace(&mut keys[at].2, u32::MAX) as usize;
-                if from == start {
-                    items[at] = first;
-                    break;
-                }
-                items[at] = items[from];
-                at = from;
-            }
-        }
-    }
-}
-
-/// The directories' paths and leaf names of a sort: leaves in one buffer, each after
-/// its length (two bytes, or four when the first two are 0xffff); directories in another.
-#[derive(Default)]
-struct Joined {
-    leaves: Vec<u8>,
-    dir_bytes: Vec<u8>,
-    /// Each directory's path, by index: where it starts and ends in `dir_bytes`.
-    dirs: Vec<(u32, u32)>,
-    /// Directory ids (`u32::MAX`: the empty one before `/`) to their index.
-    index: HashMap<PathId, u32>,
-}
-
-impl Joined {
-    /// Appends a leaf name; returns where it is.
-    fn leaf(&mut self, name: &[u8]) -> u32 {
-        let at = self.leaves.len() as u32;
-        match u16::try_from(name.len()) {
-            Ok(n) if n < u16::MAX => self.leaves.extend_from_slice(&n.to_le_bytes()),
-            _ => {
-                self.leaves.extend_from_slice(&u16::MAX.to_le_bytes());
-                self.leaves
-                    .extend_from_slice(&(name.len() as u32).to_le_bytes());
-            }
-        }
-        self.leaves.extend_from_slice(name);
-        at
-    }
-
-    fn leaf_at(&self, at: u32) -> &[u8] {
-        let at = at as usize;
-        let short = u16::from_le_bytes([self.leaves[at], self.leaves[at + 1]]);
-        let (start, len) = if short < u16::MAX {
-            (at + 2, short as usize)
-        } else {
-            let b = &self.leaves[at + 2..at + 6];
-            (
-                at + 6,
-                u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize,
-            )
-        };
-        &self.leaves[start..start + len]
-    }
-
-    /// The index of directory `id`, its path written by `write` the first time.
-    fn dir(&mut self, id: PathId, write: impl FnOnce(&mut Vec<u8>)) -> u32 {
-        if let Some(&i) = self.index.get(&id) {
-            return i;
-        }
-        let start = self.dir_bytes.len() as u32;
-        write(&mut self.dir_bytes);
-        self.dirs.push((start, self.dir_bytes.len() as u32));
-        let i = self.dirs.len() as u32 - 1;
-        self.index.insert(id, i);
-        i
-    }
-
-    fn dir_at(&self, i: u32) -> &[u8] {
-        let (start, end) = self.dirs[i as usize];
-        &self.dir_bytes[start as usize..end as usize]
-    }
 }
 
 impl Default for Paths {
@@ -469,16 +342,6 @@ mod tests {
     }
 
     #[test]
-    fn a_name_longer_than_64k_sorts_too() {
-        let mut p = Paths::new();
-        let long = format!("/a/{}", "x".repeat(70_000));
-        let ids = [p.intern("/a/y"), p.intern(&long), p.intern("/a/w")];
-        let mut sorted = ids;
-        p.sort_by_path(&mut sorted, |id| *id);
-        assert_eq!(sorted, [ids[2], ids[1], ids[0]]);
-    }
-
-    #[test]
     fn names_that_share_bytes_are_told_apart() {
         let mut p = Paths::new();
         let x = p.intern("/ab/c");
@@ -515,27 +378,5 @@ mod tests {
         assert_eq!(p.path(f3), "/net/env/d3/f3.py");
         // Nothing left in the directory: the file is unlinked.
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
-    }
-
-    proptest::proptest! {
-        /// Paths sort as their strings do, including names that are prefixes of others
-        /// followed by bytes below `/` (`b.c` before `b/x`); with leaf names on disk too.
-        #[test]
-        fn sort_as_strings(paths in proptest::collection::vec("(/[ab.-]{1,3}){1,4}", 1..12)) {
-            let dir = tempfile::tempdir().unwrap();
-            for mut p in [Paths::new(), Paths::spilling(dir.path(), 5)] {
-                let ids: Vec<PathId> = paths.iter().map(|s| p.intern(s)).collect();
-                for (i, a) in ids.iter().enumerate() {
-                    proptest::prop_assert_eq!(p.path(*a), paths[i].clone());
-                    proptest::prop_assert_eq!(p.find(&paths[i]), Some(*a));
-                }
-                let mut sorted = ids.clone();
-                p.sort_by_path(&mut sorted, |id| *id);
-                let mut strings = paths.clone();
-                strings.sort();
-                let back: Vec<String> = sorted.iter().map(|id| p.path(*id)).collect();
-                proptest::prop_assert_eq!(back, strings);
-            }
-        }
     }
 }

@@ -1,13 +1,14 @@
 //! Exporting the working set in parts, in the profile format's order (files by first
 //! touch, then missing names and directories by path), fixed when the export starts: the
-//! daemon goes on recording between parts.
+//! daemon goes on recording between parts. The missing names and directories are sorted
+//! a slice per part while the files go out, so no part holds the daemon's loop for long.
 
 use std::path::Path;
 
 use super::WorkingSet;
 use crate::profile::{
     format::{FORMAT_VERSION, Profile},
-    paths::{PathId, Paths},
+    paths::{PathId, Paths, SlicedSort},
 };
 
 impl WorkingSet {
@@ -26,21 +27,13 @@ impl WorkingSet {
         let marks = root.map(|r| self.paths.under(r));
         let under = |id: PathId| marks.as_ref().is_some_and(|m| m[id as usize]);
         let files = self.files_by_first_touch(&under);
-        let by_path = |ids: &mut Vec<PathId>| self.paths.sort_by_path(ids, |id| *id);
-        let mut missing: Vec<PathId> = self
-            .missing
-            .keys()
-            .copied()
-            .filter(|id| under(*id))
-            .collect();
-        by_path(&mut missing);
-        let mut dirs: Vec<PathId> = self.dirs.keys().copied().filter(|id| under(*id)).collect();
-        by_path(&mut dirs);
+        let missing = self.missing.keys().copied().filter(|id| under(*id));
+        let dirs = self.dirs.keys().copied().filter(|id| under(*id));
         ExportOrder {
             files,
-            missing,
-            dirs,
-            next: 0,
+            missing: SlicedSort::new(missing.collect()),
+            dirs: SlicedSort::new(dirs.collect()),
+            next_file: 0,
             begun: false,
         }
     }
@@ -94,9 +87,11 @@ impl WorkingSet {
     }
 
     /// The next at most `n` entries of an export, as a profile; none once all were
-    /// given. The first part is given even when empty: it carries the start.
+    /// given. The first part is given even when empty: it carries the start. While the
+    /// missing names and directories are being sorted, each part does one slice of that
+    /// (all of it when `n` is unbounded), and a part may hold fewer than `n` entries.
     pub fn export_part(&self, order: &mut ExportOrder, n: usize) -> Option<Profile> {
-        if order.begun && order.next >= order.len() {
+        if order.begun && order.left() == 0 {
             return None;
         }
         order.begun = true;
@@ -105,28 +100,38 @@ impl WorkingSet {
             started_unix_ns: self.started_unix_ns,
             ..Default::default()
         };
-        let end = order.next.saturating_add(n).min(order.len());
-        let (nf, nm) = (order.files.len(), order.missing.len());
-        for k in order.next..end {
+        let nf = order.files.len();
+        let end = order.next_file.saturating_add(n).min(nf);
+        for k in order.next_file..end {
             // Entries are never removed; `get` only so that a stale order cannot panic.
-            if k < nf {
-                let i = order.files.at(k);
-                if i < self.files.len() {
-                    p.files.push(self.file_entry(&self.files.get(i)));
-                }
-            } else if k < nf + nm {
-                let id = order.missing[k - nf];
-                if let Some(m) = self.missing.get(&id) {
-                    p.missing.push(self.missing_entry(id, m));
-                }
-            } else {
-                let id = order.dirs[k - nf - nm];
+            let i = order.files.at(k);
+            if i < self.files.len() {
+                p.files.push(self.file_entry(&self.files.get(i)));
+            }
+        }
+        let mut room = n - (end - order.next_file);
+        order.next_file = end;
+        if n == usize::MAX {
+            order.missing.finish(&self.paths);
+            order.dirs.finish(&self.paths);
+        } else if !order.missing.step(&self.paths) {
+            order.dirs.step(&self.paths);
+        }
+        if order.next_file < nf || room == 0 {
+            return Some(p);
+        }
+        room -= order.missing.take(room, |id| {
+            if let Some(m) = self.missing.get(&id) {
+                p.missing.push(self.missing_entry(id, m));
+            }
+        });
+        if order.missing.left() == 0 {
+            order.dirs.take(room, |id| {
                 if let Some(d) = self.dirs.get(&id) {
                     p.dirs.push(self.dir_entry(id, d));
                 }
-            }
+            });
         }
-        order.next = end;
         Some(p)
     }
 }
@@ -138,10 +143,10 @@ impl WorkingSet {
 #[derive(Debug)]
 pub struct ExportOrder {
     pub(super) files: FileOrder,
-    missing: Vec<PathId>,
-    dirs: Vec<PathId>,
-    /// Entries given so far, across the three lists.
-    next: usize,
+    missing: SlicedSort,
+    dirs: SlicedSort,
+    /// Files given so far.
+    next_file: usize,
     begun: bool,
 }
 
@@ -171,8 +176,8 @@ impl FileOrder {
 }
 
 impl ExportOrder {
-    /// Entries in all.
-    fn len(&self) -> usize {
-        self.files.len() + self.missing.len() + self.dirs.len()
+    /// Entries not given yet.
+    fn left(&self) -> usize {
+        self.files.len() - self.next_file + self.missing.left() + self.dirs.left()
     }
 }
