@@ -367,6 +367,14 @@ impl NetworkMount {
         }
     }
 
+    /// Drops what the client holds of the mount (its dentries, attributes and pages: all
+    /// the machine's, by `drop_caches`), so that a job reading the network shows in the
+    /// server's log on NFS too, whose client would otherwise answer it from its caches
+    /// (close-to-open revalidation asks only for attributes, which the log leaves out).
+    pub fn drop_client_caches(&self) {
+        fs::write("/proc/sys/vm/drop_caches", "3").unwrap();
+    }
+
     /// A Python package `mypkg` (`import mypkg.core; mypkg.core.VALUE` is 41) in the
     /// directory `lib` of the share, installed long ago (see `installed_long_ago`, for
     /// `env`). Returns the bytes of its files.

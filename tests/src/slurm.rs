@@ -342,6 +342,14 @@ impl Slurm {
             )
             .unwrap();
         }
+        // Read from beside slurm.conf. Under cgroup v2, slurmd asks systemd over D-Bus for
+        // its stepd's scope unless told not to: a machine without systemd (the rig's
+        // guests) makes it there itself.
+        fs::write(dir.join("cgroup.conf"), "IgnoreSystemd=yes\n").unwrap();
+        let v2 = Path::new("/sys/fs/cgroup/cgroup.controllers").exists();
+        if v2 && !Path::new("/sys/fs/cgroup/system.slice").exists() {
+            fs::create_dir("/sys/fs/cgroup/system.slice").unwrap();
+        }
         fs::set_permissions(&conf, fs::Permissions::from_mode(0o644)).unwrap();
         let mut start = |cmd: Command, at: Option<(u32, bool)>| {
             let mut cmd = match at {

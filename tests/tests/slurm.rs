@@ -155,6 +155,7 @@ fn a_plain_srun_job_imports_from_local_copies_and_off_jobs_are_untouched() {
     assert_eq!(core["opens"], 2, "{core}");
 
     // --hocus=off: the same job reads the network, as without hocus.
+    net.drop_client_caches();
     let before = net.server_log().len();
     let out = srun(&["--hocus=off"], &pythonpath);
     assert_success(&out);
@@ -166,6 +167,7 @@ fn a_plain_srun_job_imports_from_local_copies_and_off_jobs_are_untouched() {
 
     // A value the plugin does not know is the user's mistake, said by srun at once;
     // the job runs without hocus.
+    net.drop_client_caches();
     let before = net.server_log().len();
     let out = srun(&["--hocus=maybe"], &pythonpath);
     assert_success(&out);
@@ -288,6 +290,7 @@ fn a_bind_that_fails_leaves_the_job_reading_the_network() {
         assert!(local.is_dir(), "no snapshot at {}", local.display());
         fs::remove_dir_all(&local).unwrap();
     }
+    net.drop_client_caches();
     let before = net.server_log().len();
     let out = srun(&[], &pythonpath);
     assert_success(&out);
@@ -569,12 +572,12 @@ fn served_slurm_job(fallbacks: Option<&str>) {
     });
     fs::write(&first, "").unwrap();
     std::thread::sleep(std::time::Duration::from_secs(2));
+    // (Asked while the job runs: once it ends, an idle daemon may rest and wake again.)
     let t = tracing(&agent);
     assert_eq!(t["resting"] == true, marked, "{t}");
+    assert_eq!(t["wakeups"].as_u64(), Some(woke), "a hit woke it: {t}");
     fs::write(&second, "").unwrap();
     assert!(job.wait(), "{}", cluster.slurmd_log());
-    let t = tracing(&agent);
-    assert_eq!(t["wakeups"].as_u64(), Some(woke), "a hit woke it: {t}");
 
     // The epilog saved the job's profile: c (opened only while the tracer rested, where
     // it rests) is in it.

@@ -144,6 +144,9 @@ fn guest_script(boot: &Boot, out: &Path, rc: &Path) -> String {
     // What the tests and the daemon expect of a machine, as on the host.
     s += "mountpoint -q /sys/kernel/tracing || mount -t tracefs none /sys/kernel/tracing\n";
     s += "ip link set lo up 2>/dev/null\n";
+    // An address besides loopback: Slurm resolves even "127.0.0.1" with AI_ADDRCONFIG,
+    // which finds no IPv4 family on a machine that has only loopback.
+    s += "ip link add hocus0 type dummy 2>/dev/null && ip addr add 10.254.0.1/24 dev hocus0 && ip link set hocus0 up\n";
     s += &format!("cd {}\n", quote(&workspace().display().to_string()));
     // Before the host stops a guest that runs too long, what it was doing.
     let watchdog = boot.timeout.as_secs().saturating_sub(90).max(30);

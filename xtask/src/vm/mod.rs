@@ -48,7 +48,8 @@ pub enum Vm {
         /// The filesystem of the tests' network mounts.
         #[arg(long, value_enum, default_value_t = TestFs::Nfs3)]
         fs: TestFs,
-        /// A test file of tests/tests (repeatable; default: smoke).
+        /// A test file of tests/tests (repeatable; default: smoke); `NAME:FILTER` runs
+        /// only its tests whose names contain FILTER.
         #[arg(long = "test", value_name = "NAME")]
         tests: Vec<String>,
         /// Only tests whose name contains this.
@@ -209,12 +210,13 @@ pub fn test_kernels() -> Result<()> {
     // answers of (who is followed, identities, the job-start check, root squash,
     // containers' mounts, attacks), over v3, and the NFS tests over v4.2 too. Two
     // guests for v3, each within the guest's time limit. Resting while served jobs run
-    // on the oldest kernel too, and over v4.2 (its opens are other requests). On each
+    // on the oldest kernel too, and over v4.2 (its opens are other requests); a Slurm
+    // job resting while its opens hit (fanotify marks on its binds) on the newest. On each
     // kernel, the agent's own tests of what a kernel may lack (`AGENT_UNIT_TESTS`).
     let runs: [(&str, TestFs, &[&str]); 5] = [
         ("5.10", TestFs::Nfs3, &["smoke", "rest"]),
         ("6.1", TestFs::Nfs4, &["smoke", "follow", "nfs", "rest"]),
-        ("6.12", TestFs::Nfs3, &["smoke"]),
+        ("6.12", TestFs::Nfs3, &["smoke", "slurm:slurm_job"]),
         (
             "6.1",
             TestFs::Nfs3,
@@ -284,7 +286,15 @@ pub fn test_in(
     unit: bool,
 ) -> Result<()> {
     let agent = crate::build(true)?;
-    let binaries = test_binaries(tests)?;
+    // `file:filter` runs only that file's tests whose names hold the filter.
+    let (files, filters): (Vec<String>, Vec<Option<&str>>) = tests
+        .iter()
+        .map(|t| match t.split_once(':') {
+            Some((file, only)) => (file.to_owned(), Some(only)),
+            None => (t.clone(), filter),
+        })
+        .unzip();
+    let binaries = test_binaries(&files)?;
     let mut command = String::from("set -e\n");
     if unit {
         let bin = quote(&agent_unit_tests()?.display().to_string());
@@ -298,6 +308,10 @@ pub fn test_in(
         }
     }
     for (name, binary) in &binaries {
+        let filter = files
+            .iter()
+            .position(|f| f == name)
+            .and_then(|i| filters[i]);
         command += &format!(
             "echo '== {name} on {} over {}'\n",
             kernel.release,
