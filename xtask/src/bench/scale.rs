@@ -302,6 +302,8 @@ pub fn scale(agent_bin: &Path, s: &Scale) -> Result<()> {
     }
 
     let profile_mib = imported["profile_bytes"].as_f64().unwrap_or(0.0) / f64::from(1 << 20);
+    // Which step holds the peak: the import (placement, the first save) or the export.
+    let import_peak_kib = proc_kib(pid, "VmHWM:")?;
 
     let mut status_times: Vec<Duration> = (0..5)
         .map(|_| timed(&mut agent.cli(&["status"])).map(|(t, _)| t))
@@ -351,6 +353,11 @@ pub fn scale(agent_bin: &Path, s: &Scale) -> Result<()> {
         above,
         mib(empty_kib),
         verdict(above <= 64.0)
+    );
+    println!(
+        "{:<44} {:>8.1} MiB",
+        "  of which by the import's end",
+        mib(import_peak_kib.saturating_sub(empty_kib))
     );
     println!(
         "{:<44} {:>8.1} MiB",
@@ -436,6 +443,7 @@ pub fn scale(agent_bin: &Path, s: &Scale) -> Result<()> {
         "daemon_empty_mib": mib(empty_kib),
         "daemon_peak_mib": mib(peak_kib),
         "daemon_peak_above_empty_mib": above,
+        "daemon_peak_above_empty_by_import_end_mib": mib(import_peak_kib.saturating_sub(empty_kib)),
         "daemon_steady_mib": mib(steady_kib),
         "working_set_mib": profile_mib,
         "cli_import_peak_mib": mib(cli_kib),
