@@ -260,7 +260,7 @@ fn export(
         let entries = part.files.len() + part.missing.len() + part.dirs.len();
         // The first part goes even empty (it carries the start); a later empty one was
         // spent sorting what comes next, or held nothing of the caller's.
-        if entries == 0 && !std::mem::replace(&mut first, false) {
+        if entries == 0 && !first {
             continue;
         }
         first = false;

@@ -13,8 +13,8 @@ use std::{cmp::Ordering, collections::HashMap};
 use super::{PathId, Paths};
 
 /// What a sort knows of a path: its directory's index in [`Joined`], where its leaf name
-/// is there, and the item's place before the sort. 12 bytes an item: a sort of 200k
-/// missing names holds ~6 MB while it runs.
+/// is there, and the item's place before the sort (`SlicedSort`: the path's id). 12
+/// bytes an item: a sort of 200k missing names holds ~6 MB while it runs.
 type Key = (u32, u32, u32);
 
 impl Paths {
@@ -65,7 +65,7 @@ fn by_id(ids: impl Iterator<Item = PathId>) -> Vec<Key> {
 /// Paths only ever gain entries while it is under way, and an id's path never changes:
 /// what was read of the names stays true between steps.
 pub struct SlicedSort {
-    ids: Vec<PathId>,
+    /// Each path's key, its id last (what is given out).
     keys: Vec<Key>,
     text: Joined,
     /// Keys whose names were read (in id order); then, keys sorted in runs.
@@ -98,10 +98,10 @@ impl SlicedSort {
     }
 
     fn in_slices_of(ids: Vec<PathId>, slice: usize) -> Self {
-        let keys = by_id(ids.iter().copied());
+        let mut keys: Vec<Key> = ids.into_iter().map(|id| (id, 0, id)).collect();
+        keys.sort_unstable();
         Self {
             text: Joined::sized_for(keys.len()),
-            ids,
             keys,
             read: 0,
             sorted: 0,
@@ -167,16 +167,12 @@ impl SlicedSort {
             return 0;
         }
         let Self {
-            ids,
-            keys,
-            text,
-            runs,
-            ..
+            keys, text, runs, ..
         } = self;
         let mut taken = 0;
         while taken < n && !runs.is_empty() {
             let at = runs[0].0;
-            out(ids[keys[at].2 as usize]);
+            out(keys[at].2);
             taken += 1;
             runs[0].0 += 1;
             if runs[0].0 == runs[0].1 {
