@@ -480,8 +480,15 @@ pub mod kind {
     /// work (a request to a watched FUSE mount, pages entering a watched mount's page
     /// cache): attach it again.
     pub const WAKE: u8 = 16;
+    /// A FUSE LOOKUP was sent for the path (`requests`): `file_id` is its request
+    /// number, `bytes` the mount's device. Only a `LOOKUP_FAILED` makes it a failed
+    /// lookup.
+    pub const LOOKUP_ASKED: u8 = 17;
+    /// The server answered that LOOKUP (`file_id`, `bytes` as above): no such name.
+    pub const LOOKUP_FAILED: u8 = 18;
 }
 
+pub mod requests;
 pub mod rest;
 
 /// Event flags.
@@ -541,7 +548,10 @@ pub mod counter {
     pub const FOREIGN_NAMESPACE: u32 = 7;
     /// A file deeper below its root than the kernel side walks.
     pub const PATH_TOO_DEEP: u32 = 8;
-    pub const COUNT: u32 = 9;
+    /// A change by a name (unlink, rmdir, mkdir, rename, truncate by path) that the
+    /// request programs could not place: a name longer than a dentry holds inline.
+    pub const CHANGE_UNPLACED: u32 = 9;
+    pub const COUNT: u32 = 10;
     /// Metric-style names, by index.
     pub const NAMES: [&str; COUNT as usize] = [
         "events_sent",
@@ -553,6 +563,7 @@ pub mod counter {
         "lost_failed_lookup_events",
         "foreign_namespace",
         "path_too_deep",
+        "change_unplaced",
     ];
 }
 
@@ -574,6 +585,8 @@ mod user {
     unsafe impl aya::Pod for Home {}
     unsafe impl aya::Pod for InodeKey {}
     unsafe impl aya::Pod for Mapped {}
+    unsafe impl aya::Pod for requests::RequestOffsets {}
+    unsafe impl aya::Pod for requests::RequestKey {}
 }
 
 #[cfg(test)]

@@ -10,6 +10,9 @@ pub const WAKING: u32 = 2;
 /// check that a name still stands (a FUSE lookup or getattr after the kernel's entry
 /// timeout) is no news: every served job makes them.
 pub const RESTING_WITH_JOBS: u32 = 3;
+/// Detached while the request programs learn what jobs do on the watched FUSE mounts
+/// (`requests`), changes by name included: no tripwire wakes it.
+pub const LEARNING_BY_REQUESTS: u32 = 4;
 
 /// FUSE opcodes (`enum fuse_opcode`) that read or change the mount: setattr (4),
 /// symlink (6), mknod, mkdir, unlink, rmdir, rename, link (8-13), open, read, write

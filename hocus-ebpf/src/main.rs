@@ -29,12 +29,14 @@
 //! - `locate`: where a dentry lies: under which root, at which path;
 //! - `emit`: events to the agent through the ring buffer;
 //! - `paths`: where a path a process passed lies (relative, absolute, in a container);
+//! - `syscall`: the syscall a task is in: what its number means, its arguments;
 //! - `open_files`: watched descriptors and mapped files, with what was read;
 //! - `tripwire`: the first use of a watched mount follows a process and wakes a resting
 //!   `syscall_exit`;
 //! - `hooks`: the programs, one file per hook: `syscall_exit` (`tp_btf/sys_exit`),
 //!   `sched` (fork, exit), `filemap` (pages entering the page cache), `fuse` (requests
-//!   to FUSE mounts), `nfs` (the NFS client's permission and attribute checks) and
+//!   to FUSE mounts), `fuse_learn` (jobs learned from those requests while
+//!   `syscall_exit` rests, where the kernel types them), `nfs` (the NFS client's permission and attribute checks) and
 //!   `floor` (the benchmark's empty program).
 //!
 //! A kernel variant of a hook (another attach point for older kernels, a filesystem's
@@ -63,6 +65,8 @@ mod open_files;
 mod paths;
 #[cfg(target_arch = "bpf")]
 mod skip;
+#[cfg(target_arch = "bpf")]
+mod syscall;
 #[cfg(target_arch = "bpf")]
 mod tripwire;
 

@@ -14,7 +14,7 @@ use crate::{
 /// Whether `syscall_exit` is attached (`hocus_common::rest`): the agent detaches it
 /// while there is nothing to learn, and the tripwires wake it.
 #[map]
-static REST: Array<u32> = Array::with_max_entries(1, 0);
+pub static REST: Array<u32> = Array::with_max_entries(1, 0);
 /// The watched mounts' devices (`s_dev`, the kernel's encoding; 0 ends the list).
 #[map]
 static WATCHED_DEVICES: Array<u32> = Array::with_max_entries(MAX_WATCHED, 0);
@@ -22,7 +22,8 @@ static WATCHED_DEVICES: Array<u32> = Array::with_max_entries(MAX_WATCHED, 0);
 /// If `dev` is a watched mount's device, the current process is followed from now on
 /// (this very syscall too: its exit comes after), and a resting `syscall_exit` is asked
 /// to attach again, once: by any request, or while jobs served from local copies run,
-/// by one that `reads_or_changes` the mount. The agent's own work on the mount (copies,
+/// by one that `reads_or_changes` the mount; never while the request programs learn
+/// (`rest::LEARNING_BY_REQUESTS`). The agent's own work on the mount (copies,
 /// checks) is neither. Returns the thread, if `dev` is watched.
 pub fn tripped(dev: u32, reads_or_changes: bool) -> Option<u32> {
     if !is_watched_device(dev) {
@@ -46,7 +47,7 @@ pub fn tripped(dev: u32, reads_or_changes: bool) -> Option<u32> {
     thread
 }
 
-fn is_watched_device(dev: u32) -> bool {
+pub fn is_watched_device(dev: u32) -> bool {
     for i in 0..MAX_WATCHED {
         match WATCHED_DEVICES.get(i).copied() {
             Some(0) | None => return false,

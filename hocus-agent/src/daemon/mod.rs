@@ -156,8 +156,12 @@ impl Daemon {
             &tripwires::on_this_kernel(&tracefs::root()?),
         );
         let mut tracer = Tracer::start(&trees.prefixes(), every_process, &tripwires)?;
-        let (rests_with_jobs, at_rest) =
-            trees::rests_while_jobs_run(every_process, &tripwires, tracer.tells_misses);
+        let (rests_with_jobs, at_rest) = trees::rests_while_jobs_run(
+            every_process,
+            &tripwires,
+            tracer.tells_misses,
+            tracer.learns_by_requests,
+        );
         if !tracer.skipped.is_empty() {
             log::warn!(
                 "this kernel lacks some syscalls; not traced: {}",
@@ -192,7 +196,8 @@ impl Daemon {
             trees::root_paths(&roots),
             trees::served_from(&roots),
         );
-        let observer = Observer::new(places, Views::new(anchors));
+        let mut observer = Observer::new(places, Views::new(anchors));
+        observer.learns_by_requests = tracer.learns_by_requests;
         Ok(Self {
             socket: opts.settings.socket(),
             opts,
@@ -351,6 +356,13 @@ impl Daemon {
         if self.tracing.sweep(&mut self.profiling.ws) {
             self.profiling.changed();
         }
+        if self.tracing.changes_unplaced() {
+            log::info!(
+                "a change on a watched tree named no file the kernel side could place (a name longer than a dentry holds): every local copy is checked against the network now"
+            );
+            let sent = self.keeper.revalidate_now().await;
+            self.check(sent);
+        }
         self.profiling
             .say_if_full(self.opts.settings.max_profile_entries());
         self.tracing.report_loss();
@@ -415,7 +427,7 @@ impl Daemon {
             Ask::Binds => {
                 // The first step of every job session, before its namespace is made: the
                 // tracer follows the job from its start.
-                self.wake("a job is starting").await;
+                self.wake_for_job().await;
                 // Answered off the loop: a keeper busy placing a million entries holds
                 // up this job, not the loop.
                 let keeper = self.keeper.clone();
@@ -478,27 +490,38 @@ impl Daemon {
         let _ = reply.send(answer);
     }
 
-    /// Wakes the tracer (`why`: for the log). What was queued while it rested is read
-    /// first: opens through Slurm tasks' binds then are the tracer's to count no more.
-    async fn wake(&mut self, why: &str) {
+    /// A job is starting: the tracer follows it from its start, and sees the namespace
+    /// the job's session makes (where the request programs learn jobs, it rests again
+    /// once the job has started, unless the job has local copies whose hits it counts). What was queued while it rested is read first: opens
+    /// through Slurm tasks' binds then are the tracer's to count no more.
+    async fn wake_for_job(&mut self) {
         if self.tracing.tracer().is_resting() {
             self.drain().await;
         }
-        self.tracing.wake(why);
+        self.tracing.wake("a job is starting");
     }
 
     /// A job starts: the keeper learns of it before anything it does.
     async fn job_starting(&mut self, mut start: JobStart) -> Answer {
         // Events already read belong to earlier jobs.
-        self.wake("a job is starting").await;
+        self.wake_for_job().await;
         self.drain().await;
         let task = start.task.take().map(|pidfd| jobs::Task {
             pidfd,
             slurm: start.slurm,
             marked: start.marked.take(),
         });
+        // Its hits, if it has local copies, are counted by the tracer for `rest-after`
+        // seconds, as before any rest (fanotify reports a Slurm task's opens only, not
+        // the failed lookups its snapshots answer).
+        let hits = !start.binds.is_empty();
         let views = std::mem::take(&mut start.views);
-        if let Err(r) = self.jobs.start(&mut self.tracing, start.id, task, views) {
+        let started = self.jobs.start(&mut self.tracing, start.id, task, views);
+        // Its namespace and snapshot views are known: the request programs learn it.
+        if !hits {
+            self.tracing.rest_for_requests();
+        }
+        if let Err(r) = started {
             return r.into();
         }
         let started = self.keeper.job_starting(start).await;

@@ -9,6 +9,13 @@
 //! attached again is learned if it still holds it (`observe::held`); what is served
 //! from the client's caches alone is not seen: the profile learns from what reaches
 //! the network. While jobs run at rest, their hits are not counted.
+//!
+//! Where the request programs learn jobs (`Tracer::learns_by_requests`: every watched
+//! tree on FUSE, a kernel that types its requests), the syscall program is needed only
+//! as a job starts (the namespace its session makes, its snapshot views) and for the
+//! hits of a job given local copies that nothing else counts: it rests from the start,
+//! whatever jobs run, and is attached again only while a job starts (and `rest-after`
+//! seconds after, for such a job).
 
 use std::time::{Duration, Instant};
 
@@ -42,10 +49,13 @@ pub struct Rest {
 }
 
 impl Rest {
-    pub fn new() -> Self {
+    /// `learns_by_requests`: the request programs learn jobs (`Tracer`), so the syscall
+    /// program has nothing to do but see changes by name: it rests from the start.
+    pub fn new(learns_by_requests: bool) -> Self {
         let now = Instant::now();
+        let long_ago = now.checked_sub(Duration::from_secs(3600)).unwrap_or(now);
         Self {
-            last_activity: now,
+            last_activity: if learns_by_requests { long_ago } else { now },
             since: now,
             rests: 0,
             wakeups: 0,
@@ -68,6 +78,25 @@ impl Rest {
         let Some(after) = after else {
             return;
         };
+        if tracer.learns_by_requests {
+            // Jobs are learned at rest: it rests once nothing but the request programs
+            // learned anything for `after`, unless a Slurm task runs whose hits only it
+            // can count for its job's own profile (no fanotify marks).
+            let with_jobs = jobs != Jobs::None;
+            if jobs == Jobs::Followed {
+                if tracer.is_resting() {
+                    self.wake(tracer, "a job runs that must be followed");
+                }
+                return;
+            }
+            if !tracer.is_resting() && self.last_activity.elapsed() >= after {
+                self.rest(tracer, jobs, after);
+            } else if tracer.is_resting() && with_jobs != self.with_jobs {
+                self.account_rest();
+                self.with_jobs = with_jobs;
+            }
+            return;
+        }
         if tracer.is_resting() && self.with_jobs && jobs == Jobs::None {
             self.jobs_ended(tracer);
         }
@@ -79,11 +108,26 @@ impl Rest {
         if tracer.is_resting() || jobs == Jobs::Followed || self.last_activity.elapsed() < after {
             return;
         }
+        self.rest(tracer, jobs, after);
+    }
+
+    fn rest(&mut self, tracer: &mut Tracer, jobs: Jobs, after: Duration) {
+        // `after` is said in the log only.
         match tracer.rest(jobs == Jobs::Served) {
             Ok(()) => {
                 self.rests += 1;
                 self.since = Instant::now();
                 self.with_jobs = jobs == Jobs::Served;
+                if tracer.learns_by_requests {
+                    self.with_jobs = jobs != Jobs::None;
+                    // Once, then again after each job's start: said once.
+                    if self.rests == 1 {
+                        log::info!(
+                            "tracing rests: jobs are learned from the FUSE servers' requests"
+                        );
+                    }
+                    return;
+                }
                 let why = if self.with_jobs {
                     "jobs run whose requests all hit local copies (only Slurm tasks' hits are counted while it rests)"
                 } else {
@@ -98,15 +142,31 @@ impl Rest {
         }
     }
 
+    /// Rests `tracer` at once if the request programs learn jobs (`Tracing`), jobs
+    /// running.
+    pub fn rest_for_requests(&mut self, tracer: &mut Tracer) {
+        if tracer.learns_by_requests && !tracer.is_resting() {
+            self.rest(tracer, Jobs::Followed, Duration::ZERO);
+        }
+    }
+
     /// The jobs that ran at rest ended: the rest goes on without them.
     fn jobs_ended(&mut self, tracer: &mut Tracer) {
         if let Err(e) = tracer.rest_without_jobs() {
             return log::warn!("could not tell the kernel side no job runs: {e:#}");
         }
-        self.rested_with_jobs += self.since.elapsed();
+        self.account_rest();
+        self.with_jobs = false;
+    }
+
+    /// Adds the rest so far to the time rested (with jobs, if they ran), from now on
+    /// counted anew.
+    fn account_rest(&mut self) {
+        if self.with_jobs {
+            self.rested_with_jobs += self.since.elapsed();
+        }
         self.rested += self.since.elapsed();
         self.since = Instant::now();
-        self.with_jobs = false;
     }
 
     /// Attaches the syscall program again, if it rests (`why`: for the log).

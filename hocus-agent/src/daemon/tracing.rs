@@ -24,6 +24,8 @@ pub struct Tracing {
     rest: Rest,
     /// Events lost so far, as last logged.
     reported_loss: u64,
+    /// Changes the kernel side could not place, as last asked.
+    unplaced: u64,
     /// Processes that woke the resting tracer, and when: the files they hold are looked
     /// at once their open events, if the program saw them, are in (`WOKEN_LOOK_AFTER`).
     woken: Vec<(u32, Instant)>,
@@ -50,11 +52,13 @@ impl Tracing {
         // AsyncFd owns.
         let tracer = unsafe { AsyncFd::register_with_interest(tracer, Interest::READABLE) }
             .map_err(|e| anyhow::anyhow!("watching the ring buffer: {}", e.into_parts().1))?;
+        let rest = Rest::new(tracer.get_ref().learns_by_requests);
         Ok(Self {
             tracer,
             observer,
-            rest: Rest::new(),
+            rest,
             reported_loss: 0,
+            unplaced: 0,
             woken: Vec::new(),
         })
     }
@@ -79,7 +83,7 @@ impl Tracing {
         let Self {
             tracer, observer, ..
         } = self;
-        let learned = observer.learned;
+        let learned = observer.news();
         let mut woken_by = None;
         let mut events = tracer.get_mut().drain(|e| match e.kind {
             kind::WAKE => woken_by = Some(e.tgid),
@@ -99,7 +103,7 @@ impl Tracing {
                 self.observer.found_open(tgid, ws);
             }
         }
-        if self.observer.learned != learned {
+        if self.observer.news() != learned {
             events += 1;
             self.rest.active();
         }
@@ -132,19 +136,31 @@ impl Tracing {
     /// Closes in `ws` what processes that are gone still held open or mapped; whether
     /// bytes were read meanwhile (the observer has accesses to route).
     pub fn sweep(&mut self, ws: &mut WorkingSet) -> bool {
-        let learned = self.observer.learned;
+        let learned = self.observer.news();
         let open = self.tracer.get_ref().open_files();
-        for key in self.observer.sweep(&open, ws) {
+        let requested = self.tracer.get_ref().request_files();
+        for key in self.observer.sweep(&open, &requested, ws) {
             self.tracer.get_mut().forget_open_file(&key);
         }
         let mapped = self.tracer.get_ref().mapped_files();
         for key in self.observer.sweep_mapped(&mapped, ws) {
             self.tracer.get_mut().forget_mapped(&key);
         }
-        if self.observer.learned != learned {
+        if self.observer.news() != learned {
             self.rest.active();
         }
         !self.observer.accesses.is_empty()
+    }
+
+    /// Whether changes the kernel side could not place (`counter::CHANGE_UNPLACED`) were
+    /// made since last asked: what they changed is known only by comparing every copy
+    /// with the network.
+    pub fn changes_unplaced(&mut self) -> bool {
+        let Ok(c) = self.tracer.get_ref().counters() else {
+            return false;
+        };
+        let now = c[counter::CHANGE_UNPLACED as usize];
+        std::mem::replace(&mut self.unplaced, now) != now
     }
 
     /// Logs what the kernel side could not deliver, once more was lost.
@@ -189,6 +205,13 @@ impl Tracing {
         self.rest.rest_if_idle(self.tracer.get_mut(), after, jobs);
     }
 
+    /// Rests the syscall program now where the request programs learn jobs: a job's
+    /// start woke it to see the namespace its session made (and to place its snapshot
+    /// views); that done, there is nothing else for it to see.
+    pub fn rest_for_requests(&mut self) {
+        self.rest.rest_for_requests(self.tracer.get_mut());
+    }
+
     /// Attaches the syscall program again, if it rests (`why`: for the log).
     pub fn wake(&mut self, why: &str) {
         self.rest.wake(self.tracer.get_mut(), why);
@@ -218,7 +241,9 @@ impl Tracing {
 }
 
 fn lost(c: &Counters) -> u64 {
-    c[counter::LOST_RING_FULL as usize] + c[counter::LOST_OPEN_FILES_FULL as usize]
+    c[counter::LOST_RING_FULL as usize]
+        + c[counter::LOST_OPEN_FILES_FULL as usize]
+        + c[counter::CHANGE_UNPLACED as usize]
 }
 
 fn describe(c: &Counters) -> String {

@@ -250,8 +250,14 @@ pub fn rests_while_jobs_run(
     every_process: bool,
     tripwires: &[Tripwire],
     tells_misses: bool,
+    learns_by_requests: bool,
 ) -> (bool, Route) {
     const PART: &str = "tracing while jobs run";
+    if learns_by_requests {
+        let way =
+            "rests: the request programs learn jobs (their hits are not counted, but Slurm tasks')";
+        return (true, route(PART, way, false));
+    }
     if every_process {
         let way = "followed: every process is followed, and no tripwire sees a served job's misses";
         return (false, route(PART, way, false));

@@ -13,7 +13,7 @@
 use std::{collections::HashMap, path::Path};
 
 use anyhow::{Context, Result, bail};
-use hocus_common::KernelOffsets;
+use hocus_common::{KernelOffsets, requests::RequestOffsets};
 
 const MAGIC: u16 = 0xeb9f;
 
@@ -255,6 +255,11 @@ impl Btf {
             .any(|t| t.names.iter().any(|n| self.name(*n) == wanted))
     }
 
+    /// The id of struct `name`.
+    pub fn struct_id(&self, name: &str) -> Option<u32> {
+        self.structs_by_name.get(name).copied()
+    }
+
     /// The id of struct `name` if its first field points to a struct `target`.
     pub fn first_field_points_to(&self, name: &str, target: &str) -> Option<u32> {
         let id = *self.structs_by_name.get(name)?;
@@ -344,6 +349,48 @@ fn syscall_arguments(btf: &Btf) -> Result<[u32; 6]> {
     Ok(at)
 }
 
+/// Where the FUSE request programs read a request and a walk (`requests`), from this
+/// kernel's BTF; None where it lacks what they read. The layouts they assume (a header's
+/// opcode, unique and node id at 4, 8 and 16; an argument's size and value 16 bytes
+/// apart; a qstr's len and name at 4 and 8) are checked too.
+pub fn request_offsets(btf: &Btf) -> Result<RequestOffsets> {
+    let o = |s: &str, f: &str| btf.offset(s, f);
+    let layouts = [
+        ("fuse_in_header", "opcode", 4),
+        ("fuse_in_header", "unique", 8),
+        ("fuse_in_header", "nodeid", 16),
+        ("fuse_out_header", "error", 4),
+        ("fuse_in_arg", "value", 8),
+        ("fuse_arg", "value", 8),
+        ("qstr", "len", 4),
+        ("qstr", "name", 8),
+        ("path", "dentry", 8),
+    ];
+    for (s, f, at) in layouts {
+        if o(s, f)? != at {
+            bail!("struct {s}: {f} is not at byte {at}");
+        }
+    }
+    Ok(RequestOffsets {
+        req_args: o("fuse_req", "args")?,
+        req_in: o("fuse_req", "in.h")?,
+        req_out: o("fuse_req", "out.h")?,
+        req_mount: o("fuse_req", "fm")?,
+        mount_conn: o("fuse_mount", "fc")?,
+        conn_dev: o("fuse_conn", "dev")?,
+        args_in: o("fuse_args", "in_args")?,
+        args_out: o("fuse_args", "out_args")?,
+        task_nameidata: o("task_struct", "nameidata")?,
+        nd_path: o("nameidata", "path")?,
+        nd_last: o("nameidata", "last")?,
+        dentry_inline_name: o("dentry", "d_shortname").or_else(|_| o("dentry", "d_iname"))?,
+        dentry_sb: o("dentry", "d_sb")?,
+        dentry_type: btf
+            .struct_id("dentry")
+            .context("the kernel has no struct dentry")?,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -381,5 +428,20 @@ mod tests {
         // A struct whose first field is no pointer to a file.
         assert!(btf.first_field_points_to("dentry", "file").is_none());
         assert!(btf.first_field_points_to("kiocb", "inode").is_none());
+    }
+
+    #[test]
+    fn finds_what_the_request_programs_read_where_fuse_is_built_in() {
+        let btf = Btf::from_kernel().unwrap();
+        match request_offsets(&btf) {
+            Ok(o) => {
+                // A walk starts with where it is, then the name it looks up.
+                assert_eq!((o.nd_path, o.nd_last), (0, 16));
+                assert!(o.req_in > o.req_args && o.req_out > o.req_in);
+                assert_ne!(o.conn_dev, 0);
+            }
+            // FUSE as a module: its structs are in its own BTF, not vmlinux's.
+            Err(e) => assert!(!btf.has("fuse_req", "args"), "{e:#}"),
+        }
     }
 }

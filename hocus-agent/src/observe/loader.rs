@@ -82,7 +82,18 @@ pub struct Loaded {
     /// Every tripwire's hooks that tell a served job's misses apart are attached: the
     /// tracer may rest while jobs run whose requests all hit local copies.
     pub tells_misses: bool,
+    /// The request programs are attached (`REQUEST_PROGRAMS`): jobs on the watched FUSE
+    /// mounts are learned from their servers' requests while the syscall program rests.
+    pub learns_by_requests: bool,
 }
+
+/// What learns from the requests a watched FUSE mount's server gets, where every
+/// watched tree is on FUSE and the kernel has the typed tracepoints (newer than Debian
+/// 13's 6.12, with FUSE built in: its types are then in vmlinux's BTF).
+const REQUEST_PROGRAMS: [(&str, Attach); 2] = [
+    ("fuse_sent", Attach::Btf("fuse_request_send")),
+    ("fuse_ended", Attach::Btf("fuse_request_end")),
+];
 
 /// Loads and attaches the programs for the watched `prefixes`, fitted to this kernel:
 /// each feature it lacks has a fallback, said in the routes (and the log); and
@@ -105,6 +116,7 @@ pub fn start(prefixes: &[&Path], every_process: bool, tripwires: &[Tripwire]) ->
             links,
             routes: fitted.routes,
             tells_misses: true,
+            learns_by_requests: false,
         };
         Ok((loaded, fitted.cast))
     };
@@ -149,7 +161,51 @@ pub fn start(prefixes: &[&Path], every_process: bool, tripwires: &[Tripwire]) ->
         loaded.links.extend(links);
         loaded.tells_misses &= all;
     }
+    let (links, way) = learn_by_requests(&mut loaded.ebpf, every_process, tripwires);
+    loaded.learns_by_requests = !links.is_empty();
+    loaded.links.extend(links);
+    loaded.routes.push(way);
     Ok(loaded)
+}
+
+/// Attaches the request programs where they can learn every watched tree's jobs: every
+/// tree on FUSE, followed by its tripwire; and where the kernel has them. Returns their
+/// links (none: not attached), and the route.
+fn learn_by_requests(
+    ebpf: &mut Ebpf,
+    every_process: bool,
+    tripwires: &[Tripwire],
+) -> (Vec<(&'static str, Link)>, Route) {
+    const PART: &str = "learning jobs";
+    let syscalls = |why: String| {
+        let way = format!("from their syscalls ({why})");
+        (Vec::new(), route(PART, way, true))
+    };
+    if kernel::forced("fuse-requests") {
+        return syscalls(kernel::why("fuse-requests", ""));
+    }
+    if every_process || tripwires != [Tripwire::Fuse] {
+        let way = "from their syscalls (not every watched tree is on FUSE)";
+        return (Vec::new(), route(PART, way, false));
+    }
+    if !has_request_offsets() {
+        let why = "this kernel's BTF has no FUSE requests: FUSE is a module, or the kernel is older than 6.15";
+        return syscalls(why.into());
+    }
+    match attach(ebpf, &REQUEST_PROGRAMS) {
+        Ok(links) => {
+            let way = "from the requests the FUSE servers get (tp_btf fuse_request_send and fuse_request_end), the syscall program at rest";
+            (links, route(PART, way, false))
+        }
+        Err(e) => {
+            log::warn!("{e:#}; jobs are learned from their syscalls");
+            syscalls(format!("the kernel refused the request programs: {e:#}"))
+        }
+    }
+}
+
+fn has_request_offsets() -> bool {
+    Btf::from_kernel().is_ok_and(|btf| btf::request_offsets(&btf).is_ok())
 }
 
 /// Attaches `tripwire`'s hooks that tell a served job's misses apart, where the kernel
@@ -325,6 +381,8 @@ fn load(tracefs: &Path, every_process: bool, kfuncs: bool) -> Result<(Ebpf, Fitt
     let btf = Btf::from_kernel()?;
     let mut offsets =
         btf::kernel_offsets(&btf).context("finding the kernel struct fields hocus reads")?;
+    // Zeros where the kernel lacks them: the request programs are not attached there.
+    let request_offsets = btf::request_offsets(&btf).unwrap_or_default();
     // 5.10 cannot hand out the current task typed: every field is read with the helper.
     let typed_task = btf.has_helper("get_current_task_btf") && !kernel::forced("typed-task");
     routes.push(if typed_task {
@@ -378,6 +436,7 @@ fn load(tracefs: &Path, every_process: bool, kfuncs: bool) -> Result<(Ebpf, Fitt
     let ebpf = EbpfLoader::new()
         .override_global("OFFSETS", &offsets, true)
         .override_global("TYPED_TASK", &typed_task, true)
+        .override_global("REQUEST_OFFSETS", &request_offsets, true)
         .override_global("SELF_TGID", &self_tgid, true)
         .override_global("FORK_PARENT_OFFSET", &fork_parent, true)
         .override_global("FORK_CHILD_OFFSET", &fork_child, true)

@@ -18,7 +18,8 @@ use aya::{
 };
 use hocus_common::{
     Calibration, Event, FdKey, Home, InodeKey, MAX_ROOTS, MAX_WATCHED, Mapped, NamespaceKey,
-    OpenFile, Superblock, SuperblockSlot, View, counter, filter, rest, superblock,
+    OpenFile, Superblock, SuperblockSlot, View, counter, filter, requests::RequestKey, rest,
+    superblock,
 };
 
 use crate::{
@@ -50,6 +51,8 @@ pub struct Tracer {
     links: Vec<(&'static str, Link)>,
     events: RingBuf<MapData>,
     open_files: HashMap<MapData, FdKey, OpenFile>,
+    /// Files opened through watched FUSE mounts, followed by the request programs.
+    request_files: HashMap<MapData, RequestKey, OpenFile>,
     mapped: HashMap<MapData, InodeKey, Mapped>,
     counters: PerCpuArray<MapData, u64>,
     /// The processes the syscall program follows; None when it follows every process.
@@ -67,6 +70,9 @@ pub struct Tracer {
     pub routes: Vec<Route>,
     /// The tripwires tell a served job's misses apart (`loader::Loaded::tells_misses`).
     pub tells_misses: bool,
+    /// Jobs are learned from the FUSE servers' requests while the syscall program rests
+    /// (`loader::Loaded::learns_by_requests`).
+    pub learns_by_requests: bool,
 }
 
 /// A snapshot view's root as the kernel side knows it.
@@ -91,10 +97,15 @@ impl Tracer {
             links,
             routes,
             tells_misses,
+            learns_by_requests,
         } = loader::start(prefixes, every_process, tripwires)?;
         let events = RingBuf::try_from(ebpf.take_map("EVENTS").context("no EVENTS map")?)?;
         let open_files =
             HashMap::try_from(ebpf.take_map("OPEN_FILES").context("no OPEN_FILES map")?)?;
+        let request_files = HashMap::try_from(
+            ebpf.take_map("REQUEST_FILES")
+                .context("no REQUEST_FILES map")?,
+        )?;
         let mapped = HashMap::try_from(ebpf.take_map("MAPPED").context("no MAPPED map")?)?;
         let counters =
             PerCpuArray::try_from(ebpf.take_map("COUNTERS").context("no COUNTERS map")?)?;
@@ -111,6 +122,7 @@ impl Tracer {
             links,
             events,
             open_files,
+            request_files,
             mapped,
             counters,
             held: Vec::new(),
@@ -119,6 +131,7 @@ impl Tracer {
             skipped,
             routes,
             tells_misses,
+            learns_by_requests,
         })
     }
 
@@ -401,7 +414,8 @@ impl Tracer {
     /// tripwires (a request to a watched FUSE mount, pages read into a watched mount's
     /// page cache) or `wake` attach it again. What processes do meanwhile is not seen.
     /// `with_jobs`: jobs run whose requests all hit local copies; only a request that
-    /// reads or changes a watched mount wakes it (`hocus_common::rest`).
+    /// reads or changes a watched mount wakes it (`hocus_common::rest`). Where the
+    /// request programs learn, jobs or not, only a change by a name wakes it.
     pub fn rest(&mut self, with_jobs: bool) -> Result<()> {
         if self.resting {
             return Ok(());
@@ -412,7 +426,9 @@ impl Tracer {
         let (name, link) = self.links.remove(at);
         loader::detach(&mut self.ebpf, name, link)?;
         // Detached first: a tripwire that fires before this only wakes it again.
-        self.set_rest(if with_jobs {
+        self.set_rest(if self.learns_by_requests {
+            rest::LEARNING_BY_REQUESTS
+        } else if with_jobs {
             rest::RESTING_WITH_JOBS
         } else {
             rest::RESTING
@@ -497,6 +513,14 @@ impl Tracer {
 
     /// The watched files processes mapped, with the pages that entered their page cache
     /// since.
+    /// The files the request programs follow, with what each read so far.
+    pub fn request_files(&self) -> Vec<OpenFile> {
+        self.request_files
+            .iter()
+            .filter_map(|entry| entry.ok().map(|(_, file)| file))
+            .collect()
+    }
+
     pub fn mapped_files(&self) -> Vec<(InodeKey, Mapped)> {
         self.mapped.iter().filter_map(Result::ok).collect()
     }

@@ -56,8 +56,9 @@ pub const FALLBACKS: &str = "HOCUS_FALLBACKS";
 /// pid (`peer-pidfd`), read-only binds by a remount (`mount-setattr`), a job's
 /// descriptors closed on exec by marks made at start (`close-range`), Slurm tasks
 /// followed by the tracer all along rather than their binds' opens reported by
-/// fanotify (`bind-opens`).
-pub const FALLBACK_NAMES: [&str; 8] = [
+/// fanotify (`bind-opens`), jobs on FUSE learned from their syscalls rather than from
+/// their servers' requests (`fuse-requests`).
+pub const FALLBACK_NAMES: [&str; 9] = [
     "typed-task",
     "kfuncs",
     "atomics",
@@ -66,6 +67,7 @@ pub const FALLBACK_NAMES: [&str; 8] = [
     "mount-setattr",
     "close-range",
     "bind-opens",
+    "fuse-requests",
 ];
 
 /// Whether `FALLBACKS` asks for fallback `name` (one of `FALLBACK_NAMES`).

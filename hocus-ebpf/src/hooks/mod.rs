@@ -7,6 +7,7 @@
 mod filemap;
 mod floor;
 mod fuse;
+mod fuse_learn;
 mod nfs;
 mod nfs_request;
 mod sched;

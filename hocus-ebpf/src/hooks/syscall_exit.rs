@@ -19,24 +19,21 @@
 //! split: the verifier sees the same code.
 
 use aya_ebpf::{
-    helpers::{bpf_get_current_pid_tgid, bpf_probe_read_kernel_str_bytes, bpf_probe_read_user},
+    helpers::{bpf_get_current_pid_tgid, bpf_probe_read_kernel_str_bytes},
     macros::{btf_tracepoint, map},
     maps::Array,
     programs::BtfTracePointContext,
 };
-use hocus_common::{
-    AT_FDCWD, Calibration, FdKey, MAX_SYSCALL_NR, Mapped, NO_FIELD, SyscallLayout, flags_from,
-    kind, op,
-};
+use hocus_common::{Calibration, FdKey, Mapped, SyscallLayout, kind, op};
 
 use crate::{
-    agent::{global, self_tgid},
+    agent::self_tgid,
     emit::{Header, emit, next_id, target},
     follow::{is_followed, may_reach_watched},
     kernel::{
         Typed, field,
         files::{File, file_at, inode_of},
-        offset, regs_args,
+        offset,
         task::{cwd, is_compat, namespace_of, nsproxy},
     },
     locate::{Located, locate},
@@ -45,21 +42,17 @@ use crate::{
     },
     paths::{KNOWN_NAMESPACES, mounts_change, path_target},
     skip::{OrSkip, Skip, Step, finish},
+    syscall::{Args, layout, open_flags},
 };
 
 const ENOENT: i64 = 2;
 const EROFS: i64 = 30;
 const O_ACCMODE: u32 = 0o3;
 const O_CREAT: u32 = 0o100;
-const O_WRONLY: u32 = 0o1;
 const O_TRUNC: u32 = 0o1000;
 /// mmap's results above this are errors (-4095..-1).
 const MAX_ERRNO: u64 = 4095;
 
-/// What each syscall number means (`hocus_common::op`) and which arguments matter,
-/// filled by the agent from the tracefs formats.
-#[map]
-static SYSCALLS: Array<SyscallLayout> = Array::with_max_entries(MAX_SYSCALL_NR, 0);
 /// The agent's question about one of its descriptors, and the answer.
 #[map]
 static CALIBRATE: Array<Calibration> = Array::with_max_entries(1, 0);
@@ -112,54 +105,10 @@ fn try_syscall_exit(ctx: &BtfTracePointContext) -> Step {
     }
 }
 
-/// What the syscall numbered `nr` means, if it is traced.
-fn layout(nr: i64) -> Option<&'static SyscallLayout> {
-    if !(0..MAX_SYSCALL_NR as i64).contains(&nr) {
-        return None; // -1 (no syscall), or an x32 number
-    }
-    let layout = SYSCALLS.get(nr as u32)?;
-    if layout.op == op::NONE {
-        return None;
-    }
-    Some(layout)
-}
-
 /// Whether `nr` is, in the 32-bit numbering, mount, umount, umount2, pivot_root or
 /// move_mount: a 32-bit mount changes what paths mean as much as a 64-bit one.
 fn is_ia32_mount(nr: i64) -> bool {
     matches!(nr, 21 | 22 | 52 | 217 | 429)
-}
-
-/// A syscall's six arguments, read from its saved registers at once: six plain loads
-/// at constant offsets, which the verifier checks against `struct pt_regs`.
-struct Args([u64; 6]);
-
-impl Args {
-    fn of(regs: Typed) -> Self {
-        let at = |register: &u32| regs.read::<u64>(global(register));
-        let r = regs_args();
-        Self([
-            at(&r[0]),
-            at(&r[1]),
-            at(&r[2]),
-            at(&r[3]),
-            at(&r[4]),
-            at(&r[5]),
-        ])
-    }
-
-    /// The argument at `position` (`NO_FIELD`: none).
-    fn get(&self, position: u16) -> Option<u64> {
-        if position == NO_FIELD {
-            return None;
-        }
-        self.0.get(usize::from(position)).copied()
-    }
-
-    /// A directory descriptor argument; `AT_FDCWD` for syscalls that have none.
-    fn dfd(&self, position: u16) -> i32 {
-        self.get(position).map_or(AT_FDCWD, |d| d as i32)
-    }
 }
 
 /// A traced syscall of a followed process, at its exit.
@@ -187,18 +136,9 @@ impl Call {
         Ok(self.args.get(self.layout.fd).or_skip()? as u32)
     }
 
-    /// An open's flags: an argument, or in the `struct open_how` an argument points to.
+    /// An open's flags.
     fn open_flags(&self) -> u32 {
-        let l = self.layout;
-        match l.flags_from {
-            flags_from::ARG => self.args.get(l.flags).unwrap_or(0) as u32,
-            flags_from::OPEN_HOW => self.args.get(l.flags).map_or(0, |how| {
-                // SAFETY: user pointer, read with the helper that tolerates faults.
-                unsafe { bpf_probe_read_user(how as *const u64) }.unwrap_or(0) as u32
-            }),
-            flags_from::CREAT => O_CREAT | O_WRONLY | O_TRUNC,
-            _ => 0,
-        }
+        open_flags(&self.args, self.layout)
     }
 }
 

@@ -110,6 +110,16 @@ impl Dentry {
         }
     }
 
+    /// The dentry at `address`, a plain number (found by its inline name), typed as BTF
+    /// type `btf_id` (`struct dentry`) where files are.
+    pub fn at(address: u64, btf_id: u32) -> Self {
+        if can_cast() {
+            Self(cast(address, btf_id).0)
+        } else {
+            Self(address)
+        }
+    }
+
     /// Its address as a plain number.
     pub fn address(self) -> u64 {
         if can_cast() {

@@ -12,6 +12,15 @@ use super::{
 /// x86-64's `thread_info.status` bit for a 32-bit syscall in progress.
 const TS_COMPAT: u32 = 0x0002;
 
+/// The current task's saved registers: the syscall it is in (`bpf_task_pt_regs`,
+/// 5.15; typed tasks only, where the request programs run).
+pub fn syscall_regs() -> Option<Typed> {
+    let task = current_task();
+    // SAFETY: a typed task, as the helper takes.
+    let regs = unsafe { aya_ebpf::helpers::generated::bpf_task_pt_regs(task.0 as *mut _) };
+    (regs != 0).then_some(Typed(regs as u64))
+}
+
 /// Whether the current syscall is a 32-bit one (`int 0x80` or a 32-bit process): its
 /// number and registers mean something else, so it is never read as a 64-bit one.
 pub fn is_compat() -> bool {

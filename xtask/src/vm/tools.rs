@@ -1,7 +1,7 @@
 //! What the rig needs on this machine, installed the first time it runs: QEMU, kmod
 //! (`depmod` for the unpacked kernels, `modprobe` in the guest), the kernel NFS server
-//! and client tools the guest runs (it uses this machine's root filesystem), and
-//! virtme-ng from PyPI in a virtualenv of its own.
+//! and client tools the guest runs (it uses this machine's root filesystem), busybox
+//! (the guests' initramfs), and virtme-ng from PyPI in a virtualenv of its own.
 
 use std::{
     ffi::OsString,
@@ -25,6 +25,8 @@ const PACKAGES: &[&str] = &[
     "nfs-common",
     "rpcbind",
     "python3-venv",
+    // virtme-ng builds each guest's initramfs around it; a fresh machine lacks it.
+    "busybox-static",
 ];
 /// virtme-ng's version: the one the rig was written against.
 const VIRTME_NG: &str = "virtme-ng==1.42";

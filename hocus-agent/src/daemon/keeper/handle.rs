@@ -165,6 +165,11 @@ impl Handle {
         self.tell(Order::Invalidate(path)).await
     }
 
+    /// A change on a watched tree could not be placed: every copy is checked now.
+    pub async fn revalidate_now(&self) -> Result<(), KeeperError> {
+        self.tell(Order::RevalidateNow).await
+    }
+
     /// A job tried to write the file through its read-only copy.
     pub async fn refused(&self, path: String) -> Result<(), KeeperError> {
         self.tell(Order::Refused(path)).await

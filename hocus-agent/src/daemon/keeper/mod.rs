@@ -340,6 +340,7 @@ impl Keeper {
             Order::Prefetch(profile, tx, parent) => self.prefetch(profile, tx, parent),
             Order::Refused(source) => self.refuse(source),
             Order::Invalidate(source) => self.invalidate(source),
+            Order::RevalidateNow => self.revalidate(),
             Order::Accesses(accesses) => accesses.into_iter().for_each(|a| self.served(a)),
             Order::Reconfigure(r) => {
                 self.config.filters = r.filters;

@@ -66,6 +66,9 @@ pub enum Order {
     PlaceLatest,
     /// The tracer saw the file written, truncated, renamed or unlinked.
     Invalidate(String),
+    /// A change on a watched tree could not be placed: every copy is compared with the
+    /// network now, not at the next revalidation.
+    RevalidateNow,
     /// Processes opened, failed to find or read watched files: what one read of the
     /// kernel side found, in order.
     Accesses(Vec<Access>),

@@ -5,7 +5,7 @@
 //! place.
 
 use std::{
-    collections::{HashMap, HashSet},
+    collections::{HashMap, HashSet, VecDeque},
     path::Path,
 };
 
@@ -72,6 +72,20 @@ pub enum What {
     Read(u64),
 }
 
+/// A LOOKUP the request programs saw sent, until its answer: a failed lookup if the
+/// name is missing.
+struct Asked {
+    path: String,
+    job: u32,
+    process: Process,
+    uid: u32,
+    at_ns: u64,
+}
+
+/// LOOKUPs awaiting their answer, at most: answers come within a round trip, and one
+/// that never comes (the server gone) is forgotten with the oldest.
+const MAX_ASKED: usize = 4096;
+
 pub struct Observer {
     /// Where the kernel's roots are, and the watched trees.
     pub places: Places,
@@ -86,6 +100,9 @@ pub struct Observer {
     bytes_counted: HashMap<u64, u64>,
     /// Open files the kernel did not have at the last sweep.
     missing_from_kernel: HashSet<u64>,
+    /// LOOKUPs sent, by the mount's device and the request's number, oldest first.
+    asked: HashMap<(u32, u64), Asked>,
+    asked_order: VecDeque<(u32, u64)>,
     /// Mapped files, by the open file that first mapped them.
     mapped: HashMap<u64, MappedInfo>,
     /// Mapped inodes the kernel had at the last sweep whose file was not known.
@@ -104,6 +121,8 @@ pub struct Observer {
     /// reads not served by a local copy, writes): while it grows, there is something to
     /// learn, and the tracer does not rest.
     pub learned: u64,
+    /// The request programs learn jobs (`news`).
+    pub learns_by_requests: bool,
 }
 
 impl Observer {
@@ -116,6 +135,8 @@ impl Observer {
             open: HashMap::new(),
             bytes_counted: HashMap::new(),
             missing_from_kernel: HashSet::new(),
+            asked: HashMap::new(),
+            asked_order: VecDeque::new(),
             mapped: HashMap::new(),
             unknown_mapped: HashSet::new(),
             // SAFETY: no arguments.
@@ -126,6 +147,17 @@ impl Observer {
             refused: Vec::new(),
             tally: Tally::default(),
             learned: 0,
+            learns_by_requests: false,
+        }
+    }
+
+    /// What keeps the syscall program awake: anything learned; where the request
+    /// programs learn jobs, only what they cannot see (changes by name, writes refused).
+    pub fn news(&self) -> u64 {
+        if self.learns_by_requests {
+            self.tally.mutations + self.tally.writes_refused
+        } else {
+            self.learned
         }
     }
 
@@ -199,11 +231,21 @@ impl Observer {
                 }
                 return;
             }
+            kind::LOOKUP_FAILED => {
+                if let Some(a) = self.asked.remove(&(e.bytes as u32, e.file_id)) {
+                    self.learned += 1;
+                    self.missing(a.path, a.job, a.process, a.uid, a.at_ns, ws);
+                }
+                return;
+            }
             _ => {}
         }
         let Some(path) = self.resolve(e) else {
             return;
         };
+        if e.kind == kind::LOOKUP_ASKED {
+            return self.ask(e, path, at);
+        }
         // A refused write was aimed at a local copy: that is news too.
         if !self.places.is_served(e.root) || e.kind == kind::REFUSED_WRITE {
             self.learned += 1;
@@ -272,18 +314,7 @@ impl Observer {
                     },
                 );
             }
-            kind::MISSING => {
-                self.tally.failed_lookups += 1;
-                ws.missing(&path, at);
-                self.accesses.push(Access {
-                    path,
-                    job: e.job,
-                    process: process(e),
-                    what: What::Missing,
-                    uid,
-                    at_ns: at,
-                });
-            }
+            kind::MISSING => self.missing(path, e.job, process(e), uid, at, ws),
             kind::REFUSED_WRITE => {
                 self.tally.writes_refused += 1;
                 log::warn!(
@@ -329,31 +360,26 @@ impl Observer {
     }
 
     /// Adds what open files have read since last time, and closes the files of
-    /// processes that exited without closing them. Returns the kernel entries to forget.
-    pub fn sweep(&mut self, open_files: &[(FdKey, OpenFile)], ws: &mut WorkingSet) -> Vec<FdKey> {
+    /// processes that exited without closing them. `requested`: the files the request
+    /// programs follow (by the server's handle: their release closes them). Returns the
+    /// kernel entries to forget.
+    pub fn sweep(
+        &mut self,
+        open_files: &[(FdKey, OpenFile)],
+        requested: &[OpenFile],
+        ws: &mut WorkingSet,
+    ) -> Vec<FdKey> {
         let mut gone = Vec::new();
         let mut in_kernel = HashSet::new();
         let mut alive: HashMap<u32, bool> = HashMap::new();
+        for file in requested {
+            in_kernel.insert(file.file_id);
+            self.count_read(file, ws);
+        }
         for (key, file) in open_files {
             in_kernel.insert(file.file_id);
-            let Some(info) = self.open.get(&file.file_id) else {
+            if !self.count_read(file, ws) {
                 continue; // its open event is still on its way
-            };
-            let counted = self.bytes_counted.entry(file.file_id).or_insert(0);
-            if !info.is_dir && file.bytes_read > *counted {
-                let bytes = file.bytes_read - *counted;
-                if !info.served {
-                    self.learned += 1;
-                }
-                ws.add_bytes_read(&info.path, bytes);
-                self.accesses
-                    .push(read(&info.path, info.job, &info.process, bytes));
-                *counted = file.bytes_read;
-            }
-            if info.written {
-                // Held open by a writer: the kernel reports only its first write, so it
-                // is reported changed for as long as it stays open.
-                self.changed.push(info.path.clone());
             }
             let is_alive = *alive
                 .entry(key.tgid)
@@ -381,6 +407,71 @@ impl Observer {
         }
         self.missing_from_kernel = missing;
         gone
+    }
+
+    /// A failed lookup of `path`.
+    fn missing(
+        &mut self,
+        path: String,
+        job: u32,
+        process: Process,
+        uid: u32,
+        at_ns: u64,
+        ws: &mut WorkingSet,
+    ) {
+        self.tally.failed_lookups += 1;
+        ws.missing(&path, at_ns);
+        self.accesses.push(Access {
+            path,
+            job,
+            process,
+            what: What::Missing,
+            uid,
+            at_ns,
+        });
+    }
+
+    /// A LOOKUP of `path` was sent (`kind::LOOKUP_ASKED`): kept until its answer.
+    fn ask(&mut self, e: &Event, path: String, at_ns: u64) {
+        let key = (e.bytes as u32, e.file_id);
+        if self.asked_order.len() >= MAX_ASKED {
+            if let Some(oldest) = self.asked_order.pop_front() {
+                self.asked.remove(&oldest);
+            }
+        }
+        self.asked_order.push_back(key);
+        let asked = Asked {
+            path,
+            job: e.job,
+            process: process(e),
+            uid: e.uid,
+            at_ns,
+        };
+        self.asked.insert(key, asked);
+    }
+
+    /// Adds what open file `file` read since last time; a file held open by a writer is
+    /// reported changed (the kernel reports only its first write) for as long as it stays
+    /// open. False if its open event is still on its way.
+    fn count_read(&mut self, file: &OpenFile, ws: &mut WorkingSet) -> bool {
+        let Some(info) = self.open.get(&file.file_id) else {
+            return false;
+        };
+        let counted = self.bytes_counted.entry(file.file_id).or_insert(0);
+        if !info.is_dir && file.bytes_read > *counted {
+            let bytes = file.bytes_read - *counted;
+            if !info.served {
+                self.learned += 1;
+            }
+            ws.add_bytes_read(&info.path, bytes);
+            self.accesses
+                .push(read(&info.path, info.job, &info.process, bytes));
+            *counted = file.bytes_read;
+        }
+        if info.written {
+            self.changed.push(info.path.clone());
+        }
+        true
     }
 
     /// Adds the pages that entered mapped files' page caches since last time as bytes

@@ -69,7 +69,7 @@ fn follows_a_file_from_open_to_close() {
         bytes_read: 100,
         ..Default::default()
     };
-    assert!(o.sweep(&[(key, file)], &mut ws).is_empty());
+    assert!(o.sweep(&[(key, file)], &[], &mut ws).is_empty());
     let mut close = event(kind::CLOSE, "");
     close.path_len = 0;
     close.bytes = 250;
@@ -87,9 +87,9 @@ fn forgets_files_whose_close_was_lost() {
     o.handle(&event(kind::OPEN, "/mnt/net/a.py"), &mut ws);
     // The kernel no longer has it (closed, close event lost): forgotten at the
     // second sweep that misses it, not the first.
-    o.sweep(&[], &mut ws);
+    o.sweep(&[], &[], &mut ws);
     assert_eq!(o.open.len(), 1);
-    o.sweep(&[], &mut ws);
+    o.sweep(&[], &[], &mut ws);
     assert!(o.open.is_empty());
     // An open file the kernel still has is kept.
     o.handle(&event(kind::OPEN, "/mnt/net/b.py"), &mut ws);
@@ -102,7 +102,7 @@ fn forgets_files_whose_close_was_lost() {
         ..Default::default()
     };
     for _ in 0..3 {
-        assert!(o.sweep(&[(key, file)], &mut ws).is_empty());
+        assert!(o.sweep(&[(key, file)], &[], &mut ws).is_empty());
     }
     assert_eq!(o.open.len(), 1);
     // A process that is gone: its files are closed and the kernel entry forgotten.
@@ -110,7 +110,7 @@ fn forgets_files_whose_close_was_lost() {
         tgid: u32::MAX - 1,
         fd: 3,
     };
-    assert_eq!(o.sweep(&[(dead, file)], &mut ws), vec![dead]);
+    assert_eq!(o.sweep(&[(dead, file)], &[], &mut ws), vec![dead]);
     assert!(o.open.is_empty());
 }
 
@@ -165,7 +165,7 @@ fn what_local_copies_served_teaches_nothing_new() {
         bytes_read,
         ..Default::default()
     };
-    o.sweep(&[(key, read(100))], &mut ws);
+    o.sweep(&[(key, read(100))], &[], &mut ws);
     let mut close = placed(kind::CLOSE, 1, "", "");
     close.file_id = 1;
     close.bytes = 200;
@@ -188,7 +188,7 @@ fn what_local_copies_served_teaches_nothing_new() {
         bytes_read: 10,
         ..Default::default()
     };
-    o.sweep(&[(key, read_b)], &mut ws);
+    o.sweep(&[(key, read_b)], &[], &mut ws);
     assert_eq!(o.learned, 3);
     o.handle(&event(kind::MISSING, "/mnt/net/lib/c.py"), &mut ws);
     assert_eq!(o.learned, 4);
@@ -234,4 +234,79 @@ fn marks_writes_and_mutated_directories() {
     assert!(p.files.iter().all(|f| f.written));
     assert_eq!(p.files.len(), 2);
     assert!(p.dirs.iter().any(|d| d.path == "/mnt/net/out" && d.mutated));
+}
+
+/// The request programs' events for a LOOKUP on mount `dev`: asked (by the directory it
+/// is in, under root 0, and the name), then answered "no such name" (no path).
+fn lookup(dev: u32, unique: u64, base: &str, name: &str) -> (Event, Event) {
+    let mut asked = placed(kind::LOOKUP_ASKED, 0, base, name);
+    asked.file_id = unique;
+    asked.bytes = u64::from(dev);
+    let mut failed = event(kind::LOOKUP_FAILED, "");
+    failed.path_len = 0;
+    failed.file_id = unique;
+    failed.bytes = u64::from(dev);
+    (asked, failed)
+}
+
+#[test]
+fn a_lookup_the_server_answered_no_such_name_is_a_failed_lookup() {
+    let (mut o, mut ws) = (observer(), WorkingSet::new(0));
+    let (asked, failed) = lookup(40, 9, "/pkg", "missing.so");
+    let (found, _) = lookup(40, 10, "/pkg", "there.py");
+    o.handle(&asked, &mut ws);
+    o.handle(&found, &mut ws);
+    // Asked is no news: only the answer is.
+    assert_eq!(o.learned, 0);
+    assert_eq!(ws.to_profile().missing.len(), 0);
+    // The same request number on another mount answers nothing here.
+    let (_, elsewhere) = lookup(41, 9, "", "");
+    o.handle(&elsewhere, &mut ws);
+    assert_eq!(ws.to_profile().missing.len(), 0);
+    o.handle(&failed, &mut ws);
+    let p = ws.to_profile();
+    assert_eq!(p.missing.len(), 1);
+    assert_eq!(p.missing[0].path, "/mnt/net/pkg/missing.so");
+    assert_eq!(o.learned, 1);
+    assert_eq!(o.accesses.last().map(|a| a.what), Some(What::Missing));
+    // An answer comes once.
+    o.handle(&failed, &mut ws);
+    assert_eq!(o.tally.failed_lookups, 1);
+}
+
+#[test]
+fn lookups_never_answered_are_forgotten_oldest_first() {
+    let (mut o, mut ws) = (observer(), WorkingSet::new(0));
+    for unique in 0..MAX_ASKED as u64 + 10 {
+        o.handle(&lookup(40, unique, "", "x").0, &mut ws);
+    }
+    assert_eq!(o.asked.len(), MAX_ASKED);
+    // The oldest went; the newest answers.
+    o.handle(&lookup(40, 0, "", "").1, &mut ws);
+    o.handle(&lookup(40, MAX_ASKED as u64 + 9, "", "").1, &mut ws);
+    assert_eq!(o.tally.failed_lookups, 1);
+}
+
+#[test]
+fn a_file_the_request_programs_follow_is_counted_until_its_release() {
+    let (mut o, mut ws) = (observer(), WorkingSet::new(0));
+    o.handle(&event(kind::OPEN, "/mnt/net/data.bin"), &mut ws);
+    let file = OpenFile {
+        file_id: 7,
+        bytes_read: 4096,
+        ..Default::default()
+    };
+    // No descriptor holds it in the syscall program's table: the request programs'
+    // entry keeps it open, sweep after sweep, and its bytes are counted.
+    for _ in 0..3 {
+        assert!(o.sweep(&[], &[file], &mut ws).is_empty());
+    }
+    assert_eq!(o.open.len(), 1);
+    let mut release = event(kind::CLOSE, "");
+    release.path_len = 0;
+    release.bytes = 8192;
+    o.handle(&release, &mut ws);
+    let p = ws.to_profile();
+    assert_eq!((p.files[0].opens, p.files[0].bytes_read), (1, 8192));
+    assert!(o.open.is_empty());
 }

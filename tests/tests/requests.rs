@@ -1,0 +1,276 @@
+//! Learning from the FUSE server's requests. Where the kernel has the typed FUSE
+//! tracepoints (`fuse_request_send`, `fuse_request_end`: newer than 6.12, FUSE built
+//! in), a daemon watching only FUSE trees learns what jobs do from the requests its
+//! server gets, with the syscall program at rest the whole time: no process on the node
+//! pays for a job being learned. The profile it learns is checked against what the
+//! syscall program learns from the same job (`HOCUS_FALLBACKS=fuse-requests`). Where
+//! the kernel lacks them, the daemon says it learns from syscalls.
+
+use std::path::Path;
+
+use hocus_tests::{Agent, NetworkMount, assert_success, file_entry, kernel_btf_names};
+use serde_json::Value;
+
+const SYSCALLS: &str = "syscall_exit";
+const REQUESTS: [&str; 2] = ["fuse_sent", "fuse_ended"];
+
+/// The way `status` says jobs are learned.
+fn learning_route(agent: &Agent) -> String {
+    let status = agent.status();
+    status["routes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["part"] == "learning jobs")
+        .unwrap_or_else(|| panic!("no route for learning jobs: {status:#}"))["way"]
+        .as_str()
+        .unwrap()
+        .to_owned()
+}
+
+/// Whether this kernel has the request programs' tracepoints, typed: checked apart from
+/// the daemon's own probe.
+fn kernel_has_requests() -> bool {
+    kernel_btf_names("btf_trace_fuse_request_send") && kernel_btf_names("fuse_req")
+}
+
+/// A daemon watching `net` that learns from requests, once it rests: the syscall
+/// program detached, the request programs attached. None (after checking that the
+/// daemon says so) on a kernel without them.
+fn resting_on_requests(net: &NetworkMount) -> Option<Agent> {
+    let agent = Agent::start(&["--watch", net.mount.to_str().unwrap(), "--rest-after", "5"]);
+    let way = learning_route(&agent);
+    if !kernel_has_requests() {
+        assert!(way.starts_with("from their syscalls"), "{way}");
+        return None;
+    }
+    assert!(way.starts_with("from the requests"), "{way}");
+    hocus_tests::wait_until(30, "the syscall program to rest", || {
+        agent.status()["tracing"]["resting"] == true
+    });
+    let links = agent.attached();
+    assert!(!links.iter().any(|l| l == SYSCALLS), "{links:?}");
+    for program in REQUESTS {
+        assert!(links.iter().any(|l| l == program), "{links:?}");
+    }
+    Some(agent)
+}
+
+/// The syscall program rests, as it did since the daemon first rested but while each
+/// job started (it sees the namespace the job's session makes, then rests again).
+fn still_resting(agent: &Agent) {
+    let status = agent.status();
+    let (t, jobs) = (&status["tracing"], &status["cache"]["jobs_started"]);
+    assert_eq!(t["resting"], true, "{t}");
+    assert_eq!(&t["wakeups"], jobs, "{t}");
+    assert_eq!(t["rests"].as_u64(), jobs.as_u64().map(|j| j + 1), "{t}");
+    assert!(!agent.attached().iter().any(|l| l == SYSCALLS));
+}
+
+/// The environment of `put_python_package` and a data file, for a job to import and
+/// read.
+fn put_workload(net: &NetworkMount) -> (std::path::PathBuf, std::path::PathBuf) {
+    net.put_python_package("env/lib");
+    let data = net.put("data/train.bin", &vec![7u8; 300_000]);
+    (net.path("env/lib"), data)
+}
+
+/// A job that imports the package (no bytecode written) and reads the data file.
+fn import_and_read(agent: &Agent, lib: &Path, data: &Path) {
+    let out = agent.run_job(&format!(
+        "PYTHONDONTWRITEBYTECODE=1 PYTHONPATH={} python3 -c 'import mypkg.core, sys; assert mypkg.core.VALUE == 41; sys.stdout.write(str(len(open(\"{}\", \"rb\").read())))'",
+        lib.display(),
+        data.display()
+    ));
+    assert_success(&out);
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "300000");
+}
+
+fn files(p: &Value) -> Vec<(String, u64, u64)> {
+    let mut files: Vec<_> = p["files"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| {
+            let path = f["path"].as_str().unwrap().to_owned();
+            (
+                path,
+                f["opens"].as_u64().unwrap(),
+                f["bytes_read"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    files.sort();
+    files
+}
+
+fn missing(p: &Value) -> Vec<String> {
+    p["missing"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["path"].as_str().unwrap().to_owned())
+        .collect()
+}
+
+/// Whether `name` is `other` or a directory above it.
+fn is_or_holds(name: &str, other: &str) -> bool {
+    other == name
+        || other
+            .strip_prefix(name)
+            .is_some_and(|rest| rest.starts_with('/'))
+}
+
+#[test]
+fn a_job_is_learned_from_the_servers_requests_as_from_its_syscalls() {
+    let net = NetworkMount::start();
+    let (lib, data) = put_workload(&net);
+    let Some(mut agent) = resting_on_requests(&net) else {
+        return;
+    };
+    import_and_read(&agent, &lib, &data);
+    still_resting(&agent);
+    let by_requests = agent.export();
+    agent.stop();
+
+    // The same job, learned by the syscall program, from the same cold client cache.
+    net.drop_client_caches();
+    let watch = net.mount.to_str().unwrap();
+    let agent = Agent::start_with_fallbacks("fuse-requests", &["--watch", watch]);
+    assert!(learning_route(&agent).starts_with("from their syscalls"));
+    import_and_read(&agent, &lib, &data);
+    let by_syscalls = agent.export();
+
+    // The same files, each opened as often and with as many bytes read from the server.
+    assert_eq!(
+        files(&by_requests),
+        files(&by_syscalls),
+        "{by_requests:#}\n{by_syscalls:#}"
+    );
+    let f = file_entry(&by_requests, &data).unwrap();
+    assert_eq!(
+        (f["opens"].as_u64(), f["bytes_read"].as_u64()),
+        (Some(1), Some(300_000))
+    );
+    // The names the import system missed: a failed LOOKUP names the first missing part
+    // of a path (a directory), a failed syscall the whole path below it.
+    let (asked, called) = (missing(&by_requests), missing(&by_syscalls));
+    assert!(!asked.is_empty());
+    for name in &called {
+        assert!(
+            asked.iter().any(|a| is_or_holds(a, name)),
+            "{name} not in {asked:?}"
+        );
+    }
+    for name in &asked {
+        assert!(
+            called.iter().any(|c| is_or_holds(name, c)),
+            "{name} not in {called:?}"
+        );
+    }
+}
+
+#[test]
+fn a_jobs_writes_renames_and_removals_are_seen_at_rest() {
+    let net = NetworkMount::start();
+    let (lib, _) = put_workload(&net);
+    net.put("out/old.log", b"old\n");
+    net.put("out/gone/x", b"x\n");
+    net.put("out/result.txt", b"stale\n");
+    // A name too long to be kept inside its dentry: placed by the path the job gave.
+    let long = format!("out/{}.txt", "n".repeat(60));
+    net.put(&long, b"long\n");
+    let Some(agent) = resting_on_requests(&net) else {
+        return;
+    };
+    // Python writes its bytecode as CPython does (a new directory, a temporary file,
+    // renamed into place); the shell writes, renames over, removes.
+    let out = agent.run_job(&format!(
+        "PYTHONPATH={lib} env -u PYTHONDONTWRITEBYTECODE python3 -c 'import mypkg.core' && cd {out} && echo new > fresh.txt \
+         && echo done > tmp.txt && mv tmp.txt result.txt && rm old.log gone/x && rmdir gone \
+         && mkdir made && rm {long}",
+        lib = lib.display(),
+        out = net.path("out").display(),
+        long = net.path(&long).display(),
+    ));
+    assert_success(&out);
+    still_resting(&agent);
+    let p = agent.export();
+    let written = |rel: &str| file_entry(&p, &net.path(rel)).is_some_and(|f| f["written"] == true);
+    for rel in [
+        "out/fresh.txt",
+        "out/result.txt",
+        "out/old.log",
+        "out/gone/x",
+    ] {
+        assert!(written(rel), "{rel} not written in {p:#}");
+    }
+    let pycache = net.path("env/lib/mypkg/__pycache__");
+    let pyc = std::fs::read_dir(net.server_path("env/lib/mypkg/__pycache__"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .find(|n| n.starts_with("core."))
+        .expect("CPython wrote core's bytecode");
+    assert!(
+        written(&format!("env/lib/mypkg/__pycache__/{pyc}")),
+        "{p:#}"
+    );
+    let changed: Vec<&str> = p["dirs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|d| d["mutated"] == true)
+        .map(|d| d["path"].as_str().unwrap())
+        .collect();
+    for dir in [
+        pycache,
+        net.path("out"),
+        net.path("out/gone"),
+        net.path("out/made"),
+    ] {
+        assert!(
+            changed.contains(&dir.to_str().unwrap()),
+            "{} not changed: {changed:?}",
+            dir.display()
+        );
+    }
+    // CPython's temporary name for a package's bytecode is longer than a dentry keeps
+    // (`__init__.cpython-311.pyc.` and an id): placed by its path too.
+    assert_eq!(agent.kernel_counter("change_unplaced"), 0);
+}
+
+#[test]
+fn a_change_no_request_can_place_checks_every_copy_at_once() {
+    let net = NetworkMount::start();
+    let long = format!("data/{}.csv", "c".repeat(60));
+    let file = net.put(&long, b"a,b\n1,2\n");
+    let Some(agent) = resting_on_requests(&net) else {
+        return;
+    };
+    // A job reads it: learned, then copied.
+    assert_success(&agent.run_job(&format!("cat {} >/dev/null", file.display())));
+    hocus_tests::wait_until(60, "a copy of the file", || {
+        agent.local_copy(&file).exists()
+    });
+    // A process in a mount namespace of its own, which the daemon has not learned,
+    // renames it away by an absolute path, its name too long to be kept in a dentry:
+    // no request names it in a way the kernel side can place.
+    let renamed = net.path("data/renamed.csv");
+    let out = std::process::Command::new("unshare")
+        .args(["-m", "mv"])
+        .arg(&file)
+        .arg(&renamed)
+        .output()
+        .unwrap();
+    assert_success(&out);
+    // (Both of its names: which is the long one is not known. sshfs is asked twice:
+    // `mv` tries a rename that must not replace first, which it lacks.)
+    hocus_tests::wait_until(30, "the unplaced change to be counted", || {
+        agent.kernel_counter("change_unplaced") >= 2
+    });
+    // Every copy is compared with the network at once: the file's is gone, long
+    // before the next revalidation (30 s).
+    hocus_tests::wait_until(10, "the copy of the renamed file to go", || {
+        !agent.local_copy(&file).exists()
+    });
+}
