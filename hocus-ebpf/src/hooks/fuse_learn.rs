@@ -71,6 +71,12 @@ static REQUEST_FILES: HashMap<RequestKey, OpenFile> =
 #[map]
 static PENDING_OPENS: LruHashMap<RequestKey, u64> =
     LruHashMap::with_max_entries(MAX_PENDING_OPENS, 0);
+/// LOOKUPs reported asked, by their request number (`nodeid`), until their answer:
+/// only theirs is reported (the agent's own lookups, copies failing on files gone from
+/// the server, would flood the ring buffer).
+#[map]
+static LOOKUPS_ASKED: LruHashMap<RequestKey, u8> =
+    LruHashMap::with_max_entries(MAX_PENDING_OPENS, 0);
 
 #[btf_tracepoint(function = "fuse_request_send")]
 pub fn fuse_sent(ctx: BtfTracePointContext) -> i32 {
@@ -128,16 +134,7 @@ fn try_ended(req: Request) -> Step {
     match req.opcode() {
         opcode::READ if error == 0 => read(req, dev, len),
         opcode::OPEN | opcode::OPENDIR | opcode::CREATE => answered_open(req, dev, error),
-        // A negative entry (node id 0) is a "no such name" the kernel may keep.
-        opcode::LOOKUP if error == -ENOENT || (error == 0 && req.output_word(0) == Some(0)) => {
-            let h = Header {
-                file_id: req.unique(),
-                bytes: u64::from(dev),
-                ..Header::new(kind::LOOKUP_FAILED, 0)
-            };
-            emit(&h, None, 0);
-            Ok(())
-        }
+        opcode::LOOKUP => answered_lookup(req, dev, error),
         _ => Ok(()),
     }
 }
@@ -163,13 +160,7 @@ fn opened(req: Request, dev: u32, tgid: u32, op: u32) -> Step {
         target(0, Some(locate(w.mount, w.dentry).or_skip()?)).or_skip()?
     };
     let file_id = next_id();
-    let pending = RequestKey {
-        dev,
-        _pad: 0,
-        nodeid: req.unique(),
-        fh: 0,
-    };
-    let _ = PENDING_OPENS.insert(&pending, &file_id, 0);
+    let _ = PENDING_OPENS.insert(&pending(dev, req.unique()), &file_id, 0);
     let h = Header {
         file_id,
         open_flags: flags,
@@ -182,15 +173,10 @@ fn opened(req: Request, dev: u32, tgid: u32, op: u32) -> Step {
 /// The reply to an open: the file is followed by the handle it names; a refused open is
 /// reported closed at once, having read nothing.
 fn answered_open(req: Request, dev: u32, error: i32) -> Step {
-    let pending = RequestKey {
-        dev,
-        _pad: 0,
-        nodeid: req.unique(),
-        fh: 0,
-    };
+    let key = pending(dev, req.unique());
     // SAFETY: plain value copy.
-    let file_id = unsafe { *PENDING_OPENS.get(&pending).or_skip()? };
-    let _ = PENDING_OPENS.remove(&pending);
+    let file_id = unsafe { *PENDING_OPENS.get(&key).or_skip()? };
+    let _ = PENDING_OPENS.remove(&key);
     let key = if error == 0 {
         if req.opcode() == opcode::CREATE {
             // fuse_entry_out, then fuse_open_out.
@@ -232,6 +218,7 @@ fn asked(req: Request, dev: u32, tgid: u32) -> Step {
         return Ok(());
     }
     let t = named(&w)?;
+    let _ = LOOKUPS_ASKED.insert(&pending(dev, req.unique()), &1, 0);
     let h = Header {
         file_id: req.unique(),
         bytes: u64::from(dev),
@@ -239,6 +226,33 @@ fn asked(req: Request, dev: u32, tgid: u32) -> Step {
     };
     emit(&h, Some(t), 0);
     Ok(())
+}
+
+/// The answer to a LOOKUP reported asked: "no such name" (ENOENT, or a negative entry,
+/// node id 0, which the kernel may keep) is reported.
+fn answered_lookup(req: Request, dev: u32, error: i32) -> Step {
+    let key = pending(dev, req.unique());
+    LOOKUPS_ASKED.get_ptr(&key).or_skip()?;
+    let _ = LOOKUPS_ASKED.remove(&key);
+    if error == -ENOENT || (error == 0 && req.output_word(0) == Some(0)) {
+        let h = Header {
+            file_id: key.nodeid,
+            bytes: u64::from(dev),
+            ..Header::new(kind::LOOKUP_FAILED, 0)
+        };
+        emit(&h, None, 0);
+    }
+    Ok(())
+}
+
+/// The key of request `unique` on mount `dev` while its answer is awaited.
+fn pending(dev: u32, unique: u64) -> RequestKey {
+    RequestKey {
+        dev,
+        _pad: 0,
+        nodeid: unique,
+        fh: 0,
+    }
 }
 
 /// The walk's directory, placed, with the name it looked up as the path below it
