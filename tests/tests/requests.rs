@@ -177,6 +177,10 @@ fn a_jobs_writes_renames_and_removals_are_seen_at_rest() {
     net.put("out/old.log", b"old\n");
     net.put("out/gone/x", b"x\n");
     net.put("out/result.txt", b"stale\n");
+    // Truncated through a descriptor (`truncate`: ftruncate) and by its path
+    // (truncate(2)).
+    net.put("out/cut.txt", b"long enough\n");
+    net.put("out/cut2.txt", b"long enough\n");
     // A name too long to be kept inside its dentry: placed by the path the job gave.
     let long = format!("out/{}.txt", "n".repeat(60));
     net.put(&long, b"long\n");
@@ -188,7 +192,8 @@ fn a_jobs_writes_renames_and_removals_are_seen_at_rest() {
     let out = agent.run_job(&format!(
         "PYTHONPATH={lib} env -u PYTHONDONTWRITEBYTECODE python3 -c 'import mypkg.core' && cd {out} && echo new > fresh.txt \
          && echo done > tmp.txt && mv tmp.txt result.txt && rm old.log gone/x && rmdir gone \
-         && mkdir made && rm {long}",
+         && mkdir made && rm {long} && truncate -s 1 cut.txt \
+         && python3 -c 'import os; os.truncate(\"cut2.txt\", 1)'",
         lib = lib.display(),
         out = net.path("out").display(),
         long = net.path(&long).display(),

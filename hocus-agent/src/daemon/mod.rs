@@ -518,7 +518,7 @@ impl Daemon {
         let views = std::mem::take(&mut start.views);
         let started = self.jobs.start(&mut self.tracing, start.id, task, views);
         // Its namespace and snapshot views are known: the request programs learn it.
-        if !hits {
+        if !hits && self.opts.settings.rest_after().is_some() {
             self.tracing.rest_for_requests();
         }
         if let Err(r) = started {

@@ -79,7 +79,10 @@ pub struct Settings {
     /// after which the syscall program is detached, so that the node's processes pay
     /// nothing for tracing; the first use of a watched mount (a FUSE request, a page read
     /// from its server) attaches it again, and a job starting does before it runs.
-    /// What processes do in the meantime is not seen. 0: never detach [default: 60].
+    /// What processes do in the meantime is not seen. Where jobs are learned from the
+    /// FUSE server's requests (status: "learning jobs"), it rests whatever runs, and this
+    /// is how long a job given local copies has its hits counted after it starts. 0:
+    /// never detach [default: 60].
     #[arg(long, value_name = "SECONDS")]
     pub rest_after: Option<u64>,
 

@@ -16,7 +16,8 @@
 //! their names, which the request points to, where a name is short enough to be kept
 //! inside its dentry; else by the paths the syscall was given, as `syscall_exit` places
 //! them (one that cannot be is counted, `counter::CHANGE_UNPLACED`). A SETATTR that
-//! changes the size through an open file marks it written. Changes are reported as they
+//! changes the size marks the open file it goes through written, or else is placed by
+//! the path `truncate` was given. Changes are reported as they
 //! are asked, before the server answers: a change that fails drops a copy for nothing,
 //! which is safe.
 
@@ -120,7 +121,7 @@ fn try_sent(req: Request) -> Step {
         opcode::RMDIR => changed(req, tgid, kind::RMDIR),
         opcode::MKDIR => changed(req, tgid, kind::MKDIR),
         opcode::RENAME | opcode::RENAME2 => changed(req, tgid, kind::RENAME_FROM),
-        opcode::SETATTR => resized(req, dev),
+        opcode::SETATTR => resized(req, dev, tgid),
         _ => Ok(()),
     }
 }
@@ -340,7 +341,8 @@ fn changed(req: Request, tgid: u32, kind: u8) -> Step {
 }
 
 /// The path argument at `position` (0: the only or old one, 1: the new one) of the
-/// change the current task's syscall makes, placed as the syscall program would; None
+/// change by a path the current task's syscall makes (unlink, rmdir, mkdir, rename,
+/// truncate), placed as the syscall program would; None
 /// where it cannot be (an absolute path in a namespace whose view is not known).
 fn by_syscall(position: u32) -> Option<&'static Target> {
     if is_compat() {
@@ -348,7 +350,10 @@ fn by_syscall(position: u32) -> Option<&'static Target> {
     }
     let regs = syscall_regs()?;
     let l = layout(regs.read(offset(|o| &o.regs_nr)))?;
-    if !matches!(l.op, op::UNLINK | op::RMDIR | op::MKDIR | op::RENAME) {
+    if !matches!(
+        l.op,
+        op::UNLINK | op::RMDIR | op::MKDIR | op::RENAME | op::TRUNCATE
+    ) {
         return None;
     }
     let args = Args::of(regs);
@@ -360,15 +365,18 @@ fn by_syscall(position: u32) -> Option<&'static Target> {
     path_target(args.dfd(dfd), args.get(path)?, position)
 }
 
-/// A SETATTR that changes the size: through a followed file, it is marked written;
-/// by a path (`truncate`), it names no dentry and is counted unplaced.
-fn resized(req: Request, dev: u32) -> Step {
+/// A SETATTR that changes the size: through a followed file, it is marked written; by
+/// a path (`truncate`), placed by the path the syscall was given.
+fn resized(req: Request, dev: u32, tgid: u32) -> Step {
     let valid = req.input_word(0, SETATTR_IN).or_skip()? as u32;
     if valid & FATTR_SIZE == 0 {
         return Ok(()); // modes, owners, times: not what a profile keeps
     }
     if valid & FATTR_FH == 0 {
-        count(counter::CHANGE_UNPLACED);
+        match by_syscall(0) {
+            Some(t) => emit(&Header::new(kind::TRUNCATE, tgid), Some(t), 0),
+            None => count(counter::CHANGE_UNPLACED),
+        }
         return Ok(());
     }
     let (_, value) = req.input(0).or_skip()?;
