@@ -549,7 +549,8 @@ pub mod counter {
     /// A file deeper below its root than the kernel side walks.
     pub const PATH_TOO_DEEP: u32 = 8;
     /// A change by a name (unlink, rmdir, mkdir, rename, truncate by path) that the
-    /// request programs could not place: a name longer than a dentry holds inline.
+    /// request programs could place neither by its dentry nor by the syscall's path (a
+    /// long name given as an absolute path in a namespace not learned).
     pub const CHANGE_UNPLACED: u32 = 9;
     pub const COUNT: u32 = 10;
     /// Metric-style names, by index.

@@ -75,6 +75,18 @@ pub struct RequestKey {
     pub fh: u64,
 }
 
+impl RequestKey {
+    /// Request or file `nodeid` of mount `dev`, open with handle `fh` (0 for a request).
+    pub const fn new(dev: u32, nodeid: u64, fh: u64) -> Self {
+        Self {
+            dev,
+            _pad: 0,
+            nodeid,
+            fh,
+        }
+    }
+}
+
 /// Files opened through watched FUSE mounts that the request programs follow.
 pub const MAX_REQUEST_FILES: u32 = 16384;
 /// Opens whose reply (with the server's handle) is awaited.

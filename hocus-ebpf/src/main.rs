@@ -36,8 +36,8 @@
 //! - `hooks`: the programs, one file per hook: `syscall_exit` (`tp_btf/sys_exit`),
 //!   `sched` (fork, exit), `filemap` (pages entering the page cache), `fuse` (requests
 //!   to FUSE mounts), `fuse_learn` (jobs learned from those requests while
-//!   `syscall_exit` rests, where the kernel types them), `nfs` (the NFS client's permission and attribute checks) and
-//!   `floor` (the benchmark's empty program).
+//!   `syscall_exit` rests, where the kernel types them), `nfs` (the NFS client's
+//!   permission and attribute checks) and `floor` (the benchmark's empty program).
 //!
 //! A kernel variant of a hook (another attach point for older kernels, a filesystem's
 //! own tracepoint) is a new file in `hooks/` built on the modules above; the agent picks

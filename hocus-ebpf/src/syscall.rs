@@ -6,7 +6,10 @@ use hocus_common::{AT_FDCWD, MAX_SYSCALL_NR, NO_FIELD, SyscallLayout, flags_from
 
 use crate::{
     agent::global,
-    kernel::{Typed, regs_args},
+    kernel::{
+        Typed, offset, regs_args,
+        task::{is_compat, syscall_regs},
+    },
 };
 
 const O_CREAT: u32 = 0o100;
@@ -17,6 +20,7 @@ const O_TRUNC: u32 = 0o1000;
 /// filled by the agent from the tracefs formats.
 #[map]
 pub static SYSCALLS: Array<SyscallLayout> = Array::with_max_entries(MAX_SYSCALL_NR, 0);
+
 /// What the syscall numbered `nr` means, if it is traced.
 pub fn layout(nr: i64) -> Option<&'static SyscallLayout> {
     if !(0..MAX_SYSCALL_NR as i64).contains(&nr) {
@@ -74,9 +78,19 @@ pub fn open_flags(args: &Args, l: &SyscallLayout) -> u32 {
     }
 }
 
-/// Whether the syscall whose registers are `regs` is an open that may create its file
-/// (`O_CREAT`).
-pub fn opens_to_create(regs: Typed) -> bool {
-    let nr: i64 = regs.read(crate::kernel::offset(|o| &o.regs_nr));
-    layout(nr).is_some_and(|l| l.op == op::OPEN && open_flags(&Args::of(regs), l) & O_CREAT != 0)
+/// The syscall the current task is in, if traced, and its arguments, from its saved
+/// registers (`syscall_regs`): for a program that runs inside a syscall, not at its
+/// exit. None for a 32-bit one (its registers mean something else).
+pub fn current() -> Option<(&'static SyscallLayout, Args)> {
+    if is_compat() {
+        return None;
+    }
+    let regs = syscall_regs()?;
+    let l = layout(regs.read(offset(|o| &o.regs_nr)))?;
+    Some((l, Args::of(regs)))
+}
+
+/// Whether a syscall (`l`, with `args`) is an open that may create its file (`O_CREAT`).
+pub fn opens_to_create(l: &SyscallLayout, args: &Args) -> bool {
+    l.op == op::OPEN && open_flags(args, l) & O_CREAT != 0
 }

@@ -196,8 +196,7 @@ impl Daemon {
             trees::root_paths(&roots),
             trees::served_from(&roots),
         );
-        let mut observer = Observer::new(places, Views::new(anchors));
-        observer.learns_by_requests = tracer.learns_by_requests;
+        let observer = Observer::new(places, Views::new(anchors));
         Ok(Self {
             socket: opts.settings.socket(),
             opts,
@@ -358,7 +357,7 @@ impl Daemon {
         }
         if self.tracing.changes_unplaced() {
             log::info!(
-                "a change on a watched tree named no file the kernel side could place (a name longer than a dentry holds): every local copy is checked against the network now"
+                "a change on a watched tree named no file the kernel side could place (a long name, by an absolute path in a namespace not learned): every local copy is checked against the network now"
             );
             let sent = self.keeper.revalidate_now().await;
             self.check(sent);
@@ -492,8 +491,9 @@ impl Daemon {
 
     /// A job is starting: the tracer follows it from its start, and sees the namespace
     /// the job's session makes (where the request programs learn jobs, it rests again
-    /// once the job has started, unless the job has local copies whose hits it counts). What was queued while it rested is read first: opens
-    /// through Slurm tasks' binds then are the tracer's to count no more.
+    /// once the job has started, unless the job has local copies whose hits it counts).
+    /// What was queued while it rested is read first: opens through Slurm tasks' binds
+    /// then are the tracer's to count no more.
     async fn wake_for_job(&mut self) {
         if self.tracing.tracer().is_resting() {
             self.drain().await;

@@ -49,8 +49,8 @@ pub struct Rest {
 }
 
 impl Rest {
-    /// `learns_by_requests`: the request programs learn jobs (`Tracer`), so the syscall
-    /// program has nothing to do but see changes by name: it rests from the start.
+    /// `learns_by_requests`: the request programs learn jobs (`Tracer`): the syscall
+    /// program rests from the start.
     pub fn new(learns_by_requests: bool) -> Self {
         let now = Instant::now();
         let long_ago = now.checked_sub(Duration::from_secs(3600)).unwrap_or(now);
@@ -117,9 +117,13 @@ impl Rest {
             Ok(()) => {
                 self.rests += 1;
                 self.since = Instant::now();
-                self.with_jobs = jobs == Jobs::Served;
+                // Where the request programs learn, any job runs at rest.
+                self.with_jobs = if tracer.learns_by_requests {
+                    jobs != Jobs::None
+                } else {
+                    jobs == Jobs::Served
+                };
                 if tracer.learns_by_requests {
-                    self.with_jobs = jobs != Jobs::None;
                     // Once, then again after each job's start: said once.
                     if self.rests == 1 {
                         log::info!(

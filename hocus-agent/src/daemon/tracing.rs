@@ -83,7 +83,7 @@ impl Tracing {
         let Self {
             tracer, observer, ..
         } = self;
-        let learned = observer.news();
+        let learned = news(tracer.get_ref(), observer);
         let mut woken_by = None;
         let mut events = tracer.get_mut().drain(|e| match e.kind {
             kind::WAKE => woken_by = Some(e.tgid),
@@ -103,7 +103,7 @@ impl Tracing {
                 self.observer.found_open(tgid, ws);
             }
         }
-        if self.observer.news() != learned {
+        if self.news() != learned {
             events += 1;
             self.rest.active();
         }
@@ -136,7 +136,7 @@ impl Tracing {
     /// Closes in `ws` what processes that are gone still held open or mapped; whether
     /// bytes were read meanwhile (the observer has accesses to route).
     pub fn sweep(&mut self, ws: &mut WorkingSet) -> bool {
-        let learned = self.observer.news();
+        let learned = self.news();
         let open = self.tracer.get_ref().open_files();
         let requested = self.tracer.get_ref().request_files();
         for key in self.observer.sweep(&open, &requested, ws) {
@@ -146,10 +146,15 @@ impl Tracing {
         for key in self.observer.sweep_mapped(&mapped, ws) {
             self.tracer.get_mut().forget_mapped(&key);
         }
-        if self.observer.news() != learned {
+        if self.news() != learned {
             self.rest.active();
         }
         !self.observer.accesses.is_empty()
+    }
+
+    /// What keeps the syscall program awake (`news`).
+    fn news(&self) -> u64 {
+        news(self.tracer.get_ref(), &self.observer)
     }
 
     /// Whether changes the kernel side could not place (`counter::CHANGE_UNPLACED`) were
@@ -237,6 +242,17 @@ impl Tracing {
     pub fn remove_view_root(&mut self, index: u32, root: &ViewRoot) {
         self.tracer.get_mut().remove_view_root(root);
         self.observer.places.forget_view_root(index);
+    }
+}
+
+/// What keeps the syscall program awake while it grows: anything learned; where the
+/// request programs learn jobs, only what they cannot see (changes the syscall program
+/// saw while awake, writes refused).
+fn news(tracer: &Tracer, observer: &Observer) -> u64 {
+    if tracer.learns_by_requests {
+        observer.tally.mutations + observer.tally.writes_refused
+    } else {
+        observer.learned
     }
 }
 

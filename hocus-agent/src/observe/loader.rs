@@ -100,7 +100,9 @@ const REQUEST_PROGRAMS: [(&str, Attach); 2] = [
 /// `tripwires` (which the kernel must have).
 pub fn start(prefixes: &[&Path], every_process: bool, tripwires: &[Tripwire]) -> Result<Loaded> {
     let tracefs = tracefs::root()?;
-    let start = |kfuncs| -> Result<(Loaded, bool)> {
+    // The programs loaded and attached, whether they cast files, and whether the
+    // request programs could read this kernel's requests.
+    let start = |kfuncs| -> Result<(Loaded, bool, bool)> {
         let (mut ebpf, fitted) = load(&tracefs, every_process, kfuncs)?;
         let skipped = fill_tables(&mut ebpf, &tracefs, prefixes)?;
         let links = attach(&mut ebpf, &PROGRAMS).map_err(|e| {
@@ -118,7 +120,7 @@ pub fn start(prefixes: &[&Path], every_process: bool, tripwires: &[Tripwire]) ->
             tells_misses: true,
             learns_by_requests: false,
         };
-        Ok((loaded, fitted.cast))
+        Ok((loaded, fitted.cast, fitted.requests_readable))
     };
     // A kernel whose verifier refuses the kfunc calls still gets the programs.
     let name = kfunc::RDONLY_CAST_NAME;
@@ -128,7 +130,7 @@ pub fn start(prefixes: &[&Path], every_process: bool, tripwires: &[Tripwire]) ->
     } else {
         format!("{}=kfuncs", kernel::FALLBACKS)
     };
-    let (mut loaded, cast) = match start(kfuncs) {
+    let (mut loaded, cast, readable) = match start(kfuncs) {
         Err(e) if e.downcast_ref::<KfuncsRefused>().is_some() => {
             log::warn!("{e:#}; loading them without");
             without = format!("the kernel refused {name}");
@@ -161,7 +163,7 @@ pub fn start(prefixes: &[&Path], every_process: bool, tripwires: &[Tripwire]) ->
         loaded.links.extend(links);
         loaded.tells_misses &= all;
     }
-    let (links, way) = learn_by_requests(&mut loaded.ebpf, every_process, tripwires);
+    let (links, way) = learn_by_requests(&mut loaded.ebpf, every_process, tripwires, readable);
     loaded.learns_by_requests = !links.is_empty();
     loaded.links.extend(links);
     loaded.routes.push(way);
@@ -175,6 +177,7 @@ fn learn_by_requests(
     ebpf: &mut Ebpf,
     every_process: bool,
     tripwires: &[Tripwire],
+    readable: bool,
 ) -> (Vec<(&'static str, Link)>, Route) {
     const PART: &str = "learning jobs";
     let syscalls = |why: String| {
@@ -188,7 +191,7 @@ fn learn_by_requests(
         let way = "from their syscalls (not every watched tree is on FUSE)";
         return (Vec::new(), route(PART, way, false));
     }
-    if !has_request_offsets() {
+    if !readable {
         let why = "this kernel's BTF has no FUSE requests: FUSE is a module, or the kernel is older than 6.15";
         return syscalls(why.into());
     }
@@ -202,10 +205,6 @@ fn learn_by_requests(
             syscalls(format!("the kernel refused the request programs: {e:#}"))
         }
     }
-}
-
-fn has_request_offsets() -> bool {
-    Btf::from_kernel().is_ok_and(|btf| btf::request_offsets(&btf).is_ok())
 }
 
 /// Attaches `tripwire`'s hooks that tell a served job's misses apart, where the kernel
@@ -309,6 +308,8 @@ fn kfuncs_allowed() -> bool {
 struct Fitted {
     /// The programs cast files (`kfunc::RDONLY_CAST`).
     cast: bool,
+    /// The kernel's BTF has what the request programs read (`REQUEST_OFFSETS`).
+    requests_readable: bool,
     routes: Vec<Route>,
 }
 
@@ -382,7 +383,9 @@ fn load(tracefs: &Path, every_process: bool, kfuncs: bool) -> Result<(Ebpf, Fitt
     let mut offsets =
         btf::kernel_offsets(&btf).context("finding the kernel struct fields hocus reads")?;
     // Zeros where the kernel lacks them: the request programs are not attached there.
-    let request_offsets = btf::request_offsets(&btf).unwrap_or_default();
+    let request_offsets = btf::request_offsets(&btf);
+    let requests_readable = request_offsets.is_ok();
+    let request_offsets = request_offsets.unwrap_or_default();
     // 5.10 cannot hand out the current task typed: every field is read with the helper.
     let typed_task = btf.has_helper("get_current_task_btf") && !kernel::forced("typed-task");
     routes.push(if typed_task {
@@ -461,6 +464,7 @@ fn load(tracefs: &Path, every_process: bool, kfuncs: bool) -> Result<(Ebpf, Fitt
         )?;
     let fitted = Fitted {
         cast: cast.is_some(),
+        requests_readable,
         routes,
     };
     Ok((ebpf, fitted))

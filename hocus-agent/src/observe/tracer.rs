@@ -415,7 +415,7 @@ impl Tracer {
     /// page cache) or `wake` attach it again. What processes do meanwhile is not seen.
     /// `with_jobs`: jobs run whose requests all hit local copies; only a request that
     /// reads or changes a watched mount wakes it (`hocus_common::rest`). Where the
-    /// request programs learn, jobs or not, only a change by a name wakes it.
+    /// request programs learn, jobs or not, no tripwire wakes it.
     pub fn rest(&mut self, with_jobs: bool) -> Result<()> {
         if self.resting {
             return Ok(());
@@ -511,8 +511,6 @@ impl Tracer {
             .collect()
     }
 
-    /// The watched files processes mapped, with the pages that entered their page cache
-    /// since.
     /// The files the request programs follow, with what each read so far.
     pub fn request_files(&self) -> Vec<OpenFile> {
         self.request_files
@@ -521,6 +519,8 @@ impl Tracer {
             .collect()
     }
 
+    /// The watched files processes mapped, with the pages that entered their page cache
+    /// since.
     pub fn mapped_files(&self) -> Vec<(InodeKey, Mapped)> {
         self.mapped.iter().filter_map(Result::ok).collect()
     }

@@ -38,15 +38,11 @@ use hocus_common::{
 use crate::{
     agent::current,
     emit::{Header, Target, emit, next_id, target},
-    kernel::{
-        offset,
-        requests::{Request, Walk, walk},
-        task::{is_compat, syscall_regs},
-    },
+    kernel::requests::{Request, Walk, walk},
     locate::locate,
     paths::path_target,
     skip::{OrSkip, Skip, Step, count, finish},
-    syscall::{Args, layout, opens_to_create},
+    syscall::{self, opens_to_create},
     tripwire::{REST, is_watched_device},
 };
 
@@ -57,8 +53,9 @@ const NAME_MAX: u32 = 255;
 /// handle at the start of `fuse_read_in`, `fuse_write_in` and `fuse_release_in`.
 const OPEN_IN: u32 = 8;
 const CREATE_IN: u32 = 16;
-/// `struct fuse_setattr_in`: valid, padding, fh, size ...
+/// `struct fuse_setattr_in`: valid, padding, fh (at 8), size ...
 const SETATTR_IN: u32 = 88;
+const SETATTR_FH: u32 = 8;
 const HANDLE: u32 = 8;
 /// `struct fuse_out_header`, before a reply's data.
 const OUT_HEADER: u32 = 16;
@@ -105,7 +102,7 @@ fn try_sent(req: Request) -> Step {
     let op = req.opcode();
     // The files already followed are followed to their release, whatever the rest.
     match op {
-        opcode::WRITE => return written(req, dev, kind::WRITE),
+        opcode::WRITE => return mark_written(&handle(req, dev)?, kind::WRITE),
         opcode::RELEASE | opcode::RELEASEDIR => return released(req, dev),
         _ => {}
     }
@@ -146,9 +143,9 @@ fn try_ended(req: Request) -> Step {
 fn opened(req: Request, dev: u32, tgid: u32, op: u32) -> Step {
     let w = walk().or_skip()?;
     let flags = if op == opcode::CREATE {
-        req.input_word(0, CREATE_IN).or_skip()? as u32
+        req.input_word(0, 0, CREATE_IN).or_skip()? as u32
     } else {
-        let flags = req.input_word(0, OPEN_IN).or_skip()? as u32;
+        let flags = req.input_word(0, 0, OPEN_IN).or_skip()? as u32;
         if op == opcode::OPENDIR {
             flags | O_DIRECTORY
         } else {
@@ -178,26 +175,19 @@ fn answered_open(req: Request, dev: u32, error: i32) -> Step {
     // SAFETY: plain value copy.
     let file_id = unsafe { *PENDING_OPENS.get(&key).or_skip()? };
     let _ = PENDING_OPENS.remove(&key);
-    let key = if error == 0 {
-        if req.opcode() == opcode::CREATE {
-            // fuse_entry_out, then fuse_open_out.
-            RequestKey {
-                dev,
-                _pad: 0,
-                nodeid: req.output_word(0).or_skip()?,
-                fh: req.output_word(1).or_skip()?,
-            }
-        } else {
-            RequestKey {
-                dev,
-                _pad: 0,
-                nodeid: req.nodeid(),
-                fh: req.output_word(0).or_skip()?,
-            }
-        }
-    } else {
+    if error != 0 {
         closed(file_id, 0);
         return Ok(());
+    }
+    let key = if req.opcode() == opcode::CREATE {
+        // fuse_entry_out, then fuse_open_out.
+        RequestKey::new(
+            dev,
+            req.output_word(0).or_skip()?,
+            req.output_word(1).or_skip()?,
+        )
+    } else {
+        RequestKey::new(dev, req.nodeid(), req.output_word(0).or_skip()?)
     };
     let file = OpenFile {
         file_id,
@@ -215,7 +205,7 @@ fn asked(req: Request, dev: u32, tgid: u32) -> Step {
     let w = walk().or_skip()?;
     // An O_CREAT open's: the name is made next. (The walk's own intent flags moved
     // between kernels; the syscall's did not.)
-    if syscall_regs().is_some_and(opens_to_create) {
+    if syscall::current().is_some_and(|(l, args)| opens_to_create(l, &args)) {
         return Ok(());
     }
     let t = named(&w)?;
@@ -248,12 +238,7 @@ fn answered_lookup(req: Request, dev: u32, error: i32) -> Step {
 
 /// The key of request `unique` on mount `dev` while its answer is awaited.
 fn pending(dev: u32, unique: u64) -> RequestKey {
-    RequestKey {
-        dev,
-        _pad: 0,
-        nodeid: unique,
-        fh: 0,
-    }
+    RequestKey::new(dev, unique, 0)
 }
 
 /// The walk's directory, placed, with the name it looked up as the path below it
@@ -345,18 +330,13 @@ fn changed(req: Request, tgid: u32, kind: u8) -> Step {
 /// truncate), placed as the syscall program would; None
 /// where it cannot be (an absolute path in a namespace whose view is not known).
 fn by_syscall(position: u32) -> Option<&'static Target> {
-    if is_compat() {
-        return None; // its registers mean something else
-    }
-    let regs = syscall_regs()?;
-    let l = layout(regs.read(offset(|o| &o.regs_nr)))?;
+    let (l, args) = syscall::current()?;
     if !matches!(
         l.op,
         op::UNLINK | op::RMDIR | op::MKDIR | op::RENAME | op::TRUNCATE
     ) {
         return None;
     }
-    let args = Args::of(regs);
     let (dfd, path) = if position == 0 {
         (l.dfd, l.path)
     } else {
@@ -368,7 +348,7 @@ fn by_syscall(position: u32) -> Option<&'static Target> {
 /// A SETATTR that changes the size: through a followed file, it is marked written; by
 /// a path (`truncate`), placed by the path the syscall was given.
 fn resized(req: Request, dev: u32, tgid: u32) -> Step {
-    let valid = req.input_word(0, SETATTR_IN).or_skip()? as u32;
+    let valid = req.input_word(0, 0, SETATTR_IN).or_skip()? as u32;
     if valid & FATTR_SIZE == 0 {
         return Ok(()); // modes, owners, times: not what a profile keeps
     }
@@ -379,24 +359,12 @@ fn resized(req: Request, dev: u32, tgid: u32) -> Step {
         }
         return Ok(());
     }
-    let (_, value) = req.input(0).or_skip()?;
-    let fh: u64 = crate::kernel::field(value, 8).or_skip()?;
-    let key = RequestKey {
-        dev,
-        _pad: 0,
-        nodeid: req.nodeid(),
-        fh,
-    };
-    mark_written(&key, kind::TRUNCATE)
+    let fh = req.input_word(0, SETATTR_FH, SETATTR_IN).or_skip()?;
+    mark_written(&RequestKey::new(dev, req.nodeid(), fh), kind::TRUNCATE)
 }
 
-/// The first WRITE through a followed file marks it written.
-fn written(req: Request, dev: u32, kind: u8) -> Step {
-    mark_written(&handle(req, dev)?, kind)
-}
-
-/// The file `key` names is marked written, reported once as `kind` (a write or a
-/// truncate).
+/// The file `key` names (a WRITE's, a SETATTR's) is marked written, reported once as
+/// `kind` (a write or a truncate).
 fn mark_written(key: &RequestKey, kind: u8) -> Step {
     let file = REQUEST_FILES.get_ptr_mut(key).or_skip()?;
     // SAFETY: map value pointer, valid for this program run.
@@ -428,12 +396,8 @@ fn released(req: Request, dev: u32) -> Step {
 /// The file a READ, WRITE or RELEASE is about: its node and the handle its first input
 /// argument starts with.
 fn handle(req: Request, dev: u32) -> Step<RequestKey> {
-    Ok(RequestKey {
-        dev,
-        _pad: 0,
-        nodeid: req.nodeid(),
-        fh: req.input_word(0, HANDLE).or_skip()?,
-    })
+    let fh = req.input_word(0, 0, HANDLE).or_skip()?;
+    Ok(RequestKey::new(dev, req.nodeid(), fh))
 }
 
 fn closed(file_id: u64, bytes: u64) {

@@ -90,12 +90,10 @@ impl Request {
         Some((args.read(offset), args.read(offset + 8)))
     }
 
-    /// The first eight bytes of input argument `i` (an open's flags, a handle), if it
-    /// holds at least `size` bytes.
-    pub fn input_word(self, i: u32, size: u32) -> Option<u64> {
-        let (len, value) = self.input(i)?;
-        (len >= size).then_some(())?;
-        field(value, 0)
+    /// The eight bytes `at` bytes into input argument `i` (an open's flags, a handle),
+    /// if it holds at least `size` bytes.
+    pub fn input_word(self, i: u32, at: u32, size: u32) -> Option<u64> {
+        word(self.input(i)?, at, size)
     }
 
     /// The dentry whose name input argument `i` is, and the mount (its superblock) it is
@@ -116,10 +114,15 @@ impl Request {
 
     /// The first eight bytes of output argument `i` (a handle, a node id).
     pub fn output_word(self, i: u32) -> Option<u64> {
-        let (len, value) = self.output(i)?;
-        (len >= 8).then_some(())?;
-        field(value, 0)
+        word(self.output(i)?, 0, 8)
     }
+}
+
+/// The eight bytes `at` bytes into an argument (its size and where its value lies), if
+/// it holds at least `size` bytes.
+fn word((len, value): (u32, u64), at: u32, size: u32) -> Option<u64> {
+    (len >= size).then_some(())?;
+    field(value, at)
 }
 
 /// The path walk the current task is in: where it is (the directory looked in, or the

@@ -72,16 +72,6 @@ pub enum What {
     Read(u64),
 }
 
-/// A LOOKUP the request programs saw sent, until its answer: a failed lookup if the
-/// name is missing.
-struct Asked {
-    path: String,
-    job: u32,
-    process: Process,
-    uid: u32,
-    at_ns: u64,
-}
-
 /// LOOKUPs awaiting their answer, at most: answers come within a round trip, and one
 /// that never comes (the server gone) is forgotten with the oldest.
 const MAX_ASKED: usize = 4096;
@@ -100,8 +90,9 @@ pub struct Observer {
     bytes_counted: HashMap<u64, u64>,
     /// Open files the kernel did not have at the last sweep.
     missing_from_kernel: HashSet<u64>,
-    /// LOOKUPs sent, by the mount's device and the request's number, oldest first.
-    asked: HashMap<(u32, u64), Asked>,
+    /// LOOKUPs the request programs saw sent, by the mount's device and the request's
+    /// number, oldest first: each a failed lookup if its answer says the name is missing.
+    asked: HashMap<(u32, u64), Access>,
     asked_order: VecDeque<(u32, u64)>,
     /// Mapped files, by the open file that first mapped them.
     mapped: HashMap<u64, MappedInfo>,
@@ -121,8 +112,6 @@ pub struct Observer {
     /// reads not served by a local copy, writes): while it grows, there is something to
     /// learn, and the tracer does not rest.
     pub learned: u64,
-    /// The request programs learn jobs (`news`).
-    pub learns_by_requests: bool,
 }
 
 impl Observer {
@@ -147,17 +136,6 @@ impl Observer {
             refused: Vec::new(),
             tally: Tally::default(),
             learned: 0,
-            learns_by_requests: false,
-        }
-    }
-
-    /// What keeps the syscall program awake: anything learned; where the request
-    /// programs learn jobs, only what they cannot see (changes by name, writes refused).
-    pub fn news(&self) -> u64 {
-        if self.learns_by_requests {
-            self.tally.mutations + self.tally.writes_refused
-        } else {
-            self.learned
         }
     }
 
@@ -232,9 +210,9 @@ impl Observer {
                 return;
             }
             kind::LOOKUP_FAILED => {
-                if let Some(a) = self.asked.remove(&(e.bytes as u32, e.file_id)) {
+                if let Some(missing) = self.asked.remove(&(e.bytes as u32, e.file_id)) {
                     self.learned += 1;
-                    self.missing(a.path, a.job, a.process, a.uid, a.at_ns, ws);
+                    self.missing(missing, ws);
                 }
                 return;
             }
@@ -314,7 +292,7 @@ impl Observer {
                     },
                 );
             }
-            kind::MISSING => self.missing(path, e.job, process(e), uid, at, ws),
+            kind::MISSING => self.missing(missing(e, path, at), ws),
             kind::REFUSED_WRITE => {
                 self.tally.writes_refused += 1;
                 log::warn!(
@@ -409,26 +387,11 @@ impl Observer {
         gone
     }
 
-    /// A failed lookup of `path`.
-    fn missing(
-        &mut self,
-        path: String,
-        job: u32,
-        process: Process,
-        uid: u32,
-        at_ns: u64,
-        ws: &mut WorkingSet,
-    ) {
+    /// A failed lookup (`access`, a `What::Missing`).
+    fn missing(&mut self, access: Access, ws: &mut WorkingSet) {
         self.tally.failed_lookups += 1;
-        ws.missing(&path, at_ns);
-        self.accesses.push(Access {
-            path,
-            job,
-            process,
-            what: What::Missing,
-            uid,
-            at_ns,
-        });
+        ws.missing(&access.path, access.at_ns);
+        self.accesses.push(access);
     }
 
     /// A LOOKUP of `path` was sent (`kind::LOOKUP_ASKED`): kept until its answer.
@@ -440,14 +403,7 @@ impl Observer {
             }
         }
         self.asked_order.push_back(key);
-        let asked = Asked {
-            path,
-            job: e.job,
-            process: process(e),
-            uid: e.uid,
-            at_ns,
-        };
-        self.asked.insert(key, asked);
+        self.asked.insert(key, missing(e, path, at_ns));
     }
 
     /// Adds what open file `file` read since last time; a file held open by a writer is
@@ -604,6 +560,18 @@ fn read(path: &str, job: u32, process: &Process, bytes: u64) -> Access {
         what: What::Read(bytes),
         uid: 0,
         at_ns: 0,
+    }
+}
+
+/// A failed lookup of `path` by event `e`'s process, at `at_ns` (unix ns).
+fn missing(e: &Event, path: String, at_ns: u64) -> Access {
+    Access {
+        path,
+        job: e.job,
+        process: process(e),
+        what: What::Missing,
+        uid: e.uid,
+        at_ns,
     }
 }
 
