@@ -22,6 +22,7 @@ use serde_json::Value;
 
 pub mod nfs;
 pub mod slurm;
+mod watchdog;
 
 /// Panics unless we are root: the tests load eBPF programs and mount filesystems.
 pub fn require_root() {
@@ -65,6 +66,8 @@ pub struct NetworkMount {
     host: String,
     port: u16,
     owner: Option<(u32, u32)>,
+    /// Ends the test with a report if it hangs while the mount lives.
+    _watchdog: watchdog::Watchdog,
 }
 
 impl NetworkMount {
@@ -143,6 +146,7 @@ impl NetworkMount {
         share: Option<nfs::Share>,
     ) -> Self {
         require_root();
+        let _watchdog = watchdog::Watchdog::start();
         let dir = tempfile::Builder::new()
             .prefix("hocus-net-")
             .tempdir_in(parent)
@@ -173,6 +177,7 @@ impl NetworkMount {
                 host: "127.0.0.1".to_owned(),
                 port: 2049,
                 owner,
+                _watchdog,
             };
         }
         fs::create_dir_all("/run/sshd").unwrap();
@@ -242,6 +247,7 @@ impl NetworkMount {
             port,
             owner,
             client_log: None,
+            _watchdog,
         };
         if remote.is_some() {
             return this;
@@ -639,6 +645,8 @@ pub struct Agent {
     pub cache_dir: PathBuf,
     child: Option<Child>,
     log: PathBuf,
+    /// Ends the test with a report if it hangs with this daemon.
+    _watchdog: watchdog::Watchdog,
 }
 
 /// A daemon's own directory (socket, state, cache, log), under `parent`.
@@ -743,6 +751,7 @@ impl Agent {
             .stderr(fs::File::create(&log).unwrap())
             .spawn()
             .expect("starting hocus-agent");
+        let _watchdog = watchdog::Watchdog::daemon(child.id(), log.clone());
         let mut agent = Self {
             dir,
             state_dir,
@@ -750,6 +759,7 @@ impl Agent {
             cache_dir,
             child: Some(child),
             log,
+            _watchdog,
         };
         let deadline = Instant::now() + Duration::from_secs(60);
         while UnixStream::connect(&agent.socket).is_err() {
@@ -984,7 +994,6 @@ impl Drop for Agent {
     }
 }
 
-/// Panics with the command's standard error unless it exited successfully.
 /// A plain HTTP/1.1 GET: the status line and the body.
 fn get(addr: &str, path: &str) -> std::io::Result<(String, String)> {
     use std::io::Write;
