@@ -488,6 +488,7 @@ pub mod kind {
     pub const LOOKUP_FAILED: u8 = 18;
 }
 
+pub mod nfs_learn;
 pub mod requests;
 pub mod rest;
 
@@ -587,6 +588,7 @@ mod user {
     unsafe impl aya::Pod for InodeKey {}
     unsafe impl aya::Pod for Mapped {}
     unsafe impl aya::Pod for requests::RequestOffsets {}
+    unsafe impl aya::Pod for nfs_learn::NfsOffsets {}
     unsafe impl aya::Pod for requests::RequestKey {}
 }
 

@@ -177,3 +177,13 @@ pub fn emit(h: &Header, t: Option<&Target>, slot: u32) {
     });
     count(counter::EVENTS_SENT);
 }
+
+/// A followed file is closed, having read `bytes`.
+pub fn closed(file_id: u64, bytes: u64) {
+    let h = Header {
+        file_id,
+        bytes,
+        ..Header::new(kind::CLOSE, 0)
+    };
+    emit(&h, None, 0);
+}

@@ -15,6 +15,13 @@ use crate::{
 /// while there is nothing to learn, and the tripwires wake it.
 #[map]
 pub static REST: Array<u32> = Array::with_max_entries(1, 0);
+/// Whether the filesystems' own programs learn what jobs do now (FUSE requests, the
+/// NFS client's functions): `syscall_exit` rests for them. (Awake, it sees all of that
+/// itself.)
+pub fn learning() -> bool {
+    REST.get(0).copied() == Some(rest::LEARNING_BY_REQUESTS)
+}
+
 /// The watched mounts' devices (`s_dev`, the kernel's encoding; 0 ends the list).
 #[map]
 static WATCHED_DEVICES: Array<u32> = Array::with_max_entries(MAX_WATCHED, 0);

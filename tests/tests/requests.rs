@@ -1,10 +1,13 @@
-//! Learning from the FUSE server's requests. Where the kernel has the typed FUSE
-//! tracepoints (`fuse_request_send`, `fuse_request_end`: newer than 6.12, FUSE built
-//! in), a daemon watching only FUSE trees learns what jobs do from the requests its
-//! server gets, with the syscall program at rest the whole time: no process on the node
-//! pays for a job being learned. The profile it learns is checked against what the
-//! syscall program learns from the same job (`HOCUS_FALLBACKS=fuse-requests`). Where
-//! the kernel lacks them, the daemon says it learns from syscalls.
+//! Learning from the filesystem. Where the kernel has the typed FUSE tracepoints
+//! (`fuse_request_send`, `fuse_request_end`: newer than 6.12, FUSE built in), a daemon
+//! watching only FUSE trees learns what jobs do from the requests its server gets; where
+//! it has BTF for the NFS client's module (5.11 and later: Debian 12 and 13's kernels, in
+//! the rig's guests), a daemon watching only NFS trees learns from the client's own
+//! functions (fentry and fexit). Either way the syscall program rests the whole time: no
+//! process on the node pays for a job being learned. The profile learned is checked
+//! against what the syscall program learns from the same job (`HOCUS_FALLBACKS`
+//! `fuse-requests` or `nfs-functions`). Where the kernel lacks them, the daemon says it
+//! learns from syscalls.
 
 use std::path::Path;
 
@@ -12,7 +15,30 @@ use hocus_tests::{Agent, NetworkMount, assert_success, file_entry, kernel_btf_na
 use serde_json::Value;
 
 const SYSCALLS: &str = "syscall_exit";
-const REQUESTS: [&str; 2] = ["fuse_sent", "fuse_ended"];
+
+/// How the daemon learns jobs on the tests' network mount, where the kernel lets it:
+/// the route `status` says, the programs it attaches for it (some of them), and the
+/// fallback that takes the syscall route instead.
+struct Way {
+    route: &'static str,
+    programs: &'static [&'static str],
+    fallback: &'static str,
+}
+
+fn way(net: &NetworkMount) -> Way {
+    match net.nfs {
+        None => Way {
+            route: "from the requests",
+            programs: &["fuse_sent", "fuse_ended"],
+            fallback: "fuse-requests",
+        },
+        Some(_) => Way {
+            route: "from the NFS client's functions",
+            programs: &["nfs_opened", "nfs_read", "nfs_released", "nfs_looked_up"],
+            fallback: "nfs-functions",
+        },
+    }
+}
 
 /// The way `status` says jobs are learned.
 fn learning_route(agent: &Agent) -> String {
@@ -28,29 +54,34 @@ fn learning_route(agent: &Agent) -> String {
         .to_owned()
 }
 
-/// Whether this kernel has the request programs' tracepoints, typed: checked apart from
-/// the daemon's own probe.
-fn kernel_has_requests() -> bool {
-    kernel_btf_names("btf_trace_fuse_request_send") && kernel_btf_names("fuse_req")
+/// Whether this kernel has what the filesystem's programs hook, typed: checked apart
+/// from the daemon's own probe. FUSE: the request tracepoints, FUSE built in; NFS: BTF
+/// for the client's module (or the client built in).
+fn kernel_has_hooks(net: &NetworkMount) -> bool {
+    match net.nfs {
+        None => kernel_btf_names("btf_trace_fuse_request_send") && kernel_btf_names("fuse_req"),
+        Some(_) => Path::new("/sys/kernel/btf/nfs").exists() || kernel_btf_names("nfs_file_open"),
+    }
 }
 
-/// A daemon watching `net` that learns from requests, once it rests: the syscall
-/// program detached, the request programs attached. None (after checking that the
+/// A daemon watching `net` that learns from the filesystem, once it rests: the syscall
+/// program detached, the filesystem's programs attached. None (after checking that the
 /// daemon says so) on a kernel without them.
 fn resting_on_requests(net: &NetworkMount) -> Option<Agent> {
     let agent = Agent::start(&["--watch", net.mount.to_str().unwrap(), "--rest-after", "5"]);
-    let way = learning_route(&agent);
-    if !kernel_has_requests() {
-        assert!(way.starts_with("from their syscalls"), "{way}");
+    let route = learning_route(&agent);
+    if !kernel_has_hooks(net) {
+        assert!(route.starts_with("from their syscalls"), "{route}");
         return None;
     }
-    assert!(way.starts_with("from the requests"), "{way}");
+    let way = way(net);
+    assert!(route.starts_with(way.route), "{route}");
     hocus_tests::wait_until(30, "the syscall program to rest", || {
         agent.status()["tracing"]["resting"] == true
     });
     let links = agent.attached();
     assert!(!links.iter().any(|l| l == SYSCALLS), "{links:?}");
-    for program in REQUESTS {
+    for program in way.programs {
         assert!(links.iter().any(|l| l == program), "{links:?}");
     }
     Some(agent)
@@ -104,6 +135,22 @@ fn files(p: &Value) -> Vec<(String, u64, u64)> {
     files
 }
 
+/// The directories opened (listed), with how often.
+fn dirs_opened(p: &Value) -> Vec<(String, u64)> {
+    let mut dirs: Vec<_> = p["dirs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|d| d["opens"].as_u64().unwrap() > 0)
+        .map(|d| {
+            let path = d["path"].as_str().unwrap().to_owned();
+            (path, d["opens"].as_u64().unwrap())
+        })
+        .collect();
+    dirs.sort();
+    dirs
+}
+
 fn missing(p: &Value) -> Vec<String> {
     p["missing"]
         .as_array()
@@ -136,7 +183,7 @@ fn a_job_is_learned_from_the_servers_requests_as_from_its_syscalls() {
     // The same job, learned by the syscall program, from the same cold client cache.
     net.drop_client_caches();
     let watch = net.mount.to_str().unwrap();
-    let agent = Agent::start_with_fallbacks("fuse-requests", &["--watch", watch]);
+    let agent = Agent::start_with_fallbacks(way(&net).fallback, &["--watch", watch]);
     assert!(learning_route(&agent).starts_with("from their syscalls"));
     import_and_read(&agent, &lib, &data);
     let by_syscalls = agent.export();
@@ -147,12 +194,19 @@ fn a_job_is_learned_from_the_servers_requests_as_from_its_syscalls() {
         files(&by_syscalls),
         "{by_requests:#}\n{by_syscalls:#}"
     );
+    // The same directories listed (the import system lists each package's directory).
+    let dirs = dirs_opened(&by_requests);
+    assert!(
+        dirs.iter().any(|(d, _)| d.ends_with("/mypkg")),
+        "{by_requests:#}\n{by_syscalls:#}"
+    );
+    assert_eq!(dirs, dirs_opened(&by_syscalls), "{by_syscalls:#}");
     let f = file_entry(&by_requests, &data).unwrap();
     assert_eq!(
         (f["opens"].as_u64(), f["bytes_read"].as_u64()),
         (Some(1), Some(300_000))
     );
-    // The names the import system missed: a failed LOOKUP names the first missing part
+    // The names the import system missed: a failed lookup names the first missing part
     // of a path (a directory), a failed syscall the whole path below it.
     let (asked, called) = (missing(&by_requests), missing(&by_syscalls));
     assert!(!asked.is_empty());
@@ -240,13 +294,17 @@ fn a_jobs_writes_renames_and_removals_are_seen_at_rest() {
         );
     }
     // CPython's temporary name for a package's bytecode is longer than a dentry keeps
-    // (`__init__.cpython-311.pyc.` and an id): placed by its path too.
+    // (`__init__.cpython-311.pyc.` and an id): placed by its path too (on FUSE; the NFS
+    // client's functions are given the dentries).
     assert_eq!(agent.kernel_counter("change_unplaced"), 0);
 }
 
 #[test]
 fn a_change_no_request_can_place_checks_every_copy_at_once() {
     let net = NetworkMount::start();
+    if net.nfs.is_some() {
+        return; // the NFS client's functions are given the dentries: none unplaced
+    }
     let long = format!("data/{}.csv", "c".repeat(60));
     let file = net.put(&long, b"a,b\n1,2\n");
     let Some(agent) = resting_on_requests(&net) else {
@@ -278,4 +336,32 @@ fn a_change_no_request_can_place_checks_every_copy_at_once() {
     hocus_tests::wait_until(10, "the copy of the renamed file to go", || {
         !agent.local_copy(&file).exists()
     });
+}
+
+#[test]
+fn pages_a_job_maps_count_as_read_at_rest() {
+    let net = NetworkMount::start();
+    let data = net.put("data/mapped.bin", &vec![3u8; 300_000]);
+    let Some(agent) = resting_on_requests(&net) else {
+        return;
+    };
+    net.drop_client_caches();
+    // Mapped and touched page by page: no read(2) at all.
+    let out = agent.run_job(&format!(
+        "python3 -c 'import mmap; f = open(\"{}\", \"rb\"); m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ); print(sum(m[i] for i in range(0, len(m), 4096)))'",
+        data.display()
+    ));
+    assert_success(&out);
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "222");
+    still_resting(&agent);
+    hocus_tests::wait_until(30, "the mapped pages to be counted", || {
+        file_entry(&agent.export(), &data)
+            .is_some_and(|f| f["bytes_read"].as_u64().unwrap() >= 300_000)
+    });
+    let p = agent.export();
+    assert_eq!(
+        file_entry(&p, &data).unwrap()["opens"].as_u64(),
+        Some(1),
+        "{p:#}"
+    );
 }

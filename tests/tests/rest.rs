@@ -32,11 +32,12 @@ fn wait_resting(agent: &Agent, rests: u64) {
 }
 
 /// A daemon that learns jobs from their syscalls: where the kernel has the FUSE request
-/// programs, they learn jobs at rest instead (tests/requests.rs), and these tests are of
-/// the route every other kernel and filesystem takes.
+/// programs or hooks the NFS client's functions, they learn jobs at rest instead
+/// (tests/requests.rs), and these tests are of the route every other kernel and
+/// filesystem takes.
 fn start(net: &NetworkMount) -> Agent {
     let args = ["--watch", net.mount.to_str().unwrap(), "--rest-after", "5"];
-    let agent = Agent::start_with_fallbacks("fuse-requests", &args);
+    let agent = Agent::start_with_fallbacks("fuse-requests,nfs-functions", &args);
     let links = agent.attached();
     assert!(links.iter().any(|t| t == SYSCALLS), "{links:?}");
     // The tripwires stay attached while it rests: the mount's own, and pages entering

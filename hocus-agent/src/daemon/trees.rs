@@ -254,8 +254,7 @@ pub fn rests_while_jobs_run(
 ) -> (bool, Route) {
     const PART: &str = "tracing while jobs run";
     if learns_by_requests {
-        let way =
-            "rests: the request programs learn jobs (their hits are not counted, but Slurm tasks')";
+        let way = "rests: the filesystem's own programs learn jobs (their hits are not counted, but Slurm tasks')";
         return (true, route(PART, way, false));
     }
     if every_process {

@@ -13,7 +13,7 @@
 use std::{collections::HashMap, path::Path};
 
 use anyhow::{Context, Result, bail};
-use hocus_common::{KernelOffsets, requests::RequestOffsets};
+use hocus_common::{KernelOffsets, nfs_learn::NfsOffsets, requests::RequestOffsets};
 
 const MAGIC: u16 = 0xeb9f;
 
@@ -49,6 +49,7 @@ struct Type {
     kind: u32,
     /// The referenced type, for typedefs and modifiers.
     refers_to: u32,
+    /// A struct's or union's members; a function prototype's parameters (no offset).
     members: Vec<Member>,
     /// An enum's names (their string offsets).
     names: Vec<u32>,
@@ -75,26 +76,7 @@ impl Btf {
     }
 
     pub fn parse(data: &[u8]) -> Result<Self> {
-        let u16_at = |at: usize| -> Result<u16> {
-            Ok(u16::from_le_bytes(
-                data.get(at..at + 2).context("truncated")?.try_into()?,
-            ))
-        };
-        let u32_at = |at: usize| -> Result<u32> {
-            Ok(u32::from_le_bytes(
-                data.get(at..at + 4).context("truncated")?.try_into()?,
-            ))
-        };
-        if u16_at(0)? != MAGIC {
-            bail!("not little-endian BTF");
-        }
-        let hdr_len = u32_at(4)? as usize;
-        let (type_off, type_len) = (u32_at(8)? as usize, u32_at(12)? as usize);
-        let (str_off, str_len) = (u32_at(16)? as usize, u32_at(20)? as usize);
-        let strings = data
-            .get(hdr_len + str_off..hdr_len + str_off + str_len)
-            .context("string section out of bounds")?
-            .to_vec();
+        let (parsed, strings) = read_sections(data)?;
         let mut types = vec![Type {
             name_off: 0,
             kind: 0,
@@ -102,59 +84,7 @@ impl Btf {
             members: Vec::new(),
             names: Vec::new(),
         }];
-        let mut at = hdr_len + type_off;
-        let end = at + type_len;
-        while at < end {
-            let name_off = u32_at(at)?;
-            let info = u32_at(at + 4)?;
-            let size_or_type = u32_at(at + 8)?;
-            let (vlen, kind, kind_flag) = (
-                (info & 0xffff) as usize,
-                (info >> 24) & 0x1f,
-                info >> 31 == 1,
-            );
-            at += 12;
-            let mut members = Vec::new();
-            let mut names = Vec::new();
-            let extra = match kind {
-                KIND_INT | KIND_VAR | KIND_DECL_TAG => 4,
-                KIND_ARRAY => 12,
-                KIND_STRUCT | KIND_UNION => {
-                    for i in 0..vlen {
-                        let m = at + 12 * i;
-                        let offset = u32_at(m + 8)?;
-                        members.push(Member {
-                            name_off: u32_at(m)?,
-                            type_id: u32_at(m + 4)?,
-                            bit_offset: if kind_flag {
-                                offset & 0xff_ffff
-                            } else {
-                                offset
-                            },
-                        });
-                    }
-                    12 * vlen
-                }
-                KIND_ENUM | KIND_ENUM64 => {
-                    let size = if kind == KIND_ENUM { 8 } else { 12 };
-                    for i in 0..vlen {
-                        names.push(u32_at(at + size * i)?);
-                    }
-                    size * vlen
-                }
-                KIND_FUNC_PROTO => 8 * vlen,
-                KIND_DATASEC => 12 * vlen,
-                _ => 0,
-            };
-            at += extra;
-            types.push(Type {
-                name_off,
-                kind,
-                refers_to: size_or_type,
-                members,
-                names,
-            });
-        }
+        types.extend(parsed);
         let mut btf = Self {
             types,
             strings,
@@ -172,9 +102,7 @@ impl Btf {
     }
 
     fn name(&self, off: u32) -> &str {
-        let rest = self.strings.get(off as usize..).unwrap_or_default();
-        let end = rest.iter().position(|b| *b == 0).unwrap_or(rest.len());
-        std::str::from_utf8(&rest[..end]).unwrap_or_default()
+        name_in(&self.strings, off)
     }
 
     /// Follows typedefs and modifiers to the type they name.
@@ -244,6 +172,15 @@ impl Btf {
         u32::try_from(id).ok()
     }
 
+    /// Kernel function `name` (built in): its id, and what each of its parameters points
+    /// to (`ModuleBtf::function`).
+    pub fn function_params(&self, name: &str) -> Option<(u32, Vec<String>)> {
+        let id = self.function(name)?;
+        let proto = self.types.get(self.types[id as usize].refers_to as usize)?;
+        let params = pointees(proto, |id| self.resolve(id), |off| self.name(off));
+        Some((id, params))
+    }
+
     /// Whether the kernel has BPF helper `name` (`get_current_task_btf`): its enum of
     /// helpers (`bpf_func_id`) names every one it has.
     pub fn has_helper(&self, name: &str) -> bool {
@@ -272,6 +209,185 @@ impl Btf {
             && self.name(pointee.name_off) == target)
             .then_some(id)
     }
+}
+
+/// The string at `off` in a string section.
+fn name_in(strings: &[u8], off: u32) -> &str {
+    let rest = strings.get(off as usize..).unwrap_or_default();
+    let end = rest.iter().position(|b| *b == 0).unwrap_or(rest.len());
+    std::str::from_utf8(&rest[..end]).unwrap_or_default()
+}
+
+/// A kernel module's types (`/sys/kernel/btf/<module>`, Linux 5.11): split BTF, whose
+/// type ids and string offsets go on from vmlinux's.
+pub struct ModuleBtf<'a> {
+    base: &'a Btf,
+    types: Vec<Type>,
+    strings: Vec<u8>,
+}
+
+impl<'a> ModuleBtf<'a> {
+    /// Module `name`'s types, on top of vmlinux's `base`.
+    pub fn read(base: &'a Btf, name: &str) -> Result<Self> {
+        let path = Path::new("/sys/kernel/btf").join(name);
+        let data = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
+        let (types, strings) =
+            read_sections(&data).with_context(|| format!("reading {}", path.display()))?;
+        Ok(Self {
+            base,
+            types,
+            strings,
+        })
+    }
+
+    fn name(&self, off: u32) -> &str {
+        match off.checked_sub(self.base.strings.len() as u32) {
+            Some(own) => name_in(&self.strings, own),
+            None => self.base.name(off),
+        }
+    }
+
+    fn get(&self, id: u32) -> Option<&Type> {
+        match id.checked_sub(self.base.types.len() as u32) {
+            Some(own) => self.types.get(own as usize),
+            None => self.base.types.get(id as usize),
+        }
+    }
+
+    /// Follows typedefs and modifiers to the type they name.
+    fn resolve(&self, mut id: u32) -> Option<&Type> {
+        for _ in 0..32 {
+            let t = self.get(id)?;
+            match t.kind {
+                KIND_TYPEDEF | KIND_VOLATILE | KIND_CONST | KIND_RESTRICT | KIND_TYPE_TAG => {
+                    id = t.refers_to;
+                }
+                _ => return Some(t),
+            }
+        }
+        None
+    }
+
+    /// Function `name` of the module: its type id, and what each of its parameters
+    /// points to, in order (a struct's name; empty for anything else).
+    pub fn function(&self, name: &str) -> Option<(u32, Vec<String>)> {
+        let at = self
+            .types
+            .iter()
+            .position(|t| t.kind == KIND_FUNC && self.name(t.name_off) == name)?;
+        let proto = self.get(self.types[at].refers_to)?;
+        let params = pointees(proto, |id| self.resolve(id), |off| self.name(off));
+        let id = self.base.types.len() + at;
+        Some((u32::try_from(id).ok()?, params))
+    }
+}
+
+/// What each parameter of function prototype `proto` points to: a struct's name, or
+/// empty.
+fn pointees<'a>(
+    proto: &Type,
+    resolve: impl Fn(u32) -> Option<&'a Type>,
+    name: impl Fn(u32) -> &'a str,
+) -> Vec<String> {
+    proto
+        .members
+        .iter()
+        .map(|p| {
+            resolve(p.type_id)
+                .filter(|t| t.kind == KIND_PTR)
+                .and_then(|t| resolve(t.refers_to))
+                .filter(|t| t.kind == KIND_STRUCT)
+                .map_or(String::new(), |t| name(t.name_off).to_owned())
+        })
+        .collect()
+}
+
+/// A BTF blob's types (in order: the first has the blob's first id) and its strings.
+fn read_sections(data: &[u8]) -> Result<(Vec<Type>, Vec<u8>)> {
+    let u16_at = |at: usize| -> Result<u16> {
+        Ok(u16::from_le_bytes(
+            data.get(at..at + 2).context("truncated")?.try_into()?,
+        ))
+    };
+    let u32_at = |at: usize| -> Result<u32> {
+        Ok(u32::from_le_bytes(
+            data.get(at..at + 4).context("truncated")?.try_into()?,
+        ))
+    };
+    if u16_at(0)? != MAGIC {
+        bail!("not little-endian BTF");
+    }
+    let hdr_len = u32_at(4)? as usize;
+    let (type_off, type_len) = (u32_at(8)? as usize, u32_at(12)? as usize);
+    let (str_off, str_len) = (u32_at(16)? as usize, u32_at(20)? as usize);
+    let strings = data
+        .get(hdr_len + str_off..hdr_len + str_off + str_len)
+        .context("string section out of bounds")?
+        .to_vec();
+    let mut types = Vec::new();
+    let mut at = hdr_len + type_off;
+    let end = at + type_len;
+    while at < end {
+        let name_off = u32_at(at)?;
+        let info = u32_at(at + 4)?;
+        let size_or_type = u32_at(at + 8)?;
+        let (vlen, kind, kind_flag) = (
+            (info & 0xffff) as usize,
+            (info >> 24) & 0x1f,
+            info >> 31 == 1,
+        );
+        at += 12;
+        let mut members = Vec::new();
+        let mut names = Vec::new();
+        let extra = match kind {
+            KIND_INT | KIND_VAR | KIND_DECL_TAG => 4,
+            KIND_ARRAY => 12,
+            KIND_STRUCT | KIND_UNION => {
+                for i in 0..vlen {
+                    let m = at + 12 * i;
+                    let offset = u32_at(m + 8)?;
+                    members.push(Member {
+                        name_off: u32_at(m)?,
+                        type_id: u32_at(m + 4)?,
+                        bit_offset: if kind_flag {
+                            offset & 0xff_ffff
+                        } else {
+                            offset
+                        },
+                    });
+                }
+                12 * vlen
+            }
+            KIND_ENUM | KIND_ENUM64 => {
+                let size = if kind == KIND_ENUM { 8 } else { 12 };
+                for i in 0..vlen {
+                    names.push(u32_at(at + size * i)?);
+                }
+                size * vlen
+            }
+            KIND_FUNC_PROTO => {
+                for i in 0..vlen {
+                    members.push(Member {
+                        name_off: u32_at(at + 8 * i)?,
+                        type_id: u32_at(at + 8 * i + 4)?,
+                        bit_offset: 0,
+                    });
+                }
+                8 * vlen
+            }
+            KIND_DATASEC => 12 * vlen,
+            _ => 0,
+        };
+        at += extra;
+        types.push(Type {
+            name_off,
+            kind,
+            refers_to: size_or_type,
+            members,
+            names,
+        });
+    }
+    Ok((types, strings))
 }
 
 /// Every offset the programs use, from this kernel's BTF.
@@ -391,6 +507,19 @@ pub fn request_offsets(btf: &Btf) -> Result<RequestOffsets> {
     })
 }
 
+/// Where the NFS programs read a file's flags, a dentry's superblock and a setattr's
+/// attributes (`nfs_learn`), from this kernel's BTF.
+pub fn nfs_offsets(btf: &Btf) -> Result<NfsOffsets> {
+    // A kiocb's file is read as its first field.
+    btf.first_field_points_to("kiocb", "file")
+        .context("struct kiocb does not start with its file")?;
+    Ok(NfsOffsets {
+        file_flags: btf.offset("file", "f_flags")?,
+        dentry_sb: btf.offset("dentry", "d_sb")?,
+        iattr_valid: btf.offset("iattr", "ia_valid")?,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -405,6 +534,19 @@ mod tests {
         // x86-64's pt_regs: r15 first, then down to di at 112; orig_ax after ax.
         assert_eq!(o.regs_nr, 120);
         assert_eq!(o.regs_args, [112, 104, 96, 56, 72, 64]);
+    }
+
+    #[test]
+    fn says_what_a_kernel_functions_parameters_point_to() {
+        let btf = Btf::from_kernel().unwrap();
+        let (id, params) = btf.function_params("vfs_read").unwrap();
+        assert_eq!(Some(id), btf.function("vfs_read"));
+        // vfs_read(struct file *, char __user *, size_t, loff_t *)
+        assert_eq!(params, ["file", "", "", ""]);
+        // vfs_unlink(idmap, struct inode *dir, struct dentry *, struct inode **): a
+        // pointer to a pointer is no struct's.
+        let (_, params) = btf.function_params("vfs_unlink").unwrap();
+        assert_eq!(params[params.len() - 3..], ["inode", "dentry", ""]);
     }
 
     #[test]

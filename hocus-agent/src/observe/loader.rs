@@ -20,7 +20,7 @@ use hocus_common::{MAX_PREFIX, MAX_TREES, MAX_WATCHED, SyscallLayout, Watched, k
 use crate::{
     observe::{
         btf::{self, Btf},
-        probe,
+        nfs_hooks, probe,
         rewrite::Object,
         syscalls, tracefs,
         tripwires::Tripwire,
@@ -69,6 +69,8 @@ enum Attach {
 pub enum Link {
     Btf(BtfTracePointLinkId),
     Event(TracePointLinkId),
+    /// At a module's function (`nfs_hooks`).
+    Function(nfs_hooks::Link),
 }
 
 /// The programs loaded and attached.
@@ -82,8 +84,9 @@ pub struct Loaded {
     /// Every tripwire's hooks that tell a served job's misses apart are attached: the
     /// tracer may rest while jobs run whose requests all hit local copies.
     pub tells_misses: bool,
-    /// The request programs are attached (`REQUEST_PROGRAMS`): jobs on the watched FUSE
-    /// mounts are learned from their servers' requests while the syscall program rests.
+    /// The request programs are attached (`REQUEST_PROGRAMS`, or the NFS programs,
+    /// `nfs_hooks`): jobs on the watched mounts are learned from their servers' requests
+    /// or their client's functions while the syscall program rests.
     pub learns_by_requests: bool,
 }
 
@@ -100,9 +103,9 @@ const REQUEST_PROGRAMS: [(&str, Attach); 2] = [
 /// `tripwires` (which the kernel must have).
 pub fn start(prefixes: &[&Path], every_process: bool, tripwires: &[Tripwire]) -> Result<Loaded> {
     let tracefs = tracefs::root()?;
-    // The programs loaded and attached, whether they cast files, and whether the
-    // request programs could read this kernel's requests.
-    let start = |kfuncs| -> Result<(Loaded, bool, bool)> {
+    // The programs loaded and attached, whether they cast files, and what the programs
+    // that learn from the filesystems could read.
+    let start = |kfuncs| -> Result<(Loaded, bool, Readable)> {
         let (mut ebpf, fitted) = load(&tracefs, every_process, kfuncs)?;
         let skipped = fill_tables(&mut ebpf, &tracefs, prefixes)?;
         let links = attach(&mut ebpf, &PROGRAMS).map_err(|e| {
@@ -120,7 +123,7 @@ pub fn start(prefixes: &[&Path], every_process: bool, tripwires: &[Tripwire]) ->
             tells_misses: true,
             learns_by_requests: false,
         };
-        Ok((loaded, fitted.cast, fitted.requests_readable))
+        Ok((loaded, fitted.cast, fitted.readable))
     };
     // A kernel whose verifier refuses the kfunc calls still gets the programs.
     let name = kfunc::RDONLY_CAST_NAME;
@@ -163,46 +166,103 @@ pub fn start(prefixes: &[&Path], every_process: bool, tripwires: &[Tripwire]) ->
         loaded.links.extend(links);
         loaded.tells_misses &= all;
     }
-    let (links, way) = learn_by_requests(&mut loaded.ebpf, every_process, tripwires, readable);
+    let (links, way) = learn_in_filesystems(&mut loaded.ebpf, every_process, tripwires, readable);
     loaded.learns_by_requests = !links.is_empty();
     loaded.links.extend(links);
     loaded.routes.push(way);
     Ok(loaded)
 }
 
-/// Attaches the request programs where they can learn every watched tree's jobs: every
-/// tree on FUSE, followed by its tripwire; and where the kernel has them. Returns their
-/// links (none: not attached), and the route.
-fn learn_by_requests(
+/// What the programs that learn jobs from the filesystems could read on this kernel.
+struct Readable {
+    /// The FUSE requests (`REQUEST_OFFSETS`).
+    requests: bool,
+    /// The kernel's BTF, for the NFS programs' attach points, if they could read what
+    /// the NFS client's functions are given (`NFS_OFFSETS`).
+    nfs: Option<Btf>,
+}
+
+const LEARNING: &str = "learning jobs";
+
+fn from_syscalls(why: String, fallback: bool) -> (Vec<(&'static str, Link)>, Route) {
+    let way = format!("from their syscalls ({why})");
+    (Vec::new(), route(LEARNING, way, fallback))
+}
+
+/// Attaches the programs that learn every watched tree's jobs from its filesystem, where
+/// every tree is on one filesystem that has them (FUSE or NFS), followed by its
+/// tripwire, and the kernel has them. Returns their links (none: not attached), and the
+/// route.
+fn learn_in_filesystems(
     ebpf: &mut Ebpf,
     every_process: bool,
     tripwires: &[Tripwire],
-    readable: bool,
+    readable: Readable,
 ) -> (Vec<(&'static str, Link)>, Route) {
-    const PART: &str = "learning jobs";
-    let syscalls = |why: String| {
-        let way = format!("from their syscalls ({why})");
-        (Vec::new(), route(PART, way, true))
-    };
-    if kernel::forced("fuse-requests") {
-        return syscalls(kernel::why("fuse-requests", ""));
+    if every_process {
+        return from_syscalls("not every watched tree is on FUSE or NFS".into(), false);
     }
-    if every_process || tripwires != [Tripwire::Fuse] {
-        let way = "from their syscalls (not every watched tree is on FUSE)";
-        return (Vec::new(), route(PART, way, false));
+    match tripwires {
+        [Tripwire::Fuse] => learn_by_requests(ebpf, readable.requests),
+        [Tripwire::Nfs] => learn_by_nfs_functions(ebpf, readable.nfs),
+        _ => from_syscalls(
+            "some watched trees are on FUSE, others on NFS: each filesystem's programs see only its own".into(),
+            false,
+        ),
+    }
+}
+
+/// The FUSE request programs, where the kernel types its requests.
+fn learn_by_requests(ebpf: &mut Ebpf, readable: bool) -> (Vec<(&'static str, Link)>, Route) {
+    if kernel::forced("fuse-requests") {
+        return from_syscalls(kernel::why("fuse-requests", ""), true);
     }
     if !readable {
         let why = "this kernel's BTF has no FUSE requests: FUSE is a module, or the kernel is older than 6.15";
-        return syscalls(why.into());
+        return from_syscalls(why.into(), true);
     }
     match attach(ebpf, &REQUEST_PROGRAMS) {
         Ok(links) => {
             let way = "from the requests the FUSE servers get (tp_btf fuse_request_send and fuse_request_end), the syscall program at rest";
-            (links, route(PART, way, false))
+            (links, route(LEARNING, way, false))
         }
         Err(e) => {
             log::warn!("{e:#}; jobs are learned from their syscalls");
-            syscalls(format!("the kernel refused the request programs: {e:#}"))
+            from_syscalls(
+                format!("the kernel refused the request programs: {e:#}"),
+                true,
+            )
+        }
+    }
+}
+
+/// The NFS programs, on the NFS client's functions (`nfs_hooks`), where the kernel has
+/// BTF for them.
+fn learn_by_nfs_functions(
+    ebpf: &mut Ebpf,
+    vmlinux: Option<Btf>,
+) -> (Vec<(&'static str, Link)>, Route) {
+    if kernel::forced("nfs-functions") {
+        return from_syscalls(kernel::why("nfs-functions", ""), true);
+    }
+    let Some(vmlinux) = vmlinux else {
+        return from_syscalls(
+            "this kernel's BTF lacks what the NFS programs read".into(),
+            true,
+        );
+    };
+    match nfs_hooks::attach(ebpf, &vmlinux) {
+        Ok(links) => {
+            let way = "from the NFS client's functions (fentry and fexit on nfs_file_open, nfs_file_read, nfs_lookup ...), the syscall program at rest";
+            let links = links
+                .into_iter()
+                .map(|(name, link)| (name, Link::Function(link)))
+                .collect();
+            (links, route(LEARNING, way, false))
+        }
+        Err(e) => {
+            log::info!("{e:#}; jobs on NFS are learned from their syscalls");
+            from_syscalls(format!("{e:#}"), true)
         }
     }
 }
@@ -262,6 +322,7 @@ pub fn detach(ebpf: &mut Ebpf, name: &str, link: Link) -> Result<()> {
         .with_context(|| format!("no program {name}"))?;
     match link {
         Link::Btf(id) => <&mut BtfTracePoint>::try_from(program)?.detach(id)?,
+        Link::Function(link) => return nfs_hooks::detach(ebpf, name, link),
         Link::Event(id) => <&mut TracePoint>::try_from(program)?.detach(id)?,
     }
     Ok(())
@@ -308,8 +369,8 @@ fn kfuncs_allowed() -> bool {
 struct Fitted {
     /// The programs cast files (`kfunc::RDONLY_CAST`).
     cast: bool,
-    /// The kernel's BTF has what the request programs read (`REQUEST_OFFSETS`).
-    requests_readable: bool,
+    /// What the programs that learn from the filesystems can read.
+    readable: Readable,
     routes: Vec<Route>,
 }
 
@@ -386,6 +447,9 @@ fn load(tracefs: &Path, every_process: bool, kfuncs: bool) -> Result<(Ebpf, Fitt
     let request_offsets = btf::request_offsets(&btf);
     let requests_readable = request_offsets.is_ok();
     let request_offsets = request_offsets.unwrap_or_default();
+    let nfs_offsets = btf::nfs_offsets(&btf);
+    let nfs_readable = nfs_offsets.is_ok();
+    let nfs_offsets = nfs_offsets.unwrap_or_default();
     // 5.10 cannot hand out the current task typed: every field is read with the helper.
     let typed_task = btf.has_helper("get_current_task_btf") && !kernel::forced("typed-task");
     routes.push(if typed_task {
@@ -440,6 +504,7 @@ fn load(tracefs: &Path, every_process: bool, kfuncs: bool) -> Result<(Ebpf, Fitt
         .override_global("OFFSETS", &offsets, true)
         .override_global("TYPED_TASK", &typed_task, true)
         .override_global("REQUEST_OFFSETS", &request_offsets, true)
+        .override_global("NFS_OFFSETS", &nfs_offsets, true)
         .override_global("SELF_TGID", &self_tgid, true)
         .override_global("FORK_PARENT_OFFSET", &fork_parent, true)
         .override_global("FORK_CHILD_OFFSET", &fork_child, true)
@@ -464,7 +529,10 @@ fn load(tracefs: &Path, every_process: bool, kfuncs: bool) -> Result<(Ebpf, Fitt
         )?;
     let fitted = Fitted {
         cast: cast.is_some(),
-        requests_readable,
+        readable: Readable {
+            requests: requests_readable,
+            nfs: nfs_readable.then_some(btf),
+        },
         routes,
     };
     Ok((ebpf, fitted))

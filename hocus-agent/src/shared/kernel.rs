@@ -57,8 +57,9 @@ pub const FALLBACKS: &str = "HOCUS_FALLBACKS";
 /// descriptors closed on exec by marks made at start (`close-range`), Slurm tasks
 /// followed by the tracer all along rather than their binds' opens reported by
 /// fanotify (`bind-opens`), jobs on FUSE learned from their syscalls rather than from
-/// their servers' requests (`fuse-requests`).
-pub const FALLBACK_NAMES: [&str; 9] = [
+/// their servers' requests (`fuse-requests`), jobs on NFS learned from their syscalls
+/// rather than from the NFS client's functions (`nfs-functions`).
+pub const FALLBACK_NAMES: [&str; 10] = [
     "typed-task",
     "kfuncs",
     "atomics",
@@ -68,6 +69,7 @@ pub const FALLBACK_NAMES: [&str; 9] = [
     "close-range",
     "bind-opens",
     "fuse-requests",
+    "nfs-functions",
 ];
 
 /// Whether `FALLBACKS` asks for fallback `name` (one of `FALLBACK_NAMES`).

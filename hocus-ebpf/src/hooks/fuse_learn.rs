@@ -32,18 +32,17 @@ use hocus_common::{
     requests::{
         FATTR_FH, FATTR_SIZE, MAX_PENDING_OPENS, MAX_REQUEST_FILES, O_DIRECTORY, RequestKey, opcode,
     },
-    rest,
 };
 
 use crate::{
     agent::current,
-    emit::{Header, Target, emit, next_id, target},
+    emit::{Header, Target, closed, emit, next_id, target},
     kernel::requests::{Request, Walk, walk},
     locate::locate,
     paths::path_target,
     skip::{OrSkip, Skip, Step, count, finish},
     syscall::{self, opens_to_create},
-    tripwire::{REST, is_watched_device},
+    tripwire::{is_watched_device, learning},
 };
 
 const ENOENT: i32 = 2;
@@ -86,12 +85,6 @@ pub fn fuse_sent(ctx: BtfTracePointContext) -> i32 {
 pub fn fuse_ended(ctx: BtfTracePointContext) -> i32 {
     finish(try_ended(Request::of(ctx.arg(0))));
     0
-}
-
-/// Whether the request programs learn now: `syscall_exit` rests for them. (Awake, it
-/// sees all of this itself.)
-fn learning() -> bool {
-    REST.get(0).copied() == Some(rest::LEARNING_BY_REQUESTS)
 }
 
 fn try_sent(req: Request) -> Step {
@@ -398,13 +391,4 @@ fn released(req: Request, dev: u32) -> Step {
 fn handle(req: Request, dev: u32) -> Step<RequestKey> {
     let fh = req.input_word(0, 0, HANDLE).or_skip()?;
     Ok(RequestKey::new(dev, req.nodeid(), fh))
-}
-
-fn closed(file_id: u64, bytes: u64) {
-    let h = Header {
-        file_id,
-        bytes,
-        ..Header::new(kind::CLOSE, 0)
-    };
-    emit(&h, None, 0);
 }

@@ -9,6 +9,7 @@ mod floor;
 mod fuse;
 mod fuse_learn;
 mod nfs;
+mod nfs_learn;
 mod nfs_request;
 mod sched;
 mod syscall_exit;

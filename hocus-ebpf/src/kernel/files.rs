@@ -72,6 +72,16 @@ pub fn file_at(fd: u32) -> Option<File> {
 }
 
 impl File {
+    /// A typed `struct file`, a hooked function's argument: kept typed where files are
+    /// (`can_cast`), else its address.
+    pub fn of(file: Typed) -> Self {
+        if can_cast() {
+            Self(file)
+        } else {
+            Self(Typed(file.address()))
+        }
+    }
+
     /// Its address as a plain number, which identifies it in `OPEN_FILES`.
     pub fn address(self) -> u64 {
         if can_cast() {

@@ -8,10 +8,12 @@
 //! - `files`: a descriptor's `struct file`, its mount and dentry, a dentry's parent and
 //!   name, an inode's number;
 //! - `requests`: a FUSE request and the path walk the current task is in;
+//! - `nfs`: what the NFS client's hooked functions are given;
 //! - `task`: the current task's working directory, root, mount namespace, whether its
 //!   syscall is a 32-bit one, and whether its thread group is gone.
 
 pub mod files;
+pub mod nfs;
 pub mod requests;
 pub mod task;
 

@@ -213,10 +213,20 @@ pub fn test_kernels() -> Result<()> {
     // on the oldest kernel too, and over v4.2 (its opens are other requests); a Slurm
     // job resting while its opens hit (fanotify marks on its binds) on the newest. On each
     // kernel, the agent's own tests of what a kernel may lack (`AGENT_UNIT_TESTS`).
+    // Jobs learned from the NFS client's functions (module BTF: 6.1 and 6.12) over v4.2
+    // and v3; 5.10 says it learns from syscalls.
     let runs: [(&str, TestFs, &[&str]); 5] = [
-        ("5.10", TestFs::Nfs3, &["smoke", "rest"]),
-        ("6.1", TestFs::Nfs4, &["smoke", "follow", "nfs", "rest"]),
-        ("6.12", TestFs::Nfs3, &["smoke", "slurm:slurm_job"]),
+        ("5.10", TestFs::Nfs3, &["smoke", "rest", "requests"]),
+        (
+            "6.1",
+            TestFs::Nfs4,
+            &["smoke", "follow", "nfs", "rest", "requests"],
+        ),
+        (
+            "6.12",
+            TestFs::Nfs3,
+            &["smoke", "slurm:slurm_job", "requests"],
+        ),
         (
             "6.1",
             TestFs::Nfs3,

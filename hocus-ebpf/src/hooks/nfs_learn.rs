@@ -1,0 +1,290 @@
+//! nfs_learn, on the NFS client's own functions (fentry and fexit through the `nfs` and
+//! `nfsv4` modules' BTF): learning what jobs do on a watched NFS mount while
+//! `syscall_exit` rests (`rest::LEARNING_BY_REQUESTS`), so that no other process on the
+//! node pays for it; a process pays a program run where it uses NFS only.
+//!
+//! Every open of an NFS file runs the client's open (`nfs_file_open`, `nfs4_file_open`,
+//! or an NFSv4 atomic open that opened it; `nfs_opendir` for a directory): the file is
+//! reported opened where it lies, and followed by its `struct file` (`NFS_FILES`), the
+//! bytes each read returns added to it (`nfs_file_read`: page-cache hits included, as
+//! the syscall route counts them), the first write marking it written, its mapping
+//! naming its inode for the pages that enter its page cache, and its last close
+//! (`nfs_file_release`, `nfs_closedir`) reporting it closed with its bytes. A lookup the
+//! server answered "no such name" (`nfs_lookup` leaving the dentry negative) is a
+//! missing name, unless an O_CREAT open or a rename made it. Changes by a
+//! name (unlink, rmdir, mkdir, rename, a setattr of the size) are reported at the
+//! function's entry, by the dentries it is given: before the server answers (a change
+//! that fails drops a copy for nothing, which is safe).
+
+use aya_ebpf::{
+    macros::{fentry, fexit, map},
+    maps::HashMap,
+    programs::{FEntryContext, FExitContext},
+};
+use hocus_common::{
+    Mapped, OpenFile, counter, kind, op,
+    requests::{MAX_REQUEST_FILES, O_DIRECTORY},
+};
+
+use crate::{
+    agent::current,
+    emit::{Header, closed, emit, next_id, target},
+    kernel::{
+        Typed,
+        files::{File, inode_of},
+        nfs::{file_of_kiocb, flags, placed, resizes},
+        offset,
+    },
+    locate::locate,
+    open_files::{BPF_NOEXIST, MAPPED},
+    skip::{OrSkip, Skip, Step, count, finish},
+    syscall::{self, opens_to_create},
+    tripwire::learning,
+};
+
+/// Files opened on watched NFS mounts while jobs are learned, by their `struct file`.
+#[map]
+static NFS_FILES: HashMap<u64, OpenFile> = HashMap::with_max_entries(MAX_REQUEST_FILES, 0);
+
+#[fexit(function = "nfs_file_open")]
+pub fn nfs_opened(ctx: FExitContext) -> i32 {
+    finish(opened(ctx.arg(1), ctx.arg(2), 0));
+    0
+}
+
+#[fexit(function = "nfs4_file_open")]
+pub fn nfs4_opened(ctx: FExitContext) -> i32 {
+    finish(opened(ctx.arg(1), ctx.arg(2), 0));
+    0
+}
+
+/// A directory opened (to be listed): `nfs_opendir(inode, file)`.
+#[fexit(function = "nfs_opendir")]
+pub fn nfs_dir_opened(ctx: FExitContext) -> i32 {
+    finish(opened(ctx.arg(1), ctx.arg(2), O_DIRECTORY));
+    0
+}
+
+/// `nfs_atomic_open(dir, dentry, file, open_flags, mode)`: NFSv4's open of a name not
+/// looked up yet, which opens the file itself, or only looks it up and leaves the open
+/// to the VFS (`nfs4_file_open` then).
+#[fexit(function = "nfs_atomic_open")]
+pub fn nfs_atomic_opened(ctx: FExitContext) -> i32 {
+    finish(opened(ctx.arg(2), ctx.arg(5), 0));
+    0
+}
+
+#[fexit(function = "nfs_file_read")]
+pub fn nfs_read(ctx: FExitContext) -> i32 {
+    finish(read(ctx.arg(0), ctx.arg(2)));
+    0
+}
+
+#[fentry(function = "nfs_file_write")]
+pub fn nfs_write(ctx: FEntryContext) -> i32 {
+    finish(write(ctx.arg(0)));
+    0
+}
+
+#[fexit(function = "nfs_file_mmap")]
+pub fn nfs_mapped(ctx: FExitContext) -> i32 {
+    finish(mapped(ctx.arg(0), ctx.arg(2)));
+    0
+}
+
+#[fentry(function = "nfs_file_release")]
+pub fn nfs_released(ctx: FEntryContext) -> i32 {
+    finish(released(ctx.arg(1)));
+    0
+}
+
+#[fentry(function = "nfs_closedir")]
+pub fn nfs_dir_closed(ctx: FEntryContext) -> i32 {
+    finish(released(ctx.arg(1)));
+    0
+}
+
+/// `nfs_lookup(dir, dentry, flags)`, returning an alias, an error, or NULL.
+#[fexit(function = "nfs_lookup")]
+pub fn nfs_looked_up(ctx: FExitContext) -> i32 {
+    finish(looked_up(ctx.arg(1), ctx.arg(3)));
+    0
+}
+
+#[fentry(function = "nfs_unlink")]
+pub fn nfs_unlinked(ctx: FEntryContext) -> i32 {
+    finish(changed(ctx.arg(1), kind::UNLINK));
+    0
+}
+
+#[fentry(function = "nfs_rmdir")]
+pub fn nfs_rmdired(ctx: FEntryContext) -> i32 {
+    finish(changed(ctx.arg(1), kind::RMDIR));
+    0
+}
+
+/// `nfs_mkdir(idmap, dir, dentry, mode)`.
+#[fentry(function = "nfs_mkdir")]
+pub fn nfs_mkdired(ctx: FEntryContext) -> i32 {
+    finish(changed(ctx.arg(2), kind::MKDIR));
+    0
+}
+
+/// `nfs_rename(idmap, old_dir, old_dentry, new_dir, new_dentry, flags)`.
+#[fentry(function = "nfs_rename")]
+pub fn nfs_renamed(ctx: FEntryContext) -> i32 {
+    // One after the other: both use the same scratch.
+    finish(changed(ctx.arg(2), kind::RENAME_FROM));
+    finish(changed(ctx.arg(4), kind::RENAME_TO));
+    0
+}
+
+/// `nfs_setattr(idmap, dentry, attr)`: a truncate, by a path, a descriptor or an
+/// O_TRUNC open.
+#[fentry(function = "nfs_setattr")]
+pub fn nfs_setattred(ctx: FEntryContext) -> i32 {
+    if resizes(Typed(ctx.arg(2))) {
+        finish(changed(ctx.arg(1), kind::TRUNCATE));
+    }
+    0
+}
+
+/// An open that succeeded (`ret` 0) and opened `file`: reported where it lies, with its
+/// flags and `more`, and followed.
+fn opened(file: u64, ret: i64, more: u32) -> Step {
+    if ret as i32 != 0 || !learning() {
+        return Err(Skip::Unwatched);
+    }
+    let (_, tgid) = current().or_skip()?;
+    let typed = Typed(file);
+    let f = File::of(typed);
+    let (mount, dentry) = f.place().or_skip()?;
+    if dentry.address() == 0 {
+        return Err(Skip::Unwatched); // an atomic open that only looked the name up
+    }
+    let located = locate(mount, dentry).or_skip()?;
+    let file_id = next_id();
+    let h = Header {
+        file_id,
+        open_flags: flags(typed) | more,
+        ..Header::new(kind::OPEN, tgid)
+    };
+    emit(&h, Some(target(0, Some(located)).or_skip()?), 0);
+    let entry = OpenFile {
+        file_id,
+        ..OpenFile::default()
+    };
+    if NFS_FILES.insert(&f.address(), &entry, 0).is_err() {
+        count(counter::LOST_OPEN_FILES_FULL);
+        closed(file_id, 0); // full: reported closed rather than left open
+    }
+    Ok(())
+}
+
+/// The followed file a kiocb is on.
+fn followed(kiocb: u64) -> Step<*mut OpenFile> {
+    let file = file_of_kiocb(Typed(kiocb)).or_skip()?;
+    NFS_FILES
+        .get_ptr_mut(&file.address())
+        .ok_or(Skip::Unwatched)
+}
+
+/// A read that returned `ret` bytes, added to its file.
+fn read(kiocb: u64, ret: i64) -> Step {
+    if ret <= 0 {
+        return Err(Skip::Unwatched);
+    }
+    let file = followed(kiocb)?;
+    // SAFETY: map value pointer; the add is atomic (threads may read one file at once).
+    unsafe {
+        core::intrinsics::atomic_xadd::<u64, u64, { core::intrinsics::AtomicOrdering::Relaxed }>(
+            &raw mut (*file).bytes_read,
+            ret as u64,
+        )
+    };
+    Ok(())
+}
+
+/// A write through a followed file: the first marks it written.
+fn write(kiocb: u64) -> Step {
+    let file = followed(kiocb)?;
+    // SAFETY: map value pointer, valid for this program run.
+    let file = unsafe { &mut *file };
+    if file.written != 0 {
+        return Ok(());
+    }
+    file.written = 1;
+    let tgid = current().map_or(0, |(_, tgid)| tgid);
+    let h = Header {
+        file_id: file.file_id,
+        ..Header::new(kind::WRITE, tgid)
+    };
+    emit(&h, None, 0);
+    Ok(())
+}
+
+/// A followed file mapped (`ret` 0): the pages that enter its page cache are counted
+/// from now on (`filemap`), as `syscall_exit` does.
+fn mapped(file: u64, ret: i64) -> Step {
+    if ret as i32 != 0 {
+        return Err(Skip::Unwatched);
+    }
+    let f = File::of(Typed(file));
+    // SAFETY: plain value copy.
+    let file_id = unsafe { NFS_FILES.get(&f.address()).or_skip()?.file_id };
+    let (mount, dentry) = f.place().or_skip()?;
+    let inode = inode_of(mount, dentry).or_skip()?;
+    let fresh = Mapped { file_id, pages: 0 };
+    if MAPPED.insert(&inode, &fresh, BPF_NOEXIST).is_ok() {
+        let tgid = current().map_or(0, |(_, tgid)| tgid);
+        let h = Header {
+            file_id,
+            ..Header::new(kind::MAPPED, tgid)
+        };
+        emit(&h, None, 0);
+    }
+    Ok(())
+}
+
+/// The last close of a followed file: reported with its bytes.
+fn released(file: u64) -> Step {
+    let key = File::of(Typed(file)).address();
+    // SAFETY: plain value copy.
+    let entry = unsafe { *NFS_FILES.get(&key).or_skip()? };
+    let _ = NFS_FILES.remove(&key);
+    closed(entry.file_id, entry.bytes_read);
+    Ok(())
+}
+
+/// A lookup that left `dentry` negative (`ret` NULL, no inode): a missing name, unless
+/// the name is to be made (an O_CREAT open, whose exclusive lookup the client skips; a
+/// rename's target).
+fn looked_up(dentry: u64, ret: u64) -> Step {
+    if ret != 0 || !learning() {
+        return Err(Skip::Unwatched);
+    }
+    let (_, tgid) = current().or_skip()?;
+    let d = Typed(dentry);
+    if d.read::<u64>(offset(|o| &o.dentry_inode)) != 0 {
+        return Err(Skip::Unwatched);
+    }
+    if syscall::current().is_some_and(|(l, args)| l.op == op::RENAME || opens_to_create(l, &args)) {
+        return Ok(());
+    }
+    let (mount, dentry) = placed(d);
+    let t = target(0, Some(locate(mount, dentry).or_skip()?)).or_skip()?;
+    emit(&Header::new(kind::MISSING, tgid), Some(t), 0);
+    Ok(())
+}
+
+/// A change by a name: `dentry`, reported as `kind` where it lies.
+fn changed(dentry: u64, kind: u8) -> Step {
+    if !learning() {
+        return Err(Skip::Unwatched);
+    }
+    let (_, tgid) = current().or_skip()?;
+    let (mount, dentry) = placed(Typed(dentry));
+    let t = target(0, Some(locate(mount, dentry).or_skip()?)).or_skip()?;
+    emit(&Header::new(kind, tgid), Some(t), 0);
+    Ok(())
+}
