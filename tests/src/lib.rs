@@ -159,6 +159,7 @@ impl NetworkMount {
         fs::create_dir_all(&server).unwrap();
         fs::set_permissions(&server, fs::Permissions::from_mode(0o755)).unwrap();
         fs::create_dir_all(&mount).unwrap();
+        _watchdog.leaves(watchdog::Leftover::Mount(mount.clone()));
         if let Some(version) = nfs::from_env() {
             assert!(remote.is_none(), "a remote server is sshfs's only");
             if let Some((u, g)) = owner {
@@ -217,6 +218,7 @@ impl NetworkMount {
             .stderr(fs::File::create(root.join("sshd.log")).unwrap())
             .spawn()
             .expect("starting /usr/sbin/sshd (cargo xtask setup installs openssh-server)");
+        _watchdog.leaves(watchdog::Leftover::Process(sshd.id()));
         let deadline = Instant::now() + Duration::from_secs(10);
         let listening = || match remote {
             // Out of reach from here: its log says when it listens.

@@ -1,7 +1,7 @@
 //! A bound on how long a test may hold its fixtures: a test that hangs (a mount or a CLI
 //! call that never returns, a daemon stuck on a lock) fails with what the daemons and the
 //! kernel were doing, rather than holding a guest until the rig stops it with nothing to
-//! say.
+//! say; and leaves no daemon or mount behind.
 
 use std::{
     fs,
@@ -10,6 +10,7 @@ use std::{
     process::{Command, Stdio},
     sync::{
         Mutex,
+        atomic::{AtomicBool, AtomicU64, Ordering},
         mpsc::{self, RecvTimeoutError},
     },
     thread,
@@ -22,11 +23,23 @@ const DEFAULT_SECS: u64 = 600;
 
 /// The daemons running (pid, log), for the report.
 static DAEMONS: Mutex<Vec<(u32, PathBuf)>> = Mutex::new(Vec::new());
+/// What a fixture leaves if the process ends without its drop (a hang): by watchdog.
+static LEFT: Mutex<Vec<(u64, Leftover)>> = Mutex::new(Vec::new());
+static NEXT: AtomicU64 = AtomicU64::new(0);
+static FIRED: AtomicBool = AtomicBool::new(false);
+
+/// What ending the process on a hang must not leave behind on the machine: the next
+/// test, or the next CI step, would meet it (a daemon holding the relay's port, a mount).
+pub enum Leftover {
+    Process(u32),
+    Mount(PathBuf),
+}
 
 /// Ends the test process with a report unless dropped within its time.
 pub struct Watchdog {
     _disarm: mpsc::Sender<()>,
     daemon: Option<u32>,
+    id: u64,
 }
 
 impl Drop for Watchdog {
@@ -34,6 +47,7 @@ impl Drop for Watchdog {
         if let Some(pid) = self.daemon {
             DAEMONS.lock().unwrap().retain(|(p, _)| *p != pid);
         }
+        LEFT.lock().unwrap().retain(|(id, _)| *id != self.id);
     }
 }
 
@@ -46,7 +60,14 @@ impl Watchdog {
     /// Watches daemon `pid`, whose log is `log`, while it lives.
     pub fn daemon(pid: u32, log: PathBuf) -> Self {
         DAEMONS.lock().unwrap().push((pid, log));
-        Self::arm(Some(pid))
+        let dog = Self::arm(Some(pid));
+        dog.leaves(Leftover::Process(pid));
+        dog
+    }
+
+    /// What the fixture leaves if the process ends on a hang: cleaned up first.
+    pub fn leaves(&self, leftover: Leftover) {
+        LEFT.lock().unwrap().push((self.id, leftover));
     }
 
     fn arm(daemon: Option<u32>) -> Self {
@@ -58,13 +79,19 @@ impl Watchdog {
         thread::spawn(move || {
             // Dropping the sender disarms it.
             if disarmed.recv_timeout(Duration::from_secs(secs)) == Err(RecvTimeoutError::Timeout) {
+                // One report: the first watchdog to fire ends the process.
+                if FIRED.swap(true, Ordering::SeqCst) {
+                    return;
+                }
                 report(secs);
+                clean_up();
                 std::process::exit(101);
             }
         });
         Self {
             _disarm: disarm,
             daemon,
+            id: NEXT.fetch_add(1, Ordering::Relaxed),
         }
     }
 }
@@ -92,6 +119,25 @@ fn report(secs: u64) {
         "--- blocked tasks (sysrq w) ---\n{}",
         output("sh", &["-c", "dmesg | tail -n 150"])
     );
+}
+
+/// Unmounts (lazily) and kills what the fixtures left: no destructor runs at exit.
+fn clean_up() {
+    let left = LEFT
+        .lock()
+        .map(|mut l| std::mem::take(&mut *l))
+        .unwrap_or_default();
+    for (_, leftover) in &left {
+        if let Leftover::Mount(path) = leftover {
+            let _ = Command::new("umount").arg("-l").arg(path).status();
+        }
+    }
+    for (_, leftover) in &left {
+        if let Leftover::Process(pid) = leftover {
+            // SAFETY: plain kill(2).
+            unsafe { libc::kill(*pid as i32, libc::SIGKILL) };
+        }
+    }
 }
 
 /// What daemon `pid` was doing, and its log.
