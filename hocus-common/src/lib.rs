@@ -216,6 +216,8 @@ pub struct KernelOffsets {
     pub thread_status: u32,
     /// dentry.d_inode
     pub dentry_inode: u32,
+    /// dentry.d_sb: the superblock a dentry given on its own lies on
+    pub dentry_sb: u32,
     /// inode.i_ino
     pub inode_ino: u32,
     /// task_struct.signal, the thread group's shared state

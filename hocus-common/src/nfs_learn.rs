@@ -11,8 +11,6 @@
 pub struct NfsOffsets {
     /// file.f_flags: the flags the file was opened with
     pub file_flags: u32,
-    /// dentry.d_sb: the superblock a changed name lies on
-    pub dentry_sb: u32,
     /// iattr.ia_valid: which attributes a setattr changes (ATTR_SIZE)
     pub iattr_valid: u32,
 }

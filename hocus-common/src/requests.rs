@@ -30,8 +30,6 @@ pub struct RequestOffsets {
     /// dentry.d_shortname (d_iname before 6.14): a name short enough is kept inside the
     /// dentry, so a request's name argument that points there names its dentry
     pub dentry_inline_name: u32,
-    /// dentry.d_sb
-    pub dentry_sb: u32,
     /// Not an offset: the BTF id of `struct dentry`, to type one found by its name
     /// (`kfunc::RDONLY_CAST`).
     pub dentry_type: u32,

@@ -9,10 +9,11 @@ use aya_ebpf::{
     maps::{Array, HashMap, LruHashMap},
 };
 use hocus_common::{
-    FdKey, InodeKey, MAX_MAPPED, MAX_OPEN_FILES, Mapped, OpenFile, counter, filter,
+    FdKey, InodeKey, MAX_MAPPED, MAX_OPEN_FILES, Mapped, OpenFile, counter, filter, kind,
 };
 
 use crate::{
+    emit::{Header, emit},
     kernel::task::is_compat,
     skip::{OrSkip, Skip, Step, count},
 };
@@ -148,5 +149,50 @@ pub fn remember(key: &FdKey, stale: Option<*mut OpenFile>, file_id: u64, file: u
                 count(counter::LOST_OPEN_FILES_FULL);
             }
         }
+    }
+}
+
+/// `bytes` read through a followed file, added to it (threads, and replies on any CPU,
+/// add at once).
+#[inline(always)]
+pub fn add_read(file: *mut OpenFile, bytes: u64) {
+    // SAFETY: map value pointer, valid for this program run; the add is atomic.
+    unsafe {
+        core::intrinsics::atomic_xadd::<u64, u64, { core::intrinsics::AtomicOrdering::Relaxed }>(
+            &raw mut (*file).bytes_read,
+            bytes,
+        )
+    };
+}
+
+/// A followed file written (`kind`: a write or a truncate through it) by process
+/// `tgid`: reported once, its first time.
+#[inline(always)]
+pub fn first_write(file: *mut OpenFile, kind: u8, tgid: u32) {
+    // SAFETY: map value pointer, valid for this program run.
+    let file = unsafe { &mut *file };
+    if file.written != 0 {
+        return; // one event per open file is enough to mark it written
+    }
+    file.written = 1;
+    let h = Header {
+        file_id: file.file_id,
+        ..Header::new(kind, tgid)
+    };
+    emit(&h, None, 0);
+}
+
+/// A watched file `file_id` mapped by process `tgid`: the pages that enter its inode's
+/// page cache are counted from now on (`filemap`). The first mapping names the inode;
+/// later ones (every process loading the same library) add to it.
+#[inline(always)]
+pub fn mapped(inode: &InodeKey, file_id: u64, tgid: u32) {
+    let fresh = Mapped { file_id, pages: 0 };
+    if MAPPED.insert(inode, &fresh, BPF_NOEXIST).is_ok() {
+        let h = Header {
+            file_id,
+            ..Header::new(kind::MAPPED, tgid)
+        };
+        emit(&h, None, 0);
     }
 }

@@ -6,7 +6,7 @@
 use std::{
     fs,
     io::Write,
-    path::PathBuf,
+    path::{Path, PathBuf},
     process::{Command, Stdio},
     sync::{
         Mutex,
@@ -141,7 +141,7 @@ fn clean_up() {
 }
 
 /// What daemon `pid` was doing, and its log.
-fn report_daemon(pid: u32, log: &PathBuf) {
+fn report_daemon(pid: u32, log: &Path) {
     let mut err = std::io::stderr().lock();
     let _ = writeln!(err, "--- hocus-agent {pid}'s threads, in the kernel ---");
     if let Ok(tasks) = fs::read_dir(format!("/proc/{pid}/task")) {

@@ -430,6 +430,7 @@ pub fn kernel_offsets(btf: &Btf) -> Result<KernelOffsets> {
         regs_nr: o("pt_regs", SYSCALL_NR_REGISTER)?,
         thread_status: o("task_struct", "thread_info.status")?,
         dentry_inode: o("dentry", "d_inode")?,
+        dentry_sb: o("dentry", "d_sb")?,
         inode_ino: o("inode", "i_ino")?,
         task_signal: o("task_struct", "signal")?,
         signal_live: o("signal_struct", "live")?,
@@ -500,7 +501,6 @@ pub fn request_offsets(btf: &Btf) -> Result<RequestOffsets> {
         nd_path: o("nameidata", "path")?,
         nd_last: o("nameidata", "last")?,
         dentry_inline_name: o("dentry", "d_shortname").or_else(|_| o("dentry", "d_iname"))?,
-        dentry_sb: o("dentry", "d_sb")?,
         dentry_type: btf
             .struct_id("dentry")
             .context("the kernel has no struct dentry")?,
@@ -515,7 +515,6 @@ pub fn nfs_offsets(btf: &Btf) -> Result<NfsOffsets> {
         .context("struct kiocb does not start with its file")?;
     Ok(NfsOffsets {
         file_flags: btf.offset("file", "f_flags")?,
-        dentry_sb: btf.offset("dentry", "d_sb")?,
         iattr_valid: btf.offset("iattr", "ia_valid")?,
     })
 }

@@ -322,7 +322,7 @@ pub fn detach(ebpf: &mut Ebpf, name: &str, link: Link) -> Result<()> {
         .with_context(|| format!("no program {name}"))?;
     match link {
         Link::Btf(id) => <&mut BtfTracePoint>::try_from(program)?.detach(id)?,
-        Link::Function(link) => return nfs_hooks::detach(ebpf, name, link),
+        Link::Function(link) => nfs_hooks::detach(program, link)?,
         Link::Event(id) => <&mut TracePoint>::try_from(program)?.detach(id)?,
     }
     Ok(())

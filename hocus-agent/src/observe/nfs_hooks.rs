@@ -4,13 +4,18 @@
 //! function's parameters are checked against what the program reads of them: a kernel
 //! whose functions differ keeps learning jobs from their syscalls.
 
+use std::{os::fd::OwnedFd, path::Path};
+
 use anyhow::{Context, Result, bail};
 use aya::{
     Ebpf,
-    programs::{FEntry, FExit, fentry::FEntryLinkId, fexit::FExitLinkId},
+    programs::{FEntry, FExit, Program, fentry::FEntryLinkId, fexit::FExitLinkId},
 };
 
-use crate::observe::btf::{Btf, ModuleBtf};
+use crate::observe::{
+    btf::{Btf, ModuleBtf},
+    modules,
+};
 
 /// Where a program goes: at a function's entry or its exit.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -55,11 +60,8 @@ pub enum Link {
     Exit(FExitLinkId),
 }
 
-/// Detaches program `name` from where `link` attached it.
-pub fn detach(ebpf: &mut Ebpf, name: &str, link: Link) -> Result<()> {
-    let program = ebpf
-        .program_mut(name)
-        .with_context(|| format!("no program {name}"))?;
+/// Detaches `program` from where `link` attached it.
+pub fn detach(program: &mut Program, link: Link) -> Result<()> {
     match link {
         Link::Entry(id) => <&mut FEntry>::try_from(program)?.detach(id)?,
         Link::Exit(id) => <&mut FExit>::try_from(program)?.detach(id)?,
@@ -74,11 +76,39 @@ pub fn attach(ebpf: &mut Ebpf, vmlinux: &Btf) -> Result<Vec<(&'static str, Link)
     let mut links = Vec::new();
     if let Err(e) = attach_each(ebpf, vmlinux, &mut links) {
         for (name, link) in links {
-            let _ = detach(ebpf, name, link);
+            if let Some(program) = ebpf.program_mut(name) {
+                let _ = detach(program, link);
+            }
         }
         return Err(e);
     }
     Ok(links)
+}
+
+/// A loaded module's types, read once for all its functions, and its BTF object.
+struct Module<'a> {
+    btf: ModuleBtf<'a>,
+    object: OwnedFd,
+}
+
+impl<'a> Module<'a> {
+    /// Module `name`, if loaded with BTF of its own (else built in, or absent).
+    fn open(vmlinux: &'a Btf, name: &str) -> Result<Option<Self>> {
+        if !Path::new("/sys/kernel/btf").join(name).exists() {
+            return Ok(None);
+        }
+        Ok(Some(Self {
+            btf: ModuleBtf::read(vmlinux, name)?,
+            object: modules::btf_object(name)?,
+        }))
+    }
+}
+
+/// Where a hooked function's type is: a module's BTF (its id there, and the module's
+/// BTF object), or vmlinux's.
+enum Target {
+    Module(u32, OwnedFd),
+    Vmlinux,
 }
 
 fn attach_each(
@@ -86,71 +116,67 @@ fn attach_each(
     vmlinux: &Btf,
     links: &mut Vec<(&'static str, Link)>,
 ) -> Result<()> {
+    let mut modules: Vec<(&str, Option<Module>)> = Vec::new();
+    // aya's own reading of vmlinux's BTF, for a client built in.
+    let mut aya_vmlinux = None;
     for (name, module, function, at, params) in NFS_HOOKS {
-        let Some((id, btf)) = find(vmlinux, module, function, params)? else {
+        if !modules.iter().any(|(m, _)| *m == module) {
+            modules.push((module, Module::open(vmlinux, module)?));
+        }
+        let loaded = modules
+            .iter()
+            .find(|(m, _)| *m == module)
+            .and_then(|(_, m)| m.as_ref());
+        let (target, found) = if let Some(m) = loaded {
+            let (id, found) = m
+                .btf
+                .function(function)
+                .with_context(|| format!("module {module} has no function {function}"))?;
+            (Target::Module(id, m.object.try_clone()?), found)
+        } else if let Some((_, found)) = vmlinux.function_params(function) {
+            (Target::Vmlinux, found)
+        } else if module == "nfsv4" {
             continue;
+        } else {
+            bail!(
+                "the kernel has no BTF for {function}: {module} is a module, and the kernel has no BTF for modules (before 5.11), or it is not loaded"
+            );
         };
+        let fits = found.len() == params.len()
+            && found.iter().zip(params).all(|(f, p)| *p == "*" || f == p);
+        if !fits {
+            bail!(
+                "{function}'s parameters are not what the program reads: {found:?}, not {params:?}"
+            );
+        }
         let program = ebpf
             .program_mut(name)
             .with_context(|| format!("no program {name}"))?;
         let refused = || format!("the kernel's verifier rejected {name} (on {function})");
         let attaching = || format!("attaching {name} to {function}");
+        // FEntry and FExit load and attach alike, but share no trait.
+        macro_rules! load_and_attach {
+            ($program:ty, $link:path) => {{
+                let p: &mut $program = program.try_into()?;
+                match target {
+                    Target::Module(id, object) => p.load_in_module(id, object),
+                    Target::Vmlinux => {
+                        let btf = match &mut aya_vmlinux {
+                            Some(btf) => btf,
+                            None => aya_vmlinux.insert(aya::Btf::from_sys_fs()?),
+                        };
+                        p.load(function, btf)
+                    }
+                }
+                .with_context(refused)?;
+                $link(p.attach().with_context(attaching)?)
+            }};
+        }
         let link = match at {
-            At::Entry => {
-                let p: &mut FEntry = program.try_into()?;
-                match btf {
-                    Some(fd) => p.load_in_module(id, fd),
-                    None => p.load(function, &aya::Btf::from_sys_fs()?),
-                }
-                .with_context(refused)?;
-                Link::Entry(p.attach().with_context(attaching)?)
-            }
-            At::Exit => {
-                let p: &mut FExit = program.try_into()?;
-                match btf {
-                    Some(fd) => p.load_in_module(id, fd),
-                    None => p.load(function, &aya::Btf::from_sys_fs()?),
-                }
-                .with_context(refused)?;
-                Link::Exit(p.attach().with_context(attaching)?)
-            }
+            At::Entry => load_and_attach!(FEntry, Link::Entry),
+            At::Exit => load_and_attach!(FExit, Link::Exit),
         };
         links.push((name, link));
     }
     Ok(())
-}
-
-/// Function `function` of `module`: its BTF id and the module's BTF object, or None
-/// with vmlinux's (built in); Ok(None) for NFSv4's module, not loaded. Errs where the
-/// kernel lacks it or its parameters are not `params`.
-fn find(
-    vmlinux: &Btf,
-    module: &str,
-    function: &str,
-    params: &[&str],
-) -> Result<Option<(u32, Option<std::os::fd::OwnedFd>)>> {
-    let loaded = std::path::Path::new("/sys/kernel/btf")
-        .join(module)
-        .exists();
-    let (id, found, object) = if loaded {
-        let btf = ModuleBtf::read(vmlinux, module)?;
-        let (id, found) = btf
-            .function(function)
-            .with_context(|| format!("module {module} has no function {function}"))?;
-        (id, found, Some(super::modules::btf_object(module)?))
-    } else if let Some((id, found)) = vmlinux.function_params(function) {
-        (id, found, None)
-    } else if module == "nfsv4" {
-        return Ok(None);
-    } else {
-        bail!(
-            "the kernel has no BTF for {function}: {module} is a module, and the kernel has no BTF for modules (before 5.11), or it is not loaded"
-        );
-    };
-    let fits =
-        found.len() == params.len() && found.iter().zip(params).all(|(f, p)| *p == "*" || f == p);
-    if !fits {
-        bail!("{function}'s parameters are not what the program reads: {found:?}, not {params:?}");
-    }
-    Ok(Some((id, object)))
 }

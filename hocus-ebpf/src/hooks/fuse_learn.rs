@@ -39,6 +39,7 @@ use crate::{
     emit::{Header, Target, closed, emit, next_id, target},
     kernel::requests::{Request, Walk, walk},
     locate::locate,
+    open_files::{add_read, first_write},
     paths::path_target,
     skip::{OrSkip, Skip, Step, count, finish},
     syscall::{self, opens_to_create},
@@ -261,16 +262,8 @@ fn named(w: &Walk) -> Step<&'static Target> {
 
 /// The bytes a READ brought back, added to its file.
 fn read(req: Request, dev: u32, len: u32) -> Step {
-    let key = handle(req, dev)?;
-    let file = REQUEST_FILES.get_ptr_mut(&key).or_skip()?;
-    let bytes = u64::from(len.saturating_sub(OUT_HEADER));
-    // SAFETY: map value pointer; the add is atomic (replies come in on any CPU).
-    unsafe {
-        core::intrinsics::atomic_xadd::<u64, u64, { core::intrinsics::AtomicOrdering::Relaxed }>(
-            &raw mut (*file).bytes_read,
-            bytes,
-        )
-    };
+    let file = REQUEST_FILES.get_ptr_mut(&handle(req, dev)?).or_skip()?;
+    add_read(file, u64::from(len.saturating_sub(OUT_HEADER)));
     Ok(())
 }
 
@@ -360,19 +353,8 @@ fn resized(req: Request, dev: u32, tgid: u32) -> Step {
 /// `kind` (a write or a truncate).
 fn mark_written(key: &RequestKey, kind: u8) -> Step {
     let file = REQUEST_FILES.get_ptr_mut(key).or_skip()?;
-    // SAFETY: map value pointer, valid for this program run.
-    let file = unsafe { &mut *file };
-    if file.written != 0 {
-        return Ok(());
-    }
-    file.written = 1;
     // The writer, unless the kernel flushes it later (writeback): then no one's.
-    let tgid = current().map_or(0, |(_, tgid)| tgid);
-    let h = Header {
-        file_id: file.file_id,
-        ..Header::new(kind, tgid)
-    };
-    emit(&h, None, 0);
+    first_write(file, kind, current().map_or(0, |(_, tgid)| tgid));
     Ok(())
 }
 

@@ -22,7 +22,7 @@ use aya_ebpf::{
     programs::{FEntryContext, FExitContext},
 };
 use hocus_common::{
-    Mapped, OpenFile, counter, kind, op,
+    OpenFile, counter, kind, op,
     requests::{MAX_REQUEST_FILES, O_DIRECTORY},
 };
 
@@ -36,7 +36,7 @@ use crate::{
         offset,
     },
     locate::locate,
-    open_files::{BPF_NOEXIST, MAPPED},
+    open_files::{self, add_read, first_write},
     skip::{OrSkip, Skip, Step, count, finish},
     syscall::{self, opens_to_create},
     tripwire::learning,
@@ -194,37 +194,19 @@ fn read(kiocb: u64, ret: i64) -> Step {
     if ret <= 0 {
         return Err(Skip::Unwatched);
     }
-    let file = followed(kiocb)?;
-    // SAFETY: map value pointer; the add is atomic (threads may read one file at once).
-    unsafe {
-        core::intrinsics::atomic_xadd::<u64, u64, { core::intrinsics::AtomicOrdering::Relaxed }>(
-            &raw mut (*file).bytes_read,
-            ret as u64,
-        )
-    };
+    add_read(followed(kiocb)?, ret as u64);
     Ok(())
 }
 
 /// A write through a followed file: the first marks it written.
 fn write(kiocb: u64) -> Step {
     let file = followed(kiocb)?;
-    // SAFETY: map value pointer, valid for this program run.
-    let file = unsafe { &mut *file };
-    if file.written != 0 {
-        return Ok(());
-    }
-    file.written = 1;
-    let tgid = current().map_or(0, |(_, tgid)| tgid);
-    let h = Header {
-        file_id: file.file_id,
-        ..Header::new(kind::WRITE, tgid)
-    };
-    emit(&h, None, 0);
+    first_write(file, kind::WRITE, current().map_or(0, |(_, tgid)| tgid));
     Ok(())
 }
 
 /// A followed file mapped (`ret` 0): the pages that enter its page cache are counted
-/// from now on (`filemap`), as `syscall_exit` does.
+/// from now on, as `syscall_exit` does.
 fn mapped(file: u64, ret: i64) -> Step {
     if ret as i32 != 0 {
         return Err(Skip::Unwatched);
@@ -233,16 +215,8 @@ fn mapped(file: u64, ret: i64) -> Step {
     // SAFETY: plain value copy.
     let file_id = unsafe { NFS_FILES.get(&f.address()).or_skip()?.file_id };
     let (mount, dentry) = f.place().or_skip()?;
-    let inode = inode_of(mount, dentry).or_skip()?;
-    let fresh = Mapped { file_id, pages: 0 };
-    if MAPPED.insert(&inode, &fresh, BPF_NOEXIST).is_ok() {
-        let tgid = current().map_or(0, |(_, tgid)| tgid);
-        let h = Header {
-            file_id,
-            ..Header::new(kind::MAPPED, tgid)
-        };
-        emit(&h, None, 0);
-    }
+    let tgid = current().map_or(0, |(_, tgid)| tgid);
+    open_files::mapped(&inode_of(mount, dentry).or_skip()?, file_id, tgid);
     Ok(())
 }
 

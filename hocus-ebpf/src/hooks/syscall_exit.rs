@@ -24,7 +24,7 @@ use aya_ebpf::{
     maps::Array,
     programs::BtfTracePointContext,
 };
-use hocus_common::{Calibration, FdKey, Mapped, SyscallLayout, kind, op};
+use hocus_common::{Calibration, FdKey, SyscallLayout, kind, op};
 
 use crate::{
     agent::self_tgid,
@@ -38,7 +38,7 @@ use crate::{
     },
     locate::{Located, locate},
     open_files::{
-        BPF_NOEXIST, MAPPED, claim_close, entry, file_of, forget, remember, watched_file,
+        self, add_read, claim_close, entry, file_of, first_write, forget, remember, watched_file,
     },
     paths::{KNOWN_NAMESPACES, mounts_change, path_target},
     skip::{OrSkip, Skip, Step, finish},
@@ -145,15 +145,7 @@ impl Call {
 /// A read: its bytes are added to the open file's, in the kernel.
 #[inline(always)]
 fn read(c: &Call) -> Step {
-    let file = watched_file(c.fd()?, c.tgid)?;
-    // SAFETY: map value pointer; the add is atomic (threads of one process may read one
-    // descriptor at once).
-    unsafe {
-        core::intrinsics::atomic_xadd::<u64, u64, { core::intrinsics::AtomicOrdering::Relaxed }>(
-            &raw mut (*file).bytes_read,
-            c.ret as u64,
-        )
-    };
+    add_read(watched_file(c.fd()?, c.tgid)?, c.ret as u64);
     Ok(())
 }
 
@@ -193,18 +185,12 @@ fn close(c: &Call) -> Step {
 #[inline(always)]
 fn written(c: &Call) -> Step {
     let file = watched_file(c.fd()?, c.tgid)?;
-    // SAFETY: map value pointer, valid for this program run.
-    let file = unsafe { &mut *file };
-    if file.written != 0 {
-        return Ok(()); // one event per open file is enough to mark it written
-    }
-    file.written = 1;
     let k = if c.layout.op == op::WRITE {
         kind::WRITE
     } else {
         kind::TRUNCATE
     };
-    emit(&c.header(k, file.file_id, 0), None, 0);
+    first_write(file, k, c.tgid);
     Ok(())
 }
 
@@ -221,13 +207,7 @@ fn mapped(c: &Call) -> Step {
     // SAFETY: map value pointer, valid for this program run.
     let file_id = unsafe { (*file).file_id };
     let (mount, dentry) = file_at(fd as u32).and_then(File::place).or_skip()?;
-    let inode = inode_of(mount, dentry).or_skip()?;
-    // The first mapping names the inode; later ones (every process loading the same
-    // library) add to it.
-    let fresh = Mapped { file_id, pages: 0 };
-    if MAPPED.insert(&inode, &fresh, BPF_NOEXIST).is_ok() {
-        emit(&c.header(kind::MAPPED, file_id, 0), None, 0);
-    }
+    open_files::mapped(&inode_of(mount, dentry).or_skip()?, file_id, c.tgid);
     Ok(())
 }
 

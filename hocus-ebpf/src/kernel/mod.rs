@@ -45,6 +45,7 @@ static OFFSETS: KernelOffsets = KernelOffsets {
     regs_nr: 0,
     thread_status: 0,
     dentry_inode: 0,
+    dentry_sb: 0,
     inode_ino: 0,
     task_signal: 0,
     signal_live: 0,

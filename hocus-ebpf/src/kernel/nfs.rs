@@ -7,6 +7,7 @@ use hocus_common::nfs_learn::{ATTR_SIZE, NfsOffsets};
 use super::{
     Typed,
     files::{Dentry, File, Mount},
+    offset,
 };
 use crate::agent::global;
 
@@ -14,7 +15,6 @@ use crate::agent::global;
 #[unsafe(no_mangle)]
 static NFS_OFFSETS: NfsOffsets = NfsOffsets {
     file_flags: 0,
-    dentry_sb: 0,
     iattr_valid: 0,
 };
 
@@ -32,7 +32,7 @@ pub fn flags(file: Typed) -> u32 {
 /// `locate` takes them: a watched superblock is placed whatever mount it is reached
 /// through.
 pub fn placed(dentry: Typed) -> (Mount, Dentry) {
-    let sb = Typed(dentry.read(at(|o| &o.dentry_sb))).address();
+    let sb = Typed(dentry.read(offset(|o| &o.dentry_sb))).address();
     (Mount { root: 0, sb }, Dentry::of(dentry))
 }
 

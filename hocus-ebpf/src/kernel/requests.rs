@@ -27,7 +27,6 @@ static REQUEST_OFFSETS: RequestOffsets = RequestOffsets {
     nd_path: 0,
     nd_last: 0,
     dentry_inline_name: 0,
-    dentry_sb: 0,
     dentry_type: 0,
 };
 
@@ -106,7 +105,7 @@ impl Request {
         if named != name {
             return None;
         }
-        let sb = field(address, at(|o| &o.dentry_sb))?;
+        let sb = field(address, offset(|o| &o.dentry_sb))?;
         // Its mount's root is not known, nor needed: the superblock is a watched one.
         let mount = Mount { root: 0, sb };
         Some((mount, Dentry::at(address, at(|o| &o.dentry_type))))
