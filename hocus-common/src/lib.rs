@@ -209,6 +209,8 @@ pub struct KernelOffsets {
     pub mnt_ns_id: u32,
     /// Its inode number (what /proc/PID/ns/mnt shows; reused after the namespace goes).
     pub mnt_ns_inum: u32,
+    /// file.f_pos: where a read without an offset started, less what it returned
+    pub file_pos: u32,
     /// pt_regs.orig_ax: the syscall number, which `ax` no longer holds at exit.
     pub regs_nr: u32,
     /// task_struct.thread_info.status, whose `TS_COMPAT` bit marks a 32-bit syscall
@@ -338,7 +340,8 @@ pub struct SyscallLayout {
     pub path2: u16,
     pub flags: u16,
     pub fd: u16,
-    pub _pad: u16,
+    /// The offset a positioned read (pread64, preadv, preadv2) reads at.
+    pub pos: u16,
 }
 
 /// An entry of the kernel's prefix table: a watched tree (a path matches it when it
@@ -426,6 +429,8 @@ pub struct OpenFile {
     pub bytes_read: u64,
     pub written: u32,
     pub _pad: u32,
+    /// The run of grains being read (`ranges`), not reported yet; 0: none.
+    pub run: u64,
     /// The `struct file` the descriptor held when opened: a close tells by it whether
     /// another thread's open has taken the number since. 0: closed, its close reported
     /// (the entry stays until the number is used again or the process is gone).
@@ -449,6 +454,8 @@ pub struct InodeKey {
 pub struct Mapped {
     pub file_id: u64,
     pub pages: u64,
+    /// The run of grains being faulted in (`ranges`), not reported yet; 0: none.
+    pub run: u64,
 }
 
 /// Scratch space for one path; 8-byte aligned so it can be read a word at a time.
@@ -488,9 +495,12 @@ pub mod kind {
     pub const LOOKUP_ASKED: u8 = 17;
     /// The server answered that LOOKUP (`file_id`, `bytes` as above): no such name.
     pub const LOOKUP_FAILED: u8 = 18;
+    /// A run of grains an open file read (`ranges::RangeRead`, not an `Event`).
+    pub const RANGE: u8 = 19;
 }
 
 pub mod nfs_learn;
+pub mod ranges;
 pub mod requests;
 pub mod rest;
 
@@ -589,6 +599,7 @@ mod user {
     unsafe impl aya::Pod for Home {}
     unsafe impl aya::Pod for InodeKey {}
     unsafe impl aya::Pod for Mapped {}
+    unsafe impl aya::Pod for ranges::RangeRead {}
     unsafe impl aya::Pod for requests::RequestOffsets {}
     unsafe impl aya::Pod for nfs_learn::NfsOffsets {}
     unsafe impl aya::Pod for requests::RequestKey {}

@@ -13,6 +13,8 @@ pub struct NfsOffsets {
     pub file_flags: u32,
     /// iattr.ia_valid: which attributes a setattr changes (ATTR_SIZE)
     pub iattr_valid: u32,
+    /// kiocb.ki_pos: where a read through it stands
+    pub kiocb_pos: u32,
 }
 
 /// `ia_valid`'s ATTR_SIZE.

@@ -7,8 +7,9 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-/// The newest format this hocus reads and the one it writes.
-pub const FORMAT_VERSION: u32 = 1;
+/// The newest format this hocus reads and the one it writes. Version 2 added the byte
+/// ranges read of big files (`FileEntry::ranges`); version 1 is read as having none.
+pub const FORMAT_VERSION: u32 = 2;
 
 /// The profile file format.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, Default)]
@@ -52,6 +53,10 @@ pub struct FileEntry {
     /// A job was refused a write through a read-only copy of it: never bound again.
     #[serde(default)]
     pub refused: bool,
+    /// The byte ranges read, `[start, end)`, in order and apart, for a file larger than
+    /// 1 MiB that was not read whole; empty: the whole file (or not known).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ranges: Vec<[u64; 2]>,
 }
 
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, Default)]
@@ -170,8 +175,8 @@ mod tests {
         assert!(e.to_string().contains("/var/lib/hocus/profile.json"), "{e}");
         assert!(e.to_string().contains("delete it"), "{e}");
 
-        let e = Profile::from_json(b"{\"version\": 2, \"whatever\": []}", path, "").unwrap_err();
-        assert!(matches!(e, FormatError::TooNew { found: 2, .. }), "{e}");
+        let e = Profile::from_json(b"{\"version\": 3, \"whatever\": []}", path, "").unwrap_err();
+        assert!(matches!(e, FormatError::TooNew { found: 3, .. }), "{e}");
         assert!(e.to_string().contains("upgrade"), "{e}");
 
         for bad in [

@@ -12,6 +12,7 @@ use aya_ebpf::{
 };
 use hocus_common::{
     Event, MAX_PATH, NamespaceKey, PathBuf, RING_BYTES, ROOT_NONE, ROOT_VIEW, counter, kind,
+    ranges::RangeRead,
 };
 
 use crate::{
@@ -178,12 +179,32 @@ pub fn emit(h: &Header, t: Option<&Target>, slot: u32) {
     count(counter::EVENTS_SENT);
 }
 
-/// A followed file is closed, having read `bytes`.
-pub fn closed(file_id: u64, bytes: u64) {
+/// A followed file is closed, having read `bytes`, the last of them in `run` (0: none).
+pub fn closed(file_id: u64, bytes: u64, run: u64) {
+    if run != 0 {
+        range(file_id, run);
+    }
     let h = Header {
         file_id,
         bytes,
         ..Header::new(kind::CLOSE, 0)
     };
     emit(&h, None, 0);
+}
+
+/// Open file `file_id` read the run of grains `run` (`ranges`). The agent is not woken
+/// for it: a run matters at the close or the next poll, not at once.
+pub fn range(file_id: u64, run: u64) {
+    let Some(mut entry) = EVENTS.reserve::<RangeRead>(0) else {
+        count(counter::LOST_RING_FULL);
+        return;
+    };
+    entry.write(RangeRead {
+        kind: kind::RANGE,
+        _pad: [0; 7],
+        file_id,
+        run,
+    });
+    entry.submit(BPF_RB_NO_WAKEUP);
+    count(counter::EVENTS_SENT);
 }

@@ -10,10 +10,11 @@ use aya_ebpf::{
 };
 use hocus_common::{
     FdKey, InodeKey, MAX_MAPPED, MAX_OPEN_FILES, Mapped, OpenFile, counter, filter, kind,
+    ranges::{grains, join},
 };
 
 use crate::{
-    emit::{Header, emit},
+    emit::{Header, emit, range},
     kernel::task::is_compat,
     skip::{OrSkip, Skip, Step, count},
 };
@@ -91,15 +92,17 @@ pub fn watched_file(fd: u32, tgid: u32) -> Step<*mut OpenFile> {
 /// exit, or the exit of another thread's open that took the freed number first (a close
 /// and an open of one process race for the number when nothing runs at syscall entry).
 /// Whoever swaps the entry's `file` for 0 reports it; the entry's facts are read before.
-/// Returns the entry's file id and bytes read if this run claimed its close.
+/// Returns the entry's file id and bytes read if this run claimed its close, having
+/// reported the run of grains it was reading.
 pub fn claim_close(entry: *mut OpenFile) -> Option<(u64, u64)> {
     // SAFETY: map value pointer, valid for this program run; the file is read first, as
     // an open republishing the entry writes it last.
-    let (file, file_id, bytes) = unsafe {
+    let (file, file_id, bytes, run) = unsafe {
         (
             core::ptr::read_volatile(&raw const (*entry).file),
             core::ptr::read_volatile(&raw const (*entry).file_id),
             core::ptr::read_volatile(&raw const (*entry).bytes_read),
+            core::ptr::read_volatile(&raw const (*entry).run),
         )
     };
     if file == 0 {
@@ -113,6 +116,9 @@ pub fn claim_close(entry: *mut OpenFile) -> Option<(u64, u64)> {
             { core::intrinsics::AtomicOrdering::SeqCst },
         >(&raw mut (*entry).file, file, 0)
     };
+    if claimed && run != 0 {
+        range(file_id, run);
+    }
     claimed.then_some((file_id, bytes))
 }
 
@@ -134,6 +140,7 @@ pub fn remember(key: &FdKey, stale: Option<*mut OpenFile>, file_id: u64, file: u
             (*old).file_id = file_id;
             (*old).bytes_read = 0;
             (*old).written = 0;
+            (*old).run = 0;
             core::ptr::write_volatile(&raw mut (*old).file, file);
         },
         None => {
@@ -165,6 +172,40 @@ pub fn add_read(file: *mut OpenFile, bytes: u64) {
     };
 }
 
+/// Bytes `[offset, offset + len)` read through open file `file_id` (`len` > 0), whose
+/// current run of grains is at `run`: joined to it when they touch, else the run is
+/// reported and they start the next. One word, swapped by compare-exchange: threads
+/// reading one file at once (a FUSE server's replies, on several CPUs) join their runs
+/// rather than overwrite each other's; whoever swaps a run out reports it. (Before 5.12
+/// the swap is a plain store, and a rare race loses a run.)
+#[inline(always)]
+pub fn add_range(run: *mut u64, file_id: u64, offset: u64, len: u64) {
+    let more = grains(offset, len);
+    for _ in 0..4 {
+        // SAFETY: map value pointer, valid for this program run.
+        let old = unsafe { core::ptr::read_volatile(run) };
+        let (new, jumped) = match join(old, more) {
+            Some(joined) if joined == old => return,
+            Some(joined) => (joined, false),
+            None => (more, true),
+        };
+        // SAFETY: as above; the swap is atomic.
+        let (_, swapped) = unsafe {
+            core::intrinsics::atomic_cxchg::<
+                u64,
+                { core::intrinsics::AtomicOrdering::SeqCst },
+                { core::intrinsics::AtomicOrdering::SeqCst },
+            >(run, old, new)
+        };
+        if swapped {
+            if jumped {
+                range(file_id, old);
+            }
+            return;
+        }
+    }
+}
+
 /// A followed file written (`kind`: a write or a truncate through it) by process
 /// `tgid`: reported once, its first time.
 #[inline(always)]
@@ -187,7 +228,11 @@ pub fn first_write(file: *mut OpenFile, kind: u8, tgid: u32) {
 /// later ones (every process loading the same library) add to it.
 #[inline(always)]
 pub fn mapped(inode: &InodeKey, file_id: u64, tgid: u32) {
-    let fresh = Mapped { file_id, pages: 0 };
+    let fresh = Mapped {
+        file_id,
+        pages: 0,
+        run: 0,
+    };
     if MAPPED.insert(inode, &fresh, BPF_NOEXIST).is_ok() {
         let h = Header {
             file_id,

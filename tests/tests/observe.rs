@@ -69,7 +69,7 @@ fn known_workload_gives_exactly_the_expected_profile() {
     assert!(fs::metadata(net.root().join("beside-the-mount")).is_err());
 
     let p = agent.export();
-    assert_eq!(p["version"], 1, "{p:#}");
+    assert_eq!(p["version"], 2, "{p:#}");
     let f = file_entry(&p, &big).unwrap_or_else(|| panic!("{} missing from {p:#}", big.display()));
     assert_eq!(
         (f["opens"].as_u64(), f["bytes_read"].as_u64()),

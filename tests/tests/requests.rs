@@ -68,7 +68,13 @@ fn kernel_has_hooks(net: &NetworkMount) -> bool {
 /// program detached, the filesystem's programs attached. None (after checking that the
 /// daemon says so) on a kernel without them.
 fn resting_on_requests(net: &NetworkMount) -> Option<Agent> {
-    let agent = Agent::start(&["--watch", net.mount.to_str().unwrap(), "--rest-after", "5"]);
+    resting_with(net, &[])
+}
+
+/// As `resting_on_requests`, the daemon given `more` arguments.
+fn resting_with(net: &NetworkMount, more: &[&str]) -> Option<Agent> {
+    let watch = net.mount.to_str().unwrap();
+    let agent = Agent::start(&[&["--watch", watch, "--rest-after", "5"], more].concat());
     let route = learning_route(&agent);
     if !kernel_has_hooks(net) {
         assert!(route.starts_with("from their syscalls"), "{route}");
@@ -369,5 +375,116 @@ fn pages_a_job_maps_count_as_read_at_rest() {
         file_entry(&p, &data).unwrap()["opens"].as_u64(),
         Some(1),
         "{p:#}"
+    );
+}
+
+const MIB: u64 = 1 << 20;
+const GRAIN: u64 = 64 << 10;
+
+/// A job reading a 48 MiB file here and there: `pread` of 1 MiB at 3, 20 (plus 100
+/// bytes) and 40 MiB, `preadv` of 1 MiB at 44 MiB, two `read`s of 1 MiB from 30 MiB on
+/// (at the file's position), and a mapping of the file whose pages from 10 MiB to 11 MiB
+/// it touches (MADV_RANDOM: no read-around).
+fn read_here_and_there(agent: &Agent, data: &Path) {
+    let script = format!(
+        "import mmap, os\n\
+         fd = os.open('{}', os.O_RDONLY)\n\
+         n = sum(len(os.pread(fd, {MIB}, at)) for at in ({}, {}, {}))\n\
+         n += os.preadv(fd, [bytearray({MIB})], {})\n\
+         os.lseek(fd, {}, os.SEEK_SET)\n\
+         n += len(os.read(fd, {MIB})) + len(os.read(fd, {MIB}))\n\
+         m = mmap.mmap(fd, 0, prot=mmap.PROT_READ)\n\
+         m.madvise(mmap.MADV_RANDOM)\n\
+         n += len([m[i] for i in range({}, {}, 4096)]) * 4096\n\
+         print(n)",
+        data.display(),
+        3 * MIB,
+        20 * MIB + 100,
+        40 * MIB,
+        44 * MIB,
+        30 * MIB,
+        10 * MIB,
+        11 * MIB,
+    );
+    let out = agent.run_job(&format!("python3 -c \"{script}\""));
+    assert_success(&out);
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        (7 * MIB).to_string()
+    );
+}
+
+/// The byte ranges profiled for `path`, once there are `at_least` of them (the last run
+/// of a mapping is read from the kernel at a sweep).
+fn ranges(agent: &Agent, path: &Path, at_least: usize) -> Vec<[u64; 2]> {
+    let mut got = Vec::new();
+    hocus_tests::wait_until(30, "the ranges read to be profiled", || {
+        got = file_entry(&agent.export(), path).map_or_else(Vec::new, |f| {
+            serde_json::from_value(f["ranges"].clone()).unwrap_or_default()
+        });
+        got.len() >= at_least
+    });
+    got
+}
+
+#[test]
+fn the_byte_ranges_a_job_reads_are_profiled_by_every_route() {
+    let net = NetworkMount::start();
+    let data = net.put(
+        "data/shards.bin",
+        &(0..48 * MIB).map(|i| (i % 253) as u8).collect::<Vec<u8>>(),
+    );
+    let watch = net.mount.to_str().unwrap();
+    // Nothing is copied: the daemon's own copy would fill the page cache first.
+    let only_py = ["--include-ext", ".py"];
+
+    // From the job's syscalls (and the pages its mapping faulted in): exactly what it
+    // read, widened to grains of 64 KiB.
+    let agent = Agent::start_with_fallbacks(
+        way(&net).fallback,
+        &[&["--watch", watch], &only_py[..]].concat(),
+    );
+    net.drop_client_caches();
+    read_here_and_there(&agent, &data);
+    let by_syscalls = ranges(&agent, &data, 6);
+    assert_eq!(
+        by_syscalls,
+        [
+            [3 * MIB, 4 * MIB],
+            [10 * MIB, 11 * MIB],
+            [20 * MIB, 21 * MIB + GRAIN],
+            [30 * MIB, 32 * MIB],
+            [40 * MIB, 41 * MIB],
+            [44 * MIB, 45 * MIB],
+        ],
+        "{:#}",
+        agent.export()
+    );
+    drop(agent);
+
+    // From the filesystem, at rest: on NFS the client's reads are the job's; on FUSE the
+    // server's READs are what the page cache missed, read-ahead included: they hold
+    // every range the job read and not much more.
+    net.drop_client_caches();
+    let Some(agent) = resting_with(&net, &only_py) else {
+        return;
+    };
+    read_here_and_there(&agent, &data);
+    still_resting(&agent);
+    let by_filesystem = ranges(&agent, &data, if net.nfs.is_some() { 6 } else { 1 });
+    if net.nfs.is_some() {
+        assert_eq!(by_filesystem, by_syscalls);
+        return;
+    }
+    for [start, end] in &by_syscalls {
+        assert!(
+            by_filesystem.iter().any(|[s, e]| s <= start && end <= e),
+            "[{start}, {end}) not in {by_filesystem:?}"
+        );
+    }
+    let total = |r: &[[u64; 2]]| r.iter().map(|[s, e]| e - s).sum::<u64>();
+    assert!(
+        total(&by_filesystem) <= total(&by_syscalls) * 3 / 2,
+        "{by_filesystem:?} against {by_syscalls:?}"
     );
 }

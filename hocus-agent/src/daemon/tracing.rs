@@ -13,7 +13,7 @@ use super::rest::{Jobs, Rest};
 use crate::{
     observe::{
         events::Observer,
-        tracer::{Counters, Tracer, ViewRoot},
+        tracer::{Counters, Report, Tracer, ViewRoot},
     },
     profile::working_set::WorkingSet,
 };
@@ -85,9 +85,10 @@ impl Tracing {
         } = self;
         let learned = news(tracer.get_ref(), observer);
         let mut woken_by = None;
-        let mut events = tracer.get_mut().drain(|e| match e.kind {
-            kind::WAKE => woken_by = Some(e.tgid),
-            _ => observer.handle(e, ws),
+        let mut events = tracer.get_mut().drain(|report| match report {
+            Report::Event(e) if e.kind == kind::WAKE => woken_by = Some(e.tgid),
+            Report::Event(e) => observer.handle(e, ws),
+            Report::Range(r) => observer.range(&r, ws),
         });
         if let Some(tgid) = woken_by {
             if self.woken.len() < MAX_WOKEN {

@@ -427,6 +427,7 @@ pub fn kernel_offsets(btf: &Btf) -> Result<KernelOffsets> {
         nsproxy_mnt_ns: o("nsproxy", "mnt_ns")?,
         mnt_ns_id,
         mnt_ns_inum: o("mnt_namespace", "ns.inum")?,
+        file_pos: o("file", "f_pos")?,
         regs_nr: o("pt_regs", SYSCALL_NR_REGISTER)?,
         thread_status: o("task_struct", "thread_info.status")?,
         dentry_inode: o("dentry", "d_inode")?,
@@ -516,6 +517,7 @@ pub fn nfs_offsets(btf: &Btf) -> Result<NfsOffsets> {
     Ok(NfsOffsets {
         file_flags: btf.offset("file", "f_flags")?,
         iattr_valid: btf.offset("iattr", "ia_valid")?,
+        kiocb_pos: btf.offset("kiocb", "ki_pos")?,
     })
 }
 

@@ -408,6 +408,12 @@ fn load(tracefs: &Path, every_process: bool, kfuncs: bool) -> Result<(Ebpf, Fitt
     let filemap = tracefs::Format::read(tracefs, "filemap", "mm_filemap_add_to_page_cache")?;
     let filemap_ino = u32::from(filemap.offset("i_ino")?);
     let filemap_dev = u32::from(filemap.offset("s_dev")?);
+    let filemap_index = u32::from(filemap.offset("index")?);
+    // SAFETY: no arguments.
+    let page_shift = match unsafe { libc::sysconf(libc::_SC_PAGESIZE) } {
+        size if size > 0 => (size as u64).trailing_zeros(),
+        _ => 12,
+    };
     // Kernels before folios (6.x) add one page at a time and have no `order`.
     let filemap_order = filemap.offset("order").map_or(u32::MAX, u32::from);
     routes.push(if filemap_order == u32::MAX {
@@ -513,6 +519,8 @@ fn load(tracefs: &Path, every_process: bool, kfuncs: bool) -> Result<(Ebpf, Fitt
         .override_global("FILEMAP_INO_OFFSET", &filemap_ino, true)
         .override_global("FILEMAP_DEV_OFFSET", &filemap_dev, true)
         .override_global("FILEMAP_ORDER_OFFSET", &filemap_order, true)
+        .override_global("FILEMAP_INDEX_OFFSET", &filemap_index, true)
+        .override_global("PAGE_SHIFT", &page_shift, true)
         .override_global("FUSE_CONNECTION_OFFSET", &fuse_connection, true)
         .override_global("FUSE_OPCODE_OFFSET", &fuse_opcode, true)
         .override_global("NFS_LOOKUP_DEV_OFFSET", &nfs_lookup_dev, true)

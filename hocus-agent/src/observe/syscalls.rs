@@ -22,6 +22,8 @@ pub struct Traced {
     pub path2: Option<&'static str>,
     pub flags: Option<&'static str>,
     pub fd: Option<&'static str>,
+    /// A positioned read's offset.
+    pub pos: Option<&'static str>,
 }
 
 const fn path_op(
@@ -76,6 +78,14 @@ const fn fd_op(name: &'static str, nr: i64, op: u8) -> Traced {
     }
 }
 
+/// A read at an offset, which is argument `pos`.
+const fn positioned(name: &'static str, nr: i64, pos: &'static str) -> Traced {
+    Traced {
+        pos: Some(pos),
+        ..fd_op(name, nr, op::READ)
+    }
+}
+
 /// A syscall whose arguments do not matter, only that it happens (and succeeds).
 const fn no_args(name: &'static str, nr: i64, op: u8) -> Traced {
     Traced {
@@ -89,6 +99,7 @@ const fn no_args(name: &'static str, nr: i64, op: u8) -> Traced {
         path2: None,
         flags: None,
         fd: None,
+        pos: None,
     }
 }
 
@@ -146,10 +157,11 @@ pub fn all() -> Vec<Traced> {
         rename_op("renameat", SYS_renameat, Some(("olddfd", "newdfd"))),
         rename_op("renameat2", SYS_renameat2, Some(("olddfd", "newdfd"))),
         fd_op("read", SYS_read, op::READ),
-        fd_op("pread64", SYS_pread64, op::READ),
+        positioned("pread64", SYS_pread64, "pos"),
         fd_op("readv", SYS_readv, op::READ),
-        fd_op("preadv", SYS_preadv, op::READ),
-        fd_op("preadv2", SYS_preadv2, op::READ),
+        // On 64-bit the low half is the whole offset (the high one is shifted out).
+        positioned("preadv", SYS_preadv, "pos_l"),
+        positioned("preadv2", SYS_preadv2, "pos_l"),
         fd_op("write", SYS_write, op::WRITE),
         fd_op("pwrite64", SYS_pwrite64, op::WRITE),
         fd_op("writev", SYS_writev, op::WRITE),
@@ -198,7 +210,7 @@ impl Traced {
                 path2: offset(self.path2)?,
                 flags: offset(self.flags)?,
                 fd: offset(self.fd)?,
-                _pad: 0,
+                pos: offset(self.pos)?,
             })
         })();
         layout.with_context(|| format!("syscall {}", self.name))
@@ -245,5 +257,16 @@ mod tests {
         let l = renameat.layout(&tracefs).unwrap();
         // renameat(olddfd, oldname, newdfd, newname)
         assert_eq!((l.dfd, l.path, l.dfd2, l.path2), (0, 1, 2, 3));
+        // pread64(fd, buf, count, pos), preadv2(fd, vec, vlen, pos_l, pos_h, flags)
+        for (name, pos) in [
+            ("pread64", 3),
+            ("preadv", 3),
+            ("preadv2", 3),
+            ("read", NO_FIELD),
+        ] {
+            let t = all().into_iter().find(|t| t.name == name).unwrap();
+            let l = t.layout(&tracefs).unwrap();
+            assert_eq!((l.fd, l.pos), (0, pos), "{name}");
+        }
     }
 }

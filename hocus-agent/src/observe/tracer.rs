@@ -18,8 +18,8 @@ use aya::{
 };
 use hocus_common::{
     Calibration, Event, FdKey, Home, InodeKey, MAX_ROOTS, MAX_WATCHED, Mapped, NamespaceKey,
-    OpenFile, Superblock, SuperblockSlot, View, counter, filter, requests::RequestKey, rest,
-    superblock,
+    OpenFile, Superblock, SuperblockSlot, View, counter, filter, kind, ranges::RangeRead,
+    requests::RequestKey, rest, superblock,
 };
 
 use crate::{
@@ -42,6 +42,12 @@ pub struct Root {
     pub dir: OwnedFd,
     /// `superblock::WATCHED` or `superblock::CACHE`.
     pub kind: u32,
+}
+
+/// What the kernel side sends: an event, or a run of grains an open file read.
+pub enum Report<'a> {
+    Event(&'a Event),
+    Range(RangeRead),
 }
 
 pub struct Tracer {
@@ -486,16 +492,23 @@ impl Tracer {
         Ok(())
     }
 
-    /// Passes every waiting event to `f`, in the order the kernel reserved them.
-    pub fn drain(&mut self, mut f: impl FnMut(&Event)) -> usize {
+    /// Passes everything waiting to `f`, in the order the kernel reserved it.
+    pub fn drain(&mut self, mut f: impl FnMut(Report)) -> usize {
         let mut n = 0;
         while let Some(item) = self.events.next() {
-            if item.len() < size_of::<Event>() {
+            if item.len() == size_of::<RangeRead>() && item[0] == kind::RANGE {
+                // SAFETY: the kernel wrote a whole `RangeRead` (checked length and kind);
+                // it may be unaligned.
+                let run = unsafe { std::ptr::read_unaligned(item.as_ptr().cast::<RangeRead>()) };
+                f(Report::Range(run));
+            } else if item.len() >= size_of::<Event>() {
+                // SAFETY: the kernel wrote a whole `Event` (checked length); it may be
+                // unaligned.
+                let event = unsafe { std::ptr::read_unaligned(item.as_ptr().cast::<Event>()) };
+                f(Report::Event(&event));
+            } else {
                 continue;
             }
-            // SAFETY: the kernel wrote a whole `Event` (checked length); it may be unaligned.
-            let event = unsafe { std::ptr::read_unaligned(item.as_ptr().cast::<Event>()) };
-            f(&event);
             n += 1;
         }
         n

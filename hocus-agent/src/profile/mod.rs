@@ -5,6 +5,7 @@
 //!
 //! May use: `shared`.
 
+pub mod extents;
 pub mod format;
 pub mod paths;
 pub mod records;

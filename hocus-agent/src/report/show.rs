@@ -26,6 +26,22 @@ pub fn render(p: &Profile, top: usize) -> String {
         written,
         mutated
     );
+    let partial: Vec<_> = p.files.iter().filter(|f| !f.ranges.is_empty()).collect();
+    if !partial.is_empty() {
+        let held: u64 = partial
+            .iter()
+            .flat_map(|f| &f.ranges)
+            .map(|[start, end]| end.saturating_sub(*start))
+            .sum();
+        let _ = writeln!(
+            out,
+            "{} big files read in part: {} in {} byte ranges, of {}",
+            partial.len(),
+            bytes(held),
+            partial.iter().map(|f| f.ranges.len()).sum::<usize>(),
+            bytes(partial.iter().map(|f| f.size).sum())
+        );
+    }
 
     let mut files: Vec<_> = p.files.iter().collect();
     files.sort_by_key(|f| std::cmp::Reverse((f.opens, f.bytes_read)));
@@ -479,5 +495,14 @@ mod tests {
         );
         assert!(!text.contains(" /net/env/\n"), "{text}");
         assert!(text.contains("2      1  /net/env/lib/numpy"), "{text}");
+        assert!(!text.contains("read in part"), "{text}");
+        ws.open("/net/data/big.bin", 1, 3);
+        ws.read_range("/net/data/big.bin", 32, 48);
+        ws.read_range("/net/data/big.bin", 64, 80);
+        let text = render(&ws.to_profile(), 10);
+        assert!(
+            text.contains("1 big files read in part: 2.0 MiB in 2 byte ranges, of 0 B"),
+            "{text}"
+        );
     }
 }

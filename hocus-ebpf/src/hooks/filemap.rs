@@ -2,7 +2,8 @@
 //! `1 << order` pages) entered a file's page cache. For a mapped watched file that is
 //! what a job read by faulting it in (shared objects, `numpy.memmap`); for every other
 //! file on the node it costs one lookup. The agent's own copies and pins are not the
-//! workload. A page read from a watched mount's server, whatever the filesystem, is
+//! workload. Where the pages lie in the file joins the file's run of grains (`ranges`).
+//! A page read from a watched mount's server, whatever the filesystem, is
 //! also a tripwire.
 //!
 //! ```text
@@ -18,7 +19,7 @@ use hocus_common::InodeKey;
 
 use crate::{
     agent::{current, global},
-    open_files::MAPPED,
+    open_files::{MAPPED, add_range},
     skip::{OrSkip, Step, finish},
     tripwire::tripped,
 };
@@ -31,6 +32,11 @@ static FILEMAP_INO_OFFSET: u32 = 16;
 static FILEMAP_DEV_OFFSET: u32 = 32;
 #[unsafe(no_mangle)]
 static FILEMAP_ORDER_OFFSET: u32 = 36;
+#[unsafe(no_mangle)]
+static FILEMAP_INDEX_OFFSET: u32 = 24;
+/// log2 of the page size (set by the agent).
+#[unsafe(no_mangle)]
+static PAGE_SHIFT: u32 = 12;
 
 #[tracepoint]
 pub fn filemap_add(ctx: TracePointContext) -> u32 {
@@ -58,12 +64,21 @@ fn try_filemap_add(ctx: &TracePointContext) -> Step {
         u32::MAX => 0,
         at => unsafe { ctx.read_at(at as usize) }.ok().or_skip()?,
     };
+    let pages = 1u64 << (order & 31);
     // SAFETY: map value pointer; the add is atomic (faults on several CPUs at once).
     unsafe {
         core::intrinsics::atomic_xadd::<u64, u64, { core::intrinsics::AtomicOrdering::Relaxed }>(
             &raw mut (*mapped).pages,
-            1 << (order & 31),
+            pages,
         )
     };
+    // SAFETY: as above.
+    let index: u64 = unsafe { ctx.read_at(global(&FILEMAP_INDEX_OFFSET) as usize) }
+        .ok()
+        .or_skip()?;
+    let shift = global(&PAGE_SHIFT) & 31;
+    // SAFETY: map value pointer, valid for this program run.
+    let (run, file_id) = unsafe { (&raw mut (*mapped).run, (*mapped).file_id) };
+    add_range(run, file_id, index << shift, pages << shift);
     Ok(())
 }

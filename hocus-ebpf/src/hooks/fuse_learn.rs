@@ -39,7 +39,7 @@ use crate::{
     emit::{Header, Target, closed, emit, next_id, target},
     kernel::requests::{Request, Walk, walk},
     locate::locate,
-    open_files::{add_read, first_write},
+    open_files::{add_range, add_read, first_write},
     paths::path_target,
     skip::{OrSkip, Skip, Step, count, finish},
     syscall::{self, opens_to_create},
@@ -170,7 +170,7 @@ fn answered_open(req: Request, dev: u32, error: i32) -> Step {
     let file_id = unsafe { *PENDING_OPENS.get(&key).or_skip()? };
     let _ = PENDING_OPENS.remove(&key);
     if error != 0 {
-        closed(file_id, 0);
+        closed(file_id, 0, 0);
         return Ok(());
     }
     let key = if req.opcode() == opcode::CREATE {
@@ -188,7 +188,7 @@ fn answered_open(req: Request, dev: u32, error: i32) -> Step {
         ..OpenFile::default()
     };
     if REQUEST_FILES.insert(&key, &file, 0).is_err() {
-        closed(file_id, 0); // full: reported closed rather than left open
+        closed(file_id, 0, 0); // full: reported closed rather than left open
     }
     Ok(())
 }
@@ -260,10 +260,18 @@ fn named(w: &Walk) -> Step<&'static Target> {
     Ok(t)
 }
 
-/// The bytes a READ brought back, added to its file.
+/// The bytes a READ brought back, added to its file, and where they lie (struct
+/// fuse_read_in: fh, then offset) to its run of grains.
 fn read(req: Request, dev: u32, len: u32) -> Step {
     let file = REQUEST_FILES.get_ptr_mut(&handle(req, dev)?).or_skip()?;
-    add_read(file, u64::from(len.saturating_sub(OUT_HEADER)));
+    let bytes = u64::from(len.saturating_sub(OUT_HEADER));
+    add_read(file, bytes);
+    if bytes > 0 {
+        let offset = req.input_word(0, 8, 16).or_skip()?;
+        // SAFETY: map value pointer, valid for this program run.
+        let (run, file_id) = unsafe { (&raw mut (*file).run, (*file).file_id) };
+        add_range(run, file_id, offset, bytes);
+    }
     Ok(())
 }
 
@@ -364,7 +372,7 @@ fn released(req: Request, dev: u32) -> Step {
     // SAFETY: plain value copy.
     let file = unsafe { *REQUEST_FILES.get(&key).or_skip()? };
     let _ = REQUEST_FILES.remove(&key);
-    closed(file.file_id, file.bytes_read);
+    closed(file.file_id, file.bytes_read, file.run);
     Ok(())
 }
 

@@ -32,11 +32,11 @@ use crate::{
     kernel::{
         Typed,
         files::{File, inode_of},
-        nfs::{file_of_kiocb, flags, placed, resizes},
+        nfs::{file_of_kiocb, flags, placed, position, resizes},
         offset,
     },
     locate::locate,
-    open_files::{self, add_read, first_write},
+    open_files::{self, add_range, add_read, first_write},
     skip::{OrSkip, Skip, Step, count, finish},
     syscall::{self, opens_to_create},
     tripwire::learning,
@@ -176,7 +176,7 @@ fn opened(file: u64, ret: i64, more: u32) -> Step {
     };
     if NFS_FILES.insert(&f.address(), &entry, 0).is_err() {
         count(counter::LOST_OPEN_FILES_FULL);
-        closed(file_id, 0); // full: reported closed rather than left open
+        closed(file_id, 0, 0); // full: reported closed rather than left open
     }
     Ok(())
 }
@@ -189,12 +189,19 @@ fn followed(kiocb: u64) -> Step<*mut OpenFile> {
         .ok_or(Skip::Unwatched)
 }
 
-/// A read that returned `ret` bytes, added to its file.
+/// A read that returned `ret` bytes, added to its file, and where they lie (the
+/// kiocb's position, which the read moved past them) to its run of grains.
 fn read(kiocb: u64, ret: i64) -> Step {
     if ret <= 0 {
         return Err(Skip::Unwatched);
     }
-    add_read(followed(kiocb)?, ret as u64);
+    let file = followed(kiocb)?;
+    let bytes = ret as u64;
+    add_read(file, bytes);
+    let offset = position(Typed(kiocb)).saturating_sub(bytes);
+    // SAFETY: map value pointer, valid for this program run.
+    let (run, file_id) = unsafe { (&raw mut (*file).run, (*file).file_id) };
+    add_range(run, file_id, offset, bytes);
     Ok(())
 }
 
@@ -226,7 +233,7 @@ fn released(file: u64) -> Step {
     // SAFETY: plain value copy.
     let entry = unsafe { *NFS_FILES.get(&key).or_skip()? };
     let _ = NFS_FILES.remove(&key);
-    closed(entry.file_id, entry.bytes_read);
+    closed(entry.file_id, entry.bytes_read, entry.run);
     Ok(())
 }
 

@@ -6,7 +6,7 @@
 //! syscall entry: a program there would cost every syscall on the node a second run.
 //!
 //! What each traced syscall does, one function each: an open places what it opened
-//! (`open`); a read adds its bytes to the open file (`read`); the first write to a file
+//! (`open`); a read adds its bytes and where it read to the open file (`read`); the first write to a file
 //! is reported once it succeeded (`written`); a close forgets its descriptor (`close`);
 //! a first mapping starts counting the file's pages (`mapped`); failed lookups and
 //! mutations are placed by where their path lies (`rename`, `path_syscall`); a mount
@@ -38,7 +38,8 @@ use crate::{
     },
     locate::{Located, locate},
     open_files::{
-        self, add_read, claim_close, entry, file_of, first_write, forget, remember, watched_file,
+        self, add_range, add_read, claim_close, entry, file_of, first_write, forget, remember,
+        watched_file,
     },
     paths::{KNOWN_NAMESPACES, mounts_change, path_target},
     skip::{OrSkip, Skip, Step, finish},
@@ -142,10 +143,23 @@ impl Call {
     }
 }
 
-/// A read: its bytes are added to the open file's, in the kernel.
+/// A read: its bytes are added to the open file's, and where it read to the file's
+/// run of grains, in the kernel. A positioned read says where; any other (and preadv2
+/// at -1) read from the file's position, which it moved on by what it returned.
 #[inline(always)]
 fn read(c: &Call) -> Step {
-    add_read(watched_file(c.fd()?, c.tgid)?, c.ret as u64);
+    let file = watched_file(c.fd()?, c.tgid)?;
+    let bytes = c.ret as u64;
+    add_read(file, bytes);
+    let offset = match c.args.get(c.layout.pos) {
+        Some(pos) if (pos as i64) >= 0 => pos,
+        _ => field::<u64>(file_of(file), offset(|o| &o.file_pos))
+            .or_skip()?
+            .saturating_sub(bytes),
+    };
+    // SAFETY: map value pointer, valid for this program run.
+    let (run, file_id) = unsafe { (&raw mut (*file).run, (*file).file_id) };
+    add_range(run, file_id, offset, bytes);
     Ok(())
 }
 

@@ -42,6 +42,7 @@ static OFFSETS: KernelOffsets = KernelOffsets {
     nsproxy_mnt_ns: 0,
     mnt_ns_id: 0,
     mnt_ns_inum: 0,
+    file_pos: 0,
     regs_nr: 0,
     thread_status: 0,
     dentry_inode: 0,

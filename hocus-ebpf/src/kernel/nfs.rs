@@ -16,6 +16,7 @@ use crate::agent::global;
 static NFS_OFFSETS: NfsOffsets = NfsOffsets {
     file_flags: 0,
     iattr_valid: 0,
+    kiocb_pos: 0,
 };
 
 /// The offset `f` picks from `NFS_OFFSETS`: a constant to the verifier.
@@ -44,4 +45,9 @@ pub fn resizes(attr: Typed) -> bool {
 /// The file a kiocb (`nfs_file_read`'s, `nfs_file_write`'s) is on: its first field.
 pub fn file_of_kiocb(kiocb: Typed) -> Option<File> {
     Some(File::of(kiocb.follow(0)?))
+}
+
+/// Where a kiocb's I/O stands in its file (`ki_pos`): past what a read returned.
+pub fn position(kiocb: Typed) -> u64 {
+    kiocb.read(at(|o| &o.kiocb_pos))
 }

@@ -9,7 +9,10 @@ use std::{
     path::Path,
 };
 
-use hocus_common::{Event, FdKey, InodeKey, Mapped, NamespaceKey, OpenFile, kind};
+use hocus_common::{
+    Event, FdKey, InodeKey, Mapped, NamespaceKey, OpenFile, kind,
+    ranges::{RangeRead, unpack},
+};
 use hocus_control::status::Tally;
 
 use crate::{
@@ -337,6 +340,30 @@ impl Observer {
         }
     }
 
+    /// A run of grains an open (or mapped) file read: where, in its ranges.
+    pub fn range(&mut self, r: &RangeRead, ws: &mut WorkingSet) {
+        self.tally.events += 1;
+        self.add_run(r.file_id, r.run, ws);
+    }
+
+    /// Run `run` of file `file_id` (0: none), added to its ranges: from a report, or
+    /// from the kernel's entry at a sweep (added again later is no change).
+    fn add_run(&self, file_id: u64, run: u64, ws: &mut WorkingSet) {
+        if run == 0 {
+            return;
+        }
+        let path = match self.open.get(&file_id) {
+            Some(info) if !info.is_dir => &info.path,
+            Some(_) => return,
+            None => match self.mapped.get(&file_id) {
+                Some(m) => &m.path,
+                None => return,
+            },
+        };
+        let (start, end) = unpack(run);
+        ws.read_range(path, start, end);
+    }
+
     /// Adds what open files have read since last time, and closes the files of
     /// processes that exited without closing them. `requested`: the files the request
     /// programs follow (by the server's handle: their release closes them). Returns the
@@ -410,6 +437,7 @@ impl Observer {
     /// reported changed (the kernel reports only its first write) for as long as it stays
     /// open. False if its open event is still on its way.
     fn count_read(&mut self, file: &OpenFile, ws: &mut WorkingSet) -> bool {
+        self.add_run(file.file_id, file.run, ws);
         let Some(info) = self.open.get(&file.file_id) else {
             return false;
         };
@@ -443,6 +471,7 @@ impl Observer {
         let mut unknown = HashSet::new();
         for (key, m) in mapped {
             in_kernel.insert(m.file_id);
+            self.add_run(m.file_id, m.run, ws);
             let Some(info) = self.mapped.get_mut(&m.file_id) else {
                 // Its event may still be on its way (the entry is made first).
                 unknown.insert(*key);

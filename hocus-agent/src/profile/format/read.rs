@@ -259,7 +259,7 @@ mod tests {
         assert_eq!(all, p);
         let mut none = |_: Profile| Ok(());
         for (bytes, want) in [
-            (&b"{\"version\": 2, \"files\": []}"[..], "newer hocus"),
+            (&b"{\"version\": 3, \"files\": []}"[..], "newer hocus"),
             (b"{\"files\": []}", "no \"version\""),
             (b"{\"version\": 1, \"files\": [", "truncated"),
             (b"[1]", "truncated"),

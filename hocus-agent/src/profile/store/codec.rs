@@ -75,6 +75,11 @@ pub(super) fn encode(b: &mut Vec<u8>, e: &Entry) {
             f.uids
                 .iter()
                 .for_each(|u| b.extend_from_slice(&u.to_le_bytes()));
+            // Last, so that a record written before ranges were kept reads as none.
+            if !f.ranges.is_empty() {
+                b.extend_from_slice(&(f.ranges.len() as u32).to_le_bytes());
+                f.ranges.iter().for_each(|r| u64s(b, r));
+            }
         }
         Entry::Missing(m) => {
             b.push(MISSING);
@@ -103,6 +108,15 @@ pub(super) fn decode(b: &[u8]) -> Option<Entry> {
             let uids = (0..n.min(r.left() / 4))
                 .map(|_| r.u32())
                 .collect::<Option<Vec<u32>>>()?;
+            let ranges = match r.left() {
+                0 => Vec::new(),
+                _ => {
+                    let n = r.u32()? as usize;
+                    (0..n.min(r.left() / 16))
+                        .map(|_| r.u64s::<2>())
+                        .collect::<Option<Vec<_>>>()?
+                }
+            };
             Entry::File(FileEntry {
                 path,
                 size,
@@ -116,6 +130,7 @@ pub(super) fn decode(b: &[u8]) -> Option<Entry> {
                 written: flags & 1 != 0,
                 write_opens,
                 refused: flags & 2 != 0,
+                ranges,
             })
         }
         MISSING => {
@@ -197,6 +212,11 @@ mod tests {
                 written: true,
                 write_opens: 7,
                 refused: true,
+                ranges: vec![[0, 65536], [1 << 20, 3 << 20]],
+            }),
+            Entry::File(FileEntry {
+                path: "/net/b.py".into(),
+                ..Default::default()
             }),
             Entry::Missing(MissingEntry {
                 path: "/net/nope".into(),
@@ -222,7 +242,7 @@ mod tests {
         let last = buf.len() - 1;
         buf[last] ^= 1;
         let mut r = &buf[..];
-        for _ in 0..2 {
+        for _ in 0..entries.len() - 1 {
             read_frame(&mut r, &mut payload).unwrap();
         }
         assert!(read_frame(&mut r, &mut payload).is_err(), "a flipped bit");

@@ -4,7 +4,10 @@
 //! set is empty; and an entry set to exactly what a saved state says (`restore`).
 
 use super::{FileRec, WorkingSet, flags, saturated, users::USERS};
-use crate::profile::format::{DirEntry, Entry, FileEntry, MissingEntry, Profile};
+use crate::profile::{
+    extents::{Extents, MAX_PER_FILE},
+    format::{DirEntry, Entry, FileEntry, MissingEntry, Profile},
+};
 
 impl WorkingSet {
     /// Merges a profile (see the module).
@@ -46,6 +49,13 @@ impl WorkingSet {
         }
         let uids = sorted(f.uids);
         let i = self.file_at(&f.path);
+        if let Some(more) = Extents::from_bytes(&f.ranges).filter(|e| !e.is_empty()) {
+            let id = self.files.get(i).path;
+            let mut ranges = self.ranges.get(&id).cloned().unwrap_or_default();
+            ranges.add_all(&more);
+            ranges.coarsen(MAX_PER_FILE);
+            self.set_ranges(id, ranges);
+        }
         let users = &mut self.users;
         self.files.update(i, |e| {
             if f.mtime_ns > e.mtime_ns || (e.size == 0 && e.mtime_ns == 0) {
@@ -86,6 +96,8 @@ impl WorkingSet {
             Entry::File(f) => {
                 let users = self.users.id_of(sorted(f.uids).into_boxed_slice());
                 let i = self.file_at(&f.path);
+                let ranges = Extents::from_bytes(&f.ranges).unwrap_or_default();
+                self.set_ranges(self.files.get(i).path, ranges);
                 self.files.update(i, |e| {
                     *e = FileRec {
                         size: f.size,

@@ -30,6 +30,7 @@ pub use self::{
 };
 use crate::{
     profile::{
+        extents::Extents,
         format::Profile,
         paths::{PathId, Paths},
         records::{Plain, Records},
@@ -55,6 +56,10 @@ pub struct WorkingSet {
     file_of: Vec<u32>,
     missing: HashMap<PathId, MissingRec>,
     dirs: HashMap<PathId, DirRec>,
+    /// The byte ranges read of files larger than [`RANGES_FROM`], and how many extents
+    /// they hold together (at most [`MAX_EXTENTS`]).
+    ranges: HashMap<PathId, Extents>,
+    extents: usize,
     users: UserSets,
     /// At most this many entries (files, missing names, directories) are read ones; writes
     /// are always recorded. None: no bound.
@@ -65,6 +70,11 @@ pub struct WorkingSet {
 }
 
 const NONE: u32 = u32::MAX;
+/// Files up to this size are copied whole: their ranges are not kept.
+pub const RANGES_FROM: u64 = 1 << 20;
+/// Extents all files' ranges hold at most (8 MiB): past it a file with none keeps none
+/// (copied whole), and one with some joins what it reads next into them.
+pub const MAX_EXTENTS: usize = 1 << 20;
 /// A file's flags, beside its set of users (`users::USERS`) in `FileRec::bits`.
 const WRITTEN: u32 = 1 << 31;
 const REFUSED: u32 = 1 << 30;
@@ -153,6 +163,8 @@ impl WorkingSet {
             + self.file_of.capacity() * size_of::<u32>()
             + table_bytes::<(PathId, MissingRec)>(self.missing.capacity())
             + table_bytes::<(PathId, DirRec)>(self.dirs.capacity())
+            + table_bytes::<(PathId, Extents)>(self.ranges.capacity())
+            + self.ranges.values().map(Extents::heap_bytes).sum::<usize>()
             + self.users.heap_bytes()
     }
 

@@ -52,6 +52,11 @@ impl WorkingSet {
             written: f.written(),
             write_opens: u64::from(f.write_opens),
             refused: f.refused(),
+            ranges: self
+                .ranges
+                .get(&f.path)
+                .filter(|e| !e.whole(f.size))
+                .map_or_else(Vec::new, |e| e.to_bytes(f.size)),
         }
     }
 

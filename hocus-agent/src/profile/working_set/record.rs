@@ -2,7 +2,13 @@
 //! writes, failed lookups, directories listed or changed. New read entries respect the
 //! bound (`room`); writes are always recorded.
 
-use super::{Attributes, REFUSED, WRITTEN, WorkingSet, users::USERS};
+use hocus_common::ranges::GRAIN_SHIFT;
+
+use super::{Attributes, MAX_EXTENTS, RANGES_FROM, REFUSED, WRITTEN, WorkingSet, users::USERS};
+use crate::profile::{
+    extents::{Extents, MAX_PER_FILE},
+    paths::PathId,
+};
 
 impl WorkingSet {
     /// Records an open of a file; returns true when the file is new to the profile.
@@ -57,6 +63,45 @@ impl WorkingSet {
             self.files
                 .update(i, |f| f.bytes_read = f.bytes_read.saturating_add(bytes));
         }
+    }
+
+    /// Grains `[start, end)` of `path` were read. Kept for a file larger than
+    /// [`RANGES_FROM`] (by its size, or by where the read lay), within the bounds.
+    pub fn read_range(&mut self, path: &str, start: u32, end: u32) {
+        let Some(i) = self.file_index(path) else {
+            return;
+        };
+        let f = self.files.get(i);
+        if f.size <= RANGES_FROM && u64::from(end) << GRAIN_SHIFT <= RANGES_FROM {
+            return;
+        }
+        let full = self.extents >= MAX_EXTENTS;
+        if full && !self.ranges.contains_key(&f.path) {
+            return;
+        }
+        let e = self.ranges.entry(f.path).or_default();
+        let before = e.len();
+        e.add(start, end);
+        if e.len() > MAX_PER_FILE {
+            e.coarsen(MAX_PER_FILE);
+        } else if full && e.len() > before {
+            e.coarsen(before);
+        }
+        self.extents = self.extents + e.len() - before;
+        self.changed_file(i);
+    }
+
+    /// Sets the ranges of the file at `id` (empty: none known), as a restore or a merge
+    /// made them.
+    pub(super) fn set_ranges(&mut self, id: PathId, ranges: Extents) {
+        let before = self.ranges.get(&id).map_or(0, Extents::len);
+        let after = ranges.len();
+        if ranges.is_empty() {
+            self.ranges.remove(&id);
+        } else {
+            self.ranges.insert(id, ranges);
+        }
+        self.extents = self.extents + after - before;
     }
 
     /// A file was written, truncated, renamed or unlinked.

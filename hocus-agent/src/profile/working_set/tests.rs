@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 
 use super::{export::FileOrder, *};
 use crate::profile::{
-    format::{FileEntry, to_json},
+    format::{FORMAT_VERSION, FileEntry, to_json},
     view::View,
 };
 
@@ -479,4 +479,85 @@ fn every_change_moves_the_edits() {
     assert!(small.edits() < seen);
     empty.merge_state(small);
     assert!(empty.edits() > seen);
+}
+
+#[test]
+fn ranges_of_big_files_are_kept_bounded_exported_and_merged() {
+    let mut ws = WorkingSet::new(T0);
+    let big = "/net/data/train.h5";
+    ws.open(big, 1000, T0 + 1);
+    ws.set_attributes(
+        big,
+        Attributes {
+            size: 1 << 30,
+            mtime_ns: 1,
+        },
+    );
+    ws.open("/net/env/small.py", 1000, T0 + 2);
+    // 1 MiB at 10 MiB, 1 MiB at 100 MiB (grains of 64 KiB), and a small file read whole.
+    ws.read_range(big, 160, 176);
+    ws.read_range(big, 1600, 1616);
+    ws.read_range(big, 176, 177); // touches the first
+    ws.read_range("/net/env/small.py", 0, 1);
+    ws.read_range("/net/not-opened", 0, 100);
+    let p = ws.to_profile();
+    let file = |p: &Profile, path: &str| p.files.iter().find(|f| f.path == path).cloned();
+    assert_eq!(
+        file(&p, big).unwrap().ranges,
+        [[10 << 20, (11 << 20) + 65536], [100 << 20, 101 << 20]]
+    );
+    assert!(file(&p, "/net/env/small.py").unwrap().ranges.is_empty());
+    assert!(file(&p, "/net/not-opened").is_none());
+
+    // Through the file format and back, and merged with another job's ranges.
+    let back = Profile::from_json(&to_json(&p), Path::new("x"), "").unwrap();
+    assert_eq!(back, p);
+    let mut other = WorkingSet::new(T0);
+    other.merge(back);
+    let mut more = Profile {
+        version: FORMAT_VERSION,
+        started_unix_ns: T0,
+        files: vec![FileEntry {
+            path: big.into(),
+            size: 1 << 30,
+            mtime_ns: 1,
+            ranges: vec![[(101 << 20) + 1, 102 << 20], [5, 6]],
+            ..Default::default()
+        }],
+        ..Default::default()
+    };
+    other.merge(more.clone());
+    assert_eq!(
+        file(&other.to_profile(), big).unwrap().ranges,
+        [
+            [0, 65536],
+            [10 << 20, (11 << 20) + 65536],
+            [100 << 20, 102 << 20]
+        ]
+    );
+    // A range whose end is before its start is not a range: the file's are left alone.
+    more.files[0].ranges = vec![[9, 3]];
+    other.merge(more);
+    assert_eq!(file(&other.to_profile(), big).unwrap().ranges.len(), 3);
+
+    // Read whole, a big file says nothing more than a file with no ranges.
+    let mut whole = WorkingSet::new(T0);
+    whole.open(big, 1000, T0);
+    whole.set_attributes(
+        big,
+        Attributes {
+            size: 3 << 20,
+            mtime_ns: 1,
+        },
+    );
+    whole.read_range(big, 0, 48);
+    assert!(file(&whole.to_profile(), big).unwrap().ranges.is_empty());
+
+    // One file's extents are bounded: past the bound, the smallest gaps are joined.
+    for i in 0..2 * crate::profile::extents::MAX_PER_FILE as u32 {
+        ws.read_range(big, 4000 + 3 * i, 4001 + 3 * i);
+    }
+    let kept = file(&ws.to_profile(), big).unwrap().ranges;
+    assert_eq!(kept.len(), crate::profile::extents::MAX_PER_FILE);
+    assert_eq!(kept.last().unwrap()[1], (4000 + 3 * 2047 + 1) << 16);
 }

@@ -1,0 +1,213 @@
+//! The byte ranges jobs read of one file, as extents of grains (`hocus_common::ranges`,
+//! 64 KiB): sorted, apart (two that touch are one), and bounded. Past the bound the two
+//! extents with the smallest gap between them become one, so a file keeps the shape of
+//! what was read at a coarser grain rather than losing any of it.
+
+use hocus_common::ranges::{GRAIN, GRAIN_SHIFT};
+
+/// Extents a file keeps at most: a shuffled epoch over a file makes one per chunk it
+/// read (64 of 1 MiB over a 1 GiB file); 1024 of them cost 8 KiB.
+pub const MAX_PER_FILE: usize = 1024;
+
+/// Grains `[start, end)` a file's readers read, in order, none touching another.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Extents(Vec<(u32, u32)>);
+
+impl Extents {
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// Bytes held on the heap.
+    pub fn heap_bytes(&self) -> usize {
+        self.0.capacity() * size_of::<(u32, u32)>()
+    }
+
+    /// The extents, in grains.
+    #[cfg(test)]
+    pub fn grains(&self) -> &[(u32, u32)] {
+        &self.0
+    }
+
+    /// Adds grains `[start, end)`, joined with those they overlap or touch.
+    pub fn add(&mut self, start: u32, end: u32) {
+        if start >= end {
+            return;
+        }
+        // The first extent that ends at or after `start` (touching counts), and the
+        // first after it that starts past `end`: those between are joined.
+        let first = self.0.partition_point(|e| e.1 < start);
+        let last = first + self.0[first..].partition_point(|e| e.0 <= end);
+        let joined = match self.0[first..last] {
+            [] => (start, end),
+            ref touched => (
+                touched[0].0.min(start),
+                touched[touched.len() - 1].1.max(end),
+            ),
+        };
+        self.0.splice(first..last, [joined]);
+    }
+
+    /// Adds every extent of `other`.
+    pub fn add_all(&mut self, other: &Extents) {
+        for &(start, end) in &other.0 {
+            self.add(start, end);
+        }
+    }
+
+    /// Joins the extents with the smallest gaps between them until at most `max` are
+    /// left (at least one): nothing read is lost, some grains not read are taken in.
+    pub fn coarsen(&mut self, max: usize) {
+        let max = max.max(1);
+        if self.0.len() <= max {
+            return;
+        }
+        let mut gaps: Vec<u32> = self.0.windows(2).map(|w| w[1].0 - w[0].1).collect();
+        gaps.sort_unstable();
+        // Joining every gap below the `n`th smallest, then gaps equal to it while too
+        // many are left, leaves exactly `max`.
+        let n = self.0.len() - max;
+        let cut = gaps[n - 1];
+        let mut equal_left = n - gaps.iter().take_while(|g| **g < cut).count();
+        let mut out: Vec<(u32, u32)> = Vec::with_capacity(max);
+        for &e in &self.0 {
+            match out.last_mut() {
+                Some(last) if e.0 - last.1 < cut => last.1 = e.1,
+                Some(last) if e.0 - last.1 == cut && equal_left > 0 => {
+                    last.1 = e.1;
+                    equal_left -= 1;
+                }
+                _ => out.push(e),
+            }
+        }
+        self.0 = out;
+    }
+
+    /// As byte ranges `[start, end)`, the last cut at `size` (unless 0: not known).
+    pub fn to_bytes(&self, size: u64) -> Vec<[u64; 2]> {
+        self.0
+            .iter()
+            .map(|&(s, e)| {
+                let (start, end) = (u64::from(s) << GRAIN_SHIFT, u64::from(e) << GRAIN_SHIFT);
+                match size {
+                    0 => [start, end],
+                    size => [start.min(size), end.min(size)],
+                }
+            })
+            .filter(|[s, e]| s < e)
+            .collect()
+    }
+
+    /// Whether they hold every grain of a file of `size` bytes (then they say no more
+    /// than "the whole file").
+    pub fn whole(&self, size: u64) -> bool {
+        size > 0 && matches!(self.0[..], [(0, end)] if u64::from(end) << GRAIN_SHIFT >= size)
+    }
+
+    /// From byte ranges as a profile file gives them: each widened to whole grains,
+    /// joined, and bounded by [`MAX_PER_FILE`]. None if one is not a range (its end
+    /// before its start).
+    pub fn from_bytes(ranges: &[[u64; 2]]) -> Option<Self> {
+        let mut out = Extents::default();
+        for &[start, end] in ranges {
+            if end < start {
+                return None;
+            }
+            if end == start {
+                continue;
+            }
+            let first = grain(start);
+            let last = grain(end.saturating_add(GRAIN - 1));
+            out.add(first, last);
+            // Bounded as it grows: a hostile file of a million ranges costs no more.
+            if out.len() > 2 * MAX_PER_FILE {
+                out.coarsen(MAX_PER_FILE);
+            }
+        }
+        out.coarsen(MAX_PER_FILE);
+        Some(out)
+    }
+}
+
+fn grain(byte: u64) -> u32 {
+    (byte >> GRAIN_SHIFT).min(u64::from(u32::MAX)) as u32
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    #[test]
+    fn extents_join_where_they_touch_and_stay_apart_across_gaps() {
+        let mut e = Extents::default();
+        e.add(10, 20);
+        e.add(30, 40);
+        e.add(20, 25); // touches the first
+        e.add(50, 60);
+        assert_eq!(e.grains(), [(10, 25), (30, 40), (50, 60)]);
+        e.add(24, 51); // spans the middle
+        assert_eq!(e.grains(), [(10, 60)]);
+        e.add(0, 1);
+        e.add(5, 5); // empty
+        assert_eq!(e.grains(), [(0, 1), (10, 60)]);
+    }
+
+    #[test]
+    fn coarsening_joins_the_smallest_gaps_first_and_loses_nothing() {
+        let mut e = Extents::default();
+        for (s, end) in [(0, 1), (2, 3), (10, 11), (30, 31), (31 + 2, 34)] {
+            e.add(s, end);
+        }
+        e.coarsen(3);
+        assert_eq!(e.grains(), [(0, 3), (10, 11), (30, 34)]);
+        e.coarsen(1);
+        assert_eq!(e.grains(), [(0, 34)]);
+    }
+
+    #[test]
+    fn bytes_are_cut_at_the_size_and_widened_to_grains_coming_in() {
+        let mut e = Extents::default();
+        e.add(0, 1);
+        e.add(16, 32);
+        assert_eq!(e.to_bytes(0), [[0, GRAIN], [1 << 20, 2 << 20]]);
+        assert_eq!(e.to_bytes(1_500_000), [[0, GRAIN], [1 << 20, 1_500_000]]);
+        assert_eq!(e.to_bytes(100), [[0, 100]]);
+        let back = Extents::from_bytes(&[[1, 2], [(1 << 20) + 5, 1_500_000]]).unwrap();
+        assert_eq!(back.grains(), [(0, 1), (16, 23)]);
+        assert!(Extents::from_bytes(&[[5, 4]]).is_none());
+        assert!(!back.whole(2 << 20), "two extents with a gap");
+        let front = Extents::from_bytes(&[[0, 100]]).unwrap();
+        assert!(front.whole(GRAIN - 1) && front.whole(GRAIN) && !front.whole(GRAIN + 1));
+    }
+
+    proptest! {
+        #[test]
+        fn every_grain_added_stays_held_and_extents_stay_apart(
+            adds in prop::collection::vec((0u32..4000, 1u32..100), 1..300),
+            max in 1usize..40,
+        ) {
+            let mut e = Extents::default();
+            for (s, n) in &adds {
+                e.add(*s, s + n);
+            }
+            let held = |e: &Extents, g: u32| e.grains().iter().any(|(s, end)| *s <= g && g < *end);
+            for (s, n) in &adds {
+                prop_assert!(held(&e, *s) && held(&e, s + n - 1));
+            }
+            e.coarsen(max);
+            prop_assert!(e.len() <= max);
+            for w in e.grains().windows(2) {
+                prop_assert!(w[0].0 < w[0].1 && w[0].1 < w[1].0);
+            }
+            for (s, n) in &adds {
+                prop_assert!(held(&e, *s) && held(&e, s + n - 1));
+            }
+        }
+    }
+}
