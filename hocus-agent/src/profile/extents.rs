@@ -33,6 +33,30 @@ impl Extents {
         &self.0
     }
 
+    pub fn iter(&self) -> std::slice::Iter<'_, (u32, u32)> {
+        self.0.iter()
+    }
+
+    /// The grains of `[start, end)` none of the extents hold, as extents.
+    pub fn gaps(&self, start: u32, end: u32) -> Vec<(u32, u32)> {
+        let mut out = Vec::new();
+        let mut at = start;
+        let first = self.0.partition_point(|e| e.1 <= start);
+        for &(s, e) in &self.0[first..] {
+            if s >= end {
+                break;
+            }
+            if s > at {
+                out.push((at, s));
+            }
+            at = at.max(e);
+        }
+        if at < end {
+            out.push((at, end));
+        }
+        out
+    }
+
     /// Adds grains `[start, end)`, joined with those they overlap or touch.
     pub fn add(&mut self, start: u32, end: u32) {
         if start >= end {
@@ -156,6 +180,18 @@ mod tests {
         e.add(0, 1);
         e.add(5, 5); // empty
         assert_eq!(e.grains(), [(0, 1), (10, 60)]);
+    }
+
+    #[test]
+    fn gaps_are_what_no_extent_holds() {
+        let mut e = Extents::default();
+        e.add(10, 20);
+        e.add(30, 40);
+        assert_eq!(e.gaps(0, 50), [(0, 10), (20, 30), (40, 50)]);
+        assert_eq!(e.gaps(12, 18), []);
+        assert_eq!(e.gaps(15, 35), [(20, 30)]);
+        assert_eq!(e.gaps(40, 41), [(40, 41)]);
+        assert_eq!(Extents::default().gaps(3, 5), [(3, 5)]);
     }
 
     #[test]

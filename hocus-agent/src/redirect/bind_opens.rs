@@ -26,7 +26,7 @@ use std::{
 
 use super::mountns::check;
 use crate::shared::{
-    dirs,
+    dirs, fanotify,
     kernel::{self, Route},
 };
 
@@ -185,17 +185,8 @@ impl BindOpens {
 
 /// The events in `buf` (whole ones: the kernel never splits one): each carries a
 /// descriptor of the opened file, closed here.
-fn events(mut buf: &[u8], out: &mut Read) {
-    const META: usize = size_of::<libc::fanotify_event_metadata>();
-    while buf.len() >= META {
-        // SAFETY: at least META bytes; read unaligned.
-        let m: libc::fanotify_event_metadata =
-            unsafe { std::ptr::read_unaligned(buf.as_ptr().cast()) };
-        let len = m.event_len as usize;
-        if len < META || len > buf.len() {
-            return;
-        }
-        buf = &buf[len..];
+fn events(buf: &[u8], out: &mut Read) {
+    for (m, _) in fanotify::events(buf) {
         if m.mask & libc::FAN_Q_OVERFLOW != 0 {
             out.overflowed = true;
         }

@@ -1,0 +1,330 @@
+//! Filling partial copies on demand: one thread reads the pre-content group's events,
+//! a few workers (`Limits::fills`: the fills in flight) make each asked range local
+//! and allow the read, and a watchdog fails with EIO every access that made no
+//! progress for `Limits::stall` (a server that does not answer: the job gets an error,
+//! never a hang). A worker stuck on such a server keeps its place; past
+//! `Limits::pending` accesses waiting, new ones fail at once rather than pile up.
+//! A reader going through a file in order gets `Limits::read_ahead` more each time.
+
+use std::{
+    collections::HashMap,
+    fs::File,
+    io,
+    mem::ManuallyDrop,
+    os::fd::{AsRawFd, FromRawFd, RawFd},
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, AtomicU64, Ordering},
+        mpsc,
+    },
+    thread,
+    time::{Duration, Instant},
+};
+
+use hocus_common::ranges::GRAIN_SHIFT;
+
+use super::{
+    FillError, PartialCopy,
+    pre_content::{self, Asked, Group},
+};
+
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// Fills under way at once (worker threads).
+    pub fills: usize,
+    /// Accesses waiting (each holds a descriptor); past it, new ones fail at once.
+    pub pending: usize,
+    /// An access whose fill made no progress this long fails with EIO.
+    pub stall: Duration,
+    /// Grains filled beyond what a reader going through a file in order asked for.
+    pub read_ahead: u32,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            fills: 4,
+            pending: 1024,
+            stall: Duration::from_secs(30),
+            // 4 MiB.
+            read_ahead: 64,
+        }
+    }
+}
+
+/// What the filler did, for metrics.
+#[derive(Debug, Default)]
+pub struct Counts {
+    pub allowed: AtomicU64,
+    pub bytes_filled: AtomicU64,
+    /// Failed with EIO: the network file changed, could not be read, or was too slow.
+    pub failed: AtomicU64,
+    pub stalled: AtomicU64,
+}
+
+/// An access read from the group and not answered yet.
+struct Pending {
+    event_fd: RawFd,
+    answered: AtomicBool,
+    progress: Mutex<Instant>,
+}
+
+type Copies = Mutex<HashMap<(u64, u64), Arc<PartialCopy>>>;
+
+pub struct Filler {
+    group: Arc<Group>,
+    copies: Arc<Copies>,
+    pub counts: Arc<Counts>,
+    stop: Arc<AtomicBool>,
+    threads: Vec<thread::JoinHandle<()>>,
+}
+
+impl Filler {
+    /// Starts answering `group`'s events.
+    pub fn start(group: Group, limits: Limits) -> io::Result<Self> {
+        let group = Arc::new(group);
+        let copies: Arc<Copies> = Arc::default();
+        let counts: Arc<Counts> = Arc::default();
+        let stop = Arc::new(AtomicBool::new(false));
+        let pending: Arc<Mutex<HashMap<u64, Arc<Pending>>>> = Arc::default();
+        let (send, receive) = mpsc::channel::<(Arc<Pending>, Asked)>();
+        let receive = Arc::new(Mutex::new(receive));
+        let mut threads = Vec::new();
+        for i in 0..limits.fills.max(1) {
+            let (group, copies, counts, receive, pending) = (
+                group.clone(),
+                copies.clone(),
+                counts.clone(),
+                receive.clone(),
+                pending.clone(),
+            );
+            threads.push(
+                thread::Builder::new()
+                    .name(format!("hocus-fill-{i}"))
+                    .spawn(move || {
+                        loop {
+                            let next = receive.lock().expect("not poisoned").recv();
+                            let Ok((entry, asked)) = next else { return };
+                            fill(&group, &copies, &counts, &limits, &entry, &asked);
+                            pending
+                                .lock()
+                                .expect("not poisoned")
+                                .retain(|_, p| !Arc::ptr_eq(p, &entry));
+                        }
+                    })?,
+            );
+        }
+        let (g, s, c, p) = (group.clone(), stop.clone(), counts.clone(), pending.clone());
+        threads.push(
+            thread::Builder::new()
+                .name("hocus-fill-watch".into())
+                .spawn(move || watch(&g, &s, &c, &p, limits.stall))?,
+        );
+        let (g, s, c) = (group.clone(), stop.clone(), counts.clone());
+        threads.push(
+            thread::Builder::new()
+                .name("hocus-fill-read".into())
+                .spawn(move || read(&g, &s, &c, &pending, limits.pending, send))?,
+        );
+        Ok(Self {
+            group,
+            copies,
+            counts,
+            stop,
+            threads,
+        })
+    }
+
+    /// The group's descriptor (for the guard).
+    pub fn group_fd(&self) -> RawFd {
+        self.group.fd()
+    }
+
+    /// Serves `copy` from `file` (the sparse local file): its reads wait for the filler
+    /// from now on.
+    pub fn serve(&self, copy: Arc<PartialCopy>, file: &File) -> io::Result<()> {
+        let key = key_of(file)?;
+        self.copies.lock().expect("not poisoned").insert(key, copy);
+        if let Err(e) = self.group.mark(file) {
+            self.copies.lock().expect("not poisoned").remove(&key);
+            return Err(e);
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Filler {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        // The reader and the watchdog notice within their poll; the workers once the
+        // reader's channel is gone and they are done (one stuck on a server is left).
+        let threads = std::mem::take(&mut self.threads);
+        let n = threads.len();
+        for (i, t) in threads.into_iter().enumerate() {
+            if i >= n - 2 {
+                let _ = t.join();
+            }
+        }
+    }
+}
+
+/// The device and inode of `file`: how an event's descriptor is matched to its copy.
+fn key_of(file: &impl AsRawFd) -> io::Result<(u64, u64)> {
+    // SAFETY: the descriptor stays open: the File made here is never dropped.
+    let file = ManuallyDrop::new(unsafe { File::from_raw_fd(file.as_raw_fd()) });
+    let m = file.metadata()?;
+    Ok((
+        std::os::unix::fs::MetadataExt::dev(&m),
+        std::os::unix::fs::MetadataExt::ino(&m),
+    ))
+}
+
+/// Reads the group's events into `pending` and onto the workers' queue until stopped.
+fn read(
+    group: &Group,
+    stop: &AtomicBool,
+    counts: &Counts,
+    pending: &Mutex<HashMap<u64, Arc<Pending>>>,
+    max_pending: usize,
+    send: mpsc::Sender<(Arc<Pending>, Asked)>,
+) {
+    let mut buf = vec![0u8; 4096];
+    let mut next_id = 0u64;
+    while !stop.load(Ordering::Relaxed) {
+        let mut poll = libc::pollfd {
+            fd: group.fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one pollfd.
+        if unsafe { libc::poll(&raw mut poll, 1, 250) } <= 0 {
+            continue;
+        }
+        let asked = match group.wait(&mut buf) {
+            Ok(asked) => asked,
+            Err(e) => {
+                log::warn!("partial copies: reading the pre-content group: {e}");
+                thread::sleep(Duration::from_millis(100));
+                continue;
+            }
+        };
+        for a in asked {
+            let full = pending.lock().expect("not poisoned").len() >= max_pending;
+            if full {
+                counts.failed.fetch_add(1, Ordering::Relaxed);
+                let _ = group.answer(&a, false);
+                continue;
+            }
+            let entry = Arc::new(Pending {
+                event_fd: a.file.as_raw_fd(),
+                answered: AtomicBool::new(false),
+                progress: Mutex::new(Instant::now()),
+            });
+            next_id += 1;
+            pending
+                .lock()
+                .expect("not poisoned")
+                .insert(next_id, entry.clone());
+            if send.send((entry, a)).is_err() {
+                return;
+            }
+        }
+    }
+}
+
+/// Fails with EIO every access whose fill made no progress for `stall`.
+fn watch(
+    group: &Group,
+    stop: &AtomicBool,
+    counts: &Counts,
+    pending: &Mutex<HashMap<u64, Arc<Pending>>>,
+    stall: Duration,
+) {
+    while !stop.load(Ordering::Relaxed) {
+        thread::sleep(Duration::from_millis(100));
+        let now = Instant::now();
+        for p in pending.lock().expect("not poisoned").values() {
+            let since = now.duration_since(*p.progress.lock().expect("not poisoned"));
+            if since >= stall && !p.answered.swap(true, Ordering::AcqRel) {
+                counts.stalled.fetch_add(1, Ordering::Relaxed);
+                counts.failed.fetch_add(1, Ordering::Relaxed);
+                let _ = pre_content::answer(group.fd(), p.event_fd, false);
+            }
+        }
+    }
+}
+
+/// Makes the range `asked` names local and answers it (unless the watchdog did).
+fn fill(
+    group: &Group,
+    copies: &Copies,
+    counts: &Counts,
+    limits: &Limits,
+    entry: &Pending,
+    asked: &Asked,
+) {
+    if entry.answered.load(Ordering::Acquire) {
+        return; // failed already: too slow
+    }
+    let copy = key_of(&asked.file)
+        .ok()
+        .and_then(|k| copies.lock().expect("not poisoned").get(&k).cloned());
+    let result = match copy {
+        // A marked file the filler does not know (forgotten while a read waited):
+        // nothing says what its holes hold.
+        None => Err(None),
+        Some(copy) => {
+            let (start, end) = grains(asked, &copy, limits.read_ahead);
+            // SAFETY: the event's descriptor stays open (owned by `asked`) while this
+            // File, never dropped, writes through it.
+            let file = ManuallyDrop::new(unsafe { File::from_raw_fd(asked.file.as_raw_fd()) });
+            let mut filled = Ok(());
+            for (s, e) in copy.missing(start, end) {
+                filled = copy.fill_with(&file, s, e, || {
+                    *entry.progress.lock().expect("not poisoned") = Instant::now();
+                });
+                if filled.is_err() {
+                    break;
+                }
+                let bytes = (u64::from(e - s) << GRAIN_SHIFT).min(copy.size());
+                counts.bytes_filled.fetch_add(bytes, Ordering::Relaxed);
+            }
+            filled.map_err(|e| Some((copy, e)))
+        }
+    };
+    if entry.answered.swap(true, Ordering::AcqRel) {
+        return;
+    }
+    let allow = result.is_ok();
+    if let Err(why) = result {
+        counts.failed.fetch_add(1, Ordering::Relaxed);
+        match why {
+            Some((copy, e @ FillError::Changed)) => {
+                log::warn!(
+                    "{}: {e}: the read fails with EIO and the copy goes",
+                    copy.name
+                )
+            }
+            Some((copy, e)) => log::warn!("{}: {e}: the read fails with EIO", copy.name),
+            None => log::warn!("an access to a partial copy no longer served fails with EIO"),
+        }
+    } else {
+        counts.allowed.fetch_add(1, Ordering::Relaxed);
+    }
+    let _ = group.answer(asked, allow);
+}
+
+/// The grains an access asks for, within the file; with read-ahead when it starts
+/// where the file's last one ended (a reader going through it in order).
+fn grains(asked: &Asked, copy: &PartialCopy, read_ahead: u32) -> (u32, u32) {
+    let last = copy.grains();
+    let start = (asked.offset >> GRAIN_SHIFT).min(u64::from(last)) as u32;
+    let end_byte = asked.offset.saturating_add(asked.count);
+    let end = end_byte.div_ceil(1 << GRAIN_SHIFT).min(u64::from(last)) as u32;
+    let end = if copy.follows(start, end) {
+        end.saturating_add(read_ahead).min(last)
+    } else {
+        end
+    };
+    (start, end)
+}

@@ -1,0 +1,199 @@
+//! Partial copies: for a big file, a sparse local file of the network file's size that
+//! holds only the byte ranges jobs read (the profile's `ranges`), served at once and
+//! filled on demand. A read of a range not yet local waits on a pre-content event
+//! (`pre_content`, Linux 6.14); the filler reads it from the network file, writes it
+//! through the event's descriptor and allows the read (`filler`). While the daemon
+//! lives a guard process holds the group too, and answers EIO for it once the daemon is
+//! gone (`guard`): a group that goes away allows what it was asked, and a job would
+//! read a hole's zeros as data.
+//!
+//! Every range belongs to one identity of the network file (inode, size, mtime,
+//! ctime): a fill that finds it changed fails the read with EIO and drops the copy
+//! rather than mix versions.
+
+pub mod filler;
+pub mod guard;
+pub mod pre_content;
+
+use std::{
+    fs::File,
+    io,
+    os::unix::fs::{FileExt, MetadataExt},
+    sync::{
+        Mutex,
+        atomic::{AtomicBool, AtomicU32, Ordering},
+    },
+};
+
+use hocus_common::ranges::{GRAIN, GRAIN_SHIFT};
+
+use crate::profile::extents::Extents;
+
+/// Bytes read from the network and written to the copy at a time.
+const CHUNK: usize = 1 << 20;
+
+/// The identity of a network file: a change to any of these is a new version.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Version {
+    pub ino: u64,
+    pub size: u64,
+    pub mtime_ns: i128,
+    pub ctime_ns: i128,
+}
+
+impl Version {
+    pub fn of(file: &File) -> io::Result<Self> {
+        let m = file.metadata()?;
+        Ok(Self {
+            ino: m.ino(),
+            size: m.size(),
+            mtime_ns: i128::from(m.mtime()) * 1_000_000_000 + i128::from(m.mtime_nsec()),
+            ctime_ns: i128::from(m.ctime()) * 1_000_000_000 + i128::from(m.ctime_nsec()),
+        })
+    }
+}
+
+/// Why a range could not be made local.
+#[derive(Debug, thiserror::Error)]
+pub enum FillError {
+    #[error("the network file changed since its copy was made")]
+    Changed,
+    #[error("reading the network file failed: {0}")]
+    Source(io::Error),
+    #[error("writing the copy failed: {0}")]
+    Local(io::Error),
+}
+
+/// A partial copy: the network file it stands for (open with the credentials of the
+/// user whose job read it, as whole copies are made), the version its ranges are of,
+/// and the grains held so far.
+#[derive(Debug)]
+pub struct PartialCopy {
+    /// For logs.
+    pub name: String,
+    source: File,
+    version: Version,
+    filled: Mutex<Extents>,
+    dropped: AtomicBool,
+    /// Where the last access ended (a grain): one that starts there reads in order.
+    next: AtomicU32,
+}
+
+impl PartialCopy {
+    /// Stands for `source` (its version read now) in `copy`, a sparse file made to its
+    /// size; `ranges` (grains) are made local at once, the rest on demand.
+    pub fn new(
+        name: String,
+        source: File,
+        copy: &File,
+        ranges: &Extents,
+    ) -> Result<Self, FillError> {
+        let version = Version::of(&source).map_err(FillError::Source)?;
+        copy.set_len(version.size).map_err(FillError::Local)?;
+        let partial = Self {
+            name,
+            source,
+            version,
+            filled: Mutex::new(Extents::default()),
+            dropped: AtomicBool::new(false),
+            next: AtomicU32::new(0),
+        };
+        for &(start, end) in ranges.iter() {
+            partial.fill(copy, start, end)?;
+        }
+        Ok(partial)
+    }
+
+    pub fn size(&self) -> u64 {
+        self.version.size
+    }
+
+    /// Whether a fill found the network file changed: the copy must go.
+    pub fn dropped(&self) -> bool {
+        self.dropped.load(Ordering::Relaxed)
+    }
+
+    /// The grains held.
+    pub fn filled(&self) -> Extents {
+        self.filled.lock().expect("not poisoned").clone()
+    }
+
+    /// The grains of `[start, end)` not held yet.
+    pub fn missing(&self, start: u32, end: u32) -> Vec<(u32, u32)> {
+        self.filled
+            .lock()
+            .expect("not poisoned")
+            .gaps(start, end.min(self.grains()))
+    }
+
+    /// Whether an access to grains `[start, end)` starts where the last one ended (a
+    /// reader going through the file in order); remembers where it ends.
+    pub fn follows(&self, start: u32, end: u32) -> bool {
+        let last = self.next.swap(end, Ordering::Relaxed);
+        last != 0 && last == start
+    }
+
+    /// Grains in the file (the last may be short).
+    pub fn grains(&self) -> u32 {
+        self.version.size.div_ceil(GRAIN).min(u64::from(u32::MAX)) as u32
+    }
+
+    /// Makes grains `[start, end)` local: read from the network file, checked to be of
+    /// this copy's version after the read, written to `copy` (the event's descriptor,
+    /// whose writes raise no event). `progress` is told of each chunk.
+    pub fn fill_with(
+        &self,
+        copy: &File,
+        start: u32,
+        end: u32,
+        mut progress: impl FnMut(),
+    ) -> Result<(), FillError> {
+        let from = u64::from(start) << GRAIN_SHIFT;
+        let to = (u64::from(end) << GRAIN_SHIFT).min(self.version.size);
+        let mut buf = vec![0u8; CHUNK];
+        let mut at = from;
+        while at < to {
+            let n = ((to - at) as usize).min(CHUNK);
+            let got = read_full(&self.source, &mut buf[..n], at).map_err(FillError::Source)?;
+            // Short: the file shrank under us. Either way, checked before anything
+            // read is written.
+            let now = Version::of(&self.source).map_err(FillError::Source)?;
+            if got < n || now != self.version {
+                self.dropped.store(true, Ordering::Relaxed);
+                return Err(FillError::Changed);
+            }
+            copy.write_all_at(&buf[..n], at).map_err(FillError::Local)?;
+            at += n as u64;
+            progress();
+        }
+        self.filled
+            .lock()
+            .expect("not poisoned")
+            .add(start, end.min(self.grains()));
+        Ok(())
+    }
+
+    fn fill(&self, copy: &File, start: u32, end: u32) -> Result<(), FillError> {
+        for (s, e) in self.missing(start, end) {
+            self.fill_with(copy, s, e, || {})?;
+        }
+        Ok(())
+    }
+}
+
+/// Reads until `buf` is full or the file ends; returns the bytes read.
+fn read_full(file: &File, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+    let mut got = 0;
+    while got < buf.len() {
+        match file.read_at(&mut buf[got..], offset + got as u64) {
+            Ok(0) => break,
+            Ok(n) => got += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(got)
+}
+
+#[cfg(test)]
+mod tests;
