@@ -55,8 +55,43 @@ pub struct FileEntry {
     pub refused: bool,
     /// The byte ranges read, `[start, end)`, in order and apart, for a file larger than
     /// 1 MiB that was not read whole; empty: the whole file (or not known).
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[serde(
+        default,
+        skip_serializing_if = "Vec::is_empty",
+        deserialize_with = "bounded_ranges"
+    )]
     pub ranges: Vec<[u64; 2]>,
+}
+
+/// Ranges one file may list in a profile read: hocus writes at most 1024; a file that
+/// lists more is refused before they are held (an import is read as root from whoever
+/// sent it).
+pub const MAX_FILE_RANGES: usize = 4096;
+
+fn bounded_ranges<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<[u64; 2]>, D::Error> {
+    struct Bounded;
+    impl<'de> serde::de::Visitor<'de> for Bounded {
+        type Value = Vec<[u64; 2]>;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            write!(f, "at most {MAX_FILE_RANGES} byte ranges [start, end]")
+        }
+        fn visit_seq<A: serde::de::SeqAccess<'de>>(
+            self,
+            mut seq: A,
+        ) -> Result<Self::Value, A::Error> {
+            let mut out = Vec::new();
+            while let Some(range) = seq.next_element::<[u64; 2]>()? {
+                if out.len() == MAX_FILE_RANGES {
+                    return Err(serde::de::Error::custom(format!(
+                        "a file lists more than {MAX_FILE_RANGES} byte ranges"
+                    )));
+                }
+                out.push(range);
+            }
+            Ok(out)
+        }
+    }
+    d.deserialize_seq(Bounded)
 }
 
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, Default)]
@@ -187,6 +222,21 @@ mod tests {
             let e = Profile::from_json(bad, path, "").unwrap_err();
             assert!(matches!(e, FormatError::Corrupt { .. }), "{e}");
         }
+    }
+
+    #[test]
+    fn a_file_listing_too_many_ranges_is_refused() {
+        let path = Path::new("x.json");
+        let profile = |n: usize| {
+            let ranges = vec!["[1, 2]"; n].join(",");
+            format!(
+                r#"{{"version": 2, "started_unix_ns": 1, "files": [{{"path": "/net/a", "size": 9, "opens": 1, "bytes_read": 1, "first_touch_ns": 0, "written": false, "ranges": [{ranges}]}}], "missing": []}}"#
+            )
+        };
+        let p = Profile::from_json(profile(MAX_FILE_RANGES).as_bytes(), path, "").unwrap();
+        assert_eq!(p.files[0].ranges.len(), MAX_FILE_RANGES);
+        let e = Profile::from_json(profile(MAX_FILE_RANGES + 1).as_bytes(), path, "").unwrap_err();
+        assert!(e.to_string().contains("more than 4096 byte ranges"), "{e}");
     }
 
     #[test]

@@ -488,3 +488,115 @@ fn the_byte_ranges_a_job_reads_are_profiled_by_every_route() {
         "{by_filesystem:?} against {by_syscalls:?}"
     );
 }
+
+/// numpy and h5py, from PyPI, once per machine.
+const NUMPY_H5PY: &[&str] = &["numpy==2.2.6", "h5py==3.13.0"];
+
+/// Runs `script` (Python, with numpy and h5py importable) as a job of `agent`; what it
+/// printed.
+fn python_job(agent: &Agent, packages: &Path, script: &str) -> String {
+    let file = tempfile::Builder::new().suffix(".py").tempfile().unwrap();
+    std::fs::write(file.path(), script).unwrap();
+    let out = agent.run_job(&format!(
+        "PYTHONDONTWRITEBYTECODE=1 PYTHONPATH={} python3 {}",
+        packages.display(),
+        file.path().display()
+    ));
+    assert_success(&out);
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
+/// Whether `ranges` hold all of `[start, end)`.
+fn hold(ranges: &[[u64; 2]], start: u64, end: u64) -> bool {
+    ranges.iter().any(|[s, e]| *s <= start && end <= *e)
+}
+
+fn held(ranges: &[[u64; 2]]) -> u64 {
+    ranges.iter().map(|[s, e]| e - s).sum()
+}
+
+#[test]
+fn what_numpy_memmap_and_h5py_read_of_big_files_is_profiled_as_ranges() {
+    let packages = hocus_tests::python_packages("numpy-h5py", NUMPY_H5PY);
+    let net = NetworkMount::start();
+    // An HDF5 file of 64 MiB: a contiguous float32 dataset of 1024 rows of 64 KiB.
+    let local = tempfile::tempdir().unwrap();
+    let made = local.path().join("train.h5");
+    let out = std::process::Command::new("python3")
+        .env("PYTHONPATH", &packages)
+        .arg("-c")
+        .arg(format!(
+            "import h5py, numpy as np\n\
+             with h5py.File('{}', 'w') as f:\n    \
+             d = f.create_dataset('x', data=np.arange(1024 * 16384, dtype=np.float32).reshape(1024, 16384))\n    \
+             print(d.id.get_offset())",
+            made.display()
+        ))
+        .output()
+        .unwrap();
+    assert_success(&out);
+    let offset: u64 = String::from_utf8_lossy(&out.stdout).trim().parse().unwrap();
+    let h5 = net.put("data/train.h5", &std::fs::read(&made).unwrap());
+    let frames = net.put(
+        "data/frames.u8",
+        &(0..128 * MIB).map(|i| (i % 251) as u8).collect::<Vec<u8>>(),
+    );
+    // Nothing copied: the daemon's own copy would fill the page cache first.
+    let agent = Agent::start(&[
+        "--watch",
+        net.mount.to_str().unwrap(),
+        "--include-ext",
+        ".py",
+    ]);
+    net.drop_client_caches();
+
+    // A shuffled pass over four 1 MiB records of a memory-mapped array.
+    let chunks = [3, 40, 77, 115];
+    let sums = python_job(
+        &agent,
+        &packages,
+        &format!(
+            "import numpy as np\n\
+             m = np.memmap('{}', dtype=np.uint8, mode='r')\n\
+             print(sum(int(m[a << 20:(a + 1) << 20].sum()) for a in {chunks:?}))",
+            frames.display()
+        ),
+    );
+    let want: u64 = chunks
+        .iter()
+        .flat_map(|a| (a * MIB..(a + 1) * MIB).map(|i| i % 251))
+        .sum();
+    assert_eq!(sums, want.to_string());
+    // A slice of 100 rows of the dataset.
+    let rows = python_job(
+        &agent,
+        &packages,
+        &format!(
+            "import h5py\n\
+             with h5py.File('{}', 'r') as f:\n    \
+             print(f['x'][500:600].shape)",
+            h5.display()
+        ),
+    );
+    assert_eq!(rows, "(100, 16384)");
+
+    // The mapping: the pages its faults brought in, around each record, not the file.
+    let mapped = ranges(&agent, &frames, 1);
+    for a in chunks {
+        assert!(hold(&mapped, a * MIB, (a + 1) * MIB), "{a} MiB: {mapped:?}");
+    }
+    assert!(held(&mapped) <= 96 * MIB, "{mapped:?}");
+    // HDF5: the slice's rows, and its metadata at the front; read-ahead aside, no more.
+    let read = ranges(&agent, &h5, 1);
+    let (start, end) = (offset + 500 * 65536, offset + 600 * 65536);
+    assert!(hold(&read, start, end), "[{start}, {end}): {read:?}");
+    assert!(held(&read) <= (end - start) + 4 * MIB, "{read:?}");
+    eprintln!(
+        "profiled: memmap of 4 MiB as {} bytes in {} ranges; h5py slice of {} as {} in {}",
+        held(&mapped),
+        mapped.len(),
+        end - start,
+        held(&read),
+        read.len()
+    );
+}

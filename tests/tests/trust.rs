@@ -951,6 +951,51 @@ fn a_profile_that_understates_sizes_cannot_overfill_the_cache() {
 }
 
 #[test]
+fn a_profile_whose_byte_ranges_are_hostile_is_refused_or_bounded() {
+    let net = NetworkMount::start();
+    let (uid, gid) = test_user();
+    let file = net.put("data/big.bin", &vec![1u8; 4 << 20]);
+    let agent = Agent::start(&["--watch", net.mount.to_str().unwrap()]);
+    let work = tempfile::tempdir().unwrap();
+    fs::set_permissions(work.path(), fs::Permissions::from_mode(0o777)).unwrap();
+    let import = |name: &str, ranges: Value| {
+        let profile = json!({
+            "version": 2, "started_unix_ns": 1, "missing": [], "dirs": [],
+            "files": [{"path": file, "size": 4 << 20, "opens": 3, "bytes_read": 1, "first_touch_ns": 1, "written": false, "uids": [uid], "ranges": ranges}],
+        });
+        let path = work.path().join(name);
+        fs::write(&path, serde_json::to_vec(&profile).unwrap()).unwrap();
+        agent
+            .cli(&["profile", "import", path.to_str().unwrap()])
+            .uid(uid)
+            .gid(gid)
+            .output()
+            .unwrap()
+    };
+    // More ranges for one file than hocus ever writes: refused whole, before they are
+    // held, and said.
+    let flood: Vec<[u64; 2]> = (0..5000u64).map(|i| [i * 3, i * 3 + 1]).collect();
+    let out = import("flood.json", json!(flood));
+    assert!(!out.status.success());
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(said.contains("more than 4096 byte ranges"), "{said}");
+    // A range that ends before it starts: the file is taken, its ranges are not; a
+    // range past the end of the file is cut at its size (then it is the whole file).
+    for (name, ranges) in [
+        ("backwards.json", json!([[9, 3]])),
+        ("huge.json", json!([[0, u64::MAX]])),
+    ] {
+        assert_success(&import(name, ranges));
+    }
+    let exported = agent.export();
+    let f = hocus_tests::file_entry(&exported, &file).expect("the file, imported");
+    assert_eq!(f["opens"], 6, "{f}");
+    assert!(f.get("ranges").is_none(), "{f}");
+    // The daemon still serves everyone.
+    assert_success(&agent.run_job("true"));
+}
+
+#[test]
 fn a_flood_of_names_cannot_grow_the_profile_without_bound() {
     let net = NetworkMount::start();
     net.put("env/real.py", b"x = 1\n");
