@@ -53,6 +53,10 @@ pub struct FileEntry {
     /// A job was refused a write through a read-only copy of it: never bound again.
     #[serde(default)]
     pub refused: bool,
+    /// Some process mapped it (`mmap`): a mapping of a partial copy asks for all it maps
+    /// at once, so such a file is copied whole.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub mapped: bool,
     /// The byte ranges read, `[start, end)`, in order and apart, for a file larger than
     /// 1 MiB that was not read whole; empty: the whole file (or not known).
     #[serde(
@@ -61,6 +65,10 @@ pub struct FileEntry {
         deserialize_with = "bounded_ranges"
     )]
     pub ranges: Vec<[u64; 2]>,
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
 }
 
 /// Ranges one file may list in a profile read: hocus writes at most 1024; a file that

@@ -332,8 +332,8 @@ fn pages_faulted_in_through_a_mapping_count_as_bytes_read() {
         file_entry(&p, &data).unwrap_or_else(|| panic!("{} not profiled: {p:#}", data.display()));
     // Every page entered the page cache once, through the mapping; nothing was read().
     assert_eq!(
-        (f["opens"].as_u64(), f["bytes_read"].as_u64()),
-        (Some(1), Some(8 << 20)),
+        (f["opens"].as_u64(), f["bytes_read"].as_u64(), &f["mapped"]),
+        (Some(1), Some(8 << 20), &serde_json::json!(true)),
         "{f}"
     );
     let s = file_entry(&p, &so).unwrap_or_else(|| panic!("{} not profiled: {p:#}", so.display()));

@@ -181,6 +181,7 @@ impl Observer {
             }
             kind::MAPPED => {
                 if let Some(info) = self.open.get(&e.file_id).filter(|i| !i.is_dir) {
+                    ws.mark_mapped(&info.path);
                     self.mapped.insert(
                         e.file_id,
                         MappedInfo {

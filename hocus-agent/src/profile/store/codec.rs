@@ -70,7 +70,7 @@ pub(super) fn encode(b: &mut Vec<u8>, e: &Entry) {
                     f.write_opens,
                 ],
             );
-            b.push(u8::from(f.written) | u8::from(f.refused) << 1);
+            b.push(u8::from(f.written) | u8::from(f.refused) << 1 | u8::from(f.mapped) << 2);
             b.extend_from_slice(&(f.uids.len() as u32).to_le_bytes());
             f.uids
                 .iter()
@@ -130,6 +130,7 @@ pub(super) fn decode(b: &[u8]) -> Option<Entry> {
                 written: flags & 1 != 0,
                 write_opens,
                 refused: flags & 2 != 0,
+                mapped: flags & 4 != 0,
                 ranges,
             })
         }
@@ -212,6 +213,7 @@ mod tests {
                 written: true,
                 write_opens: 7,
                 refused: true,
+                mapped: true,
                 ranges: vec![[0, 65536], [1 << 20, 3 << 20]],
             }),
             Entry::File(FileEntry {

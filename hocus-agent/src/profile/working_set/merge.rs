@@ -47,6 +47,7 @@ impl WorkingSet {
         if !f.written && self.file_index(&f.path).is_none() && !self.room() {
             return;
         }
+        let bits = flags(&f);
         let uids = sorted(f.uids);
         let i = self.file_at(&f.path);
         if let Some(more) = Extents::from_bytes(&f.ranges).filter(|e| !e.is_empty()) {
@@ -67,8 +68,7 @@ impl WorkingSet {
             e.first_touch_ns = e.first_touch_ns.min(f.first_touch_ns);
             e.last_touch_ns = e.last_touch_ns.max(f.last_touch_ns);
             e.write_opens = e.write_opens.saturating_add(saturated(f.write_opens));
-            e.bits =
-                (e.bits & !USERS) | users.with(e.bits & USERS, &uids) | flags(f.written, f.refused);
+            e.bits = (e.bits & !USERS) | users.with(e.bits & USERS, &uids) | bits;
         });
     }
 
@@ -94,6 +94,7 @@ impl WorkingSet {
     pub fn restore(&mut self, entry: Entry) {
         match entry {
             Entry::File(f) => {
+                let bits = flags(&f);
                 let users = self.users.id_of(sorted(f.uids).into_boxed_slice());
                 let i = self.file_at(&f.path);
                 let ranges = Extents::from_bytes(&f.ranges).unwrap_or_default();
@@ -108,7 +109,7 @@ impl WorkingSet {
                         opens: saturated(f.opens),
                         write_opens: saturated(f.write_opens),
                         path: e.path,
-                        bits: users | flags(f.written, f.refused),
+                        bits: users | bits,
                     }
                 });
             }

@@ -31,7 +31,7 @@ pub use self::{
 use crate::{
     profile::{
         extents::Extents,
-        format::Profile,
+        format::{FileEntry, Profile},
         paths::{PathId, Paths},
         records::{Plain, Records},
     },
@@ -78,6 +78,8 @@ pub const MAX_EXTENTS: usize = 1 << 20;
 /// A file's flags, beside its set of users (`users::USERS`) in `FileRec::bits`.
 const WRITTEN: u32 = 1 << 31;
 const REFUSED: u32 = 1 << 30;
+/// Some process mapped it (`mmap`): a mapping asks for all it maps at once.
+const MAPPED: u32 = 1 << 29;
 
 #[repr(C)]
 #[derive(Clone, Copy, Default)]
@@ -91,7 +93,7 @@ struct FileRec {
     opens: u32,
     write_opens: u32,
     path: PathId,
-    /// The set of users ([`UserSets`]), and the WRITTEN and REFUSED bits.
+    /// The set of users ([`UserSets`]), and the WRITTEN, REFUSED and MAPPED bits.
     bits: u32,
 }
 
@@ -113,6 +115,10 @@ impl FileRec {
 
     fn refused(&self) -> bool {
         self.bits & REFUSED != 0
+    }
+
+    fn mapped(&self) -> bool {
+        self.bits & MAPPED != 0
     }
 }
 
@@ -274,6 +280,8 @@ fn saturated(count: u64) -> u32 {
     count.min(u64::from(u32::MAX)) as u32
 }
 
-fn flags(written: bool, refused: bool) -> u32 {
-    (if written { WRITTEN } else { 0 }) | if refused { REFUSED } else { 0 }
+fn flags(f: &FileEntry) -> u32 {
+    (if f.written { WRITTEN } else { 0 })
+        | (if f.refused { REFUSED } else { 0 })
+        | if f.mapped { MAPPED } else { 0 }
 }

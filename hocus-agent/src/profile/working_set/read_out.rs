@@ -52,6 +52,7 @@ impl WorkingSet {
             written: f.written(),
             write_opens: u64::from(f.write_opens),
             refused: f.refused(),
+            mapped: f.mapped(),
             ranges: self
                 .ranges
                 .get(&f.path)

@@ -4,7 +4,9 @@
 
 use hocus_common::ranges::GRAIN_SHIFT;
 
-use super::{Attributes, MAX_EXTENTS, RANGES_FROM, REFUSED, WRITTEN, WorkingSet, users::USERS};
+use super::{
+    Attributes, MAPPED, MAX_EXTENTS, RANGES_FROM, REFUSED, WRITTEN, WorkingSet, users::USERS,
+};
 use crate::profile::{
     extents::{Extents, MAX_PER_FILE},
     paths::PathId,
@@ -115,6 +117,14 @@ impl WorkingSet {
         let i = self.touch(path, at_unix_ns);
         self.files
             .update(i, |f| f.write_opens = f.write_opens.saturating_add(1));
+    }
+
+    /// Some process mapped `path`.
+    pub fn mark_mapped(&mut self, path: &str) {
+        if let Some(i) = self.file_index(path) {
+            self.changed_file(i);
+            self.files.update(i, |f| f.bits |= MAPPED);
+        }
     }
 
     /// A job got EROFS writing through a read-only copy of `path`.
