@@ -582,7 +582,10 @@ fn what_numpy_memmap_and_h5py_read_of_big_files_is_profiled_as_ranges() {
 
     let p = agent.export();
     assert_eq!(file_entry(&p, &frames).unwrap()["mapped"], true, "{p:#}");
-    assert!(file_entry(&p, &h5).unwrap().get("mapped").is_none(), "{p:#}");
+    assert!(
+        file_entry(&p, &h5).unwrap().get("mapped").is_none(),
+        "{p:#}"
+    );
     // The mapping: the pages its faults brought in, around each record, not the file.
     let mapped = ranges(&agent, &frames, 1);
     for a in chunks {

@@ -183,6 +183,22 @@ enum Bench {
         #[arg(long)]
         quick: bool,
     },
+    /// A job reading scattered 1 MiB chunks of a big file on a real network mount: what
+    /// it read, what its profile's byte ranges hold, what the cache holds after it, and
+    /// its time from the network and from a local disk.
+    Ranges {
+        /// The file's size.
+        #[arg(long, default_value_t = 1024)]
+        file_mib: usize,
+        /// Chunks of 1 MiB the job reads.
+        #[arg(long, default_value_t = 64)]
+        chunks: usize,
+        #[arg(long, default_value_t = 1.0)]
+        round_trip_ms: f64,
+        /// A smoke run (CI): 8 chunks of a 64 MiB file.
+        #[arg(long)]
+        quick: bool,
+    },
     /// Every benchmark above, one after the other, with their defaults (or, with
     /// --quick, their smoke runs: what CI runs so that none of them rots).
     All {
@@ -340,6 +356,23 @@ fn bench(agent: &Path, b: Bench) -> Result<()> {
             };
             bench::fanout(agent, &f)
         }
+        Bench::Ranges {
+            file_mib,
+            chunks,
+            round_trip_ms,
+            quick,
+        } => {
+            let r = if quick {
+                bench::Ranges::quick()
+            } else {
+                bench::Ranges {
+                    file_mib: file_mib.max(2),
+                    chunks: chunks.max(1),
+                    round_trip: millis(round_trip_ms),
+                }
+            };
+            bench::ranges(agent, &r)
+        }
         Bench::All { quick } => {
             // Each with the defaults its command line has (or its smoke run).
             for name in BENCHMARKS {
@@ -366,8 +399,8 @@ fn bench(agent: &Path, b: Bench) -> Result<()> {
 }
 
 /// What `bench all` runs, in this order.
-const BENCHMARKS: [&str; 7] = [
-    "dataset", "imports", "overhead", "events", "scale", "slurm", "fanout",
+const BENCHMARKS: [&str; 8] = [
+    "dataset", "imports", "overhead", "events", "scale", "slurm", "fanout", "ranges",
 ];
 
 /// The benchmark `name` with the defaults of its command line, or its smoke run.

@@ -9,6 +9,7 @@ mod fanout;
 mod imports;
 mod overhead;
 mod programs;
+mod ranges;
 mod scale;
 mod slurm;
 
@@ -17,5 +18,6 @@ pub use events::{Events, events};
 pub use fanout::{Fanout, fanout};
 pub use imports::{ImportCase, imports};
 pub use overhead::{Overhead, overhead, syscall_loop_process};
+pub use ranges::{Ranges, ranges};
 pub use scale::{Scale, scale};
 pub use slurm::slurm_imports;

@@ -1,0 +1,136 @@
+//! `cargo xtask bench ranges`: a job reading scattered 1 MiB chunks of a big file (a
+//! shuffled epoch over an HDF5 or Arrow file) on a network mount with a realistic round
+//! trip. What it read, what the profile says it read (its byte ranges), and what the
+//! cache holds after it: today a whole copy. The ratios to the bytes read are what
+//! matter; the job's time from the network and from a local disk, measured in the same
+//! run, are the baseline partial copies (docs/partial-copies.md) will be measured
+//! against.
+
+use std::{path::Path, process::Command, time::Duration};
+
+use anyhow::{Result, bail};
+use hocus_tests::file_entry;
+
+use super::common::{MIB, agent_on_local_disk, drop_caches, network, timed, write_figures};
+use crate::host;
+
+pub struct Ranges {
+    pub file_mib: usize,
+    pub chunks: usize,
+    pub round_trip: Duration,
+}
+
+impl Ranges {
+    /// A smoke run (CI): 8 chunks of a 64 MiB file.
+    pub fn quick() -> Self {
+        Self {
+            file_mib: 64,
+            chunks: 8,
+            round_trip: Duration::from_millis(1),
+        }
+    }
+}
+
+/// `n` offsets of 1 MiB chunks in a file of `size` bytes, 4 KiB aligned, from a fixed
+/// seed: the same in every run.
+fn offsets(n: usize, size: u64) -> Vec<u64> {
+    let mut x = 0x2545_f491_4f6c_dd1du64;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x % (size - MIB as u64)) & !4095
+        })
+        .collect()
+}
+
+/// A Python job reading 1 MiB at each of `offsets` of `path`.
+fn job(path: &Path, offsets: &[u64]) -> String {
+    format!(
+        "import os\nfd = os.open('{}', os.O_RDONLY)\nfor at in {offsets:?}:\n    assert len(os.pread(fd, {MIB}, at)) == {MIB}\n",
+        path.display()
+    )
+}
+
+pub fn ranges(agent_bin: &Path, r: &Ranges) -> Result<()> {
+    if !host::is_root() {
+        bail!("the benchmark mounts filesystems and loads eBPF programs: run it as root");
+    }
+    // SAFETY: single-threaded at this point.
+    unsafe { std::env::set_var("HOCUS_AGENT_BIN", agent_bin) };
+    let net = network(r.round_trip);
+    let size = (r.file_mib * MIB) as u64;
+    println!(
+        "ranges: {} chunks of 1 MiB at random offsets (fixed seed) of a {} MiB file on sshfs with a {:.1} ms round trip",
+        r.chunks,
+        r.file_mib,
+        r.round_trip.as_secs_f64() * 1000.0
+    );
+    let content: Vec<u8> = (0..size).map(|i| (i % 251) as u8).collect();
+    let file = net.put("data/train.bin", &content);
+    let at = offsets(r.chunks, size);
+    let read = (r.chunks * MIB) as u64;
+
+    let (disk, agent) = agent_on_local_disk(&net, &[]);
+    drop_caches()?;
+    let from_network = timed(&mut agent.cli(&["run", "--", "python3", "-c", &job(&file, &at)]))?;
+    let mut ranges: Vec<[u64; 2]> = Vec::new();
+    super::common::wait_for(&agent, 30, "the job's ranges in the profile", || {
+        ranges = file_entry(&agent.export(), &file).map_or_else(Vec::new, |f| {
+            serde_json::from_value(f["ranges"].clone()).unwrap_or_default()
+        });
+        !ranges.is_empty()
+    })?;
+    let profiled: u64 = ranges.iter().map(|[s, e]| e - s).sum();
+    let cached = agent.settled()["cached_bytes"].as_u64().unwrap_or(0);
+
+    // The same reads from a local disk: what a job served locally could take.
+    let local = disk.path.join("train.bin");
+    std::fs::write(&local, &content)?;
+    drop_caches()?;
+    let from_disk = timed(Command::new("python3").args(["-c", &job(&local, &at)]))?;
+
+    let mib = |b: u64| b as f64 / MIB as f64;
+    let ratio = |b: u64| b as f64 / read as f64;
+    println!("\n{:<34} {:>10} {:>8}", "", "MiB", "÷ READ");
+    println!(
+        "{:<34} {:>10.1} {:>7.2}x",
+        "read by the job",
+        mib(read),
+        1.0
+    );
+    println!(
+        "{:<34} {:>10.1} {:>7.2}x   ({} ranges)",
+        "in the profile's byte ranges",
+        mib(profiled),
+        ratio(profiled),
+        ranges.len()
+    );
+    println!(
+        "{:<34} {:>10.1} {:>7.2}x   (whole copies; partial copies' goal: 1.2x)",
+        "held in the cache after the job",
+        mib(cached),
+        ratio(cached)
+    );
+    println!(
+        "\nthe job: {from_network:.3} s from the network, {from_disk:.3} s from a local disk ({:.1}x)",
+        from_network / from_disk
+    );
+    write_figures(
+        "ranges",
+        &serde_json::json!({
+            "file_mib": r.file_mib,
+            "chunks": r.chunks,
+            "round_trip_ms": r.round_trip.as_secs_f64() * 1000.0,
+            "bytes_read": read,
+            "profiled_bytes": profiled,
+            "profiled_ranges": ranges.len(),
+            "cached_bytes": cached,
+            "profiled_ratio": ratio(profiled),
+            "cached_ratio": ratio(cached),
+            "seconds_from_network": from_network,
+            "seconds_from_local_disk": from_disk,
+        }),
+    )
+}
