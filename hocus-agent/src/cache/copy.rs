@@ -19,9 +19,11 @@ use std::{
 };
 
 use super::{
+    partial::{FillError, PartialCopy},
     pour::{PourError, pour},
     relay::{self, Parent},
 };
+use crate::profile::extents::Extents;
 use crate::shared::{
     attrs::{self, Times},
     dirs,
@@ -102,48 +104,29 @@ pub enum Via<'a> {
     Parent(&'a Parent),
 }
 
-pub fn copy(
-    tree: &Path,
-    source: &Path,
-    reader: &User,
-    tmp_dir: &Path,
-    dest: &Path,
-    room: u64,
-    via: Via,
-) -> Result<Identity, CopyError> {
-    let rel = source.strip_prefix(tree).map_err(|_| {
-        CopyError::Unsafe(format!(
-            "{} is not inside {}",
-            source.display(),
-            tree.display()
-        ))
-    })?;
-    let tree_fd = dirs::open_dir(tree).map_err(|e| refused(e, tree))?;
-    let src = {
-        let _as_reader = AsUser::take(reader).map_err(CopyError::Source)?;
-        open_beneath(&tree_fd, rel, libc::O_RDONLY)?
-    };
-    let src = File::from(src);
-    // From a parent, the network's own word on size and mtime is what its copy must
-    // match: asked of the server now, not of the client's attribute cache.
-    let before = match via {
-        Via::Network => src.metadata(),
-        Via::Parent(_) => stat_now(&src),
-    }
-    .map_err(CopyError::Source)?;
-    if !before.is_file() {
-        return Err(CopyError::Unsafe(format!(
-            "{} is not a regular file",
-            source.display()
-        )));
-    }
+/// What a copy is of and where it goes: `source` inside the watched `tree`, read as
+/// `reader`, written in `tmp_dir` (on the same filesystem as `dest`) and renamed to
+/// `dest`, if it takes at most `room` bytes.
+pub struct Copying<'a> {
+    pub tree: &'a Path,
+    pub source: &'a Path,
+    pub reader: &'a User,
+    pub tmp_dir: &'a Path,
+    pub dest: &'a Path,
+    pub room: u64,
+}
+
+pub fn copy(c: &Copying, via: Via) -> Result<Identity, CopyError> {
+    let (source, reader, tmp_dir, dest, room) = (c.source, c.reader, c.tmp_dir, c.dest, c.room);
+    let src = Source::open(c.tree, source, reader, via)?;
+    let before = &src.before;
     if before.size() > room {
         return Err(CopyError::TooLarge {
             size: before.size(),
             room,
         });
     }
-    let tmp = tmp_dir.join(format!("copy-{}-{:x}", std::process::id(), rand_u64()));
+    let tmp = tmp_path(tmp_dir);
     let result = (|| {
         let mut out = fs::OpenOptions::new()
             .write(true)
@@ -151,12 +134,12 @@ pub fn copy(
             .open(&tmp)
             .map_err(local)?;
         let poured = match via {
-            Via::Network => pour(&src, &mut out).map_err(|e| match e {
+            Via::Network => pour(&src.file, &mut out).map_err(|e| match e {
                 PourError::Read(e) => CopyError::Source(e),
                 PourError::Write(e) => local(e),
             })?,
             Via::Parent(parent) => {
-                let now = Identity::of(&before);
+                let now = Identity::of(before);
                 parent
                     .fetch(source, now.size, now.mtime_ns, &mut out)
                     .map_err(|miss| match miss {
@@ -165,41 +148,153 @@ pub fn copy(
                     })?
             }
         };
-        let copied = poured.bytes;
-        // Changed while we read? Look at the open file and at the name again.
-        let after = src.metadata().map_err(CopyError::Source)?;
-        // As the reader again: a squashed root may not even search the file's directory.
-        let by_name = {
-            let _as_reader = AsUser::take(reader).map_err(CopyError::Source)?;
-            let fd = open_beneath(&tree_fd, rel, libc::O_PATH)?;
-            File::from(fd).metadata().map_err(CopyError::Source)?
-        };
-        let stable = stable_inodes_of(tree, &tree_fd);
-        let id = Identity::on(&before, stable);
-        if copied != before.size()
-            || Identity::on(&after, stable) != id
-            || Identity::on(&by_name, stable) != id
-        {
+        let id = src.unchanged(reader)?;
+        if poured.bytes != before.size() {
             return Err(CopyError::Changed);
         }
-        attrs::copy_xattrs(&src, &out).map_err(local)?;
         shared_relay::keep_hash(&out, &poured.hash);
-        attrs::own(&out, before.uid(), before.gid(), before.mode()).map_err(local)?;
-        // Not fsynced one by one (a journal commit each, taken one at a time): the
-        // cache index is written only after the whole cache filesystem is flushed
-        // (`Cache::save`), so every copy it names is on disk, and a copy it does not
-        // name is removed at the next start.
-        Times::of(&before).set(&out).map_err(local)?;
-        if let Some(parent) = dest.parent() {
-            fs::create_dir_all(parent).map_err(local)?;
-        }
-        fs::rename(&tmp, dest).map_err(local)?;
+        src.put_in_place(&out, &tmp, dest)?;
         Ok(id)
     })();
     if result.is_err() {
         let _ = fs::remove_file(&tmp);
     }
     result
+}
+
+/// A partial copy of `source` at `dest` (docs/partial-copies.md): a sparse file of its
+/// size holding the grains `ranges`, made as [`copy`] makes a whole one (the source
+/// opened beneath its tree as `reader`, checked unchanged after, owner, mode, xattrs
+/// and times kept, renamed into place from `tmp_dir`), if those ranges fit `room`. The
+/// network file stays open (as `reader` opened it) for the rest to be filled on
+/// demand; the copy is returned open, to be marked.
+// Made by the keeper in the next step of issue 37 (docs/partial-copies.md).
+#[cfg_attr(not(test), allow(dead_code))]
+pub fn copy_partial(
+    c: &Copying,
+    ranges: &Extents,
+) -> Result<(Identity, PartialCopy, File), CopyError> {
+    let (source, reader, tmp_dir, dest, room) = (c.source, c.reader, c.tmp_dir, c.dest, c.room);
+    let src = Source::open(c.tree, source, reader, Via::Network)?;
+    let size = src.before.size();
+    let held: u64 = ranges
+        .to_bytes(size)
+        .iter()
+        .map(|[start, end]| end - start)
+        .sum();
+    if held > room {
+        return Err(CopyError::TooLarge { size: held, room });
+    }
+    let tmp = tmp_path(tmp_dir);
+    let result = (|| {
+        let out = fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(&tmp)
+            .map_err(local)?;
+        let network = src.file.try_clone().map_err(CopyError::Source)?;
+        let name = source.display().to_string();
+        let partial = PartialCopy::new(name, network, &out, ranges).map_err(|e| match e {
+            FillError::Changed => CopyError::Changed,
+            FillError::Source(e) => CopyError::Source(e),
+            FillError::Local(e) => local(e),
+        })?;
+        let id = src.unchanged(reader)?;
+        src.put_in_place(&out, &tmp, dest)?;
+        Ok((id, partial, out))
+    })();
+    if result.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    result
+}
+
+/// A network file opened to be copied: beneath its watched tree, as the user it is read
+/// as, a regular file, with what it was when opened.
+struct Source<'a> {
+    tree: &'a Path,
+    tree_fd: OwnedFd,
+    rel: &'a Path,
+    file: File,
+    before: fs::Metadata,
+}
+
+impl<'a> Source<'a> {
+    fn open(tree: &'a Path, source: &'a Path, reader: &User, via: Via) -> Result<Self, CopyError> {
+        let rel = source.strip_prefix(tree).map_err(|_| {
+            CopyError::Unsafe(format!(
+                "{} is not inside {}",
+                source.display(),
+                tree.display()
+            ))
+        })?;
+        let tree_fd = dirs::open_dir(tree).map_err(|e| refused(e, tree))?;
+        let file = {
+            let _as_reader = AsUser::take(reader).map_err(CopyError::Source)?;
+            File::from(open_beneath(&tree_fd, rel, libc::O_RDONLY)?)
+        };
+        // From a parent, the network's own word on size and mtime is what its copy must
+        // match: asked of the server now, not of the client's attribute cache.
+        let before = match via {
+            Via::Network => file.metadata(),
+            Via::Parent(_) => stat_now(&file),
+        }
+        .map_err(CopyError::Source)?;
+        if !before.is_file() {
+            return Err(CopyError::Unsafe(format!(
+                "{} is not a regular file",
+                source.display()
+            )));
+        }
+        Ok(Self {
+            tree,
+            tree_fd,
+            rel,
+            file,
+            before,
+        })
+    }
+
+    /// Its identity, if the open file and its name both still show the version first
+    /// seen (a change while it was read); else `Changed`.
+    fn unchanged(&self, reader: &User) -> Result<Identity, CopyError> {
+        let after = self.file.metadata().map_err(CopyError::Source)?;
+        // As the reader again: a squashed root may not even search the file's directory.
+        let by_name = {
+            let _as_reader = AsUser::take(reader).map_err(CopyError::Source)?;
+            let fd = open_beneath(&self.tree_fd, self.rel, libc::O_PATH)?;
+            File::from(fd).metadata().map_err(CopyError::Source)?
+        };
+        let stable = stable_inodes_of(self.tree, &self.tree_fd);
+        let id = Identity::on(&self.before, stable);
+        if Identity::on(&after, stable) != id || Identity::on(&by_name, stable) != id {
+            return Err(CopyError::Changed);
+        }
+        Ok(id)
+    }
+
+    /// Gives `out` (written at `tmp`) the source's xattrs, owner, mode and times, and
+    /// renames it to `dest`.
+    fn put_in_place(&self, out: &File, tmp: &Path, dest: &Path) -> Result<(), CopyError> {
+        let before = &self.before;
+        attrs::copy_xattrs(&self.file, out).map_err(local)?;
+        attrs::own(out, before.uid(), before.gid(), before.mode()).map_err(local)?;
+        // Not fsynced one by one (a journal commit each, taken one at a time): the
+        // cache index is written only after the whole cache filesystem is flushed
+        // (`Cache::save`), so every copy it names is on disk, and a copy it does not
+        // name is removed at the next start.
+        Times::of(before).set(out).map_err(local)?;
+        if let Some(parent) = dest.parent() {
+            fs::create_dir_all(parent).map_err(local)?;
+        }
+        fs::rename(tmp, dest).map_err(local)
+    }
+}
+
+/// A temporary file's name in `tmp_dir`, never used before.
+fn tmp_path(tmp_dir: &Path) -> PathBuf {
+    tmp_dir.join(format!("copy-{}-{:x}", std::process::id(), rand_u64()))
 }
 
 /// `rel` opened beneath the tree `dir`, following no symlink (`dirs::open_beneath`).
@@ -255,6 +350,11 @@ mod tests {
 
     use super::*;
 
+    fn root() -> &'static User {
+        static ROOT: std::sync::OnceLock<User> = std::sync::OnceLock::new();
+        ROOT.get_or_init(User::root)
+    }
+
     /// A watched tree and the cache's tmp/ in a temporary directory.
     struct Fixture {
         dir: tempfile::TempDir,
@@ -275,15 +375,18 @@ mod tests {
         /// `room`.
         fn copy(&self, src: &Path, dest: &str, room: u64) -> Result<Identity, CopyError> {
             let dest = self.dir.path().join(dest);
-            copy(
-                &self.tree,
-                src,
-                &User::root(),
-                &self.tmp,
-                &dest,
+            copy(&self.copying(src, &dest, room), Via::Network)
+        }
+
+        fn copying<'a>(&'a self, src: &'a Path, dest: &'a Path, room: u64) -> Copying<'a> {
+            Copying {
+                tree: &self.tree,
+                source: src,
+                reader: root(),
+                tmp_dir: &self.tmp,
+                dest,
                 room,
-                Via::Network,
-            )
+            }
         }
 
         fn nothing_left_in_tmp(&self) -> bool {
@@ -378,6 +481,40 @@ mod tests {
             assert!(matches!(err, CopyError::Unsafe(_)), "{err}");
             assert!(!f.dir.path().join(dest).exists());
         }
+    }
+
+    #[test]
+    fn a_partial_copy_holds_its_ranges_within_room_and_keeps_mode_and_times() {
+        let f = Fixture::new();
+        let src = f.tree.join("train.bin");
+        let bytes: Vec<u8> = (0..8u32 << 20).map(|i| (i % 251) as u8 + 1).collect();
+        fs::write(&src, &bytes).unwrap();
+        fs::set_permissions(&src, fs::Permissions::from_mode(0o640)).unwrap();
+        let mut ranges = Extents::default();
+        ranges.add(16, 32); // 1 MiB at 1 MiB
+        let dest = f.dir.path().join("cache/train.bin");
+        let partial = |room| copy_partial(&f.copying(&src, &dest, room), &ranges);
+        assert!(matches!(
+            partial((1 << 20) - 1),
+            Err(CopyError::TooLarge { .. })
+        ));
+        assert!(!dest.exists() && f.nothing_left_in_tmp());
+        let (id, copy, file) = partial(1 << 20).unwrap();
+        assert_eq!((id.size, copy.size()), (8 << 20, 8 << 20));
+        let held = fs::read(&dest).unwrap();
+        assert_eq!(held.len(), 8 << 20);
+        assert_eq!(&held[1 << 20..2 << 20], &bytes[1 << 20..2 << 20]);
+        assert!(
+            held[..1 << 20]
+                .iter()
+                .chain(&held[2 << 20..])
+                .all(|b| *b == 0)
+        );
+        let m = file.metadata().unwrap();
+        assert_eq!(m.blocks() * 512, 1 << 20, "only the range is allocated");
+        assert_eq!(m.mode() & 0o7777, 0o640);
+        assert_eq!(m.mtime(), fs::metadata(&src).unwrap().mtime());
+        assert!(f.nothing_left_in_tmp());
     }
 
     #[test]

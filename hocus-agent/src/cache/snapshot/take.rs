@@ -185,15 +185,16 @@ pub fn take(
                 // Read as its owner: root may be squashed.
                 let reader = User::lookup(id.uid).unwrap_or_else(User::root);
                 // The tree was measured against the room for it.
-                match copy::copy(
+                let (source, dest) = (root.join(&rel), staging.join(&rel));
+                let copying = copy::Copying {
                     tree,
-                    &root.join(&rel),
-                    &reader,
+                    source: &source,
+                    reader: &reader,
                     tmp_dir,
-                    &staging.join(&rel),
-                    u64::MAX,
-                    copy::Via::Network,
-                ) {
+                    dest: &dest,
+                    room: u64::MAX,
+                };
+                match copy::copy(&copying, copy::Via::Network) {
                     Ok(got) if got == id => {
                         let mut t = taken.lock().unwrap();
                         t.copied += id.size;

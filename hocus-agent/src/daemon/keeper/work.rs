@@ -174,7 +174,15 @@ fn run(work: Work, tmp: &Path) -> Option<Done> {
             room,
             parent,
         } => {
-            let copy = |via| copy::copy(&tree, source.as_ref(), &reader, tmp, &dest, room, via);
+            let copying = copy::Copying {
+                tree: &tree,
+                source: source.as_ref(),
+                reader: &reader,
+                tmp_dir: tmp,
+                dest: &dest,
+                room,
+            };
+            let copy = |via| copy::copy(&copying, via);
             let mut origin = Origin::default();
             let result = match parent.as_deref().filter(|p| !p.has_failed()) {
                 Some(p) => {
