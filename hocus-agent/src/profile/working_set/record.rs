@@ -78,8 +78,11 @@ impl WorkingSet {
             return;
         }
         let full = self.extents >= MAX_EXTENTS;
-        if full && !self.ranges.contains_key(&f.path) {
-            return;
+        match self.ranges.get(&f.path) {
+            // Held already (a sweep reads the run still being read again and again).
+            Some(e) if e.gaps(start, end).is_empty() => return,
+            None if full => return,
+            _ => {}
         }
         let e = self.ranges.entry(f.path).or_default();
         let before = e.len();

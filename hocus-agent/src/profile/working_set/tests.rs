@@ -498,6 +498,9 @@ fn ranges_of_big_files_are_kept_bounded_exported_and_merged() {
     ws.read_range(big, 160, 176);
     ws.read_range(big, 1600, 1616);
     ws.read_range(big, 176, 177); // touches the first
+    let edits = ws.edits();
+    ws.read_range(big, 161, 170); // held already: no change to save
+    assert_eq!(ws.edits(), edits);
     ws.read_range("/net/env/small.py", 0, 1);
     ws.read_range("/net/not-opened", 0, 100);
     let p = ws.to_profile();
