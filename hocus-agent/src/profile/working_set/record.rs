@@ -56,6 +56,10 @@ impl WorkingSet {
                 f.size = a.size;
                 f.mtime_ns = a.mtime_ns;
             });
+            if a.size <= RANGES_FROM {
+                let id = self.files.get(i).path;
+                self.set_ranges(id, Extents::default());
+            }
         }
     }
 
@@ -68,13 +72,16 @@ impl WorkingSet {
     }
 
     /// Grains `[start, end)` of `path` were read. Kept for a file larger than
-    /// [`RANGES_FROM`] (by its size, or by where the read lay), within the bounds.
+    /// [`RANGES_FROM`] (by its size, or by where the read lay, or until its size is
+    /// known), within the bounds.
     pub fn read_range(&mut self, path: &str, start: u32, end: u32) {
         let Some(i) = self.file_index(path) else {
             return;
         };
         let f = self.files.get(i);
-        if f.size <= RANGES_FROM && u64::from(end) << GRAIN_SHIFT <= RANGES_FROM {
+        // A size of 0 is not known yet (the file was just opened): its ranges are kept
+        // until it is, and dropped then if it is small.
+        if f.size != 0 && f.size <= RANGES_FROM && u64::from(end) << GRAIN_SHIFT <= RANGES_FROM {
             return;
         }
         let full = self.extents >= MAX_EXTENTS;

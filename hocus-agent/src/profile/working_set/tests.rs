@@ -494,6 +494,16 @@ fn ranges_of_big_files_are_kept_bounded_exported_and_merged() {
         },
     );
     ws.open("/net/env/small.py", 1000, T0 + 2);
+    // Read before its size was known: kept until it is, then dropped if it is small.
+    ws.open("/net/env/soon.py", 1000, T0 + 3);
+    ws.read_range("/net/env/soon.py", 0, 1);
+    ws.set_attributes(
+        "/net/env/small.py",
+        Attributes {
+            size: 900,
+            mtime_ns: 1,
+        },
+    );
     // 1 MiB at 10 MiB, 1 MiB at 100 MiB (grains of 64 KiB), and a small file read whole.
     ws.read_range(big, 160, 176);
     ws.read_range(big, 1600, 1616);
@@ -510,6 +520,20 @@ fn ranges_of_big_files_are_kept_bounded_exported_and_merged() {
         [[10 << 20, (11 << 20) + 65536], [100 << 20, 101 << 20]]
     );
     assert!(file(&p, "/net/env/small.py").unwrap().ranges.is_empty());
+    assert_eq!(file(&p, "/net/env/soon.py").unwrap().ranges, [[0, 65536]]);
+    ws.set_attributes(
+        "/net/env/soon.py",
+        Attributes {
+            size: 4000,
+            mtime_ns: 1,
+        },
+    );
+    assert!(
+        file(&ws.to_profile(), "/net/env/soon.py")
+            .unwrap()
+            .ranges
+            .is_empty()
+    );
     assert!(file(&p, "/net/not-opened").is_none());
 
     // Through the file format and back, and merged with another job's ranges.
