@@ -81,11 +81,17 @@ pub fn run(boot: &Boot) -> Result<Ended> {
         let (out, done) = (out.clone(), done.clone());
         thread::spawn(move || follow(&out, &done))
     };
+    let kernel_log = dir.join("vng.err");
+    let (mut locked_up, mut looked) = (None, Instant::now());
     let status = loop {
         if let Some(status) = child.try_wait()? {
             break Some(status);
         }
-        if started.elapsed() > boot.timeout {
+        if looked.elapsed() > Duration::from_secs(5) {
+            looked = Instant::now();
+            locked_up = lockup(&kernel_log);
+        }
+        if started.elapsed() > boot.timeout || locked_up.is_some() {
             // SAFETY: plain kill(2) of the group we made.
             unsafe { libc::kill(-(child.id() as i32), libc::SIGKILL) };
             let _ = child.wait();
@@ -93,12 +99,18 @@ pub fn run(boot: &Boot) -> Result<Ended> {
         }
         thread::sleep(Duration::from_millis(200));
     };
+    if let Some(line) = &locked_up {
+        eprintln!(
+            "vm: the guest's kernel locked up ({line}); stopped. Its kernel log: {}",
+            kernel_log.display()
+        );
+    }
     done.store(true, Ordering::Relaxed);
     let _ = printer.join();
     let code = fs::read_to_string(&rc)
         .ok()
         .and_then(|s| s.trim().parse().ok());
-    if status.is_none() {
+    if status.is_none() && locked_up.is_none() {
         eprintln!(
             "vm: the guest ran past {} s and was stopped",
             boot.timeout.as_secs()
@@ -109,6 +121,23 @@ pub fn run(boot: &Boot) -> Result<Ended> {
         console,
         took: started.elapsed(),
     })
+}
+
+/// The guest kernel's report of a CPU stuck for two minutes or more, if its log has one:
+/// a guest that will never finish (nothing in it runs to say so), stopped at once
+/// rather than at the timeout.
+fn lockup(kernel_log: &Path) -> Option<String> {
+    let log = fs::read_to_string(kernel_log).ok()?;
+    log.lines()
+        .filter(|l| l.contains("soft lockup - CPU#"))
+        .find(|l| {
+            l.split("stuck for ")
+                .nth(1)
+                .and_then(|rest| rest.split('s').next())
+                .and_then(|n| n.parse::<u64>().ok())
+                .is_some_and(|secs| secs >= 120)
+        })
+        .map(|l| l.trim().to_owned())
 }
 
 /// A fresh folder for one boot's script, output and console, under `target/vm/runs`
@@ -210,5 +239,26 @@ pub fn check(ended: &Ended, what: &str) -> Result<()> {
             console_tail(&ended.console, 30),
             ended.console.display()
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cpu_stuck_two_minutes_is_a_lockup_and_less_is_not() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = dir.path().join("vng.err");
+        let line = |secs| {
+            format!(
+                "[  148.576480] watchdog: BUG: soft lockup - CPU#0 stuck for {secs}s! [a_change_on_the:126]\n"
+            )
+        };
+        fs::write(&log, format!("boot\n{}{}", line(45), line(105))).unwrap();
+        assert_eq!(lockup(&log), None);
+        fs::write(&log, format!("boot\n{}{}", line(105), line(131))).unwrap();
+        assert!(lockup(&log).unwrap().contains("stuck for 131s"));
+        assert_eq!(lockup(&dir.path().join("none")), None);
     }
 }

@@ -21,10 +21,11 @@ pub struct Series {
     pub distribution: &'static str,
     suite: &'static str,
     /// Emulate all the guest's CPUs on one host thread (QEMU's single-threaded TCG).
-    /// 5.10 needs it: with one thread per CPU, a CPU that meets the int3 of a jump label
-    /// being patched (`text_poke_bp`, e.g. when a program is attached at `sys_exit`)
-    /// keeps running QEMU's stale translation of it after the patch, and 5.10's int3
-    /// handler, seeing the byte gone, retries it forever (docs/kernels.md).
+    /// Every series needs it: with one thread per CPU, a CPU that meets the int3 of a
+    /// jump label being patched (`text_poke_bp`, e.g. when a program is attached at
+    /// `sys_exit`, or a test enables the NFS client's trace events) keeps running QEMU's
+    /// stale translation of it after the patch, and the int3 handler, seeing the byte
+    /// gone, retries it forever: 5.10 at once, 6.1 now and then (docs/kernels.md).
     pub one_emulation_thread: bool,
 }
 
@@ -40,13 +41,13 @@ pub const SERIES: [Series; 3] = [
         name: "6.1",
         distribution: "Debian 12 (bookworm)",
         suite: "bookworm",
-        one_emulation_thread: false,
+        one_emulation_thread: true,
     },
     Series {
         name: "6.12",
         distribution: "Debian 13 (trixie)",
         suite: "trixie",
-        one_emulation_thread: false,
+        one_emulation_thread: true,
     },
 ];
 
