@@ -1188,11 +1188,16 @@ pub fn test_user() -> (u32, u32) {
     (id("-u").unwrap(), id("-g").unwrap())
 }
 
+/// Where `python_packages` installs.
+const PACKAGES: &str = "/opt/hocus-tests";
+
 /// Python packages installed with pip into a directory of their own (world-readable, so
 /// ordinary users' jobs can import them), once per machine: e.g. `["jax[cpu]==0.10.2"]`.
-/// Fails loudly when pip cannot install them.
+/// In /opt, which the rig's guests see as the machine has it (they have no network to
+/// install from, and a /var/cache of their own). Fails loudly when pip cannot install
+/// them.
 pub fn python_packages(name: &str, specs: &[&str]) -> PathBuf {
-    let dir = PathBuf::from("/var/cache/hocus-tests").join(name);
+    let dir = PathBuf::from(PACKAGES).join(name);
     let done = dir.join(".installed");
     let wanted = specs.join(" ");
     if fs::read_to_string(&done).is_ok_and(|had| had == wanted) {
@@ -1214,9 +1219,7 @@ pub fn python_packages(name: &str, specs: &[&str]) -> PathBuf {
         ])
         .arg(&dir)
         .args(specs));
-    run(Command::new("chmod")
-        .args(["-R", "a+rX"])
-        .arg("/var/cache/hocus-tests"));
+    run(Command::new("chmod").args(["-R", "a+rX"]).arg(PACKAGES));
     fs::write(&done, wanted).unwrap();
     dir
 }
