@@ -993,6 +993,27 @@ impl Drop for Agent {
                 eprintln!("--- hocus-agent log ---\n{}", self.log());
             }
         }
+        self.stop_guard();
+    }
+}
+
+impl Agent {
+    /// Kills the guard of the daemon's partial copies, if it left one (a daemon killed
+    /// leaves it holding marks on files of its cache, whose filesystem a test unmounts).
+    pub fn stop_guard(&self) {
+        let pid_file = self.cache_dir.join("guard.pid");
+        if let Some(pid) = fs::read_to_string(&pid_file)
+            .ok()
+            .and_then(|p| p.trim().parse::<i32>().ok())
+        {
+            let named = fs::read_to_string(format!("/proc/{pid}/comm"))
+                .is_ok_and(|c| c.trim() == "hocus-guard");
+            if named {
+                // SAFETY: plain kill(2) of a process the daemon forked.
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+            }
+            let _ = fs::remove_file(&pid_file);
+        }
     }
 }
 

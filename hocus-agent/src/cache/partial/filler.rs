@@ -23,6 +23,8 @@ use std::{
 
 use hocus_common::ranges::GRAIN_SHIFT;
 
+use crate::shared::tally::warn_limited;
+
 use super::{
     FillError, PartialCopy,
     pre_content::{self, Asked, Group},
@@ -273,6 +275,8 @@ fn fill(
         // A marked file the filler does not know (forgotten while a read waited):
         // nothing says what its holes hold.
         None => Err(None),
+        // Found changed by an earlier fill: the network file is another version now.
+        Some(copy) if copy.dropped() => Err(Some((copy, FillError::Changed))),
         Some(copy) => {
             let (start, end) = grains(asked, &copy, limits.read_ahead);
             // SAFETY: the event's descriptor stays open (owned by `asked`) while this
@@ -298,15 +302,18 @@ fn fill(
     let allow = result.is_ok();
     if let Err(why) = result {
         counts.failed.fetch_add(1, Ordering::Relaxed);
+        const KIND: &str = "partial copies' reads failed";
         match why {
-            Some((copy, e @ FillError::Changed)) => {
-                log::warn!(
-                    "{}: {e}: the read fails with EIO and the copy goes",
-                    copy.name
-                )
-            }
-            Some((copy, e)) => log::warn!("{}: {e}: the read fails with EIO", copy.name),
-            None => log::warn!("an access to a partial copy no longer served fails with EIO"),
+            Some((copy, e @ FillError::Changed)) => warn_limited!(
+                KIND,
+                "{}: {e}: reads of what its copy lacks fail with EIO until it is copied again",
+                copy.name
+            ),
+            Some((copy, e)) => warn_limited!(KIND, "{}: {e}: the read fails with EIO", copy.name),
+            None => warn_limited!(
+                KIND,
+                "a read of a partial copy no longer served (made before a restart) fails with EIO"
+            ),
         }
     } else {
         counts.allowed.fetch_add(1, Ordering::Relaxed);

@@ -14,6 +14,7 @@
 pub mod filler;
 pub mod guard;
 pub mod pre_content;
+pub mod service;
 
 use std::{
     fs::File,
@@ -114,6 +115,7 @@ impl PartialCopy {
     }
 
     /// The grains held.
+    #[cfg(test)]
     pub fn filled(&self) -> Extents {
         self.filled.lock().expect("not poisoned").clone()
     }
