@@ -3,7 +3,7 @@
 //! network when read, through the kernel's pre-content events (Linux 6.14; this
 //! machine's kernel). Real sshfs, real daemon, real Python jobs.
 
-use std::{fs, os::unix::fs::MetadataExt, path::Path, time::Duration};
+use std::{fs, os::unix::fs::MetadataExt, path::Path};
 
 use hocus_tests::{Agent, NetworkMount, assert_success, wait_until};
 use serde_json::json;

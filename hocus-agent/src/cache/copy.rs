@@ -193,7 +193,8 @@ pub fn copy_partial(
             .map_err(local)?;
         let network = src.file.try_clone().map_err(CopyError::Source)?;
         let name = source.display().to_string();
-        let partial = PartialCopy::new(name, network, &out, ranges).map_err(|e| match e {
+        let writer = out.try_clone().map_err(local)?;
+        let partial = PartialCopy::new(name, network, writer, ranges).map_err(|e| match e {
             FillError::Changed => CopyError::Changed,
             FillError::Source(e) => CopyError::Source(e),
             FillError::Local(e) => local(e),

@@ -113,7 +113,7 @@ impl Keeper {
 
     /// The ranges a partial copy of `f` would hold, if it is to have one: partial copies
     /// are made here, it is big enough and jobs read it in part, never mapping it.
-    fn partial_ranges(&self, f: &crate::profile::view::File) -> Option<Extents> {
+    pub(super) fn partial_ranges(&self, f: &crate::profile::view::File) -> Option<Extents> {
         let from = self.config.partial_from;
         if self.partials.is_none() || from == 0 || f.size < from {
             return None;
@@ -256,7 +256,7 @@ impl Keeper {
         }
         if logs::writes() {
             let opens = self.placement.weighed(source).map_or(0, |f| f.opens);
-            let held = if wanted == Some(true) {
+            let held = if wanted == Some(true) && !partial {
                 "SSD and RAM"
             } else {
                 "SSD"
