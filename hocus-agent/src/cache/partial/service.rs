@@ -59,6 +59,11 @@ impl Partials {
         Ok(partials)
     }
 
+    /// Whether a previous daemon on the cache at `root` left a guard.
+    pub fn left_a_guard(root: &Path) -> bool {
+        root.join(GUARD_PID).exists()
+    }
+
     /// Serves `copy` from `file` (its sparse local file): reads of it wait for the
     /// filler from now on.
     pub fn serve(&self, copy: PartialCopy, file: &File) -> io::Result<()> {

@@ -165,9 +165,14 @@ pub fn start(config: Config) -> Result<(Handle, thread::JoinHandle<()>, [Route; 
 /// big files read in part are held.
 fn partials_here(config: &Config, cache: &Cache) -> (Option<Arc<Partials>>, Route) {
     const PART: &str = "big files read in part";
-    let why_not = if config.partial_from == 0 {
-        Err("partial-from 0".to_owned())
-    } else if kernel::forced("partial-copies") {
+    // A previous daemon's guard holds a group whose copies jobs may still read: taken
+    // back (and held) whatever this daemon makes.
+    let guarded = Partials::left_a_guard(&config.cache_dir);
+    if config.partial_from == 0 && !guarded {
+        let way = "whole copies (partial copies are off: partial-from 0)";
+        return (None, route(PART, way, false));
+    }
+    let why_not = if kernel::forced("partial-copies") && !guarded {
         Err(kernel::why("partial-copies", ""))
     } else {
         Partials::start(&config.cache_dir, cache.tmp_dir()).map_err(|e| {

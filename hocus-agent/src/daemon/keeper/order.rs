@@ -47,7 +47,7 @@ impl Config {
             trees: Vec::new(),
             copy_workers: settings.copy_workers.unwrap_or(8),
             whole_snapshots: settings.whole_snapshots.unwrap_or(false),
-            partial_from: settings.partial_from.map_or(64 << 20, |s| s.of(0)),
+            partial_from: settings.partial_from.map_or(0, |s| s.of(0)),
         })
     }
 }
