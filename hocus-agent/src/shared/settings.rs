@@ -111,8 +111,8 @@ pub struct Settings {
     /// never mapped gets a partial copy: a sparse local file holding the ranges read,
     /// the rest filled from the network when a job reads it (docs/partial-copies.md;
     /// needs Linux 6.14's fanotify pre-content events on the cache's filesystem). Off by
-    /// default while a marked file is read without read-ahead (slower than the network:
-    /// `cargo xtask bench ranges`). 0: every copy whole [default: 0].
+    /// default while every read of such a copy waits on the daemon's answer (short reads
+    /// were slower than the network: `cargo xtask bench ranges`). 0: every copy whole [default: 0].
     #[arg(long, value_name = "SIZE")]
     pub partial_from: Option<Size>,
 

@@ -95,6 +95,11 @@ pub fn ranges(agent_bin: &Path, r: &Ranges) -> Result<()> {
     let cached = agent.settled()["cached_bytes"].as_u64().unwrap_or(0);
     drop_caches()?;
     let from_copy = timed(&mut agent.cli(&["run", "--", "python3", "-c", &job(&file, &at)]))?;
+    let c = agent.cache();
+    println!(
+        "the job again: {} reads of the partial copy allowed, {} filled from the network, {} failed",
+        c["partial_reads_allowed"], c["partial_bytes_filled"], c["partial_reads_failed"]
+    );
 
     // The same reads from a local disk, by a job started the same way: what a job
     // served locally could take.
