@@ -229,6 +229,15 @@ pub struct CacheStatus {
     #[serde(default)]
     pub evictions: u64,
     pub cache_full_events: u64,
+    /// Partial copies (docs/partial-copies.md): reads of them the filler allowed, bytes
+    /// it filled from the network, and reads it failed with EIO (the network file
+    /// changed, could not be read, or was too slow).
+    #[serde(default)]
+    pub partial_reads_allowed: u64,
+    #[serde(default)]
+    pub partial_bytes_filled: u64,
+    #[serde(default)]
+    pub partial_reads_failed: u64,
     /// What local copies served, per watched tree.
     #[serde(default)]
     pub served: Vec<Served>,

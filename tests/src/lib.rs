@@ -962,9 +962,11 @@ impl Agent {
         self.into_dirs()
     }
 
-    /// The directory and state directory of a daemon that no longer runs.
+    /// The directory and state directory of a daemon that no longer runs (a guard it
+    /// left is left for the next daemon on them).
     pub fn into_dirs(mut self) -> (tempfile::TempDir, PathBuf) {
         assert!(self.child.is_none(), "stop or kill the daemon first");
+        self.cache_dir = PathBuf::new();
         let dir = tempfile::Builder::new()
             .prefix("hocus-agent-")
             .tempdir()
@@ -992,6 +994,30 @@ impl Drop for Agent {
             if thread::panicking() {
                 eprintln!("--- hocus-agent log ---\n{}", self.log());
             }
+        }
+        self.stop_guard();
+    }
+}
+
+impl Agent {
+    /// Kills the guard of the daemon's partial copies, if it left one (a daemon killed
+    /// leaves it holding marks on files of its cache, whose filesystem a test unmounts).
+    pub fn stop_guard(&self) {
+        if self.cache_dir.as_os_str().is_empty() {
+            return; // left for the next daemon (`into_dirs`)
+        }
+        let pid_file = self.cache_dir.join("guard.pid");
+        if let Some(pid) = fs::read_to_string(&pid_file)
+            .ok()
+            .and_then(|p| p.trim().parse::<i32>().ok())
+        {
+            let named = fs::read_to_string(format!("/proc/{pid}/comm"))
+                .is_ok_and(|c| c.trim() == "hocus-guard");
+            if named {
+                // SAFETY: plain kill(2) of a process the daemon forked.
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+            }
+            let _ = fs::remove_file(&pid_file);
         }
     }
 }

@@ -168,8 +168,6 @@ pub fn copy(c: &Copying, via: Via) -> Result<Identity, CopyError> {
 /// and times kept, renamed into place from `tmp_dir`), if those ranges fit `room`. The
 /// network file stays open (as `reader` opened it) for the rest to be filled on
 /// demand; the copy is returned open, to be marked.
-// Made by the keeper in the next step of issue 37 (docs/partial-copies.md).
-#[cfg_attr(not(test), allow(dead_code))]
 pub fn copy_partial(
     c: &Copying,
     ranges: &Extents,
@@ -195,7 +193,8 @@ pub fn copy_partial(
             .map_err(local)?;
         let network = src.file.try_clone().map_err(CopyError::Source)?;
         let name = source.display().to_string();
-        let partial = PartialCopy::new(name, network, &out, ranges).map_err(|e| match e {
+        let writer = out.try_clone().map_err(local)?;
+        let partial = PartialCopy::new(name, network, writer, ranges).map_err(|e| match e {
             FillError::Changed => CopyError::Changed,
             FillError::Source(e) => CopyError::Source(e),
             FillError::Local(e) => local(e),

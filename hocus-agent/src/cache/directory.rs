@@ -27,6 +27,29 @@ const INDEX: &str = "index.json";
 pub struct Cached {
     /// The version of the network file the copy is of.
     pub identity: Identity,
+    /// For a partial copy (docs/partial-copies.md), the bytes it held when made; 0 for a
+    /// whole copy.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub held: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
+}
+
+impl Cached {
+    pub fn is_partial(&self) -> bool {
+        self.held > 0
+    }
+
+    /// Bytes it takes on the cache's disk, as budgets count them.
+    pub fn bytes(&self) -> u64 {
+        if self.is_partial() {
+            self.held
+        } else {
+            self.identity.size
+        }
+    }
 }
 
 pub struct Cache {
@@ -112,10 +135,13 @@ impl Cache {
             }),
             Err(_) => HashMap::new(),
         };
-        // Entries whose copy is gone or is not the size it should be.
+        // Entries whose copy is gone or is not the size it should be; and partial copies,
+        // whose filler is gone with the daemon that served them (what they held since
+        // is not known: copied again).
         entries.retain(|source, c| {
-            let ok = fs::symlink_metadata(copy::local_path(&files, source))
-                .is_ok_and(|m| m.is_file() && m.size() == c.identity.size);
+            let ok = !c.is_partial()
+                && fs::symlink_metadata(copy::local_path(&files, source))
+                    .is_ok_and(|m| m.is_file() && m.size() == c.identity.size);
             if !ok {
                 repairs.entries_dropped += 1;
             }
@@ -138,7 +164,7 @@ impl Cache {
                 }
             }
         }
-        let used = entries.values().map(|c| c.identity.size).sum();
+        let used = entries.values().map(Cached::bytes).sum();
         let mut cache = Self {
             root: root.to_owned(),
             files,
@@ -194,17 +220,28 @@ impl Cache {
 
     /// Records a copy that `copy::copy` put in place.
     pub fn insert(&mut self, source: &str, identity: Identity) {
-        if let Some(old) = self.entries.insert(source.to_owned(), Cached { identity }) {
-            self.used -= old.identity.size;
+        self.insert_entry(source, Cached { identity, held: 0 });
+    }
+
+    /// Records a partial copy that `copy::copy_partial` put in place, holding `held`
+    /// bytes.
+    pub fn insert_partial(&mut self, source: &str, identity: Identity, held: u64) {
+        let held = held.max(1);
+        self.insert_entry(source, Cached { identity, held });
+    }
+
+    fn insert_entry(&mut self, source: &str, c: Cached) {
+        self.used += c.bytes();
+        if let Some(old) = self.entries.insert(source.to_owned(), c) {
+            self.used -= old.bytes();
         }
-        self.used += identity.size;
         self.dirty = true;
     }
 
     /// Deletes a copy.
     pub fn remove(&mut self, source: &str) {
         if let Some(old) = self.entries.remove(source) {
-            self.used -= old.identity.size;
+            self.used -= old.bytes();
             let local = self.local(source);
             if let Err(e) = fs::remove_file(&local) {
                 if e.kind() != io::ErrorKind::NotFound {

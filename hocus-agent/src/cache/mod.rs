@@ -8,9 +8,6 @@
 
 pub mod copy;
 pub mod directory;
-// The engine of partial copies, tested on its own; the cache makes and serves them in
-// the next step of issue 37.
-#[cfg_attr(not(test), allow(dead_code))]
 pub mod partial;
 pub mod pins;
 pub mod pour;

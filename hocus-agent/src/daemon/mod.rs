@@ -172,7 +172,7 @@ impl Daemon {
         let cache_dir = cache.cache_dir.clone();
         // Before any job of this daemon's exists.
         leftovers::take_away_at_start(&cache_dir, &cache.trees);
-        let (keeper, keeper_thread, snapshots) = keeper::start(cache)?;
+        let (keeper, keeper_thread, [snapshots, big_files]) = keeper::start(cache)?;
         let (bind_opens, slurm_at_rest) = bind_opens::start();
         let mut routes = tracer.routes.clone();
         routes.extend([
@@ -180,6 +180,7 @@ impl Daemon {
             at_rest,
             slurm_at_rest,
             snapshots,
+            big_files,
             mountns::read_only_route(),
             identity::route(),
         ]);

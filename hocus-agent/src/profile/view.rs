@@ -4,9 +4,12 @@
 //! `FileEntry`s, each with its path and its list of users on the heap, that took ~22 MiB,
 //! and twice as much while a new view replaced the last.
 
-use std::ops::Deref;
+use std::{collections::HashMap, ops::Deref};
 
-use crate::profile::format::{DirEntry, FileEntry, MissingEntry, Profile};
+use crate::profile::{
+    extents::Extents,
+    format::{DirEntry, FileEntry, MissingEntry, Profile},
+};
 
 /// A view of a working set (see the module).
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -14,6 +17,9 @@ pub struct View {
     /// The files' paths, one after another.
     paths: String,
     files: Vec<Packed>,
+    /// The byte ranges read of the files that have them (big files read in part, not
+    /// mapped), by place in the view: what a partial copy of each would hold.
+    ranges: HashMap<u32, Extents>,
     pub missing: Vec<MissingEntry>,
     pub dirs: Vec<DirEntry>,
 }
@@ -30,6 +36,8 @@ pub struct Facts {
     pub written: bool,
     /// A job was refused a write through a read-only copy of it.
     pub refused: bool,
+    /// Some process mapped it: a partial copy would be filled whole at the mapping.
+    pub mapped: bool,
 }
 
 impl Facts {
@@ -43,6 +51,7 @@ impl Facts {
             write_opens: saturated(f.write_opens),
             written: f.written,
             refused: f.refused,
+            mapped: f.mapped,
         }
     }
 
@@ -99,6 +108,11 @@ impl File<'_> {
         self.packed.at as usize
     }
 
+    /// The byte ranges jobs read of it, if it was read in part and never mapped.
+    pub fn ranges<'v>(&self, view: &'v View) -> Option<&'v Extents> {
+        view.ranges.get(&self.packed.at)
+    }
+
     /// The user to read it as when copying it (see [`reader`]).
     pub fn reader(&self) -> Option<u32> {
         let r = self.packed.reader;
@@ -136,6 +150,17 @@ impl View {
             reader: reader(uids).unwrap_or(NO_READER),
             at,
         });
+    }
+
+    /// Gives the file last pushed the byte ranges jobs read of it (not for a mapped
+    /// file: a mapping asks for all it maps).
+    pub fn set_last_ranges(&mut self, ranges: Extents) {
+        let Some(last) = self.files.last() else {
+            return;
+        };
+        if !last.facts.mapped && !ranges.is_empty() {
+            self.ranges.insert(last.at, ranges);
+        }
     }
 
     pub fn file(&self, i: usize) -> Option<File<'_>> {
@@ -202,11 +227,15 @@ impl View {
         let mut view = View {
             paths: String::with_capacity(files.iter().map(|f| f.path.len()).sum()),
             files: Vec::with_capacity(files.len()),
+            ranges: HashMap::new(),
             missing,
             dirs,
         };
         for f in files {
             view.push_file(Facts::of(f), &f.uids, |out| out.push_str(&f.path));
+            if let Some(ranges) = Extents::from_bytes(&f.ranges) {
+                view.set_last_ranges(ranges);
+            }
         }
         view
     }
@@ -270,6 +299,27 @@ mod tests {
         assert!(view.file(3).is_none());
         assert_eq!(files.iter().map(File::at).collect::<Vec<_>>(), [0, 1, 2]);
         assert_eq!(View::from(profile), view);
+    }
+
+    #[test]
+    fn files_read_in_part_keep_their_ranges_unless_mapped() {
+        let file = |path: &str, mapped| FileEntry {
+            path: path.into(),
+            size: 1 << 30,
+            mapped,
+            ranges: vec![[1 << 20, 2 << 20]],
+            ..Default::default()
+        };
+        let view = View::from(&Profile {
+            files: vec![file("/net/a.h5", false), file("/net/b.npy", true)],
+            ..Default::default()
+        });
+        let files: Vec<File> = view.files().collect();
+        assert_eq!(files[0].ranges(&view).unwrap().grains(), [(16, 32)]);
+        assert!(
+            files[1].ranges(&view).is_none(),
+            "a mapped file is copied whole"
+        );
     }
 
     #[test]

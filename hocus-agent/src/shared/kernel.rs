@@ -58,8 +58,9 @@ pub const FALLBACKS: &str = "HOCUS_FALLBACKS";
 /// followed by the tracer all along rather than their binds' opens reported by
 /// fanotify (`bind-opens`), jobs on FUSE learned from their syscalls rather than from
 /// their servers' requests (`fuse-requests`), jobs on NFS learned from their syscalls
-/// rather than from the NFS client's functions (`nfs-functions`).
-pub const FALLBACK_NAMES: [&str; 10] = [
+/// rather than from the NFS client's functions (`nfs-functions`), big files read in part
+/// copied whole rather than in part (`partial-copies`).
+pub const FALLBACK_NAMES: [&str; 11] = [
     "typed-task",
     "kfuncs",
     "atomics",
@@ -70,6 +71,7 @@ pub const FALLBACK_NAMES: [&str; 10] = [
     "bind-opens",
     "fuse-requests",
     "nfs-functions",
+    "partial-copies",
 ];
 
 /// Whether `FALLBACKS` asks for fallback `name` (one of `FALLBACK_NAMES`).

@@ -107,6 +107,15 @@ pub struct Settings {
     #[arg(long, value_name = "BOOL", num_args = 0..=1, require_equals = true, default_missing_value = "true")]
     pub whole_snapshots: Option<bool>,
 
+    /// A file at least this big that jobs read in part (the profile's byte ranges) and
+    /// never mapped gets a partial copy: a sparse local file holding the ranges read,
+    /// the rest filled from the network when a job reads it (docs/partial-copies.md;
+    /// needs Linux 6.14's fanotify pre-content events on the cache's filesystem). Off by
+    /// default while every read of such a copy waits on the daemon's answer (short reads
+    /// were slower than the network: `cargo xtask bench ranges`). 0: every copy whole [default: 0].
+    #[arg(long, value_name = "SIZE")]
+    pub partial_from: Option<Size>,
+
     /// Entries (files, missing names, directories) the working set holds at most; beyond,
     /// new names read are not recorded (writes always are) [default: 2000000].
     #[arg(long, value_name = "N")]
@@ -183,7 +192,7 @@ impl Settings {
     pub fn or(self, other: Settings) -> Settings {
         either!(self, other; watch, state_dir, socket, save_interval, cache_dir, ssd_budget,
             ram_budget, include_ext, exclude, revalidate, rest_after, trace_every_process,
-            copy_workers, whole_snapshots, max_profile_entries, job_profiles, relay_port,
+            copy_workers, whole_snapshots, partial_from, max_profile_entries, job_profiles, relay_port,
             relay_timeout, fanout_width, munge_socket, max_clients, max_clients_per_user,
             metrics_addr, no_metrics, log_hits, log_misses, log_writes, log_format)
     }
@@ -205,6 +214,7 @@ impl Settings {
             trace_every_process: Some(false),
             copy_workers: Some(8),
             whole_snapshots: Some(false),
+            partial_from: Some(Size::Bytes(0)),
             max_profile_entries: Some(2_000_000),
             job_profiles: Some(DEFAULT_JOB_PROFILES.into()),
             relay_port: Some(DEFAULT_RELAY_PORT),
@@ -276,6 +286,9 @@ impl Settings {
         }
         if self.max_profile_entries == Some(0) {
             bail!("max-profile-entries must be at least 1");
+        }
+        if matches!(self.partial_from, Some(Size::Percent(_))) {
+            bail!("partial-from is a size (e.g. 64M), not a percentage");
         }
         Ok(())
     }
@@ -375,6 +388,7 @@ impl Settings {
             "whole-snapshots",
             self.whole_snapshots != other.whole_snapshots,
         );
+        check("partial-from", self.partial_from != other.partial_from);
         check("max-clients", self.max_clients != other.max_clients);
         check(
             "max-clients-per-user",

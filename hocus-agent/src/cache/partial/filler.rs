@@ -23,6 +23,8 @@ use std::{
 
 use hocus_common::ranges::GRAIN_SHIFT;
 
+use crate::shared::tally::warn_limited;
+
 use super::{
     FillError, PartialCopy,
     pre_content::{self, Asked, Group},
@@ -70,6 +72,9 @@ struct Pending {
 }
 
 type Copies = Mutex<HashMap<(u64, u64), Arc<PartialCopy>>>;
+/// Copies being written by a fill, by device and inode, with how many fills write each:
+/// the writes' own events are allowed as they come.
+type Writing = Mutex<HashMap<(u64, u64), usize>>;
 
 pub struct Filler {
     group: Arc<Group>,
@@ -87,16 +92,18 @@ impl Filler {
         let counts: Arc<Counts> = Arc::default();
         let stop = Arc::new(AtomicBool::new(false));
         let pending: Arc<Mutex<HashMap<u64, Arc<Pending>>>> = Arc::default();
+        let writing: Arc<Writing> = Arc::default();
         let (send, receive) = mpsc::channel::<(Arc<Pending>, Asked)>();
         let receive = Arc::new(Mutex::new(receive));
         let mut threads = Vec::new();
         for i in 0..limits.fills.max(1) {
-            let (group, copies, counts, receive, pending) = (
+            let (group, copies, counts, receive, pending, writing) = (
                 group.clone(),
                 copies.clone(),
                 counts.clone(),
                 receive.clone(),
                 pending.clone(),
+                writing.clone(),
             );
             threads.push(
                 thread::Builder::new()
@@ -105,7 +112,14 @@ impl Filler {
                         loop {
                             let next = receive.lock().expect("not poisoned").recv();
                             let Ok((entry, asked)) = next else { return };
-                            fill(&group, &copies, &counts, &limits, &entry, &asked);
+                            let fill = Fill {
+                                group: &group,
+                                copies: &copies,
+                                writing: &writing,
+                                counts: &counts,
+                                limits: &limits,
+                            };
+                            fill.answer(&entry, &asked);
                             pending
                                 .lock()
                                 .expect("not poisoned")
@@ -124,7 +138,7 @@ impl Filler {
         threads.push(
             thread::Builder::new()
                 .name("hocus-fill-read".into())
-                .spawn(move || read(&g, &s, &c, &pending, limits.pending, send))?,
+                .spawn(move || read(&g, &s, &c, &pending, &writing, limits.pending, send))?,
         );
         Ok(Self {
             group,
@@ -185,9 +199,11 @@ fn read(
     stop: &AtomicBool,
     counts: &Counts,
     pending: &Mutex<HashMap<u64, Arc<Pending>>>,
+    writing: &Writing,
     max_pending: usize,
     send: mpsc::Sender<(Arc<Pending>, Asked)>,
 ) {
+    let me = std::process::id() as i32;
     let mut buf = vec![0u8; 4096];
     let mut next_id = 0u64;
     while !stop.load(Ordering::Relaxed) {
@@ -209,6 +225,14 @@ fn read(
             }
         };
         for a in asked {
+            // A fill's own write to the copy: let through, or the fill waits on itself.
+            let own = a.pid == me
+                && key_of(&a.file)
+                    .is_ok_and(|k| writing.lock().expect("not poisoned").contains_key(&k));
+            if own {
+                let _ = group.answer(&a, true);
+                continue;
+            }
             let full = pending.lock().expect("not poisoned").len() >= max_pending;
             if full {
                 counts.failed.fetch_add(1, Ordering::Relaxed);
@@ -254,64 +278,101 @@ fn watch(
     }
 }
 
-/// Makes the range `asked` names local and answers it (unless the watchdog did).
-fn fill(
-    group: &Group,
-    copies: &Copies,
-    counts: &Counts,
-    limits: &Limits,
-    entry: &Pending,
-    asked: &Asked,
-) {
-    if entry.answered.load(Ordering::Acquire) {
-        return; // failed already: too slow
-    }
-    let copy = key_of(&asked.file)
-        .ok()
-        .and_then(|k| copies.lock().expect("not poisoned").get(&k).cloned());
-    let result = match copy {
-        // A marked file the filler does not know (forgotten while a read waited):
-        // nothing says what its holes hold.
-        None => Err(None),
-        Some(copy) => {
-            let (start, end) = grains(asked, &copy, limits.read_ahead);
-            // SAFETY: the event's descriptor stays open (owned by `asked`) while this
-            // File, never dropped, writes through it.
-            let file = ManuallyDrop::new(unsafe { File::from_raw_fd(asked.file.as_raw_fd()) });
-            let mut filled = Ok(());
-            for (s, e) in copy.missing(start, end) {
-                filled = copy.fill_with(&file, s, e, || {
-                    *entry.progress.lock().expect("not poisoned") = Instant::now();
-                });
-                if filled.is_err() {
-                    break;
-                }
-                let bytes = (u64::from(e - s) << GRAIN_SHIFT).min(copy.size());
-                counts.bytes_filled.fetch_add(bytes, Ordering::Relaxed);
-            }
-            filled.map_err(|e| Some((copy, e)))
+/// What a worker fills with.
+struct Fill<'a> {
+    group: &'a Group,
+    copies: &'a Copies,
+    writing: &'a Writing,
+    counts: &'a Counts,
+    limits: &'a Limits,
+}
+
+impl Fill<'_> {
+    /// Makes the range `asked` names local and answers it (unless the watchdog did).
+    fn answer(&self, entry: &Pending, asked: &Asked) {
+        if entry.answered.load(Ordering::Acquire) {
+            return; // failed already: too slow
         }
-    };
-    if entry.answered.swap(true, Ordering::AcqRel) {
-        return;
-    }
-    let allow = result.is_ok();
-    if let Err(why) = result {
-        counts.failed.fetch_add(1, Ordering::Relaxed);
-        match why {
-            Some((copy, e @ FillError::Changed)) => {
-                log::warn!(
-                    "{}: {e}: the read fails with EIO and the copy goes",
+        let key = key_of(&asked.file).ok();
+        let copy = key.and_then(|k| self.copies.lock().expect("not poisoned").get(&k).cloned());
+        let result = match (copy, key) {
+            // A marked file the filler does not know (made before a restart, or
+            // forgotten while a read waited): nothing says what its holes hold.
+            (None, _) | (_, None) => Err(None),
+            // Found changed by an earlier fill: the network file is another version now.
+            (Some(copy), _) if copy.dropped() => Err(Some((copy, FillError::Changed))),
+            (Some(copy), Some(key)) => {
+                let filled = self.fill(&copy, key, entry, asked);
+                filled.map_err(|e| Some((copy, e)))
+            }
+        };
+        if entry.answered.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let allow = result.is_ok();
+        if let Err(why) = result {
+            self.counts.failed.fetch_add(1, Ordering::Relaxed);
+            const KIND: &str = "partial copies' reads failed";
+            match why {
+                Some((copy, e @ FillError::Changed)) => warn_limited!(
+                    KIND,
+                    "{}: {e}: reads of what its copy lacks fail with EIO until it is copied again",
                     copy.name
-                )
+                ),
+                Some((copy, e)) => {
+                    warn_limited!(KIND, "{}: {e}: the read fails with EIO", copy.name)
+                }
+                None => warn_limited!(
+                    KIND,
+                    "a read of a partial copy no longer served (made before a restart) fails with EIO"
+                ),
             }
-            Some((copy, e)) => log::warn!("{}: {e}: the read fails with EIO", copy.name),
-            None => log::warn!("an access to a partial copy no longer served fails with EIO"),
+        } else {
+            self.counts.allowed.fetch_add(1, Ordering::Relaxed);
         }
-    } else {
-        counts.allowed.fetch_add(1, Ordering::Relaxed);
+        let _ = self.group.answer(asked, allow);
     }
-    let _ = group.answer(asked, allow);
+
+    /// Fills what `asked` needs of `copy` (`key`: its device and inode), its writes let
+    /// through while it does.
+    fn fill(
+        &self,
+        copy: &PartialCopy,
+        key: (u64, u64),
+        entry: &Pending,
+        asked: &Asked,
+    ) -> Result<(), FillError> {
+        let (start, end) = grains(asked, copy, self.limits.read_ahead);
+        let missing = copy.missing(start, end);
+        if missing.is_empty() {
+            return Ok(());
+        }
+        *self
+            .writing
+            .lock()
+            .expect("not poisoned")
+            .entry(key)
+            .or_default() += 1;
+        let mut filled = Ok(());
+        for (s, e) in missing {
+            filled = copy.fill_with(s, e, || {
+                *entry.progress.lock().expect("not poisoned") = Instant::now();
+            });
+            if filled.is_err() {
+                break;
+            }
+            let bytes = (u64::from(e - s) << GRAIN_SHIFT).min(copy.size());
+            self.counts.bytes_filled.fetch_add(bytes, Ordering::Relaxed);
+        }
+        let mut writing = self.writing.lock().expect("not poisoned");
+        if let Some(n) = writing.get_mut(&key) {
+            *n -= 1;
+            if *n == 0 {
+                writing.remove(&key);
+            }
+        }
+        filled
+    }
 }
 
 /// The grains an access asks for, within the file; with read-ahead when it starts

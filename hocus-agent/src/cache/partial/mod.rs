@@ -2,7 +2,7 @@
 //! holds only the byte ranges jobs read (the profile's `ranges`), served at once and
 //! filled on demand. A read of a range not yet local waits on a pre-content event
 //! (`pre_content`, Linux 6.14); the filler reads it from the network file, writes it
-//! through the event's descriptor and allows the read (`filler`). While the daemon
+//! to the copy and allows the read (`filler`). While the daemon
 //! lives a guard process holds the group too, and answers EIO for it once the daemon is
 //! gone (`guard`): a group that goes away allows what it was asked, and a job would
 //! read a hole's zeros as data.
@@ -14,6 +14,7 @@
 pub mod filler;
 pub mod guard;
 pub mod pre_content;
+pub mod service;
 
 use std::{
     fs::File,
@@ -72,6 +73,10 @@ pub struct PartialCopy {
     /// For logs.
     pub name: String,
     source: File,
+    /// The copy, open for writing on the cache's own (writable) mount: a job reads it
+    /// through a read-only bind, where the event's descriptor cannot be opened for
+    /// writing. Its writes raise events of their own, which the filler answers at once.
+    local: File,
     version: Version,
     filled: Mutex<Extents>,
     dropped: AtomicBool,
@@ -80,26 +85,28 @@ pub struct PartialCopy {
 }
 
 impl PartialCopy {
-    /// Stands for `source` (its version read now) in `copy`, a sparse file made to its
-    /// size; `ranges` (grains) are made local at once, the rest on demand.
+    /// Stands for `source` (its version read now) in `local`, a sparse file made to its
+    /// size (not marked yet); `ranges` (grains) are made local at once, the rest on
+    /// demand.
     pub fn new(
         name: String,
         source: File,
-        copy: &File,
+        local: File,
         ranges: &Extents,
     ) -> Result<Self, FillError> {
         let version = Version::of(&source).map_err(FillError::Source)?;
-        copy.set_len(version.size).map_err(FillError::Local)?;
+        local.set_len(version.size).map_err(FillError::Local)?;
         let partial = Self {
             name,
             source,
+            local,
             version,
             filled: Mutex::new(Extents::default()),
             dropped: AtomicBool::new(false),
             next: AtomicU32::new(0),
         };
         for &(start, end) in ranges.iter() {
-            partial.fill(copy, start, end)?;
+            partial.fill(start, end)?;
         }
         Ok(partial)
     }
@@ -114,6 +121,7 @@ impl PartialCopy {
     }
 
     /// The grains held.
+    #[cfg(test)]
     pub fn filled(&self) -> Extents {
         self.filled.lock().expect("not poisoned").clone()
     }
@@ -139,11 +147,10 @@ impl PartialCopy {
     }
 
     /// Makes grains `[start, end)` local: read from the network file, checked to be of
-    /// this copy's version after the read, written to `copy` (the event's descriptor,
-    /// whose writes raise no event). `progress` is told of each chunk.
+    /// this copy's version after the read, written to the copy (whose writes the filler
+    /// lets through at once). `progress` is told of each chunk.
     pub fn fill_with(
         &self,
-        copy: &File,
         start: u32,
         end: u32,
         mut progress: impl FnMut(),
@@ -162,7 +169,9 @@ impl PartialCopy {
                 self.dropped.store(true, Ordering::Relaxed);
                 return Err(FillError::Changed);
             }
-            copy.write_all_at(&buf[..n], at).map_err(FillError::Local)?;
+            self.local
+                .write_all_at(&buf[..n], at)
+                .map_err(FillError::Local)?;
             at += n as u64;
             progress();
         }
@@ -173,9 +182,9 @@ impl PartialCopy {
         Ok(())
     }
 
-    fn fill(&self, copy: &File, start: u32, end: u32) -> Result<(), FillError> {
+    fn fill(&self, start: u32, end: u32) -> Result<(), FillError> {
         for (s, e) in self.missing(start, end) {
-            self.fill_with(copy, s, e, || {})?;
+            self.fill_with(s, e, || {})?;
         }
         Ok(())
     }

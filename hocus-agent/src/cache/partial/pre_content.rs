@@ -1,9 +1,8 @@
 //! fanotify's pre-content events (Linux 6.14): a group of class `FAN_CLASS_PRE_CONTENT`
 //! marks a partial copy's inode with `FAN_PRE_ACCESS`, and every read of it (and every
 //! `mmap`, for the whole range it maps) waits until the group answers, its range in the
-//! event (`FAN_EVENT_INFO_TYPE_RANGE`). The event's descriptor is opened without
-//! notification (`FMODE_NONOTIFY`): what is written through it raises no event, so the
-//! range is filled through it, then allowed. Checked on this kind of machine (6.18,
+//! event (`FAN_EVENT_INFO_TYPE_RANGE`). Writes to a marked file ask too (the filler's
+//! own, to the copy, are let through at once). Checked on this kind of machine (6.18,
 //! ext4): a `pread` at 10 MiB asks for exactly its 4 KiB; an `mmap` of 16 MiB asks for
 //! all 16 at the `mmap`; `FAN_DENY` with `EIO` fails the read with EIO; and **a group
 //! that goes away with an event unanswered allows it: the reader reads the hole's
@@ -31,6 +30,8 @@ pub struct Group(OwnedFd);
 #[derive(Debug)]
 pub struct Asked {
     pub file: OwnedFd,
+    /// The process asking (its thread group).
+    pub pid: i32,
     pub offset: u64,
     pub count: u64,
 }
@@ -39,7 +40,9 @@ impl Group {
     /// A new group, blocking reads (its reader is a thread of its own).
     pub fn new() -> io::Result<Self> {
         let flags = libc::FAN_CLASS_PRE_CONTENT | libc::FAN_CLOEXEC;
-        let event_flags = libc::O_RDWR | libc::O_CLOEXEC | libc::O_LARGEFILE;
+        // Read-only: a job reads a copy through a read-only bind, where a descriptor for
+        // writing cannot be opened (the kernel would deny the read, EPERM).
+        let event_flags = libc::O_RDONLY | libc::O_CLOEXEC | libc::O_LARGEFILE;
         // SAFETY: plain flags; the descriptor is owned on success.
         let fd = unsafe { libc::fanotify_init(flags, event_flags as libc::c_uint) };
         if fd < 0 {
@@ -141,6 +144,7 @@ fn parse(buf: &[u8]) -> Vec<Asked> {
             let (offset, count) = range(info);
             Asked {
                 file,
+                pid: m.pid,
                 offset,
                 count,
             }

@@ -5,15 +5,21 @@
 
 use std::{
     collections::VecDeque,
+    os::unix::fs::MetadataExt,
     path::{Path, PathBuf},
 };
 
 use memmap2::Mmap;
 
-use super::{Keeper, decide, prefetches::Pinned, work::Work};
+use super::{
+    Keeper, decide,
+    prefetches::Pinned,
+    work::{Copied, Work},
+};
 use crate::{
     cache::copy::CopyError,
-    shared::{identity::Identity, log_line as logs, size::human},
+    profile::extents::Extents,
+    shared::{log_line as logs, size::human},
 };
 
 impl Keeper {
@@ -97,14 +103,27 @@ impl Keeper {
                 continue;
             };
             let (source, size) = (f.path.to_owned(), f.size);
+            let ranges = self.partial_ranges(&f);
             // What happened since the placement: held, changed, or written by a job.
             if !self.cache.contains(&source) && !self.copies.held_back(&source) {
-                self.start_copy(&source, size);
+                self.start_copy(&source, size, ranges);
             }
         }
     }
 
-    fn start_copy(&mut self, source: &str, size: u64) {
+    /// The ranges a partial copy of `f` would hold, if it is to have one: partial copies
+    /// are made here, it is big enough and jobs read it in part, never mapping it.
+    pub(super) fn partial_ranges(&self, f: &crate::profile::view::File) -> Option<Extents> {
+        let from = self.config.partial_from;
+        if self.partials.is_none() || from == 0 || f.size < from {
+            return None;
+        }
+        f.ranges(self.placement.view()).cloned()
+    }
+
+    fn start_copy(&mut self, source: &str, size: u64, ranges: Option<Extents>) {
+        // A partial copy takes the bytes of its ranges.
+        let size = ranges.as_ref().map_or(size, |r| held_bytes(r, size));
         let reserved = self.copies.reserved();
         if self
             .cache
@@ -139,10 +158,11 @@ impl Keeper {
             dest: self.cache.local(source),
             room,
             parent: self.prefetches.parent.clone(),
+            ranges,
         });
     }
 
-    pub(super) fn copied(&mut self, source: String, result: Result<Identity, CopyError>) {
+    pub(super) fn copied(&mut self, source: String, result: Result<Copied, CopyError>) {
         let Some(expected) = self.copies.end(&source) else {
             // Invalidated while copying: whatever arrived is not wanted.
             if result.is_ok() && !self.cache.contains(&source) {
@@ -160,7 +180,7 @@ impl Keeper {
                 .or_default() += 1;
         }
         match result {
-            Ok(identity) => ok = self.keep_copy(&source, identity),
+            Ok(copied) => ok = self.keep_copy(&source, copied),
             Err(CopyError::Changed) => {
                 log::info!(
                     "{source} changed while being copied: discarded, fetched again once stable"
@@ -191,11 +211,32 @@ impl Keeper {
 
     /// A copy landed: kept in the cache if it fits and is still wanted (then pinned if
     /// the placement says so); whether it was.
-    fn keep_copy(&mut self, source: &str, identity: Identity) -> bool {
+    fn keep_copy(&mut self, source: &str, copied: Copied) -> bool {
+        let identity = copied.identity;
         self.status.copies += 1;
-        self.status.copied_bytes += identity.size;
         let wanted = self.placement.wanted(source);
-        self.cache.insert(source, identity);
+        let partial = copied.partial.is_some();
+        match copied.partial {
+            None => {
+                self.status.copied_bytes += identity.size;
+                self.cache.insert(source, identity);
+            }
+            Some((copy, file)) => {
+                let held = file.metadata().map_or(0, |m| m.blocks() * 512);
+                self.status.copied_bytes += held;
+                let served = self
+                    .partials
+                    .as_ref()
+                    .map(|p| p.serve(copy, &file))
+                    .unwrap_or_else(|| Err(std::io::Error::other("no partial copies here")));
+                if let Err(e) = served {
+                    log::warn!("not keeping the partial copy of {source}: serving it: {e}");
+                    let _ = std::fs::remove_file(self.cache.local(source));
+                    return false;
+                }
+                self.cache.insert_partial(source, identity, held);
+            }
+        }
         if self.cache.used() > self.effective_ssd_budget {
             log::info!(
                 "not keeping {source}: at {} it is larger than the profile said and does not fit the SSD budget",
@@ -210,12 +251,12 @@ impl Keeper {
         }
         // Before the pin: it goes through the snapshot's inode.
         self.fill_stub(source, &identity);
-        if wanted == Some(true) {
+        if wanted == Some(true) && !partial {
             self.pin(source);
         }
         if logs::writes() {
             let opens = self.placement.weighed(source).map_or(0, |f| f.opens);
-            let held = if wanted == Some(true) {
+            let held = if wanted == Some(true) && !partial {
                 "SSD and RAM"
             } else {
                 "SSD"
@@ -225,7 +266,8 @@ impl Keeper {
                 source,
                 self.copies.opener(source).as_ref(),
                 &format!(
-                    "copied to {held} ({}, opened {opens} times)",
+                    "copied to {held}{} ({}, opened {opens} times)",
+                    if partial { ", in part" } else { "" },
                     human(identity.size)
                 ),
             );
@@ -251,7 +293,8 @@ impl Keeper {
 
     /// Starts pinning a held copy, within the RAM budget; a worker maps and locks it.
     pub(super) fn pin(&mut self, source: &str) {
-        if self.pinning.has(source) {
+        // A partial copy is never mapped whole: the mapping would fill it all.
+        if self.pinning.has(source) || self.cache.get(source).is_some_and(|c| c.is_partial()) {
             return;
         }
         let size = self.cache.get(source).map_or(0, |c| c.identity.size);
@@ -397,4 +440,13 @@ impl Keeper {
         );
         self.place();
     }
+}
+
+/// Bytes a partial copy holding `ranges` of a file of `size` bytes takes.
+fn held_bytes(ranges: &Extents, size: u64) -> u64 {
+    ranges
+        .to_bytes(size)
+        .iter()
+        .map(|[start, end]| end - start)
+        .sum()
 }

@@ -54,14 +54,14 @@ pub use self::{
     order::{Config, Reconfigure},
 };
 use crate::{
-    cache::{copy::CopyError, directory::Cache, relay::Parent},
+    cache::{copy::CopyError, directory::Cache, partial::service::Partials, relay::Parent},
     profile::{format::Profile, view::View},
     redirect::{
         jobs::JobStart,
         mountns::{self, Bind, Expect},
     },
     shared::{
-        kernel::{Route, route},
+        kernel::{self, Route, route},
         memory,
         relay::Holding,
         size::human,
@@ -84,9 +84,9 @@ const PLACE_AGAIN_ANYWAY: Duration = Duration::from_secs(300);
 /// few milliseconds then; nothing for a job's few thousand files).
 const BIG_VIEW: usize = 50_000;
 
-/// Starts the keeper; orders go in through the returned handle. Also returns the way
-/// snapshots are made on this kernel.
-pub fn start(config: Config) -> Result<(Handle, thread::JoinHandle<()>, Route)> {
+/// Starts the keeper; orders go in through the returned handle. Also returns the ways
+/// snapshots and big files read in part are held on this kernel.
+pub fn start(config: Config) -> Result<(Handle, thread::JoinHandle<()>, [Route; 2])> {
     let (cache, repairs) = Cache::open(&config.cache_dir)?;
     if repairs != Default::default() {
         log::info!(
@@ -115,6 +115,7 @@ pub fn start(config: Config) -> Result<(Handle, thread::JoinHandle<()>, Route)> 
     } else {
         lazy_views_here(cache.tmp_dir())
     };
+    let (partials, big_files) = partials_here(&config, &cache);
     let workers = Workers::start(config.copy_workers, cache.tmp_dir(), done_tx)?;
     let unverified = cache.sources().map(|(s, _)| s.clone()).collect();
     let latest = Latest::default();
@@ -135,6 +136,7 @@ pub fn start(config: Config) -> Result<(Handle, thread::JoinHandle<()>, Route)> 
         effective_ssd_budget: config.ssd_budget,
         config,
         cache,
+        partials,
         workers,
         revalidating: false,
         placement: Placement::new(),
@@ -152,7 +154,43 @@ pub fn start(config: Config) -> Result<(Handle, thread::JoinHandle<()>, Route)> 
     let handle = thread::Builder::new()
         .name("hocus-keeper".into())
         .spawn(move || keeper.run(order_rx, done_rx))?;
-    Ok((Handle::new(order_tx, latest, board), handle, snapshots))
+    Ok((
+        Handle::new(order_tx, latest, board),
+        handle,
+        [snapshots, big_files],
+    ))
+}
+
+/// Partial copies where the kernel and the cache's filesystem allow them, and the way
+/// big files read in part are held.
+fn partials_here(config: &Config, cache: &Cache) -> (Option<Arc<Partials>>, Route) {
+    const PART: &str = "big files read in part";
+    // A previous daemon's guard holds a group whose copies jobs may still read: taken
+    // back (and held) whatever this daemon makes.
+    let guarded = Partials::left_a_guard(&config.cache_dir);
+    if config.partial_from == 0 && !guarded {
+        let way = "whole copies (partial copies are off: partial-from 0)";
+        return (None, route(PART, way, false));
+    }
+    let why_not = if kernel::forced("partial-copies") && !guarded {
+        Err(kernel::why("partial-copies", ""))
+    } else {
+        Partials::start(&config.cache_dir, cache.tmp_dir()).map_err(|e| {
+            format!(
+                "the cache's filesystem or the kernel has no fanotify pre-content events ({e}; Linux 6.14)"
+            )
+        })
+    };
+    match why_not {
+        Ok(partials) => {
+            let way = format!(
+                "partial copies from {}: the ranges jobs read, the rest filled when read (fanotify pre-content events)",
+                human(config.partial_from)
+            );
+            (Some(partials), route(PART, way, false))
+        }
+        Err(why) => (None, route(PART, format!("whole copies ({why})"), true)),
+    }
 }
 
 /// Whether this kernel shows lazy snapshots, and the route that makes.
@@ -186,6 +224,8 @@ struct Keeper {
     /// The SSD budget, lowered when the cache filesystem turned out to be full.
     effective_ssd_budget: u64,
     cache: Cache,
+    /// Partial copies' filler and guard, where the kernel allows them.
+    partials: Option<Arc<Partials>>,
     workers: Workers,
     /// A revalidation is under way.
     revalidating: bool,
@@ -244,6 +284,10 @@ impl Keeper {
                 self.tick(&mut next_check, &mut last_save);
             }
         });
+        // No job of this daemon's is left to read a partial copy: nothing to guard.
+        if let Some(p) = self.partials.as_ref().filter(|_| self.jobs.running() == 0) {
+            p.stop_guard();
+        }
         self.jobs.release_all();
         self.cache.save_now();
         self.say_tallied(Duration::ZERO);
@@ -256,8 +300,8 @@ impl Keeper {
         match done {
             Done::Copied(source, result, origin) => {
                 if origin.peer {
-                    if let Ok(id) = &result {
-                        self.status.copied_from_peers_bytes += id.size;
+                    if let Ok(c) = &result {
+                        self.status.copied_from_peers_bytes += c.identity.size;
                     }
                 }
                 self.status.peer_wait_ms += origin.waited.as_millis() as u64;
@@ -431,7 +475,8 @@ impl Keeper {
 
     /// Where this node's copy of `source` is, for a job's other node asking for it.
     fn holding(&self, source: &str) -> Holding {
-        if self.cache.contains(source) && !self.copies.unverified(source) {
+        let whole = self.cache.get(source).is_some_and(|c| !c.is_partial());
+        if whole && !self.copies.unverified(source) {
             Holding::Copy(self.cache.local(source))
         } else if self.copies.in_flight(source)
             || (self.copies.any_queued() && self.placement.wanted(source).is_some())
@@ -505,6 +550,9 @@ impl Keeper {
             jobs_running: self.jobs.running(),
             prefetch_remaining_files: self.prefetches.remaining_files(),
             prefetch_remaining_bytes: self.prefetches.remaining_bytes(),
+            partial_reads_allowed: self.partials.as_ref().map_or(0, |p| p.counts().0),
+            partial_bytes_filled: self.partials.as_ref().map_or(0, |p| p.counts().1),
+            partial_reads_failed: self.partials.as_ref().map_or(0, |p| p.counts().2),
             ..self.status.clone()
         }
     }

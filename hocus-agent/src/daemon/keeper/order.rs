@@ -30,6 +30,8 @@ pub struct Config {
     pub copy_workers: usize,
     /// Snapshots hold every file's bytes, even where lazy ones would work.
     pub whole_snapshots: bool,
+    /// Files read in part at least this big get partial copies; 0: none.
+    pub partial_from: u64,
 }
 
 impl Config {
@@ -45,6 +47,7 @@ impl Config {
             trees: Vec::new(),
             copy_workers: settings.copy_workers.unwrap_or(8),
             whole_snapshots: settings.whole_snapshots.unwrap_or(false),
+            partial_from: settings.partial_from.map_or(0, |s| s.of(0)),
         })
     }
 }

@@ -60,6 +60,21 @@ impl Keeper {
         let unclean: Vec<&Path> = unclean.iter().map(PathBuf::as_path).collect();
         let view = self.placement.view();
         let chains = snapshot::candidates(view, &self.config.trees, &unclean);
+        // A snapshot would hold a file read in part whole: the directories above one
+        // that gets a partial copy are passed by (docs/partial-copies.md).
+        let partial: Vec<&Path> = view
+            .files()
+            .filter(|f| self.partial_ranges(f).is_some())
+            .map(|f| Path::new(f.path))
+            .collect();
+        let chains: Vec<Vec<PathBuf>> = chains
+            .into_iter()
+            .map(|mut chain| {
+                chain.retain(|root| !partial.iter().any(|f| f.starts_with(root)));
+                chain
+            })
+            .filter(|chain| !chain.is_empty())
+            .collect();
         let hot = if self.snapshots.lazy {
             Snapshots::hot_bytes(&chains, view)
         } else {

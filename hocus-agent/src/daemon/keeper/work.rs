@@ -22,10 +22,12 @@ use tokio::sync::mpsc as tokio_mpsc;
 use crate::{
     cache::{
         copy::{self, CopyError, Via},
+        partial::PartialCopy,
         pins,
         relay::Parent,
         snapshot::{self, Fill, Stamp, Taken},
     },
+    profile::extents::Extents,
     shared::{identity::Identity, tree::Tree, user::User},
 };
 
@@ -36,7 +38,7 @@ const SNAPSHOT_MAX_ENTRIES: usize = 200_000;
 pub enum Work {
     /// Copy `source` (in `tree`) to `dest`, reading as `reader`, if it is at most `room`
     /// bytes: from the job's `parent` node if there is one and it holds the file, else
-    /// from the network.
+    /// from the network. With `ranges`, a partial copy holding them, from the network.
     Copy {
         source: String,
         tree: PathBuf,
@@ -44,6 +46,7 @@ pub enum Work {
         dest: PathBuf,
         room: u64,
         parent: Option<Arc<Parent>>,
+        ranges: Option<Extents>,
     },
     /// Take a snapshot of `root` (in `tree`) into `dest`, linking the cache's valid copies.
     Snapshot {
@@ -79,7 +82,7 @@ pub enum Work {
 
 /// What came of a piece of work.
 pub enum Done {
-    Copied(String, Result<Identity, CopyError>, Origin),
+    Copied(String, Result<Copied, CopyError>, Origin),
     Snapshotted(PathBuf, Result<(Stamp, Taken), CopyError>),
     Pinned(String, std::io::Result<(Option<Mmap>, u64)>),
     /// The copies and snapshots that differ from the network now (gone ones too).
@@ -93,6 +96,13 @@ pub enum Done {
         chosen: Option<(PathBuf, u64)>,
         unsuitable: Vec<PathBuf>,
     },
+}
+
+/// A copy made: the version of the network file it is of, and for a partial copy, what
+/// serves it and its file (open, to be marked).
+pub struct Copied {
+    pub identity: Identity,
+    pub partial: Option<(PartialCopy, fs::File)>,
 }
 
 /// Where a copy's bytes came from, and how long it waited on the parent node.
@@ -173,6 +183,7 @@ fn run(work: Work, tmp: &Path) -> Option<Done> {
             dest,
             room,
             parent,
+            ranges,
         } => {
             let copying = copy::Copying {
                 tree: &tree,
@@ -182,8 +193,21 @@ fn run(work: Work, tmp: &Path) -> Option<Done> {
                 dest: &dest,
                 room,
             };
-            let copy = |via| copy::copy(&copying, via);
+            let copy = |via| {
+                copy::copy(&copying, via).map(|identity| Copied {
+                    identity,
+                    partial: None,
+                })
+            };
             let mut origin = Origin::default();
+            if let Some(ranges) = ranges {
+                let made =
+                    copy::copy_partial(&copying, &ranges).map(|(identity, p, file)| Copied {
+                        identity,
+                        partial: Some((p, file)),
+                    });
+                return Some(Done::Copied(source, made, origin));
+            }
             let result = match parent.as_deref().filter(|p| !p.has_failed()) {
                 Some(p) => {
                     let started = Instant::now();

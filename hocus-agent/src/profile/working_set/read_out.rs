@@ -34,7 +34,13 @@ impl WorkingSet {
             write_opens: f.write_opens,
             written: f.written(),
             refused: f.refused(),
+            mapped: f.mapped(),
         }
+    }
+
+    /// The ranges read of a file read in part (none for one read whole).
+    pub(super) fn ranges_of(&self, f: &FileRec) -> Option<&crate::profile::extents::Extents> {
+        self.ranges.get(&f.path).filter(|e| !e.whole(f.size))
     }
 
     pub(super) fn file_entry(&self, f: &FileRec) -> FileEntry {
@@ -54,9 +60,7 @@ impl WorkingSet {
             refused: f.refused(),
             mapped: f.mapped(),
             ranges: self
-                .ranges
-                .get(&f.path)
-                .filter(|e| !e.whole(f.size))
+                .ranges_of(f)
                 .map_or_else(Vec::new, |e| e.to_bytes(f.size)),
         }
     }

@@ -536,6 +536,21 @@ fn ranges_of_big_files_are_kept_bounded_exported_and_merged() {
     );
     assert!(file(&p, "/net/not-opened").is_none());
 
+    // Placement sees them (what a partial copy would hold).
+    let view = ws.for_placement(100);
+    let f = view.files().find(|f| f.path == big).unwrap();
+    assert_eq!(
+        f.ranges(&view).unwrap().grains(),
+        [(160, 177), (1600, 1616)]
+    );
+    assert!(
+        view.files()
+            .find(|f| f.path == "/net/env/small.py")
+            .unwrap()
+            .ranges(&view)
+            .is_none()
+    );
+
     // Through the file format and back, and merged with another job's ranges.
     let back = Profile::from_json(&to_json(&p), Path::new("x"), "").unwrap();
     assert_eq!(back, p);

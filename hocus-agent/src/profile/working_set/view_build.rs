@@ -122,6 +122,9 @@ impl WorkingSet {
                 // Interned from &str, split at '/': always UTF-8.
                 out.push_str(std::str::from_utf8(&scratch).unwrap_or_default());
             });
+            if let Some(ranges) = self.ranges_of(f) {
+                view.set_last_ranges(ranges.clone());
+            }
         };
         match &b.chosen {
             Some(_) if b.whole => {

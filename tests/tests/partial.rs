@@ -1,0 +1,166 @@
+//! Partial copies (docs/partial-copies.md): a big file jobs read in part is held as the
+//! ranges they read, bound into jobs like any copy, and what it lacks is filled from the
+//! network when read, through the kernel's pre-content events (Linux 6.14; this
+//! machine's kernel). Real sshfs, real daemon, real Python jobs.
+
+use std::{fs, os::unix::fs::MetadataExt, path::Path};
+
+use hocus_tests::{Agent, NetworkMount, assert_success, wait_until};
+use serde_json::json;
+
+const MIB: u64 = 1 << 20;
+
+/// What the file holds at byte `i`.
+fn byte(i: u64) -> u8 {
+    (i % 251) as u8 + 1
+}
+
+/// The sum of bytes `[from, from + n)`: what the jobs print for a read of them.
+fn sum(from: u64, n: u64) -> u64 {
+    (from..from + n).map(|i| u64::from(byte(i))).sum()
+}
+
+/// A daemon with partial copies from 8 MiB, and a 32 MiB file on the network that a
+/// profile says jobs read 1 MiB of, at 4 MiB; prefetched.
+fn prefetched(net: &NetworkMount) -> (Agent, std::path::PathBuf) {
+    let data = net.put(
+        "data/train.bin",
+        &(0..32 * MIB).map(byte).collect::<Vec<u8>>(),
+    );
+    let agent = Agent::start(&[
+        "--watch",
+        net.mount.to_str().unwrap(),
+        "--partial-from",
+        "8M",
+    ]);
+    let status = agent.status();
+    let route = status["routes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["part"] == "big files read in part")
+        .unwrap_or_else(|| panic!("no route for big files: {status:#}"))["way"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert!(route.starts_with("partial copies from 8.0 MiB"), "{route}");
+    let profile = json!({
+        "version": 2, "started_unix_ns": 1, "missing": [], "dirs": [],
+        "files": [{"path": data, "size": 32 * MIB, "opens": 5, "bytes_read": MIB, "first_touch_ns": 1, "written": false, "uids": [0], "ranges": [[4 * MIB, 5 * MIB]]}],
+    });
+    let work = tempfile::tempdir().unwrap();
+    let path = work.path().join("profile.json");
+    fs::write(&path, serde_json::to_vec(&profile).unwrap()).unwrap();
+    assert_success(
+        &agent
+            .cli(&["prefetch", "--profile", path.to_str().unwrap()])
+            .output()
+            .unwrap(),
+    );
+    agent.settled();
+    (agent, data)
+}
+
+/// A job reading 4 KiB at each of `offsets` of `path`; what it printed (the sums, or
+/// the error).
+fn read_at(agent: &Agent, path: &Path, offsets: &[u64]) -> String {
+    let out = agent.run_job(&format!(
+        "python3 -c \"import os\nfd = os.open('{}', os.O_RDONLY)\nprint(*[sum(os.pread(fd, 4096, at)) for at in {offsets:?}])\" 2>&1",
+        path.display()
+    ));
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
+#[test]
+fn a_big_file_read_in_part_is_copied_in_part_and_filled_when_read() {
+    let net = NetworkMount::start();
+    let (agent, data) = prefetched(&net);
+    let local = agent.local_copy(&data);
+    let held = |f: &Path| fs::metadata(f).unwrap().blocks() * 512;
+    // The file's size, holding the 1 MiB read: the cache counts what it holds.
+    assert_eq!(fs::metadata(&local).unwrap().len(), 32 * MIB);
+    assert_eq!(held(&local), MIB);
+    let cache = agent.cache();
+    assert_eq!(cache["cached_bytes"], MIB, "{cache:#}");
+
+    // A job reads the held range and one the copy lacks: both right, the second
+    // filled from the network (its grain of 64 KiB), nothing else.
+    let sums = read_at(&agent, &data, &[4 * MIB + 100, 20 * MIB]);
+    assert_eq!(
+        sums,
+        format!("{} {}", sum(4 * MIB + 100, 4096), sum(20 * MIB, 4096))
+    );
+    assert_eq!(held(&local), MIB + 65536);
+    let copy = fs::read(&local).unwrap();
+    assert!(
+        copy[20 * MIB as usize..20 * MIB as usize + 65536]
+            .iter()
+            .enumerate()
+            .all(|(i, b)| *b == byte(20 * MIB + i as u64))
+    );
+}
+
+/// What python printed reading 4 KiB at `at` of `path` (the sum, or the error).
+fn pread(path: &Path, at: u64) -> String {
+    let out = std::process::Command::new("python3")
+        .arg("-c")
+        .arg(format!(
+            "import os\nfd = os.open('{}', os.O_RDONLY)\ntry:\n    print(sum(os.pread(fd, 4096, {at})))\nexcept OSError as e:\n    print(e.strerror)",
+            path.display()
+        ))
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
+fn guard_of(agent: &Agent) -> Option<i32> {
+    let pid: i32 = fs::read_to_string(agent.cache_dir.join("guard.pid"))
+        .ok()?
+        .trim()
+        .parse()
+        .ok()?;
+    fs::read_to_string(format!("/proc/{pid}/comm"))
+        .is_ok_and(|c| c.trim() == "hocus-guard")
+        .then_some(pid)
+}
+
+#[test]
+fn a_killed_daemon_leaves_what_is_not_local_failing_never_zeros_and_the_next_takes_over() {
+    let net = NetworkMount::start();
+    let (mut agent, data) = prefetched(&net);
+    let local = agent.local_copy(&data);
+    let guard = guard_of(&agent).expect("a guard beside a daemon serving a partial copy");
+    let ino = fs::metadata(&local).unwrap().ino();
+    agent.kill9();
+    // The daemon is gone, its guard is not: a read of what the copy lacks fails, never
+    // reads the hole's zeros; so does one of what it holds (the guard fills nothing).
+    assert_eq!(pread(&local, 24 * MIB), "Input/output error");
+    assert_eq!(pread(&local, 4 * MIB), "Input/output error");
+    assert_eq!(
+        fs::metadata(&local).unwrap().blocks() * 512,
+        MIB,
+        "nothing written"
+    );
+
+    // The next daemon takes the group back from the guard (and stops it), and copies the
+    // file again rather than trust a partial copy it did not see filled.
+    let (dir, state) = agent.into_dirs();
+    let watch = net.mount.to_str().unwrap().to_owned();
+    let mut next =
+        Agent::start_with_state(dir, state, &["--watch", &watch, "--partial-from", "8M"]);
+    wait_until(10, "the old guard to stop", || {
+        !Path::new(&format!("/proc/{guard}")).exists()
+    });
+    assert!(next.log().contains("took back the group"), "{}", next.log());
+    assert!(
+        guard_of(&next).is_some(),
+        "a guard of its own for the group taken back"
+    );
+    assert!(
+        fs::metadata(&local).map_or(true, |m| m.ino() != ino),
+        "the partial copy of before is not kept"
+    );
+    // A daemon stopped with no job running leaves no guard.
+    next.stop();
+    assert!(guard_of(&next).is_none());
+}
