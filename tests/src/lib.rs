@@ -818,6 +818,20 @@ impl Agent {
         serde_json::from_slice(&out.stdout).expect("export prints JSON")
     }
 
+    /// The way `status` says the daemon takes for `part` (docs/kernels.md's routes).
+    pub fn route(&self, part: &str) -> String {
+        let status = self.status();
+        status["routes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["part"] == part)
+            .unwrap_or_else(|| panic!("no route for {part}: {status:#}"))["way"]
+            .as_str()
+            .unwrap()
+            .to_owned()
+    }
+
     /// `status --json`, parsed.
     pub fn status(&self) -> Value {
         let out = run(&mut self.cli(&["status", "--json"]));

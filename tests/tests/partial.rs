@@ -33,16 +33,7 @@ fn prefetched(net: &NetworkMount) -> (Agent, std::path::PathBuf) {
         "--partial-from",
         "8M",
     ]);
-    let status = agent.status();
-    let route = status["routes"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|r| r["part"] == "big files read in part")
-        .unwrap_or_else(|| panic!("no route for big files: {status:#}"))["way"]
-        .as_str()
-        .unwrap()
-        .to_owned();
+    let route = agent.route("big files read in part");
     assert!(route.starts_with("partial copies from 8.0 MiB"), "{route}");
     let profile = json!({
         "version": 2, "started_unix_ns": 1, "missing": [], "dirs": [],

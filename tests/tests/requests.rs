@@ -42,16 +42,7 @@ fn way(net: &NetworkMount) -> Way {
 
 /// The way `status` says jobs are learned.
 fn learning_route(agent: &Agent) -> String {
-    let status = agent.status();
-    status["routes"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|r| r["part"] == "learning jobs")
-        .unwrap_or_else(|| panic!("no route for learning jobs: {status:#}"))["way"]
-        .as_str()
-        .unwrap()
-        .to_owned()
+    agent.route("learning jobs")
 }
 
 /// Whether this kernel has what the filesystem's programs hook, typed: checked apart

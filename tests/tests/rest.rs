@@ -180,14 +180,7 @@ fn a_job_started_at_rest_is_followed_from_its_first_open() {
 /// Whether the daemon may rest while jobs run (`status`'s route: where its tripwires
 /// tell a served job's misses apart).
 fn rests_with_jobs(agent: &Agent) -> bool {
-    let status = agent.status();
-    let route = status["routes"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|r| r["part"] == "tracing while jobs run")
-        .unwrap_or_else(|| panic!("no route for tracing while jobs run: {status:#}"));
-    route["way"].as_str().unwrap().starts_with("rests")
+    agent.route("tracing while jobs run").starts_with("rests")
 }
 
 fn opens_local(agent: &Agent) -> u64 {

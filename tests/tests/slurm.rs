@@ -496,20 +496,9 @@ fn served_slurm_job(fallbacks: Option<&str>) {
         None => Agent::start(&args),
     };
     cluster.plugin(Some(&format!("socket={}", agent.socket.display())));
-    let status = agent.status();
-    let way = status["routes"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|r| r["part"] == "Slurm jobs' own profiles while the tracer rests")
-        .unwrap_or_else(|| panic!("no route: {status:#}"))["way"]
-        .clone();
+    let way = agent.route("Slurm jobs' own profiles while the tracer rests");
     let marked = fallbacks.is_none();
-    assert_eq!(
-        way.as_str().unwrap().starts_with("opens through"),
-        marked,
-        "{way}"
-    );
+    assert_eq!(way.starts_with("opens through"), marked, "{way}");
     // A first job reads all three from the network; the daemon copies them.
     let cat_all = format!("cat {} >/dev/null", names.join(" "));
     assert_success(&cluster.as_user("srun", &["--quiet", "sh", "-c", &cat_all], &[]));

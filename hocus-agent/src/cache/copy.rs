@@ -174,12 +174,7 @@ pub fn copy_partial(
 ) -> Result<(Identity, PartialCopy, File), CopyError> {
     let (source, reader, tmp_dir, dest, room) = (c.source, c.reader, c.tmp_dir, c.dest, c.room);
     let src = Source::open(c.tree, source, reader, Via::Network)?;
-    let size = src.before.size();
-    let held: u64 = ranges
-        .to_bytes(size)
-        .iter()
-        .map(|[start, end]| end - start)
-        .sum();
+    let held = ranges.bytes(src.before.size());
     if held > room {
         return Err(CopyError::TooLarge { size: held, room });
     }

@@ -126,6 +126,14 @@ impl Extents {
             .collect()
     }
 
+    /// The bytes they hold of a file of `size` bytes (0: not known).
+    pub fn bytes(&self, size: u64) -> u64 {
+        self.to_bytes(size)
+            .iter()
+            .map(|[start, end]| end - start)
+            .sum()
+    }
+
     /// Whether they hold every grain of a file of `size` bytes (then they say no more
     /// than "the whole file").
     pub fn whole(&self, size: u64) -> bool {

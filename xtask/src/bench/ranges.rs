@@ -73,15 +73,10 @@ pub fn ranges(agent_bin: &Path, r: &Ranges) -> Result<()> {
 
     // Partial copies asked for (they are off by default), where the kernel has them.
     let (disk, agent) = agent_on_local_disk(&net, &["--partial-from", "32M"]);
-    let status = agent.status();
-    if let Some(way) = status["routes"].as_array().and_then(|routes| {
-        routes
-            .iter()
-            .find(|r| r["part"] == "big files read in part")
-            .and_then(|r| r["way"].as_str())
-    }) {
-        println!("big files read in part: {way}");
-    }
+    println!(
+        "big files read in part: {}",
+        agent.route("big files read in part")
+    );
     drop_caches()?;
     let from_network = timed(&mut agent.cli(&["run", "--", "python3", "-c", &job(&file, &at)]))?;
     let mut ranges: Vec<[u64; 2]> = Vec::new();

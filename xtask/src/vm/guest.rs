@@ -82,14 +82,14 @@ pub fn run(boot: &Boot) -> Result<Ended> {
         thread::spawn(move || follow(&out, &done))
     };
     let kernel_log = dir.join("vng.err");
-    let (mut locked_up, mut looked) = (None, Instant::now());
+    let (mut locked_up, mut looked, mut read) = (None, Instant::now(), 0);
     let status = loop {
         if let Some(status) = child.try_wait()? {
             break Some(status);
         }
         if looked.elapsed() > Duration::from_secs(5) {
             looked = Instant::now();
-            locked_up = lockup(&kernel_log);
+            locked_up = lockup(&kernel_log, &mut read);
         }
         if started.elapsed() > boot.timeout || locked_up.is_some() {
             // SAFETY: plain kill(2) of the group we made.
@@ -126,9 +126,18 @@ pub fn run(boot: &Boot) -> Result<Ended> {
 /// The guest kernel's report of a CPU stuck for two minutes or more, if its log has one:
 /// a guest that will never finish (nothing in it runs to say so), stopped at once
 /// rather than at the timeout.
-fn lockup(kernel_log: &Path) -> Option<String> {
-    let log = fs::read_to_string(kernel_log).ok()?;
-    log.lines()
+/// Reads on from byte `read` of the log (moved past the whole lines read), so that a
+/// long boot's log is read once.
+fn lockup(kernel_log: &Path, read: &mut u64) -> Option<String> {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut file = fs::File::open(kernel_log).ok()?;
+    file.seek(SeekFrom::Start(*read)).ok()?;
+    let mut more = Vec::new();
+    file.read_to_end(&mut more).ok()?;
+    let whole = more.iter().rposition(|b| *b == b'\n').map_or(0, |i| i + 1);
+    *read += whole as u64;
+    String::from_utf8_lossy(&more[..whole])
+        .lines()
         .filter(|l| l.contains("soft lockup - CPU#"))
         .find(|l| {
             l.split("stuck for ")
@@ -255,10 +264,15 @@ mod tests {
                 "[  148.576480] watchdog: BUG: soft lockup - CPU#0 stuck for {secs}s! [a_change_on_the:126]\n"
             )
         };
-        fs::write(&log, format!("boot\n{}{}", line(45), line(105))).unwrap();
-        assert_eq!(lockup(&log), None);
-        fs::write(&log, format!("boot\n{}{}", line(105), line(131))).unwrap();
-        assert!(lockup(&log).unwrap().contains("stuck for 131s"));
-        assert_eq!(lockup(&dir.path().join("none")), None);
+        // The last line is still being written: read once whole.
+        let (before, cut) = (format!("boot\n{}{}", line(45), line(105)), line(131));
+        fs::write(&log, format!("{before}{}", &cut[..60])).unwrap();
+        let mut read = 0;
+        assert_eq!(lockup(&log, &mut read), None);
+        assert_eq!(read, before.len() as u64);
+        fs::write(&log, format!("{before}{cut}")).unwrap();
+        assert!(lockup(&log, &mut read).unwrap().contains("stuck for 131s"));
+        assert_eq!(lockup(&log, &mut read), None, "read once");
+        assert_eq!(lockup(&dir.path().join("none"), &mut 0), None);
     }
 }

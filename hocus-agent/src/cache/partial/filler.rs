@@ -81,7 +81,9 @@ pub struct Filler {
     copies: Arc<Copies>,
     pub counts: Arc<Counts>,
     stop: Arc<AtomicBool>,
-    threads: Vec<thread::JoinHandle<()>>,
+    /// The reader and the watchdog, joined at a drop; the workers end once the reader's
+    /// queue is gone and they are done (one stuck on a server is left).
+    stoppable: Vec<thread::JoinHandle<()>>,
 }
 
 impl Filler {
@@ -95,7 +97,6 @@ impl Filler {
         let writing: Arc<Writing> = Arc::default();
         let (send, receive) = mpsc::channel::<(Arc<Pending>, Asked)>();
         let receive = Arc::new(Mutex::new(receive));
-        let mut threads = Vec::new();
         for i in 0..limits.fills.max(1) {
             let (group, copies, counts, receive, pending, writing) = (
                 group.clone(),
@@ -105,47 +106,41 @@ impl Filler {
                 pending.clone(),
                 writing.clone(),
             );
-            threads.push(
-                thread::Builder::new()
-                    .name(format!("hocus-fill-{i}"))
-                    .spawn(move || {
-                        loop {
-                            let next = receive.lock().expect("not poisoned").recv();
-                            let Ok((entry, asked)) = next else { return };
-                            let fill = Fill {
-                                group: &group,
-                                copies: &copies,
-                                writing: &writing,
-                                counts: &counts,
-                                limits: &limits,
-                            };
-                            fill.answer(&entry, &asked);
-                            pending
-                                .lock()
-                                .expect("not poisoned")
-                                .retain(|_, p| !Arc::ptr_eq(p, &entry));
-                        }
-                    })?,
-            );
+            thread::Builder::new()
+                .name(format!("hocus-fill-{i}"))
+                .spawn(move || {
+                    loop {
+                        let next = receive.lock().expect("not poisoned").recv();
+                        let Ok((entry, asked)) = next else { return };
+                        let fill = Fill {
+                            group: &group,
+                            copies: &copies,
+                            writing: &writing,
+                            counts: &counts,
+                            limits: &limits,
+                        };
+                        fill.answer(&entry, &asked);
+                        pending
+                            .lock()
+                            .expect("not poisoned")
+                            .retain(|_, p| !Arc::ptr_eq(p, &entry));
+                    }
+                })?;
         }
         let (g, s, c, p) = (group.clone(), stop.clone(), counts.clone(), pending.clone());
-        threads.push(
-            thread::Builder::new()
-                .name("hocus-fill-watch".into())
-                .spawn(move || watch(&g, &s, &c, &p, limits.stall))?,
-        );
+        let watchdog = thread::Builder::new()
+            .name("hocus-fill-watch".into())
+            .spawn(move || watch(&g, &s, &c, &p, limits.stall))?;
         let (g, s, c) = (group.clone(), stop.clone(), counts.clone());
-        threads.push(
-            thread::Builder::new()
-                .name("hocus-fill-read".into())
-                .spawn(move || read(&g, &s, &c, &pending, &writing, limits.pending, send))?,
-        );
+        let reader = thread::Builder::new()
+            .name("hocus-fill-read".into())
+            .spawn(move || read(&g, &s, &c, &pending, &writing, limits.pending, send))?;
         Ok(Self {
             group,
             copies,
             counts,
             stop,
-            threads,
+            stoppable: vec![watchdog, reader],
         })
     }
 
@@ -170,14 +165,9 @@ impl Filler {
 impl Drop for Filler {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
-        // The reader and the watchdog notice within their poll; the workers once the
-        // reader's channel is gone and they are done (one stuck on a server is left).
-        let threads = std::mem::take(&mut self.threads);
-        let n = threads.len();
-        for (i, t) in threads.into_iter().enumerate() {
-            if i >= n - 2 {
-                let _ = t.join();
-            }
+        // They notice within their poll.
+        for t in std::mem::take(&mut self.stoppable) {
+            let _ = t.join();
         }
     }
 }

@@ -103,7 +103,7 @@ impl Keeper {
                 continue;
             };
             let (source, size) = (f.path.to_owned(), f.size);
-            let ranges = self.partial_ranges(&f);
+            let ranges = self.partial_ranges(&f).cloned();
             // What happened since the placement: held, changed, or written by a job.
             if !self.cache.contains(&source) && !self.copies.held_back(&source) {
                 self.start_copy(&source, size, ranges);
@@ -113,17 +113,17 @@ impl Keeper {
 
     /// The ranges a partial copy of `f` would hold, if it is to have one: partial copies
     /// are made here, it is big enough and jobs read it in part, never mapping it.
-    pub(super) fn partial_ranges(&self, f: &crate::profile::view::File) -> Option<Extents> {
+    pub(super) fn partial_ranges(&self, f: &crate::profile::view::File) -> Option<&Extents> {
         let from = self.config.partial_from;
         if self.partials.is_none() || from == 0 || f.size < from {
             return None;
         }
-        f.ranges(self.placement.view()).cloned()
+        f.ranges(self.placement.view())
     }
 
     fn start_copy(&mut self, source: &str, size: u64, ranges: Option<Extents>) {
         // A partial copy takes the bytes of its ranges.
-        let size = ranges.as_ref().map_or(size, |r| held_bytes(r, size));
+        let size = ranges.as_ref().map_or(size, |r| r.bytes(size));
         let reserved = self.copies.reserved();
         if self
             .cache
@@ -440,13 +440,4 @@ impl Keeper {
         );
         self.place();
     }
-}
-
-/// Bytes a partial copy holding `ranges` of a file of `size` bytes takes.
-fn held_bytes(ranges: &Extents, size: u64) -> u64 {
-    ranges
-        .to_bytes(size)
-        .iter()
-        .map(|[start, end]| end - start)
-        .sum()
 }
