@@ -195,6 +195,9 @@ enum Bench {
         chunks: usize,
         #[arg(long, default_value_t = 1.0)]
         round_trip_ms: f64,
+        /// Runs of the job again from the cache and from a local disk (their medians).
+        #[arg(long, default_value_t = 5)]
+        runs: usize,
         /// A smoke run (CI): 8 chunks of a 64 MiB file.
         #[arg(long)]
         quick: bool,
@@ -360,6 +363,7 @@ fn bench(agent: &Path, b: Bench) -> Result<()> {
             file_mib,
             chunks,
             round_trip_ms,
+            runs,
             quick,
         } => {
             let r = if quick {
@@ -369,6 +373,7 @@ fn bench(agent: &Path, b: Bench) -> Result<()> {
                     file_mib: file_mib.max(2),
                     chunks: chunks.max(1),
                     round_trip: millis(round_trip_ms),
+                    runs: runs.max(1),
                 }
             };
             bench::ranges(agent, &r)

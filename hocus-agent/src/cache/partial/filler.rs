@@ -1,6 +1,8 @@
-//! Filling partial copies on demand: one thread reads the pre-content group's events,
-//! a few workers (`Limits::fills`: the fills in flight) make each asked range local
-//! and allow the read, and a watchdog fails with EIO every access that made no
+//! Filling partial copies on demand: one thread reads the pre-content group's events
+//! and answers at once those whose range the copy holds (every read of a partial copy
+//! asks, so this is the path a job served by one takes); a few workers
+//! (`Limits::fills`: the fills in flight) make the other ranges local and allow their
+//! reads, and a copy found whole is unmarked (its reads no longer ask). A watchdog fails with EIO every access that made no
 //! progress for `Limits::stall` (a server that does not answer: the job gets an error,
 //! never a hang). A worker stuck on such a server keeps its place; past
 //! `Limits::pending` accesses waiting, new ones fail at once rather than pile up.
@@ -95,12 +97,11 @@ impl Filler {
         let stop = Arc::new(AtomicBool::new(false));
         let pending: Arc<Mutex<HashMap<u64, Arc<Pending>>>> = Arc::default();
         let writing: Arc<Writing> = Arc::default();
-        let (send, receive) = mpsc::channel::<(Arc<Pending>, Asked)>();
+        let (send, receive) = mpsc::channel::<Job>();
         let receive = Arc::new(Mutex::new(receive));
         for i in 0..limits.fills.max(1) {
-            let (group, copies, counts, receive, pending, writing) = (
+            let (group, counts, receive, pending, writing) = (
                 group.clone(),
-                copies.clone(),
                 counts.clone(),
                 receive.clone(),
                 pending.clone(),
@@ -111,19 +112,17 @@ impl Filler {
                 .spawn(move || {
                     loop {
                         let next = receive.lock().expect("not poisoned").recv();
-                        let Ok((entry, asked)) = next else { return };
+                        let Ok(job) = next else { return };
                         let fill = Fill {
                             group: &group,
-                            copies: &copies,
                             writing: &writing,
                             counts: &counts,
-                            limits: &limits,
                         };
-                        fill.answer(&entry, &asked);
+                        fill.answer(&job);
                         pending
                             .lock()
                             .expect("not poisoned")
-                            .retain(|_, p| !Arc::ptr_eq(p, &entry));
+                            .retain(|_, p| !Arc::ptr_eq(p, &job.entry));
                     }
                 })?;
         }
@@ -131,10 +130,18 @@ impl Filler {
         let watchdog = thread::Builder::new()
             .name("hocus-fill-watch".into())
             .spawn(move || watch(&g, &s, &c, &p, limits.stall))?;
-        let (g, s, c) = (group.clone(), stop.clone(), counts.clone());
+        let reader = Reader {
+            group: group.clone(),
+            copies: copies.clone(),
+            counts: counts.clone(),
+            pending,
+            writing,
+            limits,
+        };
+        let s = stop.clone();
         let reader = thread::Builder::new()
             .name("hocus-fill-read".into())
-            .spawn(move || read(&g, &s, &c, &pending, &writing, limits.pending, send))?;
+            .spawn(move || reader.run(&s, &send))?;
         Ok(Self {
             group,
             copies,
@@ -183,66 +190,135 @@ fn key_of(file: &impl AsRawFd) -> io::Result<(u64, u64)> {
     ))
 }
 
-/// Reads the group's events into `pending` and onto the workers' queue until stopped.
-fn read(
-    group: &Group,
-    stop: &AtomicBool,
-    counts: &Counts,
-    pending: &Mutex<HashMap<u64, Arc<Pending>>>,
-    writing: &Writing,
-    max_pending: usize,
-    send: mpsc::Sender<(Arc<Pending>, Asked)>,
-) {
-    let me = std::process::id() as i32;
-    let mut buf = vec![0u8; 4096];
-    let mut next_id = 0u64;
-    while !stop.load(Ordering::Relaxed) {
-        let mut poll = libc::pollfd {
-            fd: group.fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: one pollfd.
-        if unsafe { libc::poll(&raw mut poll, 1, 250) } <= 0 {
-            continue;
+/// An access the reader could not answer at once: the copy lacks grains of it.
+struct Job {
+    entry: Arc<Pending>,
+    asked: Asked,
+    copy: Arc<PartialCopy>,
+    /// The copy's device and inode.
+    key: (u64, u64),
+    /// The grains to make local: those asked for, and the read-ahead.
+    grains: (u32, u32),
+}
+
+/// What the thread reading the group's events shares with the others.
+struct Reader {
+    group: Arc<Group>,
+    copies: Arc<Copies>,
+    counts: Arc<Counts>,
+    pending: Arc<Mutex<HashMap<u64, Arc<Pending>>>>,
+    writing: Arc<Writing>,
+    limits: Limits,
+}
+
+impl Reader {
+    /// Reads the group's events until stopped: answers those it can at once, puts the
+    /// rest in `pending` and on the workers' queue.
+    fn run(&self, stop: &AtomicBool, send: &mpsc::Sender<Job>) {
+        let mut buf = vec![0u8; 4096];
+        let mut next_id = 0u64;
+        while !stop.load(Ordering::Relaxed) {
+            let mut poll = libc::pollfd {
+                fd: self.group.fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: one pollfd.
+            if unsafe { libc::poll(&raw mut poll, 1, 250) } <= 0 {
+                continue;
+            }
+            let asked = match self.group.wait(&mut buf) {
+                Ok(asked) => asked,
+                Err(e) => {
+                    log::warn!("partial copies: reading the pre-content group: {e}");
+                    thread::sleep(Duration::from_millis(100));
+                    continue;
+                }
+            };
+            for a in asked {
+                let Some(job) = self.answer_now_or(a) else {
+                    continue;
+                };
+                next_id += 1;
+                self.pending
+                    .lock()
+                    .expect("not poisoned")
+                    .insert(next_id, job.entry.clone());
+                if send.send(job).is_err() {
+                    return;
+                }
+            }
         }
-        let asked = match group.wait(&mut buf) {
-            Ok(asked) => asked,
-            Err(e) => {
-                log::warn!("partial copies: reading the pre-content group: {e}");
-                thread::sleep(Duration::from_millis(100));
-                continue;
+    }
+
+    /// Answers `a` if it needs no fill (the copy holds its range, or it cannot be
+    /// served); else the job for a worker.
+    fn answer_now_or(&self, a: Asked) -> Option<Job> {
+        let key = key_of(&a.file).ok();
+        // A fill's own write to the copy: let through, or the fill waits on itself.
+        let own = a.pid == std::process::id() as i32
+            && key.is_some_and(|k| self.writing.lock().expect("not poisoned").contains_key(&k));
+        if own {
+            let _ = self.group.answer(&a, true);
+            return None;
+        }
+        let copy = key.and_then(|k| self.copies.lock().expect("not poisoned").get(&k).cloned());
+        let (copy, key) = match (copy, key) {
+            // A marked file the filler does not know (made before a restart, or
+            // forgotten while a read waited): nothing says what its holes hold.
+            (None, _) | (_, None) => return self.fail(&a, None),
+            // Found changed by an earlier fill: the network file is another version now.
+            (Some(copy), _) if copy.dropped() => {
+                return self.fail(&a, Some((&copy, FillError::Changed)));
             }
+            (Some(copy), Some(key)) => (copy, key),
         };
-        for a in asked {
-            // A fill's own write to the copy: let through, or the fill waits on itself.
-            let own = a.pid == me
-                && key_of(&a.file)
-                    .is_ok_and(|k| writing.lock().expect("not poisoned").contains_key(&k));
-            if own {
-                let _ = group.answer(&a, true);
-                continue;
-            }
-            let full = pending.lock().expect("not poisoned").len() >= max_pending;
-            if full {
-                counts.failed.fetch_add(1, Ordering::Relaxed);
-                let _ = group.answer(&a, false);
-                continue;
-            }
-            let entry = Arc::new(Pending {
+        let (start, end, ahead) = grains(&a, &copy, self.limits.read_ahead);
+        if copy.holds(start, end) {
+            self.counts.allowed.fetch_add(1, Ordering::Relaxed);
+            let _ = self.group.answer(&a, true);
+            return None;
+        }
+        if self.pending.lock().expect("not poisoned").len() >= self.limits.pending {
+            self.counts.failed.fetch_add(1, Ordering::Relaxed);
+            let _ = self.group.answer(&a, false);
+            return None;
+        }
+        Some(Job {
+            entry: Arc::new(Pending {
                 event_fd: a.file.as_raw_fd(),
                 answered: AtomicBool::new(false),
                 progress: Mutex::new(Instant::now()),
-            });
-            next_id += 1;
-            pending
-                .lock()
-                .expect("not poisoned")
-                .insert(next_id, entry.clone());
-            if send.send((entry, a)).is_err() {
-                return;
-            }
-        }
+            }),
+            asked: a,
+            copy,
+            key,
+            grains: (start, ahead),
+        })
+    }
+
+    fn fail(&self, a: &Asked, why: Option<(&PartialCopy, FillError)>) -> Option<Job> {
+        failed(&self.counts, why);
+        let _ = self.group.answer(a, false);
+        None
+    }
+}
+
+/// Counts a read failed with EIO and says why (rate-limited).
+fn failed(counts: &Counts, why: Option<(&PartialCopy, FillError)>) {
+    counts.failed.fetch_add(1, Ordering::Relaxed);
+    const KIND: &str = "partial copies' reads failed";
+    match why {
+        Some((copy, e @ FillError::Changed)) => warn_limited!(
+            KIND,
+            "{}: {e}: reads of what its copy lacks fail with EIO until it is copied again",
+            copy.name
+        ),
+        Some((copy, e)) => warn_limited!(KIND, "{}: {e}: the read fails with EIO", copy.name),
+        None => warn_limited!(
+            KIND,
+            "a read of a partial copy no longer served (made before a restart) fails with EIO"
+        ),
     }
 }
 
@@ -271,69 +347,45 @@ fn watch(
 /// What a worker fills with.
 struct Fill<'a> {
     group: &'a Group,
-    copies: &'a Copies,
     writing: &'a Writing,
     counts: &'a Counts,
-    limits: &'a Limits,
 }
 
 impl Fill<'_> {
-    /// Makes the range `asked` names local and answers it (unless the watchdog did).
-    fn answer(&self, entry: &Pending, asked: &Asked) {
-        if entry.answered.load(Ordering::Acquire) {
+    /// Makes the grains `job` names local and answers its access (unless the watchdog
+    /// did); a copy then whole is unmarked: its reads need no answer any more.
+    fn answer(&self, job: &Job) {
+        if job.entry.answered.load(Ordering::Acquire) {
             return; // failed already: too slow
         }
-        let key = key_of(&asked.file).ok();
-        let copy = key.and_then(|k| self.copies.lock().expect("not poisoned").get(&k).cloned());
-        let result = match (copy, key) {
-            // A marked file the filler does not know (made before a restart, or
-            // forgotten while a read waited): nothing says what its holes hold.
-            (None, _) | (_, None) => Err(None),
-            // Found changed by an earlier fill: the network file is another version now.
-            (Some(copy), _) if copy.dropped() => Err(Some((copy, FillError::Changed))),
-            (Some(copy), Some(key)) => {
-                let filled = self.fill(&copy, key, entry, asked);
-                filled.map_err(|e| Some((copy, e)))
-            }
-        };
-        if entry.answered.swap(true, Ordering::AcqRel) {
+        let result = self.fill(job);
+        if job.entry.answered.swap(true, Ordering::AcqRel) {
             return;
         }
-        let allow = result.is_ok();
-        if let Err(why) = result {
-            self.counts.failed.fetch_add(1, Ordering::Relaxed);
-            const KIND: &str = "partial copies' reads failed";
-            match why {
-                Some((copy, e @ FillError::Changed)) => warn_limited!(
-                    KIND,
-                    "{}: {e}: reads of what its copy lacks fail with EIO until it is copied again",
-                    copy.name
-                ),
-                Some((copy, e)) => {
-                    warn_limited!(KIND, "{}: {e}: the read fails with EIO", copy.name)
+        match result {
+            Ok(()) => {
+                self.counts.allowed.fetch_add(1, Ordering::Relaxed);
+                let _ = self.group.answer(&job.asked, true);
+                if job.copy.whole()
+                    && let Err(e) = self.group.unmark(&job.asked.file)
+                {
+                    log::debug!(
+                        "partial copies: unmarking {}, now whole: {e}",
+                        job.copy.name
+                    );
                 }
-                None => warn_limited!(
-                    KIND,
-                    "a read of a partial copy no longer served (made before a restart) fails with EIO"
-                ),
             }
-        } else {
-            self.counts.allowed.fetch_add(1, Ordering::Relaxed);
+            Err(e) => {
+                failed(self.counts, Some((&job.copy, e)));
+                let _ = self.group.answer(&job.asked, false);
+            }
         }
-        let _ = self.group.answer(asked, allow);
     }
 
-    /// Fills what `asked` needs of `copy` (`key`: its device and inode), its writes let
-    /// through while it does.
-    fn fill(
-        &self,
-        copy: &PartialCopy,
-        key: (u64, u64),
-        entry: &Pending,
-        asked: &Asked,
-    ) -> Result<(), FillError> {
-        let (start, end) = grains(asked, copy, self.limits.read_ahead);
-        let missing = copy.missing(start, end);
+    /// Fills the grains `job` names, the copy's writes let through while it does.
+    fn fill(&self, job: &Job) -> Result<(), FillError> {
+        let (copy, key) = (&job.copy, job.key);
+        let missing = copy.missing(job.grains.0, job.grains.1);
         if missing.is_empty() {
             return Ok(());
         }
@@ -346,7 +398,7 @@ impl Fill<'_> {
         let mut filled = Ok(());
         for (s, e) in missing {
             filled = copy.fill_with(s, e, || {
-                *entry.progress.lock().expect("not poisoned") = Instant::now();
+                *job.entry.progress.lock().expect("not poisoned") = Instant::now();
             });
             if filled.is_err() {
                 break;
@@ -365,17 +417,18 @@ impl Fill<'_> {
     }
 }
 
-/// The grains an access asks for, within the file; with read-ahead when it starts
-/// where the file's last one ended (a reader going through it in order).
-fn grains(asked: &Asked, copy: &PartialCopy, read_ahead: u32) -> (u32, u32) {
+/// The grains an access asks for, within the file (`start`, `end`), and where a fill
+/// for it ends (`ahead`): with read-ahead when it starts where the file's last one
+/// ended (a reader going through it in order).
+fn grains(asked: &Asked, copy: &PartialCopy, read_ahead: u32) -> (u32, u32, u32) {
     let last = copy.grains();
     let start = (asked.offset >> GRAIN_SHIFT).min(u64::from(last)) as u32;
     let end_byte = asked.offset.saturating_add(asked.count);
     let end = end_byte.div_ceil(1 << GRAIN_SHIFT).min(u64::from(last)) as u32;
-    let end = if copy.follows(start, end) {
+    let ahead = if copy.follows(start, end) {
         end.saturating_add(read_ahead).min(last)
     } else {
         end
     };
-    (start, end)
+    (start, end, ahead)
 }

@@ -134,6 +134,16 @@ impl PartialCopy {
             .gaps(start, end.min(self.grains()))
     }
 
+    /// Whether the copy holds grains `[start, end)`.
+    pub fn holds(&self, start: u32, end: u32) -> bool {
+        self.missing(start, end).is_empty()
+    }
+
+    /// Whether the copy holds the whole file.
+    pub fn whole(&self) -> bool {
+        self.holds(0, self.grains())
+    }
+
     /// Whether an access to grains `[start, end)` starts where the last one ended (a
     /// reader going through the file in order); remembers where it ends.
     pub fn follows(&self, start: u32, end: u32) -> bool {

@@ -7,7 +7,7 @@ use std::{
     os::unix::fs::{FileExt, MetadataExt},
     path::Path,
     process::{Child, Command, Output, Stdio},
-    sync::Arc,
+    sync::{Arc, atomic::Ordering},
     thread,
     time::Duration,
 };
@@ -141,17 +141,19 @@ fn ranges_not_local_are_filled_from_the_network_file_when_read() {
     ));
     assert_eq!(said(&out), sum(12 * MIB, 12 * MIB + 1000).to_string());
     assert_eq!(partial.filled().grains(), [(0, 256)]);
-    assert!(
-        filler
-            .counts
-            .allowed
-            .load(std::sync::atomic::Ordering::Relaxed)
-            >= 3
-    );
+    assert!(filler.counts.allowed.load(Ordering::Relaxed) >= 3);
     assert_eq!(
         fs::read(dir.path().join("copy")).unwrap(),
         fs::read(dir.path().join("network")).unwrap()
     );
+    // Whole now, so unmarked: its reads no longer ask the filler at all.
+    let allowed = filler.counts.allowed.load(Ordering::Relaxed);
+    let out = finished(reader(
+        &dir.path().join("copy"),
+        "print(sum(os.pread(f.fileno(), 4096, 7 << 20)))",
+    ));
+    assert_eq!(said(&out), sum(7 * MIB, 7 * MIB + 4096).to_string());
+    assert_eq!(filler.counts.allowed.load(Ordering::Relaxed), allowed);
 }
 
 #[test]

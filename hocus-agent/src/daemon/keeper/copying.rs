@@ -112,13 +112,15 @@ impl Keeper {
     }
 
     /// The ranges a partial copy of `f` would hold, if it is to have one: partial copies
-    /// are made here, it is big enough and jobs read it in part, never mapping it.
+    /// are made here, it is big enough and jobs read it in part, never mapping it. A
+    /// file jobs read whole gets a whole copy (pinned, shared, no read asking).
     pub(super) fn partial_ranges(&self, f: &crate::profile::view::File) -> Option<&Extents> {
         let from = self.config.partial_from;
         if self.partials.is_none() || from == 0 || f.size < from {
             return None;
         }
         f.ranges(self.placement.view())
+            .filter(|ranges| !ranges.whole(f.size))
     }
 
     fn start_copy(&mut self, source: &str, size: u64, ranges: Option<Extents>) {
