@@ -116,7 +116,7 @@ fn guard_of(agent: &Agent) -> Option<i32> {
 }
 
 #[test]
-fn a_killed_daemon_leaves_what_is_not_local_failing_never_zeros_and_the_next_takes_over() {
+fn a_killed_daemon_leaves_what_is_not_local_failing_never_zeros_and_the_next_serves_it_again() {
     let net = NetworkMount::start();
     let (mut agent, data) = prefetched(&net);
     let local = agent.local_copy(&data);
@@ -133,8 +133,9 @@ fn a_killed_daemon_leaves_what_is_not_local_failing_never_zeros_and_the_next_tak
         "nothing written"
     );
 
-    // The next daemon takes the group back from the guard (and stops it), and copies the
-    // file again rather than trust a partial copy it did not see filled.
+    // The next daemon takes the group back from the guard (and stops it), finds the
+    // network file unchanged and serves the same copy again: a job that still has it
+    // bound (here: its very inode) reads what it lacks, filled from the network.
     let (dir, state) = agent.into_dirs();
     let watch = net.mount.to_str().unwrap().to_owned();
     let mut next =
@@ -147,11 +148,36 @@ fn a_killed_daemon_leaves_what_is_not_local_failing_never_zeros_and_the_next_tak
         guard_of(&next).is_some(),
         "a guard of its own for the group taken back"
     );
-    assert!(
-        fs::metadata(&local).map_or(true, |m| m.ino() != ino),
-        "the partial copy of before is not kept"
+    wait_until(30, "the partial copy served again", || {
+        next.log()
+            .contains("the partial copy made before is served again")
+    });
+    assert_eq!(fs::metadata(&local).unwrap().ino(), ino, "the same copy");
+    assert_eq!(pread(&local, 24 * MIB), sum(24 * MIB, 4096).to_string());
+    assert_eq!(pread(&local, 4 * MIB), sum(4 * MIB, 4096).to_string());
+    assert_eq!(fs::metadata(&local).unwrap().blocks() * 512, MIB + 65536);
+    // And a new job is served by it.
+    let sums = read_at(&next, &data, &[4 * MIB + 100, 28 * MIB]);
+    assert_eq!(
+        sums,
+        format!("{} {}", sum(4 * MIB + 100, 4096), sum(28 * MIB, 4096))
     );
-    // A daemon stopped with no job running leaves no guard.
+    assert_eq!(
+        fs::metadata(&local).unwrap().blocks() * 512,
+        MIB + 2 * 65536
+    );
+    assert_eq!(next.cache()["partial_bytes_filled"], 2 * 65536);
+
+    // Stopped with no job running, it leaves no guard; the next daemon then finds the
+    // copy unmarked and unserved, and drops it when it makes no partial copies.
     next.stop();
     assert!(guard_of(&next).is_none());
+    let (dir, state) = next.into_dirs();
+    let last = Agent::start_with_state(dir, state, &["--watch", &watch]);
+    wait_until(10, "the partial copy dropped", || !local.exists());
+    assert!(
+        last.log().contains("not served again: deleted"),
+        "{}",
+        last.log()
+    );
 }

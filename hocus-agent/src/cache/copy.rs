@@ -14,7 +14,10 @@
 use std::{
     fs::{self, File},
     io,
-    os::{fd::OwnedFd, unix::fs::MetadataExt},
+    os::{
+        fd::OwnedFd,
+        unix::fs::{MetadataExt, OpenOptionsExt},
+    },
     path::{Path, PathBuf},
 };
 
@@ -52,6 +55,16 @@ pub enum CopyError {
     /// Not from the job's parent node: the copy is made from the network instead.
     #[error("not from the parent node: {0}")]
     Peer(relay::Miss),
+}
+
+impl From<FillError> for CopyError {
+    fn from(e: FillError) -> Self {
+        match e {
+            FillError::Changed => CopyError::Changed,
+            FillError::Source(e) => CopyError::Source(e),
+            FillError::Local(e) => local(e),
+        }
+    }
 }
 
 impl CopyError {
@@ -189,11 +202,7 @@ pub fn copy_partial(
         let network = src.file.try_clone().map_err(CopyError::Source)?;
         let name = source.display().to_string();
         let writer = out.try_clone().map_err(local)?;
-        let partial = PartialCopy::new(name, network, writer, ranges).map_err(|e| match e {
-            FillError::Changed => CopyError::Changed,
-            FillError::Source(e) => CopyError::Source(e),
-            FillError::Local(e) => local(e),
-        })?;
+        let partial = PartialCopy::new(name, network, writer, ranges)?;
         let id = src.unchanged(reader)?;
         src.put_in_place(&out, &tmp, dest)?;
         Ok((id, partial, out))
@@ -202,6 +211,36 @@ pub fn copy_partial(
         let _ = fs::remove_file(&tmp);
     }
     result
+}
+
+/// Takes up again the partial copy at `dest` that a daemon since gone made of `source`
+/// (in `tree`) at version `made_of` (the index's word): the source opened again as
+/// `reader`, beneath its tree, and found unchanged since; the copy then holds what its
+/// filesystem says it holds, the rest filled on demand as before. A changed source, or
+/// a copy that is not the source's size, is `Changed`: the copy must go.
+pub fn resume_partial(
+    tree: &Path,
+    source: &Path,
+    reader: &User,
+    dest: &Path,
+    made_of: &Identity,
+) -> Result<(Identity, PartialCopy, File), CopyError> {
+    let src = Source::open(tree, source, reader, Via::Network)?;
+    let id = src.unchanged(reader)?;
+    if id != *made_of {
+        return Err(CopyError::Changed);
+    }
+    // The cache's own file (root's, 0700 above it), never a link put in its place.
+    let out = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(dest)
+        .map_err(local)?;
+    let writer = out.try_clone().map_err(local)?;
+    let name = source.display().to_string();
+    let partial = PartialCopy::resume(name, src.file, writer)?;
+    Ok((id, partial, out))
 }
 
 /// A network file opened to be copied: beneath its watched tree, as the user it is read

@@ -31,6 +31,10 @@ pub struct Cached {
     /// whole copy.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub held: u64,
+    /// For a partial copy, the user whose job read the network file: its rest is read as
+    /// them, also by the next daemon (`Cache::take_unserved`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reader: Option<u32>,
 }
 
 fn is_zero(n: &u64) -> bool {
@@ -58,6 +62,9 @@ pub struct Cache {
     tmp: PathBuf,
     trees: PathBuf,
     entries: HashMap<String, Cached>,
+    /// Partial copies a previous daemon served, found at the start: not entries (never
+    /// bound into a job) until served again.
+    unserved: Vec<(String, Cached)>,
     used: u64,
     dirty: bool,
     /// The index being written, off the keeper's thread.
@@ -135,18 +142,24 @@ impl Cache {
             }),
             Err(_) => HashMap::new(),
         };
-        // Entries whose copy is gone or is not the size it should be; and partial copies,
-        // whose filler is gone with the daemon that served them (what they held since
-        // is not known: copied again).
+        // Entries whose copy is gone or is not the size it should be; partial copies set
+        // apart until the keeper serves them again (their filler went with the daemon
+        // that served them).
+        let mut unserved = Vec::new();
         entries.retain(|source, c| {
-            let ok = !c.is_partial()
-                && fs::symlink_metadata(copy::local_path(&files, source))
-                    .is_ok_and(|m| m.is_file() && m.size() == c.identity.size);
-            if !ok {
+            let ok = fs::symlink_metadata(copy::local_path(&files, source))
+                .is_ok_and(|m| m.is_file() && m.size() == c.identity.size);
+            if ok && c.is_partial() && c.reader.is_some() {
+                unserved.push((source.clone(), *c));
+                return false;
+            }
+            if !ok || c.is_partial() {
                 repairs.entries_dropped += 1;
             }
-            ok
+            ok && !c.is_partial()
         });
+        let kept: std::collections::HashSet<&str> =
+            unserved.iter().map(|(s, _)| s.as_str()).collect();
         // Files no entry accounts for.
         let mut stack = vec![files.clone()];
         while let Some(dir) = stack.pop() {
@@ -158,7 +171,8 @@ impl Cache {
                     continue;
                 }
                 let source = Path::new("/").join(path.strip_prefix(&files).unwrap_or(&path));
-                if !entries.contains_key(source.to_string_lossy().as_ref()) {
+                let source = source.to_string_lossy();
+                if !entries.contains_key(source.as_ref()) && !kept.contains(source.as_ref()) {
                     let _ = fs::remove_file(&path);
                     repairs.strays_removed += 1;
                 }
@@ -171,6 +185,7 @@ impl Cache {
             tmp,
             trees,
             entries,
+            unserved,
             used,
             dirty: repairs != Repairs::default(),
             saving: None,
@@ -220,14 +235,37 @@ impl Cache {
 
     /// Records a copy that `copy::copy` put in place.
     pub fn insert(&mut self, source: &str, identity: Identity) {
-        self.insert_entry(source, Cached { identity, held: 0 });
+        let whole = Cached {
+            identity,
+            held: 0,
+            reader: None,
+        };
+        self.insert_entry(source, whole);
     }
 
-    /// Records a partial copy that `copy::copy_partial` put in place, holding `held`
-    /// bytes.
-    pub fn insert_partial(&mut self, source: &str, identity: Identity, held: u64) {
-        let held = held.max(1);
-        self.insert_entry(source, Cached { identity, held });
+    /// Records a partial copy that `copy::copy_partial` put in place (or one served
+    /// again), holding `held` bytes, its rest read as `reader`.
+    pub fn insert_partial(&mut self, source: &str, identity: Identity, held: u64, reader: u32) {
+        let partial = Cached {
+            identity,
+            held: held.max(1),
+            reader: Some(reader),
+        };
+        self.insert_entry(source, partial);
+    }
+
+    /// The partial copies a previous daemon served, to serve again (or delete, with
+    /// [`Cache::delete_unserved`]): each is an entry again once inserted.
+    pub fn take_unserved(&mut self) -> Vec<(String, Cached)> {
+        std::mem::take(&mut self.unserved)
+    }
+
+    /// Deletes a partial copy found at the start and not served again.
+    pub fn delete_unserved(&self, source: &str) {
+        let local = self.local(source);
+        if let Err(e) = fs::remove_file(&local) {
+            log::warn!("could not delete the copy {}: {e}", local.display());
+        }
     }
 
     fn insert_entry(&mut self, source: &str, c: Cached) {
@@ -262,7 +300,7 @@ impl Cache {
         if !self.dirty || self.saving.as_ref().is_some_and(|h| !h.is_finished()) {
             return;
         }
-        let bytes = serde_json::to_vec(&self.entries).expect("the index serializes");
+        let bytes = self.index_bytes();
         let root = self.root.clone();
         self.dirty = false;
         self.saving = std::thread::Builder::new()
@@ -274,13 +312,21 @@ impl Cache {
         }
     }
 
+    /// The index: the entries, and the partial copies not served again yet (kept for
+    /// the next start if this daemon ends first).
+    fn index_bytes(&self) -> Vec<u8> {
+        let unserved = self.unserved.iter().map(|(s, c)| (s, c));
+        let all: HashMap<&String, &Cached> = self.entries.iter().chain(unserved).collect();
+        serde_json::to_vec(&all).expect("the index serializes")
+    }
+
     /// Writes the index now if it changed, after any write under way (at a stop).
     pub fn save_now(&mut self) {
         if let Some(h) = self.saving.take() {
             let _ = h.join();
         }
         if self.dirty {
-            let bytes = serde_json::to_vec(&self.entries).expect("the index serializes");
+            let bytes = self.index_bytes();
             write_index(&self.root, &bytes);
             self.dirty = false;
         }
@@ -311,6 +357,7 @@ fn syncfs(dir: &Path) -> io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::fs::File;
 
     fn id(size: u64) -> Identity {
         Identity {
@@ -370,6 +417,44 @@ mod tests {
             "a copy of the wrong size is removed"
         );
         assert_eq!(fs::read_dir(root.join("tmp")).unwrap().count(), 0);
+    }
+
+    #[test]
+    fn partial_copies_are_set_apart_at_the_start_until_served_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("cache");
+        let (mut cache, _) = Cache::open(&root).unwrap();
+        for source in ["/net/big.h5", "/net/gone.h5"] {
+            let local = cache.local(source);
+            fs::create_dir_all(local.parent().unwrap()).unwrap();
+            File::create(&local).unwrap().set_len(1 << 20).unwrap();
+            cache.insert_partial(source, id(1 << 20), 65536, 1000);
+        }
+        cache.save_now();
+        fs::remove_file(cache.local("/net/gone.h5")).unwrap();
+        drop(cache);
+
+        let (cache, repairs) = Cache::open(&root).unwrap();
+        assert_eq!(repairs.entries_dropped, 1, "the one whose file is gone");
+        assert_eq!(repairs.strays_removed, 0, "a copy set apart is no stray");
+        assert!(
+            !cache.contains("/net/big.h5"),
+            "never bound before it is served"
+        );
+        assert!(cache.local("/net/big.h5").exists());
+        // Still in the index: a daemon ending before it serves them leaves them there.
+        drop(cache);
+        let (mut cache, _) = Cache::open(&root).unwrap();
+        let unserved = cache.take_unserved();
+        assert_eq!(unserved.len(), 1);
+        let (source, c) = &unserved[0];
+        assert_eq!(
+            (source.as_str(), c.reader, c.held),
+            ("/net/big.h5", Some(1000), 65536)
+        );
+        cache.insert_partial(source, c.identity, c.held, 1000);
+        assert!(cache.contains("/net/big.h5"));
+        assert_eq!(cache.used(), 65536);
     }
 
     #[test]

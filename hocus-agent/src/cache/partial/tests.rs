@@ -265,3 +265,37 @@ fn a_daemon_gone_fails_reads_with_eio_and_the_next_one_takes_the_group_back() {
     ));
     assert_eq!(said(&out), sum(3 * MIB, 3 * MIB + 4096).to_string());
 }
+
+#[test]
+fn a_copy_made_before_is_resumed_holding_the_whole_grains_it_has() {
+    let dir = tempfile::tempdir().unwrap();
+    if !supported(dir.path()) {
+        return;
+    }
+    // Grains 0-16 and 160-161 held; then, as a fill cut short would, half a grain more
+    // (a hole after it), and the short last grain of the file.
+    let size = 16 * MIB + 1000;
+    let (copy, made) = network_and_copy(dir.path(), size, &[(0, 16), (160, 161)]);
+    copy.write_all_at(&[7u8; 32768], 200 << 16).unwrap();
+    copy.write_all_at(&[7u8; 1000], 16 * MIB).unwrap();
+    drop(made);
+    let held = held_grains(&copy, size).unwrap();
+    assert_eq!(held.grains(), [(0, 16), (160, 161), (256, 257)]);
+
+    let source = File::open(dir.path().join("network")).unwrap();
+    let resumed = PartialCopy::resume("network".into(), source, copy.try_clone().unwrap()).unwrap();
+    assert_eq!(resumed.filled().grains(), held.grains());
+    // Served, it fills the half grain's whole grain from the network.
+    let resumed = Arc::new(resumed);
+    let filler = Filler::start(Group::new().unwrap(), Limits::default()).unwrap();
+    filler.serve(resumed.clone(), &copy).unwrap();
+    let out = finished(reader(
+        &dir.path().join("copy"),
+        "print(sum(os.pread(f.fileno(), 65536, 200 << 16)))",
+    ));
+    assert_eq!(said(&out), sum(200 << 16, 201 << 16).to_string());
+    // A copy whose size is not the network file's is not resumed.
+    let source = File::open(dir.path().join("network")).unwrap();
+    copy.set_len(size + 1).unwrap();
+    assert!(PartialCopy::resume("network".into(), source, copy).is_err());
+}

@@ -17,9 +17,9 @@ use super::{
     work::{Copied, Work},
 };
 use crate::{
-    cache::copy::CopyError,
+    cache::{copy::CopyError, partial::PartialCopy},
     profile::extents::Extents,
-    shared::{log_line as logs, size::human},
+    shared::{identity::Identity, log_line as logs, size::human, user::User},
 };
 
 impl Keeper {
@@ -224,19 +224,11 @@ impl Keeper {
                 self.cache.insert(source, identity);
             }
             Some((copy, file)) => {
-                let held = file.metadata().map_or(0, |m| m.blocks() * 512);
-                self.status.copied_bytes += held;
-                let served = self
-                    .partials
-                    .as_ref()
-                    .map(|p| p.serve(copy, &file))
-                    .unwrap_or_else(|| Err(std::io::Error::other("no partial copies here")));
-                if let Err(e) = served {
-                    log::warn!("not keeping the partial copy of {source}: serving it: {e}");
-                    let _ = std::fs::remove_file(self.cache.local(source));
+                let reader = self.placement.weighed(source).and_then(|f| f.reader());
+                let Some(held) = self.serve_partial(source, identity, copy, &file, reader) else {
                     return false;
-                }
-                self.cache.insert_partial(source, identity, held);
+                };
+                self.status.copied_bytes += held;
             }
         }
         if self.cache.used() > self.effective_ssd_budget {
@@ -275,6 +267,90 @@ impl Keeper {
             );
         }
         true
+    }
+
+    /// Serves `copy` (its file `file`) and records it in the cache; the bytes it holds.
+    /// One that cannot be served is deleted: its holes would read as zeros.
+    fn serve_partial(
+        &mut self,
+        source: &str,
+        identity: Identity,
+        copy: PartialCopy,
+        file: &std::fs::File,
+        reader: Option<u32>,
+    ) -> Option<u64> {
+        let held = file.metadata().map_or(0, |m| m.blocks() * 512);
+        let served = match (&self.partials, reader) {
+            (Some(p), Some(_)) => p.serve(copy, file),
+            (None, _) => Err(std::io::Error::other("no partial copies here")),
+            (_, None) => Err(std::io::Error::other("no user is known to read it")),
+        };
+        if let Err(e) = served {
+            log::warn!("not keeping the partial copy of {source}: serving it: {e}");
+            let _ = std::fs::remove_file(self.cache.local(source));
+            return None;
+        }
+        let reader = reader.expect("served only with a reader");
+        self.cache.insert_partial(source, identity, held, reader);
+        Some(held)
+    }
+
+    /// Serves again the partial copies a previous daemon made (jobs may still read them
+    /// through their binds, and the next ones find them held), each once found
+    /// unchanged on the network; deleted where none are made now.
+    pub(super) fn resume_partials(&mut self) {
+        for (source, c) in self.cache.take_unserved() {
+            let reader = match c.reader {
+                Some(0) => Some(User::root()),
+                Some(uid) => User::lookup(uid),
+                None => None,
+            };
+            let tree = self.tree_of(Path::new(&source)).cloned();
+            let (true, Some(reader), Some(tree)) = (self.partials.is_some(), reader, tree) else {
+                log::info!("{source}: a partial copy made before, not served again: deleted");
+                self.cache.delete_unserved(&source);
+                continue;
+            };
+            // As a copy under way: nothing copies it meanwhile, a change drops it.
+            self.copies.begin(&source, c.held);
+            self.workers.send(Work::Resume {
+                dest: self.cache.local(&source),
+                source,
+                tree,
+                reader,
+                made_of: c.identity,
+            });
+        }
+    }
+
+    /// A partial copy found at the start was checked against the network.
+    pub(super) fn resumed(
+        &mut self,
+        source: String,
+        reader: u32,
+        result: Result<Copied, CopyError>,
+    ) {
+        let under_way = self.copies.end(&source).is_some();
+        match result {
+            Ok(Copied {
+                identity,
+                partial: Some((copy, file)),
+            }) if under_way => {
+                if let Some(held) = self.serve_partial(&source, identity, copy, &file, Some(reader))
+                {
+                    log::info!(
+                        "{source}: the partial copy made before is served again ({} held)",
+                        human(held)
+                    );
+                }
+            }
+            Ok(_) => self.cache.delete_unserved(&source), // changed meanwhile
+            Err(e) => {
+                log::info!("{source}: the partial copy made before is dropped: {e}");
+                self.cache.delete_unserved(&source);
+            }
+        }
+        self.start_queued();
     }
 
     /// ENOSPC: the cache filesystem holds less than the budget said. Shrink the budget to

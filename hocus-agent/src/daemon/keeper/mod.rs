@@ -151,6 +151,7 @@ pub fn start(config: Config) -> Result<(Handle, thread::JoinHandle<()>, [Route; 
         published_at: Instant::now() - PUBLISH_EVERY,
         binds_due: board::BindsDue::default(),
     };
+    keeper.resume_partials();
     let handle = thread::Builder::new()
         .name("hocus-keeper".into())
         .spawn(move || keeper.run(order_rx, done_rx))?;
@@ -307,6 +308,7 @@ impl Keeper {
                 self.status.peer_wait_ms += origin.waited.as_millis() as u64;
                 self.copied(source, result)
             }
+            Done::Resumed(source, reader, result) => self.resumed(source, reader, result),
             Done::Snapshotted(root, result) => self.snapshotted(root, result),
             Done::Pinned(source, result) => self.pinned(source, result),
             Done::Revalidated {

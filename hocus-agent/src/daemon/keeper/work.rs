@@ -48,6 +48,15 @@ pub enum Work {
         parent: Option<Arc<Parent>>,
         ranges: Option<Extents>,
     },
+    /// Serve again the partial copy `dest` of `source` (in `tree`, read as `reader`) a
+    /// previous daemon made of version `made_of`, if the network file is still that.
+    Resume {
+        source: String,
+        tree: PathBuf,
+        reader: User,
+        dest: PathBuf,
+        made_of: Identity,
+    },
     /// Take a snapshot of `root` (in `tree`) into `dest`, linking the cache's valid copies.
     Snapshot {
         root: PathBuf,
@@ -83,6 +92,8 @@ pub enum Work {
 /// What came of a piece of work.
 pub enum Done {
     Copied(String, Result<Copied, CopyError>, Origin),
+    /// A partial copy found at the start, served again (its reader's uid with it).
+    Resumed(String, u32, Result<Copied, CopyError>),
     Snapshotted(PathBuf, Result<(Stamp, Taken), CopyError>),
     Pinned(String, std::io::Result<(Option<Mmap>, u64)>),
     /// The copies and snapshots that differ from the network now (gone ones too).
@@ -103,6 +114,16 @@ pub enum Done {
 pub struct Copied {
     pub identity: Identity,
     pub partial: Option<(PartialCopy, fs::File)>,
+}
+
+impl Copied {
+    /// A partial copy made (or served again).
+    fn partial((identity, copy, file): (Identity, PartialCopy, fs::File)) -> Self {
+        Self {
+            identity,
+            partial: Some((copy, file)),
+        }
+    }
 }
 
 /// Where a copy's bytes came from, and how long it waited on the parent node.
@@ -201,11 +222,7 @@ fn run(work: Work, tmp: &Path) -> Option<Done> {
             };
             let mut origin = Origin::default();
             if let Some(ranges) = ranges {
-                let made =
-                    copy::copy_partial(&copying, &ranges).map(|(identity, p, file)| Copied {
-                        identity,
-                        partial: Some((p, file)),
-                    });
+                let made = copy::copy_partial(&copying, &ranges).map(Copied::partial);
                 return Some(Done::Copied(source, made, origin));
             }
             let result = match parent.as_deref().filter(|p| !p.has_failed()) {
@@ -227,6 +244,16 @@ fn run(work: Work, tmp: &Path) -> Option<Done> {
                 None => copy(Via::Network),
             };
             Done::Copied(source, result, origin)
+        }
+        Work::Resume {
+            source,
+            tree,
+            reader,
+            dest,
+            made_of,
+        } => {
+            let resumed = copy::resume_partial(&tree, source.as_ref(), &reader, &dest, &made_of);
+            Done::Resumed(source, reader.uid, resumed.map(Copied::partial))
         }
         Work::Snapshot {
             root,
