@@ -110,9 +110,9 @@ pub struct Settings {
     /// A file at least this big that jobs read in part (the profile's byte ranges) and
     /// never mapped gets a partial copy: a sparse local file holding the ranges read,
     /// the rest filled from the network when a job reads it (docs/partial-copies.md;
-    /// needs Linux 6.14's fanotify pre-content events on the cache's filesystem). Off by
-    /// default while every read of such a copy waits on the daemon's answer (short reads
-    /// were slower than the network: `cargo xtask bench ranges`). 0: every copy whole [default: 0].
+    /// needs Linux 6.14's fanotify pre-content events on the cache's filesystem; whole
+    /// copies elsewhere). Each read system call of such a copy waits on the daemon's
+    /// answer (tens of µs) until it holds the whole file. 0: every copy whole [default: 64M].
     #[arg(long, value_name = "SIZE")]
     pub partial_from: Option<Size>,
 
@@ -214,7 +214,7 @@ impl Settings {
             trace_every_process: Some(false),
             copy_workers: Some(8),
             whole_snapshots: Some(false),
-            partial_from: Some(Size::Bytes(0)),
+            partial_from: Some(Size::Bytes(64 << 20)),
             max_profile_entries: Some(2_000_000),
             job_profiles: Some(DEFAULT_JOB_PROFILES.into()),
             relay_port: Some(DEFAULT_RELAY_PORT),

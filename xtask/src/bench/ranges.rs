@@ -101,7 +101,7 @@ pub fn ranges(agent_bin: &Path, r: &Ranges) -> Result<()> {
     let at = offsets(r.chunks, size);
     let read = (r.chunks * MIB) as u64;
 
-    // Partial copies asked for (they are off by default), where the kernel has them.
+    // Partial copies from 32 MiB (64 by default), where the kernel has them.
     let (disk, agent) = agent_on_local_disk(&net, &["--partial-from", "32M"]);
     println!(
         "big files read in part: {}",
