@@ -70,6 +70,18 @@ pub struct NetworkMount {
     _watchdog: watchdog::Watchdog,
 }
 
+/// A server stopped by `NetworkMount::pause_server`, going on when dropped.
+pub struct PausedServer(Vec<i32>);
+
+impl Drop for PausedServer {
+    fn drop(&mut self) {
+        for pid in &self.0 {
+            // SAFETY: plain kill(2).
+            unsafe { libc::kill(*pid, libc::SIGCONT) };
+        }
+    }
+}
+
 impl NetworkMount {
     /// Starts an sshd on a free loopback port and mounts its export with sshfs.
     pub fn start() -> Self {
@@ -333,6 +345,38 @@ impl NetworkMount {
             );
             thread::sleep(Duration::from_millis(50));
         }
+    }
+
+    /// Stops the server answering (its sshd and every process under it: SIGSTOP) until
+    /// the value returned is dropped: a file server that hangs. sshfs only.
+    pub fn pause_server(&self) -> PausedServer {
+        let sshd = self.sshd.as_ref().expect("an sshfs fixture").id() as i32;
+        let mut pids = vec![sshd];
+        let mut i = 0;
+        // Its descendants: the session's sshd, the sftp-server.
+        while i < pids.len() {
+            let parent = pids[i];
+            for entry in fs::read_dir("/proc").unwrap().flatten() {
+                let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
+                    continue;
+                };
+                let stat = fs::read_to_string(entry.path().join("stat")).unwrap_or_default();
+                // After the command's closing parenthesis: state, then the parent's pid.
+                let ppid = stat
+                    .rsplit_once(')')
+                    .and_then(|(_, rest)| rest.split_whitespace().nth(1))
+                    .and_then(|p| p.parse::<i32>().ok());
+                if ppid == Some(parent) && !pids.contains(&pid) {
+                    pids.push(pid);
+                }
+            }
+            i += 1;
+        }
+        for pid in &pids {
+            // SAFETY: plain kill(2).
+            unsafe { libc::kill(*pid, libc::SIGSTOP) };
+        }
+        PausedServer(pids)
     }
 
     /// A path on the network mount.
@@ -801,6 +845,13 @@ impl Agent {
             .arg("--state-dir")
             .arg(&self.state_dir)
             .args(args);
+        cmd
+    }
+
+    /// `python3 -c script` as a job under `hocus-agent run`, as root, from `/`.
+    pub fn python_job(&self, script: &str) -> Command {
+        let mut cmd = self.cli(&["run", "--", "python3", "-c", script]);
+        cmd.current_dir("/");
         cmd
     }
 

@@ -155,17 +155,10 @@ fn a_file_opened_for_writing_again_and_again_is_never_bound_and_a_fresh_install_
     );
     // A job can still take the lock and write it: it is not bound read-only.
     let out = agent
-        .cli(&[
-            "run",
-            "--",
-            "python3",
-            "-c",
-            &format!(
-                "f = open({:?}, 'r+'); f.write('held'); f.close()",
-                lock.display().to_string()
-            ),
-        ])
-        .current_dir("/")
+        .python_job(&format!(
+            "f = open({:?}, 'r+'); f.write('held'); f.close()",
+            lock.display().to_string()
+        ))
         .output()
         .unwrap();
     assert_success(&out);

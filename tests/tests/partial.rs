@@ -82,6 +82,10 @@ fn a_big_file_read_in_part_is_copied_in_part_and_filled_when_read() {
         format!("{} {}", sum(4 * MIB + 100, 4096), sum(20 * MIB, 4096))
     );
     assert_eq!(held(&local), MIB + 65536);
+    // Budgets count what fills add.
+    wait_until(10, "the fill counted in the cache's bytes", || {
+        agent.cache()["cached_bytes"] == MIB + 65536
+    });
     let copy = fs::read(&local).unwrap();
     assert!(
         copy[20 * MIB as usize..20 * MIB as usize + 65536]
@@ -173,11 +177,104 @@ fn a_killed_daemon_leaves_what_is_not_local_failing_never_zeros_and_the_next_ser
     next.stop();
     assert!(guard_of(&next).is_none());
     let (dir, state) = next.into_dirs();
-    let last = Agent::start_with_state(dir, state, &["--watch", &watch]);
+    let last = Agent::start_with_state(dir, state, &["--watch", &watch, "--partial-from", "0"]);
     wait_until(10, "the partial copy dropped", || !local.exists());
     assert!(
         last.log().contains("not served again: deleted"),
         "{}",
         last.log()
+    );
+}
+
+#[test]
+fn a_job_killed_while_it_waits_on_a_fill_goes_and_the_daemon_serves_the_next() {
+    let net = NetworkMount::start();
+    let (agent, data) = prefetched(&net);
+    // A job started (its copies checked against the server), then the server hangs,
+    // then the job reads what the copy lacks: it waits on the fill.
+    let work = tempfile::tempdir().unwrap();
+    let go = work.path().join("go");
+    let mut client = agent
+        .python_job(&format!(
+            "import os, time\nfd = os.open('{}', os.O_RDONLY)\nwhile not os.path.exists('{}'): time.sleep(0.05)\nos.pread(fd, 4096, 20 << 20) # waits on a fill",
+            data.display(),
+            go.display()
+        ))
+        .spawn()
+        .unwrap();
+    // The job itself (the daemon forks it; `run` is its caller's end).
+    let mut job = 0;
+    wait_until(20, "the job started", || {
+        job = fs::read_dir("/proc")
+            .unwrap()
+            .flatten()
+            .filter_map(|e| e.file_name().to_string_lossy().parse::<i32>().ok())
+            .find(|pid| {
+                fs::read(format!("/proc/{pid}/cmdline"))
+                    .is_ok_and(|c| String::from_utf8_lossy(&c).contains("# waits on a fill"))
+                    && fs::read_to_string(format!("/proc/{pid}/comm"))
+                        .is_ok_and(|c| c.starts_with("python"))
+            })
+            .unwrap_or(0);
+        job > 0
+    });
+    let paused = net.pause_server();
+    fs::write(&go, "").unwrap();
+    wait_until(20, "the job waiting on the fill", || {
+        fs::read_to_string(format!("/proc/{job}/wchan")).is_ok_and(|w| w.contains("fanotify"))
+    });
+    // Killed there, it goes at once: the wait is killable.
+    // SAFETY: plain kill(2).
+    unsafe { libc::kill(job, libc::SIGKILL) };
+    let killed = std::time::Instant::now();
+    client.wait().unwrap();
+    assert!(killed.elapsed().as_secs() < 5, "{:?}", killed.elapsed());
+    assert!(
+        !Path::new(&format!("/proc/{job}/cmdline")).exists() || {
+            std::thread::sleep(std::time::Duration::from_millis(500));
+            !Path::new(&format!("/proc/{job}")).exists()
+        }
+    );
+    drop(paused);
+    // The fill ends with nobody to answer; the next job is served, the range too.
+    let sums = read_at(&agent, &data, &[20 * MIB, 4 * MIB]);
+    assert_eq!(
+        sums,
+        format!("{} {}", sum(20 * MIB, 4096), sum(4 * MIB, 4096))
+    );
+    assert_eq!(agent.cache()["partial_reads_failed"], 0);
+}
+
+#[test]
+fn a_file_changed_on_the_server_between_two_jobs_is_read_new_never_mixed() {
+    let net = NetworkMount::start();
+    let (agent, data) = prefetched(&net);
+    let sums = read_at(&agent, &data, &[4 * MIB, 20 * MIB]);
+    assert_eq!(
+        sums,
+        format!("{} {}", sum(4 * MIB, 4096), sum(20 * MIB, 4096))
+    );
+    // Rewritten on the server, in place: the same size, every byte another.
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    let new: Vec<u8> = (0..32 * MIB).map(|i| byte(i).wrapping_add(7)).collect();
+    fs::write(net.server_path("data/train.bin"), &new).unwrap();
+    // sshfs shows it within a second (dcache_timeout=1), as NFS's attribute cache would.
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    let new_sum = |at: u64| -> u64 {
+        new[at as usize..at as usize + 4096]
+            .iter()
+            .map(|b| u64::from(*b))
+            .sum()
+    };
+    // What the copy held, what a fill made local, and what neither had: all new.
+    let sums = read_at(&agent, &data, &[4 * MIB, 20 * MIB, 28 * MIB]);
+    assert_eq!(
+        sums,
+        format!(
+            "{} {} {}",
+            new_sum(4 * MIB),
+            new_sum(20 * MIB),
+            new_sum(28 * MIB)
+        )
     );
 }

@@ -254,6 +254,17 @@ impl Cache {
         self.insert_entry(source, partial);
     }
 
+    /// What the partial copy of `source` holds now (its fills grew it).
+    pub fn set_held(&mut self, source: &str, held: u64) {
+        if let Some(c) = self.entries.get(source).filter(|c| c.is_partial()) {
+            let held = held.max(1);
+            if c.held != held {
+                let c = Cached { held, ..*c };
+                self.insert_entry(source, c);
+            }
+        }
+    }
+
     /// The partial copies a previous daemon served, to serve again (or delete, with
     /// [`Cache::delete_unserved`]): each is an entry again once inserted.
     pub fn take_unserved(&mut self) -> Vec<(String, Cached)> {

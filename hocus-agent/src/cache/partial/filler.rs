@@ -81,6 +81,10 @@ type Writing = Mutex<HashMap<(u64, u64), usize>>;
 pub struct Filler {
     group: Arc<Group>,
     copies: Arc<Copies>,
+    /// Copies the cache no longer holds, still marked: a job may have one open, and
+    /// unmarked its holes would read as zeros. Their reads of what they lack fail with
+    /// EIO; they are unmarked (and their network files closed) once no job runs.
+    retired: Mutex<Vec<Arc<PartialCopy>>>,
     pub counts: Arc<Counts>,
     stop: Arc<AtomicBool>,
     /// The reader and the watchdog, joined at a drop; the workers end once the reader's
@@ -145,6 +149,7 @@ impl Filler {
         Ok(Self {
             group,
             copies,
+            retired: Mutex::default(),
             counts,
             stop,
             stoppable: vec![watchdog, reader],
@@ -157,15 +162,61 @@ impl Filler {
     }
 
     /// Serves `copy` from `file` (the sparse local file): its reads wait for the filler
-    /// from now on.
+    /// from now on. Another copy of the same network file served before is retired:
+    /// this one took its place in the cache.
     pub fn serve(&self, copy: Arc<PartialCopy>, file: &File) -> io::Result<()> {
         let key = key_of(file)?;
+        self.retire_but(&copy.name, Some(key));
         self.copies.lock().expect("not poisoned").insert(key, copy);
         if let Err(e) = self.group.mark(file) {
             self.copies.lock().expect("not poisoned").remove(&key);
             return Err(e);
         }
         Ok(())
+    }
+
+    /// The copies served, by the network file they stand for, with the bytes each holds.
+    pub fn held(&self) -> Vec<(String, u64)> {
+        let copies = self.copies.lock().expect("not poisoned");
+        copies
+            .values()
+            .map(|c| (c.name.clone(), c.held()))
+            .collect()
+    }
+
+    /// Stops serving the copies of the network file `name` (the cache dropped them):
+    /// reads of what they lack fail with EIO from now on; unmarked once no job runs
+    /// ([`Filler::release_retired`]).
+    pub fn retire(&self, name: &str) {
+        self.retire_but(name, None);
+    }
+
+    /// Retires the copies of `name` but the one of file `kept`.
+    fn retire_but(&self, name: &str, kept: Option<(u64, u64)>) {
+        let mut copies = self.copies.lock().expect("not poisoned");
+        let keys: Vec<(u64, u64)> = copies
+            .iter()
+            .filter(|(k, c)| c.name == name && Some(**k) != kept)
+            .map(|(k, _)| *k)
+            .collect();
+        let mut retired = self.retired.lock().expect("not poisoned");
+        retired.extend(keys.iter().filter_map(|k| copies.remove(k)));
+    }
+
+    /// Unmarks the retired copies and lets them go, at a time no job of this daemon
+    /// runs; but not those a daemon before made (jobs it started may still hold them,
+    /// unknown to this one): they stay marked, failing what they lack, while the group
+    /// lives.
+    pub fn release_retired(&self) {
+        self.retired.lock().expect("not poisoned").retain(|copy| {
+            if copy.resumed {
+                return true;
+            }
+            if let Err(e) = self.group.unmark(copy.local()) {
+                log::debug!("partial copies: unmarking {}: {e}", copy.name);
+            }
+            false
+        });
     }
 }
 

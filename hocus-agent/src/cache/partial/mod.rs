@@ -85,6 +85,8 @@ pub struct PartialCopy {
     dropped: AtomicBool,
     /// Where the last access ended (a grain): one that starts there reads in order.
     next: AtomicU32,
+    /// Made by a daemon before this one: jobs it does not know may hold it.
+    pub resumed: bool,
 }
 
 impl PartialCopy {
@@ -107,6 +109,7 @@ impl PartialCopy {
             filled: Mutex::new(Extents::default()),
             dropped: AtomicBool::new(false),
             next: AtomicU32::new(0),
+            resumed: false,
         };
         for &(start, end) in ranges.iter() {
             partial.fill(start, end)?;
@@ -132,11 +135,25 @@ impl PartialCopy {
             filled: Mutex::new(held),
             dropped: AtomicBool::new(false),
             next: AtomicU32::new(0),
+            resumed: true,
         })
     }
 
     pub fn size(&self) -> u64 {
         self.version.size
+    }
+
+    /// Bytes held (whole grains; the last may be short).
+    pub fn held(&self) -> u64 {
+        self.filled
+            .lock()
+            .expect("not poisoned")
+            .bytes(self.version.size)
+    }
+
+    /// The copy, open on the cache's own mount.
+    pub fn local(&self) -> &File {
+        &self.local
     }
 
     /// Whether a fill found the network file changed: the copy must go.

@@ -71,6 +71,21 @@ impl Partials {
         self.filler.serve(Arc::new(copy), file)
     }
 
+    /// The copies served, by network file, and the bytes each holds.
+    pub fn held(&self) -> Vec<(String, u64)> {
+        self.filler.held()
+    }
+
+    /// Stops serving the copies of the network file `name` (the cache dropped them).
+    pub fn retire(&self, name: &str) {
+        self.filler.retire(name);
+    }
+
+    /// Lets the retired copies go: no job runs that may have one open.
+    pub fn release_retired(&self) {
+        self.filler.release_retired();
+    }
+
     /// Reads allowed, bytes filled, reads failed, so far.
     pub fn counts(&self) -> (u64, u64, u64) {
         let c = &self.filler.counts;

@@ -299,3 +299,53 @@ fn a_copy_made_before_is_resumed_holding_the_whole_grains_it_has() {
     copy.set_len(size + 1).unwrap();
     assert!(PartialCopy::resume("network".into(), source, copy).is_err());
 }
+
+#[test]
+fn a_retired_copy_fails_what_it_lacks_until_released_and_its_fills_are_counted() {
+    let Some((dir, _copy, _partial, filler)) = served(4 * MIB) else {
+        return;
+    };
+    assert_eq!(filler.held(), [("network".to_owned(), MIB)]);
+    let out = finished(reader(
+        &dir.path().join("copy"),
+        "print(sum(os.pread(f.fileno(), 4096, 2 << 20)))",
+    ));
+    assert_eq!(said(&out), sum(2 * MIB, 2 * MIB + 4096).to_string());
+    assert_eq!(filler.held(), [("network".to_owned(), MIB + 65536)]);
+
+    // The cache dropped it: what it lacks fails, never zeros; what it holds reads.
+    filler.retire("network");
+    assert!(filler.held().is_empty());
+    let out = finished(reader(
+        &dir.path().join("copy"),
+        "print(sum(os.pread(f.fileno(), 4096, 3 << 20)))",
+    ));
+    assert!(said(&out).contains("Input/output error"), "{}", said(&out));
+    // Released (no job runs): unmarked, its reads ask nothing any more.
+    filler.release_retired();
+    let allowed = filler.counts.allowed.load(Ordering::Relaxed);
+    let out = finished(reader(
+        &dir.path().join("copy"),
+        "print(sum(os.pread(f.fileno(), 100, 0)))",
+    ));
+    assert_eq!(said(&out), sum(0, 100).to_string());
+    assert_eq!(filler.counts.allowed.load(Ordering::Relaxed), allowed);
+}
+
+#[test]
+fn a_retired_copy_a_daemon_before_made_stays_marked() {
+    let Some((dir, copy, _partial, filler)) = served(4 * MIB) else {
+        return;
+    };
+    // Taken up again as the next daemon would, then dropped by the cache.
+    let source = File::open(dir.path().join("network")).unwrap();
+    let resumed = PartialCopy::resume("network".into(), source, copy.try_clone().unwrap());
+    filler.serve(Arc::new(resumed.unwrap()), &copy).unwrap();
+    filler.retire("network");
+    filler.release_retired();
+    let out = finished(reader(
+        &dir.path().join("copy"),
+        "print(sum(os.pread(f.fileno(), 4096, 3 << 20)))",
+    ));
+    assert!(said(&out).contains("Input/output error"), "{}", said(&out));
+}

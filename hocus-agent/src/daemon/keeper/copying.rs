@@ -295,10 +295,29 @@ impl Keeper {
         Some(held)
     }
 
+    /// Brings the cache's count of what partial copies hold up to date (they grow as
+    /// jobs' reads fill them: budgets count it), and retires those the cache no longer
+    /// holds (dropped, changed, evicted) from the filler.
+    pub(super) fn count_partial_copies(&mut self) {
+        let Some(partials) = &self.partials else {
+            return;
+        };
+        for (source, held) in partials.held() {
+            match self.cache.get(&source) {
+                Some(c) if c.is_partial() => self.cache.set_held(&source, held),
+                _ => partials.retire(&source),
+            }
+        }
+        if self.jobs.running() == 0 {
+            partials.release_retired();
+        }
+    }
+
     /// Serves again the partial copies a previous daemon made (jobs may still read them
     /// through their binds, and the next ones find them held), each once found
-    /// unchanged on the network; deleted where none are made now.
+    /// unchanged on the network; deleted where none are made now, or not of this size.
     pub(super) fn resume_partials(&mut self) {
+        let from = self.config.partial_from;
         for (source, c) in self.cache.take_unserved() {
             let reader = match c.reader {
                 Some(0) => Some(User::root()),
@@ -306,7 +325,8 @@ impl Keeper {
                 None => None,
             };
             let tree = self.tree_of(Path::new(&source)).cloned();
-            let (true, Some(reader), Some(tree)) = (self.partials.is_some(), reader, tree) else {
+            let made_now = self.partials.is_some() && from > 0 && c.identity.size >= from;
+            let (true, Some(reader), Some(tree)) = (made_now, reader, tree) else {
                 log::info!("{source}: a partial copy made before, not served again: deleted");
                 self.cache.delete_unserved(&source);
                 continue;

@@ -333,6 +333,7 @@ impl Keeper {
         // loses the entries of the last second; their files are then removed as strays at
         // the next start).
         if last_save.elapsed() >= INDEX_SAVE_INTERVAL {
+            self.count_partial_copies();
             self.cache.save();
             *last_save = Instant::now();
         }
@@ -412,6 +413,9 @@ impl Keeper {
             Order::JobEnded { id } => {
                 if let Some(j) = self.jobs.end(id) {
                     jobs::task_ended(&mut self.status.slurm_jobs, j);
+                }
+                if let Some(p) = self.partials.as_ref().filter(|_| self.jobs.running() == 0) {
+                    p.release_retired();
                 }
             }
             // Handled by the loop.
