@@ -1279,6 +1279,11 @@ pub fn test_user() -> (u32, u32) {
     (id("-u").unwrap(), id("-g").unwrap())
 }
 
+/// numpy and h5py from PyPI, in a directory of their own (`python_packages`).
+pub fn numpy_h5py() -> PathBuf {
+    python_packages("numpy-h5py", &["numpy==2.2.6", "h5py==3.13.0"])
+}
+
 /// Where `python_packages` installs.
 const PACKAGES: &str = "/opt/hocus-tests";
 

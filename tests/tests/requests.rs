@@ -498,9 +498,6 @@ fn the_byte_ranges_a_job_reads_are_profiled_by_every_route() {
     }
 }
 
-/// numpy and h5py, from PyPI, once per machine.
-const NUMPY_H5PY: &[&str] = &["numpy==2.2.6", "h5py==3.13.0"];
-
 /// Runs `script` (Python, with numpy and h5py importable) as a job of `agent`; what it
 /// printed.
 fn python_job(agent: &Agent, packages: &Path, script: &str) -> String {
@@ -526,7 +523,7 @@ fn held(ranges: &[[u64; 2]]) -> u64 {
 
 #[test]
 fn what_numpy_memmap_and_h5py_read_of_big_files_is_profiled_as_ranges() {
-    let packages = hocus_tests::python_packages("numpy-h5py", NUMPY_H5PY);
+    let packages = hocus_tests::numpy_h5py();
     let net = NetworkMount::start();
     // An HDF5 file of 64 MiB: a contiguous float32 dataset of 1024 rows of 64 KiB.
     let local = tempfile::tempdir().unwrap();
