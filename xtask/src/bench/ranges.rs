@@ -59,6 +59,60 @@ fn job(path: &Path, offsets: &[u64]) -> String {
     )
 }
 
+/// A Python job reading `path` in order, whole, 1 MiB at a time; it prints how long
+/// its reads took.
+fn job_in_order(path: &Path) -> String {
+    format!(
+        "import os, time\nfd = os.open('{}', os.O_RDONLY)\nt = time.perf_counter()\nat = 0\nwhile True:\n    n = len(os.pread(fd, {MIB}, at))\n    if n == 0: break\n    at += n\nprint(time.perf_counter() - t)\n",
+        path.display()
+    )
+}
+
+/// What a file read whole, in order, comes to with partial copies on.
+struct InOrder {
+    /// What the cache holds of it, and whether its copy is pinned in RAM (the job
+    /// again then reads memory, not the disk).
+    held: u64,
+    pinned: bool,
+    /// The job from the network, again from the cache, from a local disk (medians).
+    from_network: f64,
+    from_copy: f64,
+    from_disk: f64,
+}
+
+/// The same bytes, another file, read whole in order by a job: its copy is whole (the
+/// profile's ranges hold all of it), as without partial copies; the job again from it
+/// against the same job on `local` (a local disk), in turns.
+fn in_order(
+    agent: &hocus_tests::Agent,
+    net: &hocus_tests::NetworkMount,
+    content: &[u8],
+    local: &Path,
+    runs: usize,
+) -> Result<InOrder> {
+    let file = net.put("data/in-order.bin", content);
+    let (from_network, _) = run_job(agent, &job_in_order(&file))?;
+    let copy = agent.local_copy(&file);
+    let size = content.len() as u64;
+    super::common::wait_for(agent, 300, "the file read in order held", || {
+        std::fs::metadata(&copy).is_ok_and(|m| m.len() == size)
+    })?;
+    let pinned = agent.settled()["pinned_bytes"].as_u64().unwrap_or(0) >= size;
+    let held = std::os::unix::fs::MetadataExt::blocks(&std::fs::metadata(&copy)?) * 512;
+    let (mut copy_runs, mut disk_runs) = (Vec::new(), Vec::new());
+    for _ in 0..runs {
+        copy_runs.push(run_job(agent, &job_in_order(&file))?);
+        disk_runs.push(run_job(agent, &job_in_order(local))?);
+    }
+    Ok(InOrder {
+        held,
+        pinned,
+        from_network,
+        from_copy: medians(copy_runs).0,
+        from_disk: medians(disk_runs).0,
+    })
+}
+
 /// The medians of the whole jobs' times and of their reads'.
 fn medians(runs: Vec<(f64, f64)>) -> (f64, f64) {
     let median = |mut v: Vec<f64>| {
@@ -135,6 +189,7 @@ pub fn ranges(agent_bin: &Path, r: &Ranges) -> Result<()> {
     );
     let (from_copy, reads_copy) = medians(copy_runs);
     let (from_disk, reads_disk) = medians(disk_runs);
+    let whole = in_order(&agent, &net, &content, &local, r.runs)?;
 
     let mib = |b: u64| b as f64 / MIB as f64;
     let ratio = |b: u64| b as f64 / read as f64;
@@ -170,6 +225,15 @@ pub fn ranges(agent_bin: &Path, r: &Ranges) -> Result<()> {
         reads_copy / reads_disk,
         from_network / from_disk
     );
+    println!(
+        "\nthe same bytes read whole, in order, by a job: the cache holds {:.2}x the file (a whole copy, as without partial copies{}); the job {:.3} s from the network, again from the cache {:.3} s, from a local disk {:.3} s: {:.2}x",
+        whole.held as f64 / size as f64,
+        if whole.pinned { ", pinned in RAM" } else { "" },
+        whole.from_network,
+        whole.from_copy,
+        whole.from_disk,
+        whole.from_copy / whole.from_disk
+    );
     write_figures(
         "ranges",
         &serde_json::json!({
@@ -188,6 +252,10 @@ pub fn ranges(agent_bin: &Path, r: &Ranges) -> Result<()> {
             "reads_seconds_from_network": reads_network,
             "reads_seconds_from_the_cache": reads_copy,
             "reads_seconds_from_local_disk": reads_disk,
+            "in_order_held_bytes": whole.held,
+            "in_order_seconds_from_network": whole.from_network,
+            "in_order_seconds_from_the_cache": whole.from_copy,
+            "in_order_seconds_from_local_disk": whole.from_disk,
         }),
     )
 }
