@@ -94,8 +94,10 @@ fn in_order(
     let (from_network, _) = run_job(agent, &job_in_order(&file))?;
     let copy = agent.local_copy(&file);
     let size = content.len() as u64;
-    super::common::wait_for(agent, 300, "the file read in order held", || {
-        std::fs::metadata(&copy).is_ok_and(|m| m.len() == size)
+    // Whole: a partial copy made while the job read (its ranges then) is replaced.
+    super::common::wait_for(agent, 300, "the file read in order held whole", || {
+        std::fs::metadata(&copy)
+            .is_ok_and(|m| std::os::unix::fs::MetadataExt::blocks(&m) * 512 >= size)
     })?;
     let pinned = agent.settled()["pinned_bytes"].as_u64().unwrap_or(0) >= size;
     let held = std::os::unix::fs::MetadataExt::blocks(&std::fs::metadata(&copy)?) * 512;

@@ -67,6 +67,7 @@ impl Keeper {
         for c in &moves.wanted {
             wanted[c.at as usize] = Some(c.pinned);
         }
+        let wanted_at: Vec<u32> = moves.wanted.iter().map(|c| c.at).collect();
         let queued: VecDeque<u32> = moves.copies().map(|c| c.at).collect();
         let pin: Vec<String> = moves.pin.iter().map(|p| (*p).to_owned()).collect();
         let (evict, unpin) = (moves.evict, moves.unpin);
@@ -91,8 +92,44 @@ impl Keeper {
         for source in pin {
             self.pin(&source);
         }
+        let mut queued = queued;
+        for at in self.outgrown_partial_copies(&wanted_at) {
+            queued.push_front(at);
+        }
         self.copies.queue(queued);
         self.start_queued();
+    }
+
+    /// The wanted files (places in the view) whose partial copy jobs have outgrown: read
+    /// whole since (a job reading it all from the copy would fill it from the network at
+    /// read-ahead pace), mapped, or below `partial-from` now. Their copies go, to be
+    /// made whole; one that jobs' reads filled whole already is kept as a whole copy.
+    fn outgrown_partial_copies(&mut self, wanted: &[u32]) -> Vec<u32> {
+        let view = self.placement.view();
+        let outgrown: Vec<(u32, String)> = wanted
+            .iter()
+            .filter_map(|&at| Some((at, view.file(at as usize)?)))
+            .filter(|(_, f)| {
+                self.cache.get(f.path).is_some_and(|e| e.is_partial())
+                    && self.partial_ranges(f).is_none()
+            })
+            .map(|(at, f)| (at, f.path.to_owned()))
+            .collect();
+        let mut again = Vec::new();
+        for (at, source) in outgrown {
+            let Some(entry) = self.cache.get(&source).copied() else {
+                continue;
+            };
+            if entry.held >= entry.identity.size {
+                // Filled whole by jobs' reads (and so unmarked): a whole copy now.
+                self.cache.insert(&source, entry.identity);
+                continue;
+            }
+            log::info!("{source}: jobs read it whole now: its partial copy goes for a whole one");
+            self.drop_copy(&source);
+            again.push(at);
+        }
+        again
     }
 
     /// Starts the queued copies in the placement's order, up to `COPIES_AT_ONCE` under
