@@ -855,6 +855,20 @@ impl Agent {
         cmd
     }
 
+    /// `script` (Python, with the packages in `packages` importable) as a job; what it
+    /// printed. It must succeed.
+    pub fn python_with(&self, packages: &Path, script: &str) -> String {
+        let file = tempfile::Builder::new().suffix(".py").tempfile().unwrap();
+        fs::write(file.path(), script).unwrap();
+        let out = self.run_job(&format!(
+            "PYTHONDONTWRITEBYTECODE=1 PYTHONPATH={} python3 {}",
+            packages.display(),
+            file.path().display()
+        ));
+        assert_success(&out);
+        String::from_utf8_lossy(&out.stdout).trim().to_owned()
+    }
+
     /// `sh -c script` as a job under `hocus-agent run`, as root, from `/`.
     pub fn run_job(&self, script: &str) -> Output {
         self.cli(&["run", "--", "sh", "-c", script])
@@ -1282,6 +1296,29 @@ pub fn test_user() -> (u32, u32) {
 /// numpy and h5py from PyPI, in a directory of their own (`python_packages`).
 pub fn numpy_h5py() -> PathBuf {
     python_packages("numpy-h5py", &["numpy==2.2.6", "h5py==3.13.0"])
+}
+
+/// An HDF5 file of 64 MiB made with h5py (from `packages`): a contiguous float32
+/// dataset `x` of 1024 rows of 16384, row r holding r * 16384 .. (r + 1) * 16384. Its
+/// bytes, and where the dataset starts in them.
+pub fn hdf5_rows(packages: &Path) -> (Vec<u8>, u64) {
+    let work = tempfile::tempdir().unwrap();
+    let made = work.path().join("rows.h5");
+    let out = Command::new("python3")
+        .env("PYTHONPATH", packages)
+        .arg("-c")
+        .arg(format!(
+            "import h5py, numpy as np\n\
+             with h5py.File('{}', 'w') as f:\n    \
+             d = f.create_dataset('x', data=np.arange(1024 * 16384, dtype=np.float32).reshape(1024, 16384))\n    \
+             print(d.id.get_offset())",
+            made.display()
+        ))
+        .output()
+        .unwrap();
+    assert_success(&out);
+    let offset = String::from_utf8_lossy(&out.stdout).trim().parse().unwrap();
+    (fs::read(&made).unwrap(), offset)
 }
 
 /// Where `python_packages` installs.

@@ -279,41 +279,14 @@ fn a_file_changed_on_the_server_between_two_jobs_is_read_new_never_mixed() {
     );
 }
 
-/// Runs `script` (Python, numpy and h5py importable from `packages`) as a job; what it
-/// printed.
-fn python(agent: &Agent, packages: &Path, script: &str) -> String {
-    let out = agent
-        .python_job(&format!(
-            "import sys\nsys.path.insert(0, '{}')\n{script}",
-            packages.display()
-        ))
-        .output()
-        .unwrap();
-    assert_success(&out);
-    String::from_utf8_lossy(&out.stdout).trim().to_owned()
-}
-
 #[test]
 fn h5py_slices_are_served_by_a_partial_copy_and_a_numpy_memmap_by_a_whole_one() {
     let packages = hocus_tests::numpy_h5py();
     let net = NetworkMount::start();
     // 64 MiB of HDF5: a float32 dataset of 1024 rows of 64 KiB, row r holding
     // r * 16384 .. (r + 1) * 16384; and 16 MiB of frames a job maps.
-    let work = tempfile::tempdir().unwrap();
-    let made = work.path().join("train.h5");
-    let out = std::process::Command::new("python3")
-        .env("PYTHONPATH", &packages)
-        .arg("-c")
-        .arg(format!(
-            "import h5py, numpy as np\n\
-             with h5py.File('{}', 'w') as f:\n    \
-             f.create_dataset('x', data=np.arange(1024 * 16384, dtype=np.float32).reshape(1024, 16384))",
-            made.display()
-        ))
-        .output()
-        .unwrap();
-    assert_success(&out);
-    let h5 = net.put("data/train.h5", &fs::read(&made).unwrap());
+    let (made, _) = hocus_tests::hdf5_rows(&packages);
+    let h5 = net.put("data/train.h5", &made);
     let frames = net.put(
         "data/frames.u8",
         &(0..16 * MIB).map(|i| (i % 251) as u8).collect::<Vec<u8>>(),
@@ -340,8 +313,11 @@ fn h5py_slices_are_served_by_a_partial_copy_and_a_numpy_memmap_by_a_whole_one() 
     let frames_read = format!("{} {}", frame_sum(3), frame_sum(9));
 
     // The first job reads from the network.
-    assert_eq!(python(&agent, &packages, &slice(500, 600)), rows(500, 600));
-    assert_eq!(python(&agent, &packages, &memmap), frames_read);
+    assert_eq!(
+        agent.python_with(&packages, &slice(500, 600)),
+        rows(500, 600)
+    );
+    assert_eq!(agent.python_with(&packages, &memmap), frames_read);
     wait_until(60, "both files held", || {
         agent.local_copy(&h5).exists() && agent.local_copy(&frames).exists()
     });
@@ -353,18 +329,24 @@ fn h5py_slices_are_served_by_a_partial_copy_and_a_numpy_memmap_by_a_whole_one() 
 
     // The next jobs are served by them: the slice read again, another filled from the
     // network, the mapping from the whole copy.
-    assert_eq!(python(&agent, &packages, &slice(500, 600)), rows(500, 600));
+    assert_eq!(
+        agent.python_with(&packages, &slice(500, 600)),
+        rows(500, 600)
+    );
     let allowed = agent.cache()["partial_reads_allowed"].as_u64().unwrap();
     assert!(allowed > 0, "{:#}", agent.cache());
     assert_eq!(agent.cache()["partial_bytes_filled"], 0);
-    assert_eq!(python(&agent, &packages, &slice(100, 150)), rows(100, 150));
+    assert_eq!(
+        agent.python_with(&packages, &slice(100, 150)),
+        rows(100, 150)
+    );
     let c = agent.cache();
     assert!(
         c["partial_bytes_filled"].as_u64().unwrap() >= 50 * 65536,
         "{c:#}"
     );
     assert_eq!(c["partial_reads_failed"], 0, "{c:#}");
-    assert_eq!(python(&agent, &packages, &memmap), frames_read);
+    assert_eq!(agent.python_with(&packages, &memmap), frames_read);
     eprintln!(
         "h5py: {} of 64 MiB held after slices of 6.25 and 3.1 MiB, the second filled ({} bytes; {} reads allowed)",
         held(&h5),

@@ -498,20 +498,6 @@ fn the_byte_ranges_a_job_reads_are_profiled_by_every_route() {
     }
 }
 
-/// Runs `script` (Python, with numpy and h5py importable) as a job of `agent`; what it
-/// printed.
-fn python_job(agent: &Agent, packages: &Path, script: &str) -> String {
-    let file = tempfile::Builder::new().suffix(".py").tempfile().unwrap();
-    std::fs::write(file.path(), script).unwrap();
-    let out = agent.run_job(&format!(
-        "PYTHONDONTWRITEBYTECODE=1 PYTHONPATH={} python3 {}",
-        packages.display(),
-        file.path().display()
-    ));
-    assert_success(&out);
-    String::from_utf8_lossy(&out.stdout).trim().to_owned()
-}
-
 /// Whether `ranges` hold all of `[start, end)`.
 fn hold(ranges: &[[u64; 2]], start: u64, end: u64) -> bool {
     ranges.iter().any(|[s, e]| *s <= start && end <= *e)
@@ -526,23 +512,8 @@ fn what_numpy_memmap_and_h5py_read_of_big_files_is_profiled_as_ranges() {
     let packages = hocus_tests::numpy_h5py();
     let net = NetworkMount::start();
     // An HDF5 file of 64 MiB: a contiguous float32 dataset of 1024 rows of 64 KiB.
-    let local = tempfile::tempdir().unwrap();
-    let made = local.path().join("train.h5");
-    let out = std::process::Command::new("python3")
-        .env("PYTHONPATH", &packages)
-        .arg("-c")
-        .arg(format!(
-            "import h5py, numpy as np\n\
-             with h5py.File('{}', 'w') as f:\n    \
-             d = f.create_dataset('x', data=np.arange(1024 * 16384, dtype=np.float32).reshape(1024, 16384))\n    \
-             print(d.id.get_offset())",
-            made.display()
-        ))
-        .output()
-        .unwrap();
-    assert_success(&out);
-    let offset: u64 = String::from_utf8_lossy(&out.stdout).trim().parse().unwrap();
-    let h5 = net.put("data/train.h5", &std::fs::read(&made).unwrap());
+    let (made, offset) = hocus_tests::hdf5_rows(&packages);
+    let h5 = net.put("data/train.h5", &made);
     let frames = net.put(
         "data/frames.u8",
         &(0..128 * MIB).map(|i| (i % 251) as u8).collect::<Vec<u8>>(),
@@ -558,8 +529,7 @@ fn what_numpy_memmap_and_h5py_read_of_big_files_is_profiled_as_ranges() {
 
     // A shuffled pass over four 1 MiB records of a memory-mapped array.
     let chunks = [3, 40, 77, 115];
-    let sums = python_job(
-        &agent,
+    let sums = agent.python_with(
         &packages,
         &format!(
             "import numpy as np\n\
@@ -574,8 +544,7 @@ fn what_numpy_memmap_and_h5py_read_of_big_files_is_profiled_as_ranges() {
         .sum();
     assert_eq!(sums, want.to_string());
     // A slice of 100 rows of the dataset.
-    let rows = python_job(
-        &agent,
+    let rows = agent.python_with(
         &packages,
         &format!(
             "import h5py\n\

@@ -153,10 +153,11 @@ impl Cache {
                 unserved.push((source.clone(), *c));
                 return false;
             }
-            if !ok || c.is_partial() {
+            let keep = ok && !c.is_partial();
+            if !keep {
                 repairs.entries_dropped += 1;
             }
-            ok && !c.is_partial()
+            keep
         });
         let kept: std::collections::HashSet<&str> =
             unserved.iter().map(|(s, _)| s.as_str()).collect();

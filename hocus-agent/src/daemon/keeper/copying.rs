@@ -17,7 +17,7 @@ use super::{
     work::{Copied, Work},
 };
 use crate::{
-    cache::{copy::CopyError, partial::PartialCopy},
+    cache::{copy::CopyError, directory::Cached, partial::PartialCopy},
     profile::extents::Extents,
     shared::{identity::Identity, log_line as logs, size::human, user::User},
 };
@@ -67,7 +67,6 @@ impl Keeper {
         for c in &moves.wanted {
             wanted[c.at as usize] = Some(c.pinned);
         }
-        let wanted_at: Vec<u32> = moves.wanted.iter().map(|c| c.at).collect();
         let queued: VecDeque<u32> = moves.copies().map(|c| c.at).collect();
         let pin: Vec<String> = moves.pin.iter().map(|p| (*p).to_owned()).collect();
         let (evict, unpin) = (moves.evict, moves.unpin);
@@ -93,7 +92,7 @@ impl Keeper {
             self.pin(&source);
         }
         let mut queued = queued;
-        for at in self.outgrown_partial_copies(&wanted_at) {
+        for at in self.outgrown_partial_copies() {
             queued.push_front(at);
         }
         self.copies.queue(queued);
@@ -104,22 +103,22 @@ impl Keeper {
     /// whole since (a job reading it all from the copy would fill it from the network at
     /// read-ahead pace), mapped, or below `partial-from` now. Their copies go, to be
     /// made whole; one that jobs' reads filled whole already is kept as a whole copy.
-    fn outgrown_partial_copies(&mut self, wanted: &[u32]) -> Vec<u32> {
-        let view = self.placement.view();
-        let outgrown: Vec<(u32, String)> = wanted
-            .iter()
-            .filter_map(|&at| Some((at, view.file(at as usize)?)))
-            .filter(|(_, f)| {
-                self.cache.get(f.path).is_some_and(|e| e.is_partial())
-                    && self.partial_ranges(f).is_none()
+    fn outgrown_partial_copies(&mut self) -> Vec<u32> {
+        // The cache's partial copies are few; the wanted files may be millions.
+        let outgrown: Vec<(usize, String, Cached)> = self
+            .cache
+            .sources()
+            .filter(|(source, c)| c.is_partial() && self.placement.wanted(source).is_some())
+            .filter_map(|(source, c)| {
+                let at = self.placement.position(source)?;
+                let f = self.placement.view().file(at)?;
+                self.partial_ranges(&f)
+                    .is_none()
+                    .then(|| (at, source.clone(), *c))
             })
-            .map(|(at, f)| (at, f.path.to_owned()))
             .collect();
         let mut again = Vec::new();
-        for (at, source) in outgrown {
-            let Some(entry) = self.cache.get(&source).copied() else {
-                continue;
-            };
+        for (at, source, entry) in outgrown {
             if entry.held >= entry.identity.size {
                 // Filled whole by jobs' reads (and so unmarked): a whole copy now.
                 self.cache.insert(&source, entry.identity);
@@ -127,7 +126,7 @@ impl Keeper {
             }
             log::info!("{source}: jobs read it whole now: its partial copy goes for a whole one");
             self.drop_copy(&source);
-            again.push(at);
+            again.push(at as u32);
         }
         again
     }

@@ -61,6 +61,11 @@ impl Placement {
         self.index.find(&self.view, path)
     }
 
+    /// Where in the view the file at `path` is, if placement weighed it.
+    pub fn position(&self, path: &str) -> Option<usize> {
+        self.index.position(&self.view, path)
+    }
+
     /// A user seen reading `source` (`File::reader`), whose credentials copy it.
     pub fn reader_of(&self, source: &str) -> Option<User> {
         let uid = self.weighed(source)?.reader()?;
