@@ -22,6 +22,12 @@ impl Extents {
         self.0.is_empty()
     }
 
+    /// Every grain of a file of `size` bytes: what a profile says with no ranges for a
+    /// file it read (the whole file), so that joined with other ranges it stays whole.
+    pub fn all_of(size: u64) -> Self {
+        Self(vec![(0, grain(size.saturating_add(GRAIN - 1)))])
+    }
+
     /// Bytes held on the heap.
     pub fn heap_bytes(&self) -> usize {
         self.0.capacity() * size_of::<(u32, u32)>()

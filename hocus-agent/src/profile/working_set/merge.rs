@@ -3,7 +3,7 @@
 //! win, the written flags and users accumulate); a saved state adopted whole when this
 //! set is empty; and an entry set to exactly what a saved state says (`restore`).
 
-use super::{FileRec, WorkingSet, flags, saturated, users::USERS};
+use super::{FileRec, RANGES_FROM, WorkingSet, flags, saturated, users::USERS};
 use crate::profile::{
     extents::{Extents, MAX_PER_FILE},
     format::{DirEntry, Entry, FileEntry, MissingEntry, Profile},
@@ -48,9 +48,10 @@ impl WorkingSet {
             return;
         }
         let bits = flags(&f);
+        let more = ranges_said(&f);
         let uids = sorted(f.uids);
         let i = self.file_at(&f.path);
-        if let Some(more) = Extents::from_bytes(&f.ranges).filter(|e| !e.is_empty()) {
+        if let Some(more) = more {
             let id = self.files.get(i).path;
             let mut ranges = self.ranges.get(&id).cloned().unwrap_or_default();
             ranges.add_all(&more);
@@ -95,9 +96,9 @@ impl WorkingSet {
         match entry {
             Entry::File(f) => {
                 let bits = flags(&f);
+                let ranges = ranges_said(&f).unwrap_or_default();
                 let users = self.users.id_of(sorted(f.uids).into_boxed_slice());
                 let i = self.file_at(&f.path);
-                let ranges = Extents::from_bytes(&f.ranges).unwrap_or_default();
                 self.set_ranges(self.files.get(i).path, ranges);
                 self.files.update(i, |e| {
                     *e = FileRec {
@@ -125,6 +126,17 @@ impl WorkingSet {
             }
         }
     }
+}
+
+/// The ranges an entry says were read: its own, or every grain for a big file it read
+/// and gives none for (read whole: an entry's absent ranges). Without this, a file read
+/// whole by one job and in part by another stayed in part, and a file restored as read
+/// whole became a part of it at its next read.
+fn ranges_said(f: &FileEntry) -> Option<Extents> {
+    if f.ranges.is_empty() {
+        return (f.bytes_read > 0 && f.size > RANGES_FROM).then(|| Extents::all_of(f.size));
+    }
+    Extents::from_bytes(&f.ranges).filter(|e| !e.is_empty())
 }
 
 fn sorted(mut uids: Vec<u32>) -> Vec<u32> {

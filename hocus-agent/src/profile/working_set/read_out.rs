@@ -115,10 +115,17 @@ impl WorkingSet {
         changed
     }
 
-    /// Every entry, one at a time: files in the order they were recorded, then missing
-    /// names and directories.
+    /// Every entry, one at a time, to be merged into another set: files in the order
+    /// they were recorded, then missing names and directories.
     pub fn entries(&self) -> impl Iterator<Item = Entry> + '_ {
-        let files = self.files.iter().map(|f| Entry::File(self.file_entry(&f)));
+        let files = self.files.iter().map(|f| {
+            let mut e = self.file_entry(&f);
+            // Read whole: said in full, as absent ranges say it only with bytes read.
+            if self.ranges.get(&f.path).is_some_and(|r| r.whole(f.size)) {
+                e.ranges = vec![[0, f.size]];
+            }
+            Entry::File(e)
+        });
         let missing = self
             .missing
             .iter()

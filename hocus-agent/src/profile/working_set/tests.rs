@@ -579,8 +579,34 @@ fn ranges_of_big_files_are_kept_bounded_exported_and_merged() {
     );
     // A range whose end is before its start is not a range: the file's are left alone.
     more.files[0].ranges = vec![[9, 3]];
-    other.merge(more);
+    other.merge(more.clone());
     assert_eq!(file(&other.to_profile(), big).unwrap().ranges.len(), 3);
+
+    // A profile that read the file whole (it gives no ranges) makes it whole: joined
+    // with what it had, and after it, by a job's reads in part, and through a restore.
+    let mut said_whole = more.clone();
+    said_whole.files[0].ranges = vec![];
+    said_whole.files[0].bytes_read = 1 << 30;
+    let mut opened_only = said_whole.clone();
+    opened_only.files[0].bytes_read = 0;
+    other.merge(opened_only);
+    assert_eq!(file(&other.to_profile(), big).unwrap().ranges.len(), 3);
+    other.merge(said_whole);
+    assert!(file(&other.to_profile(), big).unwrap().ranges.is_empty());
+    let read_whole = |ws: &WorkingSet| {
+        let view = ws.for_placement(100);
+        let f = view.files().find(|f| f.path == big).unwrap();
+        f.ranges(&view).is_none()
+    };
+    assert!(read_whole(&other));
+    other.read_range(big, 50, 51);
+    assert!(read_whole(&other));
+    let mut restored = WorkingSet::new(T0);
+    for e in other.to_profile().into_entries() {
+        restored.restore(e);
+    }
+    restored.read_range(big, 50, 51);
+    assert!(read_whole(&restored));
 
     // Read whole, a big file says nothing more than a file with no ranges.
     let mut whole = WorkingSet::new(T0);
@@ -602,4 +628,11 @@ fn ranges_of_big_files_are_kept_bounded_exported_and_merged() {
     let kept = file(&ws.to_profile(), big).unwrap().ranges;
     assert_eq!(kept.len(), crate::profile::extents::MAX_PER_FILE);
     assert_eq!(kept.last().unwrap()[1], (4000 + 3 * 2047 + 1) << 16);
+    // So does a set that holds it whole (a staged prefetch: its ranges in full, no
+    // bytes read said) merged into one that holds it in part.
+    let mut staged = WorkingSet::new(T0);
+    more.files[0].ranges = vec![[0, 1 << 30]];
+    staged.merge(more);
+    ws.merge_set(&staged);
+    assert!(read_whole(&ws));
 }
