@@ -20,8 +20,9 @@ fn sum(from: u64, n: u64) -> u64 {
     (from..from + n).map(|i| u64::from(byte(i))).sum()
 }
 
-/// A daemon with partial copies from 8 MiB, and a 32 MiB file on the network that a
-/// profile says jobs read 1 MiB of, at 4 MiB; prefetched.
+/// A daemon with partial copies from 8 MiB and an SSD budget of 16 MiB, and a 32 MiB
+/// file on the network (twice the budget) that a profile says jobs read 1 MiB of, at
+/// 4 MiB; prefetched. The copy takes the bytes of its ranges, so it fits.
 fn prefetched(net: &NetworkMount) -> (Agent, std::path::PathBuf) {
     let data = net.put(
         "data/train.bin",
@@ -32,6 +33,8 @@ fn prefetched(net: &NetworkMount) -> (Agent, std::path::PathBuf) {
         net.mount.to_str().unwrap(),
         "--partial-from",
         "8M",
+        "--ssd-budget",
+        "16M",
     ]);
     let route = agent.route("big files read in part");
     assert!(route.starts_with("partial copies from 8.0 MiB"), "{route}");
@@ -73,6 +76,12 @@ fn a_big_file_read_in_part_is_copied_in_part_and_filled_when_read() {
     assert_eq!(held(&local), MIB);
     let cache = agent.cache();
     assert_eq!(cache["cached_bytes"], MIB, "{cache:#}");
+    // Pinned in RAM by the range it holds, its holes untouched (not filled by the pin).
+    wait_until(10, "the partial copy pinned", || {
+        agent.cache()["pinned_files"] == 1
+    });
+    assert_eq!(agent.cache()["pinned_bytes"], MIB);
+    assert_eq!(held(&local), MIB);
 
     // A job reads the held range and one the copy lacks: both right, the second
     // filled from the network (its grain of 64 KiB), nothing else.

@@ -70,6 +70,9 @@ impl Filters {
 pub struct Choice<'a> {
     pub path: &'a str,
     pub size: u64,
+    /// What its copy takes of the budgets: its size, or the bytes of the ranges jobs read
+    /// for a file copied in part.
+    pub bytes: u64,
     /// Its place in the view ([`File::at`]).
     pub at: u32,
     /// Pinned in RAM as well as copied to SSD.
@@ -103,15 +106,22 @@ fn parent(path: &str) -> &str {
     path.rsplit_once('/').map_or("", |(dir, _)| dir)
 }
 
-/// The network time a local copy of `f` saves, in opens, per page it takes. A shared
-/// library opened once but faulted in for megabytes is worth its pages; one opened once
-/// and barely touched is not.
-fn value(f: &File) -> f64 {
-    let saved = f64::from(f.opens) + f.bytes_read as f64 / BYTES_LIKE_AN_OPEN;
-    saved / f.size.div_ceil(PAGE).max(1) as f64
+/// What a copy of a file takes when it is copied whole: its size.
+pub fn whole_file(f: &File) -> u64 {
+    f.size
 }
 
-/// Chooses the files to hold. `held` says which hold a place now (on SSD), and
+/// The network time a local copy of `f` taking `bytes` saves, in opens, per page it
+/// takes. A shared library opened once but faulted in for megabytes is worth its pages;
+/// one opened once and barely touched is not.
+fn value(f: &File, bytes: u64) -> f64 {
+    let saved = f64::from(f.opens) + f.bytes_read as f64 / BYTES_LIKE_AN_OPEN;
+    saved / bytes.div_ceil(PAGE).max(1) as f64
+}
+
+/// Chooses the files to hold. `takes` says what a copy of each takes of the budgets
+/// (a file copied in part: the bytes of its ranges, so a 40 GB file read in part fits
+/// where its whole copy never would). `held` says which hold a place now (on SSD), and
 /// `pinned_now` which are pinned: they keep their places unless clearly outvalued.
 ///
 /// Files are weighed by their place in `files` (a view's, 100k site-wide): no path is
@@ -121,6 +131,7 @@ pub fn place<'a>(
     filters: &Filters,
     ssd_budget: u64,
     ram_budget: u64,
+    takes: &dyn Fn(&File) -> u64,
     held: &dyn Fn(&str) -> bool,
     pinned_now: &dyn Fn(&str) -> bool,
 ) -> Placement<'a> {
@@ -137,13 +148,14 @@ pub fn place<'a>(
         .filter(|f| cacheable(f, filters))
         .filter(|f| !(f.write_opens >= f.opens && locked.contains(parent(f.path))))
         .collect();
+    let bytes: Vec<u64> = candidates.iter().map(|f| takes(f)).collect();
     // Which candidates (by position) fit `budget`, the most valuable first.
     let fill = |budget: u64, bonus: &dyn Fn(&str) -> bool, among: &dyn Fn(usize) -> bool| {
         let mut ranked: Vec<(f64, u32)> = (0..candidates.len())
             .filter(|c| among(*c))
             .map(|c| {
                 let f = candidates[c];
-                let v = value(f);
+                let v = value(f, bytes[c]);
                 (if bonus(f.path) { v * KEEP_FACTOR } else { v }, c as u32)
             })
             .collect();
@@ -156,7 +168,7 @@ pub fn place<'a>(
         let mut left = budget;
         let mut chosen = vec![false; candidates.len()];
         for (_, c) in ranked {
-            let size = candidates[c as usize].size;
+            let size = bytes[c as usize];
             if size <= left {
                 left -= size;
                 chosen[c as usize] = true;
@@ -180,14 +192,15 @@ pub fn place<'a>(
             Choice {
                 path: f.path,
                 size: f.size,
+                bytes: bytes[c as usize],
                 at: f.at() as u32,
                 pinned: in_ram[c as usize],
             }
         })
         .collect();
     Placement {
-        ssd_bytes: chosen.iter().map(|c| c.size).sum(),
-        ram_bytes: chosen.iter().filter(|c| c.pinned).map(|c| c.size).sum(),
+        ssd_bytes: chosen.iter().map(|c| c.bytes).sum(),
+        ram_bytes: chosen.iter().filter(|c| c.pinned).map(|c| c.bytes).sum(),
         files: chosen,
     }
 }
@@ -243,9 +256,15 @@ mod tests {
         let read_since = opened_for_writing(1, file("/net/cache/jit_f-cache", 8, 2, 2));
         let elsewhere = opened_for_writing(1, file("/net/other/jit_g-cache", 8, 1, 3));
         let files = [lock, written_only, read_since, elsewhere];
-        let p = place(&listed(&files), &filters, 1 << 30, 0, &|_| false, &|_| {
-            false
-        });
+        let p = place(
+            &listed(&files),
+            &filters,
+            1 << 30,
+            0,
+            &whole_file,
+            &|_| false,
+            &|_| false,
+        );
         let held: Vec<&str> = p.files.iter().map(|c| c.path).collect();
         assert_eq!(
             held,
@@ -266,6 +285,7 @@ mod tests {
             &Filters::default(),
             100 << 10,
             8192,
+            &whole_file,
             &|_| false,
             &|_| false,
         );
@@ -293,6 +313,7 @@ mod tests {
             &Filters::default(),
             9 << 20,
             0,
+            &whole_file,
             &|_| false,
             &|_| false,
         );
@@ -310,6 +331,7 @@ mod tests {
             &Filters::default(),
             3 * 4096,
             4096,
+            &whole_file,
             &|_| false,
             &|_| false,
         );
@@ -332,6 +354,7 @@ mod tests {
             &Filters::default(),
             u64::MAX,
             budget,
+            &whole_file,
             &|_| false,
             &|_| false,
         );
@@ -350,6 +373,7 @@ mod tests {
                         &Filters::default(),
                         u64::MAX,
                         budget,
+                        &whole_file,
                         &|p| held.contains(p),
                         &|p| pinned.contains(p),
                     );
@@ -372,6 +396,7 @@ mod tests {
             &Filters::default(),
             4096,
             4096,
+            &whole_file,
             &|p| held.contains(p),
             &|p| held.contains(p),
         );

@@ -45,7 +45,15 @@ pub fn run(
     let view = View::from(profile);
     let files: Vec<view::File> = view.files().collect();
     let none = |_: &str| false;
-    let placed = placement::place(&files, filters, budgets.ssd, budgets.ram, &none, &none);
+    let placed = placement::place(
+        &files,
+        filters,
+        budgets.ssd,
+        budgets.ram,
+        &placement::whole_file,
+        &none,
+        &none,
+    );
     let network = measure_network(profile)?;
     let local = measure_local(cache_dir)?;
     let ram = Costs {

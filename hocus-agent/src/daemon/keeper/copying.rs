@@ -9,16 +9,14 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use memmap2::Mmap;
-
 use super::{
     Keeper, decide,
     prefetches::Pinned,
     work::{Copied, Work},
 };
 use crate::{
-    cache::{copy::CopyError, directory::Cached, partial::PartialCopy},
-    profile::extents::Extents,
+    cache::{copy::CopyError, directory::Cached, partial::PartialCopy, pins::Mapped},
+    profile::{extents::Extents, view::File},
     shared::{identity::Identity, log_line as logs, size::human, user::User},
 };
 
@@ -56,11 +54,13 @@ impl Keeper {
             pinned: &|p| pinning.has(p),
             copies: cache.sources().map(|(s, _)| s.as_str()).collect(),
         };
+        // A file to be copied in part takes the bytes of its ranges.
+        let takes = |f: &File| self.partial_ranges(f).map_or(f.size, |r| r.bytes(f.size));
         let moves = decide::moves(
             &admitted,
             &self.config.filters,
-            self.effective_ssd_budget,
-            self.config.ram_budget,
+            (self.effective_ssd_budget, self.config.ram_budget),
+            &takes,
             &held,
         );
         let mut wanted = vec![None; view.len()];
@@ -120,8 +120,13 @@ impl Keeper {
         let mut again = Vec::new();
         for (at, source, entry) in outgrown {
             if entry.held >= entry.identity.size {
-                // Filled whole by jobs' reads (and so unmarked): a whole copy now.
+                // Filled whole by jobs' reads (and so unmarked): a whole copy now, pinned
+                // whole if pinned (its pin held the ranges it had).
                 self.cache.insert(&source, entry.identity);
+                if self.pinning.has(&source) {
+                    self.pinning.unpin(&source);
+                    self.pin(&source);
+                }
                 continue;
             }
             log::info!("{source}: jobs read it whole now: its partial copy goes for a whole one");
@@ -150,7 +155,7 @@ impl Keeper {
     /// The ranges a partial copy of `f` would hold, if it is to have one: partial copies
     /// are made here, it is big enough and jobs read it in part, never mapping it. A
     /// file jobs read whole gets a whole copy (pinned, shared, no read asking).
-    pub(super) fn partial_ranges(&self, f: &crate::profile::view::File) -> Option<&Extents> {
+    pub(super) fn partial_ranges(&self, f: &File) -> Option<&Extents> {
         let from = self.config.partial_from;
         if self.partials.is_none() || from == 0 || f.size < from {
             return None;
@@ -281,12 +286,12 @@ impl Keeper {
         }
         // Before the pin: it goes through the snapshot's inode.
         self.fill_stub(source, &identity);
-        if wanted == Some(true) && !partial {
+        if wanted == Some(true) {
             self.pin(source);
         }
         if logs::writes() {
             let opens = self.placement.weighed(source).map_or(0, |f| f.opens);
-            let held = if wanted == Some(true) && !partial {
+            let held = if wanted == Some(true) {
                 "SSD and RAM"
             } else {
                 "SSD"
@@ -427,11 +432,15 @@ impl Keeper {
 
     /// Starts pinning a held copy, within the RAM budget; a worker maps and locks it.
     pub(super) fn pin(&mut self, source: &str) {
-        // A partial copy is never mapped whole: the mapping would fill it all.
-        if self.pinning.has(source) || self.cache.get(source).is_some_and(|c| c.is_partial()) {
+        if self.pinning.has(source) {
             return;
         }
-        let size = self.cache.get(source).map_or(0, |c| c.identity.size);
+        // A partial copy is pinned by the ranges it holds, never mapped whole: the
+        // mapping would fill it all.
+        let (size, in_part) = self
+            .cache
+            .get(source)
+            .map_or((0, false), |c| (c.bytes(), c.is_partial()));
         if !self.pinning.room_for(source, size, self.config.ram_budget) {
             return;
         }
@@ -449,11 +458,12 @@ impl Keeper {
         self.workers.send(Work::Pin {
             source: source.to_owned(),
             local,
+            in_part,
         });
     }
 
     /// A pin was made: kept if it is still wanted.
-    pub(super) fn pinned(&mut self, source: String, result: std::io::Result<(Option<Mmap>, u64)>) {
+    pub(super) fn pinned(&mut self, source: String, result: std::io::Result<Mapped>) {
         let keep = self.placement.wanted(&source) == Some(true);
         if !self.pinning.made(&source, result, keep) {
             return; // unpinned meanwhile: the mapping is dropped here

@@ -74,13 +74,14 @@ impl<'a> Moves<'a> {
     }
 }
 
-/// Places the admitted files within the budgets, and says how to get there: room is made
-/// first (evictions, unpins), then copies and pins start.
+/// Places the admitted files within the budgets, each taking what `takes` says (see
+/// [`placement::place`]), and says how to get there: room is made first (evictions,
+/// unpins), then copies and pins start.
 pub fn moves<'a>(
     admitted: &[File<'a>],
     filters: &Filters,
-    ssd_budget: u64,
-    ram_budget: u64,
+    (ssd_budget, ram_budget): (u64, u64),
+    takes: &dyn Fn(&File) -> u64,
     held: &Held,
 ) -> Moves<'a> {
     let holding = |p: &str| (held.cached)(p) || (held.copying)(p);
@@ -89,6 +90,7 @@ pub fn moves<'a>(
         filters,
         ssd_budget,
         ram_budget,
+        takes,
         &holding,
         held.pinned,
     );
@@ -166,7 +168,13 @@ mod tests {
             pinned: &|p| pinned.contains(&p),
             copies: cached.to_vec(),
         };
-        moves(admitted, &Filters::default(), ssd, ram, &held)
+        moves(
+            admitted,
+            &Filters::default(),
+            (ssd, ram),
+            &placement::whole_file,
+            &held,
+        )
     }
 
     fn copies<'a>(m: &Moves<'a>) -> Vec<(&'a str, u64)> {
@@ -209,6 +217,40 @@ mod tests {
         assert_eq!(m.evict, ["/net/a"]);
         assert_eq!(copies(&m), [("/net/b", 40), ("/net/c", 40)]);
         assert!(m.pin.is_empty() && m.unpin.is_empty());
+    }
+
+    #[test]
+    fn a_file_copied_in_part_takes_the_bytes_of_its_ranges_not_its_size() {
+        // A 40 GiB file jobs read 64 MiB of, and a 512 MiB file read whole, under 1 GiB.
+        let big = FileEntry {
+            bytes_read: 64 << 20,
+            ranges: vec![[1 << 30, (1 << 30) + (64 << 20)]],
+            ..file("/net/data/train.h5", 1, 40 << 30, 1)
+        };
+        let files = [big, file("/net/env/lib.so", 1, 512 << 20, 2)];
+        let view = View::of_files(&files);
+        let admitted: Vec<File> = view.files().collect();
+        let held = Held {
+            cached: &|_| false,
+            copying: &|_| false,
+            pinned: &|_| false,
+            copies: Vec::new(),
+        };
+        let in_part = |f: &File| f.ranges(&view).map_or(f.size, |r| r.bytes(f.size));
+        let budgets = (1 << 30, 0);
+        let m = moves(&admitted, &Filters::default(), budgets, &in_part, &held);
+        let placed: Vec<_> = m.wanted.iter().map(|c| (c.path, c.bytes)).collect();
+        assert_eq!(
+            placed,
+            [
+                ("/net/data/train.h5", 64 << 20),
+                ("/net/env/lib.so", 512 << 20)
+            ]
+        );
+        // Weighed by its size, it never fits.
+        let whole = placement::whole_file;
+        let m = moves(&admitted, &Filters::default(), budgets, &whole, &held);
+        assert_eq!(copies(&m), [("/net/env/lib.so", 512 << 20)]);
     }
 
     #[test]

@@ -3,9 +3,7 @@
 
 use std::collections::HashMap;
 
-use memmap2::Mmap;
-
-use crate::cache::pins::Pins;
+use crate::cache::pins::{Mapped, Pins};
 
 pub struct Pinning {
     pub pins: Pins,
@@ -62,17 +60,12 @@ impl Pinning {
 
     /// A worker mapped and locked `source`: held if `keep`; whether it was still being
     /// pinned (not unpinned meanwhile: then the mapping is dropped here).
-    pub fn made(
-        &mut self,
-        source: &str,
-        result: std::io::Result<(Option<Mmap>, u64)>,
-        keep: bool,
-    ) -> bool {
+    pub fn made(&mut self, source: &str, result: std::io::Result<Mapped>, keep: bool) -> bool {
         if self.pinning.remove(source).is_none() {
             return false;
         }
         match result {
-            Ok((map, size)) if keep => self.pins.hold(source, map, size),
+            Ok(mapped) if keep => self.pins.hold(source, mapped),
             Ok(_) => {}
             Err(e) => log::warn!("cannot pin {source}: {e}"),
         }

@@ -16,14 +16,13 @@ use std::{
     time::{Duration, Instant},
 };
 
-use memmap2::Mmap;
 use tokio::sync::mpsc as tokio_mpsc;
 
 use crate::{
     cache::{
         copy::{self, CopyError, Via},
         partial::PartialCopy,
-        pins,
+        pins::{self, Mapped},
         relay::Parent,
         snapshot::{self, Fill, Stamp, Taken},
     },
@@ -67,8 +66,12 @@ pub enum Work {
         dest: PathBuf,
         cached: HashMap<PathBuf, (PathBuf, Identity)>,
     },
-    /// Map and lock the local copy `local` of `source`.
-    Pin { source: String, local: PathBuf },
+    /// Map and lock the local copy `local` of `source` (held in part: its ranges only).
+    Pin {
+        source: String,
+        local: PathBuf,
+        in_part: bool,
+    },
     /// Delete a local tree already moved out of the way (a dropped snapshot).
     Remove(PathBuf),
     /// Compare these copies and snapshots with the network.
@@ -95,7 +98,7 @@ pub enum Done {
     /// A partial copy found at the start, served again (its reader's uid with it).
     Resumed(String, u32, Result<Copied, CopyError>),
     Snapshotted(PathBuf, Result<(Stamp, Taken), CopyError>),
-    Pinned(String, std::io::Result<(Option<Mmap>, u64)>),
+    Pinned(String, std::io::Result<Mapped>),
     /// The copies and snapshots that differ from the network now (gone ones too).
     Revalidated {
         changed: Vec<String>,
@@ -271,7 +274,11 @@ fn run(work: Work, tmp: &Path) -> Option<Done> {
             let result = snapshot::take(&tree, &root, &fill, limits, &dest, tmp, &cached);
             Done::Snapshotted(root, result)
         }
-        Work::Pin { source, local } => Done::Pinned(source, pins::map_locked(&local)),
+        Work::Pin {
+            source,
+            local,
+            in_part,
+        } => Done::Pinned(source, pins::map_locked(&local, in_part)),
         Work::Remove(dir) => {
             if let Err(e) = fs::remove_dir_all(&dir) {
                 log::warn!("could not delete {}: {e}", dir.display());
