@@ -464,7 +464,13 @@ fn build(release: bool) -> Result<PathBuf> {
         .join("hocus-agent"))
 }
 
+/// The Slurm suites: in a whole run, the Debian package's phase runs them (against the
+/// installed daemon and plugin, what a site runs), so the host's phase leaves them to it.
+const SLURM_SUITES: [&str; 2] = ["slurm", "slurm_containers"];
+
 fn test(filter: Option<String>) -> Result<()> {
+    let started = std::time::Instant::now();
+    let took = |phase: &str| println!("== {phase} done at {} s", started.elapsed().as_secs());
     let agent = build(false)?;
     println!("== unit tests");
     status(cargo().args([
@@ -479,25 +485,37 @@ fn test(filter: Option<String>) -> Result<()> {
         "xtask",
     ]))?;
 
+    took("unit tests");
     println!("== integration tests (root: real eBPF programs, a real sshfs mount)");
     if !is_root() {
         bail!(
             "the integration tests load eBPF programs and mount filesystems: run them as root (sudo -E cargo xtask test)"
         );
     }
+    let whole = filter.is_none();
     let mut cmd = cargo();
-    cmd.args(["test", "--package", "hocus-tests", "--"])
+    cmd.args(["test", "--package", "hocus-tests"]);
+    if whole {
+        cmd.arg("--lib");
+        for suite in test_suites()?
+            .iter()
+            .filter(|s| !SLURM_SUITES.contains(&s.as_str()))
+        {
+            cmd.args(["--test", suite]);
+        }
+    }
+    cmd.arg("--")
         .args(["--test-threads", "1"])
         .env("HOCUS_AGENT_BIN", &agent)
         .env(
             "HOCUS_SPANK_PLUGIN",
             agent.with_file_name("libhocus_spank.so"),
         );
-    let whole = filter.is_none();
     if let Some(f) = filter {
         cmd.arg(f);
     }
     status(&mut cmd)?;
+    took("host tests");
     if whole {
         // The package an admin installs: built, installed, the Slurm tests run against
         // the installed daemon and plugin, then removed and purged.
@@ -509,22 +527,40 @@ fn test(filter: Option<String>) -> Result<()> {
         status(
             cargo()
                 .args(["test", "--package", "hocus-tests"])
-                .args(["--test", "slurm", "--test", "slurm_containers", "--"])
+                .args(SLURM_SUITES.iter().flat_map(|s| ["--test", s]))
+                .arg("--")
                 .args(["--test-threads", "1"])
                 .env("HOCUS_AGENT_BIN", package::AGENT)
                 .env("HOCUS_SPANK_PLUGIN", package::PLUGIN),
         )?;
         package::remove()?;
         drop(aside);
+        took("the Debian package");
         // Debian's kernels under QEMU, with kernel NFS, which this kernel lacks.
         println!("== other kernels: Debian's 5.10, 6.1 and 6.12 under QEMU, over kernel NFS");
         vm::test_kernels()?;
+        took("other kernels");
         // Benchmarks run in CI only as smoke runs: that they work, not what they say
         // (the debug build of the daemon, one short round).
         println!("== benchmarks, smoke runs (bench all --quick)");
         bench(&agent, Bench::All { quick: true })?;
+        took("benchmarks");
     }
     Ok(())
+}
+
+/// The integration suites: the files of tests/tests, by name.
+fn test_suites() -> Result<Vec<String>> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/tests");
+    let mut names: Vec<String> = std::fs::read_dir(&dir)
+        .with_context(|| format!("listing {}", dir.display()))?
+        .filter_map(|e| {
+            let name = e.ok()?.file_name().into_string().ok()?;
+            name.strip_suffix(".rs").map(str::to_owned)
+        })
+        .collect();
+    names.sort();
+    Ok(names)
 }
 
 #[cfg(test)]
