@@ -193,6 +193,9 @@ enum Bench {
         /// Chunks of 1 MiB the job reads.
         #[arg(long, default_value_t = 64)]
         chunks: usize,
+        /// The size of the file a `numpy.memmap` job reads the same chunks of.
+        #[arg(long, default_value_t = 4096)]
+        memmap_mib: usize,
         #[arg(long, default_value_t = 1.0)]
         round_trip_ms: f64,
         /// Runs of the job again from the cache and from a local disk (their medians).
@@ -362,6 +365,7 @@ fn bench(agent: &Path, b: Bench) -> Result<()> {
         Bench::Ranges {
             file_mib,
             chunks,
+            memmap_mib,
             round_trip_ms,
             runs,
             quick,
@@ -371,6 +375,7 @@ fn bench(agent: &Path, b: Bench) -> Result<()> {
             } else {
                 bench::Ranges {
                     file_mib: file_mib.max(2),
+                    memmap_mib: memmap_mib.max(2),
                     chunks: chunks.max(1),
                     round_trip: millis(round_trip_ms),
                     runs: runs.max(1),
@@ -549,15 +554,32 @@ fn test(filter: Option<String>) -> Result<()> {
     Ok(())
 }
 
-/// The integration suites: the files of tests/tests, by name.
+/// The integration suites built by default (not those that need a feature: the kernel
+/// NFS tests, for the rig's guests), by name, as cargo knows them.
 fn test_suites() -> Result<Vec<String>> {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/tests");
-    let mut names: Vec<String> = std::fs::read_dir(&dir)
-        .with_context(|| format!("listing {}", dir.display()))?
-        .filter_map(|e| {
-            let name = e.ok()?.file_name().into_string().ok()?;
-            name.strip_suffix(".rs").map(str::to_owned)
+    let out = cargo()
+        .args(["metadata", "--no-deps", "--format-version", "1"])
+        .output()
+        .context("cargo metadata")?;
+    if !out.status.success() {
+        bail!("cargo metadata: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    let meta: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    let tests = meta["packages"]
+        .as_array()
+        .and_then(|p| p.iter().find(|p| p["name"] == "hocus-tests"))
+        .context("no hocus-tests package in cargo metadata")?;
+    let mut names: Vec<String> = tests["targets"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|t| {
+            t["kind"]
+                .as_array()
+                .is_some_and(|k| k.iter().any(|k| k == "test"))
         })
+        .filter(|t| t["required-features"].as_array().is_none_or(Vec::is_empty))
+        .filter_map(|t| t["name"].as_str().map(str::to_owned))
         .collect();
     names.sort();
     Ok(names)
@@ -566,6 +588,17 @@ fn test_suites() -> Result<Vec<String>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_suites_built_by_default_leave_out_those_that_need_a_feature() {
+        let suites = test_suites().unwrap();
+        assert!(
+            ["smoke", "trust", "slurm"]
+                .iter()
+                .all(|s| suites.contains(&s.to_string()))
+        );
+        assert!(!suites.contains(&"nfs".to_owned()));
+    }
 
     #[test]
     fn bench_all_runs_every_benchmark_with_its_command_line_defaults() {
