@@ -238,6 +238,10 @@ pub struct CacheStatus {
     pub partial_bytes_filled: u64,
     #[serde(default)]
     pub partial_reads_failed: u64,
+    /// Bytes of partial copies punched out, coldest chunks first, to keep the cache
+    /// within the SSD budget (eviction by range).
+    #[serde(default)]
+    pub partial_bytes_trimmed: u64,
     /// What local copies served, per watched tree.
     #[serde(default)]
     pub served: Vec<Served>,

@@ -24,6 +24,11 @@ fn sum(from: u64, n: u64) -> u64 {
 /// file on the network (twice the budget) that a profile says jobs read 1 MiB of, at
 /// 4 MiB; prefetched. The copy takes the bytes of its ranges, so it fits.
 fn prefetched(net: &NetworkMount) -> (Agent, std::path::PathBuf) {
+    prefetched_within(net, "16M")
+}
+
+/// The same within an SSD budget of `budget`.
+fn prefetched_within(net: &NetworkMount, budget: &str) -> (Agent, std::path::PathBuf) {
     let data = net.put(
         "data/train.bin",
         &(0..32 * MIB).map(byte).collect::<Vec<u8>>(),
@@ -34,7 +39,7 @@ fn prefetched(net: &NetworkMount) -> (Agent, std::path::PathBuf) {
         "--partial-from",
         "8M",
         "--ssd-budget",
-        "16M",
+        budget,
     ]);
     let route = agent.route("big files read in part");
     assert!(route.starts_with("partial copies from 8.0 MiB"), "{route}");
@@ -102,6 +107,57 @@ fn a_big_file_read_in_part_is_copied_in_part_and_filled_when_read() {
             .enumerate()
             .all(|(i, b)| *b == byte(20 * MIB + i as u64))
     );
+}
+
+#[test]
+fn past_the_budget_the_chunks_read_least_lately_are_punched_out_and_read_right_again() {
+    let net = NetworkMount::start();
+    // Within 3 MiB: the copy holds the profile's MiB at 4 MiB, never read since.
+    let (agent, data) = prefetched_within(&net, "3M");
+    let local = agent.local_copy(&data);
+    let held = |f: &Path| fs::metadata(f).unwrap().blocks() * 512;
+    assert_eq!(held(&local), MIB);
+    // A job reads 3 MiB at 20 MiB: filled, the copy holds 4 MiB, past the budget.
+    let job = |at: u64, n: u64| {
+        let out = agent.run_job(&format!(
+            "python3 -c \"import os\nfd = os.open('{}', os.O_RDONLY)\nprint(sum(os.pread(fd, {n}, {at})))\" 2>&1",
+            data.display()
+        ));
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout).trim(),
+            sum(at, n).to_string()
+        );
+    };
+    job(20 * MIB, 3 * MIB);
+    // Once it ended, the MiB read least lately (at 4 MiB) is punched out, not the
+    // copy evicted: the placement gives it the whole budget (its ranges, 4 MiB, do
+    // not fit).
+    wait_until(20, "the coldest MiB punched out", || {
+        agent.cache()["partial_bytes_trimmed"] == MIB
+    });
+    let cache = agent.settled();
+    assert_eq!(
+        (&cache["cached_files"], &cache["cached_bytes"]),
+        (&json!(1), &json!(3 * MIB)),
+        "{cache:#}"
+    );
+    assert_eq!(held(&local), 3 * MIB);
+    assert!(
+        agent.log().contains("read least lately punched out"),
+        "{}",
+        agent.log()
+    );
+    // The hot MiBs are read from the copy (nothing filled); the punched one reads
+    // right, filled from the network again; nothing failed.
+    let filled = agent.cache()["partial_bytes_filled"].as_u64().unwrap();
+    job(20 * MIB, 3 * MIB);
+    assert_eq!(agent.cache()["partial_bytes_filled"], filled);
+    job(4 * MIB, 4096);
+    assert_eq!(
+        agent.cache()["partial_bytes_filled"].as_u64().unwrap(),
+        filled + 65536
+    );
+    assert_eq!(agent.cache()["partial_reads_failed"], 0);
 }
 
 /// What python printed reading 4 KiB at `at` of `path` (the sum, or the error).

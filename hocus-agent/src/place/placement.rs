@@ -21,6 +21,9 @@ const PAGE: u64 = 4096;
 /// Reading this much over a cluster link costs about what one open does: a round trip
 /// or two (1 ms at 1 ms RTT) moves ~128 KiB at ~128 MB/s.
 const BYTES_LIKE_AN_OPEN: f64 = (128 << 10) as f64;
+/// The least share of a budget a file copied in part is given when its ranges do not
+/// fit what is left: a data loader's chunk.
+const MIN_SHARE: u64 = 1 << 20;
 
 /// What may be cached at all: `--include-ext` and `--exclude`.
 #[derive(Debug, Clone, Default)]
@@ -71,8 +74,11 @@ pub struct Choice<'a> {
     pub path: &'a str,
     pub size: u64,
     /// What its copy takes of the budgets: its size, or the bytes of the ranges jobs read
-    /// for a file copied in part.
+    /// for a file copied in part (or what was left of the SSD budget: `cut`).
     pub bytes: u64,
+    /// A file copied in part given less than its ranges: the rest of the SSD budget
+    /// (its copy holds that much of them, its coldest chunks punched out).
+    pub cut: bool,
     /// Its place in the view ([`File::at`]).
     pub at: u32,
     /// Pinned in RAM as well as copied to SSD.
@@ -121,8 +127,10 @@ fn value(f: &File, bytes: u64) -> f64 {
 
 /// Chooses the files to hold. `takes` says what a copy of each takes of the budgets
 /// (a file copied in part: the bytes of its ranges, so a 40 GB file read in part fits
-/// where its whole copy never would). `held` says which hold a place now (on SSD), and
-/// `pinned_now` which are pinned: they keep their places unless clearly outvalued.
+/// where its whole copy never would). A file copied in part whose ranges do not fit
+/// what is left of a budget gets the rest (at least [`MIN_SHARE`]): its chunks are its
+/// own to share out. `held` says which hold a place now (on SSD), and `pinned_now`
+/// which are pinned: they keep their places unless clearly outvalued.
 ///
 /// Files are weighed by their place in `files` (a view's, 100k site-wide): no path is
 /// copied or hashed, and what is chosen is a flag per candidate.
@@ -149,13 +157,14 @@ pub fn place<'a>(
         .filter(|f| !(f.write_opens >= f.opens && locked.contains(parent(f.path))))
         .collect();
     let bytes: Vec<u64> = candidates.iter().map(|f| takes(f)).collect();
-    // Which candidates (by position) fit `budget`, the most valuable first.
-    let fill = |budget: u64, bonus: &dyn Fn(&str) -> bool, among: &dyn Fn(usize) -> bool| {
+    // Which candidates (by position) fit `budget`, weighing `bytes`, the most valuable
+    // first; and the share each gets.
+    let fill = |budget: u64, bonus: &dyn Fn(&str) -> bool, bytes: &[Option<u64>]| {
         let mut ranked: Vec<(f64, u32)> = (0..candidates.len())
-            .filter(|c| among(*c))
+            .filter(|c| bytes[*c].is_some())
             .map(|c| {
                 let f = candidates[c];
-                let v = value(f, bytes[c]);
+                let v = value(f, bytes[c].unwrap_or_default());
                 (if bonus(f.path) { v * KEEP_FACTOR } else { v }, c as u32)
             })
             .collect();
@@ -166,20 +175,25 @@ pub fn place<'a>(
                 .then(a.path.cmp(b.path))
         });
         let mut left = budget;
-        let mut chosen = vec![false; candidates.len()];
+        let mut chosen: Vec<Option<u64>> = vec![None; candidates.len()];
         for (_, c) in ranked {
-            let size = bytes[c as usize];
+            let (c, size) = (c as usize, bytes[c as usize].unwrap_or_default());
+            let in_part = size < candidates[c].size;
             if size <= left {
                 left -= size;
-                chosen[c as usize] = true;
+                chosen[c] = Some(size);
+            } else if in_part && left >= MIN_SHARE {
+                chosen[c] = Some(left);
+                left = 0;
             }
         }
         chosen
     };
-    let on_ssd = fill(ssd_budget, held, &|_| true);
-    let in_ram = fill(ram_budget, pinned_now, &|c| on_ssd[c]);
+    let all: Vec<Option<u64>> = bytes.iter().copied().map(Some).collect();
+    let on_ssd = fill(ssd_budget, held, &all);
+    let in_ram = fill(ram_budget, pinned_now, &on_ssd);
     let mut order: Vec<u32> = (0..candidates.len() as u32)
-        .filter(|c| on_ssd[*c as usize])
+        .filter(|c| on_ssd[*c as usize].is_some())
         .collect();
     order.sort_by(|a, b| {
         let (a, b) = (candidates[*a as usize], candidates[*b as usize]);
@@ -192,9 +206,10 @@ pub fn place<'a>(
             Choice {
                 path: f.path,
                 size: f.size,
-                bytes: bytes[c as usize],
+                bytes: on_ssd[c as usize].unwrap_or_default(),
+                cut: on_ssd[c as usize] < Some(bytes[c as usize]),
                 at: f.at() as u32,
-                pinned: in_ram[c as usize],
+                pinned: in_ram[c as usize].is_some(),
             }
         })
         .collect();

@@ -82,6 +82,49 @@ impl Extents {
         self.0.splice(first..last, [joined]);
     }
 
+    /// Takes grains `[start, end)` out (an extent they cut in the middle becomes two).
+    pub fn remove(&mut self, start: u32, end: u32) {
+        if start >= end {
+            return;
+        }
+        let first = self.0.partition_point(|e| e.1 <= start);
+        let last = first + self.0[first..].partition_point(|e| e.0 < end);
+        let mut kept = Vec::with_capacity(2);
+        if let Some(&(s, _)) = self.0.get(first).filter(|_| first < last) {
+            if s < start {
+                kept.push((s, start));
+            }
+        }
+        if last > first {
+            let e = self.0[last - 1].1;
+            if e > end {
+                kept.push((end, e));
+            }
+        }
+        self.0.splice(first..last, kept);
+    }
+
+    /// The first extents, in the file's order, up to `bytes` of a file of `size` bytes
+    /// (the last one cut short, in whole grains).
+    pub fn cut_to(&self, bytes: u64, size: u64) -> Extents {
+        let mut left = bytes;
+        let mut out = Extents::default();
+        for &(s, e) in &self.0 {
+            let held = Extents(vec![(s, e)]).bytes(size);
+            if held <= left {
+                out.0.push((s, e));
+                left -= held;
+                continue;
+            }
+            let grains = (left >> GRAIN_SHIFT) as u32;
+            if grains > 0 {
+                out.0.push((s, s + grains));
+            }
+            break;
+        }
+        out
+    }
+
     /// Adds every extent of `other`.
     pub fn add_all(&mut self, other: &Extents) {
         for &(start, end) in &other.0 {
@@ -209,6 +252,31 @@ mod tests {
     }
 
     #[test]
+    fn grains_taken_out_split_what_they_cut_and_a_cut_keeps_the_first_bytes() {
+        let mut e = Extents::default();
+        e.add(10, 20);
+        e.add(30, 40);
+        e.remove(15, 32);
+        assert_eq!(e.grains(), [(10, 15), (32, 40)]);
+        e.remove(33, 35);
+        assert_eq!(e.grains(), [(10, 15), (32, 33), (35, 40)]);
+        e.remove(0, 10);
+        e.remove(40, 50);
+        assert_eq!(e.len(), 3);
+        e.remove(0, 100);
+        assert!(e.is_empty());
+
+        let mut e = Extents::default();
+        e.add(0, 4);
+        e.add(10, 20);
+        let g = GRAIN;
+        assert_eq!(e.cut_to(7 * g + 100, 100 * g).grains(), [(0, 4), (10, 13)]);
+        assert_eq!(e.cut_to(2 * g, 100 * g).grains(), [(0, 2)]);
+        assert_eq!(e.cut_to(u64::MAX, 100 * g), e);
+        assert!(e.cut_to(100, 100 * g).is_empty());
+    }
+
+    #[test]
     fn coarsening_joins_the_smallest_gaps_first_and_loses_nothing() {
         let mut e = Extents::default();
         for (s, end) in [(0, 1), (2, 3), (10, 11), (30, 31), (31 + 2, 34)] {
@@ -257,6 +325,29 @@ mod tests {
             }
             for (s, n) in &adds {
                 prop_assert!(held(&e, *s) && held(&e, s + n - 1));
+            }
+        }
+
+        #[test]
+        fn grains_taken_out_are_held_no_more_and_the_rest_still_are(
+            adds in prop::collection::vec((0u32..400, 1u32..40), 1..30),
+            removes in prop::collection::vec((0u32..400, 1u32..40), 1..10),
+        ) {
+            let mut e = Extents::default();
+            let mut want = [false; 440];
+            for (s, n) in &adds {
+                e.add(*s, s + n);
+                want[*s as usize..(s + n) as usize].fill(true);
+            }
+            for (s, n) in &removes {
+                e.remove(*s, s + n);
+                want[*s as usize..(s + n) as usize].fill(false);
+            }
+            for w in e.grains().windows(2) {
+                prop_assert!(w[0].0 < w[0].1 && w[0].1 < w[1].0);
+            }
+            for (g, w) in want.iter().enumerate() {
+                prop_assert_eq!(e.gaps(g as u32, g as u32 + 1).is_empty(), *w);
             }
         }
     }

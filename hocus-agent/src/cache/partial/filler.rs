@@ -85,6 +85,9 @@ pub struct Filler {
     /// unmarked its holes would read as zeros. Their reads of what they lack fail with
     /// EIO; they are unmarked (and their network files closed) once no job runs.
     retired: Mutex<Vec<Arc<PartialCopy>>>,
+    /// Copies this process writes (fills, and punches when trimming): their own events
+    /// are let through.
+    writing: Arc<Writing>,
     pub counts: Arc<Counts>,
     stop: Arc<AtomicBool>,
     /// The reader and the watchdog, joined at a drop; the workers end once the reader's
@@ -139,7 +142,7 @@ impl Filler {
             copies: copies.clone(),
             counts: counts.clone(),
             pending,
-            writing,
+            writing: writing.clone(),
             limits,
         };
         let s = stop.clone();
@@ -150,6 +153,7 @@ impl Filler {
             group,
             copies,
             retired: Mutex::default(),
+            writing,
             counts,
             stop,
             stoppable: vec![watchdog, reader],
@@ -181,6 +185,68 @@ impl Filler {
         copies
             .values()
             .map(|c| (c.name.clone(), c.held()))
+            .collect()
+    }
+
+    /// Punches out of the copies served the chunks read least lately, coldest first
+    /// across all of them, until `excess` bytes are freed (or none is left to punch):
+    /// eviction by range. The bytes freed, by copy. Only while no job runs (a read
+    /// allowed just before a punch could meet its hole): the caller's to know; and of
+    /// those, copies no process but this one (and `guard`) has open or mapped (a job's
+    /// child may outlive it). Copies a daemon before made are left alone (its jobs may
+    /// read them), and so are copies made whole (unmarked: a hole would read as zeros).
+    pub fn trim_coldest(&self, excess: u64, guard: Option<i32>) -> Vec<(String, u64)> {
+        let mut copies: Vec<((u64, u64), Arc<PartialCopy>)> = {
+            let copies = self.copies.lock().expect("not poisoned");
+            copies
+                .iter()
+                .filter(|(_, c)| !c.resumed && !c.whole() && !c.dropped())
+                .map(|(k, c)| (*k, c.clone()))
+                .collect()
+        };
+        if excess == 0 {
+            return Vec::new();
+        }
+        let keys = copies.iter().map(|(k, _)| *k).collect();
+        let open = super::open_elsewhere::opened_by_others(&keys, guard);
+        copies.retain(|(k, _)| !open.contains(k));
+        let mut chunks: Vec<(u64, usize, u32)> = copies
+            .iter()
+            .enumerate()
+            .flat_map(|(i, (_, c))| c.heat().into_iter().map(move |(h, chunk)| (h, i, chunk)))
+            .collect();
+        chunks.sort_unstable();
+        let mut freed = vec![0u64; copies.len()];
+        let mut total = 0;
+        for (_, i, chunk) in chunks {
+            if total >= excess {
+                break;
+            }
+            let (key, copy) = &copies[i];
+            *self
+                .writing
+                .lock()
+                .expect("not poisoned")
+                .entry(*key)
+                .or_default() += 1;
+            let punched = copy.punch(chunk);
+            done_writing(&self.writing, *key);
+            match punched {
+                Ok(bytes) => {
+                    freed[i] += bytes;
+                    total += bytes;
+                }
+                Err(e) => {
+                    log::warn!("partial copies: trimming {}: {e}", copy.name);
+                    break;
+                }
+            }
+        }
+        copies
+            .into_iter()
+            .zip(freed)
+            .filter(|(_, f)| *f > 0)
+            .map(|((_, c), f)| (c.name.clone(), f))
             .collect()
     }
 
@@ -325,6 +391,7 @@ impl Reader {
             (Some(copy), Some(key)) => (copy, key),
         };
         let (start, end, ahead) = grains(&a, &copy, self.limits.read_ahead);
+        copy.read(start, end);
         if copy.holds(start, end) {
             self.counts.allowed.fetch_add(1, Ordering::Relaxed);
             let _ = self.group.answer(&a, true);
@@ -457,14 +524,19 @@ impl Fill<'_> {
             let bytes = (u64::from(e - s) << GRAIN_SHIFT).min(copy.size());
             self.counts.bytes_filled.fetch_add(bytes, Ordering::Relaxed);
         }
-        let mut writing = self.writing.lock().expect("not poisoned");
-        if let Some(n) = writing.get_mut(&key) {
-            *n -= 1;
-            if *n == 0 {
-                writing.remove(&key);
-            }
-        }
+        done_writing(self.writing, key);
         filled
+    }
+}
+
+/// A write of this process to the copy `key` ended.
+fn done_writing(writing: &Writing, key: (u64, u64)) {
+    let mut writing = writing.lock().expect("not poisoned");
+    if let Some(n) = writing.get_mut(&key) {
+        *n -= 1;
+        if *n == 0 {
+            writing.remove(&key);
+        }
     }
 }
 

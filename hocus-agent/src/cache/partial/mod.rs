@@ -13,10 +13,12 @@
 
 pub mod filler;
 pub mod guard;
+pub mod open_elsewhere;
 pub mod pre_content;
 pub mod service;
 
 use std::{
+    collections::HashMap,
     fs::File,
     io,
     os::{
@@ -24,8 +26,8 @@ use std::{
         unix::fs::{FileExt, MetadataExt},
     },
     sync::{
-        Mutex,
-        atomic::{AtomicBool, AtomicU32, Ordering},
+        Mutex, RwLock,
+        atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering},
     },
 };
 
@@ -35,6 +37,14 @@ use crate::profile::extents::Extents;
 
 /// Bytes read from the network and written to the copy at a time.
 const CHUNK: usize = 1 << 20;
+
+/// What a copy's heat is kept per, and what trimming punches out at a time: 1 MiB (16
+/// grains), the size of a data loader's chunk.
+const HEAT_SHIFT: u32 = 20 - GRAIN_SHIFT;
+
+/// Accesses to partial copies so far, all copies together: the clock their heat is kept
+/// by (an order, not a time: which was read last is what counts).
+static ACCESSES: AtomicU64 = AtomicU64::new(0);
 
 /// The identity of a network file: a change to any of these is a new version.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -85,6 +95,12 @@ pub struct PartialCopy {
     dropped: AtomicBool,
     /// Where the last access ended (a grain): one that starts there reads in order.
     next: AtomicU32,
+    /// When each 1 MiB chunk ([`HEAT_SHIFT`]) was last read, by [`ACCESSES`]; a chunk
+    /// held but not read since the copy was made is the coldest (none here).
+    heat: Mutex<HashMap<u32, u64>>,
+    /// Fills hold it shared while they write and count grains, a punch alone: a grain
+    /// a fill wrote is never punched between its write and its count.
+    punching: RwLock<()>,
     /// Made by a daemon before this one: jobs it does not know may hold it.
     pub resumed: bool,
 }
@@ -109,6 +125,8 @@ impl PartialCopy {
             filled: Mutex::new(Extents::default()),
             dropped: AtomicBool::new(false),
             next: AtomicU32::new(0),
+            heat: Mutex::default(),
+            punching: RwLock::default(),
             resumed: false,
         };
         for &(start, end) in ranges.iter() {
@@ -135,6 +153,8 @@ impl PartialCopy {
             filled: Mutex::new(held),
             dropped: AtomicBool::new(false),
             next: AtomicU32::new(0),
+            heat: Mutex::default(),
+            punching: RwLock::default(),
             resumed: true,
         })
     }
@@ -192,6 +212,71 @@ impl PartialCopy {
         last != 0 && last == start
     }
 
+    /// A job read grains `[start, end)`: their chunks are the hottest now.
+    pub fn read(&self, start: u32, end: u32) {
+        let now = ACCESSES.fetch_add(1, Ordering::Relaxed) + 1;
+        let mut heat = self.heat.lock().expect("not poisoned");
+        for chunk in start >> HEAT_SHIFT..=end.saturating_sub(1) >> HEAT_SHIFT {
+            heat.insert(chunk, now);
+        }
+    }
+
+    /// The chunks the copy holds grains of, each with when it was last read (0: not
+    /// since the copy was made), in the file's order.
+    pub fn heat(&self) -> Vec<(u64, u32)> {
+        let filled = self.filled.lock().expect("not poisoned");
+        let heat = self.heat.lock().expect("not poisoned");
+        let mut chunks: Vec<u32> = Vec::new();
+        for &(s, e) in filled.iter() {
+            for chunk in s >> HEAT_SHIFT..=(e - 1) >> HEAT_SHIFT {
+                if chunks.last() != Some(&chunk) {
+                    chunks.push(chunk);
+                }
+            }
+        }
+        chunks
+            .into_iter()
+            .map(|c| (heat.get(&c).copied().unwrap_or(0), c))
+            .collect()
+    }
+
+    /// Takes chunk `chunk` out of the copy: held no more (a read of it asks a fill
+    /// again), then its blocks punched out of the file. The bytes it held (none while
+    /// a fill of the copy is under way). Only while no job can read the copy: a read
+    /// allowed just before could meet the hole.
+    pub fn punch(&self, chunk: u32) -> io::Result<u64> {
+        let (start, end) = (
+            chunk << HEAT_SHIFT,
+            ((chunk + 1) << HEAT_SHIFT).min(self.grains()),
+        );
+        // A fill under way (a server slow to answer) is not waited for: nothing punched.
+        let Ok(_alone) = self.punching.try_write() else {
+            return Ok(0);
+        };
+        let freed = {
+            let mut filled = self.filled.lock().expect("not poisoned");
+            let before = filled.bytes(self.version.size);
+            filled.remove(start, end);
+            before - filled.bytes(self.version.size)
+        };
+        self.heat.lock().expect("not poisoned").remove(&chunk);
+        let from = u64::from(start) << GRAIN_SHIFT;
+        let to = (u64::from(end) << GRAIN_SHIFT).min(self.version.size);
+        // SAFETY: fallocate on a descriptor we hold; the range is within the file.
+        let r = unsafe {
+            libc::fallocate(
+                self.local.as_raw_fd(),
+                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                from as libc::off_t,
+                (to - from) as libc::off_t,
+            )
+        };
+        if r != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(freed)
+    }
+
     /// Grains in the file (the last may be short).
     pub fn grains(&self) -> u32 {
         self.version.size.div_ceil(GRAIN).min(u64::from(u32::MAX)) as u32
@@ -208,6 +293,7 @@ impl PartialCopy {
     ) -> Result<(), FillError> {
         let from = u64::from(start) << GRAIN_SHIFT;
         let to = (u64::from(end) << GRAIN_SHIFT).min(self.version.size);
+        let _shared = self.punching.read().expect("not poisoned");
         let mut buf = vec![0u8; CHUNK];
         let mut at = from;
         while at < to {

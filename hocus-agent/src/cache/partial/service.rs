@@ -81,6 +81,18 @@ impl Partials {
         self.filler.retire(name);
     }
 
+    /// Punches the coldest chunks out of the copies until `excess` bytes are freed: no
+    /// job runs that may read them. The bytes freed, by network file.
+    pub fn trim_coldest(&self, excess: u64) -> Vec<(String, u64)> {
+        let guard = self
+            .guard
+            .lock()
+            .expect("not poisoned")
+            .as_ref()
+            .map(Guard::pid);
+        self.filler.trim_coldest(excess, guard)
+    }
+
     /// Lets the retired copies go: no job runs that may have one open.
     pub fn release_retired(&self) {
         self.filler.release_retired();

@@ -349,3 +349,64 @@ fn a_retired_copy_a_daemon_before_made_stays_marked() {
     ));
     assert!(said(&out).contains("Input/output error"), "{}", said(&out));
 }
+
+#[test]
+fn trimming_punches_the_chunks_read_least_lately_and_a_read_of_them_fills_again() {
+    // 16 MiB, the first MiB held (made, never read since: the coldest).
+    let Some((dir, copy, partial, filler)) = served(16 * MIB) else {
+        return;
+    };
+    let read = |at: u64| {
+        let out = finished(reader(
+            &dir.path().join("copy"),
+            &format!("print(sum(os.pread(f.fileno(), 4096, {at})))"),
+        ));
+        assert_eq!(said(&out), sum(at, at + 4096).to_string());
+    };
+    // Filled: a grain at 5 MiB, one at 9 MiB; then 5 MiB read again (the hottest).
+    read(5 * MIB);
+    read(9 * MIB);
+    read(5 * MIB + 8192);
+    assert_eq!(allocated(&copy), MIB + 2 * 65536);
+    let heat = partial.heat();
+    assert_eq!(heat.iter().map(|h| h.1).collect::<Vec<_>>(), [0, 5, 9]);
+    assert!(heat[0].0 == 0 && heat[2].0 < heat[1].0, "{heat:?}");
+
+    // Open in another process (a job's child that outlived it): never punched.
+    let mut holder = Command::new("python3")
+        .arg("-c")
+        .arg(format!(
+            "import sys
+f = open('{}', 'rb')
+print('open', flush=True)
+sys.stdin.read()",
+            dir.path().join("copy").display()
+        ))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = [0u8; 5];
+    std::io::Read::read_exact(holder.stdout.as_mut().unwrap(), &mut line).unwrap();
+    assert!(filler.trim_coldest(MIB + 1, None).is_empty());
+    drop(holder.stdin.take());
+    holder.wait().unwrap();
+
+    // A MiB and a byte to free: the first MiB, then the grain at 9 MiB.
+    let trimmed = filler.trim_coldest(MIB + 1, None);
+    assert_eq!(trimmed, [("network".to_owned(), MIB + 65536)]);
+    assert_eq!(filler.held(), [("network".to_owned(), 65536)]);
+    assert_eq!(allocated(&copy), 65536, "punched out of the file");
+    assert_eq!(partial.filled().grains(), [(80, 81)]);
+    // What was punched reads right again, filled from the network; never zeros.
+    let filled = filler.counts.bytes_filled.load(Ordering::Relaxed);
+    read(100);
+    read(9 * MIB);
+    assert_eq!(
+        filler.counts.bytes_filled.load(Ordering::Relaxed),
+        filled + 2 * 65536
+    );
+    assert_eq!(filler.counts.failed.load(Ordering::Relaxed), 0);
+    // Nothing to free, nothing punched.
+    assert!(filler.trim_coldest(0, None).is_empty());
+}

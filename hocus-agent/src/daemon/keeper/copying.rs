@@ -64,13 +64,17 @@ impl Keeper {
             &held,
         );
         let mut wanted = vec![None; view.len()];
+        let mut shares = std::collections::HashMap::new();
         for c in &moves.wanted {
             wanted[c.at as usize] = Some(c.pinned);
+            if c.cut {
+                shares.insert(c.at, c.bytes);
+            }
         }
         let queued: VecDeque<u32> = moves.copies().map(|c| c.at).collect();
         let pin: Vec<String> = moves.pin.iter().map(|p| (*p).to_owned()).collect();
         let (evict, unpin) = (moves.evict, moves.unpin);
-        self.placement.placed(wanted);
+        self.placement.placed(wanted, shares);
         // Openers are remembered only to name them when their copy lands: those of files
         // placed and not wanted, or held already, are forgotten.
         let (placement, cache) = (&self.placement, &self.cache);
@@ -144,7 +148,13 @@ impl Keeper {
                 continue;
             };
             let (source, size) = (f.path.to_owned(), f.size);
-            let ranges = self.partial_ranges(&f).cloned();
+            // Given less than its ranges: the first of them, up to its share.
+            let ranges = self
+                .partial_ranges(&f)
+                .map(|r| match self.placement.share(at) {
+                    Some(share) => r.cut_to(share, size),
+                    None => r.clone(),
+                });
             // What happened since the placement: held, changed, or written by a job.
             if !self.cache.contains(&source) && !self.copies.held_back(&source) {
                 self.start_copy(&source, size, ranges);
@@ -351,6 +361,36 @@ impl Keeper {
         }
         if self.jobs.running() == 0 {
             partials.release_retired();
+            self.trim_partial_copies();
+        }
+    }
+
+    /// Eviction by range: while the cache holds more than the SSD budget (jobs' reads
+    /// filled its partial copies past it), the chunks of partial copies read least
+    /// lately are punched out, coldest first, rather than whole copies evicted. Only
+    /// while no job runs, so that no read can meet a hole just punched. A trimmed copy's
+    /// pin goes (the next placement pins what it holds now).
+    fn trim_partial_copies(&mut self) {
+        let over = self.cache.used().saturating_sub(self.effective_ssd_budget);
+        let Some(partials) = self.partials.clone().filter(|_| over > 0) else {
+            return;
+        };
+        let trimmed = partials.trim_coldest(over);
+        for (source, freed) in &trimmed {
+            log::info!(
+                "{source}: {} of its partial copy read least lately punched out, to keep the cache within the SSD budget ({})",
+                human(*freed),
+                human(self.effective_ssd_budget)
+            );
+            self.status.partial_bytes_trimmed += freed;
+            self.pinning.unpin(source);
+        }
+        if !trimmed.is_empty() {
+            for (source, held) in partials.held() {
+                if self.cache.get(&source).is_some_and(|c| c.is_partial()) {
+                    self.cache.set_held(&source, held);
+                }
+            }
         }
     }
 

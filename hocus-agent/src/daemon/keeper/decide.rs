@@ -251,6 +251,27 @@ mod tests {
         let whole = placement::whole_file;
         let m = moves(&admitted, &Filters::default(), budgets, &whole, &held);
         assert_eq!(copies(&m), [("/net/env/lib.so", 512 << 20)]);
+        // Its ranges larger than the budget: it gets all of it (its chunks share out).
+        let m = moves(
+            &admitted,
+            &Filters::default(),
+            (32 << 20, 0),
+            &in_part,
+            &held,
+        );
+        let placed: Vec<_> = m.wanted.iter().map(|c| (c.path, c.bytes, c.cut)).collect();
+        assert_eq!(placed, [("/net/data/train.h5", 32 << 20, true)]);
+        // Not below a chunk's worth; and a whole file is never cut.
+        let m = moves(
+            &admitted,
+            &Filters::default(),
+            (1 << 19, 0),
+            &in_part,
+            &held,
+        );
+        assert!(m.wanted.is_empty());
+        let m = moves(&admitted, &Filters::default(), (1 << 20, 0), &whole, &held);
+        assert!(m.wanted.is_empty());
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! The keeper's last placement: the view of the working set it placed (found by path
 //! through its index), which of its files are wanted and which pinned, and when.
 
-use std::time::Instant;
+use std::{collections::HashMap, time::Instant};
 
 use super::file_index::FileIndex;
 use crate::{
@@ -16,6 +16,9 @@ pub struct Placement {
     /// Each file of the view, by place: wanted, and whether it is to be pinned. Indices,
     /// not paths: a site-wide placement wants 100k files.
     wanted: Vec<Option<bool>>,
+    /// The files copied in part given less than their ranges (the rest of the SSD
+    /// budget), by place: the bytes a new copy of each holds.
+    shares: HashMap<u32, u64>,
     /// When the working set was last placed.
     placed_at: Instant,
 }
@@ -26,6 +29,7 @@ impl Placement {
             view: View::default(),
             index: FileIndex::default(),
             wanted: Vec::new(),
+            shares: HashMap::new(),
             placed_at: Instant::now(),
         }
     }
@@ -41,6 +45,7 @@ impl Placement {
         self.index = FileIndex::of(&view);
         self.view = view;
         self.wanted = Vec::new();
+        self.shares = HashMap::new();
     }
 
     /// Whether the last placement wants `source`, and pinned.
@@ -81,9 +86,16 @@ impl Placement {
         self.placed_at = Instant::now();
     }
 
-    /// The placement decided: each file of the view, by place, wanted and pinned or not.
-    pub fn placed(&mut self, wanted: Vec<Option<bool>>) {
+    /// The placement decided: each file of the view, by place, wanted and pinned or
+    /// not, and the shares of those given less than their ranges.
+    pub fn placed(&mut self, wanted: Vec<Option<bool>>, shares: HashMap<u32, u64>) {
         self.wanted = wanted;
+        self.shares = shares;
+    }
+
+    /// The bytes the file at place `at` was given, if less than its ranges.
+    pub fn share(&self, at: u32) -> Option<u64> {
+        self.shares.get(&at).copied()
     }
 
     pub fn placed_at(&self) -> Instant {

@@ -429,6 +429,13 @@ fn cache(e: &mut DescriptorEncoder, c: &CacheStatus) -> std::fmt::Result {
     )?;
     counter(
         e,
+        "partial_trimmed",
+        "Bytes of partial copies punched out, coldest chunks first, to keep the cache within the SSD budget.",
+        bytes,
+        one(c.partial_bytes_trimmed),
+    )?;
+    counter(
+        e,
         "cache_full",
         "Times the cache filesystem was found full.",
         None,
