@@ -103,7 +103,12 @@ pub type Daemon = (hocus_tests::LocalDisk, Agent);
 
 pub fn agent_on_local_disk(net: &NetworkMount, extra: &[&str]) -> Daemon {
     // Room for a whole snapshot of the largest case (1.1 GB) within half the budget.
-    let disk = hocus_tests::LocalDisk::new(8192);
+    agent_on_disk_of(net, 8192, extra)
+}
+
+/// The same on a disk of `mib` MiB.
+pub fn agent_on_disk_of(net: &NetworkMount, mib: u64, extra: &[&str]) -> Daemon {
+    let disk = hocus_tests::LocalDisk::new(mib);
     let cache_dir = disk.path.join("cache");
     let mut args = vec![
         "--watch",

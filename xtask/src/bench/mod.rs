@@ -7,6 +7,7 @@ mod dataset;
 mod events;
 mod fanout;
 mod imports;
+mod memmap;
 mod overhead;
 mod programs;
 mod ranges;
