@@ -661,6 +661,36 @@ fn plan_shows_the_placement_and_times_without_copying() {
     assert_eq!(lines.len(), 11);
     assert_eq!(lines.iter().filter(|l| l.contains(",ram,")).count(), 2);
     assert!(!cache.exists(), "plan copies nothing");
+
+    // A 96 MiB file jobs read 512 KiB of: placed as a partial copy, weighed by its
+    // ranges, within the 1 MiB budget; read whole, it stays on the network.
+    let big = net.put("d/big.h5", &vec![7u8; 96 << 20]);
+    let mut p: serde_json::Value = serde_json::from_slice(&fs::read(&profile).unwrap()).unwrap();
+    let entry = |ranges: serde_json::Value| {
+        serde_json::json!({"path": big, "size": 96u64 << 20, "opens": 50, "bytes_read": 512 << 10,
+            "first_touch_ns": 1, "written": false, "uids": [0], "ranges": ranges})
+    };
+    let tier_of_big = |p: &serde_json::Value| {
+        fs::write(&profile, serde_json::to_vec(p).unwrap()).unwrap();
+        let csv = plan(&["--csv"]);
+        let line = csv
+            .lines()
+            .find(|l| l.contains("big.h5"))
+            .unwrap()
+            .to_owned();
+        line.split(',').nth(4).unwrap().to_owned()
+    };
+    p["files"]
+        .as_array_mut()
+        .unwrap()
+        .push(entry(serde_json::json!([[0, 512 << 10]])));
+    assert_ne!(tier_of_big(&p), "network");
+    p["files"].as_array_mut().unwrap().pop();
+    p["files"]
+        .as_array_mut()
+        .unwrap()
+        .push(entry(serde_json::json!([])));
+    assert_eq!(tier_of_big(&p), "network");
 }
 
 #[test]

@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use anyhow::Result;
 
 use crate::{
+    cache::partial::pre_content::probe,
     place::{budget::Budgets, placement::Filters, plan},
     profile::format::read_exported,
     shared::{settings::Settings, size::Size},
@@ -49,11 +50,36 @@ impl PlanCache {
 pub fn run(profile: &Path, csv: bool, cache: PlanCache, daemon: Settings) -> Result<()> {
     let settings = cache.over(daemon);
     let profile = read_exported(profile)?;
+    let cache_dir = settings.cache_dir();
     plan::run(
         &profile,
-        &settings.cache_dir(),
+        &cache_dir,
         Budgets::of(&settings)?,
         &Filters::of(&settings),
+        partial_from(&settings, &cache_dir),
         csv,
     )
+}
+
+/// From what size the daemon would copy files read in part in part: `partial-from`,
+/// where the cache's filesystem has pre-content events (asked of the kernel: root
+/// only); else 0, said once.
+fn partial_from(settings: &Settings, cache_dir: &Path) -> u64 {
+    let from = settings.partial_from.map_or(0, |s| s.of(0));
+    if from == 0 {
+        return 0;
+    }
+    let mut probe_dir = cache_dir;
+    while !probe_dir.exists() {
+        probe_dir = probe_dir.parent().unwrap_or(Path::new("/"));
+    }
+    match probe(probe_dir) {
+        Ok(()) => from,
+        Err(e) => {
+            eprintln!(
+                "plan: every copy whole: partial copies need pre-content events on the cache's filesystem ({e}; run plan as root to ask the kernel)"
+            );
+            0
+        }
+    }
 }

@@ -13,7 +13,13 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use crate::{profile::view::File, shared::settings::Settings};
+use crate::{
+    profile::{
+        extents::Extents,
+        view::{File, View},
+    },
+    shared::settings::Settings,
+};
 
 /// A candidate must be this many times as valuable as a placed file to take its place.
 const KEEP_FACTOR: f64 = 2.0;
@@ -113,8 +119,26 @@ fn parent(path: &str) -> &str {
 }
 
 /// What a copy of a file takes when it is copied whole: its size.
+#[cfg(test)]
 pub fn whole_file(f: &File) -> u64 {
     f.size
+}
+
+/// The ranges a partial copy of `f` would hold, where partial copies are made from
+/// `partial_from` bytes (0: never): it is that big and jobs read it in part, never
+/// mapping it. A file jobs read whole gets a whole copy (pinned, shared, no read
+/// asking).
+pub fn copied_in_part<'v>(f: &File, view: &'v View, partial_from: u64) -> Option<&'v Extents> {
+    if partial_from == 0 || f.size < partial_from {
+        return None;
+    }
+    f.ranges(view).filter(|ranges| !ranges.whole(f.size))
+}
+
+/// What a copy of `f` takes where partial copies are made from `partial_from` bytes:
+/// the bytes of its ranges, or its size.
+pub fn takes_in_part(f: &File, view: &View, partial_from: u64) -> u64 {
+    copied_in_part(f, view, partial_from).map_or(f.size, |r| r.bytes(f.size))
 }
 
 /// The network time a local copy of `f` taking `bytes` saves, in opens, per page it

@@ -35,22 +35,26 @@ struct Costs {
 
 /// Prints the plan for `profile` with these budgets and filters, the local costs
 /// measured on `cache_dir`'s filesystem.
+/// Files from `partial_from` bytes (0: none) read in part are placed as partial
+/// copies, weighed by their ranges.
 pub fn run(
     profile: &Profile,
     cache_dir: &Path,
     budgets: Budgets,
     filters: &Filters,
+    partial_from: u64,
     csv: bool,
 ) -> Result<()> {
     let view = View::from(profile);
     let files: Vec<view::File> = view.files().collect();
     let none = |_: &str| false;
+    let takes = |f: &view::File| placement::takes_in_part(f, &view, partial_from);
     let placed = placement::place(
         &files,
         filters,
         budgets.ssd,
         budgets.ram,
-        &placement::whole_file,
+        &takes,
         &none,
         &none,
     );

@@ -16,6 +16,7 @@ use super::{
 };
 use crate::{
     cache::{copy::CopyError, directory::Cached, partial::PartialCopy, pins::Mapped},
+    place::placement,
     profile::{extents::Extents, view::File},
     shared::{identity::Identity, log_line as logs, size::human, user::User},
 };
@@ -55,7 +56,11 @@ impl Keeper {
             copies: cache.sources().map(|(s, _)| s.as_str()).collect(),
         };
         // A file to be copied in part takes the bytes of its ranges.
-        let takes = |f: &File| self.partial_ranges(f).map_or(f.size, |r| r.bytes(f.size));
+        let from = self
+            .partials
+            .as_ref()
+            .map_or(0, |_| self.config.partial_from);
+        let takes = |f: &File| placement::takes_in_part(f, view, from);
         let moves = decide::moves(
             &admitted,
             &self.config.filters,
@@ -163,15 +168,13 @@ impl Keeper {
     }
 
     /// The ranges a partial copy of `f` would hold, if it is to have one: partial copies
-    /// are made here, it is big enough and jobs read it in part, never mapping it. A
-    /// file jobs read whole gets a whole copy (pinned, shared, no read asking).
+    /// are made here, and `placement::copied_in_part` says so.
     pub(super) fn partial_ranges(&self, f: &File) -> Option<&Extents> {
-        let from = self.config.partial_from;
-        if self.partials.is_none() || from == 0 || f.size < from {
-            return None;
-        }
-        f.ranges(self.placement.view())
-            .filter(|ranges| !ranges.whole(f.size))
+        let from = self
+            .partials
+            .as_ref()
+            .map_or(0, |_| self.config.partial_from);
+        placement::copied_in_part(f, self.placement.view(), from)
     }
 
     fn start_copy(&mut self, source: &str, size: u64, ranges: Option<Extents>) {
