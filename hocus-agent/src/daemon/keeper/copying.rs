@@ -7,6 +7,7 @@ use std::{
     collections::VecDeque,
     os::unix::fs::MetadataExt,
     path::{Path, PathBuf},
+    time::{Duration, Instant},
 };
 
 use super::{
@@ -20,6 +21,9 @@ use crate::{
     profile::{extents::Extents, view::File},
     shared::{identity::Identity, log_line as logs, size::human, user::User},
 };
+
+/// How long a trim that fell short waits before the next.
+const TRIM_AGAIN_AFTER: Duration = Duration::from_secs(10);
 
 impl Keeper {
     /// The watched tree `path` is in.
@@ -375,10 +379,14 @@ impl Keeper {
     /// pin goes (the next placement pins what it holds now).
     fn trim_partial_copies(&mut self) {
         let over = self.cache.used().saturating_sub(self.effective_ssd_budget);
-        let Some(partials) = self.partials.clone().filter(|_| over > 0) else {
+        let due = Instant::now() >= self.trim_after;
+        let Some(partials) = self.partials.clone().filter(|_| over > 0 && due) else {
             return;
         };
         let trimmed = partials.trim_coldest(over);
+        if trimmed.iter().map(|(_, freed)| freed).sum::<u64>() < over {
+            self.trim_after = Instant::now() + TRIM_AGAIN_AFTER;
+        }
         for (source, freed) in &trimmed {
             log::info!(
                 "{source}: {} of its partial copy read least lately punched out, to keep the cache within the SSD budget ({})",

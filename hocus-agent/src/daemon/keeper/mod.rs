@@ -137,6 +137,7 @@ pub fn start(config: Config) -> Result<(Handle, thread::JoinHandle<()>, [Route; 
         config,
         cache,
         partials,
+        trim_after: Instant::now(),
         workers,
         revalidating: false,
         placement: Placement::new(),
@@ -227,6 +228,9 @@ struct Keeper {
     cache: Cache,
     /// Partial copies' filler and guard, where the kernel allows them.
     partials: Option<Arc<Partials>>,
+    /// Not before then is the cache trimmed again (a trim that fell short, its copies
+    /// held open elsewhere, waits: each asks /proc about every process).
+    trim_after: Instant,
     workers: Workers,
     /// A revalidation is under way.
     revalidating: bool,
