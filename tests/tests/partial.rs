@@ -29,18 +29,23 @@ fn prefetched(net: &NetworkMount) -> (Agent, std::path::PathBuf) {
 
 /// The same within an SSD budget of `budget`.
 fn prefetched_within(net: &NetworkMount, budget: &str) -> (Agent, std::path::PathBuf) {
+    prefetched_with(net, &["--ssd-budget", budget])
+}
+
+/// The same with these settings (an SSD budget among them).
+fn prefetched_with(net: &NetworkMount, settings: &[&str]) -> (Agent, std::path::PathBuf) {
     let data = net.put(
         "data/train.bin",
         &(0..32 * MIB).map(byte).collect::<Vec<u8>>(),
     );
-    let agent = Agent::start(&[
+    let mut args = vec![
         "--watch",
         net.mount.to_str().unwrap(),
         "--partial-from",
         "8M",
-        "--ssd-budget",
-        budget,
-    ]);
+    ];
+    args.extend_from_slice(settings);
+    let agent = Agent::start(&args);
     let route = agent.route("big files read in part");
     assert!(route.starts_with("partial copies from 8.0 MiB"), "{route}");
     let profile = json!({
@@ -308,6 +313,40 @@ fn a_job_killed_while_it_waits_on_a_fill_goes_and_the_daemon_serves_the_next() {
         format!("{} {}", sum(20 * MIB, 4096), sum(4 * MIB, 4096))
     );
     assert_eq!(agent.cache()["partial_reads_failed"], 0);
+}
+
+#[test]
+fn a_fill_the_server_does_not_answer_fails_the_read_at_the_bound_never_hangs() {
+    let net = NetworkMount::start();
+    let (agent, data) = prefetched_with(&net, &["--ssd-budget", "16M", "--fill-timeout", "2"]);
+    // A job started (its copies checked against the server), then the server hangs,
+    // then the job reads what the copy lacks.
+    let work = tempfile::tempdir().unwrap();
+    let go = work.path().join("go");
+    let client = agent
+        .python_job(&format!(
+            "import os, time\nfd = os.open('{}', os.O_RDONLY)\nwhile not os.path.exists('{}'): time.sleep(0.05)\nt = time.monotonic()\ntry:\n    os.pread(fd, 4096, 20 << 20)\n    print('read')\nexcept OSError as e:\n    print(e.errno, round(time.monotonic() - t, 1))",
+            data.display(),
+            go.display()
+        ))
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_until(20, "the job started", || agent.cache()["jobs_running"] == 1);
+    let paused = net.pause_server();
+    fs::write(&go, "").unwrap();
+    let out = client.wait_with_output().unwrap();
+    let said = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+    // EIO, after the 2 s bound (and well before the default 30 s).
+    let (errno, secs) = said.split_once(' ').expect(&said);
+    assert_eq!(errno, "5", "{said}");
+    let secs: f64 = secs.parse().unwrap();
+    assert!((1.9..15.0).contains(&secs), "{said}");
+    assert!(agent.cache()["partial_reads_failed"].as_u64().unwrap() >= 1);
+    // Once the server answers, the same range reads right.
+    drop(paused);
+    let sums = read_at(&agent, &data, &[20 * MIB]);
+    assert_eq!(sums, sum(20 * MIB, 4096).to_string());
 }
 
 #[test]

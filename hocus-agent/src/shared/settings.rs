@@ -116,6 +116,12 @@ pub struct Settings {
     #[arg(long, value_name = "SIZE")]
     pub partial_from: Option<Size>,
 
+    /// Seconds a read of a partial copy waits for its fill from the network to make
+    /// progress (a server that does not answer); past them the read fails with EIO,
+    /// never hangs [default: 30].
+    #[arg(long, value_name = "SECONDS")]
+    pub fill_timeout: Option<u64>,
+
     /// Entries (files, missing names, directories) the working set holds at most; beyond,
     /// new names read are not recorded (writes always are) [default: 2000000].
     #[arg(long, value_name = "N")]
@@ -192,7 +198,7 @@ impl Settings {
     pub fn or(self, other: Settings) -> Settings {
         either!(self, other; watch, state_dir, socket, save_interval, cache_dir, ssd_budget,
             ram_budget, include_ext, exclude, revalidate, rest_after, trace_every_process,
-            copy_workers, whole_snapshots, partial_from, max_profile_entries, job_profiles, relay_port,
+            copy_workers, whole_snapshots, partial_from, fill_timeout, max_profile_entries, job_profiles, relay_port,
             relay_timeout, fanout_width, munge_socket, max_clients, max_clients_per_user,
             metrics_addr, no_metrics, log_hits, log_misses, log_writes, log_format)
     }
@@ -215,6 +221,7 @@ impl Settings {
             copy_workers: Some(8),
             whole_snapshots: Some(false),
             partial_from: Some(Size::Bytes(64 << 20)),
+            fill_timeout: Some(30),
             max_profile_entries: Some(2_000_000),
             job_profiles: Some(DEFAULT_JOB_PROFILES.into()),
             relay_port: Some(DEFAULT_RELAY_PORT),
@@ -346,6 +353,10 @@ impl Settings {
         Some(self.relay_port.unwrap_or(DEFAULT_RELAY_PORT)).filter(|p| *p != 0)
     }
 
+    pub fn fill_timeout(&self) -> Duration {
+        Duration::from_secs(self.fill_timeout.unwrap_or(30).max(1))
+    }
+
     pub fn relay_timeout(&self) -> Duration {
         Duration::from_secs(self.relay_timeout.unwrap_or(5).max(1))
     }
@@ -389,6 +400,7 @@ impl Settings {
             self.whole_snapshots != other.whole_snapshots,
         );
         check("partial-from", self.partial_from != other.partial_from);
+        check("fill-timeout", self.fill_timeout() != other.fill_timeout());
         check("max-clients", self.max_clients != other.max_clients);
         check(
             "max-clients-per-user",

@@ -31,7 +31,7 @@ pub struct Partials {
 impl Partials {
     /// Partial copies for the cache at `root` (temporary files in `tmp`, on the same
     /// filesystem); an error says why there can be none.
-    pub fn start(root: &Path, tmp: &Path) -> io::Result<Arc<Self>> {
+    pub fn start(root: &Path, tmp: &Path, limits: Limits) -> io::Result<Arc<Self>> {
         probe(tmp)?;
         let pid_file = root.join(GUARD_PID);
         let adopted = previous_guard(&pid_file).and_then(|g| {
@@ -46,7 +46,7 @@ impl Partials {
             None => Group::new()?,
         };
         let partials = Arc::new(Self {
-            filler: Filler::start(group, Limits::default())?,
+            filler: Filler::start(group, limits)?,
             guard: Mutex::new(None),
             pid_file,
         });

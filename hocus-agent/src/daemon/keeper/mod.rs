@@ -54,7 +54,12 @@ pub use self::{
     order::{Config, Reconfigure},
 };
 use crate::{
-    cache::{copy::CopyError, directory::Cache, partial::service::Partials, relay::Parent},
+    cache::{
+        copy::CopyError,
+        directory::Cache,
+        partial::{filler::Limits, service::Partials},
+        relay::Parent,
+    },
     profile::{format::Profile, view::View},
     redirect::{
         jobs::JobStart,
@@ -177,7 +182,11 @@ fn partials_here(config: &Config, cache: &Cache) -> (Option<Arc<Partials>>, Rout
     let why_not = if kernel::forced("partial-copies") && !guarded {
         Err(kernel::why("partial-copies", ""))
     } else {
-        Partials::start(&config.cache_dir, cache.tmp_dir()).map_err(|e| {
+        let limits = Limits {
+            stall: config.fill_timeout,
+            ..Limits::default()
+        };
+        Partials::start(&config.cache_dir, cache.tmp_dir(), limits).map_err(|e| {
             format!(
                 "the cache's filesystem or the kernel has no fanotify pre-content events ({e}; Linux 6.14)"
             )

@@ -32,6 +32,8 @@ pub struct Config {
     pub whole_snapshots: bool,
     /// Files read in part at least this big get partial copies; 0: none.
     pub partial_from: u64,
+    /// A read of a partial copy whose fill makes no progress this long fails with EIO.
+    pub fill_timeout: Duration,
 }
 
 impl Config {
@@ -48,6 +50,7 @@ impl Config {
             copy_workers: settings.copy_workers.unwrap_or(8),
             whole_snapshots: settings.whole_snapshots.unwrap_or(false),
             partial_from: settings.partial_from.map_or(0, |s| s.of(0)),
+            fill_timeout: settings.fill_timeout(),
         })
     }
 }
