@@ -411,14 +411,27 @@ fn read_here_and_there(agent: &Agent, data: &Path, mapped: &Path) {
 /// The byte ranges profiled for `path`, once there are `at_least` of them (the last run
 /// of a mapping is read from the kernel at a sweep).
 fn ranges(agent: &Agent, path: &Path, at_least: usize) -> Vec<[u64; 2]> {
-    let mut got = Vec::new();
-    hocus_tests::wait_until(30, "the ranges read to be profiled", || {
-        got = file_entry(&agent.export(), path).map_or_else(Vec::new, |f| {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let export = agent.export();
+        let entry = file_entry(&export, path);
+        let got: Vec<[u64; 2]> = entry.as_ref().map_or_else(Vec::new, |f| {
             serde_json::from_value(f["ranges"].clone()).unwrap_or_default()
         });
-        got.len() >= at_least
-    });
-    got
+        if got.len() >= at_least {
+            return got;
+        }
+        // What the profile said of it, and what the tracer counted, to tell a range
+        // never reported from one reported late.
+        assert!(
+            std::time::Instant::now() < deadline,
+            "waited 30 s for {at_least} ranges of {} to be profiled: {entry:#?}\ntracing: {:#}\n{}",
+            path.display(),
+            agent.status()["tracing"],
+            agent.log()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
 }
 
 #[test]
