@@ -215,3 +215,27 @@ impl BusyCores {
         (ticks.iter().sum::<u64>() - idle) as f64 / 100.0
     }
 }
+
+/// `n` offsets of 1 MiB chunks in a file of `size` bytes, 4 KiB aligned, from a fixed
+/// seed: the same in every run.
+pub fn offsets(n: usize, size: u64) -> Vec<u64> {
+    let mut x = 0x2545_f491_4f6c_dd1du64;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x % (size - MIB as u64)) & !4095
+        })
+        .collect()
+}
+
+/// The medians of the whole jobs' times and of their reads'.
+pub fn medians(runs: Vec<(f64, f64)>) -> (f64, f64) {
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let (whole, reads) = runs.into_iter().unzip();
+    (median(whole), median(reads))
+}

@@ -12,8 +12,16 @@ use std::{
 
 use anyhow::{Result, bail};
 
-use super::common::{MIB, agent_on_disk_of, drop_caches, network};
-use super::ranges::{Ranges, medians, offsets};
+use super::common::{MIB, agent_on_disk_of, drop_caches, medians, network, offsets};
+
+/// The case: `chunks` of 1 MiB of a file of `file_mib`, on a fixture of this round trip;
+/// the job again `runs` times from the cache and from a local disk.
+pub struct MapCase {
+    pub file_mib: usize,
+    pub chunks: usize,
+    pub round_trip: std::time::Duration,
+    pub runs: usize,
+}
 
 /// What the mapped file came to.
 pub struct Mapped {
@@ -71,23 +79,23 @@ fn run_job(agent: &hocus_tests::Agent, job: &str) -> Result<(f64, f64, u64)> {
 /// The mapped case with a daemon of its own (partial copies on, from 32 MiB): the
 /// first job from the network, the copy it leads to, then the job again from it against
 /// the same job on a local disk, in turns.
-pub fn mapped(r: &Ranges, packages: &Path) -> Result<Mapped> {
+pub fn mapped(r: &MapCase, packages: &Path) -> Result<Mapped> {
     let net = network(r.round_trip);
-    let size = (r.memmap_mib * MIB) as u64;
+    let size = (r.file_mib * MIB) as u64;
     let at = offsets(r.chunks, size);
     let file = net.server_path("data/memmap.bin");
-    write_big(&file, r.memmap_mib)?;
+    write_big(&file, r.file_mib)?;
     let file = net.path("data/memmap.bin");
     // Room for the local disk's file and a whole copy, within half the free space.
-    let disk_mib = (3 * r.memmap_mib + 2048) as u64;
+    let disk_mib = (3 * r.file_mib + 2048) as u64;
     let (disk, agent) = agent_on_disk_of(&net, disk_mib, &["--partial-from", "32M"]);
     let local = disk.path.join("memmap.bin");
-    write_big(&local, r.memmap_mib)?;
+    write_big(&local, r.file_mib)?;
 
     let (whole, reads, want) = run_job(&agent, &job(packages, &file, &at))?;
     let first = Instant::now();
     // What the cache counts (the copy may sit in a snapshot of its directory by now).
-    let within = 60 + r.memmap_mib as u64 / 10;
+    let within = 60 + r.file_mib as u64 / 10;
     let cached = || agent.cache()["cached_bytes"].as_u64().unwrap_or(0);
     super::common::wait_for(&agent, within, "the mapped file copied", || {
         cached() >= size
@@ -106,7 +114,7 @@ pub fn mapped(r: &Ranges, packages: &Path) -> Result<Mapped> {
         }
     }
     Ok(Mapped {
-        file_mib: r.memmap_mib,
+        file_mib: r.file_mib,
         held,
         copied_after,
         from_network: (whole, reads),

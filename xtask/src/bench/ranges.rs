@@ -13,7 +13,10 @@ use std::{
 use anyhow::{Result, bail};
 use hocus_tests::file_entry;
 
-use super::common::{MIB, agent_on_local_disk, drop_caches, network, write_figures};
+use super::common::{
+    MIB, agent_on_local_disk, drop_caches, medians, network, offsets, write_figures,
+};
+use super::memmap::MapCase;
 use crate::host;
 
 pub struct Ranges {
@@ -37,20 +40,6 @@ impl Ranges {
             runs: 1,
         }
     }
-}
-
-/// `n` offsets of 1 MiB chunks in a file of `size` bytes, 4 KiB aligned, from a fixed
-/// seed: the same in every run.
-pub(super) fn offsets(n: usize, size: u64) -> Vec<u64> {
-    let mut x = 0x2545_f491_4f6c_dd1du64;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x % (size - MIB as u64)) & !4095
-        })
-        .collect()
 }
 
 /// A Python job reading 1 MiB at each of `offsets` of `path`; it prints how long its
@@ -116,16 +105,6 @@ fn in_order(
         from_copy: medians(copy_runs).0,
         from_disk: medians(disk_runs).0,
     })
-}
-
-/// The medians of the whole jobs' times and of their reads'.
-pub(super) fn medians(runs: Vec<(f64, f64)>) -> (f64, f64) {
-    let median = |mut v: Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
-    let (whole, reads) = runs.into_iter().unzip();
-    (median(whole), median(reads))
 }
 
 /// Runs `job` under `hocus-agent run` with the page cache emptied first: the seconds
@@ -197,7 +176,13 @@ pub fn ranges(agent_bin: &Path, r: &Ranges) -> Result<()> {
     let whole = in_order(&agent, &net, &content, &local, r.runs)?;
     // The mapped case has a daemon, a mount and a disk of its own: these go first.
     drop((agent, disk, net));
-    let mapped = super::memmap::mapped(r, &hocus_tests::numpy_h5py())?;
+    let case = MapCase {
+        file_mib: r.memmap_mib,
+        chunks: r.chunks,
+        round_trip: r.round_trip,
+        runs: r.runs,
+    };
+    let mapped = super::memmap::mapped(&case, &hocus_tests::numpy_h5py())?;
 
     let mib = |b: u64| b as f64 / MIB as f64;
     let ratio = |b: u64| b as f64 / read as f64;
