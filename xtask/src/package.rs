@@ -309,6 +309,12 @@ pub fn install(deb: &Path) -> Result<()> {
             listed.lines().any(|l| l == file) && Path::new(file).exists(),
         )?;
     }
+    // Stopping or restarting the unit must leave the partial copies' guard running.
+    let unit = fs::read_to_string("/lib/systemd/system/hocus-agent.service")?;
+    check(
+        "the unit stops the daemon only (KillMode=process)",
+        unit.lines().any(|l| l.trim() == "KillMode=process"),
+    )?;
     let version = output(Command::new(AGENT).arg("--version"))?;
     check("hocus-agent --version", version.contains(VERSION))?;
     check(
