@@ -24,12 +24,7 @@ fn sum(from: u64, n: u64) -> u64 {
 /// file on the network (twice the budget) that a profile says jobs read 1 MiB of, at
 /// 4 MiB; prefetched. The copy takes the bytes of its ranges, so it fits.
 fn prefetched(net: &NetworkMount) -> (Agent, std::path::PathBuf) {
-    prefetched_within(net, "16M")
-}
-
-/// The same within an SSD budget of `budget`.
-fn prefetched_within(net: &NetworkMount, budget: &str) -> (Agent, std::path::PathBuf) {
-    prefetched_with(net, &["--ssd-budget", budget])
+    prefetched_with(net, &["--ssd-budget", "16M"])
 }
 
 /// The same with these settings (an SSD budget among them).
@@ -118,7 +113,7 @@ fn a_big_file_read_in_part_is_copied_in_part_and_filled_when_read() {
 fn past_the_budget_the_chunks_read_least_lately_are_punched_out_and_read_right_again() {
     let net = NetworkMount::start();
     // Within 3 MiB: the copy holds the profile's MiB at 4 MiB, never read since.
-    let (agent, data) = prefetched_within(&net, "3M");
+    let (agent, data) = prefetched_with(&net, &["--ssd-budget", "3M"]);
     let local = agent.local_copy(&data);
     let held = |f: &Path| fs::metadata(f).unwrap().blocks() * 512;
     assert_eq!(held(&local), MIB);

@@ -6,7 +6,6 @@
 
 use std::{collections::HashMap, fs::File, path::Path};
 
-use hocus_common::ranges::GRAIN_SHIFT;
 use memmap2::{Mmap, MmapOptions};
 
 use crate::cache::partial::held_grains;
@@ -109,20 +108,12 @@ pub fn map_locked(local: &Path, in_part: bool) -> std::io::Result<Mapped> {
     let file = File::open(local)?;
     let size = file.metadata()?.len();
     let ranges = if in_part {
-        let held = held_grains(&file, size)?;
-        held.iter()
-            .map(|&(s, e)| {
-                (
-                    u64::from(s) << GRAIN_SHIFT,
-                    (u64::from(e) << GRAIN_SHIFT).min(size),
-                )
-            })
-            .collect()
+        held_grains(&file, size)?.to_bytes(size)
     } else {
-        vec![(0, size)]
+        vec![[0, size]]
     };
     let mut mapped = Mapped::default();
-    for (start, end) in ranges.into_iter().filter(|(s, e)| s < e) {
+    for [start, end] in ranges.into_iter().filter(|[s, e]| s < e) {
         // SAFETY: the copy lives in the root-only cache; nobody but hocus changes it, and
         // hocus unpins before deleting or replacing it.
         let map = unsafe {

@@ -7,7 +7,11 @@ use anyhow::Result;
 
 use crate::{
     cache::partial::pre_content::probe,
-    place::{budget::Budgets, placement::Filters, plan},
+    place::{
+        budget::{self, Budgets},
+        placement::Filters,
+        plan,
+    },
     profile::format::read_exported,
     shared::{settings::Settings, size::Size},
 };
@@ -69,11 +73,7 @@ fn partial_from(settings: &Settings, cache_dir: &Path) -> u64 {
     if from == 0 {
         return 0;
     }
-    let mut probe_dir = cache_dir;
-    while !probe_dir.exists() {
-        probe_dir = probe_dir.parent().unwrap_or(Path::new("/"));
-    }
-    match probe(probe_dir) {
+    match probe(budget::nearest_existing(cache_dir)) {
         Ok(()) => from,
         Err(e) => {
             eprintln!(

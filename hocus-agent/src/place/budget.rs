@@ -19,11 +19,7 @@ impl Budgets {
     /// from MemTotal.
     pub fn of(settings: &Settings) -> Result<Budgets> {
         let cache_dir = settings.cache_dir();
-        let mut probe = cache_dir.as_path();
-        while !probe.exists() {
-            probe = probe.parent().unwrap_or(Path::new("/"));
-        }
-        let (free, total) = fs_space(probe)?;
+        let (free, total) = fs_space(nearest_existing(&cache_dir))?;
         let ssd = match settings.ssd_budget {
             Some(size) => size.of(total),
             None => default_ssd_budget(free, total),
@@ -34,6 +30,16 @@ impl Budgets {
             ram: ram.of(mem_total()?),
         })
     }
+}
+
+/// `path`, or its nearest ancestor that exists (a cache directory not made yet is on
+/// its filesystem).
+pub fn nearest_existing(path: &Path) -> &Path {
+    let mut at = path;
+    while !at.exists() {
+        at = at.parent().unwrap_or(Path::new("/"));
+    }
+    at
 }
 
 /// MemTotal from /proc/meminfo.

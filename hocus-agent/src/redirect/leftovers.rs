@@ -15,6 +15,7 @@ use anyhow::{Context, Result};
 use crate::{
     observe::mounts::{self, Mount},
     redirect::mountns,
+    shared::procs,
 };
 
 /// What was taken away.
@@ -111,14 +112,7 @@ pub fn take_away(cache_dir: &Path, trees: &[PathBuf]) -> Result<Taken> {
     let own = fs::metadata("/proc/self/ns/mnt")?.ino();
     let mut seen = HashSet::from([own]);
     let mut taken = Taken::default();
-    for entry in fs::read_dir("/proc").context("reading /proc")?.flatten() {
-        let Some(pid) = entry
-            .file_name()
-            .to_str()
-            .and_then(|n| n.parse::<u32>().ok())
-        else {
-            continue;
-        };
+    for pid in procs::pids().context("reading /proc")? {
         // A process may end, or its pid be reused, at any moment: whatever fails is
         // skipped, and a namespace is read only if the pid still had it afterwards.
         let Some((ns, inum, table)) = namespace_of(pid, &seen) else {

@@ -3,7 +3,8 @@
 //! (flags and config file), sizes as people write them, the per-file log lines, munge
 //! credentials, what the two ends of the relay between a job's nodes agree on (`relay`),
 //! giving freed memory back, replacing a file whole (`replace`), log lines of one cause
-//! summed up (`tally`), the events a fanotify group reads (`fanotify`); and the
+//! summed up (`tally`), the events a fanotify group reads (`fanotify`), the machine's
+//! processes (`procs`); and the
 //! safe-file primitives every stage works with as root: opening a directory and what lies beneath
 //! it without following symlinks (`dirs`), a watched tree held open (`tree`), a file's
 //! identity (`identity`), users' credentials taken on one thread (`user`), and the
@@ -18,6 +19,7 @@ pub mod kernel;
 pub mod log_line;
 pub mod memory;
 pub mod munge;
+pub mod procs;
 pub mod relay;
 pub mod replace;
 pub mod settings;

@@ -239,3 +239,16 @@ pub fn medians(runs: Vec<(f64, f64)>) -> (f64, f64) {
     let (whole, reads) = runs.into_iter().unzip();
     (median(whole), median(reads))
 }
+
+/// Runs `python3 -c job` under `hocus-agent run`, the page cache emptied first: the
+/// seconds the whole job took, and what it printed. A job that fails is an error.
+pub fn python_job(agent: &Agent, job: &str) -> Result<(f64, String)> {
+    drop_caches()?;
+    let t = Instant::now();
+    let out = agent.cli(&["run", "--", "python3", "-c", job]).output()?;
+    if !out.status.success() {
+        bail!("the job failed: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    let whole = t.elapsed().as_secs_f64();
+    Ok((whole, String::from_utf8_lossy(&out.stdout).into_owned()))
+}

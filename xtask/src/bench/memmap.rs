@@ -12,7 +12,7 @@ use std::{
 
 use anyhow::{Result, bail};
 
-use super::common::{MIB, agent_on_disk_of, drop_caches, medians, network, offsets};
+use super::common::{MIB, agent_on_disk_of, medians, network, offsets, python_job};
 
 /// The case: `chunks` of 1 MiB of a file of `file_mib`, on a fixture of this round trip;
 /// the job again `runs` times from the cache and from a local disk.
@@ -63,17 +63,11 @@ fn job(packages: &Path, path: &Path, offsets: &[u64]) -> String {
 /// Runs `job` under `hocus-agent run`, the page cache emptied first: the seconds the
 /// whole job took, its reads', and the sum it printed.
 fn run_job(agent: &hocus_tests::Agent, job: &str) -> Result<(f64, f64, u64)> {
-    drop_caches()?;
-    let t = Instant::now();
-    let out = agent.cli(&["run", "--", "python3", "-c", job]).output()?;
-    if !out.status.success() {
-        bail!("the job failed: {}", String::from_utf8_lossy(&out.stderr));
-    }
-    let text = String::from_utf8_lossy(&out.stdout);
-    let mut words = text.split_whitespace();
+    let (whole, printed) = python_job(agent, job)?;
+    let mut words = printed.split_whitespace();
     let reads = words.next().unwrap_or_default().parse::<f64>()?;
     let sum = words.next().unwrap_or_default().parse::<u64>()?;
-    Ok((t.elapsed().as_secs_f64(), reads, sum))
+    Ok((whole, reads, sum))
 }
 
 /// The mapped case with a daemon of its own (partial copies on, from 32 MiB): the

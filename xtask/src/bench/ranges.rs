@@ -5,16 +5,13 @@
 //! a whole one: docs/partial-copies.md); then the same job again, served by that copy,
 //! against the same reads from a local disk, all in the same run.
 
-use std::{
-    path::Path,
-    time::{Duration, Instant},
-};
+use std::{path::Path, time::Duration};
 
 use anyhow::{Result, bail};
 use hocus_tests::file_entry;
 
 use super::common::{
-    MIB, agent_on_local_disk, drop_caches, medians, network, offsets, write_figures,
+    MIB, agent_on_local_disk, medians, network, offsets, python_job, write_figures,
 };
 use super::memmap::MapCase;
 use crate::host;
@@ -108,16 +105,10 @@ fn in_order(
 }
 
 /// Runs `job` under `hocus-agent run` with the page cache emptied first: the seconds
-/// the whole job took, and its reads alone.
+/// the whole job took, and its reads alone (what it printed).
 fn run_job(agent: &hocus_tests::Agent, job: &str) -> Result<(f64, f64)> {
-    drop_caches()?;
-    let t = Instant::now();
-    let out = agent.cli(&["run", "--", "python3", "-c", job]).output()?;
-    if !out.status.success() {
-        bail!("the job failed: {}", String::from_utf8_lossy(&out.stderr));
-    }
-    let reads = String::from_utf8_lossy(&out.stdout).trim().parse::<f64>()?;
-    Ok((t.elapsed().as_secs_f64(), reads))
+    let (whole, printed) = python_job(agent, job)?;
+    Ok((whole, printed.trim().parse::<f64>()?))
 }
 
 pub fn ranges(agent_bin: &Path, r: &Ranges) -> Result<()> {

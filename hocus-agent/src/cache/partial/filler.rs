@@ -196,6 +196,9 @@ impl Filler {
     /// child may outlive it). Copies a daemon before made are left alone (its jobs may
     /// read them), and so are copies made whole (unmarked: a hole would read as zeros).
     pub fn trim_coldest(&self, excess: u64, guard: Option<i32>) -> Vec<(String, u64)> {
+        if excess == 0 {
+            return Vec::new();
+        }
         let mut copies: Vec<((u64, u64), Arc<PartialCopy>)> = {
             let copies = self.copies.lock().expect("not poisoned");
             copies
@@ -204,9 +207,6 @@ impl Filler {
                 .map(|(k, c)| (*k, c.clone()))
                 .collect()
         };
-        if excess == 0 {
-            return Vec::new();
-        }
         let keys = copies.iter().map(|(k, _)| *k).collect();
         let open = super::open_elsewhere::opened_by_others(&keys, guard);
         copies.retain(|(k, _)| !open.contains(k));
@@ -223,14 +223,10 @@ impl Filler {
                 break;
             }
             let (key, copy) = &copies[i];
-            *self
-                .writing
-                .lock()
-                .expect("not poisoned")
-                .entry(*key)
-                .or_default() += 1;
-            let punched = copy.punch(chunk);
-            done_writing(&self.writing, *key);
+            let punched = {
+                let _own = OwnWrite::of(&self.writing, *key);
+                copy.punch(chunk)
+            };
             match punched {
                 Ok(bytes) => {
                     freed[i] += bytes;
@@ -507,12 +503,7 @@ impl Fill<'_> {
         if missing.is_empty() {
             return Ok(());
         }
-        *self
-            .writing
-            .lock()
-            .expect("not poisoned")
-            .entry(key)
-            .or_default() += 1;
+        let _own = OwnWrite::of(self.writing, key);
         let mut filled = Ok(());
         for (s, e) in missing {
             filled = copy.fill_with(s, e, || {
@@ -524,18 +515,36 @@ impl Fill<'_> {
             let bytes = (u64::from(e - s) << GRAIN_SHIFT).min(copy.size());
             self.counts.bytes_filled.fetch_add(bytes, Ordering::Relaxed);
         }
-        done_writing(self.writing, key);
         filled
     }
 }
 
-/// A write of this process to the copy `key` ended.
-fn done_writing(writing: &Writing, key: (u64, u64)) {
-    let mut writing = writing.lock().expect("not poisoned");
-    if let Some(n) = writing.get_mut(&key) {
-        *n -= 1;
-        if *n == 0 {
-            writing.remove(&key);
+/// A write of this process to copy `key` under way (a fill, a punch): the events it
+/// raises are let through until it is dropped.
+struct OwnWrite<'a> {
+    writing: &'a Writing,
+    key: (u64, u64),
+}
+
+impl<'a> OwnWrite<'a> {
+    fn of(writing: &'a Writing, key: (u64, u64)) -> Self {
+        *writing
+            .lock()
+            .expect("not poisoned")
+            .entry(key)
+            .or_default() += 1;
+        Self { writing, key }
+    }
+}
+
+impl Drop for OwnWrite<'_> {
+    fn drop(&mut self) {
+        let mut writing = self.writing.lock().expect("not poisoned");
+        if let Some(n) = writing.get_mut(&self.key) {
+            *n -= 1;
+            if *n == 0 {
+                writing.remove(&self.key);
+            }
         }
     }
 }

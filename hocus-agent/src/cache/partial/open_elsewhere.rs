@@ -5,6 +5,8 @@
 
 use std::{collections::HashSet, fs, os::unix::fs::MetadataExt};
 
+use crate::shared::procs;
+
 /// A file by device and inode, as `stat` gives them.
 pub type Key = (u64, u64);
 
@@ -15,20 +17,13 @@ pub fn opened_by_others(keys: &HashSet<Key>, also_ours: Option<i32>) -> HashSet<
     if keys.is_empty() {
         return found;
     }
-    let me = std::process::id() as i32;
-    let Ok(procs) = fs::read_dir("/proc") else {
+    let Ok(pids) = procs::pids() else {
         // Not knowing is as good as all of them open.
         return keys.clone();
     };
-    for entry in procs.flatten() {
-        let Some(pid) = entry
-            .file_name()
-            .to_str()
-            .and_then(|n| n.parse::<i32>().ok())
-        else {
-            continue;
-        };
-        if pid == me || Some(pid) == also_ours {
+    let ours = [Some(std::process::id()), also_ours.map(|p| p as u32)];
+    for pid in pids {
+        if ours.contains(&Some(pid)) {
             continue;
         }
         if let Ok(fds) = fs::read_dir(format!("/proc/{pid}/fd")) {

@@ -60,10 +60,7 @@ impl Keeper {
             copies: cache.sources().map(|(s, _)| s.as_str()).collect(),
         };
         // A file to be copied in part takes the bytes of its ranges.
-        let from = self
-            .partials
-            .as_ref()
-            .map_or(0, |_| self.config.partial_from);
+        let from = self.partial_from();
         let takes = |f: &File| placement::takes_in_part(f, view, from);
         let moves = decide::moves(
             &admitted,
@@ -174,11 +171,14 @@ impl Keeper {
     /// The ranges a partial copy of `f` would hold, if it is to have one: partial copies
     /// are made here, and `placement::copied_in_part` says so.
     pub(super) fn partial_ranges(&self, f: &File) -> Option<&Extents> {
-        let from = self
-            .partials
+        placement::copied_in_part(f, self.placement.view(), self.partial_from())
+    }
+
+    /// From what size files read in part get partial copies here (0: none made).
+    fn partial_from(&self) -> u64 {
+        self.partials
             .as_ref()
-            .map_or(0, |_| self.config.partial_from);
-        placement::copied_in_part(f, self.placement.view(), from)
+            .map_or(0, |_| self.config.partial_from)
     }
 
     fn start_copy(&mut self, source: &str, size: u64, ranges: Option<Extents>) {
@@ -395,12 +395,9 @@ impl Keeper {
             );
             self.status.partial_bytes_trimmed += freed;
             self.pinning.unpin(source);
-        }
-        if !trimmed.is_empty() {
-            for (source, held) in partials.held() {
-                if self.cache.get(&source).is_some_and(|c| c.is_partial()) {
-                    self.cache.set_held(&source, held);
-                }
+            if let Some(c) = self.cache.get(source).filter(|c| c.is_partial()) {
+                let held = c.held.saturating_sub(*freed);
+                self.cache.set_held(source, held);
             }
         }
     }

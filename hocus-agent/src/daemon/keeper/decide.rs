@@ -236,9 +236,12 @@ mod tests {
             pinned: &|_| false,
             copies: Vec::new(),
         };
-        let in_part = |f: &File| f.ranges(&view).map_or(f.size, |r| r.bytes(f.size));
-        let budgets = (1 << 30, 0);
-        let m = moves(&admitted, &Filters::default(), budgets, &in_part, &held);
+        // Partial copies from 1 MiB, or none (every copy whole).
+        let within = |ssd: u64, partial_from: u64| {
+            let takes = |f: &File| placement::takes_in_part(f, &view, partial_from);
+            moves(&admitted, &Filters::default(), (ssd, 0), &takes, &held)
+        };
+        let m = within(1 << 30, 1 << 20);
         let placed: Vec<_> = m.wanted.iter().map(|c| (c.path, c.bytes)).collect();
         assert_eq!(
             placed,
@@ -248,30 +251,15 @@ mod tests {
             ]
         );
         // Weighed by its size, it never fits.
-        let whole = placement::whole_file;
-        let m = moves(&admitted, &Filters::default(), budgets, &whole, &held);
+        let m = within(1 << 30, 0);
         assert_eq!(copies(&m), [("/net/env/lib.so", 512 << 20)]);
         // Its ranges larger than the budget: it gets all of it (its chunks share out).
-        let m = moves(
-            &admitted,
-            &Filters::default(),
-            (32 << 20, 0),
-            &in_part,
-            &held,
-        );
+        let m = within(32 << 20, 1 << 20);
         let placed: Vec<_> = m.wanted.iter().map(|c| (c.path, c.bytes, c.cut)).collect();
         assert_eq!(placed, [("/net/data/train.h5", 32 << 20, true)]);
         // Not below a chunk's worth; and a whole file is never cut.
-        let m = moves(
-            &admitted,
-            &Filters::default(),
-            (1 << 19, 0),
-            &in_part,
-            &held,
-        );
-        assert!(m.wanted.is_empty());
-        let m = moves(&admitted, &Filters::default(), (1 << 20, 0), &whole, &held);
-        assert!(m.wanted.is_empty());
+        assert!(within(1 << 19, 1 << 20).wanted.is_empty());
+        assert!(within(1 << 20, 0).wanted.is_empty());
     }
 
     #[test]
