@@ -59,6 +59,9 @@ pub struct Tracer {
     open_files: HashMap<MapData, FdKey, OpenFile>,
     /// Files opened through watched FUSE mounts, followed by the request programs.
     request_files: HashMap<MapData, RequestKey, OpenFile>,
+    /// Files opened on watched NFS mounts, followed by the NFS client's programs (by
+    /// their `struct file`).
+    nfs_files: HashMap<MapData, u64, OpenFile>,
     mapped: HashMap<MapData, InodeKey, Mapped>,
     counters: PerCpuArray<MapData, u64>,
     /// The processes the syscall program follows; None when it follows every process.
@@ -112,6 +115,7 @@ impl Tracer {
             ebpf.take_map("REQUEST_FILES")
                 .context("no REQUEST_FILES map")?,
         )?;
+        let nfs_files = HashMap::try_from(ebpf.take_map("NFS_FILES").context("no NFS_FILES map")?)?;
         let mapped = HashMap::try_from(ebpf.take_map("MAPPED").context("no MAPPED map")?)?;
         let counters =
             PerCpuArray::try_from(ebpf.take_map("COUNTERS").context("no COUNTERS map")?)?;
@@ -129,6 +133,7 @@ impl Tracer {
             events,
             open_files,
             request_files,
+            nfs_files,
             mapped,
             counters,
             held: Vec::new(),
@@ -524,12 +529,16 @@ impl Tracer {
             .collect()
     }
 
-    /// The files the request programs follow, with what each read so far.
+    /// The files the request programs (FUSE's and the NFS client's) follow, with what
+    /// each read so far. Both are open files the sweep must not take for lost: a job
+    /// that holds one longer than two sweeps still reads it.
     pub fn request_files(&self) -> Vec<OpenFile> {
-        self.request_files
+        let fuse = self
+            .request_files
             .iter()
-            .filter_map(|entry| entry.ok().map(|(_, file)| file))
-            .collect()
+            .filter_map(|e| e.ok().map(|(_, f)| f));
+        let nfs = self.nfs_files.iter().filter_map(|e| e.ok().map(|(_, f)| f));
+        fuse.chain(nfs).collect()
     }
 
     /// The watched files processes mapped, with the pages that entered their page cache
