@@ -6,7 +6,7 @@
 
 use std::{
     fs,
-    os::unix::fs::PermissionsExt,
+    os::unix::fs::{FileExt, MetadataExt, PermissionsExt},
     process::{Command, Stdio},
     thread,
 };
@@ -167,6 +167,11 @@ impl Shared {
 
     /// The job, on every node, keyed `fan`: its output.
     fn job(&self) -> std::process::Output {
+        self.job_running(READ_DATA)
+    }
+
+    /// The same, running Python `script`.
+    fn job_running(&self, script: &str) -> std::process::Output {
         let lib = self.net.path("env/lib");
         self.cluster.as_user(
             "srun",
@@ -176,7 +181,7 @@ impl Shared {
                 "--hocus-profile=fan",
                 "/usr/bin/python3",
                 "-c",
-                READ_DATA,
+                script,
             ],
             &[
                 ("PYTHONPATH", lib.to_str().unwrap()),
@@ -187,9 +192,14 @@ impl Shared {
 
     /// A first job on other daemons saved the profile under `fan`.
     fn learned(&self) {
-        let agents = self.daemons();
+        self.learned_running(READ_DATA, &[]);
+    }
+
+    /// The same, the job running `script`, the daemons given `more` flags.
+    fn learned_running(&self, script: &str, more: &[&str]) {
+        let agents = self.daemons_with(more);
         self.cluster.plugin(Some(""));
-        let out = self.job();
+        let out = self.job_running(script);
         assert_success(&out);
         let saved = self.profiles.path().join("hocus-test/fan.json");
         wait_until(30, "the epilog's profile", || saved.exists());
@@ -356,6 +366,99 @@ fn a_relaying_node_killed_mid_job_leaves_its_children_on_the_server() {
             node.name
         );
         assert_eq!(copied_from_peers(agent), 0, "{}", node.name);
+    }
+}
+
+#[test]
+fn a_jobs_nodes_pass_on_the_ranges_they_hold_of_a_big_file() {
+    const MIB: usize = 1 << 20;
+    let s = shared();
+    let big: Vec<u8> = (0..32 * MIB).map(|i| (i % 253) as u8).collect();
+    s.net.put("env/lib/mypkg/big.bin", &big);
+    s.net.installed_long_ago("env");
+    // 1 MiB at 4, 12 and 20 MiB of a 32 MiB file: copied in part (from 8 MiB).
+    let at = [4 * MIB, 12 * MIB, 20 * MIB];
+    let script = format!(
+        "import os, mypkg.core\n\
+         fd = os.open(os.path.join(os.path.dirname(mypkg.core.__file__), 'big.bin'), os.O_RDONLY)\n\
+         print(sum(sum(os.pread(fd, {MIB}, at)) for at in {at:?}))"
+    );
+    let want: u64 = at
+        .iter()
+        .flat_map(|a| &big[*a..a + MIB])
+        .map(|b| u64::from(*b))
+        .sum();
+    let partial = ["--partial-from", "8M"];
+    s.learned_running(&script, &partial);
+    // The job's own profile holds where its reads lay, as the node's does.
+    let saved = s.profiles.path().join("hocus-test/fan.json");
+    let saved: serde_json::Value = serde_json::from_slice(&fs::read(saved).unwrap()).unwrap();
+    let entry = saved["files"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|f| f["path"].as_str().unwrap().ends_with("/big.bin"))
+        .unwrap();
+    let want_ranges: Vec<[usize; 2]> = at.iter().map(|a| [*a, a + MIB]).collect();
+    assert_eq!(entry["ranges"], serde_json::json!(want_ranges), "{entry:#}");
+    // Nodes that never ran the job: node1 fills the ranges from the server, node2 and
+    // node3 take the grains node1 holds, hashed as node1 filled them.
+    let agents = s.daemons_with(&partial);
+    let route = agents[0].route("big files read in part");
+    assert!(route.starts_with("partial copies"), "{route}");
+    let before = s.net.server_log().len();
+    let out = s.job_running(&script);
+    assert_success(&out);
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        format!("{want}\n").repeat(NODES)
+    );
+    for agent in &agents {
+        agent.settled();
+    }
+    // The modules and the ranges (this job reads no data.bin).
+    let ranges = (at.len() * MIB) as u64;
+    let working_set = s.working_set - DATA as u64 + ranges;
+    let served = s.net.bytes_served_inside("env", before);
+    assert!(
+        served * 10 <= working_set * 12,
+        "the server sent {served} bytes of a {working_set} byte working set to {NODES} nodes"
+    );
+    let source = s.net.path("env/lib/mypkg/big.bin");
+    for (i, (agent, node)) in agents.iter().zip(&s.cluster.nodes).enumerate() {
+        // A partial copy, its ranges the network's bytes (read through the daemon's
+        // marks: held, so nothing is filled), nothing else held.
+        let local = agent.local_copy(&source);
+        let file = fs::File::open(&local).unwrap();
+        let m = file.metadata().unwrap();
+        assert_eq!(m.len(), big.len() as u64, "{}", node.name);
+        assert!(
+            m.blocks() * 512 <= ranges * 12 / 10,
+            "{}: {} bytes held\n{}",
+            node.name,
+            m.blocks() * 512,
+            agent.log()
+        );
+        for a in at {
+            let mut got = vec![0u8; MIB];
+            file.read_exact_at(&mut got, a as u64).unwrap();
+            assert!(
+                got == big[a..a + MIB],
+                "{}: the range at {a} differs",
+                node.name
+            );
+        }
+        let from_peers = copied_from_peers(agent);
+        if i == 0 {
+            assert_eq!(from_peers, 0, "node1 reads the server");
+        } else {
+            assert!(
+                from_peers >= working_set,
+                "{}: {from_peers} bytes from node1\n{}",
+                node.name,
+                agent.log()
+            );
+        }
     }
 }
 

@@ -180,13 +180,16 @@ pub fn copy(c: &Copying, via: Via) -> Result<Identity, CopyError> {
 /// opened beneath its tree as `reader`, checked unchanged after, owner, mode, xattrs
 /// and times kept, renamed into place from `tmp_dir`), if those ranges fit `room`. The
 /// network file stays open (as `reader` opened it) for the rest to be filled on
-/// demand; the copy is returned open, to be marked.
+/// demand; the copy is returned open, to be marked. Via a parent node, the grains it
+/// holds of those ranges come from it (checked against the hashes of their first
+/// fill), the rest from the network; with the bytes the parent gave.
 pub fn copy_partial(
     c: &Copying,
     ranges: &Extents,
-) -> Result<(Identity, PartialCopy, File), CopyError> {
+    via: Via,
+) -> Result<(Identity, PartialCopy, File, u64), CopyError> {
     let (source, reader, tmp_dir, dest, room) = (c.source, c.reader, c.tmp_dir, c.dest, c.room);
-    let src = Source::open(c.tree, source, reader, Via::Network)?;
+    let src = Source::open(c.tree, source, reader, via)?;
     let held = ranges.bytes(src.before.size());
     if held > room {
         return Err(CopyError::TooLarge { size: held, room });
@@ -202,10 +205,23 @@ pub fn copy_partial(
         let network = src.file.try_clone().map_err(CopyError::Source)?;
         let name = source.display().to_string();
         let writer = out.try_clone().map_err(local)?;
-        let partial = PartialCopy::new(name, network, writer, ranges)?;
+        let partial = PartialCopy::new(name, network, writer)?;
+        let mut from_parent = 0;
+        if let Via::Parent(parent) = via {
+            let now = Identity::of(&src.before);
+            let put = |start, hashes: &[_], bytes: &[u8]| partial.put(start, hashes, bytes);
+            match parent.fetch_grains(source, (now.size, now.mtime_ns), ranges.grains(), put) {
+                Ok(bytes) => from_parent = bytes,
+                Err(relay::Miss::Write(e)) => return Err(local(e)),
+                Err(miss) => {
+                    log::debug!("{}: {miss}; its ranges from the network", source.display())
+                }
+            }
+        }
+        partial.fill_all(ranges)?;
         let id = src.unchanged(reader)?;
         src.put_in_place(&out, &tmp, dest)?;
-        Ok((id, partial, out))
+        Ok((id, partial, out, from_parent))
     })();
     if result.is_err() {
         let _ = fs::remove_file(&tmp);
@@ -526,13 +542,14 @@ mod tests {
         let mut ranges = Extents::default();
         ranges.add(16, 32); // 1 MiB at 1 MiB
         let dest = f.dir.path().join("cache/train.bin");
-        let partial = |room| copy_partial(&f.copying(&src, &dest, room), &ranges);
+        let partial = |room| copy_partial(&f.copying(&src, &dest, room), &ranges, Via::Network);
         assert!(matches!(
             partial((1 << 20) - 1),
             Err(CopyError::TooLarge { .. })
         ));
         assert!(!dest.exists() && f.nothing_left_in_tmp());
-        let (id, copy, file) = partial(1 << 20).unwrap();
+        let (id, copy, file, from_parent) = partial(1 << 20).unwrap();
+        assert_eq!(from_parent, 0);
         assert_eq!((id.size, copy.size()), (8 << 20, 8 << 20));
         let held = fs::read(&dest).unwrap();
         assert_eq!(held.len(), 8 << 20);

@@ -9,17 +9,57 @@ use std::{
     net::{SocketAddr, TcpStream},
     path::{Path, PathBuf},
     sync::{
-        Mutex,
+        Arc, Mutex,
         atomic::{AtomicBool, Ordering},
     },
     time::{Duration, Instant},
 };
 
-use super::pour::{PourError, Poured, pour};
+use super::{
+    partial::{FillError, PartialCopy},
+    pour::{PourError, Poured, pour},
+};
 use crate::shared::{
     munge,
-    relay::{FILE, GREETING, NOT_HELD, Offer, WAIT, request},
+    relay::{
+        END_OF_RUNS, FILE, GREETING, Hash, NOT_HELD, Offer, RANGES, RUN_GRAINS, WAIT, grain_hash,
+        read_run, request, request_grains, run,
+    },
 };
+use hocus_common::ranges::{GRAIN, GRAIN_SHIFT};
+
+/// What a node holds of a file another node of the job asks for.
+#[derive(Debug, Clone)]
+pub enum Holding {
+    /// Its whole copy, valid when last checked.
+    Copy(PathBuf),
+    /// A partial copy, valid when last checked: the grains it holds are served.
+    Partial(Arc<PartialCopy>),
+    /// Not yet: a copy or a prefetch is under way.
+    Coming,
+    No,
+}
+
+/// The answer of a node holding `copy` to another asking for the grains `asked`: the
+/// version its grains are of, then the runs it holds of them, each with its hashes.
+pub fn send_grains(
+    out: &mut impl Write,
+    copy: &PartialCopy,
+    asked: &[(u32, u32)],
+) -> io::Result<()> {
+    let (size, mtime_ns) = copy.offered();
+    let mut head = vec![RANGES];
+    head.extend(size.to_be_bytes());
+    head.extend(mtime_ns.to_be_bytes());
+    out.write_all(&head)?;
+    copy.relay(asked, |start, hashes, bytes| {
+        let mut head = run(start, start + hashes.len() as u32).to_vec();
+        head.extend(hashes.iter().flatten());
+        out.write_all(&head)?;
+        out.write_all(bytes)
+    })?;
+    out.write_all(&END_OF_RUNS)
+}
 
 /// A job's parent node, as this node's copies ask it: where it is, the payload of the
 /// credentials that prove this node (one per connection), and whether it has failed
@@ -82,18 +122,10 @@ impl Parent {
         mtime_ns: i64,
         out: &mut File,
     ) -> Result<Poured, Miss> {
-        if self.has_failed() {
-            return Err(Miss::Failed);
-        }
-        let mut stream = match self.idle.lock().ok().and_then(|mut i| i.pop()) {
-            Some(s) => s,
-            None => self.connect().map_err(|e| self.broken(e))?,
-        };
-        let offer = self.ask(&mut stream, source).map_err(|e| self.broken(e))?;
-        let Some(offer) = offer else {
-            self.give_back(stream);
-            return Err(Miss::NotHeld);
-        };
+        let mut stream = self.held(&request(source), FILE)?;
+        let mut b = [0u8; Offer::LEN];
+        stream.read_exact(&mut b).map_err(|e| self.broken(e))?;
+        let offer = Offer::decode(&b);
         if offer.size != size || offer.mtime_ns != mtime_ns {
             // The bytes that follow are not wanted: this connection is dropped.
             return Err(Miss::Differs);
@@ -115,6 +147,92 @@ impl Parent {
         }
         self.give_back(stream);
         Ok(poured)
+    }
+
+    /// Asks the parent for the grains `asked` of `source`, whose network file is now
+    /// `size` bytes with `mtime_ns`, and gives those it holds to `put`, each run's bytes
+    /// checked against the hashes it sent (made as the first node filled them from the
+    /// network). The bytes taken; what the parent does not hold is the caller's to fill.
+    pub fn fetch_grains(
+        &self,
+        source: &Path,
+        (size, mtime_ns): (u64, i64),
+        asked: &[(u32, u32)],
+        mut put: impl FnMut(u32, &[Hash], &[u8]) -> Result<(), FillError>,
+    ) -> Result<u64, Miss> {
+        let mut stream = self.held(&request_grains(source, asked), RANGES)?;
+        let mut version = [0u8; 16];
+        stream
+            .read_exact(&mut version)
+            .map_err(|e| self.broken(e))?;
+        let offered = (
+            u64::from_be_bytes(version[..8].try_into().expect("8 bytes")),
+            i64::from_be_bytes(version[8..].try_into().expect("8 bytes")),
+        );
+        if offered != (size, mtime_ns) {
+            // The runs that follow are not wanted: this connection is dropped.
+            return Err(Miss::Differs);
+        }
+        let grains = size.div_ceil(GRAIN).min(u64::from(u32::MAX)) as u32;
+        let mut taken = 0;
+        let mut buf = Vec::new();
+        loop {
+            let (start, end) = read_run(&mut stream).map_err(|e| self.broken(e))?;
+            if (start, end) == (0, 0) {
+                break;
+            }
+            let wanted = asked.iter().any(|&(s, e)| s <= start && end <= e);
+            if start >= end || end - start > RUN_GRAINS || end > grains || !wanted {
+                return Err(self.broken(io::Error::other(format!(
+                    "grains [{start}, {end}) were not asked for"
+                ))));
+            }
+            let mut hashes = vec![[0u8; 32]; (end - start) as usize];
+            for h in &mut hashes {
+                stream.read_exact(h).map_err(|e| self.broken(e))?;
+            }
+            let from = u64::from(start) << GRAIN_SHIFT;
+            let to = (u64::from(end) << GRAIN_SHIFT).min(size);
+            buf.resize((to - from) as usize, 0);
+            stream.read_exact(&mut buf).map_err(|e| self.broken(e))?;
+            let intact = buf
+                .chunks(GRAIN as usize)
+                .zip(&hashes)
+                .all(|(g, h)| grain_hash(g) == *h);
+            if !intact {
+                return Err(self.broken(io::Error::other(
+                    "grains do not match the hashes of their first fill",
+                )));
+            }
+            put(start, &hashes, &buf).map_err(|e| match e {
+                FillError::Local(e) => Miss::Write(e),
+                other => Miss::Write(io::Error::other(other.to_string())),
+            })?;
+            taken += buf.len() as u64;
+        }
+        self.give_back(stream);
+        Ok(taken)
+    }
+
+    /// Sends `asked` (a request, encoded) on a connection to the parent; the connection
+    /// once the parent answers `held` (what it holds follows). NotHeld if it does not
+    /// hold the file (the connection is kept for the next).
+    fn held(&self, asked: &[u8], held: u8) -> Result<TcpStream, Miss> {
+        if self.has_failed() {
+            return Err(Miss::Failed);
+        }
+        let mut stream = match self.idle.lock().ok().and_then(|mut i| i.pop()) {
+            Some(s) => s,
+            None => self.connect().map_err(|e| self.broken(e))?,
+        };
+        match self.ask(&mut stream, asked, held) {
+            Ok(Some(())) => Ok(stream),
+            Ok(None) => {
+                self.give_back(stream);
+                Err(Miss::NotHeld)
+            }
+            Err(e) => Err(self.broken(e)),
+        }
     }
 
     /// The parent failed: no more asking it during this prefetch.
@@ -150,20 +268,17 @@ impl Parent {
         }
     }
 
-    /// Sends one request; the offer, or None if the parent does not hold the file. WAIT
-    /// answers restart the timeout (the socket's), up to a minute in all.
-    fn ask(&self, stream: &mut TcpStream, source: &Path) -> io::Result<Option<Offer>> {
-        stream.write_all(&request(source))?;
+    /// Sends one request (encoded); Some once the parent answers `held` (what it holds
+    /// follows), None if it does not hold the file. WAIT answers restart the timeout (the
+    /// socket's), up to a minute in all.
+    fn ask(&self, stream: &mut TcpStream, asked: &[u8], held: u8) -> io::Result<Option<()>> {
+        stream.write_all(asked)?;
         let started = Instant::now();
         loop {
             let mut status = [0u8; 1];
             stream.read_exact(&mut status)?;
             match status[0] {
-                FILE => {
-                    let mut b = [0u8; Offer::LEN];
-                    stream.read_exact(&mut b)?;
-                    return Ok(Some(Offer::decode(&b)));
-                }
+                s if s == held => return Ok(Some(())),
                 NOT_HELD => return Ok(None),
                 WAIT if started.elapsed() < Duration::from_secs(60) => continue,
                 WAIT => return Err(io::Error::new(io::ErrorKind::TimedOut, "waited a minute")),
@@ -185,17 +300,25 @@ mod tests {
     /// A parent that answers one request with `offer` and `bytes`, and the Parent
     /// asking it (its connection made already: no munge here).
     fn parent_sending(offer: Offer, bytes: Vec<u8>) -> Parent {
+        parent_answering(move |conn, _| {
+            conn.write_all(&[WAIT, FILE]).unwrap();
+            conn.write_all(&offer.encode()).unwrap();
+            let _ = conn.write_all(&bytes);
+        })
+    }
+
+    /// A parent that answers the first request as `answer` does, and the Parent asking it.
+    fn parent_answering(
+        answer: impl FnOnce(&mut TcpStream, crate::shared::relay::Request) + Send + 'static,
+    ) -> Parent {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
         std::thread::spawn(move || {
             let (mut conn, _) = listener.accept().unwrap();
-            let mut len = [0u8; 4];
-            conn.read_exact(&mut len).unwrap();
-            let mut path = vec![0u8; u32::from_be_bytes(len) as usize];
-            conn.read_exact(&mut path).unwrap();
-            conn.write_all(&[WAIT, FILE]).unwrap();
-            conn.write_all(&offer.encode()).unwrap();
-            let _ = conn.write_all(&bytes);
+            let asked = crate::shared::relay::read_request(&mut conn)
+                .unwrap()
+                .unwrap();
+            answer(&mut conn, asked);
         });
         let parent = Parent::new(
             "node1".into(),
@@ -221,6 +344,139 @@ mod tests {
         let got = parent.fetch(Path::new("/net/f"), size, 7, &mut out);
         let written = std::fs::read(dir.path().join("copy")).unwrap();
         (got, written, parent.has_failed())
+    }
+
+    /// A network file of 4 MiB and 1000 bytes (65 grains, the last short), each byte
+    /// saying where it is; a partial copy of it holding `held`, filled from it.
+    fn network_and_partial(dir: &Path, name: &str, held: &[(u32, u32)]) -> Arc<PartialCopy> {
+        let network = dir.join("network");
+        if !network.exists() {
+            let bytes: Vec<u8> = (0..(4 << 20) + 1000).map(|i| (i % 251) as u8 + 1).collect();
+            std::fs::write(&network, bytes).unwrap();
+        }
+        let local = File::options()
+            .create_new(true)
+            .read(true)
+            .write(true)
+            .open(dir.join(name))
+            .unwrap();
+        let copy = PartialCopy::new(name.into(), File::open(&network).unwrap(), local).unwrap();
+        let mut ranges = crate::profile::extents::Extents::default();
+        for &(s, e) in held {
+            ranges.add(s, e);
+        }
+        copy.fill_all(&ranges).unwrap();
+        Arc::new(copy)
+    }
+
+    /// A parent holding `copy`, answering a request for grains as a node does.
+    fn parent_holding(copy: Arc<PartialCopy>) -> Parent {
+        parent_answering(move |conn, asked| {
+            let _ = send_grains(conn, &copy, &asked.grains.unwrap());
+        })
+    }
+
+    #[test]
+    fn a_partial_copy_passes_on_the_grains_it_holds_with_their_hashes() {
+        let dir = tempfile::tempdir().unwrap();
+        let first = network_and_partial(dir.path(), "first", &[(16, 32), (48, 65)]);
+        let second = network_and_partial(dir.path(), "second", &[]);
+        let parent = parent_holding(first.clone());
+        let put = |s, h: &[Hash], b: &[u8]| second.put(s, h, b);
+        let got = parent.fetch_grains(Path::new("/net/f"), first.offered(), &[(0, 65)], put);
+        assert_eq!(got.unwrap(), first.held());
+        assert_eq!(second.filled(), first.filled());
+        let network = std::fs::read(dir.path().join("network")).unwrap();
+        let copy = std::fs::read(dir.path().join("second")).unwrap();
+        let (at, end) = (16 << 16, 32 << 16);
+        assert_eq!(copy[at..end], network[at..end]);
+        assert_eq!(
+            copy[48 << 16..],
+            network[48 << 16..],
+            "the short last grain too"
+        );
+        assert!(copy[..at].iter().all(|b| *b == 0));
+        // It passes them on in turn (a chain of nodes), with the hashes it was sent.
+        let third = network_and_partial(dir.path(), "third", &[]);
+        let put = |s, h: &[Hash], b: &[u8]| third.put(s, h, b);
+        let got = parent_holding(second.clone()).fetch_grains(
+            Path::new("/net/f"),
+            second.offered(),
+            &[(20, 50)],
+            put,
+        );
+        assert_eq!(got.unwrap(), 14 << 16, "grains 20 to 32 and 48 to 50");
+    }
+
+    #[test]
+    fn grains_that_do_not_read_as_they_were_filled_are_not_passed_on() {
+        let dir = tempfile::tempdir().unwrap();
+        let first = network_and_partial(dir.path(), "first", &[(16, 32), (48, 65)]);
+        // A grain of the first run changed on the parent's disk (or punched: zeros).
+        use std::os::unix::fs::FileExt;
+        first.local().write_all_at(&[0u8; 100], 20 << 16).unwrap();
+        let second = network_and_partial(dir.path(), "second", &[]);
+        let put = |s, h: &[Hash], b: &[u8]| second.put(s, h, b);
+        let got = parent_holding(first.clone()).fetch_grains(
+            Path::new("/net/f"),
+            first.offered(),
+            &[(0, 65)],
+            put,
+        );
+        assert_eq!(
+            got.unwrap(),
+            first.held() - (1 << 20),
+            "its run is left out"
+        );
+        assert!(second.missing(16, 32) == vec![(16, 32)]);
+        // Another version than the network's now: nothing taken.
+        let third = network_and_partial(dir.path(), "third", &[]);
+        let (size, mtime) = first.offered();
+        let put = |s, h: &[Hash], b: &[u8]| third.put(s, h, b);
+        let got = parent_holding(first.clone()).fetch_grains(
+            Path::new("/net/f"),
+            (size, mtime + 1),
+            &[(0, 65)],
+            put,
+        );
+        assert!(
+            matches!(got, Err(Miss::Differs)) && third.held() == 0,
+            "{got:?}"
+        );
+    }
+
+    #[test]
+    fn grains_that_do_not_match_their_hash_or_were_not_asked_for_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let first = network_and_partial(dir.path(), "first", &[(0, 2)]);
+        let (size, mtime) = first.offered();
+        let network = std::fs::read(dir.path().join("network")).unwrap();
+        let grain = |g: usize| network[g << 16..(g + 1) << 16].to_vec();
+        // A parent that sends run `[start, start + 1)` with `bytes` under the hash of
+        // the network's grain 0.
+        let lying = |start: u32, bytes: Vec<u8>| {
+            let hash = grain_hash(&grain(0));
+            parent_answering(move |conn, _| {
+                let mut answer = vec![RANGES];
+                answer.extend(size.to_be_bytes());
+                answer.extend(mtime.to_be_bytes());
+                answer.extend(run(start, start + 1));
+                answer.extend(hash);
+                answer.extend(bytes);
+                answer.extend(END_OF_RUNS);
+                let _ = conn.write_all(&answer);
+            })
+        };
+        for (parent, why) in [
+            (lying(0, vec![0u8; 1 << 16]), "bytes other than hashed"),
+            (lying(5, grain(0)), "a grain not asked for"),
+        ] {
+            let second = network_and_partial(dir.path(), &format!("second-{}", why.len()), &[]);
+            let put = |s, h: &[Hash], b: &[u8]| second.put(s, h, b);
+            let got = parent.fetch_grains(Path::new("/net/f"), (size, mtime), &[(0, 2)], put);
+            assert!(matches!(got, Err(Miss::Broken(_))), "{why}: {got:?}");
+            assert!(parent.has_failed() && second.held() == 0, "{why}");
+        }
     }
 
     #[test]

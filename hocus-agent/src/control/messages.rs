@@ -9,10 +9,10 @@ use hocus_control::Response;
 use tokio::sync::mpsc;
 
 use crate::{
+    cache::relay::Holding,
     control::refusal::Refusal,
     profile::{format::Profile, staging::Staging, working_set::export::ExportOrder},
     redirect::{access::Caller, jobs::JobStart, mountns::Bind},
-    shared::relay::Holding,
 };
 
 /// A multi-node job whose nodes pass its working set among themselves

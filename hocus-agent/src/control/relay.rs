@@ -24,6 +24,7 @@ use std::{
 use tokio::sync::mpsc;
 
 use crate::{
+    cache::relay::{Holding, send_grains},
     control::{
         calls::ask_once,
         messages::{Answer, Ask, Call},
@@ -33,7 +34,7 @@ use crate::{
     shared::{
         identity::Identity,
         munge,
-        relay::{self, FILE, GREETING, Holding, NOT_HELD, Offer, WAIT, WAIT_EVERY, parse_payload},
+        relay::{self, FILE, GREETING, NOT_HELD, Offer, Request, WAIT, WAIT_EVERY, parse_payload},
     },
 };
 
@@ -132,8 +133,8 @@ impl Peer<'_> {
             peer.job_id
         );
         peer.stream.set_read_timeout(Some(IDLE))?;
-        while let Some(source) = relay::read_request(&mut peer.stream)? {
-            peer.answer(source)?;
+        while let Some(asked) = relay::read_request(&mut peer.stream)? {
+            peer.answer(asked)?;
         }
         Ok(())
     }
@@ -185,32 +186,40 @@ impl Peer<'_> {
         ask_once(self.calls, caller, asked)
     }
 
-    /// Sends `source`'s copy once this node holds it; WAIT while it is coming.
-    fn answer(&mut self, source: String) -> io::Result<()> {
+    /// Sends what this node holds of the file asked for once it holds it (a whole copy
+    /// for a whole file, a partial copy's grains for grains); WAIT while it is coming.
+    fn answer(&mut self, asked: Request) -> io::Result<()> {
         let mut said_wait = Instant::now();
         loop {
-            let asked = Ask::RelayFile {
+            let ask = Ask::RelayFile {
                 job_id: self.job_id,
                 from: self.from.clone(),
-                source: source.clone(),
+                source: asked.source.clone(),
             };
-            match self.ask(asked).map_err(|r| io::Error::other(r.message))? {
-                Answer::Relay(Holding::Copy(local)) => {
+            match (
+                self.ask(ask).map_err(|r| io::Error::other(r.message))?,
+                &asked.grains,
+            ) {
+                (Answer::Relay(Holding::Copy(local)), None) => {
                     return match std::fs::File::open(&local) {
                         Ok(f) => self.send(&f),
                         // Dropped meanwhile.
                         Err(_) => self.stream.write_all(&[NOT_HELD]),
                     };
                 }
-                Answer::Relay(Holding::Coming) => {
+                (Answer::Relay(Holding::Partial(copy)), Some(grains)) => {
+                    return send_grains(&mut self.stream, &copy, grains);
+                }
+                (Answer::Relay(Holding::Coming), _) => {
                     if said_wait.elapsed() >= WAIT_EVERY {
                         self.stream.write_all(&[WAIT])?;
                         said_wait = Instant::now();
                     }
                     thread::sleep(Duration::from_millis(50));
                 }
-                Answer::Relay(Holding::No) => return self.stream.write_all(&[NOT_HELD]),
-                Answer::Refused(r) => {
+                // A whole copy is not passed on by grains, nor a partial one whole.
+                (Answer::Relay(_), _) => return self.stream.write_all(&[NOT_HELD]),
+                (Answer::Refused(r), _) => {
                     crate::shared::tally::warn_limited!(
                         "relay node refused",
                         "relay: node {}: {r}",
@@ -218,7 +227,9 @@ impl Peer<'_> {
                     );
                     return Err(io::Error::other(r.message));
                 }
-                other => return Err(io::Error::other(format!("unexpected answer {other:?}"))),
+                (other, _) => {
+                    return Err(io::Error::other(format!("unexpected answer {other:?}")));
+                }
             }
         }
     }

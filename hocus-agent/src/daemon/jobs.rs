@@ -162,6 +162,7 @@ impl Jobs {
             }
             What::Missing => ws.missing(&a.path, a.at_ns),
             What::Read(bytes) => ws.add_bytes_read(&a.path, bytes),
+            What::Grains(start, end) => ws.read_range(&a.path, start, end),
         }
     }
 

@@ -29,7 +29,13 @@ use crate::{
         refusal::Refusal,
     },
     observe::{
-        events::Observer, mounts, places::Places, tracefs, tracer::Tracer, tripwires, views::Views,
+        events::{Observer, What},
+        mounts,
+        places::Places,
+        tracefs,
+        tracer::Tracer,
+        tripwires,
+        views::Views,
     },
     place::{budget::Budgets, placement::Filters},
     profile::{
@@ -327,13 +333,15 @@ impl Daemon {
     /// refused files to the keeper, files to stat to the stat thread.
     async fn route(&mut self) {
         let observer = &mut self.tracing.observer;
-        let accesses = std::mem::take(&mut observer.accesses);
+        let mut accesses = std::mem::take(&mut observer.accesses);
         let changed = std::mem::take(&mut observer.changed);
         let refused = std::mem::take(&mut observer.refused);
         let to_stat: Vec<String> = observer.to_stat.drain().collect();
         for access in &accesses {
             self.jobs.record_for_slurm_job(access);
         }
+        // Where reads lay is the jobs' own profiles' only: the keeper counts what served.
+        accesses.retain(|a| !matches!(a.what, What::Grains(..)));
         let sent = self.keeper.accesses(accesses);
         self.check(sent);
         for path in changed {
@@ -355,6 +363,10 @@ impl Daemon {
         // placement.
         if self.tracing.sweep(&mut self.profiling.ws) {
             self.profiling.changed();
+            // Routed now, to the jobs too: a job that ends next is forgotten after this
+            // sweep, and its files' releases (FUSE's come after the task is gone) are
+            // then no longer its own profile's.
+            self.route().await;
         }
         if self.tracing.changes_unplaced() {
             log::info!(
@@ -466,12 +478,12 @@ impl Daemon {
                 source,
             } => match self.relays.may_fetch(job_id, &from, &source) {
                 Err(r) => r.into(),
-                Ok(false) => Answer::Relay(crate::shared::relay::Holding::No),
+                Ok(false) => Answer::Relay(crate::cache::relay::Holding::No),
                 Ok(true) => Answer::Relay(
                     self.keeper
                         .local_copy(source)
                         .await
-                        .unwrap_or(crate::shared::relay::Holding::No),
+                        .unwrap_or(crate::cache::relay::Holding::No),
                 ),
             },
             Ask::TakeJobProfile { slurm_job } => {

@@ -34,7 +34,6 @@ impl Extents {
     }
 
     /// The extents, in grains.
-    #[cfg(test)]
     pub fn grains(&self) -> &[(u32, u32)] {
         &self.0
     }

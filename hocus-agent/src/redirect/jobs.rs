@@ -131,6 +131,8 @@ pub fn count(s: &mut Served, what: What, server: Server, pinned: bool, in_job: b
             }
             local
         }
+        // Where a read lay: its bytes are counted by `Read`.
+        What::Grains(..) => false,
     }
 }
 

@@ -11,6 +11,14 @@
 //! (32 bytes) and the bytes; `WAIT` while its own copy is still coming (then another
 //! status); `NOT_HELD`. Integers are big-endian.
 //!
+//! A request may ask for grains of a file instead ([`request_grains`]: the length word's
+//! top bit set, then the runs of grains, `u32` start and end each), for a partial copy
+//! (docs/partial-copies.md). A server holding a partial copy of that version answers
+//! `RANGES`, the size and mtime, then the runs it holds of those asked, each its start
+//! and end, the hashes of its grains (32 bytes each, kept as they were filled from the
+//! network) and its bytes; a run `0, 0` ends. What it does not hold, the asking node
+//! fills from the network.
+//!
 //! Nothing unverified enters a cache: the receiver compares the size and mtime the
 //! server offers with what it just read from the network itself, and the bytes with
 //! the hash the first node computed as it copied from the network (kept with the copy
@@ -22,7 +30,7 @@ use std::{
     fs::File,
     io::{self, Read},
     os::unix::ffi::OsStrExt,
-    path::{Path, PathBuf},
+    path::Path,
     time::Duration,
 };
 
@@ -40,6 +48,15 @@ pub const MAX_PATH: usize = 4096;
 pub const FILE: u8 = 0;
 pub const NOT_HELD: u8 = 1;
 pub const WAIT: u8 = 2;
+pub const RANGES: u8 = 3;
+/// Set in a request's length word: runs of grains follow the path.
+const WITH_GRAINS: u32 = 1 << 31;
+/// The most runs of grains one request asks for.
+pub const MAX_RUNS: usize = 1 << 16;
+/// The most grains a run of an answer holds (1 MiB): what a server reads at a time.
+pub const RUN_GRAINS: u32 = 16;
+/// A run `0, 0` ends an answer's runs.
+pub const END_OF_RUNS: [u8; 8] = [0; 8];
 /// How often a server says WAIT while its own copy is coming: well within any timeout.
 pub const WAIT_EVERY: Duration = Duration::from_millis(500);
 
@@ -75,39 +92,94 @@ impl Offer {
     }
 }
 
-/// The path of a request, encoded.
+/// A request for a whole file, encoded.
 pub fn request(source: &Path) -> Vec<u8> {
+    encode(source, None)
+}
+
+/// A request for the runs of grains `grains` of a file (at most [`MAX_RUNS`]), encoded.
+pub fn request_grains(source: &Path, grains: &[(u32, u32)]) -> Vec<u8> {
+    encode(source, Some(&grains[..grains.len().min(MAX_RUNS)]))
+}
+
+fn encode(source: &Path, grains: Option<&[(u32, u32)]>) -> Vec<u8> {
     let bytes = source.as_os_str().as_bytes();
-    let mut out = (bytes.len() as u32).to_be_bytes().to_vec();
+    let flag = if grains.is_some() { WITH_GRAINS } else { 0 };
+    let mut out = (bytes.len() as u32 | flag).to_be_bytes().to_vec();
     out.extend_from_slice(bytes);
+    if let Some(grains) = grains {
+        out.extend_from_slice(&(grains.len() as u32).to_be_bytes());
+        for &(start, end) in grains {
+            out.extend_from_slice(&run(start, end));
+        }
+    }
     out
 }
 
-/// Reads the next request, the source path: None when the asking node closed the
-/// connection between requests.
-pub fn read_request(r: &mut impl Read) -> io::Result<Option<String>> {
+/// A run of grains `[start, end)`, encoded.
+pub fn run(start: u32, end: u32) -> [u8; 8] {
+    let mut b = [0u8; 8];
+    b[..4].copy_from_slice(&start.to_be_bytes());
+    b[4..].copy_from_slice(&end.to_be_bytes());
+    b
+}
+
+/// Reads a run of grains.
+pub fn read_run(r: &mut impl Read) -> io::Result<(u32, u32)> {
+    let mut b = [0u8; 8];
+    r.read_exact(&mut b)?;
+    let word = |at: usize| u32::from_be_bytes(b[at..at + 4].try_into().expect("4 bytes"));
+    Ok((word(0), word(4)))
+}
+
+/// What another node asks for: a file, whole or (`grains`) in part.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Request {
+    pub source: String,
+    pub grains: Option<Vec<(u32, u32)>>,
+}
+
+/// Reads the next request: None when the asking node closed the connection between
+/// requests.
+pub fn read_request(r: &mut impl Read) -> io::Result<Option<Request>> {
     let mut len = [0u8; 4];
     match r.read_exact(&mut len) {
         Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(None),
         other => other?,
     }
-    let len = u32::from_be_bytes(len) as usize;
+    let word = u32::from_be_bytes(len);
+    let len = (word & !WITH_GRAINS) as usize;
     if len == 0 || len > MAX_PATH {
         return Err(io::Error::other("a path of no or too many bytes"));
     }
     let mut path = vec![0u8; len];
     r.read_exact(&mut path)?;
-    String::from_utf8(path).map(Some).map_err(io::Error::other)
+    let source = String::from_utf8(path).map_err(io::Error::other)?;
+    let grains = if word & WITH_GRAINS == 0 {
+        None
+    } else {
+        let mut n = [0u8; 4];
+        r.read_exact(&mut n)?;
+        let n = u32::from_be_bytes(n) as usize;
+        if n > MAX_RUNS {
+            return Err(io::Error::other("too many runs of grains"));
+        }
+        let mut runs = Vec::with_capacity(n);
+        for _ in 0..n {
+            let (start, end) = read_run(r)?;
+            if start >= end {
+                return Err(io::Error::other("an empty run of grains"));
+            }
+            runs.push((start, end));
+        }
+        Some(runs)
+    };
+    Ok(Some(Request { source, grains }))
 }
 
-/// What a node holds of a file another node of the job asks for.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Holding {
-    /// Its copy, valid when last checked.
-    Copy(PathBuf),
-    /// Not yet: a copy or a prefetch is under way.
-    Coming,
-    No,
+/// The hash of one grain's bytes, as a partial copy keeps it.
+pub fn grain_hash(bytes: &[u8]) -> Hash {
+    *blake3::hash(bytes).as_bytes()
 }
 
 /// Records the hash of `file`'s bytes with it (best effort: without it, the hash is
@@ -232,10 +304,32 @@ mod tests {
         assert_eq!(request(Path::new("/a")), vec![0, 0, 0, 2, b'/', b'a']);
         let mut two = request(Path::new("/net/f"));
         two.extend(request(Path::new("/b")));
+        two.extend(request_grains(Path::new("/c"), &[(1, 3), (7, 8)]));
         let mut r = &two[..];
-        assert_eq!(read_request(&mut r).unwrap().as_deref(), Some("/net/f"));
-        assert_eq!(read_request(&mut r).unwrap().as_deref(), Some("/b"));
+        let whole = |s: &str| {
+            Some(Request {
+                source: s.into(),
+                grains: None,
+            })
+        };
+        assert_eq!(read_request(&mut r).unwrap(), whole("/net/f"));
+        assert_eq!(read_request(&mut r).unwrap(), whole("/b"));
+        assert_eq!(
+            read_request(&mut r).unwrap(),
+            Some(Request {
+                source: "/c".into(),
+                grains: Some(vec![(1, 3), (7, 8)]),
+            })
+        );
         assert_eq!(read_request(&mut r).unwrap(), None);
+        let mut empty_run = request(Path::new("/c"));
+        empty_run[0] |= 0x80;
+        empty_run.extend([0, 0, 0, 1, 0, 0, 0, 5, 0, 0, 0, 5]);
+        assert!(read_request(&mut &empty_run[..]).is_err(), "an empty run");
+        let mut too_many = request(Path::new("/c"));
+        too_many[0] |= 0x80;
+        too_many.extend((MAX_RUNS as u32 + 1).to_be_bytes());
+        assert!(read_request(&mut &too_many[..]).is_err(), "too many runs");
         assert!(
             read_request(&mut &[0u8, 0, 0, 0][..]).is_err(),
             "an empty path"

@@ -188,6 +188,12 @@ impl Filler {
             .collect()
     }
 
+    /// The copy served for the network file `name`, if any.
+    pub fn copy_of(&self, name: &str) -> Option<Arc<PartialCopy>> {
+        let copies = self.copies.lock().expect("not poisoned");
+        copies.values().find(|c| c.name == name).cloned()
+    }
+
     /// Punches out of the copies served the chunks read least lately, coldest first
     /// across all of them, until `excess` bytes are freed (or none is left to punch):
     /// eviction by range. The bytes freed, by copy. Only while no job runs (a read

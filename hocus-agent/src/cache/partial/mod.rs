@@ -10,6 +10,11 @@
 //! Every range belongs to one identity of the network file (inode, size, mtime,
 //! ctime): a fill that finds it changed fails the read with EIO and drops the copy
 //! rather than mix versions.
+//!
+//! The hash of each grain is kept as it is filled (from the network, or from a job's
+//! other node that hashed it so): a partial copy passes its grains on to the job's
+//! other nodes with them (`relay`), and a hole punched since or a disk's corruption is
+//! found, never passed on.
 
 pub mod filler;
 pub mod guard;
@@ -27,13 +32,16 @@ use std::{
     },
     sync::{
         Mutex, RwLock,
-        atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering},
+        atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering},
     },
 };
 
 use hocus_common::ranges::{GRAIN, GRAIN_SHIFT};
 
-use crate::profile::extents::Extents;
+use crate::{
+    profile::extents::Extents,
+    shared::relay::{Hash, RUN_GRAINS, grain_hash},
+};
 
 /// Bytes read from the network and written to the copy at a time.
 const CHUNK: usize = 1 << 20;
@@ -45,6 +53,12 @@ const HEAT_SHIFT: u32 = 20 - GRAIN_SHIFT;
 /// Accesses to partial copies so far, all copies together: the clock their heat is kept
 /// by (an order, not a time: which was read last is what counts).
 static ACCESSES: AtomicU64 = AtomicU64::new(0);
+
+/// Grains whose hash is kept, all copies together, and the most kept: 64 GiB of
+/// partial copies (48 MiB of memory). Past it a grain is held without one, and a job's
+/// other nodes fill it from the network themselves.
+static HASHED: AtomicUsize = AtomicUsize::new(0);
+const MAX_HASHED: usize = 1 << 20;
 
 /// The identity of a network file: a change to any of these is a new version.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -98,6 +112,9 @@ pub struct PartialCopy {
     /// When each 1 MiB chunk ([`HEAT_SHIFT`]) was last read, by [`ACCESSES`]; a chunk
     /// held but not read since the copy was made is the coldest (none here).
     heat: Mutex<HashMap<u32, u64>>,
+    /// The hash of each grain filled by this daemon (a copy resumed holds none for what
+    /// it held), for the job's other nodes (`relay`).
+    hashes: Mutex<HashMap<u32, Hash>>,
     /// Fills hold it shared while they write and count grains, a punch alone: a grain
     /// a fill wrote is never punched between its write and its count.
     punching: RwLock<()>,
@@ -107,17 +124,12 @@ pub struct PartialCopy {
 
 impl PartialCopy {
     /// Stands for `source` (its version read now) in `local`, a sparse file made to its
-    /// size (not marked yet); `ranges` (grains) are made local at once, the rest on
-    /// demand.
-    pub fn new(
-        name: String,
-        source: File,
-        local: File,
-        ranges: &Extents,
-    ) -> Result<Self, FillError> {
+    /// size (not marked yet), holding nothing yet: [`fill_all`](Self::fill_all) and
+    /// [`put`](Self::put) make ranges local, the rest is filled on demand.
+    pub fn new(name: String, source: File, local: File) -> Result<Self, FillError> {
         let version = Version::of(&source).map_err(FillError::Source)?;
         local.set_len(version.size).map_err(FillError::Local)?;
-        let partial = Self {
+        Ok(Self {
             name,
             source,
             local,
@@ -126,13 +138,10 @@ impl PartialCopy {
             dropped: AtomicBool::new(false),
             next: AtomicU32::new(0),
             heat: Mutex::default(),
+            hashes: Mutex::default(),
             punching: RwLock::default(),
             resumed: false,
-        };
-        for &(start, end) in ranges.iter() {
-            partial.fill(start, end)?;
-        }
-        Ok(partial)
+        })
     }
 
     /// Stands for `source` again in `local`, a partial copy made before (by a daemon
@@ -154,6 +163,7 @@ impl PartialCopy {
             dropped: AtomicBool::new(false),
             next: AtomicU32::new(0),
             heat: Mutex::default(),
+            hashes: Mutex::default(),
             punching: RwLock::default(),
             resumed: true,
         })
@@ -161,6 +171,12 @@ impl PartialCopy {
 
     pub fn size(&self) -> u64 {
         self.version.size
+    }
+
+    /// The size and mtime (ns) of the version its ranges are of, as the relay offers
+    /// them to a job's other node.
+    pub fn offered(&self) -> (u64, i64) {
+        (self.version.size, self.version.mtime_ns as i64)
     }
 
     /// Bytes held (whole grains; the last may be short).
@@ -260,6 +276,7 @@ impl PartialCopy {
             before - filled.bytes(self.version.size)
         };
         self.heat.lock().expect("not poisoned").remove(&chunk);
+        self.forget_hashes(start, end);
         let from = u64::from(start) << GRAIN_SHIFT;
         let to = (u64::from(end) << GRAIN_SHIFT).min(self.version.size);
         // SAFETY: fallocate on a descriptor we hold; the range is within the file.
@@ -309,6 +326,7 @@ impl PartialCopy {
             self.local
                 .write_all_at(&buf[..n], at)
                 .map_err(FillError::Local)?;
+            self.keep_hashes((at >> GRAIN_SHIFT) as u32, &buf[..n], None);
             at += n as u64;
             progress();
         }
@@ -319,11 +337,122 @@ impl PartialCopy {
         Ok(())
     }
 
-    fn fill(&self, start: u32, end: u32) -> Result<(), FillError> {
-        for (s, e) in self.missing(start, end) {
-            self.fill_with(s, e, || {})?;
+    /// Makes the grains of `ranges` local that it does not hold yet, from the network.
+    pub fn fill_all(&self, ranges: &Extents) -> Result<(), FillError> {
+        for &(start, end) in ranges.iter() {
+            for (s, e) in self.missing(start, end) {
+                self.fill_with(s, e, || {})?;
+            }
         }
         Ok(())
+    }
+
+    /// Takes grains from `start` on, `bytes` whose grains hash to `hashes` (checked by
+    /// the caller: a job's other node sent them, hashed as they were filled from the
+    /// network file of this copy's version), as a fill does.
+    pub fn put(&self, start: u32, hashes: &[Hash], bytes: &[u8]) -> Result<(), FillError> {
+        let end = start.saturating_add(hashes.len() as u32);
+        let from = u64::from(start) << GRAIN_SHIFT;
+        let to = (u64::from(end) << GRAIN_SHIFT).min(self.version.size);
+        if end > self.grains() || bytes.len() as u64 != to.saturating_sub(from) {
+            return Err(FillError::Local(io::Error::other(
+                "grains beyond the file, or not whole",
+            )));
+        }
+        let _shared = self.punching.read().expect("not poisoned");
+        self.local
+            .write_all_at(bytes, from)
+            .map_err(FillError::Local)?;
+        self.keep_hashes(start, bytes, Some(hashes));
+        self.filled.lock().expect("not poisoned").add(start, end);
+        Ok(())
+    }
+
+    /// Keeps the hashes of the grains from `start` on that `bytes` hold (`known`, or
+    /// computed), while fewer than [`MAX_HASHED`] are kept.
+    fn keep_hashes(&self, start: u32, bytes: &[u8], known: Option<&[Hash]>) {
+        let mut hashes = self.hashes.lock().expect("not poisoned");
+        for (i, grain) in bytes.chunks(GRAIN as usize).enumerate() {
+            let hash = known.map_or_else(|| grain_hash(grain), |k| k[i]);
+            if hashes.insert(start + i as u32, hash).is_none()
+                && HASHED.fetch_add(1, Ordering::Relaxed) >= MAX_HASHED
+            {
+                HASHED.fetch_sub(1, Ordering::Relaxed);
+                hashes.remove(&(start + i as u32));
+            }
+        }
+    }
+
+    fn forget_hashes(&self, start: u32, end: u32) {
+        let mut hashes = self.hashes.lock().expect("not poisoned");
+        let before = hashes.len();
+        hashes.retain(|g, _| *g < start || *g >= end);
+        HASHED.fetch_sub(before - hashes.len(), Ordering::Relaxed);
+    }
+
+    /// Passes on the grains of `asked` it holds with their hash, to `send` as runs of
+    /// at most [`RUN_GRAINS`]: their start, hashes and bytes. No grain is punched
+    /// meanwhile; a run whose bytes read back as other than their hash (a disk's
+    /// corruption) is not sent. The bytes sent.
+    pub fn relay(
+        &self,
+        asked: &[(u32, u32)],
+        mut send: impl FnMut(u32, &[Hash], &[u8]) -> io::Result<()>,
+    ) -> io::Result<u64> {
+        let _shared = self.punching.read().expect("not poisoned");
+        let runs: Vec<(u32, Vec<Hash>)> = {
+            let filled = self.filled.lock().expect("not poisoned");
+            let hashes = self.hashes.lock().expect("not poisoned");
+            let mut runs: Vec<(u32, Vec<Hash>)> = Vec::new();
+            for &(start, end) in asked {
+                for &(s, e) in filled.iter() {
+                    for g in s.max(start)..e.min(end) {
+                        match (hashes.get(&g), runs.last_mut()) {
+                            (None, _) => {}
+                            (Some(h), Some((first, hs)))
+                                if *first + hs.len() as u32 == g
+                                    && (hs.len() as u32) < RUN_GRAINS =>
+                            {
+                                hs.push(*h);
+                            }
+                            (Some(h), _) => runs.push((g, vec![*h])),
+                        }
+                    }
+                }
+            }
+            runs
+        };
+        let mut sent = 0;
+        let mut buf = vec![0u8; CHUNK];
+        for (start, hashes) in runs {
+            let from = u64::from(start) << GRAIN_SHIFT;
+            let to = (u64::from(start + hashes.len() as u32) << GRAIN_SHIFT).min(self.version.size);
+            let bytes = &mut buf[..(to - from) as usize];
+            if read_full(&self.local, bytes, from)? < bytes.len() {
+                continue;
+            }
+            let intact = bytes
+                .chunks(GRAIN as usize)
+                .zip(&hashes)
+                .all(|(g, h)| grain_hash(g) == *h);
+            if !intact {
+                log::warn!(
+                    "{}: a grain no longer reads as it was filled; not passed on",
+                    self.name
+                );
+                continue;
+            }
+            send(start, &hashes, bytes)?;
+            sent += bytes.len() as u64;
+        }
+        Ok(sent)
+    }
+}
+
+impl Drop for PartialCopy {
+    fn drop(&mut self) {
+        let kept = self.hashes.get_mut().map_or(0, |h| h.len());
+        HASHED.fetch_sub(kept, Ordering::Relaxed);
     }
 }
 

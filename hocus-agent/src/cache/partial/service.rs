@@ -76,6 +76,11 @@ impl Partials {
         self.filler.held()
     }
 
+    /// The partial copy served for the network file `name`, if any.
+    pub fn copy_of(&self, name: &str) -> Option<Arc<PartialCopy>> {
+        self.filler.copy_of(name)
+    }
+
     /// Stops serving the copies of the network file `name` (the cache dropped them).
     pub fn retire(&self, name: &str) {
         self.filler.retire(name);

@@ -50,8 +50,8 @@ fn network_and_copy(dir: &Path, size: u64, ranges: &[(u32, u32)]) -> (File, Arc<
         held.add(*s, *e);
     }
     let source = File::open(dir.join("network")).unwrap();
-    let partial =
-        PartialCopy::new("network".into(), source, copy.try_clone().unwrap(), &held).unwrap();
+    let partial = PartialCopy::new("network".into(), source, copy.try_clone().unwrap()).unwrap();
+    partial.fill_all(&held).unwrap();
     (copy, Arc::new(partial))
 }
 

@@ -17,11 +17,10 @@ use super::{
     order::{Latest, Order, Progressing, Reconfigure},
 };
 use crate::{
-    cache::relay::Parent,
+    cache::relay::{Holding, Parent},
     observe::events::Access,
     profile::{format::Profile, view::View},
     redirect::{jobs::JobStart, mountns::Bind},
-    shared::relay::Holding,
 };
 
 /// How long the daemon waits for the keeper to take or answer a request.

@@ -58,7 +58,7 @@ use crate::{
         copy::CopyError,
         directory::Cache,
         partial::{filler::Limits, service::Partials},
-        relay::Parent,
+        relay::{Holding, Parent},
     },
     profile::{format::Profile, view::View},
     redirect::{
@@ -68,7 +68,6 @@ use crate::{
     shared::{
         kernel::{self, Route, route},
         memory,
-        relay::Holding,
         size::human,
         tally::Tally,
     },
@@ -313,10 +312,8 @@ impl Keeper {
         self.binds_due.changed();
         match done {
             Done::Copied(source, result, origin) => {
-                if origin.peer {
-                    if let Ok(c) = &result {
-                        self.status.copied_from_peers_bytes += c.identity.size;
-                    }
+                if result.is_ok() {
+                    self.status.copied_from_peers_bytes += origin.from_peer;
                 }
                 self.status.peer_wait_ms += origin.waited.as_millis() as u64;
                 self.copied(source, result)
@@ -494,9 +491,18 @@ impl Keeper {
 
     /// Where this node's copy of `source` is, for a job's other node asking for it.
     fn holding(&self, source: &str) -> Holding {
-        let whole = self.cache.get(source).is_some_and(|c| !c.is_partial());
-        if whole && !self.copies.unverified(source) {
+        let held = self
+            .cache
+            .get(source)
+            .filter(|_| !self.copies.unverified(source));
+        let partial = || {
+            let copy = self.partials.as_ref()?.copy_of(source)?;
+            (!copy.dropped()).then_some(copy)
+        };
+        if held.is_some_and(|c| !c.is_partial()) {
             Holding::Copy(self.cache.local(source))
+        } else if let Some(copy) = held.and_then(|_| partial()) {
+            Holding::Partial(copy)
         } else if self.copies.in_flight(source)
             || (self.copies.any_queued() && self.placement.wanted(source).is_some())
             || self.snapshots.coming(Path::new(source))

@@ -12,12 +12,12 @@ use hocus_control::status::{CacheStatus, Progress};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::{
-    cache::relay::Parent,
+    cache::relay::{Holding, Parent},
     observe::events::Access,
     place::{budget::Budgets, placement::Filters},
     profile::{format::Profile, view::View},
     redirect::{jobs::JobStart, mountns::Bind},
-    shared::{relay::Holding, settings::Settings},
+    shared::settings::Settings,
 };
 
 pub struct Config {

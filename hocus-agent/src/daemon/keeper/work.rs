@@ -129,10 +129,10 @@ impl Copied {
     }
 }
 
-/// Where a copy's bytes came from, and how long it waited on the parent node.
+/// How many of a copy's bytes came from the parent node, and how long it waited on it.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Origin {
-    pub peer: bool,
+    pub from_peer: u64,
     pub waited: Duration,
 }
 
@@ -224,11 +224,17 @@ fn run(work: Work, tmp: &Path) -> Option<Done> {
                 })
             };
             let mut origin = Origin::default();
+            let parent = parent.as_deref().filter(|p| !p.has_failed());
             if let Some(ranges) = ranges {
-                let made = copy::copy_partial(&copying, &ranges).map(Copied::partial);
+                let via = parent.map_or(Via::Network, Via::Parent);
+                let made =
+                    copy::copy_partial(&copying, &ranges, via).map(|(id, copy, file, peer)| {
+                        origin.from_peer = peer;
+                        Copied::partial((id, copy, file))
+                    });
                 return Some(Done::Copied(source, made, origin));
             }
-            let result = match parent.as_deref().filter(|p| !p.has_failed()) {
+            let result = match parent {
                 Some(p) => {
                     let started = Instant::now();
                     let got = copy(Via::Parent(p));
@@ -239,7 +245,9 @@ fn run(work: Work, tmp: &Path) -> Option<Done> {
                             copy(Via::Network)
                         }
                         got => {
-                            origin.peer = got.is_ok();
+                            if let Ok(c) = &got {
+                                origin.from_peer = c.identity.size;
+                            }
                             got
                         }
                     }

@@ -73,6 +73,9 @@ pub enum What {
     Missing,
     /// Bytes read through an open descriptor.
     Read(u64),
+    /// Grains `[start, end)` of a file read (a run): for a job's own profile, which
+    /// keeps its ranges as the node's does; never counted as served.
+    Grains(u32, u32),
 }
 
 /// LOOKUPs awaiting their answer, at most: answers come within a round trip, and one
@@ -349,20 +352,30 @@ impl Observer {
 
     /// Run `run` of file `file_id` (0: none), added to its ranges: from a report, or
     /// from the kernel's entry at a sweep (added again later is no change).
-    fn add_run(&self, file_id: u64, run: u64, ws: &mut WorkingSet) {
+    fn add_run(&mut self, file_id: u64, run: u64, ws: &mut WorkingSet) {
         if run == 0 {
             return;
         }
-        let path = match self.open.get(&file_id) {
-            Some(info) if !info.is_dir => &info.path,
+        let (path, job, process) = match self.open.get(&file_id) {
+            Some(info) if !info.is_dir => (&info.path, info.job, &info.process),
             Some(_) => return,
             None => match self.mapped.get(&file_id) {
-                Some(m) => &m.path,
+                Some(m) => (&m.path, m.job, &m.process),
                 None => return,
             },
         };
         let (start, end) = unpack(run);
         ws.read_range(path, start, end);
+        if job != 0 {
+            self.accesses.push(Access {
+                path: path.clone(),
+                job,
+                process: process.clone(),
+                what: What::Grains(start, end),
+                uid: 0,
+                at_ns: 0,
+            });
+        }
     }
 
     /// Adds what open files have read since last time, and closes the files of

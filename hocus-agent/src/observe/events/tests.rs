@@ -310,3 +310,33 @@ fn a_file_the_request_programs_follow_is_counted_until_its_release() {
     assert_eq!((p.files[0].opens, p.files[0].bytes_read), (1, 8192));
     assert!(o.open.is_empty());
 }
+
+#[test]
+fn where_a_jobs_reads_lay_goes_to_its_job_too() {
+    let (mut o, mut ws) = (observer(), WorkingSet::new(0));
+    let mut open = event(kind::OPEN, "/mnt/net/big.bin");
+    open.job = 5;
+    o.handle(&open, &mut ws);
+    let file = OpenFile {
+        file_id: 7,
+        run: hocus_common::ranges::pack(16, 32),
+        ..Default::default()
+    };
+    o.sweep(&[], &[file], &mut ws);
+    let grains: Vec<(u32, What)> = o
+        .accesses
+        .iter()
+        .filter(|a| matches!(a.what, What::Grains(..)))
+        .map(|a| (a.job, a.what))
+        .collect();
+    assert_eq!(grains, [(5, What::Grains(16, 32))]);
+    // No job's: the node's working set only.
+    let mut o = observer();
+    o.handle(&event(kind::OPEN, "/mnt/net/big.bin"), &mut ws);
+    o.sweep(&[], &[file], &mut ws);
+    assert!(
+        !o.accesses
+            .iter()
+            .any(|a| matches!(a.what, What::Grains(..)))
+    );
+}
