@@ -406,6 +406,18 @@ mod tests {
             put,
         );
         assert_eq!(got.unwrap(), 14 << 16, "grains 20 to 32 and 48 to 50");
+        // Runs asked again and again, overlapping, past the file's end: each grain held
+        // is sent once.
+        let fourth = network_and_partial(dir.path(), "fourth", &[]);
+        let put = |s, h: &[Hash], b: &[u8]| fourth.put(s, h, b);
+        let asked = [(0, 65), (10, 40), (0, 65), (60, 1000), (0, 65)];
+        let got = parent_holding(first.clone()).fetch_grains(
+            Path::new("/net/f"),
+            first.offered(),
+            &asked,
+            put,
+        );
+        assert_eq!(got.unwrap(), first.held());
     }
 
     #[test]

@@ -403,9 +403,19 @@ impl PartialCopy {
         let runs: Vec<(u32, Vec<Hash>)> = {
             let filled = self.filled.lock().expect("not poisoned");
             let hashes = self.hashes.lock().expect("not poisoned");
+            // Asked runs that overlap are sent once; each is matched with the held
+            // extents it meets only (both sorted): a request costs the grains it gets.
+            let mut wanted = Extents::default();
+            for &(s, e) in asked {
+                if s < e.min(self.grains()) {
+                    wanted.add(s, e.min(self.grains()));
+                }
+            }
+            let held = filled.grains();
             let mut runs: Vec<(u32, Vec<Hash>)> = Vec::new();
-            for &(start, end) in asked {
-                for &(s, e) in filled.iter() {
+            for &(start, end) in wanted.iter() {
+                let first = held.partition_point(|&(_, e)| e <= start);
+                for &(s, e) in held[first..].iter().take_while(|(s, _)| *s < end) {
                     for g in s.max(start)..e.min(end) {
                         match (hashes.get(&g), runs.last_mut()) {
                             (None, _) => {}
