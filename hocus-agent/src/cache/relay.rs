@@ -149,7 +149,8 @@ impl Parent {
         Ok(poured)
     }
 
-    /// Asks the parent for the grains `asked` of `source`, whose network file is now
+    /// Asks the parent for the grains `asked` (disjoint runs, as extents hold them: a
+    /// run sent across two that touch is refused) of `source`, whose network file is now
     /// `size` bytes with `mtime_ns`, and gives those it holds to `put`, each run's bytes
     /// checked against the hashes it sent (made as the first node filled them from the
     /// network). The bytes taken; what the parent does not hold is the caller's to fill.
