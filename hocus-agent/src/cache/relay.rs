@@ -370,6 +370,18 @@ mod tests {
         Arc::new(copy)
     }
 
+    /// What `parent` passes on of the grains `asked` of version `version`, put into
+    /// `into`.
+    fn fetched_into(
+        parent: &Parent,
+        into: &PartialCopy,
+        version: (u64, i64),
+        asked: &[(u32, u32)],
+    ) -> Result<u64, Miss> {
+        let put = |s, h: &[Hash], b: &[u8]| into.put(s, h, b);
+        parent.fetch_grains(Path::new("/net/f"), version, asked, put)
+    }
+
     /// A parent holding `copy`, answering a request for grains as a node does.
     fn parent_holding(copy: Arc<PartialCopy>) -> Parent {
         parent_answering(move |conn, asked| {
@@ -383,8 +395,7 @@ mod tests {
         let first = network_and_partial(dir.path(), "first", &[(16, 32), (48, 65)]);
         let second = network_and_partial(dir.path(), "second", &[]);
         let parent = parent_holding(first.clone());
-        let put = |s, h: &[Hash], b: &[u8]| second.put(s, h, b);
-        let got = parent.fetch_grains(Path::new("/net/f"), first.offered(), &[(0, 65)], put);
+        let got = fetched_into(&parent, &second, first.offered(), &[(0, 65)]);
         assert_eq!(got.unwrap(), first.held());
         assert_eq!(second.filled(), first.filled());
         let network = std::fs::read(dir.path().join("network")).unwrap();
@@ -399,24 +410,22 @@ mod tests {
         assert!(copy[..at].iter().all(|b| *b == 0));
         // It passes them on in turn (a chain of nodes), with the hashes it was sent.
         let third = network_and_partial(dir.path(), "third", &[]);
-        let put = |s, h: &[Hash], b: &[u8]| third.put(s, h, b);
-        let got = parent_holding(second.clone()).fetch_grains(
-            Path::new("/net/f"),
+        let got = fetched_into(
+            &parent_holding(second.clone()),
+            &third,
             second.offered(),
             &[(20, 50)],
-            put,
         );
         assert_eq!(got.unwrap(), 14 << 16, "grains 20 to 32 and 48 to 50");
         // Runs asked again and again, overlapping, past the file's end: each grain held
         // is sent once.
         let fourth = network_and_partial(dir.path(), "fourth", &[]);
-        let put = |s, h: &[Hash], b: &[u8]| fourth.put(s, h, b);
         let asked = [(0, 65), (10, 40), (0, 65), (60, 1000), (0, 65)];
-        let got = parent_holding(first.clone()).fetch_grains(
-            Path::new("/net/f"),
+        let got = fetched_into(
+            &parent_holding(first.clone()),
+            &fourth,
             first.offered(),
             &asked,
-            put,
         );
         assert_eq!(got.unwrap(), first.held());
     }
@@ -429,12 +438,11 @@ mod tests {
         use std::os::unix::fs::FileExt;
         first.local().write_all_at(&[0u8; 100], 20 << 16).unwrap();
         let second = network_and_partial(dir.path(), "second", &[]);
-        let put = |s, h: &[Hash], b: &[u8]| second.put(s, h, b);
-        let got = parent_holding(first.clone()).fetch_grains(
-            Path::new("/net/f"),
+        let got = fetched_into(
+            &parent_holding(first.clone()),
+            &second,
             first.offered(),
             &[(0, 65)],
-            put,
         );
         assert_eq!(
             got.unwrap(),
@@ -445,12 +453,11 @@ mod tests {
         // Another version than the network's now: nothing taken.
         let third = network_and_partial(dir.path(), "third", &[]);
         let (size, mtime) = first.offered();
-        let put = |s, h: &[Hash], b: &[u8]| third.put(s, h, b);
-        let got = parent_holding(first.clone()).fetch_grains(
-            Path::new("/net/f"),
+        let got = fetched_into(
+            &parent_holding(first.clone()),
+            &third,
             (size, mtime + 1),
             &[(0, 65)],
-            put,
         );
         assert!(
             matches!(got, Err(Miss::Differs)) && third.held() == 0,
@@ -485,8 +492,7 @@ mod tests {
             (lying(5, grain(0)), "a grain not asked for"),
         ] {
             let second = network_and_partial(dir.path(), &format!("second-{}", why.len()), &[]);
-            let put = |s, h: &[Hash], b: &[u8]| second.put(s, h, b);
-            let got = parent.fetch_grains(Path::new("/net/f"), (size, mtime), &[(0, 2)], put);
+            let got = fetched_into(&parent, &second, (size, mtime), &[(0, 2)]);
             assert!(matches!(got, Err(Miss::Broken(_))), "{why}: {got:?}");
             assert!(parent.has_failed() && second.held() == 0, "{why}");
         }

@@ -23,19 +23,14 @@ use tokio::{
 };
 
 use crate::{
+    cache::relay::Holding,
     control::{
         gate::Control,
         messages::{Answer, Ask, Call, JobNodes, Query},
         refusal::Refusal,
     },
     observe::{
-        events::{Observer, What},
-        mounts,
-        places::Places,
-        tracefs,
-        tracer::Tracer,
-        tripwires,
-        views::Views,
+        events::Observer, mounts, places::Places, tracefs, tracer::Tracer, tripwires, views::Views,
     },
     place::{budget::Budgets, placement::Filters},
     profile::{
@@ -333,15 +328,13 @@ impl Daemon {
     /// refused files to the keeper, files to stat to the stat thread.
     async fn route(&mut self) {
         let observer = &mut self.tracing.observer;
-        let mut accesses = std::mem::take(&mut observer.accesses);
+        let accesses = std::mem::take(&mut observer.accesses);
         let changed = std::mem::take(&mut observer.changed);
         let refused = std::mem::take(&mut observer.refused);
         let to_stat: Vec<String> = observer.to_stat.drain().collect();
         for access in &accesses {
             self.jobs.record_for_slurm_job(access);
         }
-        // Where reads lay is the jobs' own profiles' only: the keeper counts what served.
-        accesses.retain(|a| !matches!(a.what, What::Grains(..)));
         let sent = self.keeper.accesses(accesses);
         self.check(sent);
         for path in changed {
@@ -478,13 +471,10 @@ impl Daemon {
                 source,
             } => match self.relays.may_fetch(job_id, &from, &source) {
                 Err(r) => r.into(),
-                Ok(false) => Answer::Relay(crate::cache::relay::Holding::No),
-                Ok(true) => Answer::Relay(
-                    self.keeper
-                        .local_copy(source)
-                        .await
-                        .unwrap_or(crate::cache::relay::Holding::No),
-                ),
+                Ok(false) => Answer::Relay(Holding::No),
+                Ok(true) => {
+                    Answer::Relay(self.keeper.local_copy(source).await.unwrap_or(Holding::No))
+                }
             },
             Ask::TakeJobProfile { slurm_job } => {
                 // What the job's last processes did is read first.

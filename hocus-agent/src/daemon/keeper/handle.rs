@@ -18,7 +18,7 @@ use super::{
 };
 use crate::{
     cache::relay::{Holding, Parent},
-    observe::events::Access,
+    observe::events::{Access, What},
     profile::{format::Profile, view::View},
     redirect::{jobs::JobStart, mountns::Bind},
 };
@@ -177,8 +177,10 @@ impl Handle {
     /// A process opened, failed to find or read a watched file.
     /// What one read of the kernel side found: queued as one order, never waited for.
     /// While the keeper's queue is full (the keeper busy with a million entries), they are
-    /// held here and go with the next order.
+    /// held here and go with the next order. Where reads lay (`What::Grains`) is not the
+    /// keeper's: it counts what served them, from their bytes.
     pub fn accesses(&self, mut accesses: Vec<Access>) -> Result<(), KeeperError> {
+        accesses.retain(|a| !matches!(a.what, What::Grains(..)));
         let mut held = self.take_held();
         if held.is_empty() && accesses.is_empty() {
             return Ok(());

@@ -40,6 +40,8 @@ struct OpenInfo {
     served: bool,
     job: u32,
     process: Process,
+    /// The run of grains last added: a sweep reads the run under way again and again.
+    last_run: u64,
 }
 
 /// A watched file mapped by a process: who mapped it first (its pages are counted as
@@ -50,6 +52,8 @@ struct MappedInfo {
     job: u32,
     process: Process,
     counted: u64,
+    /// As [`OpenInfo::last_run`].
+    last_run: u64,
 }
 
 /// A job (or any process) opened, missed or read a watched file: the keeper decides
@@ -193,6 +197,7 @@ impl Observer {
                             job: info.job,
                             process: info.process.clone(),
                             counted: 0,
+                            last_run: 0,
                         },
                     );
                 }
@@ -296,6 +301,7 @@ impl Observer {
                         served: self.places.is_served(e.root),
                         job: e.job,
                         process: who,
+                        last_run: 0,
                     },
                 );
             }
@@ -356,14 +362,17 @@ impl Observer {
         if run == 0 {
             return;
         }
-        let (path, job, process) = match self.open.get(&file_id) {
-            Some(info) if !info.is_dir => (&info.path, info.job, &info.process),
+        let (path, job, process, last) = match self.open.get_mut(&file_id) {
+            Some(info) if !info.is_dir => (&info.path, info.job, &info.process, &mut info.last_run),
             Some(_) => return,
-            None => match self.mapped.get(&file_id) {
-                Some(m) => (&m.path, m.job, &m.process),
+            None => match self.mapped.get_mut(&file_id) {
+                Some(m) => (&m.path, m.job, &m.process, &mut m.last_run),
                 None => return,
             },
         };
+        if std::mem::replace(last, run) == run {
+            return; // added already
+        }
         let (start, end) = unpack(run);
         ws.read_range(path, start, end);
         if job != 0 {
