@@ -57,6 +57,10 @@ pub struct FileEntry {
     /// at once, so such a file is copied whole.
     #[serde(default, skip_serializing_if = "is_false")]
     pub mapped: bool,
+    /// Read back since it was last written: opened by a job that started after the
+    /// write, not only by its writer (a compilation cache's entry, not its `-atime`).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub read_back: bool,
     /// The byte ranges read, `[start, end)`, in order and apart, for a file larger than
     /// 1 MiB that was not read whole; empty: the whole file (or not known).
     #[serde(

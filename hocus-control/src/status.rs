@@ -251,6 +251,10 @@ pub struct CacheStatus {
     pub jobs_started: u64,
     #[serde(default)]
     pub prefetches: u64,
+    /// Revalidations finished: what a test (or an operator) waits on to know the keeper
+    /// checked what it holds against the network since.
+    #[serde(default)]
+    pub revalidations: u64,
     /// Copies and snapshots the prefetches under way still wait for.
     #[serde(default)]
     pub prefetch_remaining_files: usize,

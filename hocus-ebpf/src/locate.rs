@@ -1,5 +1,5 @@
 //! Where a file or directory lies: under which root (a watched tree, the cache's copies
-//! and snapshots, a snapshot's view in a job) and at which path below it, found by
+//! and snapshots, a snapshot's overlay in a job) and at which path below it, found by
 //! walking its dentries up, whatever mount or namespace it was reached through.
 
 use aya_ebpf::{
@@ -8,7 +8,7 @@ use aya_ebpf::{
     maps::{Array, HashMap, PerCpuArray},
 };
 use hocus_common::{
-    MAX_PATH, MAX_ROOTS, MAX_SUPERBLOCKS, MAX_VIEW_ROOTS, Superblock, SuperblockSlot, filter,
+    MAX_OVERLAY_ROOTS, MAX_PATH, MAX_ROOTS, MAX_SUPERBLOCKS, Superblock, SuperblockSlot, filter,
     superblock,
 };
 
@@ -23,9 +23,10 @@ const WALK_DEPTH: usize = 40;
 const NAME_MAX: usize = 255;
 
 /// The directories files are placed under: dentry address to `Event::root` (the roots,
-/// then the roots of snapshot views in jobs).
+/// then the roots of snapshot overlays in jobs).
 #[map]
-static ROOTS: HashMap<u64, u32> = HashMap::with_max_entries(MAX_ROOTS as u32 + MAX_VIEW_ROOTS, 0);
+static ROOTS: HashMap<u64, u32> =
+    HashMap::with_max_entries(MAX_ROOTS as u32 + MAX_OVERLAY_ROOTS, 0);
 /// The superblocks those directories are on.
 #[map]
 static SUPERBLOCKS: HashMap<u64, Superblock> = HashMap::with_max_entries(MAX_SUPERBLOCKS, 0);
@@ -68,7 +69,7 @@ pub fn locate(mount: Mount, dentry: Dentry) -> Option<Located> {
     };
     // Only the cache is on this disk: what matters is reached through hocus's binds
     // (mounts rooted inside the cache), not through the disk's own mount.
-    if known.flags & (superblock::WATCHED | superblock::SNAPSHOT_VIEW) == 0
+    if known.flags & (superblock::WATCHED | superblock::SNAPSHOT_OVERLAY) == 0
         && mount.root == known.root
     {
         return None;

@@ -480,7 +480,7 @@ impl NetworkMount {
     /// What a job asked the server inside `rel` of the share since the log was `before`
     /// bytes long, leaving out what hocus asks as a job starts: its check stats each
     /// directory and file of a snapshot from the server (so the job sees what the
-    /// network holds), and mounting a snapshot's view asks the network filesystem for
+    /// network holds), and mounting a snapshot's overlay asks the network filesystem for
     /// its limits (overlayfs checks each layer's name length: one statvfs of the
     /// snapshot's directory). A job served by a snapshot sends nothing else: no open,
     /// no read, no listing, no lookup of a missing name.
@@ -792,7 +792,10 @@ impl Agent {
             .arg(&state_dir)
             .arg("--socket")
             .arg(&socket)
-            .env("RUST_LOG", "info")
+            .env(
+                "RUST_LOG",
+                std::env::var("HOCUS_TEST_AGENT_LOG").unwrap_or("info".into()),
+            )
             .stdout(Stdio::null())
             .stderr(fs::File::create(&log).unwrap())
             .spawn()
@@ -807,7 +810,8 @@ impl Agent {
             log,
             _watchdog,
         };
-        let deadline = Instant::now() + Duration::from_secs(60);
+        let bound = patience(60);
+        let deadline = Instant::now() + bound;
         while UnixStream::connect(&agent.socket).is_err() {
             if let Ok(Some(status)) = agent.child.as_mut().unwrap().try_wait() {
                 panic!(
@@ -817,7 +821,8 @@ impl Agent {
             }
             assert!(
                 Instant::now() < deadline,
-                "hocus-agent was not ready within 60 s:\n{}",
+                "hocus-agent was not ready within {} s:\n{}",
+                bound.as_secs(),
                 agent.log()
             );
             thread::sleep(Duration::from_millis(50));
@@ -897,10 +902,27 @@ impl Agent {
             .to_owned()
     }
 
-    /// `status --json`, parsed.
+    /// `status --json`, asked on the control socket itself: a poll that started the CLI
+    /// (a process, its loader, its runtime) cost far more than the daemon's answer, and
+    /// under the rig's emulation, where waits poll every 100 ms, it took the guest's
+    /// CPU from the daemon being waited for.
     pub fn status(&self) -> Value {
-        let out = run(&mut self.cli(&["status", "--json"]));
-        serde_json::from_slice(&out.stdout).expect("status prints JSON")
+        use std::io::{BufRead, Write};
+        let mut stream = UnixStream::connect(&self.socket)
+            .unwrap_or_else(|e| panic!("the control socket {}: {e}", self.socket.display()));
+        stream
+            .set_read_timeout(Some(Duration::from_secs(120)))
+            .unwrap();
+        stream.write_all(b"{\"request\":\"status\"}\n").unwrap();
+        let mut line = String::new();
+        std::io::BufReader::new(stream)
+            .read_line(&mut line)
+            .unwrap_or_else(|e| panic!("the daemon's status: {e}\n{}", self.log()));
+        let mut answer: Value = serde_json::from_str(&line)
+            .unwrap_or_else(|e| panic!("the daemon's status {line:?}: {e}\n{}", self.log()));
+        assert_eq!(answer["response"], "status", "{line}");
+        answer.as_object_mut().unwrap().remove("response");
+        answer
     }
 
     /// The daemon's programs attached now (`syscall_exit`, `fuse_request` ...), from its
@@ -977,12 +999,16 @@ impl Agent {
         });
     }
 
-    /// Waits until the keeper has no copy under way and its counts stop changing.
+    /// Waits until the keeper has no copy under way and its counts stop changing (but
+    /// its count of revalidations, which goes on while nothing changes).
     pub fn settled(&self) -> Value {
-        let deadline = Instant::now() + Duration::from_secs(60);
+        let deadline = Instant::now() + patience(60);
         let mut last = Value::Null;
         loop {
-            let c = self.cache();
+            let mut c = self.cache();
+            if let Some(counts) = c.as_object_mut() {
+                counts.remove("revalidations");
+            }
             if c["copying"] == 0 && c == last {
                 return c;
             }
@@ -993,6 +1019,31 @@ impl Agent {
             );
             last = c;
             thread::sleep(Duration::from_millis(2500));
+        }
+    }
+
+    /// Waits until the keeper has finished `n` more revalidations than when called (its
+    /// own count, in `status`; one every `--revalidate`): the turns a test needs it to
+    /// have taken before it looks at what it did not do. Panics after 90 s
+    /// (`patience`) with what it saw.
+    pub fn wait_for_revalidations(&self, n: u64) -> Value {
+        let count = |c: &Value| c["revalidations"].as_u64().unwrap_or(0);
+        let first = count(&self.cache());
+        let deadline = Instant::now() + patience(90);
+        let mut poll = Poll::default();
+        loop {
+            let c = self.cache();
+            if count(&c) >= first + n {
+                return c;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "waited {} s for {n} revalidations; saw {}: {c:#}\n{}",
+                patience(90).as_secs(),
+                count(&c) - first,
+                self.log()
+            );
+            poll.pause();
         }
     }
 
@@ -1008,7 +1059,7 @@ impl Agent {
         let mut child = self.child.take().expect("running");
         // SAFETY: plain kill(2) on our child.
         unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
-        let deadline = Instant::now() + Duration::from_secs(30);
+        let deadline = Instant::now() + patience(30);
         loop {
             if let Some(status) = child.try_wait().unwrap() {
                 assert!(
@@ -1189,13 +1240,72 @@ impl Drop for BackgroundJob {
     }
 }
 
-/// Polls `cond` every 100 ms until it holds, or panics with `what` after `secs`.
+/// Polls `cond` until it holds, or panics with `what` after `secs`.
 pub fn wait_until(secs: u64, what: &str, mut cond: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(secs);
+    let bound = patience(secs);
+    let deadline = Instant::now() + bound;
+    let mut poll = Poll::default();
     while !cond() {
-        assert!(Instant::now() < deadline, "waited {secs} s for {what}");
-        thread::sleep(Duration::from_millis(100));
+        assert!(
+            Instant::now() < deadline,
+            "waited {} s for {what}",
+            bound.as_secs()
+        );
+        poll.pause();
     }
+}
+
+/// The pause between two looks of a wait: 20 ms at first, half again as long each time
+/// up to 500 ms. A short wait ends at once; a long one does not ask the daemon ten times
+/// a second (each answer is a sweep of what the kernel side counted: under the rig's
+/// emulation the asking took the CPU of what was waited for).
+pub struct Poll(Duration);
+
+impl Default for Poll {
+    fn default() -> Self {
+        Self(Duration::from_millis(20))
+    }
+}
+
+impl Poll {
+    pub fn pause(&mut self) {
+        thread::sleep(self.0);
+        self.0 = (self.0 * 3 / 2).min(Duration::from_millis(500));
+    }
+}
+
+/// `len` bytes counting up from 0 and wrapping at 251 (a prime: no page or record
+/// boundary lines up with it): `repeating_bytes(len, 251, 0)`.
+pub fn counting_bytes(len: usize) -> Vec<u8> {
+    repeating_bytes(len, 251, 0)
+}
+
+/// `len` bytes, byte `i` being `first + i % period` (wrapping), as
+/// `(0..len).map(|i| first.wrapping_add((i % period) as u8))` makes them but copied a
+/// period at a time: the tests are built unoptimized, and byte by byte 64 MiB took 2 s
+/// on the host and over a minute of an emulated guest.
+pub fn repeating_bytes(len: usize, period: u8, first: u8) -> Vec<u8> {
+    assert!(period > 0, "a period of no bytes repeats nothing");
+    let period: Vec<u8> = (0..period).map(|i| first.wrapping_add(i)).collect();
+    let mut bytes = Vec::with_capacity(len);
+    while bytes.len() < len {
+        let n = period.len().min(len - bytes.len());
+        bytes.extend_from_slice(&period[..n]);
+    }
+    bytes
+}
+
+/// The variable the rig sets in a guest it emulates (no KVM): the CPU there is some
+/// 25 times slower than the host's, and shared with another guest and the host's lane.
+pub const EMULATED: &str = "HOCUS_TEST_EMULATED";
+
+/// How long a wait of `secs` on the host may take here: four times as long in an
+/// emulated guest, where a daemon's start alone (the kernel's verifier) takes 25-60 s.
+/// A bound that is only a deadline for something that should happen; never a bound a
+/// test proves is not crossed.
+pub fn patience(secs: u64) -> Duration {
+    let emulated = std::env::var_os(EMULATED).is_some_and(|v| v == "1");
+    Duration::from_secs(if emulated { secs * 4 } else { secs })
 }
 
 /// The file entry for `path` in an exported profile.

@@ -147,7 +147,7 @@ fn a_file_opened_for_writing_again_and_again_is_never_bound_and_a_fresh_install_
     wait_until(30, "the entry and the installed package copied", || {
         agent.local_copy(&entry).exists() && agent.local_copy(&pkg).exists()
     });
-    thread::sleep(Duration::from_secs(3)); // several placements later
+    agent.wait_for_revalidations(3);
     assert!(
         !agent.local_copy(&lock).exists(),
         "the lock file was copied: {}",

@@ -12,7 +12,7 @@ use std::{
 };
 
 use hocus_tests::{
-    Agent, NetworkMount, assert_success,
+    Agent, NetworkMount, assert_success, repeating_bytes,
     slurm::{Node, Options, SERVER_ADDR, Slurm, slurm_with},
     wait_until,
 };
@@ -373,7 +373,7 @@ fn a_relaying_node_killed_mid_job_leaves_its_children_on_the_server() {
 fn a_jobs_nodes_pass_on_the_ranges_they_hold_of_a_big_file() {
     const MIB: usize = 1 << 20;
     let s = shared();
-    let big: Vec<u8> = (0..32 * MIB).map(|i| (i % 253) as u8).collect();
+    let big = repeating_bytes(32 * MIB, 253, 0);
     s.net.put("env/lib/mypkg/big.bin", &big);
     s.net.installed_long_ago("env");
     // 1 MiB at 4, 12 and 20 MiB of a 32 MiB file: copied in part (from 8 MiB).

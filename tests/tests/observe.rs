@@ -295,7 +295,7 @@ fn reused_descriptor_numbers(start: fn(&[&str]) -> Agent, how: &str) {
 #[test]
 fn pages_faulted_in_through_a_mapping_count_as_bytes_read() {
     let net = NetworkMount::start();
-    let frames: Vec<u8> = (0..8u32 << 20).map(|i| (i % 251) as u8).collect();
+    let frames = hocus_tests::counting_bytes(8 << 20);
     let data = net.put("data/frames.bin", &frames);
     let module =
         std::path::PathBuf::from(python("import _decimal; print(_decimal.__file__)").trim());

@@ -5,7 +5,7 @@
 
 use std::{fs, os::unix::fs::MetadataExt, path::Path};
 
-use hocus_tests::{Agent, NetworkMount, assert_success, wait_until};
+use hocus_tests::{Agent, NetworkMount, assert_success, repeating_bytes, wait_until};
 use serde_json::json;
 
 const MIB: u64 = 1 << 20;
@@ -31,7 +31,7 @@ fn prefetched(net: &NetworkMount) -> (Agent, std::path::PathBuf) {
 fn prefetched_with(net: &NetworkMount, settings: &[&str]) -> (Agent, std::path::PathBuf) {
     let data = net.put(
         "data/train.bin",
-        &(0..32 * MIB).map(byte).collect::<Vec<u8>>(),
+        &repeating_bytes(32 * MIB as usize, 251, 1),
     );
     let mut args = vec![
         "--watch",
@@ -337,7 +337,10 @@ fn a_fill_the_server_does_not_answer_fails_the_read_at_the_bound_never_hangs() {
     assert_eq!(errno, "5", "{said}");
     let secs: f64 = secs.parse().unwrap();
     assert!((1.9..15.0).contains(&secs), "{said}");
-    assert!(agent.cache()["partial_reads_failed"].as_u64().unwrap() >= 1);
+    // Counted as the keeper takes the filler's counts (each second).
+    wait_until(10, "the failed read counted", || {
+        agent.cache()["partial_reads_failed"].as_u64() >= Some(1)
+    });
     // Once the server answers, the same range reads right.
     drop(paused);
     let sums = read_at(&agent, &data, &[20 * MIB]);
@@ -353,12 +356,22 @@ fn a_file_changed_on_the_server_between_two_jobs_is_read_new_never_mixed() {
         sums,
         format!("{} {}", sum(4 * MIB, 4096), sum(20 * MIB, 4096))
     );
-    // Rewritten on the server, in place: the same size, every byte another.
-    std::thread::sleep(std::time::Duration::from_millis(20));
-    let new: Vec<u8> = (0..32 * MIB).map(|i| byte(i).wrapping_add(7)).collect();
+    // Rewritten on the server, in place: the same size, every byte another, and a later
+    // mtime (SFTP's are whole seconds).
+    let mtime = |p: &std::path::Path| fs::metadata(p).unwrap().modified().unwrap();
+    let before = mtime(&data);
+    let new = repeating_bytes(32 * MIB as usize, 251, 8);
+    while std::time::SystemTime::now() <= before + std::time::Duration::from_secs(1) {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
     fs::write(net.server_path("data/train.bin"), &new).unwrap();
-    // sshfs shows it within a second (dcache_timeout=1), as NFS's attribute cache would.
-    std::thread::sleep(std::time::Duration::from_millis(1500));
+    // The job starts once a plain process sees the change: sshfs's cache and the
+    // kernel's each keep attributes a second (dcache_timeout=1), as NFS's attribute
+    // cache would. A job started before that is served the copy, as a plain process
+    // would be shown the file it saw.
+    wait_until(30, "a plain process to see the rewrite", || {
+        mtime(&data) != before
+    });
     let new_sum = |at: u64| -> u64 {
         new[at as usize..at as usize + 4096]
             .iter()
@@ -388,7 +401,7 @@ fn h5py_slices_are_served_by_a_partial_copy_and_a_numpy_memmap_by_a_whole_one() 
     let h5 = net.put("data/train.h5", &made);
     let frames = net.put(
         "data/frames.u8",
-        &(0..16 * MIB).map(|i| (i % 251) as u8).collect::<Vec<u8>>(),
+        &hocus_tests::counting_bytes(16 * MIB as usize),
     );
     let agent = Agent::start(&[
         "--watch",

@@ -11,7 +11,9 @@
 
 use std::path::Path;
 
-use hocus_tests::{Agent, NetworkMount, assert_success, file_entry, kernel_btf_names};
+use hocus_tests::{
+    Agent, NetworkMount, assert_success, file_entry, kernel_btf_names, repeating_bytes,
+};
 use serde_json::Value;
 
 const SYSCALLS: &str = "syscall_exit";
@@ -422,11 +424,13 @@ fn ranges(agent: &Agent, path: &Path, at_least: usize) -> Vec<[u64; 2]> {
     serde_json::from_value(entry["ranges"].clone()).unwrap()
 }
 
-/// The profile's entry for `path` once `done` holds of it, waited for up to 30 s. On
-/// timeout it says what the profile and the tracer had, to tell what was never
-/// reported from what was reported late.
+/// The profile's entry for `path` once `done` holds of it, waited for up to 30 s (on
+/// the host: `patience`). On timeout it says what the profile and the tracer had, to
+/// tell what was never reported from what was reported late.
 fn profiled(agent: &Agent, path: &Path, what: &str, done: impl Fn(&Value) -> bool) -> Value {
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let bound = hocus_tests::patience(30);
+    let deadline = std::time::Instant::now() + bound;
+    let mut poll = hocus_tests::Poll::default();
     loop {
         let export = agent.export();
         let entry = file_entry(&export, path);
@@ -435,12 +439,13 @@ fn profiled(agent: &Agent, path: &Path, what: &str, done: impl Fn(&Value) -> boo
         }
         assert!(
             std::time::Instant::now() < deadline,
-            "waited 30 s for {what} of {} to be profiled: {entry:#?}\ntracing: {:#}\n{}",
+            "waited {} s for {what} of {} to be profiled: {entry:#?}\ntracing: {:#}\n{}",
+            bound.as_secs(),
             path.display(),
             agent.status()["tracing"],
             agent.log()
         );
-        std::thread::sleep(std::time::Duration::from_millis(200));
+        poll.pause();
     }
 }
 
@@ -449,11 +454,11 @@ fn the_byte_ranges_a_job_reads_are_profiled_by_every_route() {
     let net = NetworkMount::start();
     let data = net.put(
         "data/shards.bin",
-        &(0..48 * MIB).map(|i| (i % 253) as u8).collect::<Vec<u8>>(),
+        &repeating_bytes(48 * MIB as usize, 253, 0),
     );
     let mapped = net.put(
         "data/mapped.bin",
-        &(0..16 * MIB).map(|i| (i % 241) as u8).collect::<Vec<u8>>(),
+        &repeating_bytes(16 * MIB as usize, 241, 0),
     );
     let watch = net.mount.to_str().unwrap();
     // Nothing is copied: the daemon's own copy would fill the page cache first.
@@ -539,7 +544,7 @@ fn what_numpy_memmap_and_h5py_read_of_big_files_is_profiled_as_ranges() {
     let h5 = net.put("data/train.h5", &made);
     let frames = net.put(
         "data/frames.u8",
-        &(0..128 * MIB).map(|i| (i % 251) as u8).collect::<Vec<u8>>(),
+        &hocus_tests::counting_bytes(128 * MIB as usize),
     );
     // Nothing copied: the daemon's own copy would fill the page cache first.
     let agent = Agent::start(&[

@@ -119,9 +119,17 @@ fn an_idle_daemon_rests_and_the_first_use_of_the_mount_wakes_it() {
     let t = tracing(&agent);
     assert_eq!(t["wakeups"].as_u64(), Some(1), "{t}");
     // The program is attached some milliseconds after the first request: an import
-    // that gets to its open first is not seen (docs/overhead.md). The next one is.
-    assert_eq!(import_as_user(lib, "rested"), "42");
-    let p = agent.export();
+    // that gets to its open first is not seen (docs/overhead.md). The next one is (on
+    // a slow machine the tracer may have rested again in between: the next import
+    // then wakes it again, and may be the one not seen).
+    let mut p = Value::Null;
+    for _ in 0..5 {
+        assert_eq!(import_as_user(lib, "rested"), "42");
+        p = agent.export();
+        if file_entry(&p, &module).is_some_and(|f| f["opens"].as_u64() >= Some(1)) {
+            break;
+        }
+    }
     let f = file_entry(&p, &module).unwrap_or_else(|| panic!("not learned: {p:#}"));
     assert!(f["opens"].as_u64() >= Some(1), "{f}");
     assert!(
@@ -130,10 +138,11 @@ fn an_idle_daemon_rests_and_the_first_use_of_the_mount_wakes_it() {
         agent.log()
     );
 
-    // Nothing more to learn: it rests again.
-    wait_resting(&agent, 2);
+    // Nothing more to learn: it rests again, a rest after each wake.
+    let woken = tracing(&agent)["wakeups"].as_u64().unwrap();
+    wait_resting(&agent, 1 + woken);
     assert!(agent.metrics().contains("hocus_tracing_resting 1"));
-    assert!(agent.metric("hocus_tracing_wakeups_total") == 1);
+    assert!(agent.metric("hocus_tracing_wakeups_total") == woken);
 }
 
 #[test]

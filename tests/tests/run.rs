@@ -248,18 +248,23 @@ fn a_change_on_the_server_during_the_job_is_seen_at_its_next_open() {
             "--",
             "sh",
             "-c",
-            &format!("cat {f}; sleep 6; cat {f}", f = file.display()),
+            // Reads again until it sees the change (within --revalidate; 30 s at most).
+            &format!(
+                "cat {f}; for i in $(seq 150); do grep -q new {f} && break; sleep 0.2; done; cat {f}",
+                f = file.display()
+            ),
         ])
         .current_dir("/")
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();
-    thread::sleep(Duration::from_secs(1));
+    let (first, job) = first_line(job);
+    assert_eq!(first, "MODE = 'old'\n", "{}", agent.log());
     fs::write(&server, b"MODE = 'new' # changed on the server\n").unwrap();
     let out = job.wait_with_output().unwrap();
     assert_eq!(
         text(&out.stdout),
-        "MODE = 'old'\nMODE = 'new' # changed on the server\n",
+        "MODE = 'new' # changed on the server\n",
         "{}",
         agent.log()
     );
@@ -295,7 +300,8 @@ fn a_compilation_cache_directory_stays_shared() {
             "sh",
             "-c",
             &format!(
-                "{BINDS} | grep -c jit_f-0001; sleep 3; ls {d}; echo mine > {d}/jit_g-0003",
+                // Looks until the other writer's entry shows (30 s at most).
+                "{BINDS} | grep -c jit_f-0001; for i in $(seq 150); do [ -e {d}/jit_f-0002 ] && break; sleep 0.2; done; ls {d}; echo mine > {d}/jit_g-0003",
                 d = dir.display()
             ),
         ])
@@ -303,14 +309,15 @@ fn a_compilation_cache_directory_stays_shared() {
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();
-    thread::sleep(Duration::from_secs(1));
+    let (first, job) = first_line(job);
+    assert_eq!(first, "1\n", "the entry is bound");
     // Another writer (another node) adds an entry while the job runs.
     fs::write(net.server_path("jax-cache/jit_f-0002"), b"from rank 0").unwrap();
     let out = job.wait_with_output().unwrap();
     assert_success(&out);
     assert_eq!(
         text(&out.stdout),
-        "1\njit_f-0001\njit_f-0002\n",
+        "jit_f-0001\njit_f-0002\n",
         "the entry is bound, the directory shared"
     );
     assert_eq!(
@@ -591,7 +598,7 @@ fn whole_snapshots_hold_unused_directories_too(agent: &Agent, net: &NetworkMount
 
 #[test]
 fn whole_snapshots_hold_cold_files_too() {
-    // What kernels without lazy views get; here asked for.
+    // What kernels without lazy overlays get; here asked for.
     let net = NetworkMount::start();
     net.put("env/mypkg/__init__.py", b"VALUE = 41\n");
     net.put("env/mypkg/cold.py", b"never imported\n");
@@ -802,4 +809,20 @@ fn caller_cgroups() -> Vec<(String, std::path::PathBuf)> {
         }
     }
     out
+}
+
+/// The first line a job printed, and the job with the rest of its output still to read.
+fn first_line(mut job: std::process::Child) -> (String, std::process::Child) {
+    use std::io::Read;
+    let mut out = job.stdout.take().expect("stdout piped");
+    let mut line = Vec::new();
+    let mut byte = [0u8; 1];
+    while out.read(&mut byte).unwrap_or(0) == 1 {
+        line.push(byte[0]);
+        if byte[0] == b'\n' {
+            break;
+        }
+    }
+    job.stdout = Some(out);
+    (String::from_utf8_lossy(&line).into_owned(), job)
 }

@@ -148,7 +148,7 @@ fn a_plain_srun_job_imports_from_local_copies_and_off_jobs_are_untouched() {
         "{}",
         text(&out.stdout)
     );
-    // Opened in the snapshot's view, the modules still count in the profile, under
+    // Opened in the snapshot's overlay, the modules still count in the profile, under
     // their network paths.
     let p = agent.export();
     let core = file_entry(&p, &net.path("env/lib/mypkg/core.py")).unwrap();
@@ -537,6 +537,10 @@ fn served_slurm_job(fallbacks: Option<&str>) {
         .spawn()
         .unwrap();
     let mut job = BackgroundJob(job, pid);
+    // Its task runs (its shell wrote its pid): the job's start, and the wake it makes,
+    // are behind. Under emulation srun takes seconds to get there, and a wake counted
+    // after `woke` was read looked like a hit's.
+    wait_until(60, "the served job's task to run", || job.1.exists());
     let tracing = |agent: &Agent| agent.status()["tracing"].clone();
     let opens_local = |agent: &Agent| {
         agent.cache()["slurm_jobs"]
@@ -550,7 +554,7 @@ fn served_slurm_job(fallbacks: Option<&str>) {
             t["resting"] == true && t["with_jobs"] == true
         });
     } else {
-        // Twice the time it would take to rest.
+        // Twice the time it would take to rest (time itself is the subject here).
         std::thread::sleep(std::time::Duration::from_secs(6));
     }
     let woke = tracing(&agent)["wakeups"].as_u64().unwrap();

@@ -1,12 +1,18 @@
 //! `cargo xtask`: set up a machine, build, run and test hocus.
 
+mod agent;
 mod bench;
 mod host;
+#[cfg(test)]
+mod layout;
 mod package;
 mod setup;
+mod suites;
 mod vm;
+mod whole_run;
 
-use host::{as_root, cargo, is_root, status, target_dir};
+use agent::build;
+use host::as_root;
 
 use std::{
     path::{Path, PathBuf},
@@ -244,7 +250,9 @@ fn run(cli: Cli) -> Result<()> {
             let err = std::os::unix::process::CommandExt::exec(&mut cmd);
             Err(err).context("starting hocus-agent")
         }
-        Cmd::Test { filter } => test(filter),
+        Cmd::Test { filter } => {
+            whole_run::test(filter, |agent| bench(agent, Bench::All { quick: true }))
+        }
         Cmd::Vm(v) => vm::run(v),
         Cmd::Package => {
             let agent = build(true)?;
@@ -448,157 +456,9 @@ fn millis(ms: f64) -> std::time::Duration {
     std::time::Duration::from_secs_f64(ms.max(0.0) / 1000.0)
 }
 
-/// Builds hocus-agent, setting the machine up first if it lacks anything.
-fn build(release: bool) -> Result<PathBuf> {
-    setup::ensure()?;
-    let mut cmd = cargo();
-    // The agent and its Slurm plugin.
-    cmd.args([
-        "build",
-        "--package",
-        "hocus-agent",
-        "--package",
-        "hocus-spank",
-    ]);
-    if release {
-        cmd.arg("--release");
-    }
-    status(&mut cmd)?;
-    Ok(target_dir()
-        .join(if release { "release" } else { "debug" })
-        .join("hocus-agent"))
-}
-
-/// The Slurm suites: in a whole run, the Debian package's phase runs them (against the
-/// installed daemon and plugin, what a site runs), so the host's phase leaves them to it.
-const SLURM_SUITES: [&str; 2] = ["slurm", "slurm_containers"];
-
-fn test(filter: Option<String>) -> Result<()> {
-    let started = std::time::Instant::now();
-    let took = |phase: &str| println!("== {phase} done at {} s", started.elapsed().as_secs());
-    let agent = build(false)?;
-    println!("== unit tests");
-    status(cargo().args([
-        "test",
-        "--package",
-        "hocus-common",
-        "--package",
-        "hocus-agent",
-        "--package",
-        "hocus-spank",
-        "--package",
-        "xtask",
-    ]))?;
-
-    took("unit tests");
-    println!("== integration tests (root: real eBPF programs, a real sshfs mount)");
-    if !is_root() {
-        bail!(
-            "the integration tests load eBPF programs and mount filesystems: run them as root (sudo -E cargo xtask test)"
-        );
-    }
-    let whole = filter.is_none();
-    let mut cmd = cargo();
-    cmd.args(["test", "--package", "hocus-tests"]);
-    if whole {
-        cmd.arg("--lib");
-        for suite in test_suites()?
-            .iter()
-            .filter(|s| !SLURM_SUITES.contains(&s.as_str()))
-        {
-            cmd.args(["--test", suite]);
-        }
-    }
-    cmd.arg("--")
-        .args(["--test-threads", "1"])
-        .env("HOCUS_AGENT_BIN", &agent)
-        .env(
-            "HOCUS_SPANK_PLUGIN",
-            agent.with_file_name("libhocus_spank.so"),
-        );
-    if let Some(f) = filter {
-        cmd.arg(f);
-    }
-    status(&mut cmd)?;
-    took("host tests");
-    if whole {
-        // The package an admin installs: built, installed, the Slurm tests run against
-        // the installed daemon and plugin, then removed and purged.
-        println!("== the Debian package: install, Slurm tests on the installed files, remove");
-        let release = build(true)?;
-        let deb = package::build(&release)?;
-        let aside = package::SetAside::take()?;
-        package::install(&deb)?;
-        status(
-            cargo()
-                .args(["test", "--package", "hocus-tests"])
-                .args(SLURM_SUITES.iter().flat_map(|s| ["--test", s]))
-                .arg("--")
-                .args(["--test-threads", "1"])
-                .env("HOCUS_AGENT_BIN", package::AGENT)
-                .env("HOCUS_SPANK_PLUGIN", package::PLUGIN),
-        )?;
-        package::remove()?;
-        drop(aside);
-        took("the Debian package");
-        // Debian's kernels under QEMU, with kernel NFS, which this kernel lacks.
-        println!("== other kernels: Debian's 5.10, 6.1 and 6.12 under QEMU, over kernel NFS");
-        vm::test_kernels()?;
-        took("other kernels");
-        // Benchmarks run in CI only as smoke runs: that they work, not what they say
-        // (the debug build of the daemon, one short round).
-        println!("== benchmarks, smoke runs (bench all --quick)");
-        bench(&agent, Bench::All { quick: true })?;
-        took("benchmarks");
-    }
-    Ok(())
-}
-
-/// The integration suites built by default (not those that need a feature: the kernel
-/// NFS tests, for the rig's guests), by name, as cargo knows them.
-fn test_suites() -> Result<Vec<String>> {
-    let out = cargo()
-        .args(["metadata", "--no-deps", "--format-version", "1"])
-        .output()
-        .context("cargo metadata")?;
-    if !out.status.success() {
-        bail!("cargo metadata: {}", String::from_utf8_lossy(&out.stderr));
-    }
-    let meta: serde_json::Value = serde_json::from_slice(&out.stdout)?;
-    let tests = meta["packages"]
-        .as_array()
-        .and_then(|p| p.iter().find(|p| p["name"] == "hocus-tests"))
-        .context("no hocus-tests package in cargo metadata")?;
-    let mut names: Vec<String> = tests["targets"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter(|t| {
-            t["kind"]
-                .as_array()
-                .is_some_and(|k| k.iter().any(|k| k == "test"))
-        })
-        .filter(|t| t["required-features"].as_array().is_none_or(Vec::is_empty))
-        .filter_map(|t| t["name"].as_str().map(str::to_owned))
-        .collect();
-    names.sort();
-    Ok(names)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn the_suites_built_by_default_leave_out_those_that_need_a_feature() {
-        let suites = test_suites().unwrap();
-        assert!(
-            ["smoke", "trust", "slurm"]
-                .iter()
-                .all(|s| suites.contains(&s.to_string()))
-        );
-        assert!(!suites.contains(&"nfs".to_owned()));
-    }
 
     #[test]
     fn bench_all_runs_every_benchmark_with_its_command_line_defaults() {

@@ -1,5 +1,5 @@
 //! Makes a fresh Debian machine able to build, run and test hocus, idempotently:
-//! the facts of ../shared/docs/toolchain.md turned into steps.
+//! the facts of docs/toolchain.md turned into steps.
 //!
 //! - Debian's rustc 1.96 (rustc-web) with its core source (rust-web-src), linked as a
 //!   rustup toolchain named `bpf`: `-Z build-std=core` for the bpf target needs rust-src,

@@ -281,7 +281,12 @@ impl<'a> Source<'a> {
         let tree_fd = dirs::open_dir(tree).map_err(|e| refused(e, tree))?;
         let file = {
             let _as_reader = AsUser::take(reader).map_err(CopyError::Source)?;
-            File::from(open_beneath(&tree_fd, rel, libc::O_RDONLY)?)
+            dirs::open_regular_beneath(&tree_fd, rel).map_err(|e| match e.kind() {
+                io::ErrorKind::InvalidData => {
+                    CopyError::Unsafe(format!("{} is not a regular file", source.display()))
+                }
+                _ => refused(e, rel),
+            })?
         };
         // From a parent, the network's own word on size and mtime is what its copy must
         // match: asked of the server now, not of the client's attribute cache.
@@ -290,12 +295,6 @@ impl<'a> Source<'a> {
             Via::Parent(_) => stat_now(&file),
         }
         .map_err(CopyError::Source)?;
-        if !before.is_file() {
-            return Err(CopyError::Unsafe(format!(
-                "{} is not a regular file",
-                source.display()
-            )));
-        }
         Ok(Self {
             tree,
             tree_fd,

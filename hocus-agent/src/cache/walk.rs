@@ -25,7 +25,7 @@ use nix::{
     sys::stat::{FileStat, Mode, fstat, fstatat},
 };
 
-use crate::shared::tree::Tree;
+use crate::shared::tree::{Tree, fstat_now};
 
 /// How many threads walk a tree: enough round trips in flight to fill a cluster link
 /// (SFTP and NFS clients pipeline requests over one connection), few enough to leave the
@@ -57,7 +57,6 @@ enum Task {
         parent: Arc<OwnedFd>,
         name: CString,
         rel: PathBuf,
-        stat: FileStat,
     },
     /// Names in the open directory `dir` (at `rel`), to stat and meet. A directory's
     /// names are shared out in batches: attributes are a round trip each over the
@@ -79,15 +78,29 @@ struct Queue {
     stop: bool,
 }
 
+/// Where a walk takes the attributes of the directories it opens from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DirAttrs {
+    /// The client's, as any process reads them (its attribute cache): a revalidation
+    /// or a measure asks the server nothing more than listing the tree does.
+    Cached,
+    /// The server's, one round trip a directory (`AT_STATX_FORCE_SYNC`): what a
+    /// snapshot's stamp is taken with, so that the job-start check (which asks the
+    /// server) agrees with it; it refreshes the client's cache for the next walk too.
+    FromServer,
+}
+
 /// Walks the tree `root` (inside the watched tree `tree`) with up to `threads` threads.
 /// `visit` sees every entry once, the root first and each directory before what it
 /// holds, from any thread; returning false ends the walk, an error ends it with that
 /// error (the first one met). A directory below the root that `enter` refuses (by its
-/// path below the root) is met as an entry, neither opened nor listed.
+/// path below the root) is met as an entry, neither opened nor listed. Directories'
+/// attributes come from where `dirs` says.
 pub fn walk<E>(
     tree: &Path,
     root: &Path,
     threads: usize,
+    dirs: DirAttrs,
     enter: impl Fn(&Path) -> bool + Sync,
     visit: impl Fn(&Met) -> Result<bool, E> + Sync,
 ) -> Result<(), E>
@@ -97,7 +110,7 @@ where
     let tree = Tree::open(tree)?;
     let stable_inodes = tree.stable_inodes();
     let top = Arc::new(tree.open_beneath(root, libc::O_RDONLY | libc::O_DIRECTORY)?);
-    let stat = fstat(top.as_raw_fd()).map_err(io::Error::from)?;
+    let stat = dir_stat(top.as_fd(), dirs)?;
     let met = Met {
         rel: Path::new(""),
         stat,
@@ -137,7 +150,7 @@ where
                         }
                     };
                     let mut found = Vec::new();
-                    let went_on = run(next, stable_inodes, &enter, &visit, &mut found);
+                    let went_on = run(next, stable_inodes, dirs, &enter, &visit, &mut found);
                     let mut q = queue.lock().unwrap();
                     q.busy -= 1;
                     let (more, idle) = (!found.is_empty(), q.busy == 0);
@@ -163,21 +176,25 @@ where
     }
 }
 
+/// The attributes of an opened directory, from where `dirs` says.
+fn dir_stat(fd: BorrowedFd, dirs: DirAttrs) -> io::Result<FileStat> {
+    match dirs {
+        DirAttrs::Cached => fstat(fd.as_raw_fd()).map_err(io::Error::from),
+        DirAttrs::FromServer => fstat_now(fd),
+    }
+}
+
 /// Does one task; the tasks it makes go to `found`.
 fn run<E: From<io::Error>>(
     task: Task,
     stable_inodes: bool,
+    dirs: DirAttrs,
     enter: &impl Fn(&Path) -> bool,
     visit: &impl Fn(&Met) -> Result<bool, E>,
     found: &mut Vec<Task>,
 ) -> Result<bool, E> {
     match task {
-        Task::Dir {
-            parent,
-            name,
-            rel,
-            stat,
-        } => {
+        Task::Dir { parent, name, rel } => {
             let fd = openat(
                 Some(parent.as_raw_fd()),
                 name.as_c_str(),
@@ -190,7 +207,7 @@ fn run<E: From<io::Error>>(
             let fd = Arc::new(unsafe { OwnedFd::from_raw_fd(fd) });
             let met = Met {
                 rel: &rel,
-                stat,
+                stat: dir_stat(fd.as_fd(), dirs)?,
                 stable_inodes,
                 at: At::Dir(fd.as_fd()),
             };
@@ -214,7 +231,6 @@ fn run<E: From<io::Error>>(
                         parent: dir.clone(),
                         name,
                         rel: child,
-                        stat,
                     });
                     continue;
                 }
@@ -287,6 +303,7 @@ mod tests {
             dir.path(),
             &root,
             8,
+            DirAttrs::Cached,
             |_| true,
             |m| {
                 let mut met = met.lock().unwrap();
@@ -323,6 +340,7 @@ mod tests {
             dir.path(),
             &root,
             4,
+            DirAttrs::Cached,
             |rel| !rel.starts_with("unused"),
             |m| {
                 let kind = match m.at {
@@ -363,6 +381,7 @@ mod tests {
             dir.path(),
             &root,
             4,
+            DirAttrs::Cached,
             |_| true,
             |_| Ok(seen.fetch_add(1, std::sync::atomic::Ordering::Relaxed) < 10),
         )
@@ -372,6 +391,7 @@ mod tests {
             dir.path(),
             &root,
             4,
+            DirAttrs::Cached,
             |_| true,
             |m| {
                 if m.rel == Path::new("d7/f") {
@@ -389,6 +409,7 @@ mod tests {
                 dir.path(),
                 &dir.path().join("link"),
                 4,
+                DirAttrs::Cached,
                 |_| true,
                 |_| Ok(true)
             )

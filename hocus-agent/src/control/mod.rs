@@ -5,7 +5,7 @@
 //! (a Slurm job's profile, kept as its user). The CLI's side: `client`. And the relay
 //! that serves a multi-node job's files to its other nodes (`relay`).
 //!
-//! May use: the stages, `shared`.
+//! May use: `redirect`, `cache`, `place`, `observe`, `profile`, `shared`.
 
 pub mod calls;
 pub mod client;

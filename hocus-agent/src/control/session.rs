@@ -72,12 +72,12 @@ fn confirmed_binds(calls: &mpsc::Sender<Call>, caller: &Caller) -> Result<Vec<Bi
     Ok(checked.binds)
 }
 
-/// What `bind_all` made: the binds, the snapshot views among them with the network
+/// What `bind_all` made: the binds, the snapshot overlays among them with the network
 /// directory each stands for, the ids of the mounts marked (if every one was), and how
 /// long mounting them took.
 struct Made {
     binds: Vec<Bind>,
-    views: Vec<(OwnedFd, PathBuf)>,
+    overlays: Vec<(OwnedFd, PathBuf)>,
     marked: Option<Vec<u64>>,
     took: std::time::Duration,
 }
@@ -97,7 +97,7 @@ fn job_user(caller: &Caller) -> Option<User> {
 fn bind_all(binds: Vec<Bind>, user: Option<&User>, marks: Option<&BindOpens>) -> Made {
     let started = std::time::Instant::now();
     let mut made = Vec::new();
-    let mut views = Vec::new();
+    let mut overlays = Vec::new();
     let mut marked = marks.map(|_| Vec::new());
     for b in binds {
         match mountns::bind_read_only(&b, user) {
@@ -116,7 +116,7 @@ fn bind_all(binds: Vec<Bind>, user: Option<&User>, marks: Option<&BindOpens>) ->
                     }
                 }
                 if b.lazy {
-                    views.push((mount, b.target.clone()));
+                    overlays.push((mount, b.target.clone()));
                 }
                 made.push(b);
             }
@@ -125,7 +125,7 @@ fn bind_all(binds: Vec<Bind>, user: Option<&User>, marks: Option<&BindOpens>) ->
     }
     Made {
         binds: made,
-        views,
+        overlays,
         marked,
         took: started.elapsed(),
     }
@@ -176,7 +176,7 @@ fn attached(
     let marks = marks.filter(|_| task.job_id.is_some());
     let Made {
         binds: made,
-        views,
+        overlays,
         marked,
         took,
     } = bind_all(binds, job_user(&caller).as_ref(), marks);
@@ -186,7 +186,7 @@ fn attached(
         binds: made.clone(),
         ns,
         task: Some(pidfd),
-        views,
+        overlays,
         marked,
         slurm: task.job_id.map(|job_id| SlurmTask {
             job_id,
@@ -244,7 +244,7 @@ pub fn run(
     };
     let Made {
         binds: made,
-        views,
+        overlays,
         took,
         ..
     } = bind_all(binds, job_user(&caller).as_ref(), None);
@@ -257,7 +257,7 @@ pub fn run(
         binds: made.clone(),
         ns,
         task: None,
-        views,
+        overlays,
         marked: None,
         slurm: None,
     };

@@ -1,4 +1,4 @@
-//! What the loop keeps of each job beside the keeper's binds: the snapshot views in its
+//! What the loop keeps of each job beside the keeper's binds: the snapshot overlays in its
 //! namespace, whose files the kernel side places under their network directories (so a
 //! job's opens in a lazy snapshot count as hits and teach the profile), and for an
 //! attached task (Slurm's, through hocus's SPANK plugin; a process the daemon did not
@@ -14,7 +14,7 @@ use std::{
     sync::Arc,
 };
 
-use hocus_common::{FIRST_VIEW_ROOT, MAX_VIEW_ROOTS};
+use hocus_common::{FIRST_OVERLAY_ROOT, MAX_OVERLAY_ROOTS};
 use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 
 use super::{profiling::unix_now_ns, rest, tracing::Tracing};
@@ -22,7 +22,7 @@ use crate::{
     control::refusal::Refusal,
     observe::{
         events::{Access, What},
-        tracer::ViewRoot,
+        tracer::OverlayRoot,
     },
     profile::{format::Profile, working_set::WorkingSet},
     redirect::{
@@ -69,9 +69,9 @@ pub struct Jobs {
     bind_opens: Option<Arc<BindOpens>>,
     /// Each Slurm job's own working set, in the order the jobs were first seen.
     profiles: Vec<(u32, WorkingSet)>,
-    /// Each job's snapshot views: the kernel root index, the kernel's addresses, and the
-    /// view's mount, held open so those addresses stay the view's.
-    views: HashMap<u32, Vec<(u32, ViewRoot, OwnedFd)>>,
+    /// Each job's snapshot overlays: the kernel root index, the kernel's addresses, and the
+    /// overlay's mount, held open so those addresses stay the overlay's.
+    overlays: HashMap<u32, Vec<(u32, OverlayRoot, OwnedFd)>>,
     /// Kernel root indexes not in use.
     free: Vec<u32>,
     next: u32,
@@ -87,20 +87,20 @@ impl Jobs {
 
     /// Job `id` starts: an attached task (its pidfd; a task of Slurm job `slurm_job`) is
     /// followed as job `id` (the kernel side counts it and whatever it forks as the
-    /// job's); files opened in its snapshot views are placed under the network
+    /// job's); files opened in its snapshot overlays are placed under the network
     /// directories they stand for.
     pub fn start(
         &mut self,
         tracing: &mut Tracing,
         id: u32,
         task: Option<Task>,
-        views: Vec<(OwnedFd, PathBuf)>,
+        overlays: Vec<(OwnedFd, PathBuf)>,
     ) -> Result<(), Refusal> {
         if let Some(task) = task {
             self.follow_task(tracing, id, task)?;
         }
         self.running.insert(id);
-        self.place_views(tracing, id, views);
+        self.place_overlays(tracing, id, overlays);
         Ok(())
     }
 
@@ -181,18 +181,27 @@ impl Jobs {
         Some(p)
     }
 
-    fn place_views(&mut self, tracing: &mut Tracing, id: u32, views: Vec<(OwnedFd, PathBuf)>) {
-        for (view, dir) in views {
+    fn place_overlays(
+        &mut self,
+        tracing: &mut Tracing,
+        id: u32,
+        overlays: Vec<(OwnedFd, PathBuf)>,
+    ) {
+        for (overlay, dir) in overlays {
             let Some(index) = self.index() else {
                 log::warn!(
-                    "{MAX_VIEW_ROOTS} snapshot views are followed already: opens in {} in job {id} are not counted",
+                    "{MAX_OVERLAY_ROOTS} snapshot overlays are followed already: opens in {} in job {id} are not counted",
                     dir.display()
                 );
                 return;
             };
             let shown = dir.display().to_string();
-            match tracing.add_view_root(&view, index, dir) {
-                Ok(root) => self.views.entry(id).or_default().push((index, root, view)),
+            match tracing.add_overlay_root(&overlay, index, dir) {
+                Ok(root) => self
+                    .overlays
+                    .entry(id)
+                    .or_default()
+                    .push((index, root, overlay)),
                 Err(e) => {
                     self.free.push(index);
                     log::warn!(
@@ -273,8 +282,8 @@ impl Jobs {
             }
         }
         tracing.active();
-        for (index, root, _view) in self.views.remove(&id).unwrap_or_default() {
-            tracing.remove_view_root(index, &root);
+        for (index, root, _overlay) in self.overlays.remove(&id).unwrap_or_default() {
+            tracing.remove_overlay_root(index, &root);
             self.free.push(index);
         }
     }
@@ -326,9 +335,9 @@ impl Jobs {
 
     fn index(&mut self) -> Option<u32> {
         self.free.pop().or_else(|| {
-            (self.next < MAX_VIEW_ROOTS).then(|| {
+            (self.next < MAX_OVERLAY_ROOTS).then(|| {
                 self.next += 1;
-                FIRST_VIEW_ROOT + self.next - 1
+                FIRST_OVERLAY_ROOT + self.next - 1
             })
         })
     }

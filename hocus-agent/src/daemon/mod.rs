@@ -5,6 +5,8 @@
 //! state directory), `jobs`, `relays`, `requests` (what waits, and the work done off the
 //! loop), and the `keeper` (placement, on its own thread). `trees` finds what is watched
 //! at start; `faces` starts the control socket and the relay port.
+//!
+//! May use: everything below it.
 
 use std::{
     net::SocketAddr,
@@ -35,7 +37,7 @@ use crate::{
     place::{budget::Budgets, placement::Filters},
     profile::{
         staging::Staging,
-        working_set::{VIEW_SLICE, ViewBuild},
+        working_set::{SHORTLIST_SLICE, ShortlistBuild},
     },
     redirect::{bind_opens, identity, jobs::JobStart, leftovers, mountns, spawn},
     report::metrics,
@@ -124,10 +126,10 @@ struct Daemon {
     keeper: Keeper,
     /// When the keeper last failed to take an order (logged at most every 10 s).
     keeper_failed_at: Option<Instant>,
-    /// The next placement's view, being built a slice per turn of the loop.
-    view_build: Option<ViewBuild>,
+    /// The next placement's shortlist, being built a slice per turn of the loop.
+    shortlist_build: Option<ShortlistBuild>,
     keeper_thread: Option<std::thread::JoinHandle<()>>,
-    /// Jobs' snapshot views and attached tasks.
+    /// Jobs' snapshot overlays and attached tasks.
     jobs: Jobs,
     /// Multi-node jobs whose files other nodes may fetch from here.
     relays: Relays,
@@ -213,7 +215,7 @@ impl Daemon {
             waiting: Vec::new(),
             keeper,
             keeper_failed_at: None,
-            view_build: None,
+            shortlist_build: None,
             keeper_thread: Some(keeper_thread),
             jobs: Jobs::new(bind_opens),
             relays: Relays::default(),
@@ -259,11 +261,11 @@ impl Daemon {
                     }
                 }
                 _ = save.tick() => self.profiling.save(),
-                // A snapshot or placement view of a large working set: a slice per turn,
+                // A snapshot or placement shortlist of a large working set: a slice per turn,
                 // between the rest.
-                () = tokio::task::yield_now(), if self.profiling.slicing() || self.view_build.is_some() => {
+                () = tokio::task::yield_now(), if self.profiling.slicing() || self.shortlist_build.is_some() => {
                     self.profiling.write_slice();
-                    self.build_view().await;
+                    self.build_shortlist().await;
                 }
                 _ = place.tick() => self.place().await,
                 Some((path, attrs)) = self.stats.next() => {
@@ -374,24 +376,24 @@ impl Daemon {
     }
 
     async fn place(&mut self) {
-        // The keeper has not taken the last view yet: the next tick tries again.
-        if self.profiling.wants_placing() && self.keeper.view_waiting() {
+        // The keeper has not taken the last shortlist yet: the next tick tries again.
+        if self.profiling.wants_placing() && self.keeper.shortlist_waiting() {
             return;
         }
-        if self.view_build.is_none() && self.profiling.take_to_place() {
-            self.view_build = Some(self.profiling.ws.view_build(PLACE_CANDIDATES));
-            self.build_view().await;
+        if self.shortlist_build.is_none() && self.profiling.take_to_place() {
+            self.shortlist_build = Some(self.profiling.ws.shortlist_build(PLACE_CANDIDATES));
+            self.build_shortlist().await;
         }
     }
 
-    /// Builds a slice of the view being built; sends it to the keeper once it is done.
-    async fn build_view(&mut self) {
-        let Some(build) = &mut self.view_build else {
+    /// Builds a slice of the shortlist being built; sends it to the keeper once it is done.
+    async fn build_shortlist(&mut self) {
+        let Some(build) = &mut self.shortlist_build else {
             return;
         };
-        if let Some(view) = self.profiling.ws.build_view(build, VIEW_SLICE) {
-            self.view_build = None;
-            let sent = self.keeper.place(view).await;
+        if let Some(shortlist) = self.profiling.ws.build_shortlist(build, SHORTLIST_SLICE) {
+            self.shortlist_build = None;
+            let sent = self.keeper.place(shortlist).await;
             self.check(sent);
         }
     }
@@ -509,6 +511,7 @@ impl Daemon {
         // Events already read belong to earlier jobs.
         self.wake_for_job().await;
         self.drain().await;
+        self.profiling.ws.job_started(unix_now_ns());
         let task = start.task.take().map(|pidfd| jobs::Task {
             pidfd,
             slurm: start.slurm,
@@ -518,9 +521,9 @@ impl Daemon {
         // seconds, as before any rest (fanotify reports a Slurm task's opens only, not
         // the failed lookups its snapshots answer).
         let hits = !start.binds.is_empty();
-        let views = std::mem::take(&mut start.views);
-        let started = self.jobs.start(&mut self.tracing, start.id, task, views);
-        // Its namespace and snapshot views are known: the request programs learn it.
+        let overlays = std::mem::take(&mut start.overlays);
+        let started = self.jobs.start(&mut self.tracing, start.id, task, overlays);
+        // Its namespace and snapshot overlays are known: the request programs learn it.
         if !hits && self.opts.settings.rest_after().is_some() {
             self.tracing.rest_for_requests();
         }

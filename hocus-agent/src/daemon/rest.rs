@@ -12,7 +12,7 @@
 //!
 //! Where the request programs learn jobs (`Tracer::learns_by_requests`: every watched
 //! tree on FUSE, a kernel that types its requests), the syscall program is needed only
-//! as a job starts (the namespace its session makes, its snapshot views) and for the
+//! as a job starts (the namespace its session makes, its snapshot overlays) and for the
 //! hits of a job given local copies that nothing else counts: it rests from the start,
 //! whatever jobs run, and is attached again only while a job starts (and `rest-after`
 //! seconds after, for such a job).

@@ -13,7 +13,7 @@ use super::rest::{Jobs, Rest};
 use crate::{
     observe::{
         events::Observer,
-        tracer::{Counters, Report, Tracer, ViewRoot},
+        tracer::{Counters, OverlayRoot, Report, Tracer},
     },
     profile::working_set::WorkingSet,
 };
@@ -213,7 +213,7 @@ impl Tracing {
 
     /// Rests the syscall program now where the request programs learn jobs: a job's
     /// start woke it to see the namespace its session made (and to place its snapshot
-    /// views); that done, there is nothing else for it to see.
+    /// overlays); that done, there is nothing else for it to see.
     pub fn rest_for_requests(&mut self) {
         self.rest.rest_for_requests(self.tracer.get_mut());
     }
@@ -227,22 +227,22 @@ impl Tracing {
         self.rest.status(self.tracer.get_ref(), rest_after)
     }
 
-    /// Has the kernel side place files opened in a job's snapshot view under the
+    /// Has the kernel side place files opened in a job's snapshot overlay under the
     /// network directory `dir` it stands for, as root `index`.
-    pub fn add_view_root(
+    pub fn add_overlay_root(
         &mut self,
-        view: &std::os::fd::OwnedFd,
+        overlay: &std::os::fd::OwnedFd,
         index: u32,
         dir: std::path::PathBuf,
-    ) -> anyhow::Result<ViewRoot> {
-        let root = self.tracer.get_mut().add_view_root(view, index)?;
-        self.observer.places.add_view_root(index, dir);
+    ) -> anyhow::Result<OverlayRoot> {
+        let root = self.tracer.get_mut().add_overlay_root(overlay, index)?;
+        self.observer.places.add_overlay_root(index, dir);
         Ok(root)
     }
 
-    pub fn remove_view_root(&mut self, index: u32, root: &ViewRoot) {
-        self.tracer.get_mut().remove_view_root(root);
-        self.observer.places.forget_view_root(index);
+    pub fn remove_overlay_root(&mut self, index: u32, root: &OverlayRoot) {
+        self.tracer.get_mut().remove_overlay_root(root);
+        self.observer.places.forget_overlay_root(index);
     }
 }
 

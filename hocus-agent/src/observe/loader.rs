@@ -105,10 +105,10 @@ pub fn start(prefixes: &[&Path], every_process: bool, tripwires: &[Tripwire]) ->
     let tracefs = tracefs::root()?;
     // The programs loaded and attached, whether they cast files, and what the programs
     // that learn from the filesystems could read.
-    let start = |kfuncs| -> Result<(Loaded, bool, Readable)> {
-        let (mut ebpf, fitted) = load(&tracefs, every_process, kfuncs)?;
+    let start = |kfuncs| -> Result<(Loaded, Fitted)> {
+        let (mut ebpf, mut fitted) = load(&tracefs, every_process, kfuncs)?;
         let skipped = fill_tables(&mut ebpf, &tracefs, prefixes)?;
-        let links = attach(&mut ebpf, &PROGRAMS).map_err(|e| {
+        let links = attach(&mut ebpf, fitted.kernel_btf.as_ref(), &PROGRAMS).map_err(|e| {
             if fitted.cast {
                 e.context(KfuncsRefused)
             } else {
@@ -119,11 +119,11 @@ pub fn start(prefixes: &[&Path], every_process: bool, tripwires: &[Tripwire]) ->
             ebpf,
             skipped,
             links,
-            routes: fitted.routes,
+            routes: std::mem::take(&mut fitted.routes),
             tells_misses: true,
             learns_by_requests: false,
         };
-        Ok((loaded, fitted.cast, fitted.readable))
+        Ok((loaded, fitted))
     };
     // A kernel whose verifier refuses the kfunc calls still gets the programs.
     let name = kfunc::RDONLY_CAST_NAME;
@@ -133,7 +133,7 @@ pub fn start(prefixes: &[&Path], every_process: bool, tripwires: &[Tripwire]) ->
     } else {
         format!("{}=kfuncs", kernel::FALLBACKS)
     };
-    let (mut loaded, cast, readable) = match start(kfuncs) {
+    let (mut loaded, fitted) = match start(kfuncs) {
         Err(e) if e.downcast_ref::<KfuncsRefused>().is_some() => {
             log::warn!("{e:#}; loading them without");
             without = format!("the kernel refused {name}");
@@ -141,7 +141,7 @@ pub fn start(prefixes: &[&Path], every_process: bool, tripwires: &[Tripwire]) ->
         }
         started => started?,
     };
-    loaded.routes.push(if cast {
+    loaded.routes.push(if fitted.cast {
         route(
             "open files",
             format!("read with plain loads ({name})"),
@@ -160,13 +160,19 @@ pub fn start(prefixes: &[&Path], every_process: bool, tripwires: &[Tripwire]) ->
             .iter()
             .map(|&(name, (category, event))| (name, Attach::Event(category, event)))
             .collect();
-        let links = attach(&mut loaded.ebpf, &hooks)?;
+        let links = attach(&mut loaded.ebpf, None, &hooks)?;
         loaded.links.extend(links);
         let (links, all) = attach_miss_hooks(&mut loaded.ebpf, &tracefs, tripwire);
         loaded.links.extend(links);
         loaded.tells_misses &= all;
     }
-    let (links, way) = learn_in_filesystems(&mut loaded.ebpf, every_process, tripwires, readable);
+    let (links, way) = learn_in_filesystems(
+        &mut loaded.ebpf,
+        every_process,
+        tripwires,
+        fitted.readable,
+        fitted.kernel_btf.as_ref(),
+    );
     loaded.learns_by_requests = !links.is_empty();
     loaded.links.extend(links);
     loaded.routes.push(way);
@@ -198,13 +204,14 @@ fn learn_in_filesystems(
     every_process: bool,
     tripwires: &[Tripwire],
     readable: Readable,
+    kernel_btf: Option<&aya::Btf>,
 ) -> (Vec<(&'static str, Link)>, Route) {
     if every_process {
         return from_syscalls("not every watched tree is on FUSE or NFS".into(), false);
     }
     match tripwires {
-        [Tripwire::Fuse] => learn_by_requests(ebpf, readable.requests),
-        [Tripwire::Nfs] => learn_by_nfs_functions(ebpf, readable.nfs),
+        [Tripwire::Fuse] => learn_by_requests(ebpf, readable.requests, kernel_btf),
+        [Tripwire::Nfs] => learn_by_nfs_functions(ebpf, readable.nfs, kernel_btf),
         _ => from_syscalls(
             "some watched trees are on FUSE, others on NFS: each filesystem's programs see only its own".into(),
             false,
@@ -213,7 +220,11 @@ fn learn_in_filesystems(
 }
 
 /// The FUSE request programs, where the kernel types its requests.
-fn learn_by_requests(ebpf: &mut Ebpf, readable: bool) -> (Vec<(&'static str, Link)>, Route) {
+fn learn_by_requests(
+    ebpf: &mut Ebpf,
+    readable: bool,
+    kernel_btf: Option<&aya::Btf>,
+) -> (Vec<(&'static str, Link)>, Route) {
     if kernel::forced("fuse-requests") {
         return from_syscalls(kernel::why("fuse-requests", ""), true);
     }
@@ -221,7 +232,7 @@ fn learn_by_requests(ebpf: &mut Ebpf, readable: bool) -> (Vec<(&'static str, Lin
         let why = "this kernel's BTF has no FUSE requests: FUSE is a module, or the kernel is older than 6.15";
         return from_syscalls(why.into(), true);
     }
-    match attach(ebpf, &REQUEST_PROGRAMS) {
+    match attach(ebpf, kernel_btf, &REQUEST_PROGRAMS) {
         Ok(links) => {
             let way = "from the requests the FUSE servers get (tp_btf fuse_request_send and fuse_request_end), the syscall program at rest";
             (links, route(LEARNING, way, false))
@@ -241,6 +252,7 @@ fn learn_by_requests(ebpf: &mut Ebpf, readable: bool) -> (Vec<(&'static str, Lin
 fn learn_by_nfs_functions(
     ebpf: &mut Ebpf,
     vmlinux: Option<Btf>,
+    kernel_btf: Option<&aya::Btf>,
 ) -> (Vec<(&'static str, Link)>, Route) {
     if kernel::forced("nfs-functions") {
         return from_syscalls(kernel::why("nfs-functions", ""), true);
@@ -251,7 +263,7 @@ fn learn_by_nfs_functions(
             true,
         );
     };
-    match nfs_hooks::attach(ebpf, &vmlinux) {
+    match nfs_hooks::attach(ebpf, &vmlinux, kernel_btf) {
         Ok(links) => {
             let way = "from the NFS client's functions (fentry and fexit on nfs_file_open, nfs_file_read, nfs_lookup ...), the syscall program at rest";
             let links = links
@@ -284,7 +296,7 @@ fn attach_miss_hooks(
         let placed =
             name != "nfs_change" || field_offset(tracefs, (category, event), "dev") == change_dev;
         let attached = match (present && placed)
-            .then(|| attach(ebpf, &[(name, Attach::Event(category, event))]))
+            .then(|| attach(ebpf, None, &[(name, Attach::Event(category, event))]))
         {
             Some(Ok(l)) => {
                 links.extend(l);
@@ -310,8 +322,8 @@ fn attach_miss_hooks(
 /// Attaches the floor program (returns at once) where the real ones go, until the
 /// returned value is dropped.
 pub fn floor() -> Result<Floor> {
-    let (mut ebpf, _) = load(&tracefs::root()?, false, false)?;
-    attach(&mut ebpf, &FLOOR)?;
+    let (mut ebpf, fitted) = load(&tracefs::root()?, false, false)?;
+    attach(&mut ebpf, fitted.kernel_btf.as_ref(), &FLOOR)?;
     Ok(Floor { _programs: ebpf })
 }
 
@@ -372,6 +384,10 @@ struct Fitted {
     /// What the programs that learn from the filesystems can read.
     readable: Readable,
     routes: Vec<Route>,
+    /// aya's reading of the kernel's BTF, made once: the loader's, and the typed
+    /// tracepoints' and vmlinux's functions' attach points (each reading takes seconds
+    /// under emulation, where every test starts a daemon). None without BTF.
+    kernel_btf: Option<aya::Btf>,
 }
 
 /// Loads the programs embedded in this binary, with the kernel's struct offsets (from
@@ -506,7 +522,8 @@ fn load(tracefs: &Path, every_process: bool, kfuncs: bool) -> Result<(Ebpf, Fitt
         )
     });
     let typed_task = u32::from(typed_task);
-    let ebpf = EbpfLoader::new()
+    let kernel_btf = aya::Btf::from_sys_fs().ok();
+    let ebpf = EbpfLoader::with_btf(kernel_btf.as_ref())
         .override_global("OFFSETS", &offsets, true)
         .override_global("TYPED_TASK", &typed_task, true)
         .override_global("REQUEST_OFFSETS", &request_offsets, true)
@@ -542,6 +559,7 @@ fn load(tracefs: &Path, every_process: bool, kfuncs: bool) -> Result<(Ebpf, Fitt
             nfs: nfs_readable.then_some(btf),
         },
         routes,
+        kernel_btf,
     };
     Ok((ebpf, fitted))
 }
@@ -554,24 +572,23 @@ fn field_offset(tracefs: &Path, (category, event): (&str, &str), field: &str) ->
         .map_or(u32::MAX, u32::from)
 }
 
-/// Loads (through the verifier) and attaches `programs`.
+/// Loads (through the verifier) and attaches `programs`; `kernel_btf` (aya's reading)
+/// is needed for typed tracepoints.
 fn attach(
     ebpf: &mut Ebpf,
+    kernel_btf: Option<&aya::Btf>,
     programs: &[(&'static str, Attach)],
 ) -> Result<Vec<(&'static str, Link)>> {
     let mut links = Vec::new();
-    let mut kernel_btf = None;
     for &(name, at) in programs {
         let program = ebpf
             .program_mut(name)
             .with_context(|| format!("no program {name}"))?;
         match at {
             Attach::Btf(tp) => {
-                let btf = match &mut kernel_btf {
-                    Some(btf) => btf,
-                    None => kernel_btf
-                        .insert(aya::Btf::from_sys_fs().context("reading the kernel's BTF")?),
-                };
+                let btf = kernel_btf.with_context(|| {
+                    format!("{name} needs the kernel's BTF (/sys/kernel/btf/vmlinux), which aya could not read")
+                })?;
                 let p: &mut BtfTracePoint = program.try_into()?;
                 p.load(tp, btf)
                     .with_context(|| format!("the kernel's verifier rejected {name}"))?;

@@ -69,12 +69,17 @@ pub fn detach(program: &mut Program, link: Link) -> Result<()> {
     Ok(())
 }
 
-/// Loads and attaches the NFS programs; `vmlinux` is the kernel's own BTF. The NFSv4
+/// Loads and attaches the NFS programs; `vmlinux` is the kernel's own BTF (and
+/// `aya_vmlinux` aya's reading of it, for a client built in). The NFSv4
 /// client's open is hooked where its module is loaded (a node with no NFSv4 mount has
 /// none to learn from). All or none: an error says which the kernel refused.
-pub fn attach(ebpf: &mut Ebpf, vmlinux: &Btf) -> Result<Vec<(&'static str, Link)>> {
+pub fn attach(
+    ebpf: &mut Ebpf,
+    vmlinux: &Btf,
+    aya_vmlinux: Option<&aya::Btf>,
+) -> Result<Vec<(&'static str, Link)>> {
     let mut links = Vec::new();
-    if let Err(e) = attach_each(ebpf, vmlinux, &mut links) {
+    if let Err(e) = attach_each(ebpf, vmlinux, aya_vmlinux, &mut links) {
         for (name, link) in links {
             if let Some(program) = ebpf.program_mut(name) {
                 let _ = detach(program, link);
@@ -114,11 +119,10 @@ enum Target {
 fn attach_each(
     ebpf: &mut Ebpf,
     vmlinux: &Btf,
+    aya_vmlinux: Option<&aya::Btf>,
     links: &mut Vec<(&'static str, Link)>,
 ) -> Result<()> {
     let mut modules: Vec<(&str, Option<Module>)> = Vec::new();
-    // aya's own reading of vmlinux's BTF, for a client built in.
-    let mut aya_vmlinux = None;
     for (name, module, function, at, params) in NFS_HOOKS {
         if !modules.iter().any(|(m, _)| *m == module) {
             modules.push((module, Module::open(vmlinux, module)?));
@@ -161,10 +165,7 @@ fn attach_each(
                 match target {
                     Target::Module(id, object) => p.load_in_module(id, object),
                     Target::Vmlinux => {
-                        let btf = match &mut aya_vmlinux {
-                            Some(btf) => btf,
-                            None => aya_vmlinux.insert(aya::Btf::from_sys_fs()?),
-                        };
+                        let btf = aya_vmlinux.context("aya could not read the kernel's BTF")?;
                         p.load(function, btf)
                     }
                 }

@@ -1,6 +1,6 @@
 //! Where the kernel's events happened, as the paths the agent sees: a root the kernel
 //! placed a file under (a watched tree, the cache's copies and snapshots, a snapshot's
-//! view in a job) and the path below it, another namespace's absolute path placed by its
+//! overlay in a job) and the path below it, another namespace's absolute path placed by its
 //! mounts, or the agent's own absolute path; normalized, and checked against the watched
 //! trees again (`..` in a process's path can leave a tree).
 
@@ -11,7 +11,7 @@ use std::{
     path::{Component, Path, PathBuf},
 };
 
-use hocus_common::{Event, FIRST_VIEW_ROOT, ROOT_NONE, ROOT_VIEW, ev};
+use hocus_common::{Event, FIRST_OVERLAY_ROOT, ROOT_NONE, ROOT_VIEW, ev};
 
 use crate::observe::views::Views;
 
@@ -39,9 +39,9 @@ pub struct Places {
     /// Where each of the kernel's roots is, by `Event::root`: a watched tree's path, or
     /// `/` for the cache's directories (the path below them is the network path).
     roots: Vec<PathBuf>,
-    /// The network directory each snapshot view in a job stands for, by `Event::root`
-    /// (`FIRST_VIEW_ROOT` and up).
-    view_roots: HashMap<u32, PathBuf>,
+    /// The network directory each snapshot overlay in a job stands for, by `Event::root`
+    /// (`FIRST_OVERLAY_ROOT` and up).
+    overlay_roots: HashMap<u32, PathBuf>,
     /// Roots from this index on are the cache's: what is opened under them is served.
     served_from: usize,
 }
@@ -52,17 +52,17 @@ impl Places {
         Self {
             watches,
             roots,
-            view_roots: HashMap::new(),
+            overlay_roots: HashMap::new(),
             served_from,
         }
     }
 
     /// Whether what the kernel placed under `root` was served by a local copy (the
-    /// cache's copies and snapshots, a snapshot's view in a job), not the network.
+    /// cache's copies and snapshots, a snapshot's overlay in a job), not the network.
     pub fn is_served(&self, root: u32) -> bool {
         match root {
             ROOT_NONE | ROOT_VIEW => false,
-            r if r >= FIRST_VIEW_ROOT => self.view_roots.contains_key(&r),
+            r if r >= FIRST_OVERLAY_ROOT => self.overlay_roots.contains_key(&r),
             r => (r as usize) >= self.served_from && (r as usize) < self.roots.len(),
         }
     }
@@ -73,14 +73,14 @@ impl Places {
         self.watched(&normalize(path))
     }
 
-    /// Files opened under kernel root `index` are under `dir` (a snapshot view's network
+    /// Files opened under kernel root `index` are under `dir` (a snapshot overlay's network
     /// directory), until forgotten.
-    pub fn add_view_root(&mut self, index: u32, dir: PathBuf) {
-        self.view_roots.insert(index, dir);
+    pub fn add_overlay_root(&mut self, index: u32, dir: PathBuf) {
+        self.overlay_roots.insert(index, dir);
     }
 
-    pub fn forget_view_root(&mut self, index: u32) {
-        self.view_roots.remove(&index);
+    pub fn forget_overlay_root(&mut self, index: u32) {
+        self.overlay_roots.remove(&index);
     }
 
     /// The normalized, watched, absolute path of an event (another namespace's placed
@@ -106,7 +106,7 @@ impl Places {
         } else {
             let root = match self.roots.get(e.root as usize) {
                 Some(root) => Some(root),
-                None => self.view_roots.get(&e.root),
+                None => self.overlay_roots.get(&e.root),
             };
             let Some(root) = root else {
                 return Err(Unplaced::Unresolved);

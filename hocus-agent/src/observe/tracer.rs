@@ -84,9 +84,9 @@ pub struct Tracer {
     pub learns_by_requests: bool,
 }
 
-/// A snapshot view's root as the kernel side knows it.
+/// A snapshot overlay's root as the kernel side knows it.
 #[derive(Debug, Clone, Copy)]
-pub struct ViewRoot {
+pub struct OverlayRoot {
     dentry: u64,
     superblock: u64,
 }
@@ -99,7 +99,9 @@ impl Tracer {
     /// `every_process`: the syscall program follows every process, not only jobs and
     /// those that reached a watched mount's server (`hocus_common::follow`).
     /// `tripwires`: attached (`observe::tripwires`).
+    /// Says how long that took: the kernel's verifier is most of a daemon's start.
     pub fn start(prefixes: &[&Path], every_process: bool, tripwires: &[Tripwire]) -> Result<Self> {
+        let loading = std::time::Instant::now();
         let Loaded {
             mut ebpf,
             skipped,
@@ -108,6 +110,10 @@ impl Tracer {
             tells_misses,
             learns_by_requests,
         } = loader::start(prefixes, every_process, tripwires)?;
+        log::info!(
+            "eBPF programs loaded and attached in {:.1} s",
+            loading.elapsed().as_secs_f64()
+        );
         let events = RingBuf::try_from(ebpf.take_map("EVENTS").context("no EVENTS map")?)?;
         let open_files =
             HashMap::try_from(ebpf.take_map("OPEN_FILES").context("no OPEN_FILES map")?)?;
@@ -244,23 +250,23 @@ impl Tracer {
         Ok(())
     }
 
-    /// Places files opened under the snapshot view `view` (the root of an overlay hocus
+    /// Places files opened under the snapshot overlay `overlay` (the root of an overlay hocus
     /// mounted in a job's namespace) as `Event::root` `index`, until forgotten. The
-    /// caller keeps `view` open meanwhile: its dentry and superblock stay allocated, so
+    /// caller keeps `overlay` open meanwhile: its dentry and superblock stay allocated, so
     /// the addresses stay theirs.
-    pub fn add_view_root(&mut self, view: &OwnedFd, index: u32) -> Result<ViewRoot> {
-        let c = self.calibrate(view)?;
+    pub fn add_overlay_root(&mut self, overlay: &OwnedFd, index: u32) -> Result<OverlayRoot> {
+        let c = self.calibrate(overlay)?;
         if c.dentry == 0 || c.superblock == 0 {
-            bail!("the kernel side could not read the view's root");
+            bail!("the kernel side could not read the overlay's root");
         }
-        let root = ViewRoot {
+        let root = OverlayRoot {
             dentry: c.dentry,
             superblock: c.superblock,
         };
         self.know_superblock(
             root.superblock,
             Superblock {
-                flags: superblock::SNAPSHOT_VIEW,
+                flags: superblock::SNAPSHOT_OVERLAY,
                 root: c.superblock_root,
                 ..Default::default()
             },
@@ -268,13 +274,13 @@ impl Tracer {
         let mut roots: HashMap<_, u64, u32> =
             HashMap::try_from(self.ebpf.map_mut("ROOTS").context("no ROOTS map")?)?;
         if let Err(e) = roots.insert(root.dentry, index, 0) {
-            self.remove_view_root(&root);
+            self.remove_overlay_root(&root);
             return Err(e.into());
         }
         Ok(root)
     }
 
-    pub fn remove_view_root(&mut self, root: &ViewRoot) {
+    pub fn remove_overlay_root(&mut self, root: &OverlayRoot) {
         if let Some(Ok(mut roots)) = self
             .ebpf
             .map_mut("ROOTS")

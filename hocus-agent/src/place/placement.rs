@@ -16,7 +16,7 @@ use std::{
 use crate::{
     profile::{
         extents::Extents,
-        view::{File, View},
+        shortlist::{File, Shortlist},
     },
     shared::settings::Settings,
 };
@@ -74,7 +74,7 @@ impl Filters {
     }
 }
 
-/// A file chosen: its place in the view, and its path borrowed from it.
+/// A file chosen: its place in the shortlist, and its path borrowed from it.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Choice<'a> {
     pub path: &'a str,
@@ -85,7 +85,7 @@ pub struct Choice<'a> {
     /// A file copied in part given less than its ranges: the rest of the SSD budget
     /// (its copy holds that much of them, its coldest chunks punched out).
     pub cut: bool,
-    /// Its place in the view ([`File::at`]).
+    /// Its place in the shortlist ([`File::at`]).
     pub at: u32,
     /// Pinned in RAM as well as copied to SSD.
     pub pinned: bool,
@@ -128,17 +128,21 @@ pub fn whole_file(f: &File) -> u64 {
 /// `partial_from` bytes (0: never): it is that big and jobs read it in part, never
 /// mapping it. A file jobs read whole gets a whole copy (pinned, shared, no read
 /// asking).
-pub fn copied_in_part<'v>(f: &File, view: &'v View, partial_from: u64) -> Option<&'v Extents> {
+pub fn copied_in_part<'v>(
+    f: &File,
+    shortlist: &'v Shortlist,
+    partial_from: u64,
+) -> Option<&'v Extents> {
     if partial_from == 0 || f.size < partial_from {
         return None;
     }
-    f.ranges(view).filter(|ranges| !ranges.whole(f.size))
+    f.ranges(shortlist).filter(|ranges| !ranges.whole(f.size))
 }
 
 /// What a copy of `f` takes where partial copies are made from `partial_from` bytes:
 /// the bytes of its ranges, or its size.
-pub fn takes_in_part(f: &File, view: &View, partial_from: u64) -> u64 {
-    copied_in_part(f, view, partial_from).map_or(f.size, |r| r.bytes(f.size))
+pub fn takes_in_part(f: &File, shortlist: &Shortlist, partial_from: u64) -> u64 {
+    copied_in_part(f, shortlist, partial_from).map_or(f.size, |r| r.bytes(f.size))
 }
 
 /// The network time a local copy of `f` taking `bytes` saves, in opens, per page it
@@ -156,7 +160,7 @@ fn value(f: &File, bytes: u64) -> f64 {
 /// own to share out. `held` says which hold a place now (on SSD), and `pinned_now`
 /// which are pinned: they keep their places unless clearly outvalued.
 ///
-/// Files are weighed by their place in `files` (a view's, 100k site-wide): no path is
+/// Files are weighed by their place in `files` (a shortlist's, 100k site-wide): no path is
 /// copied or hashed, and what is chosen is a flag per candidate.
 pub fn place<'a>(
     files: &[File<'a>],
@@ -168,8 +172,10 @@ pub fn place<'a>(
     pinned_now: &dyn Fn(&str) -> bool,
 ) -> Placement<'a> {
     // A directory with a file opened for writing again and again (a lock) is a store
-    // its users manage: there a file only ever written, never read yet (JAX's `-atime`
-    // files, rewritten at every hit; an entry just put), waits until someone reads it.
+    // its users manage: there a file written waits until a later job reads it back (an
+    // entry just put). Its writer reading it does not count: JAX reads every `-atime`
+    // file at each put to choose what to evict, then rewrites them at every hit, which a
+    // read-only copy would refuse.
     let locked: HashSet<&str> = files
         .iter()
         .filter(|f| f.opened_for_writing())
@@ -178,7 +184,7 @@ pub fn place<'a>(
     let candidates: Vec<&File<'a>> = files
         .iter()
         .filter(|f| cacheable(f, filters))
-        .filter(|f| !(f.write_opens >= f.opens && locked.contains(parent(f.path))))
+        .filter(|f| f.read_back || !f.changed() || !locked.contains(parent(f.path)))
         .collect();
     let bytes: Vec<u64> = candidates.iter().map(|f| takes(f)).collect();
     // Which candidates (by position) fit `budget`, weighing `bytes`, the most valuable
@@ -247,11 +253,13 @@ pub fn place<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::profile::{format::FileEntry, view::View};
+    use crate::profile::{format::FileEntry, shortlist::Shortlist};
 
-    /// The files of a view of `files` (leaked: a test's placement borrows from it).
+    /// The files of a shortlist of `files` (leaked: a test's placement borrows from it).
     fn listed(files: &[FileEntry]) -> Vec<File<'static>> {
-        Box::leak(Box::new(View::of_files(files))).files().collect()
+        Box::leak(Box::new(Shortlist::of_files(files)))
+            .files()
+            .collect()
     }
 
     fn file(path: &str, size: u64, opens: u64, first: u64) -> FileEntry {
@@ -290,11 +298,16 @@ mod tests {
             "written once, then left alone"
         );
         assert!(!cacheable(&four[3], &filters));
-        // Beside the lock, an entry only written so far waits; once read it is placed.
-        let written_only = opened_for_writing(1, file("/net/cache/jit_f-atime", 8, 1, 1));
-        let read_since = opened_for_writing(1, file("/net/cache/jit_f-cache", 8, 2, 2));
+        // Beside the lock, an entry written waits, though its writer read it again and
+        // again (JAX's -atime files at each put); once a later job reads it back it is
+        // placed. Elsewhere no file waits.
+        let written_only = opened_for_writing(1, file("/net/cache/jit_f-atime", 8, 4, 1));
+        let read_back = FileEntry {
+            read_back: true,
+            ..opened_for_writing(1, file("/net/cache/jit_f-cache", 8, 2, 2))
+        };
         let elsewhere = opened_for_writing(1, file("/net/other/jit_g-cache", 8, 1, 3));
-        let files = [lock, written_only, read_since, elsewhere];
+        let files = [lock, written_only, read_back, elsewhere];
         let p = place(
             &listed(&files),
             &filters,

@@ -20,7 +20,7 @@ use crate::{
     },
     profile::{
         format::{FileEntry, Profile},
-        view::{self, View},
+        shortlist::{self, Shortlist},
     },
     shared::size::human,
 };
@@ -45,10 +45,10 @@ pub fn run(
     partial_from: u64,
     csv: bool,
 ) -> Result<()> {
-    let view = View::from(profile);
-    let files: Vec<view::File> = view.files().collect();
+    let shortlist = Shortlist::from(profile);
+    let files: Vec<shortlist::File> = shortlist.files().collect();
     let none = |_: &str| false;
-    let takes = |f: &view::File| placement::takes_in_part(f, &view, partial_from);
+    let takes = |f: &shortlist::File| placement::takes_in_part(f, &shortlist, partial_from);
     let placed = placement::place(
         &files,
         filters,

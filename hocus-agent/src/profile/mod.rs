@@ -9,7 +9,7 @@ pub mod extents;
 pub mod format;
 pub mod paths;
 pub mod records;
+pub mod shortlist;
 pub mod staging;
 pub mod store;
-pub mod view;
 pub mod working_set;

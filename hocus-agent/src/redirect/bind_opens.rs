@@ -301,11 +301,11 @@ mod tests {
         assert_eq!(read.opens[0].pid, std::process::id());
     }
 
-    /// A lazy snapshot's view (an overlay: a hot file's bytes local, a cold one's read
+    /// A lazy snapshot's overlay (an overlay: a hot file's bytes local, a cold one's read
     /// from the network layer) is marked as one mount: opens of both are reported with
-    /// their network paths. Needs lazy views (6.13; this machine's kernel and CI's).
+    /// their network paths. Needs lazy overlays (6.13; this machine's kernel and CI's).
     #[test]
-    fn opens_in_a_lazy_snapshot_s_view_are_reported_by_its_network_paths() {
+    fn opens_in_a_lazy_snapshot_s_overlay_are_reported_by_its_network_paths() {
         let dir = tempfile::tempdir().unwrap();
         let (tree, meta) = (dir.path().join("tree"), dir.path().join("meta"));
         let net = tree.join("env");

@@ -31,9 +31,9 @@ pub struct JobStart {
     pub id: u32,
     pub ns: OwnedFd,
     pub binds: Vec<Bind>,
-    /// The snapshot views among the binds (their mounts), with the network directory
+    /// The snapshot overlays among the binds (their mounts), with the network directory
     /// each stands for: files opened in them are placed there.
-    pub views: Vec<(OwnedFd, PathBuf)>,
+    pub overlays: Vec<(OwnedFd, PathBuf)>,
     /// An attached task's pidfd: it is followed until that process exits.
     pub task: Option<Arc<OwnedFd>>,
     /// The ids of its binds' mounts, if each is marked (`bind_opens`): its opens of local
@@ -170,7 +170,7 @@ mod tests {
         );
         assert_eq!(j.server_of(Path::new("/net/data/b.csv")), Server::Network);
         assert_eq!(j.server_of(Path::new("/net/environ")), Server::Network);
-        // A directory no job used is the network's own in the job's view.
+        // A directory no job used is the network's own in the job's overlay.
         assert_eq!(
             j.server_of(Path::new("/net/env/lib/unused/y.py")),
             Server::Network

@@ -26,7 +26,7 @@ pub struct Taken {
 }
 
 /// The cache's mounts as other namespaces' mount tables show them: binds of its copies
-/// and snapshots (by device and path inside their filesystem), and lazy snapshot views
+/// and snapshots (by device and path inside their filesystem), and lazy snapshot overlays
 /// (overlays whose layer is in the cache).
 struct Ours {
     dev: (u32, u32),
@@ -49,7 +49,7 @@ impl Ours {
     }
 
     fn made(&self, m: &Mount) -> bool {
-        let view = m.fs_type == "overlay"
+        let overlay = m.fs_type == "overlay"
             && m.super_options.split(',').any(|o| {
                 o.strip_prefix("lowerdir+=")
                     .is_some_and(|layer| Path::new(layer).starts_with(&self.cache_dir))
@@ -59,7 +59,7 @@ impl Ours {
         let bind = (m.major, m.minor) == self.dev
             && m.root.starts_with(&self.inside)
             && m.root != self.inside;
-        view || bind
+        overlay || bind
     }
 }
 
@@ -123,7 +123,7 @@ pub fn take_away(cache_dir: &Path, trees: &[PathBuf]) -> Result<Taken> {
             .iter()
             .filter(|m| ours.made(m) && trees.iter().any(|t| m.mount_point.starts_with(t)))
             .collect();
-        // The outermost only: a view's passages go with it.
+        // The outermost only: a overlay's passages go with it.
         let ids: HashSet<u32> = left.iter().map(|m| m.id).collect();
         let targets: Vec<PathBuf> = left
             .iter()
@@ -186,7 +186,7 @@ mod tests {
             .filter(|m| ours.made(m))
             .map(|m| m.id)
             .collect();
-        // The file bind and the view; not the passage under the view (the network's),
+        // The file bind and the overlay; not the passage under the overlay (the network's),
         // a user's own bind, another cache's, or the cache's disk itself. (85 is the
         // cache's, outside any watched tree: `take_away` leaves it.)
         assert_eq!(made, [80, 81, 85]);

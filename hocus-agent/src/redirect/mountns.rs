@@ -43,7 +43,7 @@ pub struct Bind {
     #[serde(default)]
     pub expect: Expect,
     /// A lazy snapshot: `local` holds every name but only some files' bytes; the others
-    /// are read from `target` on demand, through an overlay (see [`lazy_view`]).
+    /// are read from `target` on demand, through an overlay (see [`lazy_overlay`]).
     #[serde(default)]
     pub lazy: bool,
     /// Directories of a lazy snapshot no job used, by path below `target`: each shows
@@ -184,7 +184,7 @@ fn make_slave() -> io::Result<()> {
 
 /// Binds `b.local` read-only, nosuid, nodev over `b.target`; for a lazy snapshot, the
 /// overlay of `b.local` over the network directory. Returns the mount bound (a lazy
-/// view's: the daemon tells the kernel side to place files under its root; any bind's:
+/// overlay's: the daemon tells the kernel side to place files under its root; any bind's:
 /// its opens may be reported, `bind_opens`). A target root may not
 /// look up is looked up again as `user` (the job's) where given: root may be squashed
 /// on the network, and not even search the user's private directory.
@@ -208,13 +208,13 @@ pub fn bind_read_only(b: &Bind, user: Option<&User>) -> io::Result<OwnedFd> {
                 )
                 .into(),
             )?;
-            lazy_view(&OwnedFd::from_raw_fd(meta as i32), &target)?
+            lazy_overlay(&OwnedFd::from_raw_fd(meta as i32), &target)?
         } else {
             read_only_clone(&local)?
         };
         move_mount(&source, &target)?;
         if let Err(e) = show_passages(b, &target, &source) {
-            // All or nothing: without its passages the view would show empty
+            // All or nothing: without its passages the overlay would show empty
             // directories where the network has files.
             let _ = detach(&source);
             return Err(io::Error::new(
@@ -343,14 +343,14 @@ fn move_mount(source: &OwnedFd, target: &OwnedFd) -> io::Result<()> {
 }
 
 /// Shows each passage of a snapshot (a directory no job used, left out of it) as the
-/// network shows it: the directory beneath `network` (the network directory the view
+/// network shows it: the directory beneath `network` (the network directory the overlay
 /// was mounted over, opened before: a descriptor sees beneath what covers it) bound over
-/// the view's empty one beneath `view` (the view's mount). The bind keeps the network
+/// the overlay's empty one beneath `overlay` (the overlay's mount). The bind keeps the network
 /// mount's own flags: a job reads and writes there what it would without hocus, and
 /// nothing it writes lands in the cache. Neither path follows a symlink. A passage's
 /// lookup is a round trip when the node has forgotten the directory (a page-cache
 /// drop): hundreds of them are looked up by several threads at once, then mounted.
-fn show_passages(b: &Bind, network: &OwnedFd, view: &OwnedFd) -> io::Result<()> {
+fn show_passages(b: &Bind, network: &OwnedFd, overlay: &OwnedFd) -> io::Result<()> {
     let dir = libc::O_PATH | libc::O_DIRECTORY;
     let clones: Vec<io::Result<OwnedFd>> = in_parallel(&b.passages, |rel| {
         let from = beneath(network, rel, dir)?;
@@ -361,7 +361,7 @@ fn show_passages(b: &Bind, network: &OwnedFd, view: &OwnedFd) -> io::Result<()> 
         )
     });
     for (rel, clone) in b.passages.iter().zip(clones) {
-        move_mount(&clone?, &beneath(view, rel, dir)?)?;
+        move_mount(&clone?, &beneath(overlay, rel, dir)?)?;
     }
     Ok(())
 }
@@ -418,7 +418,7 @@ fn in_parallel<T: Sync, R: Send>(items: &[T], f: impl Fn(&T) -> R + Sync) -> Vec
 /// (Linux 6.5; layers given as descriptors, 6.13). Names, attributes, listings and failed
 /// lookups come from `meta` alone; only a cold file's bytes come from `data`, when read.
 /// Both layers are descriptors opened without following a symlink.
-pub fn lazy_view(meta: &OwnedFd, data: &OwnedFd) -> io::Result<OwnedFd> {
+pub fn lazy_overlay(meta: &OwnedFd, data: &OwnedFd) -> io::Result<OwnedFd> {
     // SAFETY: plain syscalls with valid C strings; descriptors owned on success.
     unsafe {
         let fs = check(libc::syscall(
@@ -480,8 +480,8 @@ pub fn lazy_view(meta: &OwnedFd, data: &OwnedFd) -> io::Result<OwnedFd> {
 }
 
 /// Whether this kernel shows lazy snapshots: a stub and its file in `tmp` are put
-/// together by [`lazy_view`] and read back through it (the view is never attached).
-pub fn lazy_views_work(tmp: &Path) -> io::Result<()> {
+/// together by [`lazy_overlay`] and read back through it (the overlay is never attached).
+pub fn lazy_overlays_work(tmp: &Path) -> io::Result<()> {
     let dir = tmp.join(format!("lazy-probe-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let (meta, data) = (dir.join("meta"), dir.join("data"));
@@ -499,12 +499,12 @@ pub fn lazy_views_work(tmp: &Path) -> io::Result<()> {
         )?;
         let open_dir =
             |p: &Path| -> io::Result<OwnedFd> { Ok(OwnedFd::from(std::fs::File::open(p)?)) };
-        let view = lazy_view(&open_dir(&meta)?, &open_dir(&data)?)?;
+        let overlay = lazy_overlay(&open_dir(&meta)?, &open_dir(&data)?)?;
         // SAFETY: a valid descriptor and C string; owned on success.
         let f = unsafe {
             let fd = check(
                 libc::openat(
-                    view.as_raw_fd(),
+                    overlay.as_raw_fd(),
                     c"f".as_ptr(),
                     libc::O_RDONLY | libc::O_CLOEXEC,
                 )
@@ -514,7 +514,7 @@ pub fn lazy_views_work(tmp: &Path) -> io::Result<()> {
         };
         let got = std::io::read_to_string(f)?;
         if got != "read through the overlay" {
-            return Err(io::Error::other(format!("the view read back {got:?}")));
+            return Err(io::Error::other(format!("the overlay read back {got:?}")));
         }
         Ok(())
     })();
@@ -583,12 +583,12 @@ pub fn unbind_here(binds: &[Bind]) -> usize {
 mod tests {
     use super::*;
 
-    /// On this kernel (CI's too) a lazy view is put together and read through; run as
+    /// On this kernel (CI's too) a lazy overlay is put together and read through; run as
     /// root, as the daemon is.
     #[test]
-    fn a_lazy_view_reads_a_stubs_bytes_from_the_data_layer() {
+    fn a_lazy_overlay_reads_a_stubs_bytes_from_the_data_layer() {
         let dir = tempfile::tempdir().unwrap();
-        lazy_views_work(dir.path()).unwrap();
+        lazy_overlays_work(dir.path()).unwrap();
         assert_eq!(
             std::fs::read_dir(dir.path()).unwrap().count(),
             0,
@@ -596,8 +596,8 @@ mod tests {
         );
     }
 
-    /// A snapshot's passage is the network directory itself, bound over the view's
-    /// empty one; one swapped for a symlink is refused, and then nothing of the view
+    /// A snapshot's passage is the network directory itself, bound over the overlay's
+    /// empty one; one swapped for a symlink is refused, and then nothing of the overlay
     /// stays mounted. Real mounts, in a namespace of a thread of its own.
     #[test]
     fn passages_show_the_network_directory_and_a_symlink_is_refused() {
@@ -628,7 +628,7 @@ mod tests {
             let read = |p: &str| std::fs::read_to_string(net2.join(p)).unwrap();
             let err = bind_read_only(&swapped, None).unwrap_err();
             assert!(err.to_string().contains("showing the network's"), "{err}");
-            assert_eq!(read("used/a"), "network", "the view stayed mounted");
+            assert_eq!(read("used/a"), "network", "the overlay stayed mounted");
             bind_read_only(&good, None).unwrap();
             assert_eq!(read("used/a"), "snapshot");
             assert_eq!(read("unused/b"), "network");

@@ -1,7 +1,7 @@
 //! The daemon's memory: how its allocator is set up, giving memory back after a burst,
 //! and what a hash table reserves (for the working set's own count). glibc keeps what a
 //! thread freed in its arena for the next allocation: after a site-wide profile is
-//! imported (parsed in batches on a connection thread) and placed (a view of 100k files
+//! imported (parsed in batches on a connection thread) and placed (a shortlist of 100k files
 //! on the keeper's), some 65 MiB of freed memory stayed with the daemon for good.
 
 /// Allocations from this size up get pages of their own (mmap) rather than a place in an

@@ -8,8 +8,9 @@
 //! safe-file primitives every stage works with as root: opening a directory and what lies beneath
 //! it without following symlinks (`dirs`), a watched tree held open (`tree`), a file's
 //! identity (`identity`), users' credentials taken on one thread (`user`), and the
-//! owner, times and xattrs a local stand-in keeps (`attrs`). Imports nothing of the
-//! crate above it.
+//! owner, times and xattrs a local stand-in keeps (`attrs`).
+//!
+//! May use: `hocus-control` only (nothing of the crate above it).
 
 pub mod attrs;
 pub mod dirs;

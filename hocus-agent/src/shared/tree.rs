@@ -8,7 +8,7 @@ use std::{
     fs::{self, File},
     io,
     os::{
-        fd::{AsRawFd, IntoRawFd, OwnedFd},
+        fd::{AsFd, AsRawFd, BorrowedFd, IntoRawFd, OwnedFd},
         unix::ffi::OsStringExt,
     },
     path::{Path, PathBuf},
@@ -45,7 +45,7 @@ impl Tree {
     /// The identity of entry `name` of directory `dir` of this tree (a symlink itself,
     /// not followed), asked of the server (`stat_now`): one call, no descriptor.
     pub fn identity_now_at(&self, dir: &File, name: &std::ffi::CStr) -> io::Result<Identity> {
-        let stx = statx_now(dir, name, libc::AT_SYMLINK_NOFOLLOW)?;
+        let stx = statx_now(dir.as_fd(), name, libc::AT_SYMLINK_NOFOLLOW)?;
         Ok(Identity::of_statx(&stx, self.stable_inodes))
     }
 
@@ -113,13 +113,24 @@ pub fn stable_inodes_of(tree: &Path, fd: &OwnedFd) -> bool {
 /// what the client cached (FUSE's and NFS's attribute caches) is fetched again first
 /// (`AT_STATX_FORCE_SYNC`).
 pub fn stat_now(f: &File) -> io::Result<fs::Metadata> {
-    statx_now(f, c"", libc::AT_EMPTY_PATH)?;
+    statx_now(f.as_fd(), c"", libc::AT_EMPTY_PATH)?;
     f.metadata()
+}
+
+/// `stat_now` for a descriptor of a walk: the attributes of the open file `fd` from the
+/// server.
+pub fn fstat_now(fd: BorrowedFd) -> io::Result<nix::sys::stat::FileStat> {
+    statx_now(fd, c"", libc::AT_EMPTY_PATH)?;
+    nix::sys::stat::fstat(fd.as_raw_fd()).map_err(io::Error::from)
 }
 
 /// `statx(dir, name, flags)`, asking the server rather than the client's attribute cache
 /// (`AT_STATX_FORCE_SYNC`).
-fn statx_now(dir: &File, name: &std::ffi::CStr, flags: libc::c_int) -> io::Result<libc::statx> {
+fn statx_now(
+    dir: BorrowedFd,
+    name: &std::ffi::CStr,
+    flags: libc::c_int,
+) -> io::Result<libc::statx> {
     // SAFETY: a valid descriptor, a C string and a statx buffer of the right size.
     unsafe {
         let mut stx: libc::statx = std::mem::zeroed();

@@ -159,8 +159,18 @@ impl Default for VerifierLogLevel {
 impl<'a> EbpfLoader<'a> {
     /// Creates a new loader instance.
     pub fn new() -> Self {
+        let mut loader = Self::with_btf(None);
+        loader.btf = Btf::from_sys_fs().ok().map(Cow::Owned);
+        loader
+    }
+
+    /// hocus: a loader given the target [BTF](Btf) (or none), which `new` would parse
+    /// again from `/sys/kernel/btf/vmlinux`: a caller that already parsed it (to attach
+    /// typed tracepoints and fentry programs too) pays for it once. Under emulation a
+    /// parse of a distribution kernel's BTF takes seconds.
+    pub fn with_btf(btf: Option<&'a Btf>) -> Self {
         Self {
-            btf: Btf::from_sys_fs().ok().map(Cow::Owned),
+            btf: btf.map(Cow::Borrowed),
             default_map_pin_directory: None,
             globals: HashMap::new(),
             max_entries: HashMap::new(),

@@ -195,7 +195,7 @@ fn without_a_guard_a_group_that_goes_away_lets_a_waiting_read_see_zeros() {
         &dir.path().join("copy"),
         "print(sum(os.pread(f.fileno(), 4096, 1 << 20)))",
     );
-    thread::sleep(Duration::from_millis(300));
+    waits_in_the_kernel(&waiting, "the reader waits for the group's answer");
     drop(group);
     assert_eq!(said(&finished(waiting)), "0", "the hole's zeros");
 }
@@ -208,8 +208,9 @@ fn a_daemon_gone_fails_reads_with_eio_and_the_next_one_takes_the_group_back() {
     }
     let (copy, partial) = network_and_copy(dir.path(), 4 * MIB, &[(0, 16)]);
     // The "daemon" the guard stands by for: a process of its own, to be killed.
-    let mut daemon = Command::new("sleep").arg("600").spawn().unwrap();
-    let daemon_pidfd = pidfd_open(daemon.id() as i32).unwrap();
+    // Killed however the test ends: else the guard it stands by for outlives a failure.
+    let mut daemon = KilledOnDrop(Command::new("sleep").arg("600").spawn().unwrap());
+    let daemon_pidfd = pidfd_open(daemon.0.id() as i32).unwrap();
     let filler = Filler::start(Group::new().unwrap(), Limits::default()).unwrap();
     filler.serve(partial.clone(), &copy).unwrap();
     let guard = Guard::start(filler.group_fd(), &daemon_pidfd).unwrap();
@@ -221,16 +222,10 @@ fn a_daemon_gone_fails_reads_with_eio_and_the_next_one_takes_the_group_back() {
         &dir.path().join("copy"),
         "print(sum(os.pread(f.fileno(), 4096, 2 << 20)))",
     );
-    thread::sleep(Duration::from_millis(300));
-    assert!(
-        fs::read_to_string(format!("/proc/{}/status", waiting.id()))
-            .unwrap()
-            .contains("State:\tD"),
-        "the reader waits for an answer"
-    );
+    waits_in_the_kernel(&waiting, "the reader waits for an answer");
     // ...until the daemon is gone: then it fails, and so does the next, never zeros.
-    daemon.kill().unwrap();
-    daemon.wait().unwrap();
+    daemon.0.kill().unwrap();
+    daemon.0.wait().unwrap();
     let out = finished(waiting);
     assert!(said(&out).contains("Input/output error"), "{}", said(&out));
     let out = finished(reader(
@@ -409,4 +404,30 @@ sys.stdin.read()",
     assert_eq!(filler.counts.failed.load(Ordering::Relaxed), 0);
     // Nothing to free, nothing punched.
     assert!(filler.trim_coldest(0, None).is_empty());
+}
+
+/// Waits (10 s at most: a Python reader under load starts slowly) until `process` is
+/// blocked in the kernel (state D), as a read waiting on a fill is.
+fn waits_in_the_kernel(process: &std::process::Child, what: &str) {
+    let status =
+        || fs::read_to_string(format!("/proc/{}/status", process.id())).unwrap_or_default();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !status().contains("State:\tD") {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{what}: after 10 s its state is {:?}",
+            status().lines().find(|l| l.starts_with("State:"))
+        );
+        thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A child process killed when this goes, however the test ends.
+struct KilledOnDrop(std::process::Child);
+
+impl Drop for KilledOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }

@@ -10,7 +10,7 @@ use std::{
 
 use crate::{
     cache::walk::{At, Met},
-    profile::view::View,
+    profile::shortlist::Shortlist,
 };
 
 /// Which files' bytes a snapshot holds, and which of its directories it walks.
@@ -22,7 +22,7 @@ pub enum Fill {
     /// Those of the files jobs used (the working set), and of those not readable by
     /// everyone (the overlay reads as root, and root may be squashed on the network);
     /// every other file is a stub whose bytes are read from the network on demand,
-    /// through an overlay (`redirect::mountns::lazy_view`). Only the directories jobs
+    /// through an overlay (`redirect::mountns::lazy_overlay`). Only the directories jobs
     /// used are walked; the others are passages, shown from the network itself.
     Lazy(Used),
 }
@@ -60,7 +60,7 @@ pub struct Used {
 
 impl Used {
     /// From the files whose bytes it holds and the directories jobs used
-    /// (`View::used_dirs`), beneath `root`; the files' directories are walked too.
+    /// (`Shortlist::used_dirs`), beneath `root`; the files' directories are walked too.
     pub fn new<'a>(
         root: &Path,
         files: impl IntoIterator<Item = &'a Path>,
@@ -108,14 +108,19 @@ impl Used {
 /// the first of each list that fits. Not higher: a snapshot is read-only where it walks,
 /// and walking is cheap since it passes unused directories by, so a home directory
 /// above an environment would otherwise be taken, and a job's first write there refused.
-pub fn candidates(view: &View, trees: &[PathBuf], unclean: &[&Path]) -> Vec<Vec<PathBuf>> {
+pub fn candidates(
+    shortlist: &Shortlist,
+    trees: &[PathBuf],
+    unclean: &[&Path],
+) -> Vec<Vec<PathBuf>> {
     let mut dirty: HashSet<PathBuf> = HashSet::new();
-    let changed = view
+    let changed = shortlist
         .files()
         .filter(|f| f.written || f.kept_on_the_network())
         .map(|f| f.path)
         .chain(
-            view.dirs
+            shortlist
+                .dirs
                 .iter()
                 .filter(|d| d.mutated)
                 .map(|d| d.path.as_str()),
@@ -130,7 +135,7 @@ pub fn candidates(view: &View, trees: &[PathBuf], unclean: &[&Path]) -> Vec<Vec<
         }
     }
     // (A directory holding a written file is unclean: it starts no chain.)
-    let mut active: Vec<&Path> = view.used_dirs().collect();
+    let mut active: Vec<&Path> = shortlist.used_dirs().collect();
     active.sort();
     active.dedup();
     let used = |d: &Path| active.binary_search(&d).is_ok();
@@ -190,7 +195,7 @@ mod tests {
         ws.mark_written("/net/home/jax-cache/entry-2", 1);
         ws.open("/net/top.txt", 1, 1);
         let trees = [PathBuf::from("/net")];
-        let c = candidates(&View::from(ws.to_profile()), &trees, &[]);
+        let c = candidates(&Shortlist::from(ws.to_profile()), &trees, &[]);
         let tops: Vec<_> = c.iter().map(|chain| chain[0].clone()).collect();
         // site-packages was used itself: one candidate for both packages, highest
         // first; not /net/env, clean but only above what was used (a job's first write
@@ -207,7 +212,7 @@ mod tests {
         );
         // A refused write in scipy leaves only numpy's own directory.
         let scipy = Path::new("/net/env/lib/site-packages/scipy/x.py");
-        let c = candidates(&View::from(ws.to_profile()), &trees, &[scipy]);
+        let c = candidates(&Shortlist::from(ws.to_profile()), &trees, &[scipy]);
         let tops: Vec<_> = c.iter().map(|chain| chain[0].clone()).collect();
         assert_eq!(tops, [PathBuf::from("/net/env/lib/site-packages/numpy")]);
     }

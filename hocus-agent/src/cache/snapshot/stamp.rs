@@ -11,7 +11,7 @@ use std::{
 
 use super::fill::is_passage;
 use crate::{
-    cache::walk::{self, Met, WALKERS},
+    cache::walk::{self, DirAttrs, Met, WALKERS},
     shared::identity::Identity,
 };
 
@@ -40,6 +40,7 @@ pub fn stamp(tree: &Path, root: &Path, passages: &HashSet<PathBuf>) -> io::Resul
         tree,
         root,
         WALKERS,
+        DirAttrs::Cached,
         |rel| !passages.contains(rel),
         |m| {
             if !is_passage(m) {

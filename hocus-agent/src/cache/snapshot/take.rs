@@ -30,7 +30,7 @@ use super::{
 use crate::{
     cache::{
         copy::{self, CopyError},
-        walk::{self, At, Met, WALKERS},
+        walk::{self, At, DirAttrs, Met, WALKERS},
     },
     shared::{
         attrs::{self, Times},
@@ -114,7 +114,7 @@ pub fn measure(tree: &Path, root: &Path, fill: &Fill, limits: Limits) -> Option<
     let count = Count::default();
     let odd = AtomicBool::new(false);
     let enter = |rel: &Path| fill.enters(&root.join(rel));
-    walk::walk::<CopyError>(tree, root, WALKERS, enter, |m| {
+    walk::walk::<CopyError>(tree, root, WALKERS, DirAttrs::Cached, enter, |m| {
         if !matches!(
             m.stat.st_mode & libc::S_IFMT,
             libc::S_IFREG | libc::S_IFDIR | libc::S_IFLNK
@@ -217,7 +217,10 @@ pub fn take(
             }
             let count = Count::default();
             let enter = |rel: &Path| fill.enters(&root.join(rel));
-            let walked = walk::walk(tree, root, WALKERS, enter, |m| {
+            // The stamp's directories from the server: the job-start check asks the
+            // server, and a directory changed just before (its ctime) would otherwise
+            // make it drop the snapshot it was taken with.
+            let walked = walk::walk(tree, root, WALKERS, DirAttrs::FromServer, enter, |m| {
                 let filled = count.add(m, root, fill, limits)?;
                 let dst = staging.join(m.rel);
                 if is_passage(m) {
@@ -497,7 +500,7 @@ mod tests {
         let hot = root.join("pkg/sub/hot.py");
         let missing = root.join("probed/gone.so");
         let listed = root.join("listed");
-        // As `View::used_dirs` gives them: a probed name's directory, a listed one.
+        // As `Shortlist::used_dirs` gives them: a probed name's directory, a listed one.
         let fill = Fill::Lazy(Used::new(
             &root,
             [hot.as_path()],

@@ -14,7 +14,7 @@ use super::decide::Known;
 use crate::shared::log_line::Process;
 
 /// Copies handed to the workers at once. The rest of a placement's copies wait their
-/// turn as a place in the view each, not as queued work holding a path, a tree, a
+/// turn as a place in the shortlist each, not as queued work holding a path, a tree, a
 /// reader and a destination each: a site-wide profile's 100k copies cost ~50 MiB that
 /// way.
 pub const COPIES_AT_ONCE: usize = 1024;
@@ -23,7 +23,7 @@ pub const COPIES_AT_ONCE: usize = 1024;
 pub struct Copies {
     /// Copies under way: source -> expected size.
     in_flight: HashMap<String, u64>,
-    /// The last placement's copies not started yet, in its order, by place in the view.
+    /// The last placement's copies not started yet, in its order, by place in the shortlist.
     queued: VecDeque<u32>,
     /// Files seen changing, and when: they are fetched again once stable.
     unstable: HashMap<String, Instant>,
@@ -94,7 +94,7 @@ impl Copies {
         self.queued.clear();
     }
 
-    /// The next queued copy, by place in the view, while fewer than `COPIES_AT_ONCE`
+    /// The next queued copy, by place in the shortlist, while fewer than `COPIES_AT_ONCE`
     /// are under way.
     pub fn next_queued(&mut self) -> Option<u32> {
         if self.in_flight.len() >= COPIES_AT_ONCE {

@@ -17,8 +17,8 @@ use super::{
 };
 use crate::{
     cache::{copy::CopyError, directory::Cached, partial::PartialCopy, pins::Mapped},
-    place::placement,
-    profile::{extents::Extents, view::File},
+    place::{budget::fs_space, placement},
+    profile::{extents::Extents, shortlist::File},
     shared::{identity::Identity, log_line as logs, size::human, user::User},
 };
 
@@ -50,8 +50,8 @@ impl Keeper {
         self.placement.placing();
         self.copies.expire(self.config.revalidate);
         let known = self.copies.known(&self.config.trees);
-        let view = self.placement.view();
-        let admitted = decide::admitted(view, &known);
+        let shortlist = self.placement.shortlist();
+        let admitted = decide::admitted(shortlist, &known);
         let (cache, copies, pinning) = (&self.cache, &self.copies, &self.pinning);
         let held = decide::Held {
             cached: &|p| cache.contains(p),
@@ -61,7 +61,7 @@ impl Keeper {
         };
         // A file to be copied in part takes the bytes of its ranges.
         let from = self.partial_from();
-        let takes = |f: &File| placement::takes_in_part(f, view, from);
+        let takes = |f: &File| placement::takes_in_part(f, shortlist, from);
         let moves = decide::moves(
             &admitted,
             &self.config.filters,
@@ -69,7 +69,7 @@ impl Keeper {
             &takes,
             &held,
         );
-        let mut wanted = vec![None; view.len()];
+        let mut wanted = vec![None; shortlist.len()];
         let mut shares = std::collections::HashMap::new();
         for c in &moves.wanted {
             wanted[c.at as usize] = Some(c.pinned);
@@ -109,7 +109,7 @@ impl Keeper {
         self.start_queued();
     }
 
-    /// The wanted files (places in the view) whose partial copy jobs have outgrown: read
+    /// The wanted files (places in the shortlist) whose partial copy jobs have outgrown: read
     /// whole since (a job reading it all from the copy would fill it from the network at
     /// read-ahead pace), mapped, or below `partial-from` now. Their copies go, to be
     /// made whole; one that jobs' reads filled whole already is kept as a whole copy.
@@ -121,7 +121,7 @@ impl Keeper {
             .filter(|(source, c)| c.is_partial() && self.placement.wanted(source).is_some())
             .filter_map(|(source, c)| {
                 let at = self.placement.position(source)?;
-                let f = self.placement.view().file(at)?;
+                let f = self.placement.shortlist().file(at)?;
                 self.partial_ranges(&f)
                     .is_none()
                     .then(|| (at, source.clone(), *c))
@@ -150,7 +150,7 @@ impl Keeper {
     /// way; each copy that ends starts the next.
     pub(super) fn start_queued(&mut self) {
         while let Some(at) = self.copies.next_queued() {
-            let Some(f) = self.placement.view().file(at as usize) else {
+            let Some(f) = self.placement.shortlist().file(at as usize) else {
                 continue;
             };
             let (source, size) = (f.path.to_owned(), f.size);
@@ -171,7 +171,7 @@ impl Keeper {
     /// The ranges a partial copy of `f` would hold, if it is to have one: partial copies
     /// are made here, and `placement::copied_in_part` says so.
     pub(super) fn partial_ranges(&self, f: &File) -> Option<&Extents> {
-        placement::copied_in_part(f, self.placement.view(), self.partial_from())
+        placement::copied_in_part(f, self.placement.shortlist(), self.partial_from())
     }
 
     /// From what size files read in part get partial copies here (0: none made).
@@ -463,10 +463,15 @@ impl Keeper {
     }
 
     /// ENOSPC: the cache filesystem holds less than the budget said. Shrink the budget to
-    /// what is held now, with a margin, and evict down to it.
+    /// what is held now and what the filesystem still has free, with a margin, and evict
+    /// down to it. The copies under way count only as far as the filesystem has room:
+    /// with many at once, what they reserve alone kept the budget above the
+    /// filesystem's size (a 4 MiB tmpfs held at 4.5 MiB, beside a guest).
     fn cache_full(&mut self, source: &str, size: u64) {
         self.status.cache_full_events += 1;
-        let new_budget = ((self.cache.used() + self.copies.reserved()) as f64 * 0.9) as u64;
+        let used = self.cache.used();
+        let room = fs_space(&self.config.cache_dir).map_or(u64::MAX, |(free, _)| free);
+        let new_budget = ((used + self.copies.reserved().min(room)) as f64 * 0.9) as u64;
         log::warn!(
             "the cache filesystem of {} is full (copying {source}, {}): evicting, and holding at most {} from now on",
             self.config.cache_dir.display(),
@@ -583,6 +588,7 @@ impl Keeper {
     /// What changed on the network is dropped, and fetched again once stable.
     pub(super) fn revalidated(&mut self, changed: Vec<String>, changed_trees: Vec<PathBuf>) {
         self.revalidating = false;
+        self.status.revalidations += 1;
         let mut dropped = !changed_trees.is_empty();
         // Every copy was in this check: those unchanged are valid, the others dropped.
         self.copies.all_verified();
@@ -610,7 +616,7 @@ impl Keeper {
         let worth_it = dropped
             || self.copies.waits_over(self.config.revalidate)
             || self.placement.placed_at().elapsed() >= super::PLACE_AGAIN_ANYWAY;
-        if !self.placement.view().is_empty() && worth_it {
+        if !self.placement.shortlist().is_empty() && worth_it {
             self.place();
             self.consider_snapshots();
         }

@@ -10,7 +10,7 @@ use std::{
 
 use crate::{
     place::placement::{self, Choice, Filters},
-    profile::view::{File, View},
+    profile::shortlist::{File, Shortlist},
 };
 
 /// What the keeper knows about files beyond the profile.
@@ -28,8 +28,9 @@ pub struct Known<'a> {
 
 /// The files of the working set that may be placed: under a watched tree, and neither
 /// changing, failing nor refused.
-pub fn admitted<'a>(view: &'a View, known: &Known) -> Vec<File<'a>> {
-    view.files()
+pub fn admitted<'a>(shortlist: &'a Shortlist, known: &Known) -> Vec<File<'a>> {
+    shortlist
+        .files()
         .filter(|f| {
             let p = f.path;
             !known.unstable.contains(p) && !known.failed.contains(p) && !known.refused.contains(p)
@@ -51,7 +52,7 @@ pub struct Held<'a> {
 }
 
 /// How to move from what is held to a new placement. The placement's paths are
-/// borrowed from the files placed (the keeper's view: 100k of them, site-wide).
+/// borrowed from the files placed (the keeper's shortlist: 100k of them, site-wide).
 #[derive(Debug, Default, PartialEq)]
 pub struct Moves<'a> {
     /// The placement: each wanted file, and whether it is to be pinned, in first-touch
@@ -198,8 +199,11 @@ mod tests {
             failed: set(&["/net/failing.py"]),
             refused: set(&["/net/refused.py"]),
         };
-        let view = View::of_files(&files);
-        let paths: Vec<&str> = admitted(&view, &known).iter().map(|f| f.path).collect();
+        let shortlist = Shortlist::of_files(&files);
+        let paths: Vec<&str> = admitted(&shortlist, &known)
+            .iter()
+            .map(|f| f.path)
+            .collect();
         assert_eq!(paths, ["/net/ok.py"]);
     }
 
@@ -211,8 +215,8 @@ mod tests {
             file("/net/c", 9, 40, 3),
             file("/net/b", 9, 40, 2),
         ];
-        let view = View::of_files(&files);
-        let admitted: Vec<File> = view.files().collect();
+        let shortlist = Shortlist::of_files(&files);
+        let admitted: Vec<File> = shortlist.files().collect();
         let m = moves_from(&admitted, (100, 0), &["/net/a"], &[], &[]);
         assert_eq!(m.evict, ["/net/a"]);
         assert_eq!(copies(&m), [("/net/b", 40), ("/net/c", 40)]);
@@ -228,8 +232,8 @@ mod tests {
             ..file("/net/data/train.h5", 1, 40 << 30, 1)
         };
         let files = [big, file("/net/env/lib.so", 1, 512 << 20, 2)];
-        let view = View::of_files(&files);
-        let admitted: Vec<File> = view.files().collect();
+        let shortlist = Shortlist::of_files(&files);
+        let admitted: Vec<File> = shortlist.files().collect();
         let held = Held {
             cached: &|_| false,
             copying: &|_| false,
@@ -238,7 +242,7 @@ mod tests {
         };
         // Partial copies from 1 MiB, or none (every copy whole).
         let within = |ssd: u64, partial_from: u64| {
-            let takes = |f: &File| placement::takes_in_part(f, &view, partial_from);
+            let takes = |f: &File| placement::takes_in_part(f, &shortlist, partial_from);
             moves(&admitted, &Filters::default(), (ssd, 0), &takes, &held)
         };
         let m = within(1 << 30, 1 << 20);
@@ -268,8 +272,8 @@ mod tests {
             file("/net/hot", 100, 4096, 1),
             file("/net/warm", 10, 4096, 2),
         ];
-        let view = View::of_files(&files);
-        let admitted: Vec<File> = view.files().collect();
+        let shortlist = Shortlist::of_files(&files);
+        let admitted: Vec<File> = shortlist.files().collect();
         // Room for both on SSD, one in RAM: the hottest is pinned, the other unpinned.
         let cached = ["/net/hot", "/net/warm"];
         let m = moves_from(&admitted, (1 << 20, 4096), &cached, &[], &["/net/warm"]);

@@ -1,11 +1,11 @@
-//! The keeper's view of the working set, found by path.
+//! The keeper's shortlist of the working set, found by path.
 
 use std::hash::BuildHasher;
 
-use crate::profile::view::{File, View};
+use crate::profile::shortlist::{File, Shortlist};
 
-/// The remembered view's files by path, without a second copy of each path (100k of
-/// them for a site-wide profile): a table of indices into the view, hashed by path.
+/// The remembered shortlist's files by path, without a second copy of each path (100k of
+/// them for a site-wide profile): a table of indices into the shortlist, hashed by path.
 #[derive(Default)]
 pub struct FileIndex {
     table: hashbrown::HashTable<u32>,
@@ -13,31 +13,33 @@ pub struct FileIndex {
 }
 
 impl FileIndex {
-    pub fn of(view: &View) -> Self {
+    pub fn of(shortlist: &Shortlist) -> Self {
         let mut index = Self::default();
-        index.table.reserve(view.len(), |_| 0);
+        index.table.reserve(shortlist.len(), |_| 0);
         let Self { table, hasher } = &mut index;
-        for (i, f) in view.files().enumerate() {
+        for (i, f) in shortlist.files().enumerate() {
             // The first of a path twice is the one found.
             let _ = table
                 .entry(
                     hasher.hash_one(f.path),
-                    |&j| view.path(j as usize) == f.path,
-                    |&j| hasher.hash_one(view.path(j as usize)),
+                    |&j| shortlist.path(j as usize) == f.path,
+                    |&j| hasher.hash_one(shortlist.path(j as usize)),
                 )
                 .or_insert(i as u32);
         }
         index
     }
 
-    pub fn find<'a>(&self, view: &'a View, path: &str) -> Option<File<'a>> {
-        view.file(self.position(view, path)?)
+    pub fn find<'a>(&self, shortlist: &'a Shortlist, path: &str) -> Option<File<'a>> {
+        shortlist.file(self.position(shortlist, path)?)
     }
 
-    /// Where in `view` the file at `path` is.
-    pub fn position(&self, view: &View, path: &str) -> Option<usize> {
+    /// Where in `shortlist` the file at `path` is.
+    pub fn position(&self, shortlist: &Shortlist, path: &str) -> Option<usize> {
         let hash = self.hasher.hash_one(path);
-        let &i = self.table.find(hash, |&j| view.path(j as usize) == path)?;
+        let &i = self
+            .table
+            .find(hash, |&j| shortlist.path(j as usize) == path)?;
         Some(i as usize)
     }
 }
@@ -56,14 +58,17 @@ mod tests {
                 ..Default::default()
             })
             .collect();
-        let view = View::of_files(&files);
-        let index = FileIndex::of(&view);
+        let shortlist = Shortlist::of_files(&files);
+        let index = FileIndex::of(&shortlist);
         for (i, f) in files.iter().enumerate() {
-            assert_eq!(index.find(&view, &f.path).map(|g| g.path), Some(&*f.path));
-            assert_eq!(index.position(&view, &f.path), Some(i));
+            assert_eq!(
+                index.find(&shortlist, &f.path).map(|g| g.path),
+                Some(&*f.path)
+            );
+            assert_eq!(index.position(&shortlist, &f.path), Some(i));
         }
-        assert!(index.find(&view, "/net/c.py").is_none());
-        assert!(index.find(&view, "/net").is_none());
-        assert!(FileIndex::default().find(&view, "/net/a.py").is_none());
+        assert!(index.find(&shortlist, "/net/c.py").is_none());
+        assert!(index.find(&shortlist, "/net").is_none());
+        assert!(FileIndex::default().find(&shortlist, "/net/a.py").is_none());
     }
 }

@@ -19,7 +19,7 @@ use super::{
 use crate::{
     cache::relay::{Holding, Parent},
     observe::events::{Access, What},
-    profile::{format::Profile, view::View},
+    profile::{format::Profile, shortlist::Shortlist},
     redirect::{jobs::JobStart, mountns::Bind},
 };
 
@@ -118,16 +118,16 @@ impl Handle {
         within(ANSWER_TIMEOUT, answer).await
     }
 
-    /// Whether the last view sent is still waiting for the keeper: a newer one would
-    /// only replace it, and a site-wide view is ~12 MiB to build and hold.
-    pub fn view_waiting(&self) -> bool {
+    /// Whether the last shortlist sent is still waiting for the keeper: a newer one would
+    /// only replace it, and a site-wide shortlist is ~12 MiB to build and hold.
+    pub fn shortlist_waiting(&self) -> bool {
         self.latest.lock().is_ok_and(|l| l.is_some())
     }
 
     /// The working set changed: place it again.
-    pub async fn place(&self, view: View) -> Result<(), KeeperError> {
+    pub async fn place(&self, shortlist: Shortlist) -> Result<(), KeeperError> {
         let queued = match self.latest.lock() {
-            Ok(mut latest) => latest.replace(view).is_some(),
+            Ok(mut latest) => latest.replace(shortlist).is_some(),
             Err(_) => return Err(KeeperError::Stopped),
         };
         // Already queued: the keeper takes this newer one when it gets there.
@@ -257,7 +257,7 @@ impl Handle {
         }
     }
 
-    /// A job starts (its views and task taken by the daemon already). Not waited for:
+    /// A job starts (its overlays and task taken by the daemon already). Not waited for:
     /// the keeper takes orders in turn, so it follows the job before any of its opens.
     pub async fn job_starting(&self, job: JobStart) -> Result<(), KeeperError> {
         self.tell(Order::JobStarting(job)).await
@@ -284,18 +284,18 @@ mod tests {
         let handle = Handle::new(tx, Latest::default(), Arc::default());
         // The keeper is busy: a hundred placements arrive (a storm of events) ...
         for n in 0..100 {
-            let view = View::of_files(&vec![FileEntry::default(); n]);
-            handle.place(view).await.unwrap();
+            let shortlist = Shortlist::of_files(&vec![FileEntry::default(); n]);
+            handle.place(shortlist).await.unwrap();
         }
         // ... and it finds one order, for the newest, leaving the queue to questions.
         assert!(matches!(rx.try_recv(), Ok(Order::PlaceLatest)));
         assert!(rx.try_recv().is_err());
-        assert!(handle.view_waiting());
+        assert!(handle.shortlist_waiting());
         let newest = handle.latest.lock().unwrap().take().unwrap();
-        assert!(!handle.view_waiting());
+        assert!(!handle.shortlist_waiting());
         assert_eq!(newest.len(), 99);
         // Once taken, the next placement queues an order again.
-        handle.place(View::default()).await.unwrap();
+        handle.place(Shortlist::default()).await.unwrap();
         assert!(matches!(rx.try_recv(), Ok(Order::PlaceLatest)));
     }
 

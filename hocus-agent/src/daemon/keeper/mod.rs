@@ -60,7 +60,7 @@ use crate::{
         partial::{filler::Limits, service::Partials},
         relay::{Holding, Parent},
     },
-    profile::{format::Profile, view::View},
+    profile::{format::Profile, shortlist::Shortlist},
     redirect::{
         jobs::JobStart,
         mountns::{self, Bind, Expect},
@@ -84,9 +84,9 @@ const INDEX_SAVE_INTERVAL: Duration = Duration::from_secs(1);
 /// A revalidation that changed nothing places the working set again only this long
 /// after the last placement.
 const PLACE_AGAIN_ANYWAY: Duration = Duration::from_secs(300);
-/// Entries of a working set's view past which a placement gives freed memory back (a
+/// Entries of a working set's shortlist past which a placement gives freed memory back (a
 /// few milliseconds then; nothing for a job's few thousand files).
-const BIG_VIEW: usize = 50_000;
+const BIG_SHORTLIST: usize = 50_000;
 
 /// Starts the keeper; orders go in through the returned handle. Also returns the ways
 /// snapshots and big files read in part are held on this kernel.
@@ -113,11 +113,11 @@ pub fn start(config: Config) -> Result<(Handle, thread::JoinHandle<()>, [Route; 
     // so that a worker never waits on the keeper.
     let (done_tx, done_rx) = tokio_mpsc::unbounded_channel::<Done>();
     let (order_tx, order_rx) = tokio_mpsc::channel::<Order>(ORDER_QUEUE);
-    let (lazy_views, snapshots) = if config.whole_snapshots {
+    let (lazy_overlays, snapshots) = if config.whole_snapshots {
         let way = "copies of every file of their tree (whole-snapshots)";
         (false, route("snapshots", way, false))
     } else {
-        lazy_views_here(cache.tmp_dir())
+        lazy_overlays_here(cache.tmp_dir())
     };
     let (partials, big_files) = partials_here(&config, &cache);
     let workers = Workers::start(config.copy_workers, cache.tmp_dir(), done_tx)?;
@@ -147,7 +147,7 @@ pub fn start(config: Config) -> Result<(Handle, thread::JoinHandle<()>, [Route; 
         placement: Placement::new(),
         copies: Copies::found_at_start(unverified),
         pinning: Pinning::new(),
-        snapshots: Snapshots::new(lazy_views),
+        snapshots: Snapshots::new(lazy_overlays),
         prefetches: Prefetches::default(),
         jobs: Jobs::default(),
         status,
@@ -204,8 +204,8 @@ fn partials_here(config: &Config, cache: &Cache) -> (Option<Arc<Partials>>, Rout
 }
 
 /// Whether this kernel shows lazy snapshots, and the route that makes.
-fn lazy_views_here(tmp: &Path) -> (bool, Route) {
-    match mountns::lazy_views_work(tmp) {
+fn lazy_overlays_here(tmp: &Path) -> (bool, Route) {
+    match mountns::lazy_overlays_work(tmp) {
         Ok(()) => (
             true,
             route(
@@ -436,12 +436,12 @@ impl Keeper {
     /// Places the newest working set the daemon sent, if it was not placed already.
     fn place_latest(&mut self) {
         let latest = self.latest.lock().map(|mut l| l.take()).ok().flatten();
-        let Some(view) = latest else {
+        let Some(shortlist) = latest else {
             return;
         };
-        // The view it replaces is freed: a large one goes back to the system.
-        let large = view.len() + view.missing.len() > BIG_VIEW;
-        self.remember(view);
+        // The shortlist it replaces is freed: a large one goes back to the system.
+        let large = shortlist.len() + shortlist.missing.len() > BIG_SHORTLIST;
+        self.remember(shortlist);
         if self.drop_outgrown() {
             // Trees first: files under one being taken are copied by it.
             self.consider_snapshots();
@@ -455,7 +455,7 @@ impl Keeper {
     /// Places these files now and reports progress until their copies, snapshots and
     /// pins are done; copies come from the job's parent node first, if there is one.
     fn prefetch(&mut self, profile: Profile, tx: Progressing, parent: Option<Arc<Parent>>) {
-        self.remember(View::from(profile));
+        self.remember(Shortlist::from(profile));
         self.drop_outgrown();
         if parent.is_some() {
             // From a parent node, file by file: the snapshots then link them.
@@ -482,10 +482,10 @@ impl Keeper {
         self.prefetches.start(&copies, &trees, tx, settling, pinned);
     }
 
-    /// Takes a new view of the working set; a placement follows (the last one named
-    /// files by their place in the view it replaces).
-    fn remember(&mut self, view: View) {
-        self.placement.remember(view);
+    /// Takes a new shortlist of the working set; a placement follows (the last one named
+    /// files by their place in the shortlist it replaces).
+    fn remember(&mut self, shortlist: Shortlist) {
+        self.placement.remember(shortlist);
         self.copies.clear_queue();
     }
 

@@ -15,7 +15,7 @@ use crate::{
     cache::relay::{Holding, Parent},
     observe::events::Access,
     place::{budget::Budgets, placement::Filters},
-    profile::{format::Profile, view::View},
+    profile::{format::Profile, shortlist::Shortlist},
     redirect::{jobs::JobStart, mountns::Bind},
     shared::settings::Settings,
 };
@@ -64,7 +64,7 @@ pub struct Reconfigure {
 }
 
 /// The newest working set waiting to be placed.
-pub type Latest = Arc<Mutex<Option<View>>>;
+pub type Latest = Arc<Mutex<Option<Shortlist>>>;
 
 pub enum Order {
     /// The working set changed: place its latest version (in `Latest`) again. At most

@@ -1,19 +1,19 @@
-//! The keeper's last placement: the view of the working set it placed (found by path
+//! The keeper's last placement: the shortlist of the working set it placed (found by path
 //! through its index), which of its files are wanted and which pinned, and when.
 
 use std::{collections::HashMap, time::Instant};
 
 use super::file_index::FileIndex;
 use crate::{
-    profile::view::{File, View},
+    profile::shortlist::{File, Shortlist},
     shared::user::User,
 };
 
 pub struct Placement {
-    /// The last view of the working set, and where each file is in it.
-    view: View,
+    /// The last shortlist of the working set, and where each file is in it.
+    shortlist: Shortlist,
     index: FileIndex,
-    /// Each file of the view, by place: wanted, and whether it is to be pinned. Indices,
+    /// Each file of the shortlist, by place: wanted, and whether it is to be pinned. Indices,
     /// not paths: a site-wide placement wants 100k files.
     wanted: Vec<Option<bool>>,
     /// The files copied in part given less than their ranges (the rest of the SSD
@@ -26,7 +26,7 @@ pub struct Placement {
 impl Placement {
     pub fn new() -> Self {
         Self {
-            view: View::default(),
+            shortlist: Shortlist::default(),
             index: FileIndex::default(),
             wanted: Vec::new(),
             shares: HashMap::new(),
@@ -34,41 +34,41 @@ impl Placement {
         }
     }
 
-    pub fn view(&self) -> &View {
-        &self.view
+    pub fn shortlist(&self) -> &Shortlist {
+        &self.shortlist
     }
 
-    /// Takes a new view of the working set; nothing of it is wanted until it is placed.
-    pub fn remember(&mut self, view: View) {
-        // The old view goes first: two site-wide views at once are ~24 MiB.
-        self.view = View::default();
-        self.index = FileIndex::of(&view);
-        self.view = view;
+    /// Takes a new shortlist of the working set; nothing of it is wanted until it is placed.
+    pub fn remember(&mut self, shortlist: Shortlist) {
+        // The old shortlist goes first: two site-wide shortlists at once are ~24 MiB.
+        self.shortlist = Shortlist::default();
+        self.index = FileIndex::of(&shortlist);
+        self.shortlist = shortlist;
         self.wanted = Vec::new();
         self.shares = HashMap::new();
     }
 
     /// Whether the last placement wants `source`, and pinned.
     pub fn wanted(&self, source: &str) -> Option<bool> {
-        let i = self.index.position(&self.view, source)?;
+        let i = self.index.position(&self.shortlist, source)?;
         self.wanted.get(i).copied().flatten()
     }
 
-    /// Whether `path` is in the view and not wanted: placed, and left out.
+    /// Whether `path` is in the shortlist and not wanted: placed, and left out.
     pub fn left_out(&self, path: &str) -> bool {
         self.index
-            .position(&self.view, path)
+            .position(&self.shortlist, path)
             .is_some_and(|i| self.wanted.get(i).copied().flatten().is_none())
     }
 
     /// The file at `path`, if placement weighed it.
     pub fn weighed(&self, path: &str) -> Option<File<'_>> {
-        self.index.find(&self.view, path)
+        self.index.find(&self.shortlist, path)
     }
 
-    /// Where in the view the file at `path` is, if placement weighed it.
+    /// Where in the shortlist the file at `path` is, if placement weighed it.
     pub fn position(&self, path: &str) -> Option<usize> {
-        self.index.position(&self.view, path)
+        self.index.position(&self.shortlist, path)
     }
 
     /// A user seen reading `source` (`File::reader`), whose credentials copy it.
@@ -86,7 +86,7 @@ impl Placement {
         self.placed_at = Instant::now();
     }
 
-    /// The placement decided: each file of the view, by place, wanted and pinned or
+    /// The placement decided: each file of the shortlist, by place, wanted and pinned or
     /// not, and the shares of those given less than their ranges.
     pub fn placed(&mut self, wanted: Vec<Option<bool>>, shares: HashMap<u32, u64>) {
         self.wanted = wanted;

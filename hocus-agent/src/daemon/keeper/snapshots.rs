@@ -12,7 +12,7 @@ use std::{
 use super::decide::snapshot_holding;
 use crate::{
     cache::snapshot,
-    profile::view::View,
+    profile::shortlist::Shortlist,
     redirect::mountns::{Bind, Expect, SnapshotEntry},
 };
 
@@ -33,7 +33,7 @@ pub struct Snapshot {
 }
 
 pub struct Snapshots {
-    /// Snapshots may leave cold files on the network (`mountns::lazy_view` works here).
+    /// Snapshots may leave cold files on the network (`mountns::lazy_overlay` works here).
     pub lazy: bool,
     /// In place, by network directory.
     held: HashMap<PathBuf, Snapshot>,
@@ -112,15 +112,15 @@ impl Snapshots {
     }
 
     /// The snapshots whose passages jobs now use (a file read, a name probed or a
-    /// directory listed there, in `view`), with such a directory: they are taken again
+    /// directory listed there, in `shortlist`), with such a directory: they are taken again
     /// with what is used there, else those would stay on the network.
-    pub fn outgrown(&self, view: &View) -> Vec<(PathBuf, PathBuf)> {
+    pub fn outgrown(&self, shortlist: &Shortlist) -> Vec<(PathBuf, PathBuf)> {
         if self.held.values().all(|s| s.passages.is_empty()) {
             return Vec::new();
         }
         let mut outgrown: Vec<(PathBuf, PathBuf)> = Vec::new();
         let mut last = None;
-        for dir in view.used_dirs() {
+        for dir in shortlist.used_dirs() {
             // Files of one directory mostly come one after another.
             if last.replace(dir) == Some(dir) {
                 continue;
@@ -136,20 +136,20 @@ impl Snapshots {
     }
 
     /// Which files a snapshot of `root` holds the bytes of, and which directories it
-    /// walks: with lazy views, what the working set `view` used under it; else all.
-    pub fn fill(&self, root: &Path, view: &View) -> snapshot::Fill {
+    /// walks: with lazy shortlists, what the working set `shortlist` used under it; else all.
+    pub fn fill(&self, root: &Path, shortlist: &Shortlist) -> snapshot::Fill {
         // Whole where the map is empty (not lazy).
-        self.fills(std::iter::once(root), view)
+        self.fills(std::iter::once(root), shortlist)
             .remove(root)
             .unwrap_or_default()
     }
 
-    /// [`Snapshots::fill`] of each of `roots`, in one pass over the view (none if
+    /// [`Snapshots::fill`] of each of `roots`, in one pass over the shortlist (none if
     /// snapshots are whole).
     pub fn fills<'a>(
         &self,
         roots: impl Iterator<Item = &'a Path>,
-        view: &View,
+        shortlist: &Shortlist,
     ) -> HashMap<PathBuf, snapshot::Fill> {
         let roots: HashSet<&Path> = roots.collect();
         if !self.lazy || roots.is_empty() {
@@ -157,7 +157,7 @@ impl Snapshots {
         }
         let mut files: HashMap<&Path, Vec<&Path>> = HashMap::new();
         let mut dirs: HashMap<&Path, Vec<&Path>> = HashMap::new();
-        for f in view.files() {
+        for f in shortlist.files() {
             let path = Path::new(f.path);
             for dir in path.ancestors().skip(1) {
                 if let Some(root) = roots.get(dir) {
@@ -165,7 +165,7 @@ impl Snapshots {
                 }
             }
         }
-        for used in view.used_dirs() {
+        for used in shortlist.used_dirs() {
             for dir in used.ancestors() {
                 if let Some(root) = roots.get(dir) {
                     dirs.entry(root).or_default().push(used);
@@ -184,10 +184,10 @@ impl Snapshots {
     }
 
     /// The bytes of the working set's files under each directory of `chains`.
-    pub fn hot_bytes(chains: &[Vec<PathBuf>], view: &View) -> HashMap<PathBuf, u64> {
+    pub fn hot_bytes(chains: &[Vec<PathBuf>], shortlist: &Shortlist) -> HashMap<PathBuf, u64> {
         let mut hot: HashMap<PathBuf, u64> =
             chains.iter().flatten().map(|d| (d.clone(), 0)).collect();
-        for f in view.files() {
+        for f in shortlist.files() {
             for dir in Path::new(f.path).ancestors().skip(1) {
                 if let Some(bytes) = hot.get_mut(dir) {
                     *bytes += f.size;

@@ -37,7 +37,7 @@ impl Keeper {
     /// with what is used there: else those would stay on the network. Says whether any
     /// was.
     pub(super) fn drop_outgrown(&mut self) -> bool {
-        let outgrown = self.snapshots.outgrown(self.placement.view());
+        let outgrown = self.snapshots.outgrown(self.placement.shortlist());
         // Not an invalidation: what it holds is still the network's.
         for (root, dir) in &outgrown {
             self.remove_snapshot(
@@ -58,11 +58,11 @@ impl Keeper {
             .expire_unsuitable(self.config.revalidate * 10);
         let unclean = self.copies.unclean();
         let unclean: Vec<&Path> = unclean.iter().map(PathBuf::as_path).collect();
-        let view = self.placement.view();
-        let chains = snapshot::candidates(view, &self.config.trees, &unclean);
+        let shortlist = self.placement.shortlist();
+        let chains = snapshot::candidates(shortlist, &self.config.trees, &unclean);
         // A snapshot would hold a file read in part whole: the directories above one
         // that gets a partial copy are passed by (docs/partial-copies.md).
-        let partial: Vec<&Path> = view
+        let partial: Vec<&Path> = shortlist
             .files()
             .filter(|f| self.partial_ranges(f).is_some())
             .map(|f| Path::new(f.path))
@@ -76,7 +76,7 @@ impl Keeper {
             .filter(|chain| !chain.is_empty())
             .collect();
         let hot = if self.snapshots.lazy {
-            Snapshots::hot_bytes(&chains, view)
+            Snapshots::hot_bytes(&chains, shortlist)
         } else {
             Default::default()
         };
@@ -127,7 +127,7 @@ impl Keeper {
             if !self.snapshots.measure(chain[0].clone()) {
                 continue;
             }
-            let fill = self.snapshots.fill(&chain[0], self.placement.view());
+            let fill = self.snapshots.fill(&chain[0], self.placement.shortlist());
             self.workers.send(Work::Measure {
                 tree,
                 chain,
@@ -138,7 +138,7 @@ impl Keeper {
         let roots: HashSet<&Path> = chosen.keys().map(PathBuf::as_path).collect();
         let mut fills = self
             .snapshots
-            .fills(roots.iter().copied(), self.placement.view());
+            .fills(roots.iter().copied(), self.placement.shortlist());
         let mut cached = self.cached_under(&roots);
         for (root, bytes) in chosen {
             let fill = fills.remove(&root).unwrap_or_default();
@@ -184,7 +184,7 @@ impl Keeper {
             let busy = chain.iter().any(|d| self.snapshots.holding(d).is_some())
                 || self.copies.under_way_below(&root);
             if !busy && bytes <= self.snapshot_room() {
-                let fill = self.snapshots.fill(&root, self.placement.view());
+                let fill = self.snapshots.fill(&root, self.placement.shortlist());
                 let cached = self
                     .cached_under(&HashSet::from([root.as_path()]))
                     .remove(&root)

@@ -70,7 +70,12 @@ pub(super) fn encode(b: &mut Vec<u8>, e: &Entry) {
                     f.write_opens,
                 ],
             );
-            b.push(u8::from(f.written) | u8::from(f.refused) << 1 | u8::from(f.mapped) << 2);
+            b.push(
+                u8::from(f.written)
+                    | u8::from(f.refused) << 1
+                    | u8::from(f.mapped) << 2
+                    | u8::from(f.read_back) << 3,
+            );
             b.extend_from_slice(&(f.uids.len() as u32).to_le_bytes());
             f.uids
                 .iter()
@@ -131,6 +136,7 @@ pub(super) fn decode(b: &[u8]) -> Option<Entry> {
                 write_opens,
                 refused: flags & 2 != 0,
                 mapped: flags & 4 != 0,
+                read_back: flags & 8 != 0,
                 ranges,
             })
         }
@@ -214,6 +220,7 @@ mod tests {
                 write_opens: 7,
                 refused: true,
                 mapped: true,
+                read_back: true,
                 ranges: vec![[0, 65536], [1 << 20, 3 << 20]],
             }),
             Entry::File(FileEntry {

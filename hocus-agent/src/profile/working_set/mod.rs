@@ -15,8 +15,8 @@ pub mod export;
 mod merge;
 mod read_out;
 mod record;
+mod shortlist_build;
 mod users;
-mod view_build;
 
 #[cfg(test)]
 mod tests;
@@ -26,7 +26,7 @@ use hashbrown::HashMap;
 use self::{changes::Changes, users::UserSets};
 pub use self::{
     read_out::Pass,
-    view_build::{VIEW_SLICE, ViewBuild},
+    shortlist_build::{SHORTLIST_SLICE, ShortlistBuild},
 };
 use crate::{
     profile::{
@@ -67,6 +67,9 @@ pub struct WorkingSet {
     /// New entries not recorded because the bound was reached.
     dropped: u64,
     changes: Changes,
+    /// When the latest job started (as an offset from `started_unix_ns`): a file opened
+    /// after it and touched last before it is read back by a job other than its writer.
+    job_started: u64,
 }
 
 const NONE: u32 = u32::MAX;
@@ -80,6 +83,9 @@ const WRITTEN: u32 = 1 << 31;
 const REFUSED: u32 = 1 << 30;
 /// Some process mapped it (`mmap`): a mapping asks for all it maps at once.
 const MAPPED: u32 = 1 << 29;
+/// Read back since its last write: opened by a job that started after it was last
+/// touched, not only by the job that wrote it (see `WorkingSet::job_started`).
+const READ_BACK: u32 = 1 << 28;
 
 #[repr(C)]
 #[derive(Clone, Copy, Default)]
@@ -119,6 +125,10 @@ impl FileRec {
 
     fn mapped(&self) -> bool {
         self.bits & MAPPED != 0
+    }
+
+    fn read_back(&self) -> bool {
+        self.bits & READ_BACK != 0
     }
 }
 
@@ -283,5 +293,6 @@ fn saturated(count: u64) -> u32 {
 fn flags(f: &FileEntry) -> u32 {
     (if f.written { WRITTEN } else { 0 })
         | (if f.refused { REFUSED } else { 0 })
-        | if f.mapped { MAPPED } else { 0 }
+        | (if f.mapped { MAPPED } else { 0 })
+        | if f.read_back { READ_BACK } else { 0 }
 }

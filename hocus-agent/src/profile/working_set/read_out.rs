@@ -1,5 +1,5 @@
 //! Reading the working set out: its entries in the file format, what `status` shows (the
-//! hottest files, totals per watched tree), the bounded view placement works from, and
+//! hottest files, totals per watched tree), the bounded shortlist placement works from, and
 //! the entries for the paths of a profile a client sent.
 
 use hocus_control::status::RootTotals;
@@ -10,7 +10,7 @@ use super::{
 use crate::profile::{
     format::{DirEntry, Entry, FORMAT_VERSION, FileEntry, MissingEntry, Profile},
     paths::PathId,
-    view::Facts,
+    shortlist::Facts,
 };
 
 /// How far [`WorkingSet::next_entries`] has come: the files recorded and the names
@@ -35,6 +35,7 @@ impl WorkingSet {
             written: f.written(),
             refused: f.refused(),
             mapped: f.mapped(),
+            read_back: f.read_back(),
         }
     }
 
@@ -59,6 +60,7 @@ impl WorkingSet {
             write_opens: u64::from(f.write_opens),
             refused: f.refused(),
             mapped: f.mapped(),
+            read_back: f.read_back(),
             ranges: self
                 .ranges_of(f)
                 .map_or_else(Vec::new, |e| e.to_bytes(f.size)),

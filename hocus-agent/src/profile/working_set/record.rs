@@ -5,7 +5,8 @@
 use hocus_common::ranges::GRAIN_SHIFT;
 
 use super::{
-    Attributes, MAPPED, MAX_EXTENTS, RANGES_FROM, REFUSED, WRITTEN, WorkingSet, users::USERS,
+    Attributes, MAPPED, MAX_EXTENTS, RANGES_FROM, READ_BACK, REFUSED, WRITTEN, WorkingSet,
+    users::USERS,
 };
 use crate::profile::{
     extents::{Extents, MAX_PER_FILE},
@@ -15,17 +16,33 @@ use crate::profile::{
 impl WorkingSet {
     /// Records an open of a file; returns true when the file is new to the profile.
     pub fn open(&mut self, path: &str, uid: u32, at_unix_ns: u64) -> bool {
-        let new = self.file_index(path).is_none();
+        let known = self.file_index(path);
+        let new = known.is_none();
         if new && !self.room() {
             return false;
         }
+        // Written and untouched since before the latest job started: that job reads
+        // back what an earlier one wrote (an open for writing clears it again).
+        let back = known.is_some_and(|i| {
+            let f = self.files.get(i);
+            (f.write_opens > 0 || f.written()) && f.last_touch_ns < self.job_started
+        });
         let i = self.touch(path, at_unix_ns);
         let users = &mut self.users;
         self.files.update(i, |f| {
             f.opens = f.opens.saturating_add(1);
             f.bits = (f.bits & !USERS) | users.with(f.bits & USERS, &[uid]);
+            if back {
+                f.bits |= READ_BACK;
+            }
         });
         new
+    }
+
+    /// A job starts: files it opens that were written before are read back
+    /// ([`READ_BACK`]), where a managed store's files wait for it (`place`).
+    pub fn job_started(&mut self, at_unix_ns: u64) {
+        self.job_started = self.offset(at_unix_ns);
     }
 
     /// The index of `path`'s file, created at its first touch, with a touch at
@@ -119,14 +136,17 @@ impl WorkingSet {
     /// A file was written, truncated, renamed or unlinked.
     pub fn mark_written(&mut self, path: &str, at_unix_ns: u64) {
         let i = self.touch(path, at_unix_ns);
-        self.files.update(i, |f| f.bits |= WRITTEN);
+        self.files
+            .update(i, |f| f.bits = (f.bits | WRITTEN) & !READ_BACK);
     }
 
     /// A file was opened with write access (counted also when nothing is written).
     pub fn opened_for_writing(&mut self, path: &str, at_unix_ns: u64) {
         let i = self.touch(path, at_unix_ns);
-        self.files
-            .update(i, |f| f.write_opens = f.write_opens.saturating_add(1));
+        self.files.update(i, |f| {
+            f.write_opens = f.write_opens.saturating_add(1);
+            f.bits &= !READ_BACK;
+        });
     }
 
     /// Some process mapped `path`.

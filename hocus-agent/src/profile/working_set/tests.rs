@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use super::{export::FileOrder, *};
 use crate::profile::{
     format::{FORMAT_VERSION, FileEntry, to_json},
-    view::View,
+    shortlist::Shortlist,
 };
 
 const T0: u64 = 1_700_000_000_000_000_000;
@@ -267,7 +267,7 @@ fn placement_gets_one_missing_name_per_directory_when_bounded() {
     );
 }
 
-/// A bounded view holds the hottest by opens per page, and also the files written
+/// A bounded shortlist holds the hottest by opens per page, and also the files written
 /// or opened for writing, however cold: they keep copies off the cache. Each once.
 #[test]
 fn a_bounded_view_keeps_the_files_written_or_opened_for_writing() {
@@ -279,10 +279,10 @@ fn a_bounded_view_keeps_the_files_written_or_opened_for_writing() {
     }
     ws.mark_written("/net/out.log", 2);
     ws.opened_for_writing("/net/lock", 3);
-    // Hot and written: in the view once.
+    // Hot and written: in the shortlist once.
     ws.mark_written("/net/hot1.py", 4);
-    let view = ws.for_placement(3);
-    let mut paths: Vec<&str> = view.files().map(|f| f.path).collect();
+    let shortlist = ws.for_placement(3);
+    let mut paths: Vec<&str> = shortlist.files().map(|f| f.path).collect();
     paths.sort();
     assert_eq!(
         paths,
@@ -383,8 +383,41 @@ fn a_bounded_working_set_drops_new_reads_but_keeps_writes() {
     );
 }
 
-/// The view built a record at a time, the loop answering between slices, is the view
-/// built at once; and a set that changes between slices still gives a whole view.
+/// JAX with a size limit: a job puts an entry and its `-atime` file, and reads every
+/// `-atime` file again at each later put; the next job reads the entry back and rewrites
+/// the `-atime`. Only the entry is read back.
+#[test]
+fn a_file_is_read_back_by_a_later_job_not_by_its_writer() {
+    let mut ws = WorkingSet::new(T0);
+    let (entry, atime) = ("/net/cache/jit_f-cache", "/net/cache/jit_f-atime");
+    let back = |ws: &WorkingSet, path: &str| {
+        let p = ws.to_profile();
+        p.files.iter().find(|f| f.path == path).unwrap().read_back
+    };
+    ws.job_started(T0 + 1);
+    for (path, at) in [(entry, 10), (atime, 11)] {
+        ws.open(path, 1000, T0 + at);
+        ws.opened_for_writing(path, T0 + at);
+        ws.mark_written(path, T0 + at);
+    }
+    ws.open(atime, 1000, T0 + 20);
+    ws.open("/net/env/a.py", 1000, T0 + 21);
+    assert!(!back(&ws, entry) && !back(&ws, atime), "its writer read it");
+    ws.job_started(T0 + 100);
+    ws.open(entry, 1000, T0 + 110);
+    ws.open(atime, 1000, T0 + 111);
+    ws.opened_for_writing(atime, T0 + 111);
+    ws.open("/net/env/a.py", 1000, T0 + 112);
+    assert!(back(&ws, entry), "a later job read it");
+    assert!(!back(&ws, atime), "rewritten since");
+    assert!(!back(&ws, "/net/env/a.py"), "never written");
+    // The flag outlives a save and a restore.
+    let restored = WorkingSet::from_profile(ws.to_profile());
+    assert!(back(&restored, entry) && !back(&restored, atime));
+}
+
+/// The shortlist built a record at a time, the loop answering between slices, is the shortlist
+/// built at once; and a set that changes between slices still gives a whole shortlist.
 #[test]
 fn a_view_built_in_slices_is_the_view_built_at_once() {
     let mut ws = WorkingSet::default();
@@ -397,33 +430,33 @@ fn a_view_built_in_slices_is_the_view_built_at_once() {
     ws.mark_written("/net/d0/f3.py", 50);
     ws.dir_opened("/net/d1");
     for n in [5, 100] {
-        let mut build = ws.view_build(n);
+        let mut build = ws.shortlist_build(n);
         let mut slices = 0;
-        let view = loop {
+        let shortlist = loop {
             slices += 1;
-            if let Some(view) = ws.build_view(&mut build, 1) {
-                break view;
+            if let Some(shortlist) = ws.build_shortlist(&mut build, 1) {
+                break shortlist;
             }
         };
         assert!(slices > 40, "{slices} slices");
         // One missing name per directory comes in no particular order.
-        let sorted = |mut v: View| {
+        let sorted = |mut v: Shortlist| {
             v.missing.sort_by(|a, b| a.path.cmp(&b.path));
             v
         };
-        assert_eq!(sorted(view), sorted(ws.for_placement(n)), "n = {n}");
+        assert_eq!(sorted(shortlist), sorted(ws.for_placement(n)), "n = {n}");
     }
-    let mut build = ws.view_build(5);
+    let mut build = ws.shortlist_build(5);
     let mut turn = 0;
-    let view = loop {
+    let shortlist = loop {
         turn += 1;
         ws.open(&format!("/net/new/f{turn}.py"), 1000, 100 + turn);
-        if let Some(view) = ws.build_view(&mut build, 3) {
-            break view;
+        if let Some(shortlist) = ws.build_shortlist(&mut build, 3) {
+            break shortlist;
         }
     };
-    assert!(view.len() >= 5, "{}", view.len());
-    assert_eq!(view.missing.len(), 4, "one per directory");
+    assert!(shortlist.len() >= 5, "{}", shortlist.len());
+    assert_eq!(shortlist.missing.len(), 4, "one per directory");
 }
 
 /// What is read out of a set (a status's summary) is kept while its edits stay the
@@ -537,17 +570,18 @@ fn ranges_of_big_files_are_kept_bounded_exported_and_merged() {
     assert!(file(&p, "/net/not-opened").is_none());
 
     // Placement sees them (what a partial copy would hold).
-    let view = ws.for_placement(100);
-    let f = view.files().find(|f| f.path == big).unwrap();
+    let shortlist = ws.for_placement(100);
+    let f = shortlist.files().find(|f| f.path == big).unwrap();
     assert_eq!(
-        f.ranges(&view).unwrap().grains(),
+        f.ranges(&shortlist).unwrap().grains(),
         [(160, 177), (1600, 1616)]
     );
     assert!(
-        view.files()
+        shortlist
+            .files()
             .find(|f| f.path == "/net/env/small.py")
             .unwrap()
-            .ranges(&view)
+            .ranges(&shortlist)
             .is_none()
     );
 
@@ -594,9 +628,9 @@ fn ranges_of_big_files_are_kept_bounded_exported_and_merged() {
     other.merge(said_whole);
     assert!(file(&other.to_profile(), big).unwrap().ranges.is_empty());
     let read_whole = |ws: &WorkingSet| {
-        let view = ws.for_placement(100);
-        let f = view.files().find(|f| f.path == big).unwrap();
-        f.ranges(&view).is_none()
+        let shortlist = ws.for_placement(100);
+        let f = shortlist.files().find(|f| f.path == big).unwrap();
+        f.ranges(&shortlist).is_none()
     };
     assert!(read_whole(&other));
     other.read_range(big, 50, 51);

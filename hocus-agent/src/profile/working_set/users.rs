@@ -6,7 +6,7 @@ use std::collections::BTreeSet;
 use hashbrown::HashMap;
 
 /// Set numbers fit in these bits of a file's record (the rest are its flags).
-pub(super) const USERS: u32 = (1 << 29) - 1;
+pub(super) const USERS: u32 = (1 << 28) - 1;
 
 /// The distinct sets of uids that opened files, each held once; set 0 is empty.
 #[derive(Clone)]

@@ -1,6 +1,6 @@
-//! The bounded view placement works from (`profile::view`), built a slice at a time so
+//! The bounded shortlist placement works from (`profile::shortlist`), built a slice at a time so
 //! that the daemon's loop answers between slices: at a million files one build is a pass
-//! over every record (~120 ms). The set changes between slices; the view is a picture of
+//! over every record (~120 ms). The set changes between slices; the shortlist is a picture of
 //! it for ranking, not a promise (what a job may read is checked against the network as
 //! it starts, and a write invalidates a copy at once).
 
@@ -9,13 +9,13 @@ use std::cmp::Reverse;
 use hashbrown::HashMap;
 
 use super::{FileRec, MissingRec, WorkingSet, best::Best, users::USERS};
-use crate::profile::{paths::PathId, view::View};
+use crate::profile::{paths::PathId, shortlist::Shortlist};
 
-/// Records scanned, or files added to the view, per slice: ~10 ms of the loop's time.
-pub const VIEW_SLICE: usize = 16_384;
+/// Records scanned, or files added to the shortlist, per slice: ~10 ms of the loop's time.
+pub const SHORTLIST_SLICE: usize = 16_384;
 
-/// A view being built: see [`WorkingSet::build_view`].
-pub struct ViewBuild {
+/// A shortlist being built: see [`WorkingSet::build_shortlist`].
+pub struct ShortlistBuild {
     n: usize,
     /// Every file goes in (a set of at most `n`): no ranking.
     whole: bool,
@@ -26,41 +26,41 @@ pub struct ViewBuild {
     writes: Vec<u32>,
     /// The files chosen, in the order they were recorded, once all are ranked.
     chosen: Option<Vec<u32>>,
-    view: View,
+    shortlist: Shortlist,
 }
 
 impl WorkingSet {
-    /// [`WorkingSet::build_view`] in one go. What placement needs, bounded: the `n` files
+    /// [`WorkingSet::build_shortlist`] in one go. What placement needs, bounded: the `n` files
     /// of most opens per page (what placement ranks by), those written or opened for
     /// writing (they keep copies and their directories off the cache), and the `n`
     /// missing names looked up most, with the directories. A site-wide profile is not
     /// copied whole to the keeper.
     #[cfg(test)]
-    pub fn for_placement(&self, n: usize) -> View {
-        let mut build = self.view_build(n);
+    pub fn for_placement(&self, n: usize) -> Shortlist {
+        let mut build = self.shortlist_build(n);
         loop {
-            if let Some(view) = self.build_view(&mut build, usize::MAX) {
-                return view;
+            if let Some(shortlist) = self.build_shortlist(&mut build, usize::MAX) {
+                return shortlist;
             }
         }
     }
 
-    /// Starts building [`WorkingSet::for_placement`]'s view a slice at a time.
-    pub fn view_build(&self, n: usize) -> ViewBuild {
+    /// Starts building [`WorkingSet::for_placement`]'s shortlist a slice at a time.
+    pub fn shortlist_build(&self, n: usize) -> ShortlistBuild {
         let whole = self.files.len() <= n && self.missing.len() <= n;
-        ViewBuild {
+        ShortlistBuild {
             n,
             whole,
             at: 0,
             best: Best::new(n),
             writes: Vec::new(),
             chosen: whole.then(Vec::new),
-            view: View::default(),
+            shortlist: Shortlist::default(),
         }
     }
 
-    /// Goes on with `b` for about `slice` records; the view, once it is done.
-    pub fn build_view(&self, b: &mut ViewBuild, slice: usize) -> Option<View> {
+    /// Goes on with `b` for about `slice` records; the shortlist, once it is done.
+    pub fn build_shortlist(&self, b: &mut ShortlistBuild, slice: usize) -> Option<Shortlist> {
         match &b.chosen {
             None => self.rank(b, slice),
             Some(_) => self.add_chosen(b, slice),
@@ -68,12 +68,12 @@ impl WorkingSet {
         if b.chosen.is_none() || b.at < self.files_to_add(b) {
             return None;
         }
-        self.add_missing_and_dirs(&mut b.view, b.whole, b.n);
-        Some(std::mem::take(&mut b.view))
+        self.add_missing_and_dirs(&mut b.shortlist, b.whole, b.n);
+        Some(std::mem::take(&mut b.shortlist))
     }
 
-    /// How many files the view takes in all.
-    fn files_to_add(&self, b: &ViewBuild) -> usize {
+    /// How many files the shortlist takes in all.
+    fn files_to_add(&self, b: &ShortlistBuild) -> usize {
         match &b.chosen {
             Some(_) if b.whole => self.files.len(),
             Some(chosen) => chosen.len(),
@@ -83,7 +83,7 @@ impl WorkingSet {
 
     /// Ranks the next `slice` records, keeping the best `n` by opens per page and the
     /// written ones; once all are ranked, fixes the choice.
-    fn rank(&self, b: &mut ViewBuild, slice: usize) {
+    fn rank(&self, b: &mut ShortlistBuild, slice: usize) {
         let end = self.files.len().min(b.at.saturating_add(slice));
         let mut recs = Vec::with_capacity(end - b.at);
         self.files.get_into(b.at, end - b.at, &mut recs);
@@ -109,21 +109,21 @@ impl WorkingSet {
         b.at = 0;
     }
 
-    /// Adds the next `slice` chosen files (every file, if the view is whole).
-    fn add_chosen(&self, b: &mut ViewBuild, slice: usize) {
+    /// Adds the next `slice` chosen files (every file, if the shortlist is whole).
+    fn add_chosen(&self, b: &mut ShortlistBuild, slice: usize) {
         let end = self.files_to_add(b).min(b.at.saturating_add(slice));
         let mut scratch = Vec::new();
-        let view = &mut b.view;
+        let shortlist = &mut b.shortlist;
         let mut add = |f: &FileRec| {
             let uids = self.users.get(f.bits & USERS);
-            view.push_file(self.facts(f), uids, |out| {
+            shortlist.push_file(self.facts(f), uids, |out| {
                 scratch.clear();
                 self.paths.write_path(f.path, &mut scratch);
                 // Interned from &str, split at '/': always UTF-8.
                 out.push_str(std::str::from_utf8(&scratch).unwrap_or_default());
             });
             if let Some(ranges) = self.ranges_of(f) {
-                view.set_last_ranges(ranges.clone());
+                shortlist.set_last_ranges(ranges.clone());
             }
         };
         match &b.chosen {
@@ -142,9 +142,9 @@ impl WorkingSet {
         b.at = end;
     }
 
-    /// The view's missing names (all, or the one looked up most per directory, `n` at
+    /// The shortlist's missing names (all, or the one looked up most per directory, `n` at
     /// most) and its directories.
-    fn add_missing_and_dirs(&self, view: &mut View, whole: bool, n: usize) {
+    fn add_missing_and_dirs(&self, shortlist: &mut Shortlist, whole: bool, n: usize) {
         let mut missing: Vec<(PathId, &MissingRec)> = if whole {
             let mut all: Vec<_> = self.missing.iter().map(|(id, m)| (*id, m)).collect();
             self.paths.sort_by_path(&mut all, |m| m.0);
@@ -166,10 +166,10 @@ impl WorkingSet {
             missing.select_nth_unstable_by_key(n - 1, |(_, m)| Reverse(m.lookups));
             missing.truncate(n);
         }
-        view.missing = missing
+        shortlist.missing = missing
             .into_iter()
             .map(|(id, m)| self.missing_entry(id, m))
             .collect();
-        view.dirs = self.dir_entries();
+        shortlist.dirs = self.dir_entries();
     }
 }

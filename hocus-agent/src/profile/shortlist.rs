@@ -1,8 +1,8 @@
 //! The working set as placement and the cache keeper see it: files with the facts
 //! placement weighs, missing names and directories. The files' paths are packed in one
-//! string and their facts in 56 bytes each. A site-wide view holds 100k files: as
+//! string and their facts in 56 bytes each. A site-wide shortlist holds 100k files: as
 //! `FileEntry`s, each with its path and its list of users on the heap, that took ~22 MiB,
-//! and twice as much while a new view replaced the last.
+//! and twice as much while a new shortlist replaced the last.
 
 use std::{collections::HashMap, ops::Deref};
 
@@ -11,14 +11,14 @@ use crate::profile::{
     format::{DirEntry, FileEntry, MissingEntry, Profile},
 };
 
-/// A view of a working set (see the module).
+/// A shortlist of a working set (see the module).
 #[derive(Debug, Clone, Default, PartialEq)]
-pub struct View {
+pub struct Shortlist {
     /// The files' paths, one after another.
     paths: String,
     files: Vec<Packed>,
     /// The byte ranges read of the files that have them (big files read in part, not
-    /// mapped), by place in the view: what a partial copy of each would hold.
+    /// mapped), by place in the shortlist: what a partial copy of each would hold.
     ranges: HashMap<u32, Extents>,
     pub missing: Vec<MissingEntry>,
     pub dirs: Vec<DirEntry>,
@@ -38,6 +38,8 @@ pub struct Facts {
     pub refused: bool,
     /// Some process mapped it: a partial copy would be filled whole at the mapping.
     pub mapped: bool,
+    /// Opened by a job that started after its last write.
+    pub read_back: bool,
 }
 
 impl Facts {
@@ -52,6 +54,7 @@ impl Facts {
             written: f.written,
             refused: f.refused,
             mapped: f.mapped,
+            read_back: f.read_back,
         }
     }
 
@@ -62,13 +65,18 @@ impl Facts {
         self.write_opens >= 2 && u64::from(self.write_opens) * 4 >= u64::from(self.opens)
     }
 
+    /// Written or opened for writing at least once.
+    pub fn changed(&self) -> bool {
+        self.written || self.write_opens > 0
+    }
+
     /// Never to be copied or bound.
     pub fn kept_on_the_network(&self) -> bool {
         self.refused || self.opened_for_writing()
     }
 }
 
-/// A file as the view holds it: its facts, where its path is, who to read it as.
+/// A file as the shortlist holds it: its facts, where its path is, who to read it as.
 #[derive(Debug, Clone, Copy, PartialEq)]
 struct Packed {
     facts: Facts,
@@ -76,7 +84,7 @@ struct Packed {
     len: u32,
     /// [`reader`] of its users, or `NO_READER`.
     reader: u32,
-    /// Its place in the view (in what would be padding: free).
+    /// Its place in the shortlist (in what would be padding: free).
     at: u32,
 }
 
@@ -95,7 +103,7 @@ fn saturated(n: u64) -> u32 {
     u32::try_from(n).unwrap_or(u32::MAX)
 }
 
-/// A file of a view: its path and its facts.
+/// A file of a shortlist: its path and its facts.
 #[derive(Debug, Clone, Copy)]
 pub struct File<'a> {
     pub path: &'a str,
@@ -103,14 +111,14 @@ pub struct File<'a> {
 }
 
 impl File<'_> {
-    /// Its place in the view ([`View::file`]).
+    /// Its place in the shortlist ([`Shortlist::file`]).
     pub fn at(&self) -> usize {
         self.packed.at as usize
     }
 
     /// The byte ranges jobs read of it, if it was read in part and never mapped.
-    pub fn ranges<'v>(&self, view: &'v View) -> Option<&'v Extents> {
-        view.ranges.get(&self.packed.at)
+    pub fn ranges<'v>(&self, shortlist: &'v Shortlist) -> Option<&'v Extents> {
+        shortlist.ranges.get(&self.packed.at)
     }
 
     /// The user to read it as when copying it (see [`reader`]).
@@ -127,14 +135,14 @@ impl Deref for File<'_> {
     }
 }
 
-impl View {
+impl Shortlist {
     /// Adds a file opened by `uids`; `path` writes its path (a working set builds it from
     /// its interned parts, not as a string of its own).
     pub fn push_file(&mut self, facts: Facts, uids: &[u32], path: impl FnOnce(&mut String)) {
         let start = self.paths.len();
         path(&mut self.paths);
         let len = self.paths.len() - start;
-        // Past 4 GiB of paths (40M files of 100 bytes), a view would be far past its bound.
+        // Past 4 GiB of paths (40M files of 100 bytes), a shortlist would be far past its bound.
         let (Ok(start32), Ok(len), Ok(at)) = (
             u32::try_from(start),
             u32::try_from(len),
@@ -217,14 +225,14 @@ impl View {
         self.paths.capacity() + self.files.capacity() * size_of::<Packed>()
     }
 
-    /// A view of these files alone.
+    /// A shortlist of these files alone.
     #[cfg(test)]
     pub fn of_files(files: &[FileEntry]) -> Self {
-        View::of(files, Vec::new(), Vec::new())
+        Shortlist::of(files, Vec::new(), Vec::new())
     }
 
     fn of(files: &[FileEntry], missing: Vec<MissingEntry>, dirs: Vec<DirEntry>) -> Self {
-        let mut view = View {
+        let mut shortlist = Shortlist {
             paths: String::with_capacity(files.iter().map(|f| f.path.len()).sum()),
             files: Vec::with_capacity(files.len()),
             ranges: HashMap::new(),
@@ -232,24 +240,24 @@ impl View {
             dirs,
         };
         for f in files {
-            view.push_file(Facts::of(f), &f.uids, |out| out.push_str(&f.path));
+            shortlist.push_file(Facts::of(f), &f.uids, |out| out.push_str(&f.path));
             if let Some(ranges) = Extents::from_bytes(&f.ranges) {
-                view.set_last_ranges(ranges);
+                shortlist.set_last_ranges(ranges);
             }
         }
-        view
+        shortlist
     }
 }
 
-impl From<&Profile> for View {
+impl From<&Profile> for Shortlist {
     fn from(p: &Profile) -> Self {
-        View::of(&p.files, p.missing.clone(), p.dirs.clone())
+        Shortlist::of(&p.files, p.missing.clone(), p.dirs.clone())
     }
 }
 
-impl From<Profile> for View {
+impl From<Profile> for Shortlist {
     fn from(p: Profile) -> Self {
-        View::of(&p.files, p.missing, p.dirs)
+        Shortlist::of(&p.files, p.missing, p.dirs)
     }
 }
 
@@ -283,8 +291,8 @@ mod tests {
             ],
             ..Default::default()
         };
-        let view = View::from(&profile);
-        let files: Vec<File> = view.files().collect();
+        let shortlist = Shortlist::from(&profile);
+        let files: Vec<File> = shortlist.files().collect();
         assert_eq!(files.len(), 3);
         assert_eq!(
             files.iter().map(|f| f.path).collect::<Vec<_>>(),
@@ -296,9 +304,9 @@ mod tests {
         assert_eq!(files[2].reader(), None);
         assert!(files[1].opened_for_writing() && files[1].kept_on_the_network());
         assert!(!files[0].kept_on_the_network());
-        assert!(view.file(3).is_none());
+        assert!(shortlist.file(3).is_none());
         assert_eq!(files.iter().map(File::at).collect::<Vec<_>>(), [0, 1, 2]);
-        assert_eq!(View::from(profile), view);
+        assert_eq!(Shortlist::from(profile), shortlist);
     }
 
     #[test]
@@ -310,14 +318,14 @@ mod tests {
             ranges: vec![[1 << 20, 2 << 20]],
             ..Default::default()
         };
-        let view = View::from(&Profile {
+        let shortlist = Shortlist::from(&Profile {
             files: vec![file("/net/a.h5", false), file("/net/b.npy", true)],
             ..Default::default()
         });
-        let files: Vec<File> = view.files().collect();
-        assert_eq!(files[0].ranges(&view).unwrap().grains(), [(16, 32)]);
+        let files: Vec<File> = shortlist.files().collect();
+        assert_eq!(files[0].ranges(&shortlist).unwrap().grains(), [(16, 32)]);
         assert!(
-            files[1].ranges(&view).is_none(),
+            files[1].ranges(&shortlist).is_none(),
             "a mapped file is copied whole"
         );
     }
@@ -331,8 +339,8 @@ mod tests {
                 ..Default::default()
             })
             .collect();
-        let view = View::of_files(&files);
-        assert_eq!(view.file_bytes(), 1000 * (size_of::<Packed>() + 22));
+        let shortlist = Shortlist::of_files(&files);
+        assert_eq!(shortlist.file_bytes(), 1000 * (size_of::<Packed>() + 22));
         assert!(size_of::<Packed>() <= 56);
     }
 }
