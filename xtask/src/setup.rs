@@ -135,15 +135,29 @@ pub fn run() -> Result<()> {
 /// Installs Debian packages (as root).
 pub fn install(packages: &[&str]) -> Result<()> {
     need_root("install Debian packages")?;
+    // A whole run's threads install side by side (the rig's tools while the build's
+    // own are installed): apt takes one at a time, and a second fails on its lock.
+    static APT: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one_at_a_time = APT.lock().unwrap_or_else(|e| e.into_inner());
+    let packages: Vec<&str> = packages.iter().copied().filter(|p| !installed(p)).collect();
+    if packages.is_empty() {
+        return Ok(()); // the other thread installed them
+    }
     println!("setup: installing {}", packages.join(" "));
     status(
         Command::new("apt-get")
-            .arg("update")
+            .args(["-o", "DPkg::Lock::Timeout=300", "update"])
             .env("DEBIAN_FRONTEND", "noninteractive"),
     )?;
     status(
         Command::new("apt-get")
-            .args(["install", "-y", "--no-install-recommends"])
+            .args([
+                "-o",
+                "DPkg::Lock::Timeout=300",
+                "install",
+                "-y",
+                "--no-install-recommends",
+            ])
             .args(packages)
             .env("DEBIAN_FRONTEND", "noninteractive"),
     )
@@ -158,16 +172,14 @@ pub fn need_root(what: &str) -> Result<()> {
 
 /// Those of `packages` this machine lacks.
 pub fn missing_packages(packages: &[&'static str]) -> Vec<&'static str> {
-    packages
-        .iter()
-        .copied()
-        .filter(|p| {
-            let out = Command::new("dpkg-query")
-                .args(["-W", "-f=${Status}", p])
-                .output();
-            !matches!(out, Ok(o) if String::from_utf8_lossy(&o.stdout).contains("install ok installed"))
-        })
-        .collect()
+    packages.iter().copied().filter(|p| !installed(p)).collect()
+}
+
+fn installed(package: &str) -> bool {
+    let out = Command::new("dpkg-query")
+        .args(["-W", "-f=${Status}", package])
+        .output();
+    matches!(out, Ok(o) if String::from_utf8_lossy(&o.stdout).contains("install ok installed"))
 }
 
 fn bpf_linker_ok() -> bool {

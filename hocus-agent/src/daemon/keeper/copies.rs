@@ -90,6 +90,11 @@ impl Copies {
         self.queued = queued;
     }
 
+    /// `at` (a place in the shortlist) goes before the queued copies.
+    pub fn queue_first(&mut self, at: u32) {
+        self.queued.push_front(at);
+    }
+
     pub fn clear_queue(&mut self) {
         self.queued.clear();
     }

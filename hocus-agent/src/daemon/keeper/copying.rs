@@ -101,11 +101,17 @@ impl Keeper {
         for source in pin {
             self.pin(&source);
         }
-        let mut queued = queued;
-        for at in self.outgrown_partial_copies() {
-            queued.push_front(at);
-        }
         self.copies.queue(queued);
+        self.requeue_outgrown();
+    }
+
+    /// Partial copies jobs have outgrown go first in the queue, to be made whole; also
+    /// when a partial copy lands after the placement that saw its file read whole (a job
+    /// reading a big file in order outruns its copy: no later placement would look).
+    fn requeue_outgrown(&mut self) {
+        for at in self.outgrown_partial_copies() {
+            self.copies.queue_first(at);
+        }
         self.start_queued();
     }
 
@@ -240,7 +246,13 @@ impl Keeper {
                 .or_default() += 1;
         }
         match result {
-            Ok(copied) => ok = self.keep_copy(&source, copied),
+            Ok(copied) => {
+                let partial = copied.partial.is_some();
+                ok = self.keep_copy(&source, copied);
+                if ok && partial {
+                    self.requeue_outgrown();
+                }
+            }
             Err(CopyError::Changed) => {
                 log::info!(
                     "{source} changed while being copied: discarded, fetched again once stable"
