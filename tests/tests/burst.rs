@@ -52,15 +52,18 @@ fn check_accounting(agent: &Agent, file: &Path, missing: &Path, opens: u64, look
     agent.kernel_counter("lost_ring_buffer_full")
 }
 
+/// At the network's pace (each open a round trip to the server): 50k opens from four
+/// processes at once, the ring buffer's size over again (200k took 77 s of every CI
+/// run for the same accounting; the overflow itself is the stalled daemon's test).
 #[test]
-fn a_burst_of_200k_opens_on_the_network_mount() {
+fn a_burst_of_50k_opens_on_the_network_mount() {
     let net = NetworkMount::start();
     let file = net.put("hot.py", b"x = 1\n");
     let missing = net.path("nope.py");
     let mut agent = Agent::start(&["--watch", net.mount.to_str().unwrap()]);
-    burst(&file, &missing, 4, 50_000, 2_500);
+    burst(&file, &missing, 4, 12_500, 2_500);
     assert!(agent.is_running(), "the daemon died:\n{}", agent.log());
-    let lost = check_accounting(&agent, &file, &missing, 200_000, 10_000);
+    let lost = check_accounting(&agent, &file, &missing, 50_000, 10_000);
     eprintln!("network burst: {lost} events lost");
     agent.stop();
 }

@@ -293,7 +293,7 @@ fn bench(agent: &Path, b: Bench) -> Result<()> {
             bench::dataset(agent, &d)
         }
         Bench::Imports { runs: r, only } => {
-            bench::imports(agent, r.runs(), millis(r.round_trip_ms), &only)
+            bench::imports(agent, r.runs(), millis(r.round_trip_ms), &only, r.quick)
         }
         Bench::Slurm(r) => bench::slurm_imports(agent, r.runs(), millis(r.round_trip_ms)),
         Bench::Overhead {
@@ -441,7 +441,8 @@ struct Runs {
     /// (1: a cluster's link; 0: bare loopback).
     #[arg(long, default_value_t = 1.0)]
     round_trip_ms: f64,
-    /// A smoke run (CI): one run of each.
+    /// A smoke run (CI): one run of each, without the runs that are only there to
+    /// compare (imports: the whole tree's copy, the warm network).
     #[arg(long)]
     quick: bool,
 }

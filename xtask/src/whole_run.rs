@@ -13,7 +13,7 @@ use anyhow::{Context, Result, bail};
 
 use crate::{
     agent::build,
-    host, package,
+    bench, host, package,
     suites::{
         Report,
         binaries::{TestBinary, integration_tests, unit_tests},
@@ -41,7 +41,14 @@ pub fn test(filter: Option<String>, bench_smoke: impl Fn(&Path) -> Result<()>) -
     // The kernels come from Debian's archive while the guests' part builds; the
     // guests start as soon as it is built, and the host's part builds beside them.
     let (kernels, for_guests) = thread::scope(|s| {
-        let kernels = whole.then(|| s.spawn(|| report.phase("kernels fetched", vm::ci_kernels)));
+        let kernels = whole.then(|| {
+            s.spawn(|| {
+                let kernels = report.phase("kernels fetched", vm::ci_kernels);
+                // Installed here, beside the build, rather than on the host lane's end.
+                let _ = report.phase("Python packages for the benchmarks", bench::smoke_packages);
+                kernels
+            })
+        });
         let for_guests = whole
             .then(|| {
                 report.phase("build for the guests", || {

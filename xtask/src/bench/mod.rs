@@ -22,3 +22,11 @@ pub use overhead::{Overhead, overhead, syscall_loop_process};
 pub use ranges::{Ranges, ranges};
 pub use scale::{Scale, scale};
 pub use slurm::slurm_imports;
+
+/// Installs the Python packages the smoke runs import (numpy, scipy and pandas; JAX)
+/// ahead of them: a whole run does it while the guests' part builds, not at its end.
+pub fn smoke_packages() -> anyhow::Result<()> {
+    common::numpy_packages()?;
+    imports::jax_packages();
+    Ok(())
+}

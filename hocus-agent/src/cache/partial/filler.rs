@@ -25,7 +25,7 @@ use std::{
 
 use hocus_common::ranges::GRAIN_SHIFT;
 
-use crate::shared::tally::warn_limited;
+use crate::{profile::extents::Extents, shared::tally::warn_limited};
 
 use super::{
     FillError, PartialCopy,
@@ -186,6 +186,26 @@ impl Filler {
             .values()
             .map(|c| (c.name.clone(), c.held()))
             .collect()
+    }
+
+    /// What the copy served for `name` lacks of `ranges`, in bytes, and how to fill it
+    /// (a copy worker's, not the filler's own workers: no access waits on it); None if
+    /// it lacks nothing. A copy made while its first job still read has the ranges known
+    /// then: the rest comes to it before the next job reads it.
+    pub fn growth(&self, name: &str, ranges: &Extents) -> Option<(Growth, u64)> {
+        let copies = self.copies.lock().expect("not poisoned");
+        let (key, copy) = copies.iter().find(|(_, c)| c.name == name)?;
+        let lacks: u64 = ranges
+            .iter()
+            .flat_map(|&(start, end)| copy.missing(start, end))
+            .map(|(s, e)| (u64::from(e - s) << GRAIN_SHIFT).min(copy.size()))
+            .sum();
+        let growth = Growth {
+            copy: Arc::clone(copy),
+            key: *key,
+            writing: Arc::clone(&self.writing),
+        };
+        (lacks > 0).then_some((growth, lacks))
     }
 
     /// The copy served for the network file `name`, if any.
@@ -522,6 +542,21 @@ impl Fill<'_> {
             self.counts.bytes_filled.fetch_add(bytes, Ordering::Relaxed);
         }
         filled
+    }
+}
+
+/// A served copy's missing grains, to be filled from the network (`Filler::growth`).
+pub struct Growth {
+    copy: Arc<PartialCopy>,
+    key: (u64, u64),
+    writing: Arc<Writing>,
+}
+
+impl Growth {
+    /// Makes the grains of `ranges` local that the copy lacks, its writes let through.
+    pub fn fill(&self, ranges: &Extents) -> Result<(), FillError> {
+        let _own = OwnWrite::of(&self.writing, self.key);
+        self.copy.fill_all(ranges)
     }
 }
 

@@ -12,9 +12,11 @@ use std::{
     sync::{Arc, Mutex},
 };
 
+use crate::profile::extents::Extents;
+
 use super::{
     PartialCopy,
-    filler::{Filler, Limits},
+    filler::{Filler, Growth, Limits},
     guard::{Guard, pidfd_open},
     pre_content::{Group, probe},
 };
@@ -77,6 +79,10 @@ impl Partials {
     }
 
     /// The partial copy served for the network file `name`, if any.
+    pub fn growth(&self, name: &str, ranges: &Extents) -> Option<(Growth, u64)> {
+        self.filler.growth(name, ranges)
+    }
+
     pub fn copy_of(&self, name: &str) -> Option<Arc<PartialCopy>> {
         self.filler.copy_of(name)
     }

@@ -102,6 +102,33 @@ fn allocated(file: &File) -> u64 {
 }
 
 #[test]
+fn a_served_copy_takes_ranges_learned_after_it_was_made_and_then_reads_need_no_fill() {
+    // 16 MiB, the first MiB held; a job had read 4 MiB from 8 MiB meanwhile.
+    let Some((dir, copy, partial, filler)) = served(16 * MIB) else {
+        return;
+    };
+    let mut ranges = Extents::default();
+    ranges.add(0, 16);
+    ranges.add(128, 192);
+    let (growth, lacks) = filler.growth("network", &ranges).expect("it lacks 4 MiB");
+    assert_eq!(lacks, 4 * MIB);
+    // Its writes are its own: a reader of the copy meanwhile is not kept waiting on them.
+    growth.fill(&ranges).unwrap();
+    assert_eq!(partial.filled().grains(), [(0, 16), (128, 192)]);
+    assert_eq!(allocated(&copy), 5 * MIB);
+    assert!(filler.growth("network", &ranges).is_none(), "nothing left");
+    // A job reading those 4 MiB again is served with no fill.
+    let out = finished(reader(
+        &dir.path().join("copy"),
+        "print(sum(os.pread(f.fileno(), 4 << 20, 8 << 20)))",
+    ));
+    assert_eq!(said(&out), sum(8 * MIB, 12 * MIB).to_string());
+    assert_eq!(filler.counts.bytes_filled.load(Ordering::Relaxed), 0);
+    // Another name is no copy of this one.
+    assert!(filler.growth("elsewhere", &ranges).is_none());
+}
+
+#[test]
 fn ranges_not_local_are_filled_from_the_network_file_when_read() {
     // 16 MiB, the first MiB held (16 grains).
     let Some((dir, copy, partial, filler)) = served(16 * MIB) else {

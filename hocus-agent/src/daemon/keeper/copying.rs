@@ -16,7 +16,12 @@ use super::{
     work::{Copied, Work},
 };
 use crate::{
-    cache::{copy::CopyError, directory::Cached, partial::PartialCopy, pins::Mapped},
+    cache::{
+        copy::CopyError,
+        directory::Cached,
+        partial::{FillError, PartialCopy},
+        pins::Mapped,
+    },
     place::{budget::fs_space, placement},
     profile::{extents::Extents, shortlist::File},
     shared::{identity::Identity, log_line as logs, size::human, user::User},
@@ -112,7 +117,74 @@ impl Keeper {
         for at in self.outgrown_partial_copies() {
             self.copies.queue_first(at);
         }
+        self.grow_partial_copies();
         self.start_queued();
+    }
+
+    /// Partial copies placed while their first job still read (its ranges then) take
+    /// the ranges learned since, from the network, within their share and the SSD
+    /// budget: the next job reads them locally rather than filling them as it reads.
+    /// Counted as copies under way (a prefetch and `settled` wait for them).
+    fn grow_partial_copies(&mut self) {
+        let Some(partials) = self.partials.clone() else {
+            return;
+        };
+        let growing: Vec<(String, Extents)> = self
+            .cache
+            .sources()
+            .filter(|(source, c)| c.is_partial() && !self.copies.in_flight(source))
+            .filter_map(|(source, _)| {
+                let at = self.placement.position(source)?;
+                let f = self.placement.shortlist().file(at)?;
+                let ranges = self.partial_ranges(&f)?;
+                let ranges = match self.placement.share(at as u32) {
+                    Some(share) => ranges.cut_to(share, f.size),
+                    None => ranges.clone(),
+                };
+                Some((source.clone(), ranges))
+            })
+            .collect();
+        for (source, ranges) in growing {
+            let Some((growth, lacks)) = partials.growth(&source, &ranges) else {
+                continue;
+            };
+            let room = self
+                .effective_ssd_budget
+                .saturating_sub(self.cache.used().saturating_add(self.copies.reserved()));
+            if lacks > room {
+                continue; // the next placement, after evictions
+            }
+            log::debug!(
+                "{source}: its partial copy takes the ranges learned since ({})",
+                human(lacks)
+            );
+            self.copies.begin(&source, lacks);
+            self.workers.send(Work::Grow {
+                source,
+                growth,
+                ranges,
+            });
+        }
+    }
+
+    /// A partial copy took the ranges learned since it was made, or failed to.
+    pub(super) fn grown(&mut self, source: String, result: Result<(), FillError>) {
+        if self.copies.end(&source).is_none() {
+            return; // dropped meanwhile (changed, evicted)
+        }
+        match result {
+            Ok(()) => self.count_partial_copies(),
+            Err(FillError::Changed) => {
+                log::info!("{source} changed on the network: its partial copy goes");
+                self.copies.changed(source.clone());
+                self.drop_copy(&source);
+            }
+            Err(e) => log::debug!("{source}: its partial copy took no more: {e}"),
+        }
+        self.start_queued();
+        if self.copies.under_way() == 0 {
+            self.consider_snapshots();
+        }
     }
 
     /// The wanted files (places in the shortlist) whose partial copy jobs have outgrown: read

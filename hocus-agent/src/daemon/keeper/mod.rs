@@ -321,6 +321,7 @@ impl Keeper {
             Done::Resumed(source, reader, result) => self.resumed(source, reader, result),
             Done::Snapshotted(root, result) => self.snapshotted(root, result),
             Done::Pinned(source, result) => self.pinned(source, result),
+            Done::Grown(source, result) => self.grown(source, result),
             Done::Revalidated {
                 changed,
                 changed_trees,

@@ -21,7 +21,7 @@ use tokio::sync::mpsc as tokio_mpsc;
 use crate::{
     cache::{
         copy::{self, CopyError, Via},
-        partial::PartialCopy,
+        partial::{FillError, PartialCopy, filler::Growth},
         pins::{self, Mapped},
         relay::Parent,
         snapshot::{self, Fill, Stamp, Taken},
@@ -66,6 +66,12 @@ pub enum Work {
         dest: PathBuf,
         cached: HashMap<PathBuf, (PathBuf, Identity)>,
     },
+    /// Fill what the served partial copy of `source` lacks of `ranges` from the network.
+    Grow {
+        source: String,
+        growth: Growth,
+        ranges: Extents,
+    },
     /// Map and lock the local copy `local` of `source` (held in part: its ranges only).
     Pin {
         source: String,
@@ -99,6 +105,7 @@ pub enum Done {
     Resumed(String, u32, Result<Copied, CopyError>),
     Snapshotted(PathBuf, Result<(Stamp, Taken), CopyError>),
     Pinned(String, std::io::Result<Mapped>),
+    Grown(String, Result<(), FillError>),
     /// The copies and snapshots that differ from the network now (gone ones too).
     Revalidated {
         changed: Vec<String>,
@@ -287,6 +294,11 @@ fn run(work: Work, tmp: &Path) -> Option<Done> {
             local,
             in_part,
         } => Done::Pinned(source, pins::map_locked(&local, in_part)),
+        Work::Grow {
+            source,
+            growth,
+            ranges,
+        } => Done::Grown(source, growth.fill(&ranges)),
         Work::Remove(dir) => {
             if let Err(e) = fs::remove_dir_all(&dir) {
                 log::warn!("could not delete {}: {e}", dir.display());
