@@ -301,6 +301,8 @@ impl Slurm {
         .unwrap();
         let conf = dir.join("slurm.conf");
         let d = dir.display();
+        // `config_overrides`: a node is the 2 CPUs it is configured with even where the
+        // machine has fewer (the rig's guests have one), rather than invalid.
         fs::write(
             &conf,
             format!(
@@ -320,6 +322,7 @@ impl Slurm {
                  SchedulerType=sched/builtin\n\
                  SelectType=select/cons_tres\nSelectTypeParameters=CR_Core\n\
                  MpiDefault=none\nSwitchType=switch/none\nReturnToService=2\n\
+                 SlurmdParameters=config_overrides\n\
                  PlugStackConfig={plugstack}\n\
                  {node_lines}\
                  PartitionName=debug Nodes={partition} Default=YES MaxTime=INFINITE State=UP\n",

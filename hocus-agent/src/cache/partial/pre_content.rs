@@ -37,9 +37,14 @@ pub struct Asked {
 }
 
 impl Group {
-    /// A new group, blocking reads (its reader is a thread of its own).
+    /// A new group, blocking reads (its reader is a thread of its own). Its queue has
+    /// no bound: past the default one (16,384 events) the kernel drops a permission
+    /// event and lets its access through unanswered, and a read of a hole gets zeros,
+    /// so one user's thousands of reads would have made another's job read zeros.
+    /// Each event queued is an access blocked in its own thread, which bounds it; the
+    /// filler fails those past `Limits::pending` at once.
     pub fn new() -> io::Result<Self> {
-        let flags = libc::FAN_CLASS_PRE_CONTENT | libc::FAN_CLOEXEC;
+        let flags = libc::FAN_CLASS_PRE_CONTENT | libc::FAN_CLOEXEC | libc::FAN_UNLIMITED_QUEUE;
         // Read-only: a job reads a copy through a read-only bind, where a descriptor for
         // writing cannot be opened (the kernel would deny the read, EPERM).
         let event_flags = libc::O_RDONLY | libc::O_CLOEXEC | libc::O_LARGEFILE;

@@ -169,9 +169,10 @@ impl Keeper {
 
     /// A partial copy took the ranges learned since it was made, or failed to.
     pub(super) fn grown(&mut self, source: String, result: Result<(), FillError>) {
-        if self.copies.end(&source).is_none() {
+        let Some(expected) = self.copies.end(&source) else {
             return; // dropped meanwhile (changed, evicted)
-        }
+        };
+        let ok = result.is_ok();
         match result {
             Ok(()) => self.count_partial_copies(),
             Err(FillError::Changed) => {
@@ -185,6 +186,10 @@ impl Keeper {
         if self.copies.under_way() == 0 {
             self.consider_snapshots();
         }
+        // A prefetch that started meanwhile waits for it, as for any copy under way.
+        let (settling, pinned) = (self.settling(), self.pinned_now());
+        self.prefetches
+            .copy_done(&source, expected, ok, settling, pinned);
     }
 
     /// The wanted files (places in the shortlist) whose partial copy jobs have outgrown: read
