@@ -128,6 +128,67 @@ fn a_served_copy_takes_ranges_learned_after_it_was_made_and_then_reads_need_no_f
     assert!(filler.growth("elsewhere", &ranges).is_none());
 }
 
+/// More accesses waiting at once than the kernel queues for a group by default (16,384,
+/// `fs.fanotify.max_queued_events`): every one waits for its answer. With the default queue the kernel drops the events
+/// past it and lets their reads through unanswered, and they read the holes' zeros (a
+/// user's thousands of threads did that to another user's job: issue 51).
+#[test]
+fn past_the_kernels_default_queue_every_access_still_waits_for_its_answer() {
+    let dir = tempfile::tempdir().unwrap();
+    if !supported(dir.path()) {
+        return;
+    }
+    // 16 MiB, the first MiB held; nothing answers until the threads have all asked.
+    let (copy, _partial) = network_and_copy(dir.path(), 16 * MIB, &[(0, 16)]);
+    // The kernel's default bound, lowered to 1,000 for the group made here (a group
+    // takes it from fs.fanotify.max_queued_events when it is made): 1,200 accesses
+    // then pass it. Thousands more would be slow to answer: each answer wakes every
+    // access waiting on the group.
+    let sysctl = "/proc/sys/fs/fanotify/max_queued_events";
+    let was = fs::read_to_string(sysctl).unwrap();
+    fs::write(sysctl, "1000").unwrap();
+    let group = Group::new();
+    fs::write(sysctl, was.trim()).unwrap();
+    let group = group.unwrap();
+    group.mark(&copy).unwrap();
+    let threads = 1_200;
+    let mut child = reader(
+        &dir.path().join("copy"),
+        &format!(
+            "import _thread, time\nlock = _thread.allocate_lock()\nback = [0, 0]\ndef read(i):\n    try:\n        b = os.pread(f.fileno(), 4096, (16 + i % 240) << 16)\n        zeros = b.count(0) == len(b)\n    except OSError:\n        zeros = False\n    with lock:\n        back[0] += 1\n        back[1] += zeros\nfor i in range({threads}):\n    _thread.start_new_thread(read, (i,))\ntime.sleep(3)\nprint(back[0], back[1], flush=True)\nwhile back[0] < {threads}:\n    time.sleep(0.1)\nprint(back[0], back[1], flush=True)\n"
+        ),
+    );
+    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(child.stdout.take().unwrap()));
+    let first = lines.next().unwrap().unwrap();
+    // Then every one is denied (EIO), as the filler does past its own bound.
+    let mut buf = vec![0u8; 4096];
+    let mut denied = 0;
+    let mut poll = libc::pollfd {
+        fd: group.fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one pollfd. Two seconds with no event: none is left (some were dropped).
+    while denied < threads && unsafe { libc::poll(&raw mut poll, 1, 2000) } > 0 {
+        for a in group.wait(&mut buf).unwrap() {
+            group.answer(&a, false).unwrap();
+            denied += 1;
+        }
+    }
+    let last = lines.next().unwrap().unwrap();
+    assert!(finished(child).status.success());
+    assert_eq!(
+        first, "0 0",
+        "reads came back unanswered (back, of them zeros)"
+    );
+    assert_eq!(denied, threads, "every access asked");
+    assert_eq!(
+        last,
+        format!("{threads} 0"),
+        "every read failed, none read zeros"
+    );
+}
+
 #[test]
 fn ranges_not_local_are_filled_from_the_network_file_when_read() {
     // 16 MiB, the first MiB held (16 grains).
