@@ -1440,6 +1440,10 @@ const PACKAGES: &str = "/opt/hocus-tests";
 /// install from, and a /var/cache of their own). Fails loudly when pip cannot install
 /// them.
 pub fn python_packages(name: &str, specs: &[&str]) -> PathBuf {
+    // One at a time in a process (a whole run installs the guests' and the benchmarks'
+    // side by side): the `chmod -R` below walks what another pip is still writing.
+    static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let dir = PathBuf::from(PACKAGES).join(name);
     let done = dir.join(".installed");
     let wanted = specs.join(" ");
