@@ -558,9 +558,20 @@ impl Keeper {
     /// filesystem's size (a 4 MiB tmpfs held at 4.5 MiB, beside a guest).
     fn cache_full(&mut self, source: &str, size: u64) {
         self.status.cache_full_events += 1;
+        // What the filesystem can hold of the cache: its copies, the copies under way
+        // (as far as they are written: at most what the filesystem holds beyond the
+        // copies), and what is free. Counting only the free space after a full disk's
+        // ENOSPC left room for nothing (the copies under way filled it, and then every
+        // one that landed was dropped); counting every reservation, more than the disk.
         let used = self.cache.used();
-        let room = fs_space(&self.config.cache_dir).map_or(u64::MAX, |(free, _)| free);
-        let new_budget = ((used + self.copies.reserved().min(room)) as f64 * 0.9) as u64;
+        let new_budget = match fs_space(&self.config.cache_dir) {
+            Ok((free, total)) => {
+                let written = total.saturating_sub(free).saturating_sub(used);
+                used + free + self.copies.reserved().min(written)
+            }
+            Err(_) => used + self.copies.reserved(),
+        };
+        let new_budget = (new_budget as f64 * 0.9) as u64;
         log::warn!(
             "the cache filesystem of {} is full (copying {source}, {}): evicting, and holding at most {} from now on",
             self.config.cache_dir.display(),
