@@ -1403,6 +1403,12 @@ pub fn test_user() -> (u32, u32) {
     (id("-u").unwrap(), id("-g").unwrap())
 }
 
+/// JAX for the CPU, and filelock, which JAX needs to keep a cache's size: the jax suite's
+/// and the imports benchmark's (one directory for both).
+pub fn jax_packages() -> PathBuf {
+    python_packages("jax-0.10.2", &["jax[cpu]==0.10.2", "filelock==3.20.0"])
+}
+
 /// numpy and h5py from PyPI, in a directory of their own (`python_packages`).
 pub fn numpy_h5py() -> PathBuf {
     python_packages("numpy-h5py", &["numpy==2.2.6", "h5py==3.13.0"])

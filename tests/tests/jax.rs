@@ -12,10 +12,7 @@ use std::{
     time::Duration,
 };
 
-use hocus_tests::{Agent, NetworkMount, assert_success, python_packages, test_user, wait_until};
-
-/// JAX for the CPU, and filelock, which JAX needs to keep a cache's size.
-const JAX: &[&str] = &["jax[cpu]==0.10.2", "filelock==3.20.0"];
+use hocus_tests::{Agent, NetworkMount, assert_success, jax_packages, test_user, wait_until};
 
 /// Compiles three small functions (and what jnp.arange compiles) with the persistent
 /// cache in `cache`; prints how many compilations the cache answered, of how many.
@@ -101,7 +98,7 @@ fn local_opens(agent: &Agent) -> u64 {
 }
 
 fn check(max_size: Option<u64>) {
-    let packages = python_packages("jax-0.10.2", JAX);
+    let packages = jax_packages();
     // The user's network home: everything on it is theirs.
     let net = NetworkMount::start_owned_by(Some(test_user()));
     fs::create_dir_all(net.server_path("home/jax-cache")).unwrap();

@@ -52,7 +52,7 @@ pub fn imports(
     if wanted(ImportCase::Jax) {
         let case = Case {
             name: "import jax, then three jitted functions from its persistent cache on the share",
-            packages: jax_packages(),
+            packages: hocus_tests::jax_packages(),
             site: "jaxsite",
             script: JAX_SCRIPT,
             env: &[("JAX_PLATFORMS", "cpu")],
@@ -96,11 +96,6 @@ pub fn imports(
             "cases": cases,
         }),
     )
-}
-
-/// JAX's packages, as the `jax` suite installs them (one directory for both).
-pub fn jax_packages() -> PathBuf {
-    hocus_tests::python_packages("jax-0.10.2", &["jax[cpu]==0.10.2", "filelock==3.20.0"])
 }
 
 /// A cold prefetch of `profile` by a fresh daemon (`extra` its options) on a disk of its

@@ -27,6 +27,6 @@ pub use slurm::slurm_imports;
 /// ahead of them: a whole run does it while the guests' part builds, not at its end.
 pub fn smoke_packages() -> anyhow::Result<()> {
     common::numpy_packages()?;
-    imports::jax_packages();
+    hocus_tests::jax_packages();
     Ok(())
 }

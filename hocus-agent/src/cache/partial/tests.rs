@@ -129,9 +129,10 @@ fn a_served_copy_takes_ranges_learned_after_it_was_made_and_then_reads_need_no_f
 }
 
 /// More accesses waiting at once than the kernel queues for a group by default (16,384,
-/// `fs.fanotify.max_queued_events`): every one waits for its answer. With the default queue the kernel drops the events
-/// past it and lets their reads through unanswered, and they read the holes' zeros (a
-/// user's thousands of threads did that to another user's job: issue 51).
+/// `fs.fanotify.max_queued_events`): every one waits for its answer. With the default
+/// queue the kernel drops the events past it and lets their reads through unanswered,
+/// and they read the holes' zeros (a user's thousands of threads did that to another
+/// user's job: issue 51).
 #[test]
 fn past_the_kernels_default_queue_every_access_still_waits_for_its_answer() {
     let dir = tempfile::tempdir().unwrap();

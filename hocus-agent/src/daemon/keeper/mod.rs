@@ -20,6 +20,7 @@ mod file_index;
 mod handle;
 mod jobs;
 mod order;
+mod partial_copies;
 mod pinning;
 mod placement;
 mod prefetches;
