@@ -6,7 +6,7 @@ use std::{
     collections::BTreeMap,
     fs,
     os::unix::{fs::PermissionsExt, process::CommandExt},
-    path::Path,
+    path::{Path, PathBuf},
     time::Duration,
 };
 
@@ -1442,5 +1442,128 @@ fn fifos_in_a_users_profile_hold_no_copy_worker_and_others_are_served() {
     assert_eq!(
         fs::read(agent.local_copy(&wanted)).unwrap(),
         vec![b'v'; 2048]
+    );
+}
+
+#[test]
+fn a_users_prefetch_evicts_no_copy_another_users_running_job_uses() {
+    let net = NetworkMount::start();
+    let (uid, gid) = test_user();
+    const MIB: usize = 1 << 20;
+    // The victim's (root's) modules, and a big file its job reads in part.
+    let modules: Vec<PathBuf> = (0..8)
+        .map(|i| net.put(&format!("victim/m{i}.py"), &[b'a' + i as u8; 2048]))
+        .collect();
+    let data = net.put(
+        "victim/train.bin",
+        &hocus_tests::repeating_bytes(32 * MIB, 251, 1),
+    );
+    let dir = net.server_path("attacker");
+    fs::create_dir_all(&dir).unwrap();
+    std::os::unix::fs::chown(&dir, Some(uid), Some(gid)).unwrap();
+    let tiny = net.put("attacker/tiny.txt", b"thirty bytes of the attacker.\n");
+    std::os::unix::fs::chown(net.server_path("attacker/tiny.txt"), Some(uid), Some(gid)).unwrap();
+    let watch = net.mount.to_str().unwrap();
+    let agent = Agent::start(&[
+        "--watch",
+        watch,
+        "--partial-from",
+        "8M",
+        "--ssd-budget",
+        "16M",
+    ]);
+    let work = tempfile::tempdir().unwrap();
+    fs::set_permissions(work.path(), fs::Permissions::from_mode(0o777)).unwrap();
+    let profile = |name: &str, files: Vec<serde_json::Value>| {
+        let profile =
+            json!({"version": 2, "started_unix_ns": 1, "missing": [], "dirs": [], "files": files});
+        let file = work.path().join(name);
+        fs::write(&file, serde_json::to_vec(&profile).unwrap()).unwrap();
+        fs::set_permissions(&file, fs::Permissions::from_mode(0o644)).unwrap();
+        file
+    };
+    let mut files: Vec<serde_json::Value> = modules
+        .iter()
+        .map(|m| json!({"path": m, "size": 2048, "opens": 50, "bytes_read": 2048, "first_touch_ns": 1, "written": false, "uids": [0]}))
+        .collect();
+    files.push(json!({"path": data, "size": 32 * MIB, "opens": 5, "bytes_read": MIB, "first_touch_ns": 2, "written": false, "uids": [0], "ranges": [[4 * MIB, 5 * MIB]]}));
+    let victims = profile("victim.json", files);
+    assert_success(
+        &agent
+            .cli(&["prefetch", "--profile", victims.to_str().unwrap()])
+            .output()
+            .unwrap(),
+    );
+    agent.settled();
+    assert_eq!(agent.cache()["cached_files"], 9, "{:#}", agent.cache());
+    // The victim's job opens its copies, reads the partial copy's held range, and waits;
+    // then reads a range the copy lacks and every module again.
+    let ready = work.path().join("ready");
+    let go = work.path().join("go");
+    let script = format!(
+        "import os, time\nfds = [os.open(p, os.O_RDONLY) for p in {mods:?}]\nbig = os.open('{data}', os.O_RDONLY)\nos.pread(big, 4096, {held})\nopen('{ready}', 'w').close()\nwhile not os.path.exists('{go}'): time.sleep(0.05)\nprint(sum(os.pread(big, 4096, {lacks})), *[os.pread(fd, 1, 0).decode() for fd in fds])\n",
+        mods = modules
+            .iter()
+            .map(|m| m.display().to_string())
+            .collect::<Vec<_>>(),
+        data = data.display(),
+        held = 4 * MIB,
+        lacks = 20 * MIB,
+        ready = ready.display(),
+        go = go.display(),
+    );
+    let job = agent
+        .python_job(&script)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_until(60, "the victim's job opened its copies", || ready.exists());
+    // Its opens of its copies reached the keeper (counted as hits).
+    wait_until(30, "the job's opens counted", || {
+        agent.cache()["served"][0]["opens_local"]
+            .as_u64()
+            .unwrap_or(0)
+            >= 9
+    });
+    // The attacker prefetches a profile of one 30-byte file of theirs.
+    let evil = profile(
+        "evil.json",
+        vec![
+            json!({"path": tiny, "size": 30, "opens": 1000, "bytes_read": 30, "first_touch_ns": 1, "written": false, "uids": [uid]}),
+        ],
+    );
+    let out = finished_within(
+        agent
+            .cli(&["prefetch", "--profile", evil.to_str().unwrap()])
+            .current_dir(work.path())
+            .uid(uid)
+            .gid(gid),
+        60,
+        "the attacker's prefetch",
+    );
+    assert_success(&out);
+    agent.settled();
+    // The attack was made: the attacker's file is copied.
+    assert!(agent.local_copy(&tiny).exists(), "{}", agent.log());
+    let cache = agent.cache();
+    assert_eq!(
+        cache["cached_files"],
+        10,
+        "the victim's copies were evicted: {cache:#}\n{}",
+        agent.log()
+    );
+    assert_eq!(cache["evictions"], 0, "{cache:#}");
+    // The victim's job reads right: the range its copy lacked is filled, never EIO.
+    fs::write(&go, b"").unwrap();
+    let out = job.wait_with_output().unwrap();
+    assert_success(&out);
+    let expect: u64 = (20 * MIB as u64..20 * MIB as u64 + 4096)
+        .map(|i| (i % 251) + 1)
+        .sum();
+    let letters: Vec<String> = (0..8).map(|i| ((b'a' + i) as char).to_string()).collect();
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        format!("{expect} {}", letters.join(" "))
     );
 }

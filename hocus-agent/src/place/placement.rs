@@ -171,6 +171,24 @@ pub fn place<'a>(
     held: &dyn Fn(&str) -> bool,
     pinned_now: &dyn Fn(&str) -> bool,
 ) -> Placement<'a> {
+    let (budgets, held) = ((ssd_budget, ram_budget), (held, pinned_now));
+    place_keeping(files, filters, budgets, takes, held, &|_| false)
+}
+
+/// Whether a file (by path) is so: held, pinned, kept.
+pub type Says<'s> = &'s dyn Fn(&str) -> bool;
+
+/// [`place`], where the files `kept` says are kept on SSD before any other is weighed
+/// (copies running jobs use: docs/security.md): they take their bytes of the SSD budget
+/// first, whatever they are worth.
+pub fn place_keeping<'a>(
+    files: &[File<'a>],
+    filters: &Filters,
+    (ssd_budget, ram_budget): (u64, u64),
+    takes: &dyn Fn(&File) -> u64,
+    (held, pinned_now): (Says, Says),
+    kept: Says,
+) -> Placement<'a> {
     // A directory with a file opened for writing again and again (a lock) is a store
     // its users manage: there a file written waits until a later job reads it back (an
     // entry just put). Its writer reading it does not count: JAX reads every `-atime`
@@ -189,13 +207,23 @@ pub fn place<'a>(
     let bytes: Vec<u64> = candidates.iter().map(|f| takes(f)).collect();
     // Which candidates (by position) fit `budget`, weighing `bytes`, the most valuable
     // first; and the share each gets.
-    let fill = |budget: u64, bonus: &dyn Fn(&str) -> bool, bytes: &[Option<u64>]| {
+    let fill = |budget: u64,
+                bonus: &dyn Fn(&str) -> bool,
+                first: &dyn Fn(&str) -> bool,
+                bytes: &[Option<u64>]| {
         let mut ranked: Vec<(f64, u32)> = (0..candidates.len())
             .filter(|c| bytes[*c].is_some())
             .map(|c| {
                 let f = candidates[c];
                 let v = value(f, bytes[c].unwrap_or_default());
-                (if bonus(f.path) { v * KEEP_FACTOR } else { v }, c as u32)
+                let v = if first(f.path) {
+                    f64::INFINITY
+                } else if bonus(f.path) {
+                    v * KEEP_FACTOR
+                } else {
+                    v
+                };
+                (v, c as u32)
             })
             .collect();
         ranked.sort_by(|(va, a), (vb, b)| {
@@ -220,8 +248,8 @@ pub fn place<'a>(
         chosen
     };
     let all: Vec<Option<u64>> = bytes.iter().copied().map(Some).collect();
-    let on_ssd = fill(ssd_budget, held, &all);
-    let in_ram = fill(ram_budget, pinned_now, &on_ssd);
+    let on_ssd = fill(ssd_budget, held, kept, &all);
+    let in_ram = fill(ram_budget, pinned_now, &|_| false, &on_ssd);
     let mut order: Vec<u32> = (0..candidates.len() as u32)
         .filter(|c| on_ssd[*c as usize].is_some())
         .collect();

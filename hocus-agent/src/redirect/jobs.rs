@@ -21,6 +21,8 @@ pub struct Job {
     /// (below the target), which the network serves.
     files: HashSet<PathBuf>,
     trees: Vec<(PathBuf, HashSet<PathBuf>)>,
+    /// The bound files it was seen opening or reading (at most `files`).
+    used: HashSet<PathBuf>,
 }
 
 /// A job starting, as its session made it: the binds in its mount namespace, and what
@@ -73,6 +75,24 @@ impl Job {
             ns,
             binds,
             slurm_job: None,
+            used: HashSet::new(),
+        }
+    }
+
+    /// It was seen opening or reading `path`: if a local copy serves it there, that
+    /// copy is in use until the job ends.
+    pub fn saw(&mut self, path: &Path) {
+        if self.files.contains(path) && !self.used.contains(path) {
+            self.used.insert(path.to_owned());
+        }
+    }
+
+    /// Whether the local copy bound on `target` is in it (`bound`), or was seen used.
+    pub fn has(&self, target: &Path, bound: bool) -> bool {
+        if bound {
+            self.files.contains(target)
+        } else {
+            self.used.contains(target)
         }
     }
 
@@ -94,6 +114,7 @@ impl Job {
     pub fn forget(&mut self, target: &Path) {
         self.binds.retain(|b| b.target != target);
         self.files.remove(target);
+        self.used.remove(target);
         self.trees.retain(|(t, _)| t != target);
     }
 }

@@ -47,12 +47,22 @@ impl Keeper {
         let known = self.copies.known(&self.config.trees);
         let shortlist = self.placement.shortlist();
         let admitted = decide::admitted(shortlist, &known);
-        let (cache, copies, pinning) = (&self.cache, &self.copies, &self.pinning);
+        let (cache, copies, pinning, jobs) = (&self.cache, &self.copies, &self.pinning, &self.jobs);
+        let in_use = |p: &str| {
+            jobs.running() > 0
+                && cache
+                    .get(p)
+                    .is_some_and(|c| jobs.use_copy(p, c.is_partial()))
+        };
         let held = decide::Held {
             cached: &|p| cache.contains(p),
             copying: &|p| copies.in_flight(p),
             pinned: &|p| pinning.has(p),
-            copies: cache.sources().map(|(s, _)| s.as_str()).collect(),
+            copies: cache
+                .sources()
+                .map(|(s, c)| (s.as_str(), c.bytes()))
+                .collect(),
+            in_use: &in_use,
         };
         // A file to be copied in part takes the bytes of its ranges.
         let from = self.partial_from();

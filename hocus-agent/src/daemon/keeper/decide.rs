@@ -47,8 +47,11 @@ pub struct Held<'a> {
     pub copying: &'a dyn Fn(&str) -> bool,
     /// Pinned (or being pinned).
     pub pinned: &'a dyn Fn(&str) -> bool,
-    /// Every copy in the cache (those `cached` says yes to).
-    pub copies: Vec<&'a str>,
+    /// Every copy in the cache (those `cached` says yes to), and what each takes.
+    pub copies: Vec<(&'a str, u64)>,
+    /// Copies running jobs use: kept whatever a placement (another user's prefetch among
+    /// them) wants instead.
+    pub in_use: &'a dyn Fn(&str) -> bool,
 }
 
 /// How to move from what is held to a new placement. The placement's paths are
@@ -86,14 +89,30 @@ pub fn moves<'a>(
     held: &Held,
 ) -> Moves<'a> {
     let holding = |p: &str| (held.cached)(p) || (held.copying)(p);
-    let placed = placement::place(
+    // The copies jobs use that this placement does not weigh take their bytes first.
+    let in_use: Vec<(&str, u64)> = held
+        .copies
+        .iter()
+        .copied()
+        .filter(|(p, _)| (held.in_use)(p))
+        .collect();
+    let weighed: HashSet<&str> = if in_use.is_empty() {
+        HashSet::new()
+    } else {
+        admitted.iter().map(|f| f.path).collect()
+    };
+    let elsewhere: u64 = in_use
+        .iter()
+        .filter(|(p, _)| !weighed.contains(p))
+        .map(|(_, bytes)| bytes)
+        .sum();
+    let placed = placement::place_keeping(
         admitted,
         filters,
-        ssd_budget,
-        ram_budget,
+        (ssd_budget.saturating_sub(elsewhere), ram_budget),
         takes,
-        &holding,
-        held.pinned,
+        (&holding, held.pinned),
+        held.in_use,
     );
     let mut out = Moves::default();
     // The held copies still wanted, and whether pinned.
@@ -109,10 +128,11 @@ pub fn moves<'a>(
             out.copy.push(i as u32);
         }
     }
-    let mut cached = held.copies.clone();
+    let mut cached: Vec<&str> = held.copies.iter().map(|(p, _)| *p).collect();
     cached.sort_unstable();
     for source in cached {
         match kept.get(source) {
+            None if (held.in_use)(source) => {}
             None => out.evict.push(source.to_owned()),
             Some(false) if (held.pinned)(source) => out.unpin.push(source.to_owned()),
             _ => {}
@@ -167,7 +187,8 @@ mod tests {
             cached: &|p| cached.contains(&p),
             copying: &|p| copying.contains(&p),
             pinned: &|p| pinned.contains(&p),
-            copies: cached.to_vec(),
+            copies: cached.iter().map(|p| (*p, 0)).collect(),
+            in_use: &|_| false,
         };
         moves(
             admitted,
@@ -180,6 +201,58 @@ mod tests {
 
     fn copies<'a>(m: &Moves<'a>) -> Vec<(&'a str, u64)> {
         m.copies().map(|c| (c.path, c.size)).collect()
+    }
+
+    #[test]
+    fn copies_running_jobs_use_are_kept_and_take_their_bytes_first() {
+        // Another user's prefetch places one small file of theirs: the copies a running
+        // job uses stay, whatever that placement weighs, and count against the budget.
+        let files = vec![
+            file("/net/theirs.txt", 1, 30, 1),
+            file("/net/big.bin", 1, 600, 2),
+        ];
+        let shortlist = Shortlist::of_files(&files);
+        let admitted: Vec<File> = shortlist.files().collect();
+        let cached = ["/net/job/a.py", "/net/job/b.py", "/net/idle.py"];
+        let in_use = ["/net/job/a.py", "/net/job/b.py"];
+        let held = Held {
+            cached: &|p| cached.contains(&p),
+            copying: &|_| false,
+            pinned: &|_| false,
+            copies: cached.iter().map(|p| (*p, 300)).collect(),
+            in_use: &|p| in_use.contains(&p),
+        };
+        let m = moves(
+            &admitted,
+            &Filters::default(),
+            (1000, 0),
+            &placement::whole_file,
+            &held,
+        );
+        // The idle copy goes; those in use stay and leave 400 B: the 600 B file does
+        // not fit.
+        assert_eq!(m.evict, ["/net/idle.py"]);
+        assert_eq!(copies(&m), [("/net/theirs.txt", 30)]);
+        // A copy in use that the placement weighs is kept before any other, however
+        // little it is worth.
+        let files = vec![
+            file("/net/job/a.py", 1, 300, 1),
+            file("/net/hot.py", 1000, 800, 2),
+        ];
+        let shortlist = Shortlist::of_files(&files);
+        let admitted: Vec<File> = shortlist.files().collect();
+        let m = moves(
+            &admitted,
+            &Filters::default(),
+            (1000, 0),
+            &placement::whole_file,
+            &held,
+        );
+        assert!(
+            m.evict.iter().all(|p| !in_use.contains(&p.as_str())),
+            "{m:?}"
+        );
+        assert!(copies(&m).is_empty(), "{m:?}");
     }
 
     #[test]
@@ -239,6 +312,7 @@ mod tests {
             copying: &|_| false,
             pinned: &|_| false,
             copies: Vec::new(),
+            in_use: &|_| false,
         };
         // Partial copies from 1 MiB, or none (every copy whole).
         let within = |ssd: u64, partial_from: u64| {

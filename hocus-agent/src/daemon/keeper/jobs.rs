@@ -53,6 +53,20 @@ impl Jobs {
             .map_or(Server::Network, |j| j.server_of(path))
     }
 
+    /// Job `id` was seen opening or reading `path`.
+    pub fn saw(&mut self, id: u32, path: &Path) {
+        if let Some(job) = self.by_id.get_mut(&id) {
+            job.saw(path);
+        }
+    }
+
+    /// Whether a running job uses the copy of `source`: was seen opening or reading it,
+    /// or has it bound, for a partial copy (what it lacks fails once it is let go).
+    pub fn use_copy(&self, source: &str, partial: bool) -> bool {
+        let target = Path::new(source);
+        self.by_id.values().any(|j| j.has(target, partial))
+    }
+
     /// The Slurm job job `id` is a task of.
     pub fn slurm_job(&self, id: u32) -> Option<u32> {
         self.by_id.get(&id).and_then(|j| j.slurm_job)
