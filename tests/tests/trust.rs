@@ -1361,6 +1361,36 @@ fn finished_within(cmd: &mut std::process::Command, secs: u64, what: &str) -> st
     child.wait_with_output().unwrap()
 }
 
+/// A profile naming `files` (entries as a profile holds them), written in `dir` for any
+/// user to read.
+fn profile_in(dir: &Path, name: &str, files: Vec<Value>) -> PathBuf {
+    let profile =
+        json!({"version": 2, "started_unix_ns": 1, "missing": [], "dirs": [], "files": files});
+    let file = dir.join(name);
+    fs::write(&file, serde_json::to_vec(&profile).unwrap()).unwrap();
+    fs::set_permissions(&file, fs::Permissions::from_mode(0o644)).unwrap();
+    file
+}
+
+/// `prefetch --profile profile` as user `(uid, gid)`, from the profile's directory; it
+/// must end within 60 s.
+fn prefetch_as(
+    agent: &Agent,
+    profile: &Path,
+    (uid, gid): (u32, u32),
+    what: &str,
+) -> std::process::Output {
+    finished_within(
+        agent
+            .cli(&["prefetch", "--profile", profile.to_str().unwrap()])
+            .current_dir(profile.parent().unwrap())
+            .uid(uid)
+            .gid(gid),
+        60,
+        what,
+    )
+}
+
 #[test]
 fn fifos_in_a_users_profile_hold_no_copy_worker_and_others_are_served() {
     let net = NetworkMount::start();
@@ -1388,27 +1418,14 @@ fn fifos_in_a_users_profile_hold_no_copy_worker_and_others_are_served() {
     fs::set_permissions(work.path(), fs::Permissions::from_mode(0o777)).unwrap();
     let profile = |name: &str, paths: &[String], reader: u32| {
         let entry = |p: &String| json!({"path": p, "size": 2048, "opens": 50, "bytes_read": 2048, "first_touch_ns": 1, "written": false, "uids": [reader]});
-        let profile = json!({
-            "version": 1,
-            "started_unix_ns": 1,
-            "files": paths.iter().map(entry).collect::<Vec<_>>(),
-            "missing": [],
-            "dirs": [],
-        });
-        let file = work.path().join(name);
-        fs::write(&file, serde_json::to_vec(&profile).unwrap()).unwrap();
-        fs::set_permissions(&file, fs::Permissions::from_mode(0o644)).unwrap();
-        file
+        profile_in(work.path(), name, paths.iter().map(entry).collect())
     };
     // The attacker's prefetch ends: the FIFOs are refused, none is opened.
     let evil = profile("evil.json", &fifos, uid);
-    let out = finished_within(
-        agent
-            .cli(&["prefetch", "--profile", evil.to_str().unwrap()])
-            .current_dir(work.path())
-            .uid(uid)
-            .gid(gid),
-        60,
+    let out = prefetch_as(
+        &agent,
+        &evil,
+        (uid, gid),
         "the attacker's prefetch of 16 FIFOs",
     );
     // Refused in the copy workers' order, and logged as each is: any of them says the
@@ -1474,20 +1491,12 @@ fn a_users_prefetch_evicts_no_copy_another_users_running_job_uses() {
     ]);
     let work = tempfile::tempdir().unwrap();
     fs::set_permissions(work.path(), fs::Permissions::from_mode(0o777)).unwrap();
-    let profile = |name: &str, files: Vec<serde_json::Value>| {
-        let profile =
-            json!({"version": 2, "started_unix_ns": 1, "missing": [], "dirs": [], "files": files});
-        let file = work.path().join(name);
-        fs::write(&file, serde_json::to_vec(&profile).unwrap()).unwrap();
-        fs::set_permissions(&file, fs::Permissions::from_mode(0o644)).unwrap();
-        file
-    };
     let mut files: Vec<serde_json::Value> = modules
         .iter()
         .map(|m| json!({"path": m, "size": 2048, "opens": 50, "bytes_read": 2048, "first_touch_ns": 1, "written": false, "uids": [0]}))
         .collect();
     files.push(json!({"path": data, "size": 32 * MIB, "opens": 5, "bytes_read": MIB, "first_touch_ns": 2, "written": false, "uids": [0], "ranges": [[4 * MIB, 5 * MIB]]}));
-    let victims = profile("victim.json", files);
+    let victims = profile_in(work.path(), "victim.json", files);
     assert_success(
         &agent
             .cli(&["prefetch", "--profile", victims.to_str().unwrap()])
@@ -1527,21 +1536,14 @@ fn a_users_prefetch_evicts_no_copy_another_users_running_job_uses() {
             >= 9
     });
     // The attacker prefetches a profile of one 30-byte file of theirs.
-    let evil = profile(
+    let evil = profile_in(
+        work.path(),
         "evil.json",
         vec![
             json!({"path": tiny, "size": 30, "opens": 1000, "bytes_read": 30, "first_touch_ns": 1, "written": false, "uids": [uid]}),
         ],
     );
-    let out = finished_within(
-        agent
-            .cli(&["prefetch", "--profile", evil.to_str().unwrap()])
-            .current_dir(work.path())
-            .uid(uid)
-            .gid(gid),
-        60,
-        "the attacker's prefetch",
-    );
+    let out = prefetch_as(&agent, &evil, (uid, gid), "the attacker's prefetch");
     assert_success(&out);
     agent.settled();
     // The attack was made: the attacker's file is copied.

@@ -79,21 +79,19 @@ impl Job {
         }
     }
 
-    /// It was seen opening or reading `path`: if a local copy serves it there, that
-    /// copy is in use until the job ends.
+    /// It was seen opening or reading `path`: if a local copy is bound there, that copy
+    /// is in use until the job ends.
     pub fn saw(&mut self, path: &Path) {
         if self.files.contains(path) && !self.used.contains(path) {
             self.used.insert(path.to_owned());
         }
     }
 
-    /// Whether the local copy bound on `target` is in it (`bound`), or was seen used.
-    pub fn has(&self, target: &Path, bound: bool) -> bool {
-        if bound {
-            self.files.contains(target)
-        } else {
-            self.used.contains(target)
-        }
+    /// Whether it uses the local copy bound on `target`: seen using it, or, for a
+    /// `partial` copy, has it bound at all (what one lacks fails once it is let go).
+    pub fn uses_copy(&self, target: &Path, partial: bool) -> bool {
+        let used = if partial { &self.files } else { &self.used };
+        used.contains(target)
     }
 
     pub fn server_of(&self, path: &Path) -> Server<'_> {

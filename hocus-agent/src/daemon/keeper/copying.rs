@@ -49,10 +49,9 @@ impl Keeper {
         let admitted = decide::admitted(shortlist, &known);
         let (cache, copies, pinning, jobs) = (&self.cache, &self.copies, &self.pinning, &self.jobs);
         let in_use = |p: &str| {
-            jobs.running() > 0
-                && cache
-                    .get(p)
-                    .is_some_and(|c| jobs.use_copy(p, c.is_partial()))
+            cache
+                .get(p)
+                .is_some_and(|c| jobs.uses_copy(p, c.is_partial()))
         };
         let held = decide::Held {
             cached: &|p| cache.contains(p),

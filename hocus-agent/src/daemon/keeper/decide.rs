@@ -205,14 +205,6 @@ mod tests {
 
     #[test]
     fn copies_running_jobs_use_are_kept_and_take_their_bytes_first() {
-        // Another user's prefetch places one small file of theirs: the copies a running
-        // job uses stay, whatever that placement weighs, and count against the budget.
-        let files = vec![
-            file("/net/theirs.txt", 1, 30, 1),
-            file("/net/big.bin", 1, 600, 2),
-        ];
-        let shortlist = Shortlist::of_files(&files);
-        let admitted: Vec<File> = shortlist.files().collect();
         let cached = ["/net/job/a.py", "/net/job/b.py", "/net/idle.py"];
         let in_use = ["/net/job/a.py", "/net/job/b.py"];
         let held = Held {
@@ -222,37 +214,43 @@ mod tests {
             copies: cached.iter().map(|p| (*p, 300)).collect(),
             in_use: &|p| in_use.contains(&p),
         };
-        let m = moves(
-            &admitted,
-            &Filters::default(),
-            (1000, 0),
-            &placement::whole_file,
-            &held,
-        );
-        // The idle copy goes; those in use stay and leave 400 B: the 600 B file does
-        // not fit.
-        assert_eq!(m.evict, ["/net/idle.py"]);
-        assert_eq!(copies(&m), [("/net/theirs.txt", 30)]);
+        // What a placement of `files` within 1000 B evicts and copies.
+        let moves_to = |files: &[FileEntry]| {
+            let shortlist = Shortlist::of_files(files);
+            let admitted: Vec<File> = shortlist.files().collect();
+            let m = moves(
+                &admitted,
+                &Filters::default(),
+                (1000, 0),
+                &placement::whole_file,
+                &held,
+            );
+            let copied: Vec<(String, u64)> = copies(&m)
+                .into_iter()
+                .map(|(p, size)| (p.to_owned(), size))
+                .collect();
+            (m.evict, copied)
+        };
+        // Another user's prefetch places one small file of theirs: the copies a running
+        // job uses stay, whatever that placement weighs, and count against the budget.
+        // The idle copy goes; those in use leave 400 B: the 600 B file does not fit.
+        let (evict, copied) = moves_to(&[
+            file("/net/theirs.txt", 1, 30, 1),
+            file("/net/big.bin", 1, 600, 2),
+        ]);
+        assert_eq!(evict, ["/net/idle.py"]);
+        assert_eq!(copied, [("/net/theirs.txt".to_owned(), 30)]);
         // A copy in use that the placement weighs is kept before any other, however
         // little it is worth.
-        let files = vec![
+        let (evict, copied) = moves_to(&[
             file("/net/job/a.py", 1, 300, 1),
             file("/net/hot.py", 1000, 800, 2),
-        ];
-        let shortlist = Shortlist::of_files(&files);
-        let admitted: Vec<File> = shortlist.files().collect();
-        let m = moves(
-            &admitted,
-            &Filters::default(),
-            (1000, 0),
-            &placement::whole_file,
-            &held,
-        );
+        ]);
         assert!(
-            m.evict.iter().all(|p| !in_use.contains(&p.as_str())),
-            "{m:?}"
+            evict.iter().all(|p| !in_use.contains(&p.as_str())),
+            "{evict:?}"
         );
-        assert!(copies(&m).is_empty(), "{m:?}");
+        assert!(copied.is_empty(), "{copied:?}");
     }
 
     #[test]

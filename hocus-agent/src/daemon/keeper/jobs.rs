@@ -60,11 +60,10 @@ impl Jobs {
         }
     }
 
-    /// Whether a running job uses the copy of `source`: was seen opening or reading it,
-    /// or has it bound, for a partial copy (what it lacks fails once it is let go).
-    pub fn use_copy(&self, source: &str, partial: bool) -> bool {
+    /// Whether a running job uses the copy of `source` (`Job::uses_copy`).
+    pub fn uses_copy(&self, source: &str, partial: bool) -> bool {
         let target = Path::new(source);
-        self.by_id.values().any(|j| j.has(target, partial))
+        self.by_id.values().any(|j| j.uses_copy(target, partial))
     }
 
     /// The Slurm job job `id` is a task of.

@@ -18,10 +18,8 @@ impl Keeper {
         let Some(i) = self.config.trees.iter().position(|t| path.starts_with(t)) else {
             return;
         };
-        if self.jobs.server_of(a.job, path) == Server::File {
-            // A copy a running job uses is kept until the job ends (docs/security.md).
-            self.jobs.saw(a.job, path);
-        }
+        // A copy a running job uses is kept until the job ends (docs/security.md).
+        self.jobs.saw(a.job, path);
         let mut server = self.jobs.server_of(a.job, path);
         // A lazy snapshot holds the bytes of the files it filled (copies the cache
         // adopted); a stub's are read from the network through the overlay.
