@@ -1504,7 +1504,13 @@ fn a_users_prefetch_evicts_no_copy_another_users_running_job_uses() {
             .unwrap(),
     );
     agent.settled();
-    assert_eq!(agent.cache()["cached_files"], 9, "{:#}", agent.cache());
+    // Where the kernel has no partial copies (before 6.14), the big file is past the
+    // budget and read from the network; the whole copies are kept all the same.
+    let partial = agent
+        .route("big files read in part")
+        .starts_with("partial copies from");
+    let copies = 8 + u64::from(partial);
+    assert_eq!(agent.cache()["cached_files"], copies, "{:#}", agent.cache());
     // The victim's job opens its copies, reads the partial copy's held range, and waits;
     // then reads a range the copy lacks and every module again.
     let ready = work.path().join("ready");
@@ -1533,7 +1539,7 @@ fn a_users_prefetch_evicts_no_copy_another_users_running_job_uses() {
         agent.cache()["served"][0]["opens_local"]
             .as_u64()
             .unwrap_or(0)
-            >= 9
+            >= copies
     });
     // The attacker prefetches a profile of one 30-byte file of theirs.
     let evil = profile_in(
@@ -1551,7 +1557,7 @@ fn a_users_prefetch_evicts_no_copy_another_users_running_job_uses() {
     let cache = agent.cache();
     assert_eq!(
         cache["cached_files"],
-        10,
+        copies + 1,
         "the victim's copies were evicted: {cache:#}\n{}",
         agent.log()
     );
