@@ -6,7 +6,10 @@
 
 use std::{
     fs,
-    os::unix::fs::{FileExt, MetadataExt, PermissionsExt},
+    os::unix::{
+        fs::{FileExt, MetadataExt, PermissionsExt},
+        process::CommandExt,
+    },
     process::{Command, Stdio},
     thread,
 };
@@ -470,10 +473,11 @@ import socket, subprocess, struct, sys
 sock, payload, path = sys.argv[1:4]
 cred = subprocess.run(["munge", "-S", sock, "-s", payload], capture_output=True, text=True, check=True).stdout.strip()
 c = socket.create_connection(("10.77.0.11", 9743), timeout=20)
-c.sendall(("HOCUS-RELAY 1\n" + cred + "\n").encode())
+c.sendall(("HOCUS-RELAY 2\n" + cred + "\n").encode())
 f = c.makefile("rb")
 line = f.readline().decode().strip()
-if line == "OK":
+if line.startswith("OK "):
+    line = "OK"
     c.sendall(struct.pack(">I", len(path)) + path.encode())
     status = f.read(1)
     line += " status=%d" % (status[0] if status else -1)
@@ -561,4 +565,138 @@ fn no_one_outside_the_job_fetches_from_a_node() {
     assert_eq!(shadow, "OK status=1");
     let log = agents[0].log();
     assert!(log.contains("relay: refused"), "{log}");
+}
+
+/// A user's listener on node1's relay port, taken before node1's daemon starts: it
+/// answers every child `OK` and offers its own bytes of data.bin, with their hash and the
+/// network file's size and mtime. Run in node1's namespaces as the test user.
+const IMPOSTOR: &str = r#"
+import os, socket, struct, sys, threading
+port, target, forged, hash_hex, log = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5]
+forged = open(forged, "rb").read()
+def note(what):
+    with open(log, "a") as l:
+        l.write(what + "\n")
+def serve(c):
+    f = c.makefile("rb")
+    f.readline(); f.readline()
+    note("greeted")
+    c.sendall(b"OK\n")
+    while True:
+        n = f.read(4)
+        if len(n) < 4:
+            return
+        n = struct.unpack(">I", n)[0]
+        if n & (1 << 31):
+            return
+        path = f.read(n).decode()
+        if path != target:
+            c.sendall(bytes([1]))
+            continue
+        st = os.stat(path)
+        c.sendall(bytes([0]) + struct.pack(">Qq", st.st_size, st.st_mtime_ns) + bytes.fromhex(hash_hex) + forged)
+        note("forged " + path)
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", port))
+s.listen(64)
+note("listening")
+while True:
+    c, _ = s.accept()
+    threading.Thread(target=serve, args=(c,), daemon=True).start()
+"#;
+
+#[test]
+fn a_users_listener_on_a_parents_relay_port_hands_no_child_its_bytes() {
+    let s = shared();
+    s.learned();
+    let node1 = &s.cluster.nodes[0];
+    let data = s.net.path("env/lib/mypkg/data.bin");
+    let genuine = fs::read(s.net.server_path("env/lib/mypkg/data.bin")).unwrap();
+    // The impostor's bytes, as long as the file's, and their true hash.
+    let dir = tempfile::Builder::new()
+        .prefix("hocus-impostor-")
+        .tempdir_in("/tmp")
+        .unwrap();
+    fs::set_permissions(dir.path(), fs::Permissions::from_mode(0o777)).unwrap();
+    let forged: Vec<u8> = b"FORGED-BY-an-ordinary-user "
+        .iter()
+        .copied()
+        .cycle()
+        .take(genuine.len())
+        .collect();
+    let forged_file = dir.path().join("forged");
+    fs::write(&forged_file, &forged).unwrap();
+    let hash = blake3::hash(&forged).to_hex().to_string();
+    let log = dir.path().join("log");
+    let mut impostor = Command::new("nsenter")
+        .args(["-t", &node1.holder.to_string(), "-n", "-m", "--"])
+        .args([
+            "runuser",
+            "-u",
+            "hocus-test",
+            "--",
+            "python3",
+            "-c",
+            IMPOSTOR,
+            "9743",
+        ])
+        .arg(&data)
+        .arg(&forged_file)
+        .arg(&hash)
+        .arg(&log)
+        .stdin(Stdio::null())
+        .process_group(0)
+        .spawn()
+        .unwrap();
+    // runuser's child, Python, goes with its group.
+    let stop = |impostor: &mut std::process::Child| {
+        // SAFETY: a signal to the group this test made.
+        unsafe { libc::kill(-(impostor.id() as i32), libc::SIGKILL) };
+        let _ = impostor.wait();
+    };
+    let said = || fs::read_to_string(&log).unwrap_or_default();
+    wait_until(20, "the impostor listening on node1's relay port", || {
+        said().contains("listening")
+    });
+    // node1's daemon cannot take the port, and says so; the job runs on every node.
+    let agents = s.daemons();
+    let out = s.job();
+    stop(&mut impostor);
+    assert_success(&out);
+    assert!(
+        agents[0]
+            .log()
+            .contains("relay: cannot listen on port 9743"),
+        "{}",
+        agents[0].log()
+    );
+    // The attack was made: the children greeted the impostor.
+    assert!(
+        said().contains("greeted"),
+        "the children never asked node1: {}",
+        said()
+    );
+    for (agent, node) in agents.iter().zip(&s.cluster.nodes).skip(1) {
+        agent.settled();
+        // Nothing came from it: the children's copies are the server's bytes.
+        assert!(!said().contains("forged"), "{}: {}", node.name, said());
+        assert_eq!(copied_from_peers(agent), 0, "{}", agent.log());
+        assert!(
+            agent
+                .log()
+                .contains("is not proven to be that node's hocus daemon"),
+            "{}",
+            agent.log()
+        );
+        s.copies_are_the_sources(agent, node);
+        let copy = agent.local_copy(&data);
+        if let Ok(bytes) = fs::read(&copy) {
+            assert!(
+                bytes == genuine,
+                "{}: data.bin is the impostor's",
+                node.name
+            );
+        }
+    }
 }

@@ -1,8 +1,10 @@
 //! The asking end of the relay between the daemons of a job's nodes (docs/fanout.md):
 //! this node's copies fetched from its parent node, checked against the network's file
-//! and the first copy's hash. The vocabulary both ends share is `shared::relay`; the
-//! serving end is `control::relay`.
-//!
+//! and the first copy's hash. The parent is proven first: its answer carries a munge
+//! credential of root naming this job, both nodes and this node's own credential
+//! (`shared::relay::proof`); the hash it offers proves nothing until then. The
+//! vocabulary both ends share is `shared::relay`; the serving end is `control::relay`.
+
 use std::{
     fs::File,
     io::{self, BufRead, BufReader, Read, Write},
@@ -23,7 +25,7 @@ use crate::shared::{
     munge,
     relay::{
         END_OF_RUNS, FILE, GREETING, Hash, NOT_HELD, Offer, RANGES, RUN_GRAINS, WAIT, grain_hash,
-        read_run, request, request_grains, run,
+        parse_payload, proof, read_run, request, request_grains, run,
     },
 };
 use hocus_common::ranges::{GRAIN, GRAIN_SHIFT};
@@ -259,14 +261,51 @@ impl Parent {
         stream.set_nodelay(true)?;
         stream.write_all(format!("{GREETING}\n{cred}\n").as_bytes())?;
         let mut answer = String::new();
-        BufReader::new((&stream).take(1024)).read_line(&mut answer)?;
-        match answer.trim_end() {
-            "OK" => Ok(stream),
-            no => Err(io::Error::new(
+        let longest = (munge::MAX_CREDENTIAL + 8) as u64;
+        BufReader::new((&stream).take(longest)).read_line(&mut answer)?;
+        match answer.trim_end().split_once(' ') {
+            Some(("OK", theirs)) => self.proven(&cred, theirs).map(|()| stream),
+            Some(("NO", why)) => Err(io::Error::new(
                 io::ErrorKind::PermissionDenied,
-                format!("refused: {}", no.strip_prefix("NO ").unwrap_or(no)),
+                format!("refused: {why}"),
             )),
+            _ => Err(self.unproven(format!(
+                "answered {:?}, not a daemon's credential",
+                answer.trim_end().chars().take(64).collect::<String>()
+            ))),
         }
+    }
+
+    /// Whether `theirs`, the parent's answer to this node's credential `ours`, proves
+    /// the parent: made by root, naming this job, the parent, this node and `ours`.
+    fn proven(&self, ours: &str, theirs: &str) -> io::Result<()> {
+        let (job, me, parent) = parse_payload(&self.payload)
+            .ok_or_else(|| io::Error::other("this node's own payload is malformed"))?;
+        let decoded =
+            munge::decode(theirs, self.munge_socket.as_deref()).map_err(|e| self.unproven(e))?;
+        if decoded.uid != 0 {
+            return Err(self.unproven(format!(
+                "its credential is uid {}'s, not root's: a user's program holds the relay's port there",
+                decoded.uid
+            )));
+        }
+        if decoded.payload != proof(job, &parent, &me, ours) {
+            return Err(self.unproven(format!(
+                "its credential is root's but says {:?}, not this job, these nodes and this connection",
+                decoded.payload
+            )));
+        }
+        Ok(())
+    }
+
+    /// The parent's answer does not prove it is the daemon of a node of the job.
+    fn unproven(&self, why: String) -> io::Error {
+        log::error!(
+            "relay: what answers at {} ({}) is not proven to be that node's hocus daemon: {why}; nothing is taken from it, this node reads the job's files from the server",
+            self.name,
+            self.addr
+        );
+        io::Error::new(io::ErrorKind::PermissionDenied, format!("unproven: {why}"))
     }
 
     /// Sends one request (encoded); Some once the parent answers `held` (what it holds

@@ -6,7 +6,10 @@
 //! Who may fetch: a connection proves itself with a munge credential made by root (the
 //! asking node's daemon) naming the job, the asking node and this node; the daemon's
 //! loop checks that it ran this job's prolog, that the asking node is one of the job's,
-//! and serves only files of the job's own profile (read as the job's user). A thread per
+//! and serves only files of the job's own profile (read as the job's user). It answers
+//! with a credential of its own (`shared::relay::proof`): the child takes nothing from
+//! a listener that cannot make one, such as a user's on a port the daemon could not
+//! take. A thread per
 //! connection, at most [`MAX_PEERS`] at once.
 
 use std::{
@@ -116,8 +119,18 @@ impl Peer<'_> {
             job_id: 0,
             from: String::new(),
         };
-        match peer.join(cred.trim_end(), serving) {
-            Ok(()) => peer.stream.write_all(b"OK\n")?,
+        let cred = cred.trim_end();
+        let joined = peer.join(cred, serving).and_then(|named| {
+            let proof = relay::proof(peer.job_id, &named, &peer.from, cred);
+            munge::encode(&proof, serving.munge_socket.as_deref()).map_err(|e| {
+                Refusal::new(
+                    "relay_unproven",
+                    format!("this node cannot prove itself with a munge credential: {e}"),
+                )
+            })
+        });
+        match joined {
+            Ok(proof) => peer.stream.write_all(format!("OK {proof}\n").as_bytes())?,
             Err(why) => {
                 crate::shared::tally::warn_limited!(
                     "relay refusal",
@@ -141,7 +154,8 @@ impl Peer<'_> {
 
     /// Checks the credential and asks the daemon's loop whether the job is one of its
     /// own, waiting (within `timeout`) for this node's prolog to tell it of the job.
-    fn join(&mut self, cred: &str, serving: &Serving) -> Result<(), Refusal> {
+    /// Returns this node's name as the credential says it.
+    fn join(&mut self, cred: &str, serving: &Serving) -> Result<String, Refusal> {
         let refused = |why: String| Refusal::new("relay_refused", why);
         let decoded = munge::decode(cred, serving.munge_socket.as_deref()).map_err(refused)?;
         if decoded.uid != 0 {
@@ -172,7 +186,7 @@ impl Peer<'_> {
             }
         }
         (self.job_id, self.from) = (job_id, from);
-        Ok(())
+        Ok(to)
     }
 
     fn ask(&self, asked: Ask) -> Result<Answer, Refusal> {

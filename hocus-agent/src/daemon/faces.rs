@@ -31,9 +31,10 @@ impl Daemon {
                 Ok(addr) => log::info!(
                     "relay: the nodes of multi-node Slurm jobs fetch their files from each other through {addr}"
                 ),
-                // Each node then reads from the network: slower, never broken.
-                Err(e) => log::warn!(
-                    "relay: cannot listen on port {port} ({e}): each node of a multi-node job reads its files from the network"
+                // Any user may listen there first: what answers is not this daemon, and
+                // the children's check of its proof turns them to the server.
+                Err(e) => log::error!(
+                    "relay: cannot listen on port {port} ({e}): if another program holds it (any user may listen there), this node's children in multi-node jobs refuse it and read their files from the server; free the port (ss -ltnp 'sport = :{port}') and restart hocus-agent, or set relay-port"
                 ),
             }
         }

@@ -5,7 +5,11 @@
 //! end `control::relay`.
 //!
 //! A connection opens with a greeting line and a munge credential line; the server
-//! answers `OK` or `NO <why>` and closes. Then the client asks for files one at a time:
+//! answers `OK <credential>` or `NO <why>` and closes. The server's credential proves it
+//! in turn ([`proof`]): made by root on the named node, for this job and this child, and
+//! bound to the child's own credential, so it cannot be replayed to another child. Any
+//! user may listen on the relay's port before the daemon does; without that proof the
+//! child takes nothing from it. Then the client asks for files one at a time:
 //! the source path (u32 length, bytes); the server answers with one status byte:
 //! `FILE` followed by the size (u64), the mtime in ns (i64), the BLAKE3 hash of the bytes
 //! (32 bytes) and the bytes; `WAIT` while its own copy is still coming (then another
@@ -42,7 +46,8 @@ pub type Hash = [u8; 32];
 /// The most nodes a job's list may name.
 pub const MAX_NODES: usize = 100_000;
 
-pub const GREETING: &str = "HOCUS-RELAY 1";
+/// Version 2: the server proves itself (version 1's children took any `OK`).
+pub const GREETING: &str = "HOCUS-RELAY 2";
 /// The longest source path asked for.
 pub const MAX_PATH: usize = 4096;
 pub const FILE: u8 = 0;
@@ -213,6 +218,13 @@ pub fn payload(job: u32, from: &str, to: &str) -> String {
     format!("hocus-relay job={job} from={from} to={to}")
 }
 
+/// The payload of the credential node `parent` answers `child` with, for `job`: bound to
+/// the child's credential `asked` (its hash), which munge accepts once.
+pub fn proof(job: u32, parent: &str, child: &str, asked: &str) -> String {
+    let bound = blake3::hash(asked.as_bytes()).to_hex();
+    format!("hocus-relay-parent job={job} from={parent} to={child} for={bound}")
+}
+
 /// The job, asking node and named node of a payload.
 pub fn parse_payload(p: &str) -> Option<(u32, String, String)> {
     let rest = p.strip_prefix("hocus-relay ")?;
@@ -376,6 +388,17 @@ mod tests {
         for bad in ["", "a[", "a]", "a[3-1]", "a[x]", "a[0-99999999]"] {
             assert!(expand(bad).is_err(), "{bad:?}");
         }
+    }
+
+    #[test]
+    fn a_proof_names_its_job_both_nodes_and_the_credential_it_answers() {
+        let p = proof(42, "node1", "node2", "CRED");
+        assert!(p.starts_with("hocus-relay-parent job=42 from=node1 to=node2 for="));
+        assert_ne!(p, proof(42, "node1", "node2", "CRED2"));
+        assert_ne!(p, proof(43, "node1", "node2", "CRED"));
+        assert_ne!(p, proof(42, "node1", "node3", "CRED"));
+        // A proof is never a child's payload: one cannot stand for the other.
+        assert_eq!(parse_payload(&p), None);
     }
 
     #[test]
