@@ -70,6 +70,17 @@ pub struct NetworkMount {
     _watchdog: watchdog::Watchdog,
 }
 
+/// Another client's mount of a `NetworkMount`'s export (`another_client`).
+pub struct Client {
+    pub mount: PathBuf,
+}
+
+impl Drop for Client {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.mount).status();
+    }
+}
+
 /// A server stopped by `NetworkMount::pause_server`, going on when dropped.
 pub struct PausedServer(Vec<i32>);
 
@@ -292,6 +303,19 @@ impl NetworkMount {
             .arg(format!("root@{}:{}", self.host, self.server.display()))
             .arg(at);
         cmd
+    }
+
+    /// Another sshfs client of the same server on this machine, mounted with `options`
+    /// added (caching of its own, say): unmounted when dropped.
+    pub fn another_client(&self, options: &str) -> Client {
+        assert!(self.nfs.is_none(), "another client is sshfs's only");
+        let at = self.dir.path().join("net-again");
+        fs::create_dir_all(&at).unwrap();
+        self._watchdog.leaves(watchdog::Leftover::Mount(at.clone()));
+        run(self.sshfs(&at).args(["-o", options]));
+        Client {
+            mount: fs::canonicalize(&at).unwrap(),
+        }
     }
 
     /// Mounts the same export again at `at` in the mount namespace of process `holder`:
@@ -858,6 +882,15 @@ impl Agent {
         let mut cmd = self.cli(&["run", "--", "python3", "-c", script]);
         cmd.current_dir("/");
         cmd
+    }
+
+    /// The same job started, its output kept (`wait_with_output`).
+    pub fn python_job_started(&self, script: &str) -> std::process::Child {
+        self.python_job(script)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("starting the job")
     }
 
     /// `script` (Python, with the packages in `packages` importable) as a job; what it

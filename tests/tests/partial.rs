@@ -29,16 +29,21 @@ fn prefetched(net: &NetworkMount) -> (Agent, std::path::PathBuf) {
 
 /// The same with these settings (an SSD budget among them).
 fn prefetched_with(net: &NetworkMount, settings: &[&str]) -> (Agent, std::path::PathBuf) {
-    let data = net.put(
+    prefetched_through(net, &net.mount, settings)
+}
+
+/// The same, the daemon watching `mount`, a client of `net`'s server.
+fn prefetched_through(
+    net: &NetworkMount,
+    mount: &Path,
+    settings: &[&str],
+) -> (Agent, std::path::PathBuf) {
+    net.put(
         "data/train.bin",
         &repeating_bytes(32 * MIB as usize, 251, 1),
     );
-    let mut args = vec![
-        "--watch",
-        net.mount.to_str().unwrap(),
-        "--partial-from",
-        "8M",
-    ];
+    let data = mount.join("data/train.bin");
+    let mut args = vec!["--watch", mount.to_str().unwrap(), "--partial-from", "8M"];
     args.extend_from_slice(settings);
     let agent = Agent::start(&args);
     let route = agent.route("big files read in part");
@@ -388,6 +393,76 @@ fn a_file_changed_on_the_server_between_two_jobs_is_read_new_never_mixed() {
             new_sum(20 * MIB),
             new_sum(28 * MIB)
         )
+    );
+}
+
+#[test]
+fn a_file_rewritten_in_place_under_a_jobs_open_copy_is_never_read_mixed() {
+    let net = NetworkMount::start();
+    // A client whose kernel keeps attributes 30 s and that keeps none of its own, read-
+    // only (as datasets are often mounted): its reads invalidate no atime, so nothing
+    // makes a plain stat ask the server within those 30 s. What a fill checks must
+    // come from the server (on NFS, noatime and actimeo do the same).
+    let client = net.another_client("ro,cache=no,attr_timeout=30");
+    let (agent, data) = prefetched_through(&net, &client.mount, &["--ssd-budget", "16M"]);
+    let work = tempfile::tempdir().unwrap();
+    let (ready, go) = (work.path().join("ready"), work.path().join("go"));
+    // The job opens the file, reads the range its copy holds, and waits; then reads one
+    // the copy lacks, after the rewrite.
+    let script = format!(
+        "import os, time\nfd = os.open('{data}', os.O_RDONLY)\nprint(sum(os.pread(fd, 4096, {held})))\nopen('{ready}', 'w').close()\nwhile not os.path.exists('{go}'): time.sleep(0.05)\ntry:\n    print(sum(os.pread(fd, 4096, {lacks})))\nexcept OSError as e:\n    print(os.strerror(e.errno))\n",
+        data = data.display(),
+        held = 4 * MIB,
+        lacks = 20 * MIB,
+        ready = ready.display(),
+        go = go.display(),
+    );
+    let job = agent.python_job_started(&script);
+    wait_until(60, "the job read the range its copy holds", || {
+        ready.exists()
+    });
+    // Rewritten on the server, in place: every byte another, a later mtime (whole
+    // seconds over SFTP). This client's kernel still shows the old attributes.
+    let mtime = |p: &Path| fs::metadata(p).unwrap().modified().unwrap();
+    let before = mtime(&data);
+    let new = repeating_bytes(32 * MIB as usize, 251, 8);
+    while std::time::SystemTime::now() <= before + std::time::Duration::from_secs(1) {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    fs::write(net.server_path("data/train.bin"), &new).unwrap();
+    assert_eq!(
+        mtime(&data),
+        before,
+        "the client's attributes are not cached"
+    );
+    fs::write(&go, b"").unwrap();
+    let out = job.wait_with_output().unwrap();
+    assert_success(&out);
+    let new_sum: u64 = new[20 * MIB as usize..20 * MIB as usize + 4096]
+        .iter()
+        .map(|b| u64::from(*b))
+        .sum();
+    // The old bytes where its copy held them; then the read of the new version's
+    // bytes fails, never mixing the two.
+    let printed = String::from_utf8_lossy(&out.stdout);
+    assert_ne!(
+        printed.lines().nth(1),
+        Some(new_sum.to_string().as_str()),
+        "one open file read two versions: {printed}\n{}",
+        agent.log()
+    );
+    assert_eq!(
+        printed.trim(),
+        format!("{}\nInput/output error", sum(4 * MIB, 4096)),
+        "{}",
+        agent.log()
+    );
+    assert!(
+        agent
+            .log()
+            .contains("the network file changed since its copy was made"),
+        "{}",
+        agent.log()
     );
 }
 

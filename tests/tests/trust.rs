@@ -1527,12 +1527,7 @@ fn a_users_prefetch_evicts_no_copy_another_users_running_job_uses() {
         ready = ready.display(),
         go = go.display(),
     );
-    let job = agent
-        .python_job(&script)
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
+    let job = agent.python_job_started(&script);
     wait_until(60, "the victim's job opened its copies", || ready.exists());
     // Its opens of its copies reached the keeper (counted as hits).
     wait_until(30, "the job's opens counted", || {

@@ -40,11 +40,18 @@ use hocus_common::ranges::{GRAIN, GRAIN_SHIFT};
 
 use crate::{
     profile::extents::Extents,
-    shared::relay::{Hash, RUN_GRAINS, grain_hash},
+    shared::{
+        relay::{Hash, RUN_GRAINS, grain_hash},
+        tree::stat_now,
+    },
 };
 
 /// Bytes read from the network and written to the copy at a time.
 const CHUNK: usize = 1 << 20;
+
+/// Grains a fill reads before it asks the server the file's version again (4 MiB, the
+/// filler's read-ahead): one GETATTR a fill of what a job reads, not one a read.
+const CHECKED_GRAINS: u32 = 64;
 
 /// What a copy's heat is kept per, and what trimming punches out at a time: 1 MiB (16
 /// grains), the size of a data loader's chunk.
@@ -70,14 +77,19 @@ pub struct Version {
 }
 
 impl Version {
-    pub fn of(file: &File) -> io::Result<Self> {
-        let m = file.metadata()?;
-        Ok(Self {
+    /// As the server has it now, past the client's attribute cache (which may be
+    /// seconds old).
+    pub fn now(file: &File) -> io::Result<Self> {
+        Ok(Self::from(&stat_now(file)?))
+    }
+
+    fn from(m: &std::fs::Metadata) -> Self {
+        Self {
             ino: m.ino(),
             size: m.size(),
             mtime_ns: i128::from(m.mtime()) * 1_000_000_000 + i128::from(m.mtime_nsec()),
             ctime_ns: i128::from(m.ctime()) * 1_000_000_000 + i128::from(m.ctime_nsec()),
-        })
+        }
     }
 }
 
@@ -127,7 +139,7 @@ impl PartialCopy {
     /// size (not marked yet), holding nothing yet: [`fill_all`](Self::fill_all) and
     /// [`put`](Self::put) make ranges local, the rest is filled on demand.
     pub fn new(name: String, source: File, local: File) -> Result<Self, FillError> {
-        let version = Version::of(&source).map_err(FillError::Source)?;
+        let version = Version::now(&source).map_err(FillError::Source)?;
         local.set_len(version.size).map_err(FillError::Local)?;
         Ok(Self {
             name,
@@ -148,7 +160,7 @@ impl PartialCopy {
     /// since gone) of the version `source` is now (the caller checked it against the
     /// index), holding what [`held_grains`] found in it.
     pub fn resume(name: String, source: File, local: File) -> Result<Self, FillError> {
-        let version = Version::of(&source).map_err(FillError::Source)?;
+        let version = Version::now(&source).map_err(FillError::Source)?;
         let size = local.metadata().map_err(FillError::Local)?.len();
         if size != version.size {
             return Err(FillError::Changed);
@@ -279,6 +291,12 @@ impl PartialCopy {
         self.forget_hashes(start, end);
         let from = u64::from(start) << GRAIN_SHIFT;
         let to = (u64::from(end) << GRAIN_SHIFT).min(self.version.size);
+        self.punch_bytes(from, to)?;
+        Ok(freed)
+    }
+
+    /// Punches bytes `[from, to)` (within the file) out of the copy's file.
+    fn punch_bytes(&self, from: u64, to: u64) -> io::Result<()> {
         // SAFETY: fallocate on a descriptor we hold; the range is within the file.
         let r = unsafe {
             libc::fallocate(
@@ -291,7 +309,7 @@ impl PartialCopy {
         if r != 0 {
             return Err(io::Error::last_os_error());
         }
-        Ok(freed)
+        Ok(())
     }
 
     /// Grains in the file (the last may be short).
@@ -299,42 +317,83 @@ impl PartialCopy {
         self.version.size.div_ceil(GRAIN).min(u64::from(u32::MAX)) as u32
     }
 
-    /// Makes grains `[start, end)` local: read from the network file, checked to be of
-    /// this copy's version after the read, written to the copy (whose writes the filler
-    /// lets through at once). `progress` is told of each chunk.
+    /// Makes grains `[start, end)` (none of them held) local: read from the network
+    /// file, written to the copy (whose writes the filler lets through at once), and
+    /// held once the server says the file is still this copy's version (every
+    /// [`CHECKED_GRAINS`]). A change found drops the copy: its bytes of two versions
+    /// are never served together. `progress` is told of each chunk.
     pub fn fill_with(
         &self,
         start: u32,
         end: u32,
         mut progress: impl FnMut(),
     ) -> Result<(), FillError> {
-        let from = u64::from(start) << GRAIN_SHIFT;
-        let to = (u64::from(end) << GRAIN_SHIFT).min(self.version.size);
+        let end = end.min(self.grains());
         let _shared = self.punching.read().expect("not poisoned");
         let mut buf = vec![0u8; CHUNK];
-        let mut at = from;
-        while at < to {
-            let n = ((to - at) as usize).min(CHUNK);
-            let got = read_full(&self.source, &mut buf[..n], at).map_err(FillError::Source)?;
-            // Short: the file shrank under us. Either way, checked before anything
-            // read is written.
-            let now = Version::of(&self.source).map_err(FillError::Source)?;
-            if got < n || now != self.version {
-                self.dropped.store(true, Ordering::Relaxed);
+        let mut piece = start;
+        while piece < end {
+            let piece_end = end.min(piece.saturating_add(CHECKED_GRAINS));
+            let from = u64::from(piece) << GRAIN_SHIFT;
+            let to = (u64::from(piece_end) << GRAIN_SHIFT).min(self.version.size);
+            let mut at = from;
+            let checked = self
+                .write_from_source(&mut buf, &mut at, to, &mut progress)
+                .and_then(|()| self.still_this_version());
+            if let Err(e) = checked {
+                // What was written is not known to be of this version: it goes, and
+                // with it the hashes kept of it.
+                let _ = self.punch_bytes(from, at);
+                self.forget_hashes(piece, piece_end);
+                if matches!(e, FillError::Changed) {
+                    self.dropped.store(true, Ordering::Relaxed);
+                }
+                return Err(e);
+            }
+            self.filled
+                .lock()
+                .expect("not poisoned")
+                .add(piece, piece_end);
+            piece = piece_end;
+        }
+        Ok(())
+    }
+
+    /// Reads the network file's bytes `[at, to)` into the copy, `at` moving on as they
+    /// are written.
+    fn write_from_source(
+        &self,
+        buf: &mut [u8],
+        at: &mut u64,
+        to: u64,
+        progress: &mut impl FnMut(),
+    ) -> Result<(), FillError> {
+        while *at < to {
+            let n = ((to - *at) as usize).min(buf.len());
+            let got = read_full(&self.source, &mut buf[..n], *at).map_err(FillError::Source)?;
+            // Short: the file shrank under us.
+            if got < n {
                 return Err(FillError::Changed);
             }
             self.local
-                .write_all_at(&buf[..n], at)
+                .write_all_at(&buf[..n], *at)
                 .map_err(FillError::Local)?;
-            self.keep_hashes((at >> GRAIN_SHIFT) as u32, &buf[..n], None);
-            at += n as u64;
+            self.keep_hashes((*at >> GRAIN_SHIFT) as u32, &buf[..n], None);
+            *at += n as u64;
             progress();
         }
-        self.filled
-            .lock()
-            .expect("not poisoned")
-            .add(start, end.min(self.grains()));
         Ok(())
+    }
+
+    /// Whether the network file is this copy's version, as the server says now (the
+    /// client's attributes, cached, would not show a rewrite in place for seconds).
+    fn still_this_version(&self) -> Result<(), FillError> {
+        let now = Version::now(&self.source).map_err(FillError::Source)?;
+        if now == self.version {
+            Ok(())
+        } else {
+            Err(FillError::Changed)
+        }
     }
 
     /// Makes the grains of `ranges` local that it does not hold yet, from the network.
