@@ -77,6 +77,12 @@ pub struct Version {
 }
 
 impl Version {
+    /// As the client has it: for a file just opened, what the open fetched (no
+    /// request of its own to the server).
+    pub fn of(file: &File) -> io::Result<Self> {
+        Ok(Self::from(&file.metadata()?))
+    }
+
     /// As the server has it now, past the client's attribute cache (which may be
     /// seconds old).
     pub fn now(file: &File) -> io::Result<Self> {
@@ -139,7 +145,7 @@ impl PartialCopy {
     /// size (not marked yet), holding nothing yet: [`fill_all`](Self::fill_all) and
     /// [`put`](Self::put) make ranges local, the rest is filled on demand.
     pub fn new(name: String, source: File, local: File) -> Result<Self, FillError> {
-        let version = Version::now(&source).map_err(FillError::Source)?;
+        let version = Version::of(&source).map_err(FillError::Source)?;
         local.set_len(version.size).map_err(FillError::Local)?;
         Ok(Self {
             name,
@@ -160,7 +166,7 @@ impl PartialCopy {
     /// since gone) of the version `source` is now (the caller checked it against the
     /// index), holding what [`held_grains`] found in it.
     pub fn resume(name: String, source: File, local: File) -> Result<Self, FillError> {
-        let version = Version::now(&source).map_err(FillError::Source)?;
+        let version = Version::of(&source).map_err(FillError::Source)?;
         let size = local.metadata().map_err(FillError::Local)?.len();
         if size != version.size {
             return Err(FillError::Changed);
