@@ -399,11 +399,12 @@ fn a_file_changed_on_the_server_between_two_jobs_is_read_new_never_mixed() {
 #[test]
 fn a_file_rewritten_in_place_under_a_jobs_open_copy_is_never_read_mixed() {
     let net = NetworkMount::start();
-    // A client whose kernel keeps attributes 30 s and that keeps none of its own, read-
-    // only (as datasets are often mounted): its reads invalidate no atime, so nothing
-    // makes a plain stat ask the server within those 30 s. What a fill checks must
-    // come from the server (on NFS, noatime and actimeo do the same).
-    let client = net.another_client("ro,cache=no,attr_timeout=30");
+    // A client whose kernel keeps attributes and names 30 s and that keeps none of its
+    // own, read-only (as datasets are often mounted): its reads invalidate no atime, and
+    // a lookup by path asks nothing (a lookup's answer would refresh the attributes: CI
+    // of ee1c51e), so nothing makes a plain stat ask the server within those 30 s. What
+    // a fill checks must come from the server (on NFS, noatime and actimeo do the same).
+    let client = net.another_client("ro,cache=no,attr_timeout=30,entry_timeout=30");
     let (agent, data) = prefetched_through(&net, &client.mount, &["--ssd-budget", "16M"]);
     let work = tempfile::tempdir().unwrap();
     let (ready, go) = (work.path().join("ready"), work.path().join("go"));
