@@ -37,6 +37,10 @@ pub mod kind {
     pub const LOOKUP_FAILED: u8 = 18;
     /// A run of grains an open file read (`ranges::RangeRead`, not an `Event`).
     pub const RANGE: u8 = 19;
+    /// What the NFS server answered a change reported at its function's entry with its
+    /// number in `file_id` (`bytes`: the function's return, 0 accepted): the change
+    /// counts only once accepted.
+    pub const CHANGE_ANSWERED: u8 = 20;
 }
 
 /// Event flags.
@@ -100,7 +104,11 @@ pub mod counter {
     /// request programs could place neither by its dentry nor by the syscall's path (a
     /// long name given as an absolute path in a namespace not learned).
     pub const CHANGE_UNPLACED: u32 = 9;
-    pub const COUNT: u32 = 10;
+    /// Of the opens the NFS programs follow, those of a user who had
+    /// `MAX_REQUEST_FILES_PER_USER` open already: reported closed at once (their reads
+    /// are not learned; other users' are).
+    pub const LOST_OPEN_FILES_OF_USER: u32 = 10;
+    pub const COUNT: u32 = 11;
     /// Metric-style names, by index.
     pub const NAMES: [&str; COUNT as usize] = [
         "events_sent",
@@ -113,5 +121,6 @@ pub mod counter {
         "foreign_namespace",
         "path_too_deep",
         "change_unplaced",
+        "lost_open_files_of_user",
     ];
 }

@@ -428,7 +428,8 @@ pub struct OpenFile {
     pub file_id: u64,
     pub bytes_read: u64,
     pub written: u32,
-    pub _pad: u32,
+    /// The user whose open it was (the NFS programs' bound per user; else 0).
+    pub uid: u32,
     /// The run of grains being read (`ranges`), not reported yet; 0: none.
     pub run: u64,
     /// The `struct file` the descriptor held when opened: a close tells by it whether

@@ -87,5 +87,11 @@ impl RequestKey {
 
 /// Files opened through watched FUSE mounts that the request programs follow.
 pub const MAX_REQUEST_FILES: u32 = 16384;
+/// Of those the NFS programs follow, a user's at most: no user's opens take the table.
+pub const MAX_REQUEST_FILES_PER_USER: u32 = MAX_REQUEST_FILES / 8;
+/// Users whose NFS files the programs count at once.
+pub const MAX_REQUEST_USERS: u32 = 4096;
 /// Opens whose reply (with the server's handle) is awaited.
 pub const MAX_PENDING_OPENS: u32 = 4096;
+/// Threads in an NFS change (unlink, rmdir, rename, truncate) whose answer is awaited.
+pub const MAX_PENDING_CHANGES: u32 = 4096;

@@ -79,6 +79,33 @@ pub struct Status {
     pub kernel_release: String,
     #[serde(default)]
     pub routes: Vec<Route>,
+    /// What the daemon asked of each watched network tree's server, by purpose.
+    #[serde(default)]
+    pub server: Vec<ServerAsked>,
+    /// What each watched NFS mount's client sent its server (every process's), by
+    /// operation, as its mountstats say.
+    #[serde(default)]
+    pub nfs_operations: Vec<NfsOperations>,
+}
+
+/// The daemon's calls on one watched tree for one purpose (job_start, revalidation,
+/// copy, snapshot, fill, profile): each open, lookup, stat, listing and read counts
+/// one (docs/metrics.md says what the server may see for them).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ServerAsked {
+    pub mount: PathBuf,
+    pub purpose: String,
+    pub operations: u64,
+    /// Bytes its reads brought.
+    pub bytes: u64,
+}
+
+/// An NFS mount's client's count of the requests it sent, per operation (GETATTR,
+/// LOOKUP, READ ...), with those never sent left out.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct NfsOperations {
+    pub mount: PathBuf,
+    pub operations: Vec<(String, u64)>,
 }
 
 /// The syscall program: attached while there is something to learn or a job to follow,
@@ -251,10 +278,18 @@ pub struct CacheStatus {
     pub jobs_started: u64,
     #[serde(default)]
     pub prefetches: u64,
-    /// Revalidations finished: what a test (or an operator) waits on to know the keeper
-    /// checked what it holds against the network since.
+    /// Revalidations finished (one every `revalidate` seconds): what a test (or an
+    /// operator) waits on to know the keeper checked what running jobs have bound
+    /// against the network since.
     #[serde(default)]
     pub revalidations: u64,
+    /// Of them, those with nothing to check (no running job had a copy bound, or none
+    /// was due): nothing was sent to the server.
+    #[serde(default)]
+    pub revalidations_idle: u64,
+    /// Copies and snapshots those checks compared with the network, in all.
+    #[serde(default)]
+    pub revalidated_entries: u64,
     /// Copies and snapshots the prefetches under way still wait for.
     #[serde(default)]
     pub prefetch_remaining_files: usize,

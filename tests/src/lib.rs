@@ -9,7 +9,7 @@ use std::{
     net::TcpListener,
     os::{
         fd::{AsRawFd, OwnedFd},
-        unix::{fs::PermissionsExt, net::UnixStream},
+        unix::{fs::PermissionsExt, net::UnixStream, process::CommandExt},
     },
     path::{Path, PathBuf},
     process::{Child, Command, Output, Stdio},
@@ -18,7 +18,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use serde_json::Value;
+use serde_json::{Value, json};
 
 pub mod nfs;
 pub mod slurm;
@@ -441,6 +441,23 @@ impl NetworkMount {
             Some(log) => log.text(),
             None => fs::read_to_string(self.dir.path().join("sftp.log")).unwrap_or_default(),
         }
+    }
+
+    /// Operations the server has answered so far, by its own count: on sshfs, the
+    /// requests its SFTP server logged (opens, listings, stats); on NFS, nfsd's count of
+    /// operations (`/proc/net/rpc/nfsd`: NFSv3's procedures and NFSv4's operations
+    /// inside compounds; the guest's nfsd serves the tests alone, one at a time).
+    pub fn server_operations(&self) -> u64 {
+        if self.nfs.is_none() {
+            return self.server_log().lines().count() as u64;
+        }
+        let counts = fs::read_to_string("/proc/net/rpc/nfsd").unwrap_or_default();
+        counts
+            .lines()
+            .filter(|l| l.starts_with("proc3 ") || l.starts_with("proc4ops "))
+            .flat_map(|l| l.split_whitespace().skip(2))
+            .filter_map(|n| n.parse::<u64>().ok())
+            .sum()
     }
 
     /// Drops what the client holds of the mount (its dentries, attributes and pages: all
@@ -877,6 +894,34 @@ impl Agent {
         cmd
     }
 
+    /// `prefetch --profile profile` as root; it must succeed.
+    pub fn prefetch(&self, profile: &Path) {
+        assert_success(
+            &self
+                .cli(&["prefetch", "--profile", profile.to_str().unwrap()])
+                .output()
+                .unwrap(),
+        );
+    }
+
+    /// `prefetch --profile profile` as user `(uid, gid)`, from the profile's directory; it
+    /// must end within 60 s.
+    pub fn prefetch_as(
+        &self,
+        profile: &Path,
+        (uid, gid): (u32, u32),
+        what: &str,
+    ) -> std::process::Output {
+        finished_within(
+            self.cli(&["prefetch", "--profile", profile.to_str().unwrap()])
+                .current_dir(profile.parent().unwrap())
+                .uid(uid)
+                .gid(gid),
+            60,
+            what,
+        )
+    }
+
     /// `python3 -c script` as a job under `hocus-agent run`, as root, from `/`.
     pub fn python_job(&self, script: &str) -> Command {
         let mut cmd = self.cli(&["run", "--", "python3", "-c", script]);
@@ -1033,7 +1078,7 @@ impl Agent {
     }
 
     /// Waits until the keeper has no copy under way and its counts stop changing (but
-    /// its count of revalidations, which goes on while nothing changes).
+    /// its counts of revalidations, which go on while nothing changes).
     pub fn settled(&self) -> Value {
         let deadline = Instant::now() + patience(60);
         let mut last = Value::Null;
@@ -1041,6 +1086,7 @@ impl Agent {
             let mut c = self.cache();
             if let Some(counts) = c.as_object_mut() {
                 counts.remove("revalidations");
+                counts.remove("revalidations_idle");
             }
             if c["copying"] == 0 && c == last {
                 return c;
@@ -1350,6 +1396,17 @@ pub fn file_entry<'a>(profile: &'a Value, path: &Path) -> Option<&'a Value> {
         .find(|f| f["path"] == path)
 }
 
+/// The directories an exported profile says changed.
+pub fn mutated_dirs(profile: &Value) -> Vec<&str> {
+    profile["dirs"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|d| d["mutated"] == true)
+        .filter_map(|d| d["path"].as_str())
+        .collect()
+}
+
 /// The lookup count of `path` in an exported profile's missing names.
 pub fn missing_lookups(profile: &Value, path: &Path) -> Option<u64> {
     let path = path.to_str().unwrap();
@@ -1531,4 +1588,44 @@ pub fn names_in(text: &str) -> BTreeSet<String> {
         rest = &tail[end..];
     }
     out
+}
+
+/// `cmd` run to its end within `secs` (`patience`), or killed and the test failed,
+/// saying so.
+pub fn finished_within(
+    cmd: &mut std::process::Command,
+    secs: u64,
+    what: &str,
+) -> std::process::Output {
+    let mut child = cmd
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let bound = patience(secs);
+    let deadline = std::time::Instant::now() + bound;
+    while child.try_wait().unwrap().is_none() {
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            let out = child.wait_with_output().unwrap();
+            panic!(
+                "{what} did not finish in {} s: {}",
+                bound.as_secs(),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    child.wait_with_output().unwrap()
+}
+
+/// A profile naming `files` (entries as a profile holds them), written in `dir` for any
+/// user to read.
+pub fn profile_in(dir: &Path, name: &str, files: Vec<Value>) -> PathBuf {
+    let profile =
+        json!({"version": 2, "started_unix_ns": 1, "missing": [], "dirs": [], "files": files});
+    let file = dir.join(name);
+    fs::write(&file, serde_json::to_vec(&profile).unwrap()).unwrap();
+    fs::set_permissions(&file, fs::Permissions::from_mode(0o644)).unwrap();
+    file
 }

@@ -233,17 +233,22 @@ fn a_change_on_the_server_is_seen_not_the_stale_copy() {
     wait_until(30, "the first copy", || {
         fs::read(&copy).is_ok_and(|c| c == b"VERSION = 1\n")
     });
-    // Behind the client's back.
+    // Behind the client's back. No job runs: nothing asks the server until one starts.
     fs::write(net.server_path("lib/model.py"), b"VERSION = 2 # longer\n").unwrap();
-    // Dropped within the revalidation interval plus sshfs's attribute cache, then fetched
-    // again once stable: the old content never comes back.
+    agent.wait_for_revalidations(2);
+    assert_eq!(n(&agent.cache()["invalidations"]), 0);
+    // The next job's start finds the copy stale: the job reads the network, the copy
+    // is dropped, then fetched again once stable; the old content never comes back.
+    let out = agent.run_job(&format!("cat {}", file.display()));
+    assert_success(&out);
+    assert_eq!(out.stdout, b"VERSION = 2 # longer\n");
     wait_until(30, "the copy of the new version", || {
         fs::read(&copy).is_ok_and(|c| c == b"VERSION = 2 # longer\n")
     });
     let c = agent.cache();
     assert!(n(&c["invalidations"]) >= 1, "{c:#}");
     assert!(
-        agent.log().contains("changed on the network"),
+        agent.log().contains("model.py changed: dropping its copy"),
         "{}",
         agent.log()
     );

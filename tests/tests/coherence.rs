@@ -47,29 +47,75 @@ fn drop_caches() {
     fs::write("/proc/sys/vm/drop_caches", "3").unwrap();
 }
 
-#[test]
-fn page_cache_drops_invalidate_nothing_unchanged_and_a_real_change_is_still_caught() {
-    let net = NetworkMount::start();
+/// A daemon revalidating every second, holding a snapshot of env/lib (an import that
+/// misses in env/empty makes hocus snapshot it, and env/empty) and a copy of
+/// data/one.bin: that file's path.
+fn a_snapshot_and_a_copy(net: &NetworkMount) -> (Agent, std::path::PathBuf) {
+    // Checked every second while a job runs, however long unchanged.
+    a_snapshot_and_a_copy_checked_up_to(net, 1)
+}
+
+/// As `a_snapshot_and_a_copy`, a running job's entries checked a second after its
+/// start, then up to `longest` seconds apart.
+fn a_snapshot_and_a_copy_checked_up_to(
+    net: &NetworkMount,
+    longest: u64,
+) -> (Agent, std::path::PathBuf) {
     net.put("env/lib/mypkg/__init__.py", b"from . import core\n");
     net.put("env/lib/mypkg/core.py", b"VALUE = 41\n");
     net.put("env/empty/README", b"nothing to import here\n");
     let data = net.put("data/one.bin", b"version 1\n");
-    let agent = Agent::start(&["--watch", net.mount.to_str().unwrap(), "--revalidate", "1"]);
-    // An import that misses in env/empty makes hocus snapshot env/lib (and env/empty);
-    // the data file is copied on its own.
-    import_through_env(&net, "mypkg.core");
+    let (watch, longest) = (net.mount.to_str().unwrap(), longest.to_string());
+    let agent = Agent::start(&[
+        "--watch",
+        watch,
+        "--revalidate",
+        "1",
+        "--revalidate-max",
+        &longest,
+    ]);
+    import_through_env(net, "mypkg.core");
     read_all(&data);
-    let env = net.path("env/lib");
-    let snapshots = |a: &Agent| {
-        a.cache()["snapshots"]
-            .as_array()
-            .is_some_and(|s| s.iter().any(|p| p == env.to_str().unwrap()))
-    };
     wait_until(30, "the snapshot and the copy", || {
-        snapshots(&agent) && agent.local_copy(&data).exists()
+        holds_snapshot_of(&agent, &net.path("env/lib")) && agent.local_copy(&data).exists()
     });
+    (agent, data)
+}
+
+/// A job with what the daemon holds bound, running until the returned path exists
+/// (in the returned directory).
+fn a_job_until_stopped(
+    agent: &Agent,
+) -> (std::process::Child, tempfile::TempDir, std::path::PathBuf) {
+    let work = tempfile::tempdir().unwrap();
+    let stop = work.path().join("stop");
+    let job = agent
+        .python_job(&format!(
+            "import os, time\nwhile not os.path.exists({:?}): time.sleep(0.1)",
+            stop.display().to_string()
+        ))
+        .spawn()
+        .unwrap();
+    wait_until(30, "the job running", || agent.cache()["jobs_running"] == 1);
+    (job, work, stop)
+}
+
+fn holds_snapshot_of(agent: &Agent, dir: &std::path::Path) -> bool {
+    agent.cache()["snapshots"]
+        .as_array()
+        .is_some_and(|s| s.iter().any(|p| p == dir.to_str().unwrap()))
+}
+
+#[test]
+fn page_cache_drops_invalidate_nothing_unchanged_and_a_real_change_is_still_caught() {
+    let net = NetworkMount::start();
+    let (agent, data) = a_snapshot_and_a_copy(&net);
+    let env = net.path("env/lib");
+    let snapshots = |a: &Agent| holds_snapshot_of(a, &env);
     let invalidations = |a: &Agent| a.cache()["invalidations"].as_u64().unwrap();
     let before = invalidations(&agent);
+    // A job runs throughout, with the copies bound: what revalidation checks.
+    let (job, _work, stop) = a_job_until_stopped(&agent);
     // Evictions, each followed by at least one revalidation: the inode numbers this
     // sshfs gives change (or this test would prove nothing), the files do not. NFS's
     // are the server's file ids, which do not change: identity is made of them there.
@@ -113,6 +159,8 @@ fn page_cache_drops_invalidate_nothing_unchanged_and_a_real_change_is_still_caug
     wait_until(30, "the changed file invalidated", || {
         invalidations(&agent) > before
     });
+    fs::write(&stop, b"").unwrap();
+    assert_success(&job.wait_with_output().unwrap());
 }
 
 #[test]
@@ -235,13 +283,25 @@ fn a_new_job_sees_what_the_network_holds_not_an_older_copy() {
     });
     // Changed on the server: a file rewritten, one deleted, a module added to the
     // snapshotted tree. A plain process on the mount sees it all first.
+    let pkg = net.path("env/lib/mypkg");
+    let pkg_mtime = || fs::metadata(&pkg).and_then(|m| m.modified()).ok();
+    let before = pkg_mtime();
     fs::write(net.server_path("cache/rewritten.bin"), b"new, longer\n").unwrap();
     fs::remove_file(net.server_path("cache/deleted.bin")).unwrap();
     let added = net.put("env/lib/mypkg/added.py", b"ADDED = 1\n");
+    // (A second apart from the one it had, whatever SFTP's whole seconds.)
+    let later = SystemTime::now() + Duration::from_secs(10);
+    fs::File::open(net.server_path("env/lib/mypkg"))
+        .unwrap()
+        .set_modified(later)
+        .unwrap();
+    // Its directory's new mtime too: a name looked up misses sshfs's cache at once, the
+    // directory's attributes only once that cache expires (CI of c348881).
     wait_until(30, "a plain process to see the changes", || {
         fs::read(&rewritten).is_ok_and(|b| b == b"new, longer\n")
             && !deleted.exists()
             && added.exists()
+            && pkg_mtime() != before
     });
     // Jobs started now see the same: the first drops the stale snapshots, the second
     // is offered the copies of the files one by one, and drops the stale ones.
@@ -359,4 +419,202 @@ fn a_job_that_outlives_its_daemon_reads_the_network_not_an_older_copy() {
         "{}",
         agent.log()
     );
+}
+
+/// A node with no job running asks the server nothing: with copies and a snapshot held
+/// and a revalidation due every second, ten seconds pass without one operation reaching
+/// the server (counted by the server: its SFTP server's log, nfsd's counts); before,
+/// every copy and every entry of the snapshot were checked each second. What a running
+/// job has bound is still checked each interval: a change on the server reaches it.
+#[test]
+fn an_idle_node_asks_the_server_nothing_and_a_running_jobs_copies_are_still_revalidated() {
+    let net = NetworkMount::start();
+    let (agent, data) = a_snapshot_and_a_copy(&net);
+    agent.settled();
+    agent.wait_for_revalidations(2);
+    let idle = |a: &Agent| a.cache()["revalidations_idle"].as_u64().unwrap_or(0);
+    let (before, idle_before) = (net.server_operations(), idle(&agent));
+    std::thread::sleep(std::time::Duration::from_secs(10));
+    let asked = net.server_operations() - before;
+    assert!(
+        asked <= 1,
+        "an idle node asked the server {asked} times in 10 s\n{}",
+        agent.log()
+    );
+    assert!(idle(&agent) >= idle_before + 5, "{:#}", agent.cache());
+
+    // A job reads the copy, and waits while the file changes on the server.
+    let work = tempfile::tempdir().unwrap();
+    let go = work.path().join("go");
+    let mut job = agent
+        .python_job(&format!(
+            "import os, time\nprint(open({data:?}).read().strip(), flush=True)\nwhile not os.path.exists({go:?}): time.sleep(0.05)\nprint(open({data:?}).read().strip())",
+            data = data.display().to_string(),
+            go = go.display().to_string()
+        ))
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(job.stdout.as_mut().unwrap()),
+        &mut first,
+    )
+    .unwrap();
+    assert_eq!(first, "version 1\n");
+    let changes = |a: &Agent| a.log().matches("changed on the network").count();
+    let before = changes(&agent);
+    fs::write(net.server_path("data/one.bin"), b"version 2, longer\n").unwrap();
+    // Its copy, or the snapshot of its directory, dropped and taken out of the job.
+    wait_until(30, "the revalidation to find the change", || {
+        changes(&agent) > before
+    });
+    fs::write(&go, b"").unwrap();
+    let out = job.wait_with_output().unwrap();
+    assert_success(&out);
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "version 2, longer\n",
+        "{}",
+        agent.log()
+    );
+}
+
+/// What the daemon asked of a watched tree's server for `purpose`: (operations, bytes).
+fn asked_of(agent: &Agent, net: &NetworkMount, purpose: &str) -> (u64, u64) {
+    let status = agent.status();
+    let entry = status["server"]
+        .as_array()
+        .and_then(|a| {
+            a.iter()
+                .find(|e| e["mount"] == net.mount.to_str().unwrap() && e["purpose"] == purpose)
+        })
+        .cloned()
+        .unwrap_or_else(|| panic!("no {purpose} count in {:#}", status["server"]));
+    (
+        entry["operations"].as_u64().unwrap(),
+        entry["bytes"].as_u64().unwrap(),
+    )
+}
+
+/// The daemon counts what it asks each watched tree's server, by purpose, in `status`
+/// and the metrics: the copies and the snapshot their reads and bytes, an idle node
+/// nothing, a job's start its checks; and the server's own count of a job's start is
+/// what the daemon counted, give or take what the client's caches answered.
+#[test]
+fn what_the_daemon_asks_the_server_is_counted_by_purpose() {
+    let net = NetworkMount::start();
+    let (agent, _data) = a_snapshot_and_a_copy(&net);
+    agent.settled();
+    let (copied, copied_bytes) = asked_of(&agent, &net, "copy");
+    let (snapshotted, _) = asked_of(&agent, &net, "snapshot");
+    assert!(copied >= 4, "{copied}");
+    assert!(copied_bytes >= 10, "the copy read {copied_bytes} bytes");
+    assert!(snapshotted > 0, "{snapshotted}");
+    let total = |a: &Agent| -> u64 {
+        a.status()["server"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| e["operations"].as_u64().unwrap())
+            .sum()
+    };
+    // At rest, nothing.
+    agent.wait_for_revalidations(2);
+    let before = total(&agent);
+    thread::sleep(Duration::from_secs(5));
+    assert_eq!(total(&agent), before, "{}", agent.log());
+
+    // A job's start: its snapshot's entries and its copy confirmed, each a stat asked
+    // of the server.
+    let (starts, server) = (
+        asked_of(&agent, &net, "job_start").0,
+        net.server_operations(),
+    );
+    assert_success(&agent.run_job("true"));
+    let counted = asked_of(&agent, &net, "job_start").0 - starts;
+    let seen = net.server_operations() - server;
+    let log = agent.log();
+    let entries: u64 = log
+        .lines()
+        .rfind(|l| l.contains("job start: "))
+        .and_then(|l| l.split(" ms, ").nth(1)?.split(' ').next()?.parse().ok())
+        .unwrap_or_else(|| panic!("no job start in {log}"));
+    eprintln!(
+        "a job's start: {entries} entries checked; the daemon counted {counted} operations, the server saw {seen}"
+    );
+    // Each entry is one stat asked of the server at least.
+    assert!(entries >= 4 && counted >= entries, "{counted}\n{log}");
+    // The server sees no more than the daemon counted: lookups the client's caches
+    // answer are counted but never reach it (on NFS, 9 operations reached nfsd for 19
+    // counted and 8 entries); its forced stats do.
+    assert!(
+        seen <= counted + 2 && seen * 2 >= entries,
+        "the server saw {seen} operations for {entries} entries, the daemon counted {counted}\n{}",
+        agent.log()
+    );
+    let sample = format!(
+        "hocus_server_operations_total{{mount=\"{}\",purpose=\"job_start\"}}",
+        net.mount.display()
+    );
+    assert_eq!(agent.metric(&sample), starts + counted);
+    let out = agent.cli(&["status"]).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = format!("asked of {}'s server: ", net.mount.display());
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with(&line) && l.contains(&format!("job start {}", starts + counted))),
+        "{text}"
+    );
+    if net.nfs.is_some() {
+        let nfs = agent.status()["nfs_operations"].clone();
+        let getattrs = nfs[0]["operations"]
+            .as_array()
+            .and_then(|o| o.iter().find(|p| p[0] == "GETATTR"))
+            .and_then(|p| p[1].as_u64());
+        assert!(getattrs.is_some_and(|n| n > 0), "{nfs:#}");
+    }
+}
+
+/// While a job runs, what it has bound is checked as an NFS client's attribute cache
+/// would: `--revalidate` after its start, then twice as long after each check that
+/// finds it unchanged, up to `--revalidate-max`; a change is still seen within that.
+/// Before, every bound entry was checked every interval for as long as the job ran.
+#[test]
+fn a_running_jobs_unchanged_copies_are_checked_less_and_less_often() {
+    let net = NetworkMount::start();
+    let (agent, _data) = a_snapshot_and_a_copy_checked_up_to(&net, 8);
+    assert!(
+        agent.log().contains("checked 1 s after their start, then less often while it stays unchanged, up to 8 s apart"),
+        "{}",
+        agent.log()
+    );
+    agent.settled();
+    let (job, _work, stop) = a_job_until_stopped(&agent);
+    // Turns of the revalidation that checked something, and the entries they checked.
+    let turns = |a: &Agent| {
+        let c = a.cache();
+        let n = |k: &str| c[k].as_u64().unwrap();
+        (
+            n("revalidations") - n("revalidations_idle"),
+            n("revalidated_entries"),
+        )
+    };
+    let ((turns_before, entries_before), server) = (turns(&agent), net.server_operations());
+    // Checks at 1, 3, 7 and 15 s of the job, then every 8 s: 3 to 5 in 20 s, not 20.
+    thread::sleep(Duration::from_secs(20));
+    let (turns_after, entries_after) = turns(&agent);
+    let (checks, entries) = (turns_after - turns_before, entries_after - entries_before);
+    let asked = net.server_operations() - server;
+    eprintln!("20 s of a job: {checks} checks of {entries} entries, {asked} server operations");
+    assert!((3..=5).contains(&checks), "{checks}\n{}", agent.log());
+    let (revalidation, _) = asked_of(&agent, &net, "revalidation");
+    assert!(revalidation > 0, "{}", agent.log());
+    // A change is still seen within the longest wait.
+    let changes = |a: &Agent| a.log().matches("changed on the network").count();
+    let seen = changes(&agent);
+    fs::write(net.server_path("data/one.bin"), b"version 2, longer\n").unwrap();
+    wait_until(12, "the change seen", || changes(&agent) > seen);
+    fs::write(&stop, b"").unwrap();
+    assert_success(&job.wait_with_output().unwrap());
 }

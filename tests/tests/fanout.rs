@@ -570,18 +570,47 @@ fn no_one_outside_the_job_fetches_from_a_node() {
 /// A user's listener on node1's relay port, taken before node1's daemon starts: it
 /// answers every child `OK` and offers its own bytes of data.bin, with their hash and the
 /// network file's size and mtime. Run in node1's namespaces as the test user.
+/// An ordinary user's listener on a relay port, answering each child that greets it
+/// with the best proof a user can make: on its first connection a munge credential of
+/// its own saying exactly what the parent's would (the job and both nodes from the
+/// child's own credential, which it decodes; the hash the credential binds to, from the
+/// test through `dir`), on its second the child's own credential (root's) sent back,
+/// after that a bare `OK`. Then it offers its own bytes of `target` with their hash.
 const IMPOSTOR: &str = r#"
-import os, socket, struct, sys, threading
-port, target, forged, hash_hex, log = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5]
-forged = open(forged, "rb").read()
+import os, socket, struct, subprocess, sys, threading, time
+port, target, forged, hash_hex, log, sock, dir = sys.argv[1:8]
+port, forged = int(port), open(forged, "rb").read()
+lock, count = threading.Lock(), [0]
 def note(what):
-    with open(log, "a") as l:
+    with lock, open(log, "a") as l:
         l.write(what + "\n")
+def proof(n, cred):
+    said = subprocess.run(["unmunge", "-S", sock], input=cred, capture_output=True, text=True, check=True).stdout
+    payload = said.split("\n\n", 1)[1].strip()
+    job, child, parent = (w.split("=", 1)[1] for w in payload.split()[1:])
+    with open(os.path.join(dir, "cred.%d" % n), "w") as f:
+        f.write(cred)
+    bound = os.path.join(dir, "bound.%d" % n)
+    while not os.path.exists(bound):
+        time.sleep(0.02)
+    payload = "hocus-relay-parent job=%s from=%s to=%s for=%s" % (job, parent, child, open(bound).read())
+    return subprocess.run(["munge", "-S", sock, "-s", payload], capture_output=True, text=True, check=True).stdout.strip()
 def serve(c):
+    with lock:
+        n = count[0]
+        count[0] += 1
     f = c.makefile("rb")
-    f.readline(); f.readline()
-    note("greeted")
-    c.sendall(b"OK\n")
+    f.readline()
+    cred = f.readline().decode().strip()
+    if n == 0:
+        c.sendall(("OK " + proof(n, cred) + "\n").encode())
+        note("greeted: own credential")
+    elif n == 1:
+        c.sendall(("OK " + cred + "\n").encode())
+        note("greeted: replayed")
+    else:
+        c.sendall(b"OK\n")
+        note("greeted: bare")
     while True:
         n = f.read(4)
         if len(n) < 4:
@@ -605,6 +634,28 @@ while True:
     c, _ = s.accept()
     threading.Thread(target=serve, args=(c,), daemon=True).start()
 "#;
+
+/// Writes `bound.N` in `dir` for each `cred.N` the impostor leaves there: the hash a
+/// parent's proof binds that credential to (`shared::relay::proof`), which a user
+/// could compute as well; until `stop`.
+fn bind_credentials(dir: &std::path::Path, stop: &std::sync::atomic::AtomicBool) {
+    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+        for n in 0..8 {
+            let (cred, bound) = (
+                dir.join(format!("cred.{n}")),
+                dir.join(format!("bound.{n}")),
+            );
+            if let Ok(cred) = fs::read_to_string(&cred)
+                && !bound.exists()
+            {
+                let tmp = dir.join(format!("bound.{n}.tmp"));
+                fs::write(&tmp, blake3::hash(cred.as_bytes()).to_hex().as_bytes()).unwrap();
+                fs::rename(&tmp, &bound).unwrap();
+            }
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
 
 #[test]
 fn a_users_listener_on_a_parents_relay_port_hands_no_child_its_bytes() {
@@ -645,6 +696,8 @@ fn a_users_listener_on_a_parents_relay_port_hands_no_child_its_bytes() {
         .arg(&forged_file)
         .arg(&hash)
         .arg(&log)
+        .arg(&s.cluster.munge_socket)
+        .arg(dir.path())
         .stdin(Stdio::null())
         .process_group(0)
         .spawn()
@@ -661,7 +714,13 @@ fn a_users_listener_on_a_parents_relay_port_hands_no_child_its_bytes() {
     });
     // node1's daemon cannot take the port, and says so; the job runs on every node.
     let agents = s.daemons();
-    let out = s.job();
+    let done = std::sync::atomic::AtomicBool::new(false);
+    let out = std::thread::scope(|scope| {
+        scope.spawn(|| bind_credentials(dir.path(), &done));
+        let out = s.job();
+        done.store(true, std::sync::atomic::Ordering::Relaxed);
+        out
+    });
     stop(&mut impostor);
     assert_success(&out);
     assert!(
@@ -671,11 +730,19 @@ fn a_users_listener_on_a_parents_relay_port_hands_no_child_its_bytes() {
         "{}",
         agents[0].log()
     );
-    // The attack was made: the children greeted the impostor.
+    // The attack was made: both children greeted the impostor, one given the user's
+    // own credential of the parent's proof, the other its own credential back.
     assert!(
-        said().contains("greeted"),
-        "the children never asked node1: {}",
+        said().contains("greeted: own credential") && said().contains("greeted: replayed"),
+        "the children did not both ask node1: {}",
         said()
+    );
+    let uid = hocus_tests::test_user().0;
+    let logs: String = agents[1..].iter().map(|a| a.log()).collect();
+    assert!(
+        logs.contains(&format!("its credential is uid {uid}'s, not root's"))
+            && logs.contains("its credential is root's but says \"hocus-relay job="),
+        "{logs}"
     );
     for (agent, node) in agents.iter().zip(&s.cluster.nodes).skip(1) {
         agent.settled();

@@ -176,3 +176,147 @@ fn a_silent_server_delays_a_job_by_the_checks_bound_and_the_daemon_keeps_answeri
     assert_success(&out);
     assert_eq!(String::from_utf8_lossy(&out.stdout), "TOOL = 1\n");
 }
+
+/// At rest the daemon learns changes from the NFS client's functions, and each counts
+/// once the server accepted it: a user's rename and rmdir the server refuses (onto, or
+/// of, a directory not empty) change nothing in the profile and drop no copy (the
+/// package's snapshot stays); an unlink it accepts drops the file's copy.
+#[test]
+fn a_change_the_server_refuses_counts_for_nothing_and_one_it_accepts_drops_the_copy() {
+    let user = test_user();
+    let net = NetworkMount::start_nfs(Some(user), Share::default());
+    let module = net.put("env/pkg/core.py", b"VALUE = 41\n");
+    net.put("env/busy/x.py", b"x\n");
+    let watch = net.mount.to_str().unwrap();
+    let agent = Agent::start(&["--watch", watch, "--rest-after", "5"]);
+    let route = agent.route("learning jobs");
+    assert!(
+        route.starts_with("from the NFS client's functions"),
+        "{route}"
+    );
+    wait_until(30, "the syscall program to rest", || {
+        agent.status()["tracing"]["resting"] == true
+    });
+    let out = as_user(agent.cli(&["run", "--", "cat"]).arg(&module));
+    assert_success(&out);
+    let copy = agent.local_copy(&module);
+    wait_until(60, "the module copied", || copy.exists());
+
+    // At rest again: what follows is seen by the NFS client's functions alone.
+    wait_until(30, "the syscall program to rest after the job", || {
+        agent.status()["tracing"]["resting"] == true
+    });
+    let rests = agent.status()["tracing"]["rests"].clone();
+    // The user renames the package over a directory that is not empty, and removes
+    // that directory: the server refuses both.
+    let (pkg, busy) = (net.path("env/pkg"), net.path("env/busy"));
+    let script = format!(
+        "mv -T {pkg} {busy}; echo mv $?; rmdir {busy}; echo rmdir $?",
+        pkg = pkg.display(),
+        busy = busy.display()
+    );
+    let out = as_user(Command::new("sh").args(["-c", &script]));
+    assert_success(&out);
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(said.contains("mv 1") && said.contains("rmdir 1"), "{said}");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("not empty"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // What a change counted at the function's entry made of them: the package marked
+    // written, both directories changed. Counted within a second (the daemon's sweep).
+    std::thread::sleep(std::time::Duration::from_secs(3));
+    let p = agent.export();
+    assert!(
+        hocus_tests::file_entry(&p, &pkg).is_none_or(|f| f["written"] != true),
+        "{p:#}"
+    );
+    let mutated = hocus_tests::mutated_dirs(&p);
+    assert!(mutated.is_empty(), "{mutated:?}\n{}", agent.log());
+    assert!(copy.exists(), "{}", agent.log());
+    assert_eq!(fs::read(&copy).unwrap(), b"VALUE = 41\n");
+    assert!(
+        !agent.log().contains("dropping the snapshot"),
+        "{}",
+        agent.log()
+    );
+
+    // Accepted: the module removed, its copy goes.
+    let out = as_user(Command::new("rm").arg(&module));
+    assert_success(&out);
+    wait_until(10, "the removed module's copy to go", || !copy.exists());
+    let t = &agent.status()["tracing"];
+    assert!(t["resting"] == true && t["rests"] == rests, "{t}");
+}
+
+/// What the NFS programs follow of open files is bounded per user: one user holding
+/// 17,000 NFS files open (more than the whole table's 16,384) blinds the learning of
+/// no one else's job. Their opens past their share (2,048) are counted lost; root's
+/// job, opening and reading a file meanwhile, is learned with its bytes.
+#[test]
+fn one_users_thousands_of_open_nfs_files_blind_no_other_jobs_learning() {
+    let user = test_user();
+    let net = NetworkMount::start_nfs(Some(user), Share::default());
+    let theirs = net.put("attacker/held.txt", b"held\n");
+    let data = net.put("victim/data.bin", &vec![5u8; 100_000]);
+    let watch = net.mount.to_str().unwrap();
+    let agent = Agent::start(&["--watch", watch, "--rest-after", "5"]);
+    wait_until(30, "the syscall program to rest", || {
+        agent.status()["tracing"]["resting"] == true
+    });
+    // 17 processes of the user's, each holding its file open 1,000 times.
+    let work = tempfile::tempdir().unwrap();
+    fs::set_permissions(work.path(), fs::Permissions::from_mode(0o777)).unwrap();
+    let (ready, stop) = (work.path().join("ready"), work.path().join("stop"));
+    let script = format!(
+        "import os, time\nfor i in range(17):\n    if os.fork() == 0:\n        held = [open('{theirs}', 'rb') for _ in range(1000)]\n        open('{ready}.%d' % i, 'w').close()\n        while not os.path.exists('{stop}'): time.sleep(0.1)\n        os._exit(0)\nfor _ in range(17): os.wait()\n",
+        theirs = theirs.display(),
+        ready = ready.display(),
+        stop = stop.display(),
+    );
+    let (uid, gid) = user;
+    let mut holder = Command::new("python3")
+        .args(["-c", &script])
+        .current_dir("/")
+        .uid(uid)
+        .gid(gid)
+        .spawn()
+        .unwrap();
+    wait_until(180, "the user's 17,000 opens", || {
+        (0..17).all(|i| work.path().join(format!("ready.{i}")).exists())
+    });
+    let lost = agent.kernel_counter("lost_open_files_of_user");
+    // Root's job opens and reads its file while they are held, once the syscall
+    // program rests again after its start (the NFS programs alone see it).
+    let go = work.path().join("go");
+    let woken = agent.status()["tracing"]["wakeups"].as_u64();
+    let job = agent
+        .cli(&["run", "--", "sh", "-c"])
+        .arg(format!(
+            "while [ ! -e {go} ]; do sleep 0.1; done; cat {data} >/dev/null",
+            go = go.display(),
+            data = data.display()
+        ))
+        .current_dir("/")
+        .spawn()
+        .unwrap();
+    wait_until(60, "the syscall program to rest while the job runs", || {
+        let t = &agent.status()["tracing"];
+        t["wakeups"].as_u64() > woken && t["resting"] == true
+    });
+    fs::write(&go, b"").unwrap();
+    let out = job.wait_with_output().unwrap();
+    fs::write(&stop, b"").unwrap();
+    let held = holder.wait().unwrap();
+    assert_success(&out);
+    assert!(held.success());
+    assert!(
+        lost >= 17_000 - 2_048 - 64,
+        "{lost} of the user's opens counted past their share"
+    );
+    assert_eq!(agent.kernel_counter("lost_open_files_map_full"), 0);
+    let p = agent.export();
+    let entry = hocus_tests::file_entry(&p, &data).expect("the job's file is learned");
+    assert_eq!(entry["bytes_read"], 100_000, "{entry}");
+}

@@ -3,7 +3,14 @@
 //! network when read, through the kernel's pre-content events (Linux 6.14; this
 //! machine's kernel). Real sshfs, real daemon, real Python jobs.
 
-use std::{fs, os::unix::fs::MetadataExt, path::Path};
+use std::{
+    fs,
+    os::unix::{
+        fs::{MetadataExt, PermissionsExt},
+        process::CommandExt,
+    },
+    path::Path,
+};
 
 use hocus_tests::{Agent, NetworkMount, assert_success, repeating_bytes, wait_until};
 use serde_json::json;
@@ -105,9 +112,17 @@ fn a_big_file_read_in_part_is_copied_in_part_and_filled_when_read() {
     wait_until(10, "the fill counted in the cache's bytes", || {
         agent.cache()["cached_bytes"] == MIB + 65536
     });
-    let copy = fs::read(&local).unwrap();
+    // The grain filled holds the file's bytes (read where it is held: a read of the
+    // whole copy would fill it all, past the budget).
+    let mut grain = vec![0u8; 65536];
+    std::os::unix::fs::FileExt::read_exact_at(
+        &fs::File::open(&local).unwrap(),
+        &mut grain,
+        20 * MIB,
+    )
+    .unwrap();
     assert!(
-        copy[20 * MIB as usize..20 * MIB as usize + 65536]
+        grain
             .iter()
             .enumerate()
             .all(|(i, b)| *b == byte(20 * MIB + i as u64))
@@ -122,7 +137,9 @@ fn past_the_budget_the_chunks_read_least_lately_are_punched_out_and_read_right_a
     let local = agent.local_copy(&data);
     let held = |f: &Path| fs::metadata(f).unwrap().blocks() * 512;
     assert_eq!(held(&local), MIB);
-    // A job reads 3 MiB at 20 MiB: filled, the copy holds 4 MiB, past the budget.
+    // A job reads 3 MiB at 20 MiB: its fill has room for 2 MiB; the MiB read least
+    // lately (at 4 MiB, never read) is punched out to make the rest, not the copy
+    // evicted nor the budget passed.
     let job = |at: u64, n: u64| {
         let out = agent.run_job(&format!(
             "python3 -c \"import os\nfd = os.open('{}', os.O_RDONLY)\nprint(sum(os.pread(fd, {n}, {at})))\" 2>&1",
@@ -134,9 +151,6 @@ fn past_the_budget_the_chunks_read_least_lately_are_punched_out_and_read_right_a
         );
     };
     job(20 * MIB, 3 * MIB);
-    // Once it ended, the MiB read least lately (at 4 MiB) is punched out, not the
-    // copy evicted: the placement gives it the whole budget (its ranges, 4 MiB, do
-    // not fit).
     wait_until(20, "the coldest MiB punched out", || {
         agent.cache()["partial_bytes_trimmed"] == MIB
     });
@@ -153,10 +167,12 @@ fn past_the_budget_the_chunks_read_least_lately_are_punched_out_and_read_right_a
         agent.log()
     );
     // The hot MiBs are read from the copy (nothing filled); the punched one reads
-    // right, filled from the network again; nothing failed.
+    // right, filled from the network again once the others were read long enough ago
+    // to be punched while a job runs; nothing failed.
     let filled = agent.cache()["partial_bytes_filled"].as_u64().unwrap();
     job(20 * MIB, 3 * MIB);
     assert_eq!(agent.cache()["partial_bytes_filled"], filled);
+    std::thread::sleep(std::time::Duration::from_secs(11));
     job(4 * MIB, 4096);
     assert_eq!(
         agent.cache()["partial_bytes_filled"].as_u64().unwrap(),
@@ -541,4 +557,345 @@ fn h5py_slices_are_served_by_a_partial_copy_and_a_numpy_memmap_by_a_whole_one() 
         c["partial_bytes_filled"],
         c["partial_reads_allowed"]
     );
+}
+
+/// Two users' partial copies: root's (the victim's) 32 MiB file and the test user's (the
+/// attacker's) own 64 GiB of holes, each a profile saying jobs read 1 MiB at 4 MiB, on a
+/// daemon with partial copies from 8 MiB and a 64 MiB SSD budget. The attacker's is
+/// prefetched; the victim's once the attacker's job has it open ([`Self::victim_job`]:
+/// a copy a running job uses, no prefetch evicts it).
+struct TwoUsers {
+    agent: Agent,
+    data: std::path::PathBuf,
+    holes: std::path::PathBuf,
+    work: tempfile::TempDir,
+    user: (u32, u32),
+}
+
+impl TwoUsers {
+    fn start(net: &NetworkMount, settings: &[&str]) -> Self {
+        let user @ (uid, gid) = hocus_tests::test_user();
+        let data = net.put(
+            "victim/train.bin",
+            &repeating_bytes(32 * MIB as usize, 251, 1),
+        );
+        let dir = net.server_path("attacker");
+        fs::create_dir_all(&dir).unwrap();
+        std::os::unix::fs::chown(&dir, Some(uid), Some(gid)).unwrap();
+        let holes_file = dir.join("holes.bin");
+        fs::File::create(&holes_file)
+            .unwrap()
+            .set_len(64 << 30)
+            .unwrap();
+        std::os::unix::fs::chown(&holes_file, Some(uid), Some(gid)).unwrap();
+        let holes = net.path("attacker/holes.bin");
+        let mount = net.mount.to_str().unwrap();
+        let mut args = vec![
+            "--watch",
+            mount,
+            "--partial-from",
+            "8M",
+            "--ssd-budget",
+            "64M",
+        ];
+        args.extend_from_slice(settings);
+        let agent = Agent::start(&args);
+        let route = agent.route("big files read in part");
+        assert!(route.starts_with("partial copies from 8.0 MiB"), "{route}");
+        let work = tempfile::tempdir().unwrap();
+        fs::set_permissions(work.path(), fs::Permissions::from_mode(0o777)).unwrap();
+        let two = Self {
+            agent,
+            data,
+            holes,
+            work,
+            user,
+        };
+        let evil = two.profile("evil.json", &two.holes, 64 << 30, uid);
+        assert_success(
+            &two.agent
+                .prefetch_as(&evil, user, "the attacker's prefetch"),
+        );
+        two.agent.settled();
+        two
+    }
+
+    /// A file in the test's directory, which both users may write.
+    fn path(&self, name: &str) -> std::path::PathBuf {
+        self.work.path().join(name)
+    }
+
+    fn profile(&self, name: &str, file: &Path, size: u64, reader: u32) -> std::path::PathBuf {
+        let entry = json!({"path": file, "size": size, "opens": 5, "bytes_read": MIB, "first_touch_ns": 1, "written": false, "uids": [reader], "ranges": [[4 * MIB, 5 * MIB]]});
+        hocus_tests::profile_in(self.work.path(), name, vec![entry])
+    }
+
+    /// `hocus-agent run -- argv` as the attacker, its output piped; once it made the
+    /// file `opened`.
+    fn attacker_job(&self, argv: &[&std::ffi::OsStr]) -> std::process::Child {
+        let (uid, gid) = self.user;
+        let job = self
+            .agent
+            .cli(&["run", "--"])
+            .args(argv)
+            .current_dir("/")
+            .uid(uid)
+            .gid(gid)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        wait_until(60, "the attacker's job opened its copy", || {
+            self.path("opened").exists()
+        });
+        job
+    }
+
+    /// Root prefetches its file, then starts Python `script` as its job, output piped;
+    /// once it made the file `victim-ready`.
+    fn victim_job(&self, script: &str) -> std::process::Child {
+        let victims = self.profile("victim.json", &self.data, 32 * MIB, 0);
+        self.agent.prefetch(&victims);
+        self.agent.settled();
+        assert!(
+            self.agent.local_copy(&self.data).exists()
+                && self.agent.local_copy(&self.holes).exists(),
+            "{}",
+            self.agent.log()
+        );
+        let job = self
+            .agent
+            .python_job(script)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        wait_until(60, "the victim's job opened its copy", || {
+            self.path("victim-ready").exists()
+        });
+        job
+    }
+}
+
+#[test]
+fn one_users_flood_of_reads_of_holes_fails_no_read_of_another_users_job() {
+    let net = NetworkMount::start();
+    // Fills may wait for the server 2 minutes here: the test holds it a while.
+    let two = TwoUsers::start(&net, &["--fill-timeout", "120"]);
+    let (agent, data) = (&two.agent, &two.data);
+    let path = |name: &str| two.path(name);
+    // The attacker's job opens their copy and waits, on one CPU of the two (as Slurm
+    // gives a job its own); then root's job opens its own and waits.
+    let flood = path("hole_flood.py");
+    fs::write(&flood, include_str!("../scripts/hole_flood.py")).unwrap();
+    let held = (4 * MIB).to_string();
+    let mut argv: Vec<std::ffi::OsString> = ["taskset", "--cpu-list", "1", "python3"]
+        .iter()
+        .map(|a| a.into())
+        .collect();
+    argv.extend([flood.into(), two.holes.clone().into(), held.clone().into()]);
+    argv.extend(["opened", "go", "ready", "stop"].map(|n| path(n).into()));
+    let attacker = two.attacker_job(&argv.iter().map(|a| a.as_os_str()).collect::<Vec<_>>());
+    // The victim's job: 16 threads, each reading 4 KiB of a range its copy lacks.
+    let offsets: Vec<u64> = (0..16).map(|i| 8 * MIB + i * MIB).collect();
+    let script = format!(
+        "import os, threading, time\nfd = os.open('{data}', os.O_RDONLY)\nos.pread(fd, 4096, {held})\nopen('{ready}', 'w').close()\nwhile not os.path.exists('{go}'): time.sleep(0.05)\nout = [None] * {n}\ndef read(i, at):\n    try:\n        out[i] = str(sum(os.pread(fd, 4096, at)))\n    except OSError as e:\n        out[i] = os.strerror(e.errno)\nthreads = [threading.Thread(target=read, args=(i, at)) for i, at in enumerate({offsets:?})]\nfor t in threads: t.start()\nopen('{asked}', 'w').close()\nfor t in threads: t.join()\nprint(*out, sep='\\n')\n",
+        data = data.display(),
+        ready = path("victim-ready").display(),
+        go = path("victim-go").display(),
+        asked = path("victim-asked").display(),
+        n = offsets.len(),
+    );
+    let victim = two.victim_job(&script);
+    // The server stops answering (nothing the filler waits for drains away), and the
+    // attacker floods: 1,200 threads, each reading 4 KiB of a hole of their copy.
+    let paused = net.pause_server();
+    fs::write(path("go"), b"").unwrap();
+    wait_until(120, "the attacker's 1,200 threads run", || {
+        (0..4).all(|i| path(&format!("ready.{i}")).exists())
+    });
+    wait_until(
+        60,
+        "the attacker's flood is past what the filler lets wait",
+        || agent.cache()["partial_reads_failed"].as_u64() > Some(0),
+    );
+    // The victim reads what its copy lacks; the reads reach the filler, and the
+    // server answers again.
+    fs::write(path("victim-go"), b"").unwrap();
+    wait_until(60, "the victim's reads made", || {
+        path("victim-asked").exists()
+    });
+    std::thread::sleep(std::time::Duration::from_secs(1));
+    drop(paused);
+    let victim = victim.wait_with_output().unwrap();
+    fs::write(path("stop"), b"").unwrap();
+    let flooded = attacker.wait_with_output().unwrap();
+    assert_success(&flooded);
+    assert_success(&victim);
+    // Every one of the victim's reads got the file's bytes.
+    let expect: Vec<String> = offsets
+        .iter()
+        .map(|&at| sum(at, 4096).to_string())
+        .collect();
+    let printed = String::from_utf8_lossy(&victim.stdout);
+    let wrong = printed
+        .lines()
+        .zip(&expect)
+        .filter(|(got, want)| got != want)
+        .count();
+    assert_eq!(
+        printed.lines().collect::<Vec<_>>(),
+        expect,
+        "{wrong} of the victim's {} reads went wrong during the flood (the attacker's reads refused, by process: {})\n{}",
+        expect.len(),
+        String::from_utf8_lossy(&flooded.stdout)
+            .split_whitespace()
+            .collect::<Vec<_>>()
+            .join(", "),
+        agent.log()
+    );
+}
+
+#[test]
+fn a_users_mapping_past_the_ssd_budget_fills_no_more_than_it_and_other_jobs_read_right() {
+    let net = NetworkMount::start();
+    let two = TwoUsers::start(&net, &[]);
+    let (agent, data, holes) = (&two.agent, &two.data, &two.holes);
+    let path = |name: &str| two.path(name);
+    const BUDGET: u64 = 64 * MIB;
+    // The attacker's job maps 256 MiB of holes of their copy, four times the budget:
+    // a mapping asks for all it maps at its mmap.
+    let mapping = format!(
+        "import mmap, os, time\nfd = os.open('{holes}', os.O_RDONLY)\nos.pread(fd, 4096, {held})\nopen('{opened}', 'w').close()\nwhile not os.path.exists('{go}'): time.sleep(0.05)\ntry:\n    m = mmap.mmap(fd, 256 << 20, prot=mmap.PROT_READ, offset=1 << 30)\n    print('mapped', sum(m[0:4096]))\nexcept OSError as e:\n    print(os.strerror(e.errno))\n",
+        holes = holes.display(),
+        held = 4 * MIB,
+        opened = path("opened").display(),
+        go = path("go").display(),
+    );
+    let argv = ["python3", "-c", &mapping].map(std::ffi::OsStr::new);
+    let attacker = two.attacker_job(&argv);
+    let script = format!(
+        "import os, time\nfd = os.open('{data}', os.O_RDONLY)\nprint(sum(os.pread(fd, 4096, {held})))\nopen('{ready}', 'w').close()\nwhile not os.path.exists('{go}'): time.sleep(0.05)\nfor at in ({held}, {lacks}):\n    try:\n        print(sum(os.pread(fd, 4096, at)))\n    except OSError as e:\n        print(os.strerror(e.errno))\n",
+        data = data.display(),
+        held = 4 * MIB,
+        lacks = 20 * MIB,
+        ready = path("victim-ready").display(),
+        go = path("victim-go").display(),
+    );
+    let victim = two.victim_job(&script);
+    // The attack: the mapping is refused once the budget has no room (its own bytes
+    // and what no job read lately punched first), never filled past it.
+    fs::write(path("go"), b"").unwrap();
+    let mapped = attacker.wait_with_output().unwrap();
+    assert_success(&mapped);
+    let said = String::from_utf8_lossy(&mapped.stdout).trim().to_owned();
+    // Counted by the keeper each second.
+    std::thread::sleep(std::time::Duration::from_secs(2));
+    let cache = agent.cache();
+    let filled = cache["partial_bytes_filled"].as_u64().unwrap();
+    let held = cache["cached_bytes"].as_u64().unwrap();
+    // What fills may have under way past the last count: 4 workers' pieces of 4 MiB.
+    assert!(
+        held <= BUDGET + 16 * MIB && filled <= BUDGET + 16 * MIB,
+        "the attacker's mapping ({said}) filled {} MiB: the cache holds {} MiB of a {} MiB budget\n{cache:#}\n{}",
+        filled >> 20,
+        held >> 20,
+        BUDGET >> 20,
+        agent.log()
+    );
+    assert_eq!(said, "Input/output error", "{}", agent.log());
+    assert!(filled >= 32 * MIB, "the attack filled only {filled} bytes");
+    assert!(
+        agent.log().contains("the SSD budget has no room left"),
+        "{}",
+        agent.log()
+    );
+    // The victim's job reads right: its held range, and a range its copy lacked, filled
+    // in room made by punching what no job read.
+    fs::write(path("victim-go"), b"").unwrap();
+    let out = victim.wait_with_output().unwrap();
+    assert_success(&out);
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        format!(
+            "{held}\n{held}\n{lacks}",
+            held = sum(4 * MIB, 4096),
+            lacks = sum(20 * MIB, 4096)
+        ),
+        "{}",
+        agent.log()
+    );
+}
+
+#[test]
+fn a_users_stream_through_holes_past_their_share_punches_their_own_chunks_not_another_jobs() {
+    let net = NetworkMount::start();
+    let two = TwoUsers::start(&net, &[]);
+    let (agent, data, holes) = (&two.agent, &two.data, &two.holes);
+    let path = |name: &str| two.path(name);
+    // The attacker's job streams through 256 MiB of holes of their copy, 1 MiB a read,
+    // until a read fails: four times the 64 MiB budget.
+    let stream = format!(
+        "import os, time\nfd = os.open('{holes}', os.O_RDONLY)\nos.pread(fd, 4096, {held})\nopen('{opened}', 'w').close()\nwhile not os.path.exists('{go}'): time.sleep(0.05)\nread = 0\ntry:\n    for at in range(1 << 30, (1 << 30) + (256 << 20), 1 << 20):\n        os.pread(fd, 1 << 20, at)\n        read += 1\n    print(read, 'MiB read')\nexcept OSError as e:\n    print(read, 'MiB read, then', os.strerror(e.errno))\n",
+        holes = holes.display(),
+        held = 4 * MIB,
+        opened = path("opened").display(),
+        go = path("go").display(),
+    );
+    let argv = ["python3", "-c", &stream].map(std::ffi::OsStr::new);
+    let attacker = two.attacker_job(&argv);
+    // The victim's job fills 16 MiB its copy lacked, then reads none of it for a while
+    // (its chunks the coldest), then reads it all again.
+    let script = format!(
+        "import os, time\nfd = os.open('{data}', os.O_RDONLY)\nfor at in range({from_}, {to}, 1 << 20):\n    os.pread(fd, 1 << 20, at)\nopen('{ready}', 'w').close()\nwhile not os.path.exists('{go}'): time.sleep(0.05)\nfor at in range({from_}, {to}, 1 << 20):\n    try:\n        print(sum(os.pread(fd, 4096, at)))\n    except OSError as e:\n        print(os.strerror(e.errno))\n",
+        data = data.display(),
+        from_ = 8 * MIB,
+        to = 24 * MIB,
+        ready = path("victim-ready").display(),
+        go = path("victim-go").display(),
+    );
+    let victim = two.victim_job(&script);
+    let local = agent.local_copy(data);
+    let held = || fs::metadata(&local).unwrap().blocks() * 512;
+    let before = held();
+    assert!(before >= 17 * MIB, "the victim's copy holds {before} bytes");
+    // Past READ_AGO (10 s): the victim's chunks may be punched for room.
+    std::thread::sleep(std::time::Duration::from_secs(11));
+    fs::write(path("go"), b"").unwrap();
+    let streamed = attacker.wait_with_output().unwrap();
+    assert_success(&streamed);
+    let said = String::from_utf8_lossy(&streamed.stdout).trim().to_owned();
+    let after = held();
+    assert!(
+        after >= before,
+        "the attacker's stream ({said}) punched {} MiB of the victim's running job's copy out\n{:#}\n{}",
+        (before - after) >> 20,
+        agent.cache(),
+        agent.log()
+    );
+    assert!(
+        said.ends_with("then Input/output error"),
+        "{said}\n{}",
+        agent.log()
+    );
+    assert!(
+        agent.log().contains("this user's fills hold their share"),
+        "{}",
+        agent.log()
+    );
+    // The victim reads right what it held, filled by nothing.
+    let filled = agent.cache()["partial_bytes_filled"].as_u64();
+    fs::write(path("victim-go"), b"").unwrap();
+    let out = victim.wait_with_output().unwrap();
+    assert_success(&out);
+    let expect: Vec<String> = (8..24).map(|m| sum(m * MIB, 4096).to_string()).collect();
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .collect::<Vec<_>>(),
+        expect,
+        "{}",
+        agent.log()
+    );
+    assert_eq!(agent.cache()["partial_bytes_filled"].as_u64(), filled);
 }

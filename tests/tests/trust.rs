@@ -1336,61 +1336,6 @@ fn a_watched_tree_swapped_for_a_symlink_gets_no_bind_through_it() {
     );
 }
 
-/// `cmd` run to its end within `secs` (`patience`), or killed and the test failed,
-/// saying so.
-fn finished_within(cmd: &mut std::process::Command, secs: u64, what: &str) -> std::process::Output {
-    let mut child = cmd
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let bound = hocus_tests::patience(secs);
-    let deadline = std::time::Instant::now() + bound;
-    while child.try_wait().unwrap().is_none() {
-        if std::time::Instant::now() > deadline {
-            let _ = child.kill();
-            let out = child.wait_with_output().unwrap();
-            panic!(
-                "{what} did not finish in {} s: {}",
-                bound.as_secs(),
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    child.wait_with_output().unwrap()
-}
-
-/// A profile naming `files` (entries as a profile holds them), written in `dir` for any
-/// user to read.
-fn profile_in(dir: &Path, name: &str, files: Vec<Value>) -> PathBuf {
-    let profile =
-        json!({"version": 2, "started_unix_ns": 1, "missing": [], "dirs": [], "files": files});
-    let file = dir.join(name);
-    fs::write(&file, serde_json::to_vec(&profile).unwrap()).unwrap();
-    fs::set_permissions(&file, fs::Permissions::from_mode(0o644)).unwrap();
-    file
-}
-
-/// `prefetch --profile profile` as user `(uid, gid)`, from the profile's directory; it
-/// must end within 60 s.
-fn prefetch_as(
-    agent: &Agent,
-    profile: &Path,
-    (uid, gid): (u32, u32),
-    what: &str,
-) -> std::process::Output {
-    finished_within(
-        agent
-            .cli(&["prefetch", "--profile", profile.to_str().unwrap()])
-            .current_dir(profile.parent().unwrap())
-            .uid(uid)
-            .gid(gid),
-        60,
-        what,
-    )
-}
-
 #[test]
 fn fifos_in_a_users_profile_hold_no_copy_worker_and_others_are_served() {
     let net = NetworkMount::start();
@@ -1418,16 +1363,11 @@ fn fifos_in_a_users_profile_hold_no_copy_worker_and_others_are_served() {
     fs::set_permissions(work.path(), fs::Permissions::from_mode(0o777)).unwrap();
     let profile = |name: &str, paths: &[String], reader: u32| {
         let entry = |p: &String| json!({"path": p, "size": 2048, "opens": 50, "bytes_read": 2048, "first_touch_ns": 1, "written": false, "uids": [reader]});
-        profile_in(work.path(), name, paths.iter().map(entry).collect())
+        hocus_tests::profile_in(work.path(), name, paths.iter().map(entry).collect())
     };
     // The attacker's prefetch ends: the FIFOs are refused, none is opened.
     let evil = profile("evil.json", &fifos, uid);
-    let out = prefetch_as(
-        &agent,
-        &evil,
-        (uid, gid),
-        "the attacker's prefetch of 16 FIFOs",
-    );
+    let out = agent.prefetch_as(&evil, (uid, gid), "the attacker's prefetch of 16 FIFOs");
     // Refused in the copy workers' order, and logged as each is: any of them says the
     // attack reached the daemon (CI of 89bfc1d in a 6.1 guest: fifo13 first, fifo0 not
     // yet logged when the prefetch answered).
@@ -1450,7 +1390,7 @@ fn fifos_in_a_users_profile_hold_no_copy_worker_and_others_are_served() {
     assert!(waiting.is_empty(), "daemon threads wait in {waiting:?}");
     // Another user's prefetch (root's, here) is served, and its file copied.
     let honest = profile("honest.json", &[wanted.display().to_string()], 0);
-    let out = finished_within(
+    let out = hocus_tests::finished_within(
         &mut agent.cli(&["prefetch", "--profile", honest.to_str().unwrap()]),
         60,
         "the victim's prefetch of one 2 KB file",
@@ -1496,13 +1436,8 @@ fn a_users_prefetch_evicts_no_copy_another_users_running_job_uses() {
         .map(|m| json!({"path": m, "size": 2048, "opens": 50, "bytes_read": 2048, "first_touch_ns": 1, "written": false, "uids": [0]}))
         .collect();
     files.push(json!({"path": data, "size": 32 * MIB, "opens": 5, "bytes_read": MIB, "first_touch_ns": 2, "written": false, "uids": [0], "ranges": [[4 * MIB, 5 * MIB]]}));
-    let victims = profile_in(work.path(), "victim.json", files);
-    assert_success(
-        &agent
-            .cli(&["prefetch", "--profile", victims.to_str().unwrap()])
-            .output()
-            .unwrap(),
-    );
+    let victims = hocus_tests::profile_in(work.path(), "victim.json", files);
+    agent.prefetch(&victims);
     agent.settled();
     // Where the kernel has no partial copies (before 6.14), the big file is past the
     // budget and read from the network; the whole copies are kept all the same.
@@ -1537,14 +1472,14 @@ fn a_users_prefetch_evicts_no_copy_another_users_running_job_uses() {
             >= copies
     });
     // The attacker prefetches a profile of one 30-byte file of theirs.
-    let evil = profile_in(
+    let evil = hocus_tests::profile_in(
         work.path(),
         "evil.json",
         vec![
             json!({"path": tiny, "size": 30, "opens": 1000, "bytes_read": 30, "first_touch_ns": 1, "written": false, "uids": [uid]}),
         ],
     );
-    let out = prefetch_as(&agent, &evil, (uid, gid), "the attacker's prefetch");
+    let out = agent.prefetch_as(&evil, (uid, gid), "the attacker's prefetch");
     assert_success(&out);
     agent.settled();
     // The attack was made: the attacker's file is copied.
@@ -1569,4 +1504,63 @@ fn a_users_prefetch_evicts_no_copy_another_users_running_job_uses() {
         String::from_utf8_lossy(&out.stdout).trim(),
         format!("{expect} {}", letters.join(" "))
     );
+}
+
+#[test]
+fn a_flood_of_entries_in_a_users_profile_brings_in_no_more_than_its_bound() {
+    let net = NetworkMount::start();
+    let (uid, gid) = test_user();
+    let dir = net.server_path("attacker");
+    fs::create_dir_all(&dir).unwrap();
+    std::os::unix::fs::chown(&dir, Some(uid), Some(gid)).unwrap();
+    // A user's profile brings in 20,000 entries here (200,000 by default): the same
+    // bound, a tenth of the names to send.
+    const BOUND: u64 = 20_000;
+    let agent = Agent::start(&[
+        "--watch",
+        net.mount.to_str().unwrap(),
+        "--max-user-profile-entries",
+        &BOUND.to_string(),
+    ]);
+    // A crafted profile of 60,000 names of the attacker's own directory (each a few
+    // hundred bytes in the daemon): past what a user's profile brings in, by more than
+    // the batch of 16,384 it is checked in.
+    const SENT: u64 = 60_000;
+    let missing: Vec<Value> = (0..SENT)
+        .map(|i| json!({"path": net.path(&format!("attacker/nope{i}.py")), "lookups": 9, "first_touch_ns": 1}))
+        .collect();
+    let profile =
+        json!({"version": 2, "started_unix_ns": 1, "files": [], "dirs": [], "missing": missing});
+    let work = tempfile::tempdir().unwrap();
+    fs::set_permissions(work.path(), fs::Permissions::from_mode(0o777)).unwrap();
+    let file = work.path().join("names.json");
+    fs::write(&file, serde_json::to_vec(&profile).unwrap()).unwrap();
+    fs::set_permissions(&file, fs::Permissions::from_mode(0o644)).unwrap();
+    let out = agent.prefetch_as(&file, (uid, gid), "the attacker's prefetch of 60,000 names");
+    assert_success(&out);
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        said.contains(&format!(
+            "past the {BOUND} entries a profile of this sender brings in"
+        )),
+        "{said}"
+    );
+    // Brought in up to the bound (checked a batch of 16,384 at a time), the rest
+    // refused, said and counted.
+    let taken = agent.status()["missing"].as_u64().unwrap();
+    assert!((BOUND..=BOUND + 16_384).contains(&taken), "{taken}");
+    let refused: u64 = said
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("refused ")?
+                .split_whitespace()
+                .next()?
+                .parse()
+                .ok()
+        })
+        .unwrap_or_else(|| panic!("{said}"));
+    assert_eq!(refused, SENT - taken, "{said}");
+    // Root's own import of a site's profile is bounded by the working set's bound only.
+    agent.prefetch(&file);
+    assert_eq!(agent.status()["missing"], SENT);
 }

@@ -28,6 +28,7 @@ use super::{
 };
 use crate::profile::extents::Extents;
 use crate::shared::{
+    asked::{self, Counted},
     attrs::{self, Times},
     dirs,
     identity::Identity,
@@ -63,6 +64,7 @@ impl From<FillError> for CopyError {
             FillError::Changed => CopyError::Changed,
             FillError::Source(e) => CopyError::Source(e),
             FillError::Local(e) => local(e),
+            FillError::Budget | FillError::Share => CopyError::NoSpace,
         }
     }
 }
@@ -147,7 +149,7 @@ pub fn copy(c: &Copying, via: Via) -> Result<Identity, CopyError> {
             .open(&tmp)
             .map_err(local)?;
         let poured = match via {
-            Via::Network => pour(&src.file, &mut out).map_err(|e| match e {
+            Via::Network => pour(Counted(&src.file), &mut out).map_err(|e| match e {
                 PourError::Read(e) => CopyError::Source(e),
                 PourError::Write(e) => local(e),
             })?,
@@ -205,7 +207,7 @@ pub fn copy_partial(
         let network = src.file.try_clone().map_err(CopyError::Source)?;
         let name = source.display().to_string();
         let writer = out.try_clone().map_err(local)?;
-        let partial = PartialCopy::new(name, network, writer)?;
+        let partial = PartialCopy::new(name, network, writer)?.counted_under(c.tree);
         let mut from_parent = 0;
         if let Via::Parent(parent) = via {
             let now = Identity::of(&src.before);
@@ -255,7 +257,7 @@ pub fn resume_partial(
         .map_err(local)?;
     let writer = out.try_clone().map_err(local)?;
     let name = source.display().to_string();
-    let partial = PartialCopy::resume(name, src.file, writer)?;
+    let partial = PartialCopy::resume(name, src.file, writer)?.counted_under(tree);
     Ok((id, partial, out))
 }
 
@@ -278,7 +280,10 @@ impl<'a> Source<'a> {
                 tree.display()
             ))
         })?;
+        // Two operations: the tree's root, then the file beneath it.
+        asked::asked();
         let tree_fd = dirs::open_dir(tree).map_err(|e| refused(e, tree))?;
+        asked::asked();
         let file = {
             let _as_reader = AsUser::take(reader).map_err(CopyError::Source)?;
             dirs::open_regular_beneath(&tree_fd, rel).map_err(|e| match e.kind() {
@@ -311,6 +316,7 @@ impl<'a> Source<'a> {
         // As the reader again: a squashed root may not even search the file's directory.
         let by_name = {
             let _as_reader = AsUser::take(reader).map_err(CopyError::Source)?;
+            asked::asked();
             let fd = open_beneath(&self.tree_fd, self.rel, libc::O_PATH)?;
             File::from(fd).metadata().map_err(CopyError::Source)?
         };

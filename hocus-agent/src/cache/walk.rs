@@ -25,7 +25,10 @@ use nix::{
     sys::stat::{FileStat, Mode, fstat, fstatat},
 };
 
-use crate::shared::tree::{Tree, fstat_now};
+use crate::shared::{
+    asked::{self, Asking},
+    tree::{Tree, fstat_now},
+};
 
 /// How many threads walk a tree: enough round trips in flight to fill a cluster link
 /// (SFTP and NFS clients pipeline requests over one connection), few enough to leave the
@@ -129,9 +132,11 @@ where
     });
     let wake = Condvar::new();
     let failed: Mutex<Option<E>> = Mutex::new(None);
+    let asking = asked::current();
     std::thread::scope(|s| {
         for _ in 0..threads.max(1) {
             s.spawn(|| {
+                let _asking = Asking::again(&asking);
                 loop {
                     let next = {
                         let mut q = queue.lock().unwrap();
@@ -195,6 +200,7 @@ fn run<E: From<io::Error>>(
 ) -> Result<bool, E> {
     match task {
         Task::Dir { parent, name, rel } => {
+            asked::asked();
             let fd = openat(
                 Some(parent.as_raw_fd()),
                 name.as_c_str(),
@@ -219,6 +225,7 @@ fn run<E: From<io::Error>>(
         }
         Task::Names { dir, rel, names } => {
             for name in names {
+                asked::asked();
                 let stat = fstatat(
                     Some(dir.as_raw_fd()),
                     name.as_c_str(),
@@ -256,6 +263,7 @@ fn run<E: From<io::Error>>(
 fn list(dir: &Arc<OwnedFd>, rel: &Path, found: &mut Vec<Task>) -> io::Result<()> {
     // The listing reads through its own descriptor; `dir` stays for the lookups.
     let mut listing = Dir::from_fd(dir.try_clone()?.into_raw_fd())?;
+    asked::asked();
     let rel = Arc::new(rel.to_owned());
     let mut names = Vec::new();
     for entry in listing.iter() {

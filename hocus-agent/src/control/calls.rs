@@ -41,6 +41,12 @@ pub struct Setup {
     /// Where a Slurm task's binds are marked, so that its opens are seen while the
     /// tracer rests (none on a kernel without fanotify's mount ids).
     pub bind_opens: Option<Arc<BindOpens>>,
+    /// The working set's bound (`max-profile-entries`): what root's profiles bring in.
+    pub max_profile_entries: usize,
+    /// Entries (files, missing names, directories) a profile an ordinary user sends
+    /// brings in (`max-user-profile-entries`); the rest are left out, counted as
+    /// refused. It is held in memory until taken in, one per user at a time.
+    pub max_user_profile_entries: usize,
 }
 
 /// A connected client, as the handlers of its requests answer it.
@@ -117,10 +123,10 @@ pub fn ask_once(calls: &mpsc::Sender<Call>, caller: Caller, asked: Ask) -> Resul
 
 /// Reads a profile from the descriptor a client sent (at most [`MAX_PROFILE_BYTES`], in
 /// the documented format), a batch at a time, into a staging of its own: only sound
-/// paths inside `trees` that the caller may read, vouched for as the caller.
+/// paths inside the watched trees that the caller may read, vouched for as the caller.
 pub fn read_profile(
     fd: Option<OwnedFd>,
-    trees: &[PathBuf],
+    setup: &Setup,
     caller: &Caller,
 ) -> Result<Staging, Refusal> {
     let Some(fd) = fd else {
@@ -146,7 +152,12 @@ pub fn read_profile(
             format!("a profile is at most {MAX_PROFILE_BYTES} bytes"),
         ));
     }
-    let mut staged = Staging::new(trees);
+    let most = if caller.is_root() {
+        setup.max_profile_entries
+    } else {
+        setup.max_user_profile_entries
+    };
+    let mut staged = Staging::for_user(&setup.trees, caller.uid, most);
     let mut batch = |p| {
         staged.take(p, |p| {
             access::filter_for(p, caller).map_err(|e| format!("{e:#}"))?;

@@ -218,7 +218,7 @@ pub fn prefetch(
         }
         Err(e) => return Err(Refusal::new("read_error", format!("{e:#}"))),
     };
-    let staged = read_profile(Some(fd), &setup.trees, &user)
+    let staged = read_profile(Some(fd), setup, &user)
         .map_err(|r| Refusal::new(r.reason, format!("{}: {}", path.display(), r.message)))?;
     log::info!(
         "Slurm job {}: prefetching from {} ({} files, {} missing names)",

@@ -207,7 +207,7 @@ fn answer(
         }
         Request::Budgets { ssd, ram } => Query::Budgets { ssd, ram },
         Request::Import | Request::Prefetch => {
-            let staged = match read_profile(fds.into_iter().next(), &setup.trees, &caller) {
+            let staged = match read_profile(fds.into_iter().next(), setup, &caller) {
                 Ok(p) => Box::new(p),
                 Err(r) => return client.refuse(r),
             };

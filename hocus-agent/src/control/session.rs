@@ -54,9 +54,10 @@ fn confirmed_binds(calls: &mpsc::Sender<Call>, caller: &Caller) -> Result<Vec<Bi
     let started = Instant::now();
     let (checked, reused) = confirm::confirm_reusing(binds, JOB_START_CHECK, job_user(caller));
     log::info!(
-        "job start: {} local copies confirmed against the network in {:.1} ms ({} stale, {} not checked in time, {reused} confirmed by another job's start just before)",
+        "job start: {} local copies confirmed against the network in {:.1} ms, {} entries checked ({} stale, {} not checked in time, {reused} confirmed by another job's start just before)",
         checked.binds.len(),
         started.elapsed().as_secs_f64() * 1000.0,
+        checked.entries,
         checked.stale.len(),
         checked.unchecked,
     );

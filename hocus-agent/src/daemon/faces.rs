@@ -20,6 +20,8 @@ impl Daemon {
             trees: self.watched.iter().map(|w| w.path.clone()).collect(),
             job_profiles: settings.job_profiles(),
             bind_opens: self.jobs.bind_opens(),
+            max_profile_entries: settings.max_profile_entries(),
+            max_user_profile_entries: settings.max_user_profile_entries(),
         };
         if let Some(port) = settings.relay_port() {
             let serving = relay::Serving {

@@ -172,6 +172,7 @@ impl Daemon {
             );
         }
         cache.trees = trees.paths();
+        cache.revalidate_max = trees.longest_wait(&opts.settings);
         let cache_dir = cache.cache_dir.clone();
         // Before any job of this daemon's exists.
         leftovers::take_away_at_start(&cache_dir, &cache.trees);
@@ -365,7 +366,7 @@ impl Daemon {
         }
         if self.tracing.changes_unplaced() {
             log::info!(
-                "a change on a watched tree named no file the kernel side could place (a long name, by an absolute path in a namespace not learned): every local copy is checked against the network now"
+                "a change on a watched tree named no file the kernel side could place (a long name, by an absolute path in a namespace not learned): every copy a running job has bound is checked against the network now (the others at the next job's start)"
             );
             let sent = self.keeper.revalidate_now().await;
             self.check(sent);
@@ -674,6 +675,7 @@ impl Daemon {
                 ram_budget: budgets.ram,
                 filters: Filters::of(&new),
                 revalidate: new.revalidate(),
+                revalidate_max: new.revalidate_max(),
             })
             .await;
         self.check(reconfigured);

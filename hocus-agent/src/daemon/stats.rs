@@ -10,7 +10,13 @@ use std::{
 
 use tokio::sync::mpsc;
 
-use crate::{profile::working_set::Attributes, shared::tree::Tree};
+use crate::{
+    profile::working_set::Attributes,
+    shared::{
+        asked::{Asking, Purpose},
+        tree::Tree,
+    },
+};
 
 /// A file stat'ed, with what was found (None: gone).
 pub type Stat = (String, Option<Attributes>);
@@ -65,6 +71,7 @@ impl Stats {
 fn stat(trees: &[PathBuf], path: &str) -> Option<Attributes> {
     let p = Path::new(path);
     let tree = trees.iter().find(|t| p.starts_with(t))?;
+    let _asking = Asking::begin(tree, Purpose::Profile);
     let m = Tree::open(tree).and_then(|t| t.stat(p)).ok()?;
     Some(Attributes {
         size: m.size(),

@@ -5,9 +5,13 @@
 
 use std::{future::Future, path::PathBuf};
 
-use hocus_control::status::{Status, TopFile};
+use hocus_control::status::{NfsOperations, ServerAsked, Status, TopFile};
 
-use crate::control::gate::Control;
+use crate::{
+    control::gate::Control,
+    observe::mounts,
+    shared::asked::{self, Purpose},
+};
 
 use super::Daemon;
 
@@ -50,6 +54,8 @@ impl Daemon {
             tracing: self.tracing.status(self.opts.settings.rest_after()),
             kernel_release: self.kernel_release.clone(),
             routes: self.routes.clone(),
+            server: self.server_asked(),
+            nfs_operations: self.nfs_operations(),
         };
         let keeper = self.keeper.clone();
         async move {
@@ -79,5 +85,55 @@ impl Daemon {
                 .collect();
             status
         }
+    }
+}
+
+impl Daemon {
+    /// Every purpose of every watched network tree, those never asked at 0: a series
+    /// that appears only once counted reads as a step from nothing.
+    fn server_asked(&self) -> Vec<ServerAsked> {
+        let counts = asked::counts();
+        let mut out = Vec::new();
+        for w in self.watched.iter().filter(|w| w.network) {
+            for purpose in Purpose::ALL {
+                let c = counts
+                    .iter()
+                    .find(|(t, p, _)| *t == w.path && *p == purpose)
+                    .map(|(_, _, c)| *c)
+                    .unwrap_or_default();
+                out.push(ServerAsked {
+                    mount: w.path.clone(),
+                    purpose: purpose.name().into(),
+                    operations: c.operations,
+                    bytes: c.bytes,
+                });
+            }
+        }
+        out
+    }
+
+    /// Each watched NFS tree's mount's own counts (the mount it lies on).
+    fn nfs_operations(&self) -> Vec<NfsOperations> {
+        let nfs: Vec<_> = self
+            .watched
+            .iter()
+            .filter(|w| w.fs_type.starts_with("nfs"))
+            .collect();
+        if nfs.is_empty() {
+            return Vec::new();
+        }
+        let stats = mounts::nfs_operations();
+        nfs.iter()
+            .filter_map(|w| {
+                let (_, ops) = stats
+                    .iter()
+                    .filter(|(point, _)| w.path.starts_with(point))
+                    .max_by_key(|(point, _)| point.as_os_str().len())?;
+                Some(NfsOperations {
+                    mount: w.path.clone(),
+                    operations: ops.clone(),
+                })
+            })
+            .collect()
     }
 }

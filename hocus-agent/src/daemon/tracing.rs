@@ -260,6 +260,7 @@ fn news(tracer: &Tracer, observer: &Observer) -> u64 {
 fn lost(c: &Counters) -> u64 {
     c[counter::LOST_RING_FULL as usize]
         + c[counter::LOST_OPEN_FILES_FULL as usize]
+        + c[counter::LOST_OPEN_FILES_OF_USER as usize]
         + c[counter::CHANGE_UNPLACED as usize]
 }
 

@@ -35,6 +35,9 @@ pub struct Trees {
     pub watches: Vec<Watch>,
     /// Each held open.
     dirs: Vec<OwnedFd>,
+    /// The least time the watched NFS mounts' clients trust their cached attributes
+    /// (`Mount::attribute_cache_max`).
+    pub attribute_cache_max: Option<std::time::Duration>,
 }
 
 impl Trees {
@@ -55,6 +58,7 @@ impl Trees {
             watched: Vec::new(),
             watches: Vec::new(),
             dirs: Vec::new(),
+            attribute_cache_max: None,
         };
         for path in &given {
             let checked = mounts::check_watch(path).and_then(|c| Ok((mounts::open_dir(&c)?, c)));
@@ -71,6 +75,10 @@ impl Trees {
             let mount = mounts::mount_of(mount_table, &canonical);
             let fs_type = mount.map(|m| m.fs_type.clone()).unwrap_or_default();
             let network = mount.is_some_and(Mount::is_network);
+            if let Some(max) = mount.and_then(Mount::attribute_cache_max) {
+                trees.attribute_cache_max =
+                    Some(trees.attribute_cache_max.map_or(max, |m| m.min(max)));
+            }
             if network {
                 log::info!("watching {} ({fs_type})", canonical.display());
             } else {
@@ -101,6 +109,30 @@ impl Trees {
             );
         }
         Ok(trees)
+    }
+
+    /// The longest wait between two checks of a bound entry: `revalidate-max` if
+    /// given, else the watched NFS mounts' own (`attribute_cache_max`), else a minute;
+    /// never below `revalidate`. Said in the log.
+    pub fn longest_wait(
+        &self,
+        settings: &crate::shared::settings::Settings,
+    ) -> std::time::Duration {
+        let longest = settings
+            .revalidate_max()
+            .or(self.attribute_cache_max)
+            .unwrap_or(std::time::Duration::from_secs(60))
+            .max(settings.revalidate());
+        log::info!(
+            "revalidation: what running jobs bind is checked {} s after their start, then less often while it stays unchanged, up to {} s apart{}",
+            settings.revalidate().as_secs(),
+            longest.as_secs(),
+            match (settings.revalidate_max, self.attribute_cache_max) {
+                (None, Some(_)) => " (the NFS mounts' own acregmax)",
+                _ => "",
+            }
+        );
+        longest
     }
 
     /// The trees' paths.

@@ -81,6 +81,22 @@ impl Mount {
     pub fn is_network(&self) -> bool {
         is_network_type(&self.fs_type)
     }
+
+    /// The longest an NFS mount's client trusts the attributes it cached (the least of
+    /// its `acregmax` and `acdirmax`); None where it says none (not NFS).
+    pub fn attribute_cache_max(&self) -> Option<std::time::Duration> {
+        if !self.fs_type.starts_with("nfs") {
+            return None;
+        }
+        self.super_options
+            .split(',')
+            .filter_map(|o| {
+                let (k, v) = o.split_once('=')?;
+                matches!(k, "acregmax" | "acdirmax").then(|| v.parse::<u64>().ok())?
+            })
+            .min()
+            .map(std::time::Duration::from_secs)
+    }
 }
 
 /// Whether a filesystem is FUSE: every lookup it does not hold (a failed one always) and
@@ -194,6 +210,50 @@ pub fn mount_of<'a>(mounts: &'a [Mount], path: &Path) -> Option<&'a Mount> {
         .map(|(_, m)| m)
 }
 
+/// Each NFS mount's own count of the operations its client sent, from
+/// /proc/self/mountstats (its "per-op statistics": the first figure of each is the
+/// requests sent), by mount point; operations never sent are left out.
+pub fn nfs_operations() -> Vec<(PathBuf, Vec<(String, u64)>)> {
+    fs::read_to_string("/proc/self/mountstats")
+        .map(|t| parse_nfs_operations(&t))
+        .unwrap_or_default()
+}
+
+pub fn parse_nfs_operations(text: &str) -> Vec<(PathBuf, Vec<(String, u64)>)> {
+    let mut out: Vec<(PathBuf, Vec<(String, u64)>)> = Vec::new();
+    let mut in_ops = false;
+    for line in text.lines() {
+        if let Some(rest) = line.strip_prefix("device ") {
+            in_ops = false;
+            let point = rest
+                .split_once(" mounted on ")
+                .and_then(|(_, r)| r.rsplit_once(" with fstype "))
+                .filter(|(_, t)| t.starts_with("nfs"));
+            if let Some((point, _)) = point {
+                out.push((PathBuf::from(unescape(point)), Vec::new()));
+            }
+            continue;
+        }
+        let Some((_, ops)) = out.last_mut() else {
+            continue;
+        };
+        let line = line.trim();
+        if line == "per-op statistics" {
+            in_ops = true;
+        } else if in_ops {
+            let counted = line
+                .split_once(':')
+                .and_then(|(op, r)| Some((op, r.split_whitespace().next()?.parse().ok()?)));
+            match counted {
+                Some((op, n)) if n > 0 => ops.push((op.to_owned(), n)),
+                Some(_) => {}
+                None => in_ops = false,
+            }
+        }
+    }
+    out
+}
+
 /// The network mounts to watch when the user names none, outermost first, without
 /// mounts nested inside another chosen one.
 pub fn default_watches(mounts: &[Mount]) -> Vec<PathBuf> {
@@ -244,6 +304,49 @@ pub fn check_watch(path: &Path) -> Result<PathBuf> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn an_nfs_mounts_attribute_cache_max_is_its_lesser_acregmax_or_acdirmax() {
+        let text = "40 22 0:35 / /home rw,relatime - nfs4 server:/export/home rw,vers=4.2,acregmin=3,acregmax=60,acdirmin=30,acdirmax=45
+41 22 0:36 / /scratch rw - nfs server:/scratch rw,vers=3
+50 22 0:40 / /mnt/net rw - fuse.sshfs root@h:/srv rw,user_id=0
+";
+        let m = parse(text).unwrap();
+        assert_eq!(
+            m[0].attribute_cache_max(),
+            Some(std::time::Duration::from_secs(45))
+        );
+        assert_eq!(m[1].attribute_cache_max(), None);
+        assert_eq!(m[2].attribute_cache_max(), None);
+    }
+
+    #[test]
+    fn nfs_operations_are_read_from_mountstats_per_mount() {
+        let text = "device proc mounted on /proc with fstype proc
+device 10.0.0.1:/home mounted on /net/my\\040home with fstype nfs4 statvers=1.1
+\topts:\trw,vers=4.2
+\tper-op statistics
+\t        NULL: 0 0 0 0 0 0 0 0
+\t        READ: 12 12 0 1440 4096 3 5 9 0
+\t     GETATTR: 7 7 0 980 1500 1 2 3 0
+
+device srv:/scratch mounted on /scratch with fstype nfs statvers=1.1
+\tper-op statistics
+\t      LOOKUP: 3 3 0 1 1 1 1 1 0
+device tmpfs mounted on /tmp with fstype tmpfs
+";
+        let got = parse_nfs_operations(text);
+        assert_eq!(
+            got,
+            vec![
+                (
+                    PathBuf::from("/net/my home"),
+                    vec![("READ".into(), 12), ("GETATTR".into(), 7)]
+                ),
+                (PathBuf::from("/scratch"), vec![("LOOKUP".into(), 3)]),
+            ]
+        );
+    }
+
     use super::*;
 
     const SAMPLE: &str = "\

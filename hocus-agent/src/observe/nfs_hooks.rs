@@ -37,22 +37,26 @@ type Hook = (
 
 // A table, one hook a line.
 #[rustfmt::skip]
-const NFS_HOOKS: [Hook; 15] = [
+const NFS_HOOKS: [Hook; 19] = [
     ("nfs_opened", "nfs", "nfs_file_open", At::Exit, &["inode", "file"]),
     ("nfs4_opened", "nfsv4", "nfs4_file_open", At::Exit, &["inode", "file"]),
     ("nfs_dir_opened", "nfs", "nfs_opendir", At::Exit, &["inode", "file"]),
     ("nfs_atomic_opened", "nfs", "nfs_atomic_open", At::Exit, &["inode", "dentry", "file", "", ""]),
     ("nfs_read", "nfs", "nfs_file_read", At::Exit, &["kiocb", "iov_iter"]),
-    ("nfs_write", "nfs", "nfs_file_write", At::Entry, &["kiocb", "iov_iter"]),
+    ("nfs_write", "nfs", "nfs_file_write", At::Exit, &["kiocb", "iov_iter"]),
     ("nfs_mapped", "nfs", "nfs_file_mmap", At::Exit, &["file", "vm_area_struct"]),
     ("nfs_released", "nfs", "nfs_file_release", At::Entry, &["inode", "file"]),
     ("nfs_dir_closed", "nfs", "nfs_closedir", At::Entry, &["inode", "file"]),
     ("nfs_looked_up", "nfs", "nfs_lookup", At::Exit, &["inode", "dentry", ""]),
-    ("nfs_unlinked", "nfs", "nfs_unlink", At::Entry, &["inode", "dentry"]),
-    ("nfs_rmdired", "nfs", "nfs_rmdir", At::Entry, &["inode", "dentry"]),
+    ("nfs_unlinking", "nfs", "nfs_unlink", At::Entry, &["inode", "dentry"]),
+    ("nfs_unlinked", "nfs", "nfs_unlink", At::Exit, &["inode", "dentry"]),
+    ("nfs_rmdiring", "nfs", "nfs_rmdir", At::Entry, &["inode", "dentry"]),
+    ("nfs_rmdired", "nfs", "nfs_rmdir", At::Exit, &["inode", "dentry"]),
     ("nfs_mkdired", "nfs", "nfs_mkdir", At::Entry, &["*", "inode", "dentry", ""]),
-    ("nfs_renamed", "nfs", "nfs_rename", At::Entry, &["*", "inode", "dentry", "inode", "dentry", ""]),
-    ("nfs_setattred", "nfs", "nfs_setattr", At::Entry, &["*", "dentry", "iattr"]),
+    ("nfs_renaming", "nfs", "nfs_rename", At::Entry, &["*", "inode", "dentry", "inode", "dentry", ""]),
+    ("nfs_renamed", "nfs", "nfs_rename", At::Exit, &["*", "inode", "dentry", "inode", "dentry", ""]),
+    ("nfs_setattring", "nfs", "nfs_setattr", At::Entry, &["*", "dentry", "iattr"]),
+    ("nfs_setattred", "nfs", "nfs_setattr", At::Exit, &["*", "dentry", "iattr"]),
 ];
 
 pub enum Link {

@@ -2,10 +2,14 @@
 //! prefetch, a Slurm job's saved profile, root's import without a daemon), a batch at a
 //! time, into a working set of its own: only sound paths inside the watched trees, and
 //! only what its sender may vouch for. What was refused is named (the first
-//! `REFUSED_SHOWN`) and counted.
+//! `REFUSED_SHOWN`) and counted. A user has one profile staged at a time (`Turn`).
 
 use hocus_control::status::{REFUSED_SHOWN, Refused};
-use std::path::PathBuf;
+use std::{
+    collections::BTreeSet,
+    path::PathBuf,
+    sync::{Condvar, Mutex},
+};
 
 use crate::profile::{
     format::{Profile, keep_valid},
@@ -23,6 +27,38 @@ pub struct Staging {
     /// Entries refused (at most `REFUSED_SHOWN`), and how many in all.
     pub refused: Vec<Refused>,
     pub refused_total: usize,
+    /// Its sender's turn, given up once it is taken in (dropped).
+    _turn: Option<Turn>,
+    /// Entries it may bring in; those past it are left out, refused.
+    most: usize,
+}
+
+/// The users with a profile staged now.
+static STAGED: Mutex<BTreeSet<u32>> = Mutex::new(BTreeSet::new());
+static TURN_GIVEN_UP: Condvar = Condvar::new();
+
+/// A user's turn to have a profile staged: their next waits until this one is taken in,
+/// so that what a user's profiles hold in memory at once is one profile's worth, however
+/// many they send together.
+pub struct Turn(u32);
+
+impl Turn {
+    /// Waits for `uid`'s turn.
+    pub fn take(uid: u32) -> Self {
+        let mut staged = STAGED.lock().expect("not poisoned");
+        while staged.contains(&uid) {
+            staged = TURN_GIVEN_UP.wait(staged).expect("not poisoned");
+        }
+        staged.insert(uid);
+        Self(uid)
+    }
+}
+
+impl Drop for Turn {
+    fn drop(&mut self) {
+        STAGED.lock().expect("not poisoned").remove(&self.0);
+        TURN_GIVEN_UP.notify_all();
+    }
 }
 
 impl Staging {
@@ -34,7 +70,24 @@ impl Staging {
             missing: 0,
             refused: Vec::new(),
             refused_total: 0,
+            _turn: None,
+            most: usize::MAX,
         }
+    }
+
+    /// The same for a profile user `uid` sent, once it is their turn ([`Turn`]), bringing
+    /// in at most `most` entries (files, missing names, directories).
+    pub fn for_user(trees: &[PathBuf], uid: u32, most: usize) -> Self {
+        Self {
+            _turn: Some(Turn::take(uid)),
+            most,
+            ..Self::new(trees)
+        }
+    }
+
+    fn entries(&self) -> usize {
+        let (files, missing, dirs) = self.set.counts();
+        files + missing + dirs
     }
 
     /// Takes in one batch: unsound paths and paths outside the trees are refused, then
@@ -45,6 +98,10 @@ impl Staging {
         mut batch: Profile,
         vouch: impl FnOnce(&mut Profile) -> Result<(), String>,
     ) -> Result<(), String> {
+        if self.entries() >= self.most {
+            self.leave_out(batch);
+            return Ok(());
+        }
         let refused = keep_valid(&mut batch, &self.trees);
         self.refused_total += refused.len();
         let room = REFUSED_SHOWN.saturating_sub(self.refused.len());
@@ -54,6 +111,27 @@ impl Staging {
         self.missing += batch.missing.len();
         self.set.merge(batch);
         Ok(())
+    }
+
+    /// Refuses all of `batch`: the profile brought in all it may.
+    fn leave_out(&mut self, batch: Profile) {
+        let n = batch.files.len() + batch.missing.len() + batch.dirs.len();
+        if n == 0 {
+            return;
+        }
+        if self.refused.len() < REFUSED_SHOWN {
+            let first = (batch.files.first().map(|f| &f.path))
+                .or(batch.missing.first().map(|m| &m.path))
+                .or(batch.dirs.first().map(|d| &d.path));
+            self.refused.push(Refused {
+                path: first.map_or(String::new(), |p| p.escape_debug().to_string()),
+                why: format!(
+                    "past the {} entries a profile of this sender brings in (root may import a bigger one)",
+                    self.most
+                ),
+            });
+        }
+        self.refused_total += n;
     }
 
     /// All batches are in: the profile started at `unix_ns`.
@@ -94,6 +172,42 @@ mod tests {
             }],
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn a_users_second_profile_waits_until_their_first_is_taken_in() {
+        let first = Staging::for_user(&[], 4242, 10);
+        let (tx, rx) = std::sync::mpsc::channel();
+        let second = std::thread::spawn(move || {
+            let s = Staging::for_user(&[], 4242, 10);
+            tx.send(()).unwrap();
+            s
+        });
+        // Another user's is not held back.
+        drop(Staging::for_user(&[], 4243, 10));
+        assert!(
+            rx.recv_timeout(std::time::Duration::from_millis(200))
+                .is_err()
+        );
+        drop(first);
+        rx.recv_timeout(std::time::Duration::from_secs(10)).unwrap();
+        drop(second.join().unwrap());
+    }
+
+    #[test]
+    fn past_its_bound_a_profile_brings_nothing_more_in_and_says_so() {
+        let mut s = Staging::for_user(&[PathBuf::from("/net/home")], 4244, 3);
+        s.take(batch(&["/net/home/a.py", "/net/home/b.py"]), |_| Ok(()))
+            .unwrap();
+        assert_eq!(s.entries(), 3);
+        s.take(batch(&["/net/home/c.py"]), |_| Ok(())).unwrap();
+        assert_eq!(s.entries(), 3);
+        assert_eq!(s.refused_total, 2);
+        assert!(
+            s.refused[0].why.starts_with("past the 3 entries"),
+            "{:?}",
+            s.refused
+        );
     }
 
     #[test]

@@ -34,6 +34,7 @@ use std::{
 use crate::{
     redirect::mountns::{self, Bind, Expect},
     shared::{
+        asked::{self, Asking, Purpose},
         identity::Identity,
         tree::{Tree, stat_now},
         user::{AsUser, User},
@@ -77,6 +78,9 @@ pub struct Confirmed {
     pub stale: Vec<PathBuf>,
     /// Not checked within the time allowed (not bound either).
     pub unchecked: usize,
+    /// The entries `binds` were confirmed by: a copied file is one, a snapshot each
+    /// file and directory it was taken from.
+    pub entries: usize,
 }
 
 /// A snapshot's directory, held open (O_PATH) so that those below it are opened from
@@ -176,6 +180,7 @@ fn confirm_until(binds: Vec<Bind>, deadline: Instant, asking: Option<&User>) -> 
     for b in &binds {
         trees.entry(b.tree.clone()).or_insert_with(|| {
             // Nothing is checked (nor bound) through a tree it cannot open.
+            let _asking = Asking::begin(&b.tree, Purpose::JobStart);
             Tree::open(&b.tree)
                 .inspect_err(|e| mountns::say_not_bound(&b.tree, e))
                 .ok()
@@ -235,6 +240,7 @@ fn confirm_until(binds: Vec<Bind>, deadline: Instant, asking: Option<&User>) -> 
                             return;
                         };
                         let i = item.bind;
+                        let _asking = Asking::begin(&binds[i].tree, Purpose::JobStart);
                         let tree = trees.get(&binds[i].tree).and_then(Option::as_ref);
                         let mut found = tree.map_or(Found::Unanswered, |t| check(t, item, &opened));
                         // Refused to root (squashed): asked again as the job's user.
@@ -272,6 +278,7 @@ fn confirm_until(binds: Vec<Bind>, deadline: Instant, asking: Option<&User>) -> 
         if let Some(changed) = changed {
             out.stale.push(changed);
         } else if passed == needed && needed > 0 {
+            out.entries += needed;
             out.binds.push(b);
         } else {
             out.unchecked += 1;
@@ -323,6 +330,7 @@ fn same(tree: &Tree, item: &Item, opened: &Opened) -> std::io::Result<Option<Opt
                 let same = tree.identity_now_at(parent, &name)? == *item.identity;
                 return Ok(same.then_some(None));
             }
+            asked::asked();
             // SAFETY: a valid directory descriptor and C string; owned on success.
             let fd = unsafe {
                 libc::openat(

@@ -15,6 +15,7 @@ use std::{
 };
 
 use crate::shared::{
+    asked::{self, Asking, Purpose},
     dirs,
     identity::Identity,
     kernel::{self, Route},
@@ -353,6 +354,8 @@ fn move_mount(source: &OwnedFd, target: &OwnedFd) -> io::Result<()> {
 fn show_passages(b: &Bind, network: &OwnedFd, overlay: &OwnedFd) -> io::Result<()> {
     let dir = libc::O_PATH | libc::O_DIRECTORY;
     let clones: Vec<io::Result<OwnedFd>> = in_parallel(&b.passages, |rel| {
+        let _asking = Asking::begin(&b.tree, Purpose::JobStart);
+        asked::asked();
         let from = beneath(network, rel, dir)?;
         clone_tree(
             from.as_raw_fd(),
@@ -525,7 +528,11 @@ pub fn lazy_overlays_work(tmp: &Path) -> io::Result<()> {
 fn open_target(b: &Bind) -> io::Result<OwnedFd> {
     // The tree's own path goes through no symlink either: a watched mount may lie in a
     // directory its user owns, swapped for a symlink since (a mount of their own).
+    // Two operations: the tree, then the target beneath it.
+    let _asking = Asking::begin(&b.tree, Purpose::JobStart);
+    asked::asked();
     let tree_fd = dirs::open_dir(&b.tree)?;
+    asked::asked();
     let rel = b.target.strip_prefix(&b.tree).map_err(|_| {
         io::Error::other(format!(
             "{} is not inside {}",

@@ -371,6 +371,29 @@ pub fn render_status(s: &Status) -> String {
             refused.join(", ")
         }
     );
+    let mut mounts: Vec<&std::path::Path> = s.server.iter().map(|a| a.mount.as_path()).collect();
+    mounts.dedup();
+    for mount in mounts {
+        let of: Vec<_> = s.server.iter().filter(|a| a.mount == mount).collect();
+        let total: u64 = of.iter().map(|a| a.operations).sum();
+        let parts: Vec<String> = of
+            .iter()
+            .filter(|a| a.operations > 0)
+            .map(|a| format!("{} {}", a.purpose.replace('_', " "), a.operations))
+            .collect();
+        let read: u64 = of.iter().map(|a| a.bytes).sum();
+        let _ = writeln!(
+            out,
+            "asked of {}'s server: {total} operations{}, {} read",
+            mount.display(),
+            if parts.is_empty() {
+                String::new()
+            } else {
+                format!(" ({})", parts.join(", "))
+            },
+            bytes(read)
+        );
+    }
     if !s.kernel_release.is_empty() {
         let fallbacks = s.routes.iter().filter(|r| r.fallback).count();
         let _ = writeln!(

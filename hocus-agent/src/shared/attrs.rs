@@ -19,7 +19,7 @@ use std::{
 
 use nix::sys::stat::FileStat;
 
-use crate::shared::dirs;
+use crate::shared::{asked, dirs};
 
 /// Gives `f` owner `uid`, group `gid` and permission bits `mode`, in that order.
 pub fn own(f: &File, uid: u32, gid: u32, mode: u32) -> io::Result<()> {
@@ -126,6 +126,7 @@ pub fn has_xattr(path: &Path, name: &CStr) -> bool {
 pub fn copy_xattrs(src: &impl AsRawFd, dst: &File) -> io::Result<()> {
     let link = dirs::magic_link(src);
     let list = |buf: &mut [u8]| {
+        asked::asked();
         // SAFETY: NUL-terminated path, buffer of the given size (empty: asks the size).
         let n = unsafe { libc::listxattr(link.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
         if n >= 0 {
@@ -155,6 +156,7 @@ pub fn copy_xattrs(src: &impl AsRawFd, dst: &File) -> io::Result<()> {
             continue;
         };
         let mut value = vec![0u8; 64 << 10];
+        asked::asked();
         // SAFETY: buffers of the given sizes, NUL-terminated strings.
         let len = unsafe {
             libc::getxattr(

@@ -4,7 +4,7 @@
 //! credentials, what the two ends of the relay between a job's nodes agree on (`relay`),
 //! giving freed memory back, replacing a file whole (`replace`), log lines of one cause
 //! summed up (`tally`), the events a fanotify group reads (`fanotify`), the machine's
-//! processes (`procs`); and the
+//! processes (`procs`), what the daemon asks of the file servers (`asked`); and the
 //! safe-file primitives every stage works with as root: opening a directory and what lies beneath
 //! it without following symlinks (`dirs`), a watched tree held open (`tree`), a file's
 //! identity (`identity`), users' credentials taken on one thread (`user`), and the
@@ -12,6 +12,7 @@
 //!
 //! May use: `hocus-control` only (nothing of the crate above it).
 
+pub mod asked;
 pub mod attrs;
 pub mod dirs;
 pub mod fanotify;

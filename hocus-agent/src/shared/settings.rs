@@ -70,10 +70,18 @@ pub struct Settings {
     #[arg(long, value_name = "PATH")]
     pub exclude: Option<Vec<PathBuf>>,
 
-    /// How often copies are checked against the network file (size, mtime, ctime, inode),
-    /// in seconds [default: 30].
+    /// How often the copies running jobs have bound are checked against the network file
+    /// (size, mtime, ctime, inode), in seconds; what no job has bound is checked at the
+    /// next job's start, so an idle node asks the server nothing [default: 30].
     #[arg(long, value_name = "SECONDS")]
     pub revalidate: Option<u64>,
+
+    /// The longest wait between two checks of a bound copy or snapshot, in seconds: each
+    /// check that finds one unchanged doubles its wait from `revalidate` up to this, as
+    /// an NFS client's attribute cache does [default: the watched NFS mounts' acregmax
+    /// (or acdirmax, the lesser), else 60].
+    #[arg(long, value_name = "SECONDS")]
+    pub revalidate_max: Option<u64>,
 
     /// Seconds with nothing to learn (no job running, nothing done on the watched trees)
     /// after which the syscall program is detached, so that the node's processes pay
@@ -126,6 +134,12 @@ pub struct Settings {
     /// new names read are not recorded (writes always are) [default: 2000000].
     #[arg(long, value_name = "N")]
     pub max_profile_entries: Option<usize>,
+
+    /// Entries a profile an ordinary user sends (a prefetch, a job's own profile) brings
+    /// in at most; the rest are refused, named and counted. Root's are bounded by
+    /// max-profile-entries [default: 200000].
+    #[arg(long, value_name = "N")]
+    pub max_user_profile_entries: Option<usize>,
 
     /// Where a Slurm job's own profile is kept for the user's next job with the same key
     /// (`KEY.json`; written and read as the user): {home}, {user} and {uid} are the
@@ -197,8 +211,8 @@ impl Settings {
     /// These settings, with the unset ones taken from `other`.
     pub fn or(self, other: Settings) -> Settings {
         either!(self, other; watch, state_dir, socket, save_interval, cache_dir, ssd_budget,
-            ram_budget, include_ext, exclude, revalidate, rest_after, trace_every_process,
-            copy_workers, whole_snapshots, partial_from, fill_timeout, max_profile_entries, job_profiles, relay_port,
+            ram_budget, include_ext, exclude, revalidate, revalidate_max, rest_after, trace_every_process,
+            copy_workers, whole_snapshots, partial_from, fill_timeout, max_profile_entries, max_user_profile_entries, job_profiles, relay_port,
             relay_timeout, fanout_width, munge_socket, max_clients, max_clients_per_user,
             metrics_addr, no_metrics, log_hits, log_misses, log_writes, log_format)
     }
@@ -216,6 +230,7 @@ impl Settings {
             include_ext: None,
             exclude: Some(Vec::new()),
             revalidate: Some(30),
+            revalidate_max: None,
             rest_after: Some(60),
             trace_every_process: Some(false),
             copy_workers: Some(8),
@@ -223,6 +238,7 @@ impl Settings {
             partial_from: Some(Size::Bytes(64 << 20)),
             fill_timeout: Some(30),
             max_profile_entries: Some(2_000_000),
+            max_user_profile_entries: Some(200_000),
             job_profiles: Some(DEFAULT_JOB_PROFILES.into()),
             relay_port: Some(DEFAULT_RELAY_PORT),
             relay_timeout: Some(5),
@@ -291,8 +307,8 @@ impl Settings {
         if self.fanout_width == Some(0) {
             bail!("fanout-width must be at least 1");
         }
-        if self.max_profile_entries == Some(0) {
-            bail!("max-profile-entries must be at least 1");
+        if self.max_profile_entries == Some(0) || self.max_user_profile_entries == Some(0) {
+            bail!("max-profile-entries and max-user-profile-entries must be at least 1");
         }
         if matches!(self.partial_from, Some(Size::Percent(_))) {
             bail!("partial-from is a size (e.g. 64M), not a percentage");
@@ -348,6 +364,10 @@ impl Settings {
         self.max_profile_entries.unwrap_or(2_000_000)
     }
 
+    pub fn max_user_profile_entries(&self) -> usize {
+        self.max_user_profile_entries.unwrap_or(200_000)
+    }
+
     /// The relay's port, if it is on.
     pub fn relay_port(&self) -> Option<u16> {
         Some(self.relay_port.unwrap_or(DEFAULT_RELAY_PORT)).filter(|p| *p != 0)
@@ -367,6 +387,13 @@ impl Settings {
 
     pub fn revalidate(&self) -> Duration {
         Duration::from_secs(self.revalidate.unwrap_or(30).max(1))
+    }
+
+    /// The longest wait between two checks of a bound entry, where set; never below
+    /// `revalidate`.
+    pub fn revalidate_max(&self) -> Option<Duration> {
+        self.revalidate_max
+            .map(|s| Duration::from_secs(s).max(self.revalidate()))
     }
 
     /// After how long with nothing to learn the syscall program rests; None: never.

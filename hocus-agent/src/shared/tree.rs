@@ -16,6 +16,7 @@ use std::{
 };
 
 use super::{
+    asked::asked,
     dirs,
     identity::{Identity, stable_inodes},
 };
@@ -29,6 +30,7 @@ pub struct Tree {
 
 impl Tree {
     pub fn open(path: &Path) -> io::Result<Tree> {
+        asked();
         let anchor = dirs::open_dir(path)?;
         Ok(Tree {
             path: path.to_owned(),
@@ -60,6 +62,11 @@ impl Tree {
     /// Opens `path` (inside the tree; the tree itself too) with `flags`, beneath the
     /// tree without following a symlink on the way (see [`dirs::open_beneath`]).
     pub fn open_beneath(&self, path: &Path, flags: libc::c_int) -> io::Result<OwnedFd> {
+        asked();
+        self.open_uncounted(path, flags)
+    }
+
+    fn open_uncounted(&self, path: &Path, flags: libc::c_int) -> io::Result<OwnedFd> {
         let rel = path
             .strip_prefix(&self.path)
             .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "outside the watched tree"))?;
@@ -72,14 +79,16 @@ impl Tree {
     }
 
     /// The attributes of `path` (the entry itself if it is a symlink): what root may
-    /// know of a tree users can write.
+    /// know of a tree users can write. One operation: a lookup brings the attributes.
     pub fn stat(&self, path: &Path) -> io::Result<fs::Metadata> {
-        File::from(self.open_beneath(path, libc::O_PATH)?).metadata()
+        asked();
+        File::from(self.open_uncounted(path, libc::O_PATH)?).metadata()
     }
 
     /// The names in directory `path` (inside the tree), without `.` and `..`.
     pub fn names(&self, path: &Path) -> io::Result<BTreeSet<OsString>> {
         let fd = self.open_beneath(path, libc::O_RDONLY | libc::O_DIRECTORY)?;
+        asked();
         let mut dir = nix::dir::Dir::from_fd(fd.into_raw_fd())?;
         let mut names = BTreeSet::new();
         for entry in dir.iter() {
@@ -131,6 +140,7 @@ fn statx_now(
     name: &std::ffi::CStr,
     flags: libc::c_int,
 ) -> io::Result<libc::statx> {
+    asked();
     // SAFETY: a valid descriptor, a C string and a statx buffer of the right size.
     unsafe {
         let mut stx: libc::statx = std::mem::zeroed();

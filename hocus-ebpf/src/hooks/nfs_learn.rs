@@ -11,11 +11,16 @@
 //! naming its inode for the pages that enter its page cache, and its last close
 //! (`nfs_file_release`, `nfs_closedir`) reporting it closed with its bytes. A lookup the
 //! server answered "no such name" (`nfs_lookup` leaving the dentry negative) is a
-//! missing name, unless an O_CREAT open or a rename made it. Changes by a
-//! name (unlink, rmdir, mkdir, rename, a setattr of the size) are reported at the
-//! function's entry, by the dentries it is given: before the server answers (a change
-//! that fails drops a copy for nothing, which is safe).
+//! missing name, unless an O_CREAT open or a rename made it. Changes by a name
+//! (unlink, rmdir, rename, a setattr of the size) are reported at the function's entry,
+//! by the dentries it is given (a rename has moved them by its exit), each with a
+//! number; its exit says what the server answered (`kind::CHANGE_ANSWERED`), and the
+//! agent counts the change only once the server accepted it: a change refused drops
+//! no copy. A mkdir is counted at its entry: it drops no copy, and its return is a
+//! dentry on newer kernels, an int on older ones. A write marks its file written
+//! once it wrote something.
 
+use aya_ebpf::helpers::{bpf_get_current_pid_tgid, bpf_get_current_uid_gid};
 use aya_ebpf::{
     macros::{fentry, fexit, map},
     maps::HashMap,
@@ -23,7 +28,10 @@ use aya_ebpf::{
 };
 use hocus_common::{
     OpenFile, counter, kind, op,
-    requests::{MAX_REQUEST_FILES, O_DIRECTORY},
+    requests::{
+        MAX_PENDING_CHANGES, MAX_REQUEST_FILES, MAX_REQUEST_FILES_PER_USER, MAX_REQUEST_USERS,
+        O_DIRECTORY,
+    },
 };
 
 use crate::{
@@ -45,6 +53,17 @@ use crate::{
 /// Files opened on watched NFS mounts while jobs are learned, by their `struct file`.
 #[map]
 static NFS_FILES: HashMap<u64, OpenFile> = HashMap::with_max_entries(MAX_REQUEST_FILES, 0);
+
+/// How many of `NFS_FILES` each user's opens hold, by uid: at most
+/// `MAX_REQUEST_FILES_PER_USER`, so one user holding thousands of NFS files open blinds
+/// the learning of no one else's.
+#[map]
+static NFS_FILES_OF: HashMap<u32, u32> = HashMap::with_max_entries(MAX_REQUEST_USERS, 0);
+
+/// The numbers of the changes each thread's NFS call under way reported (0: none), by
+/// the thread's id: its exit says what the server answered them.
+#[map]
+static CHANGING: HashMap<u32, [u64; 2]> = HashMap::with_max_entries(MAX_PENDING_CHANGES, 0);
 
 #[fexit(function = "nfs_file_open")]
 pub fn nfs_opened(ctx: FExitContext) -> i32 {
@@ -80,9 +99,12 @@ pub fn nfs_read(ctx: FExitContext) -> i32 {
     0
 }
 
-#[fentry(function = "nfs_file_write")]
-pub fn nfs_write(ctx: FEntryContext) -> i32 {
-    finish(write(ctx.arg(0)));
+/// `nfs_file_write(kiocb, from)`, returning the bytes written or an error.
+#[fexit(function = "nfs_file_write")]
+pub fn nfs_write(ctx: FExitContext) -> i32 {
+    if ctx.arg::<i64>(2) > 0 {
+        finish(write(ctx.arg(0)));
+    }
     0
 }
 
@@ -112,41 +134,119 @@ pub fn nfs_looked_up(ctx: FExitContext) -> i32 {
 }
 
 #[fentry(function = "nfs_unlink")]
-pub fn nfs_unlinked(ctx: FEntryContext) -> i32 {
-    finish(changed(ctx.arg(1), kind::UNLINK));
+pub fn nfs_unlinking(ctx: FEntryContext) -> i32 {
+    changing([ctx.arg(1), 0], [kind::UNLINK, 0]);
+    0
+}
+
+/// `nfs_unlink(dir, dentry)`, returning 0 or an error.
+#[fexit(function = "nfs_unlink")]
+pub fn nfs_unlinked(ctx: FExitContext) -> i32 {
+    answered(ctx.arg(2));
     0
 }
 
 #[fentry(function = "nfs_rmdir")]
-pub fn nfs_rmdired(ctx: FEntryContext) -> i32 {
-    finish(changed(ctx.arg(1), kind::RMDIR));
+pub fn nfs_rmdiring(ctx: FEntryContext) -> i32 {
+    changing([ctx.arg(1), 0], [kind::RMDIR, 0]);
+    0
+}
+
+/// `nfs_rmdir(dir, dentry)`, returning 0 or an error (ENOTEMPTY from the server).
+#[fexit(function = "nfs_rmdir")]
+pub fn nfs_rmdired(ctx: FExitContext) -> i32 {
+    answered(ctx.arg(2));
     0
 }
 
 /// `nfs_mkdir(idmap, dir, dentry, mode)`.
 #[fentry(function = "nfs_mkdir")]
 pub fn nfs_mkdired(ctx: FEntryContext) -> i32 {
-    finish(changed(ctx.arg(2), kind::MKDIR));
+    finish(changed(ctx.arg(2), kind::MKDIR, 0).map(|_| ()));
     0
 }
 
 /// `nfs_rename(idmap, old_dir, old_dentry, new_dir, new_dentry, flags)`.
 #[fentry(function = "nfs_rename")]
-pub fn nfs_renamed(ctx: FEntryContext) -> i32 {
-    // One after the other: both use the same scratch.
-    finish(changed(ctx.arg(2), kind::RENAME_FROM));
-    finish(changed(ctx.arg(4), kind::RENAME_TO));
+pub fn nfs_renaming(ctx: FEntryContext) -> i32 {
+    changing(
+        [ctx.arg(2), ctx.arg(4)],
+        [kind::RENAME_FROM, kind::RENAME_TO],
+    );
+    0
+}
+
+#[fexit(function = "nfs_rename")]
+pub fn nfs_renamed(ctx: FExitContext) -> i32 {
+    answered(ctx.arg(6));
     0
 }
 
 /// `nfs_setattr(idmap, dentry, attr)`: a truncate, by a path, a descriptor or an
 /// O_TRUNC open.
 #[fentry(function = "nfs_setattr")]
-pub fn nfs_setattred(ctx: FEntryContext) -> i32 {
+pub fn nfs_setattring(ctx: FEntryContext) -> i32 {
     if resizes(Typed(ctx.arg(2))) {
-        finish(changed(ctx.arg(1), kind::TRUNCATE));
+        changing([ctx.arg(1), 0], [kind::TRUNCATE, 0]);
     }
     0
+}
+
+#[fexit(function = "nfs_setattr")]
+pub fn nfs_setattred(ctx: FExitContext) -> i32 {
+    answered(ctx.arg(3));
+    0
+}
+
+/// Reports the changes by `dentries` (0: none) as `kinds`, each numbered for the
+/// answer this thread's exit from the call gives (unnumbered, counted at once, when
+/// too many threads await theirs).
+fn changing(dentries: [u64; 2], kinds: [u8; 2]) {
+    if !learning() {
+        return;
+    }
+    let thread = bpf_get_current_pid_tgid() as u32;
+    let awaited = CHANGING.insert(&thread, &[0, 0], 0).is_ok();
+    let mut numbers = [0u64; 2];
+    for i in 0..2 {
+        if dentries[i] == 0 {
+            continue;
+        }
+        match changed(dentries[i], kinds[i], u64::from(awaited)) {
+            Ok(number) => numbers[i] = number,
+            Err(skip) => finish(Err(skip)),
+        }
+    }
+    if awaited {
+        if numbers == [0, 0] {
+            let _ = CHANGING.remove(&thread);
+        } else if let Some(entry) = CHANGING.get_ptr_mut(&thread) {
+            // SAFETY: map value pointer, valid for this program run.
+            unsafe { *entry = numbers };
+        }
+    }
+}
+
+/// The server's answer (`ret`, an int: 0 accepted) to the changes this thread's call
+/// reported at its entry.
+fn answered(ret: u64) {
+    let thread = bpf_get_current_pid_tgid() as u32;
+    // SAFETY: plain value copy.
+    let Some(numbers) = (unsafe { CHANGING.get(&thread).copied() }) else {
+        return;
+    };
+    let _ = CHANGING.remove(&thread);
+    let tgid = current().map_or(0, |(_, tgid)| tgid);
+    for number in numbers {
+        if number != 0 {
+            let h = Header {
+                file_id: number,
+                bytes: i64::from(ret as i32) as u64,
+                ..Header::new(kind::CHANGE_ANSWERED, tgid)
+            };
+            emit(&h, None, 0);
+        }
+    }
 }
 
 /// An open that succeeded (`ret` 0) and opened `file`: reported where it lies, with its
@@ -170,15 +270,70 @@ fn opened(file: u64, ret: i64, more: u32) -> Step {
         ..Header::new(kind::OPEN, tgid)
     };
     emit(&h, Some(target(0, Some(located)).or_skip()?), 0);
+    let uid = bpf_get_current_uid_gid() as u32;
+    if !take_place(uid) {
+        count(counter::LOST_OPEN_FILES_OF_USER);
+        closed(file_id, 0, 0); // reported closed rather than left open
+        return Ok(());
+    }
     let entry = OpenFile {
         file_id,
+        uid,
         ..OpenFile::default()
     };
     if NFS_FILES.insert(&f.address(), &entry, 0).is_err() {
+        give_place(uid);
         count(counter::LOST_OPEN_FILES_FULL);
-        closed(file_id, 0, 0); // full: reported closed rather than left open
+        closed(file_id, 0, 0);
     }
     Ok(())
+}
+
+/// Counts a file of `uid`'s in `NFS_FILES`, unless they have their share of it (or the
+/// count of users is full). Two CPUs at once may both take the last place: a bound,
+/// not a count to the file.
+fn take_place(uid: u32) -> bool {
+    if NFS_FILES_OF.get_ptr_mut(&uid).is_none() && NFS_FILES_OF.insert(&uid, &0, 1).is_err() {
+        // BPF_NOEXIST: made meanwhile on another CPU is fine; full is not.
+        if NFS_FILES_OF.get_ptr_mut(&uid).is_none() {
+            return false;
+        }
+    }
+    let Some(n) = NFS_FILES_OF.get_ptr_mut(&uid) else {
+        return false;
+    };
+    // SAFETY: map value pointer, valid for this program run; the add is atomic.
+    unsafe {
+        if *n >= MAX_REQUEST_FILES_PER_USER {
+            return false;
+        }
+        core::intrinsics::atomic_xadd::<u32, u32, { core::intrinsics::AtomicOrdering::Relaxed }>(
+            n, 1,
+        );
+    }
+    true
+}
+
+/// Gives back a place `take_place` counted; a user with none left is forgotten, so
+/// that the users who ever opened an NFS file never fill `NFS_FILES_OF` (an open on
+/// another CPU in between loses its count: the bound is then one looser).
+fn give_place(uid: u32) {
+    let Some(n) = NFS_FILES_OF.get_ptr_mut(&uid) else {
+        return;
+    };
+    // SAFETY: as in `take_place`; adding u32::MAX takes one away.
+    let none_left = unsafe {
+        if *n > 0 {
+            core::intrinsics::atomic_xadd::<u32, u32, { core::intrinsics::AtomicOrdering::Relaxed }>(
+                n,
+                u32::MAX,
+            );
+        }
+        *n == 0
+    };
+    if none_left {
+        let _ = NFS_FILES_OF.remove(&uid);
+    }
 }
 
 /// The followed file a kiocb is on.
@@ -232,7 +387,9 @@ fn released(file: u64) -> Step {
     let key = File::of(Typed(file)).address();
     // SAFETY: plain value copy.
     let entry = unsafe { *NFS_FILES.get(&key).or_skip()? };
-    let _ = NFS_FILES.remove(&key);
+    if NFS_FILES.remove(&key).is_ok() {
+        give_place(entry.uid);
+    }
     closed(entry.file_id, entry.bytes_read, entry.run);
     Ok(())
 }
@@ -258,14 +415,20 @@ fn looked_up(dentry: u64, ret: u64) -> Step {
     Ok(())
 }
 
-/// A change by a name: `dentry`, reported as `kind` where it lies.
-fn changed(dentry: u64, kind: u8) -> Step {
+/// A change by a name: `dentry`, reported as `kind` where it lies; numbered (its
+/// number returned) if `numbered` is 1, for the answer to come.
+fn changed(dentry: u64, kind: u8, numbered: u64) -> Step<u64> {
     if !learning() {
         return Err(Skip::Unwatched);
     }
     let (_, tgid) = current().or_skip()?;
     let (mount, dentry) = placed(Typed(dentry));
     let t = target(0, Some(locate(mount, dentry).or_skip()?)).or_skip()?;
-    emit(&Header::new(kind, tgid), Some(t), 0);
-    Ok(())
+    let number = if numbered != 0 { next_id() } else { 0 };
+    let h = Header {
+        file_id: number,
+        ..Header::new(kind, tgid)
+    };
+    emit(&h, Some(t), 0);
+    Ok(number)
 }

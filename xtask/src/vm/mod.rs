@@ -246,7 +246,9 @@ pub struct GuestRun<'a> {
 /// times its host time, for the same answer; and so do the tests that force on 6.1 a
 /// fallback 6.1 takes anyway (no bpf_rdonly_cast, no SO_PEERPIDFD, no lazy snapshots),
 /// or a fallback made in the daemon alone (descriptors marked close-on-exec at start).
-/// The smoke suite runs over v3 on each kernel, not again over v4.2.
+/// The smoke suite runs over v3 on each kernel, not again over v4.2; the NFS tests'
+/// 17,000 opens of one user (the open-file table's bound per user, which the version
+/// does not change: 80 s under emulation) over v4.2 only.
 pub const CI_GUESTS: [(&str, TestFs, &[&str], bool, u64); 4] = [
     (
         "6.1",
@@ -254,7 +256,7 @@ pub const CI_GUESTS: [(&str, TestFs, &[&str], bool, u64); 4] = [
         &[
             "observe:!without_kfuncs",
             "coherence",
-            "nfs",
+            "nfs:!thousands_of_open",
             RUN_IN_GUESTS,
             "identity",
             TRUST_IN_GUESTS,

@@ -2,22 +2,22 @@
 //! and answers at once those whose range the copy holds (every read of a partial copy
 //! asks, so this is the path a job served by one takes); a few workers
 //! (`Limits::fills`: the fills in flight) make the other ranges local and allow their
-//! reads, and a copy found whole is unmarked (its reads no longer ask). A watchdog fails with EIO every access that made no
+//! reads, and a copy found whole is unmarked (its reads no longer ask). What waits is
+//! shared fairly among the node's users (`shares`): `Limits::per_user` accesses each,
+//! `Limits::pending` in all, past which that user's fail at once; workers serve users
+//! in turn, 4 MiB at a time. A watchdog fails with EIO every access that made no
 //! progress for `Limits::stall` (a server that does not answer: the job gets an error,
-//! never a hang). A worker stuck on such a server keeps its place; past
-//! `Limits::pending` accesses waiting, new ones fail at once rather than pile up.
+//! never a hang). A worker stuck on such a server keeps its place.
 //! A reader going through a file in order gets `Limits::read_ahead` more each time.
 
 use std::{
     collections::HashMap,
     fs::File,
     io,
-    mem::ManuallyDrop,
-    os::fd::{AsRawFd, FromRawFd, RawFd},
+    os::fd::{AsRawFd, RawFd},
     sync::{
         Arc, Mutex,
         atomic::{AtomicBool, AtomicU64, Ordering},
-        mpsc,
     },
     thread,
     time::{Duration, Instant},
@@ -25,19 +25,28 @@ use std::{
 
 use hocus_common::ranges::GRAIN_SHIFT;
 
-use crate::{profile::extents::Extents, shared::tally::warn_limited};
+use crate::{
+    profile::extents::Extents,
+    shared::{procs::real_uid, tally::warn_limited},
+};
 
 use super::{
-    FillError, PartialCopy,
+    CHECKED_GRAINS, FillError, PartialCopy,
     pre_content::{self, Asked, Group},
+    served::{Copies, OwnWrite, Writing, key_of},
+    shares::{Admission, Shares},
+    trim::Trimmer,
 };
 
 #[derive(Debug, Clone, Copy)]
 pub struct Limits {
     /// Fills under way at once (worker threads).
     pub fills: usize,
-    /// Accesses waiting (each holds a descriptor); past it, new ones fail at once.
+    /// Accesses waiting (each holds a descriptor and a thread blocked in the kernel);
+    /// past it, new ones fail at once, or take the place of the heaviest user's newest.
     pub pending: usize,
+    /// Accesses one user may have waiting; past it, that user's new ones fail at once.
+    pub per_user: usize,
     /// An access whose fill made no progress this long fails with EIO.
     pub stall: Duration,
     /// Grains filled beyond what a reader going through a file in order asked for.
@@ -49,6 +58,9 @@ impl Default for Limits {
         Self {
             fills: 4,
             pending: 1024,
+            // A job of a user rarely has more reads of holes at once than a data
+            // loader's threads; a flood past it fails their reads, not the others'.
+            per_user: 256,
             stall: Duration::from_secs(30),
             // 4 MiB.
             read_ahead: 64,
@@ -73,10 +85,8 @@ struct Pending {
     progress: Mutex<Instant>,
 }
 
-type Copies = Mutex<HashMap<(u64, u64), Arc<PartialCopy>>>;
-/// Copies being written by a fill, by device and inode, with how many fills write each:
-/// the writes' own events are allowed as they come.
-type Writing = Mutex<HashMap<(u64, u64), usize>>;
+/// The accesses waiting, for the watchdog, by a number of their own.
+type Waiting = Mutex<HashMap<u64, Arc<Pending>>>;
 
 pub struct Filler {
     group: Arc<Group>,
@@ -88,6 +98,7 @@ pub struct Filler {
     /// Copies this process writes (fills, and punches when trimming): their own events
     /// are let through.
     writing: Arc<Writing>,
+    trimmer: Arc<Trimmer>,
     pub counts: Arc<Counts>,
     stop: Arc<AtomicBool>,
     /// The reader and the watchdog, joined at a drop; the workers end once the reader's
@@ -102,34 +113,35 @@ impl Filler {
         let copies: Arc<Copies> = Arc::default();
         let counts: Arc<Counts> = Arc::default();
         let stop = Arc::new(AtomicBool::new(false));
-        let pending: Arc<Mutex<HashMap<u64, Arc<Pending>>>> = Arc::default();
+        let pending: Arc<Waiting> = Arc::default();
         let writing: Arc<Writing> = Arc::default();
-        let (send, receive) = mpsc::channel::<Job>();
-        let receive = Arc::new(Mutex::new(receive));
+        let shares = Arc::new(Shares::new(limits.pending, limits.per_user));
+        let trimmer = Arc::new(Trimmer::new(copies.clone(), writing.clone()));
         for i in 0..limits.fills.max(1) {
-            let (group, counts, receive, pending, writing) = (
+            let (group, counts, shares, pending, writing, trimmer) = (
                 group.clone(),
                 counts.clone(),
-                receive.clone(),
+                shares.clone(),
                 pending.clone(),
                 writing.clone(),
+                trimmer.clone(),
             );
             thread::Builder::new()
                 .name(format!("hocus-fill-{i}"))
                 .spawn(move || {
-                    loop {
-                        let next = receive.lock().expect("not poisoned").recv();
-                        let Ok(job) = next else { return };
-                        let fill = Fill {
-                            group: &group,
-                            writing: &writing,
-                            counts: &counts,
-                        };
-                        fill.answer(&job);
-                        pending
-                            .lock()
-                            .expect("not poisoned")
-                            .retain(|_, p| !Arc::ptr_eq(p, &job.entry));
+                    let fill = Fill {
+                        group: &group,
+                        writing: &writing,
+                        trimmer: &trimmer,
+                        counts: &counts,
+                    };
+                    while let Some((uid, job)) = shares.next() {
+                        if fill.answer(&job) {
+                            forget(&pending, job.id);
+                            shares.done(uid);
+                        } else {
+                            shares.again(uid, job);
+                        }
                     }
                 })?;
         }
@@ -148,12 +160,13 @@ impl Filler {
         let s = stop.clone();
         let reader = thread::Builder::new()
             .name("hocus-fill-read".into())
-            .spawn(move || reader.run(&s, &send))?;
+            .spawn(move || reader.run(&s, &shares))?;
         Ok(Self {
             group,
             copies,
             retired: Mutex::default(),
             writing,
+            trimmer,
             counts,
             stop,
             stoppable: vec![watchdog, reader],
@@ -200,12 +213,22 @@ impl Filler {
             .flat_map(|&(start, end)| copy.missing(start, end))
             .map(|(s, e)| (u64::from(e - s) << GRAIN_SHIFT).min(copy.size()))
             .sum();
+        // Taken of the room at once, as a fill's bytes are: the cache's count lags a
+        // fill just made by up to a second, and a growth in between took room twice.
+        if lacks == 0 || !self.trimmer.reserve(lacks) {
+            return None;
+        }
         let growth = Growth {
             copy: Arc::clone(copy),
             key: *key,
             writing: Arc::clone(&self.writing),
+            room: Reserved {
+                trimmer: Arc::clone(&self.trimmer),
+                bytes: lacks,
+                wrote: false,
+            },
         };
-        (lacks > 0).then_some((growth, lacks))
+        Some((growth, lacks))
     }
 
     /// The copy served for the network file `name`, if any.
@@ -214,62 +237,30 @@ impl Filler {
         copies.values().find(|c| c.name == name).cloned()
     }
 
-    /// Punches out of the copies served the chunks read least lately, coldest first
-    /// across all of them, until `excess` bytes are freed (or none is left to punch):
-    /// eviction by range. The bytes freed, by copy. Only while no job runs (a read
-    /// allowed just before a punch could meet its hole): the caller's to know; and of
-    /// those, copies no process but this one (and `guard`) has open or mapped (a job's
-    /// child may outlive it). Copies a daemon before made are left alone (its jobs may
-    /// read them), and so are copies made whole (unmarked: a hole would read as zeros).
-    pub fn trim_coldest(&self, excess: u64, guard: Option<i32>) -> Vec<(String, u64)> {
-        if excess == 0 {
-            return Vec::new();
-        }
-        let mut copies: Vec<((u64, u64), Arc<PartialCopy>)> = {
-            let copies = self.copies.lock().expect("not poisoned");
-            copies
-                .iter()
-                .filter(|(_, c)| !c.resumed && !c.whole() && !c.dropped())
-                .map(|(k, c)| (*k, c.clone()))
-                .collect()
-        };
-        let keys = copies.iter().map(|(k, _)| *k).collect();
-        let open = super::open_elsewhere::opened_by_others(&keys, guard);
-        copies.retain(|(k, _)| !open.contains(k));
-        let mut chunks: Vec<(u64, usize, u32)> = copies
-            .iter()
-            .enumerate()
-            .flat_map(|(i, (_, c))| c.heat().into_iter().map(move |(h, chunk)| (h, i, chunk)))
-            .collect();
-        chunks.sort_unstable();
-        let mut freed = vec![0u64; copies.len()];
-        let mut total = 0;
-        for (_, i, chunk) in chunks {
-            if total >= excess {
-                break;
-            }
-            let (key, copy) = &copies[i];
-            let punched = {
-                let _own = OwnWrite::of(&self.writing, *key);
-                copy.punch(chunk)
-            };
-            match punched {
-                Ok(bytes) => {
-                    freed[i] += bytes;
-                    total += bytes;
-                }
-                Err(e) => {
-                    log::warn!("partial copies: trimming {}: {e}", copy.name);
-                    break;
-                }
-            }
-        }
-        copies
-            .into_iter()
-            .zip(freed)
-            .filter(|(_, f)| *f > 0)
-            .map(|((_, c), f)| (c.name.clone(), f))
-            .collect()
+    /// Punches out of the copies served the chunks read least lately (see
+    /// [`Trimmer::coldest`]), until `excess` bytes are freed: only while no job runs.
+    pub fn trim_coldest(&self, excess: u64) -> Vec<(String, u64)> {
+        self.trimmer.coldest(excess)
+    }
+
+    /// The SSD budget has `room` bytes left for fills (negative: it is past it).
+    pub fn set_room(&self, room: i64) {
+        self.trimmer.set_room(room);
+    }
+
+    /// Bytes fills under way took of the SSD budget's room and have not written yet.
+    pub fn filling(&self) -> u64 {
+        self.trimmer.filling()
+    }
+
+    /// What fills punched to make room since the last call, by network file.
+    pub fn trimmed_by_fills(&self) -> Vec<(String, u64)> {
+        self.trimmer.take_trimmed()
+    }
+
+    /// The guard's pid: what it has open is the daemon's own.
+    pub fn set_guard(&self, pid: i32) {
+        self.trimmer.set_guard(pid);
     }
 
     /// Stops serving the copies of the network file `name` (the cache dropped them):
@@ -318,19 +309,12 @@ impl Drop for Filler {
     }
 }
 
-/// The device and inode of `file`: how an event's descriptor is matched to its copy.
-fn key_of(file: &impl AsRawFd) -> io::Result<(u64, u64)> {
-    // SAFETY: the descriptor stays open: the File made here is never dropped.
-    let file = ManuallyDrop::new(unsafe { File::from_raw_fd(file.as_raw_fd()) });
-    let m = file.metadata()?;
-    Ok((
-        std::os::unix::fs::MetadataExt::dev(&m),
-        std::os::unix::fs::MetadataExt::ino(&m),
-    ))
-}
-
 /// An access the reader could not answer at once: the copy lacks grains of it.
 struct Job {
+    /// Its number in what the watchdog watches.
+    id: u64,
+    /// The real uid of the process whose access it is: its fills count against them.
+    uid: u32,
     entry: Arc<Pending>,
     asked: Asked,
     copy: Arc<PartialCopy>,
@@ -338,6 +322,8 @@ struct Job {
     key: (u64, u64),
     /// The grains to make local: those asked for, and the read-ahead.
     grains: (u32, u32),
+    /// Where the grains asked for end.
+    end: u32,
 }
 
 /// What the thread reading the group's events shares with the others.
@@ -345,15 +331,20 @@ struct Reader {
     group: Arc<Group>,
     copies: Arc<Copies>,
     counts: Arc<Counts>,
-    pending: Arc<Mutex<HashMap<u64, Arc<Pending>>>>,
+    pending: Arc<Waiting>,
     writing: Arc<Writing>,
     limits: Limits,
 }
 
 impl Reader {
     /// Reads the group's events until stopped: answers those it can at once, puts the
-    /// rest in `pending` and on the workers' queue.
-    fn run(&self, stop: &AtomicBool, send: &mpsc::Sender<Job>) {
+    /// rest in `pending` and in their users' shares of the workers' queue.
+    fn run(&self, stop: &AtomicBool, shares: &Shares<Job>) {
+        self.read_until(stop, shares);
+        shares.close();
+    }
+
+    fn read_until(&self, stop: &AtomicBool, shares: &Shares<Job>) {
         let mut buf = vec![0u8; 4096];
         let mut next_id = 0u64;
         while !stop.load(Ordering::Relaxed) {
@@ -375,19 +366,48 @@ impl Reader {
                 }
             };
             for a in asked {
-                let Some(job) = self.answer_now_or(a) else {
+                let Some(mut job) = self.answer_now_or(a) else {
+                    continue;
+                };
+                // The access's process waits for this answer: its pid is its own.
+                let Some(uid) = real_uid(job.asked.pid) else {
+                    self.fail(&job.asked, None);
                     continue;
                 };
                 next_id += 1;
+                job.id = next_id;
+                job.uid = uid;
                 self.pending
                     .lock()
                     .expect("not poisoned")
                     .insert(next_id, job.entry.clone());
-                if send.send(job).is_err() {
-                    return;
+                match shares.admit(uid, job) {
+                    Admission::Queued => {}
+                    Admission::Refused(job) => {
+                        forget(&self.pending, job.id);
+                        self.refuse(&job, uid);
+                    }
+                    Admission::Displaced(theirs, other) => {
+                        forget(&self.pending, other.id);
+                        if !other.entry.answered.swap(true, Ordering::AcqRel) {
+                            self.refuse(&other, theirs);
+                        }
+                    }
                 }
             }
         }
+    }
+
+    /// Fails `job`'s access: its user has their share of what waits.
+    fn refuse(&self, job: &Job, uid: u32) {
+        self.counts.failed.fetch_add(1, Ordering::Relaxed);
+        warn_limited!(
+            "partial copies' reads refused",
+            "uid {uid} has {} reads of what partial copies lack waiting (or all {} places are taken): more fail with EIO",
+            self.limits.per_user,
+            self.limits.pending
+        );
+        let _ = self.group.answer(&job.asked, false);
     }
 
     /// Answers `a` if it needs no fill (the copy holds its range, or it cannot be
@@ -413,18 +433,16 @@ impl Reader {
             (Some(copy), Some(key)) => (copy, key),
         };
         let (start, end, ahead) = grains(&a, &copy, self.limits.read_ahead);
-        copy.read(start, end);
-        if copy.holds(start, end) {
+        // The daemon's own pins map what a copy holds: no job's read, no heat.
+        let pinned = a.pid == std::process::id() as i32 && copy.holds(start, end);
+        if pinned || copy.allows(start, end) {
             self.counts.allowed.fetch_add(1, Ordering::Relaxed);
             let _ = self.group.answer(&a, true);
             return None;
         }
-        if self.pending.lock().expect("not poisoned").len() >= self.limits.pending {
-            self.counts.failed.fetch_add(1, Ordering::Relaxed);
-            let _ = self.group.answer(&a, false);
-            return None;
-        }
         Some(Job {
+            id: 0,
+            uid: 0,
             entry: Arc::new(Pending {
                 event_fd: a.file.as_raw_fd(),
                 answered: AtomicBool::new(false),
@@ -434,6 +452,7 @@ impl Reader {
             copy,
             key,
             grains: (start, ahead),
+            end,
         })
     }
 
@@ -462,14 +481,13 @@ fn failed(counts: &Counts, why: Option<(&PartialCopy, FillError)>) {
     }
 }
 
+/// Takes access `id` out of what the watchdog watches.
+fn forget(pending: &Waiting, id: u64) {
+    pending.lock().expect("not poisoned").remove(&id);
+}
+
 /// Fails with EIO every access whose fill made no progress for `stall`.
-fn watch(
-    group: &Group,
-    stop: &AtomicBool,
-    counts: &Counts,
-    pending: &Mutex<HashMap<u64, Arc<Pending>>>,
-    stall: Duration,
-) {
+fn watch(group: &Group, stop: &AtomicBool, counts: &Counts, pending: &Waiting, stall: Duration) {
     while !stop.load(Ordering::Relaxed) {
         thread::sleep(Duration::from_millis(100));
         let now = Instant::now();
@@ -488,22 +506,27 @@ fn watch(
 struct Fill<'a> {
     group: &'a Group,
     writing: &'a Writing,
+    trimmer: &'a Trimmer,
     counts: &'a Counts,
 }
 
 impl Fill<'_> {
-    /// Makes the grains `job` names local and answers its access (unless the watchdog
-    /// did); a copy then whole is unmarked: its reads need no answer any more.
-    fn answer(&self, job: &Job) {
+    /// Makes the next piece of the grains `job` names local; once it holds them all,
+    /// answers its access (unless the watchdog did) and says it is done. A copy then
+    /// whole is unmarked: its reads need no answer any more.
+    fn answer(&self, job: &Job) -> bool {
         if job.entry.answered.load(Ordering::Acquire) {
-            return; // failed already: too slow
+            return true; // failed already: too slow, or another user's turn
         }
-        let result = self.fill(job);
+        let result = self.fill_piece(job);
+        if matches!(result, Ok(false)) {
+            return false;
+        }
         if job.entry.answered.swap(true, Ordering::AcqRel) {
-            return;
+            return true;
         }
         match result {
-            Ok(()) => {
+            Ok(_) => {
                 self.counts.allowed.fetch_add(1, Ordering::Relaxed);
                 let _ = self.group.answer(&job.asked, true);
                 if job.copy.whole()
@@ -516,77 +539,73 @@ impl Fill<'_> {
                 }
             }
             Err(e) => {
+                if matches!(e, FillError::Budget | FillError::Share) {
+                    // What this read's fill wrote was never read: room for others.
+                    let (start, ahead) = job.grains;
+                    self.trimmer.take_back(&job.copy, job.key, start, ahead);
+                }
                 failed(self.counts, Some((&job.copy, e)));
                 let _ = self.group.answer(&job.asked, false);
             }
         }
+        true
     }
 
-    /// Fills the grains `job` names, the copy's writes let through while it does.
-    fn fill(&self, job: &Job) -> Result<(), FillError> {
-        let (copy, key) = (&job.copy, job.key);
-        let missing = copy.missing(job.grains.0, job.grains.1);
-        if missing.is_empty() {
-            return Ok(());
-        }
-        let _own = OwnWrite::of(self.writing, key);
-        let mut filled = Ok(());
-        for (s, e) in missing {
-            filled = copy.fill_with(s, e, || {
-                *job.entry.progress.lock().expect("not poisoned") = Instant::now();
-            });
-            if filled.is_err() {
-                break;
-            }
-            let bytes = (u64::from(e - s) << GRAIN_SHIFT).min(copy.size());
-            self.counts.bytes_filled.fetch_add(bytes, Ordering::Relaxed);
-        }
-        filled
+    /// Fills the first piece (at most [`CHECKED_GRAINS`]) of what the copy lacks of the
+    /// grains `job` names, the copy's writes let through while it does, its bytes taken
+    /// of the SSD budget's room first: whether it now holds them all, and the read may
+    /// be allowed. A piece at a time, so a fill of a huge mapping takes turns.
+    fn fill_piece(&self, job: &Job) -> Result<bool, FillError> {
+        let (copy, (start, ahead)) = (&job.copy, job.grains);
+        let Some(&(s, e)) = copy.missing(start, ahead).first() else {
+            // Held (a punch between this and the allow makes it ask again).
+            return Ok(copy.allows(start, job.end));
+        };
+        let e = e.min(s.saturating_add(CHECKED_GRAINS));
+        let bytes = (u64::from(e - s) << GRAIN_SHIFT).min(copy.size());
+        self.trimmer.take(bytes, job.uid)?;
+        let _own = OwnWrite::of(self.writing, job.key);
+        let filled = copy.fill_with(s, e, || {
+            *job.entry.progress.lock().expect("not poisoned") = Instant::now();
+        });
+        self.trimmer.filled(bytes, filled.is_ok());
+        filled?;
+        copy.filled_now(s, e, job.uid);
+        self.counts.bytes_filled.fetch_add(bytes, Ordering::Relaxed);
+        Ok(false)
     }
 }
 
-/// A served copy's missing grains, to be filled from the network (`Filler::growth`).
+/// A served copy's missing grains, to be filled from the network (`Filler::growth`),
+/// their bytes taken of the SSD budget's room.
 pub struct Growth {
     copy: Arc<PartialCopy>,
     key: (u64, u64),
     writing: Arc<Writing>,
+    room: Reserved,
 }
 
 impl Growth {
     /// Makes the grains of `ranges` local that the copy lacks, its writes let through.
-    pub fn fill(&self, ranges: &Extents) -> Result<(), FillError> {
+    pub fn fill(mut self, ranges: &Extents) -> Result<(), FillError> {
         let _own = OwnWrite::of(&self.writing, self.key);
-        self.copy.fill_all(ranges)
+        let filled = self.copy.fill_all(ranges);
+        self.room.wrote = filled.is_ok();
+        filled
     }
 }
 
-/// A write of this process to copy `key` under way (a fill, a punch): the events it
-/// raises are let through until it is dropped.
-struct OwnWrite<'a> {
-    writing: &'a Writing,
-    key: (u64, u64),
+/// Room a growth took: held by the copy once written, else given back (a growth not
+/// made, or failed).
+struct Reserved {
+    trimmer: Arc<Trimmer>,
+    bytes: u64,
+    wrote: bool,
 }
 
-impl<'a> OwnWrite<'a> {
-    fn of(writing: &'a Writing, key: (u64, u64)) -> Self {
-        *writing
-            .lock()
-            .expect("not poisoned")
-            .entry(key)
-            .or_default() += 1;
-        Self { writing, key }
-    }
-}
-
-impl Drop for OwnWrite<'_> {
+impl Drop for Reserved {
     fn drop(&mut self) {
-        let mut writing = self.writing.lock().expect("not poisoned");
-        if let Some(n) = writing.get_mut(&self.key) {
-            *n -= 1;
-            if *n == 0 {
-                writing.remove(&self.key);
-            }
-        }
+        self.trimmer.filled(self.bytes, self.wrote);
     }
 }
 

@@ -18,9 +18,17 @@
 
 pub mod filler;
 pub mod guard;
+pub mod heat;
+mod on_disk;
 pub mod open_elsewhere;
 pub mod pre_content;
+pub mod served;
 pub mod service;
+pub mod shares;
+pub mod trim;
+
+pub use on_disk::held_grains;
+use on_disk::read_full;
 
 use std::{
     collections::HashMap,
@@ -30,6 +38,7 @@ use std::{
         fd::AsRawFd,
         unix::fs::{FileExt, MetadataExt},
     },
+    path::{Path, PathBuf},
     sync::{
         Mutex, RwLock,
         atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering},
@@ -38,20 +47,41 @@ use std::{
 
 use hocus_common::ranges::{GRAIN, GRAIN_SHIFT};
 
+use heat::{Heat, Touch};
+
 use crate::{
     profile::extents::Extents,
     shared::{
+        asked::{self, Asking, Purpose},
         relay::{Hash, RUN_GRAINS, grain_hash},
         tree::stat_now,
     },
 };
+
+/// The chunks ([`HEAT_SHIFT`]) grains `[start, end)` fall in: `[first, last)`.
+fn chunks(start: u32, end: u32) -> (u32, u32) {
+    (
+        start >> HEAT_SHIFT,
+        (end.saturating_sub(1) >> HEAT_SHIFT) + 1,
+    )
+}
 
 /// Bytes read from the network and written to the copy at a time.
 const CHUNK: usize = 1 << 20;
 
 /// Grains a fill reads before it asks the server the file's version again (4 MiB, the
 /// filler's read-ahead): one GETATTR a fill of what a job reads, not one a read.
-const CHECKED_GRAINS: u32 = 64;
+pub(super) const CHECKED_GRAINS: u32 = 64;
+
+/// A chunk a copy holds, as trimming weighs it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Chunk {
+    /// When it was last read, among all accesses (0: not since the copy was made).
+    pub order: u64,
+    pub chunk: u32,
+    /// Whose fill brought it in (none: the placement's).
+    pub owner: Option<u32>,
+}
 
 /// What a copy's heat is kept per, and what trimming punches out at a time: 1 MiB (16
 /// grains), the size of a data loader's chunk.
@@ -108,6 +138,14 @@ pub enum FillError {
     Source(io::Error),
     #[error("writing the copy failed: {0}")]
     Local(io::Error),
+    #[error(
+        "the SSD budget has no room left: the cache is full of what jobs read within the last 10 s (raise ssd-budget, or partial-from to make fewer partial copies)"
+    )]
+    Budget,
+    #[error(
+        "this user's fills hold their share of the SSD budget's room (an equal share of what fills hold, among the users whose fills hold it): a read of theirs punches only their own chunks not read within the last 10 s, and there are none"
+    )]
+    Share,
 }
 
 /// A partial copy: the network file it stands for (open with the credentials of the
@@ -127,9 +165,11 @@ pub struct PartialCopy {
     dropped: AtomicBool,
     /// Where the last access ended (a grain): one that starts there reads in order.
     next: AtomicU32,
-    /// When each 1 MiB chunk ([`HEAT_SHIFT`]) was last read, by [`ACCESSES`]; a chunk
-    /// held but not read since the copy was made is the coldest (none here).
-    heat: Mutex<HashMap<u32, u64>>,
+    /// When each 1 MiB chunk ([`HEAT_SHIFT`]) was last allowed to be read, by
+    /// [`ACCESSES`] and the daemon's clock; a chunk held but not read since the copy
+    /// was made is the coldest (none here). Taken with `filled` held, so that a chunk is
+    /// never punched between a check that it is held and the read allowed on it.
+    heat: Mutex<Heat>,
     /// The hash of each grain filled by this daemon (a copy resumed holds none for what
     /// it held), for the job's other nodes (`relay`).
     hashes: Mutex<HashMap<u32, Hash>>,
@@ -138,6 +178,9 @@ pub struct PartialCopy {
     punching: RwLock<()>,
     /// Made by a daemon before this one: jobs it does not know may hold it.
     pub resumed: bool,
+    /// The watched tree its source is in: its fills' reads count there
+    /// (`counted_under`).
+    tree: PathBuf,
 }
 
 impl PartialCopy {
@@ -159,7 +202,15 @@ impl PartialCopy {
             hashes: Mutex::default(),
             punching: RwLock::default(),
             resumed: false,
+            tree: PathBuf::new(),
         })
+    }
+
+    /// Its fills' reads of the network count under `tree` (`shared::asked`), as fills
+    /// where what they are done for counts nothing else.
+    pub fn counted_under(mut self, tree: &Path) -> Self {
+        self.tree = tree.to_owned();
+        self
     }
 
     /// Stands for `source` again in `local`, a partial copy made before (by a daemon
@@ -184,6 +235,7 @@ impl PartialCopy {
             hashes: Mutex::default(),
             punching: RwLock::default(),
             resumed: true,
+            tree: PathBuf::new(),
         })
     }
 
@@ -246,18 +298,59 @@ impl PartialCopy {
         last != 0 && last == start
     }
 
-    /// A job read grains `[start, end)`: their chunks are the hottest now.
-    pub fn read(&self, start: u32, end: u32) {
-        let now = ACCESSES.fetch_add(1, Ordering::Relaxed) + 1;
-        let mut heat = self.heat.lock().expect("not poisoned");
-        for chunk in start >> HEAT_SHIFT..=end.saturating_sub(1) >> HEAT_SHIFT {
-            heat.insert(chunk, now);
+    /// Whether the copy holds grains `[start, end)`: if so, a read of them is allowed
+    /// now and their chunks are the hottest (checked and noted at once, so a punch
+    /// while jobs run, which skips chunks read lately, never falls in between).
+    pub fn allows(&self, start: u32, end: u32) -> bool {
+        let filled = self.filled.lock().expect("not poisoned");
+        if !filled.gaps(start, end.min(self.grains())).is_empty() {
+            return false;
         }
+        self.touch(start, end, true);
+        true
+    }
+
+    /// Grains `[start, end)` were just filled for a read of user `uid`'s not allowed yet:
+    /// too fresh for another fill to punch for room, the fill's to take back if its read
+    /// is refused ([`Self::punch_only_filled`]), and counted against `uid`'s share.
+    pub fn filled_now(&self, start: u32, end: u32, uid: u32) {
+        let _filled = self.filled.lock().expect("not poisoned");
+        self.touch(start, end, false);
+        let (first, last) = chunks(start, end);
+        self.heat
+            .lock()
+            .expect("not poisoned")
+            .filled_by(first, last, uid);
+    }
+
+    /// Notes the chunks of grains `[start, end)` touched now (`filled` held).
+    fn touch(&self, start: u32, end: u32, allowed: bool) {
+        let touch = Touch {
+            order: ACCESSES.fetch_add(1, Ordering::Relaxed) + 1,
+            secs: heat::now(),
+            allowed,
+        };
+        let (first, last) = chunks(start, end);
+        self.heat
+            .lock()
+            .expect("not poisoned")
+            .touch(first, last, touch);
+    }
+
+    /// The chunks of grains `[start, end)` filled and never allowed to be read since:
+    /// a refused read's fill takes them back.
+    pub fn only_filled(&self, start: u32, end: u32) -> Vec<u32> {
+        let (first, last) = chunks(start, end);
+        let _filled = self.filled.lock().expect("not poisoned");
+        self.heat
+            .lock()
+            .expect("not poisoned")
+            .only_filled(first, last)
     }
 
     /// The chunks the copy holds grains of, each with when it was last read (0: not
-    /// since the copy was made), in the file's order.
-    pub fn heat(&self) -> Vec<(u64, u32)> {
+    /// since the copy was made) and whose fill brought it in, in the file's order.
+    pub fn heat(&self) -> Vec<Chunk> {
         let filled = self.filled.lock().expect("not poisoned");
         let heat = self.heat.lock().expect("not poisoned");
         let mut chunks: Vec<u32> = Vec::new();
@@ -270,15 +363,37 @@ impl PartialCopy {
         }
         chunks
             .into_iter()
-            .map(|c| (heat.get(&c).copied().unwrap_or(0), c))
+            .map(|c| Chunk {
+                order: heat.of(c).map_or(0, |t| t.order),
+                chunk: c,
+                owner: heat.owner(c),
+            })
             .collect()
     }
 
     /// Takes chunk `chunk` out of the copy: held no more (a read of it asks a fill
     /// again), then its blocks punched out of the file. The bytes it held (none while
-    /// a fill of the copy is under way). Only while no job can read the copy: a read
-    /// allowed just before could meet the hole.
-    pub fn punch(&self, chunk: u32) -> io::Result<u64> {
+    /// a fill of the copy is under way, or if it was allowed to be read since second
+    /// `read_before` of the daemon's clock). Without `read_before`, only while no
+    /// process but the daemon has the copy open or mapped: a read allowed just before
+    /// could meet the hole. With it, a read allowed that long ago is over (a read is
+    /// allowed within its system call, which goes on at once), but a mapping is not:
+    /// the caller's to know none maps the copy.
+    pub fn punch(&self, chunk: u32, read_before: Option<u32>) -> io::Result<u64> {
+        self.punch_if(chunk, |t| {
+            read_before.is_none_or(|before| t.is_none_or(|t| t.secs < before))
+        })
+    }
+
+    /// Punches chunk `chunk` if it was filled and never allowed to be read since: no read
+    /// can be on its way to it.
+    pub fn punch_only_filled(&self, chunk: u32) -> io::Result<u64> {
+        self.punch_if(chunk, |t| t.is_some_and(|t| !t.allowed))
+    }
+
+    /// Punches chunk `chunk` if `may` says so of its last touch, checked under the lock
+    /// every allow takes.
+    fn punch_if(&self, chunk: u32, may: impl FnOnce(Option<Touch>) -> bool) -> io::Result<u64> {
         let (start, end) = (
             chunk << HEAT_SHIFT,
             ((chunk + 1) << HEAT_SHIFT).min(self.grains()),
@@ -289,11 +404,15 @@ impl PartialCopy {
         };
         let freed = {
             let mut filled = self.filled.lock().expect("not poisoned");
+            let mut heat = self.heat.lock().expect("not poisoned");
+            if !may(heat.of(chunk)) {
+                return Ok(0);
+            }
+            heat.forget(chunk);
             let before = filled.bytes(self.version.size);
             filled.remove(start, end);
             before - filled.bytes(self.version.size)
         };
-        self.heat.lock().expect("not poisoned").remove(&chunk);
         self.forget_hashes(start, end);
         let from = u64::from(start) << GRAIN_SHIFT;
         let to = (u64::from(end) << GRAIN_SHIFT).min(self.version.size);
@@ -335,6 +454,8 @@ impl PartialCopy {
         mut progress: impl FnMut(),
     ) -> Result<(), FillError> {
         let end = end.min(self.grains());
+        let _asking = (asked::current().is_none() && !self.tree.as_os_str().is_empty())
+            .then(|| Asking::begin(&self.tree, Purpose::Fill));
         let _shared = self.punching.read().expect("not poisoned");
         let mut buf = vec![0u8; CHUNK];
         let mut piece = start;
@@ -377,6 +498,7 @@ impl PartialCopy {
         while *at < to {
             let n = ((to - *at) as usize).min(buf.len());
             let got = read_full(&self.source, &mut buf[..n], *at).map_err(FillError::Source)?;
+            asked::read(got as u64);
             // Short: the file shrank under us.
             if got < n {
                 return Err(FillError::Changed);
@@ -529,65 +651,6 @@ impl Drop for PartialCopy {
         let kept = self.hashes.get_mut().map_or(0, |h| h.len());
         HASHED.fetch_sub(kept, Ordering::Relaxed);
     }
-}
-
-/// The whole grains of `file` (`size` bytes) that hold data, as the filesystem says
-/// (`SEEK_DATA`, `SEEK_HOLE`). A fill writes each grain whole before it counts it, and
-/// writes only what it checked to be of the copy's version; a fill cut short (the daemon
-/// killed mid-write) leaves a grain in part, which this leaves out: it is filled again.
-pub fn held_grains(file: &File, size: u64) -> io::Result<Extents> {
-    let fd = file.as_raw_fd();
-    let seek = |at: u64, whence| {
-        // SAFETY: a plain lseek on a descriptor we hold.
-        let r = unsafe { libc::lseek(fd, at as libc::off_t, whence) };
-        match r {
-            -1 => {
-                let e = io::Error::last_os_error();
-                // ENXIO: no data at or after `at`.
-                if e.raw_os_error() == Some(libc::ENXIO) {
-                    Ok(None)
-                } else {
-                    Err(e)
-                }
-            }
-            at => Ok(Some(at as u64)),
-        }
-    };
-    let last = size.div_ceil(GRAIN).min(u64::from(u32::MAX)) as u32;
-    let mut held = Extents::default();
-    let mut at = 0;
-    while at < size {
-        let Some(data) = seek(at, libc::SEEK_DATA)? else {
-            break;
-        };
-        let hole = seek(data, libc::SEEK_HOLE)?.unwrap_or(size).min(size);
-        let start = data.div_ceil(GRAIN).min(u64::from(last)) as u32;
-        // Data to the end holds the last grain, short as it may be.
-        let end = if hole >= size {
-            last
-        } else {
-            (hole / GRAIN) as u32
-        };
-        if start < end {
-            held.add(start, end);
-        }
-        at = hole.max(data + 1);
-    }
-    Ok(held)
-}
-
-/// Reads until `buf` is full or the file ends; returns the bytes read.
-fn read_full(file: &File, buf: &mut [u8], offset: u64) -> io::Result<usize> {
-    let mut got = 0;
-    while got < buf.len() {
-        match file.read_at(&mut buf[got..], offset + got as u64) {
-            Ok(0) => break,
-            Ok(n) => got += n,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(got)
 }
 
 #[cfg(test)]

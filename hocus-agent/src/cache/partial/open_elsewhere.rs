@@ -1,7 +1,8 @@
-//! Which partial copies a process other than the daemon has open or mapped: those are
-//! never punched. A read allowed just before a punch could meet the hole, and a job's
-//! process may outlive the job the daemon knew (a child left running): no job running
-//! is not enough to know nobody reads a copy.
+//! Which partial copies a process other than the daemon has open or mapped: with no
+//! job running, those are never punched (a read allowed just before a punch could meet
+//! the hole, and a job's process may outlive the job the daemon knew: a child left
+//! running); while jobs run, those mapped are never punched (a mapping reads what its
+//! `mmap` was allowed whenever it likes).
 
 use std::{collections::HashSet, fs, os::unix::fs::MetadataExt};
 
@@ -13,6 +14,15 @@ pub type Key = (u64, u64);
 /// Of `keys`, those some process but this one (and `also_ours`, the guard) has open or
 /// mapped, as /proc shows them now. A process that ends while it is read is skipped.
 pub fn opened_by_others(keys: &HashSet<Key>, also_ours: Option<i32>) -> HashSet<Key> {
+    used_by_others(keys, also_ours, true)
+}
+
+/// Of `keys`, those some process but this one (and `also_ours`) has mapped.
+pub fn mapped_by_others(keys: &HashSet<Key>, also_ours: Option<i32>) -> HashSet<Key> {
+    used_by_others(keys, also_ours, false)
+}
+
+fn used_by_others(keys: &HashSet<Key>, also_ours: Option<i32>, open: bool) -> HashSet<Key> {
     let mut found = HashSet::new();
     if keys.is_empty() {
         return found;
@@ -26,7 +36,7 @@ pub fn opened_by_others(keys: &HashSet<Key>, also_ours: Option<i32>) -> HashSet<
         if ours.contains(&Some(pid)) {
             continue;
         }
-        if let Ok(fds) = fs::read_dir(format!("/proc/{pid}/fd")) {
+        if open && let Ok(fds) = fs::read_dir(format!("/proc/{pid}/fd")) {
             for fd in fds.flatten() {
                 if let Ok(m) = fs::metadata(fd.path()) {
                     let key = (m.dev(), m.ino());

@@ -95,13 +95,24 @@ impl Partials {
     /// Punches the coldest chunks out of the copies until `excess` bytes are freed: no
     /// job runs that may read them. The bytes freed, by network file.
     pub fn trim_coldest(&self, excess: u64) -> Vec<(String, u64)> {
-        let guard = self
-            .guard
-            .lock()
-            .expect("not poisoned")
-            .as_ref()
-            .map(Guard::pid);
-        self.filler.trim_coldest(excess, guard)
+        self.filler.trim_coldest(excess)
+    }
+
+    /// The SSD budget has `room` bytes left for fills (negative: past it): fills take
+    /// their bytes of it, punching chunks no job read lately if they must.
+    pub fn set_room(&self, room: i64) {
+        self.filler.set_room(room);
+    }
+
+    /// Bytes fills under way took of the SSD budget and have not written yet: the cache
+    /// will hold them.
+    pub fn filling(&self) -> u64 {
+        self.filler.filling()
+    }
+
+    /// What fills punched to make room since the last call, by network file.
+    pub fn trimmed_by_fills(&self) -> Vec<(String, u64)> {
+        self.filler.trimmed_by_fills()
     }
 
     /// Lets the retired copies go: no job runs that may have one open.
@@ -122,6 +133,7 @@ impl Partials {
             if let Err(e) = guard.stop() {
                 log::warn!("stopping the partial copies' guard: {e}");
             }
+            self.filler.set_guard(0);
             let _ = fs::remove_file(&self.pid_file);
         }
     }
@@ -133,6 +145,7 @@ impl Partials {
             let me = pidfd_open(std::process::id() as libc::pid_t)?;
             let started = Guard::start(self.filler.group_fd(), &me)?;
             fs::write(&self.pid_file, started.pid().to_string())?;
+            self.filler.set_guard(started.pid());
             *guard = Some(started);
         }
         Ok(())

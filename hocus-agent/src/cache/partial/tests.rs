@@ -453,8 +453,11 @@ fn trimming_punches_the_chunks_read_least_lately_and_a_read_of_them_fills_again(
     read(5 * MIB + 8192);
     assert_eq!(allocated(&copy), MIB + 2 * 65536);
     let heat = partial.heat();
-    assert_eq!(heat.iter().map(|h| h.1).collect::<Vec<_>>(), [0, 5, 9]);
-    assert!(heat[0].0 == 0 && heat[2].0 < heat[1].0, "{heat:?}");
+    assert_eq!(heat.iter().map(|h| h.chunk).collect::<Vec<_>>(), [0, 5, 9]);
+    assert!(
+        heat[0].order == 0 && heat[2].order < heat[1].order,
+        "{heat:?}"
+    );
 
     // Open in another process (a job's child that outlived it): never punched.
     let mut holder = Command::new("python3")
@@ -472,12 +475,12 @@ sys.stdin.read()",
         .unwrap();
     let mut line = [0u8; 5];
     std::io::Read::read_exact(holder.stdout.as_mut().unwrap(), &mut line).unwrap();
-    assert!(filler.trim_coldest(MIB + 1, None).is_empty());
+    assert!(filler.trim_coldest(MIB + 1).is_empty());
     drop(holder.stdin.take());
     holder.wait().unwrap();
 
     // A MiB and a byte to free: the first MiB, then the grain at 9 MiB.
-    let trimmed = filler.trim_coldest(MIB + 1, None);
+    let trimmed = filler.trim_coldest(MIB + 1);
     assert_eq!(trimmed, [("network".to_owned(), MIB + 65536)]);
     assert_eq!(filler.held(), [("network".to_owned(), 65536)]);
     assert_eq!(allocated(&copy), 65536, "punched out of the file");
@@ -492,7 +495,7 @@ sys.stdin.read()",
     );
     assert_eq!(filler.counts.failed.load(Ordering::Relaxed), 0);
     // Nothing to free, nothing punched.
-    assert!(filler.trim_coldest(0, None).is_empty());
+    assert!(filler.trim_coldest(0).is_empty());
 }
 
 /// Waits (10 s at most: a Python reader under load starts slowly) until `process` is

@@ -33,6 +33,7 @@ use crate::{
         walk::{self, At, DirAttrs, Met, WALKERS},
     },
     shared::{
+        asked::{self, Asking},
         attrs::{self, Times},
         identity::Identity,
         user::User,
@@ -174,7 +175,9 @@ pub fn take(
         let (to_copy, copies) = mpsc::channel::<(PathBuf, Identity)>();
         let copies = Mutex::new(copies);
         let failed: Mutex<Option<CopyError>> = Mutex::new(None);
+        let asking = asked::current();
         let copier = || {
+            let _asking = Asking::again(&asking);
             loop {
                 // The lock only while waiting for the next file.
                 let next = copies.lock().unwrap().recv();
@@ -241,6 +244,7 @@ pub fn take(
                     }
                     At::Entry { dir, name } => match m.stat.st_mode & libc::S_IFMT {
                         libc::S_IFLNK => {
+                            asked::asked();
                             let target = readlinkat(Some(dir.as_raw_fd()), name)
                                 .map_err(|e| CopyError::Source(e.into()))?;
                             std::os::unix::fs::symlink(&target, &dst).map_err(CopyError::Local)?;
@@ -254,6 +258,7 @@ pub fn take(
                             {
                                 taken.lock().unwrap().linked += id.size;
                             } else if !filled {
+                                asked::asked();
                                 let from = openat(
                                     Some(dir.as_raw_fd()),
                                     name,

@@ -204,6 +204,11 @@ impl Copies {
         self.unverified.contains(source)
     }
 
+    /// Whether copies from before a restart still wait for their first check.
+    pub fn any_unverified(&self) -> bool {
+        !self.unverified.is_empty()
+    }
+
     /// A revalidation checked every copy: those unchanged are valid.
     pub fn all_verified(&mut self) {
         self.unverified.clear();

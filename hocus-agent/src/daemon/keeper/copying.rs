@@ -6,11 +6,13 @@
 use std::{
     collections::VecDeque,
     path::{Path, PathBuf},
+    time::Instant,
 };
 
 use super::{
     Keeper, decide,
     prefetches::Pinned,
+    schedule::Schedule,
     work::{Copied, Work},
 };
 use crate::{
@@ -390,30 +392,78 @@ impl Keeper {
         self.copies.refuse(source);
     }
 
-    /// Asks a worker to compare every copy and snapshot with the network (one check at
-    /// a time).
-    pub(super) fn revalidate(&mut self) {
-        if self.revalidating {
+    /// Asks a worker to compare what running jobs have bound with the network (one
+    /// check at a time): what no job has bound is checked by the next job's start
+    /// (`redirect::confirm`), so a node with no job running asks the server nothing.
+    /// Of what jobs bind, what is due (`Schedule`: less often the longer it is
+    /// unchanged), or with `now` all of it (a change no request could place). After a
+    /// restart, every copy once: none is bound before it.
+    pub(super) fn revalidate(&mut self, now: bool) {
+        if self.revalidating.is_some() {
             return;
         }
-        self.revalidating = true;
+        let every = self.copies.any_unverified();
+        let bound = self.jobs.bound();
+        let due = if now {
+            Schedule::all(&bound)
+        } else {
+            self.schedule
+                .due(&bound, Instant::now(), self.config.revalidate)
+        };
+        if !every && due.is_empty() {
+            self.status.revalidations += 1;
+            self.status.revalidations_idle += 1;
+            return self.after_revalidation(false);
+        }
+        // A copy bound, or in a snapshot bound (whose files share its bytes).
+        let checked = |p: &Path| every || p.ancestors().any(|a| due.contains(a));
+        let copies: Vec<_> = self
+            .cache
+            .sources()
+            .filter(|(s, _)| checked(Path::new(s.as_str())))
+            .map(|(s, c)| (s.clone(), c.identity))
+            .collect();
+        let snapshots: Vec<_> = self
+            .snapshots
+            .stamps()
+            .into_iter()
+            .filter(|(root, _, _)| checked(root))
+            .collect();
+        if copies.is_empty() && snapshots.is_empty() {
+            self.status.revalidations += 1;
+            self.status.revalidations_idle += 1;
+            return self.after_revalidation(false);
+        }
+        self.status.revalidated_entries += (copies.len() + snapshots.len()) as u64;
+        self.revalidating = Some(due);
         self.workers.send(Work::Revalidate {
-            copies: self
-                .cache
-                .sources()
-                .map(|(s, c)| (s.clone(), c.identity))
-                .collect(),
-            snapshots: self.snapshots.stamps(),
+            copies,
+            snapshots,
             trees: self.config.trees.clone(),
         });
     }
 
-    /// What changed on the network is dropped, and fetched again once stable.
+    /// What changed on the network is dropped, and fetched again once stable; what
+    /// did not waits longer for its next check.
     pub(super) fn revalidated(&mut self, changed: Vec<String>, changed_trees: Vec<PathBuf>) {
-        self.revalidating = false;
+        let checked = self.revalidating.take().unwrap_or_default();
         self.status.revalidations += 1;
+        let at = Instant::now();
+        for target in &checked {
+            let hit = changed.iter().any(|c| Path::new(c).starts_with(target))
+                || changed_trees
+                    .iter()
+                    .any(|t| t.starts_with(target) || target.starts_with(t));
+            if hit {
+                self.schedule.changed(target);
+            } else {
+                self.schedule
+                    .unchanged(target, at, self.config.revalidate_max);
+            }
+        }
         let mut dropped = !changed_trees.is_empty();
-        // Every copy was in this check: those unchanged are valid, the others dropped.
+        // Every copy from before a restart was in this check: those unchanged are
+        // valid, the others dropped.
         self.copies.all_verified();
         for source in changed {
             // A copy made since the check was sent is not the one checked.
@@ -432,6 +482,12 @@ impl Keeper {
             self.drop_snapshot(&root, "it changed on the network");
             self.copies.changed(root.to_string_lossy().into_owned());
         }
+        self.after_revalidation(dropped);
+    }
+
+    /// Places again what a check (or its interval with nothing to check) may bring
+    /// back: `dropped`, whether it dropped copies.
+    fn after_revalidation(&mut self, dropped: bool) {
         // Stable again ones come back. Nothing changed and nothing came back: placing a
         // site-wide profile again would decide the same (a second of work at a million
         // files), so that is done only now and then, for what waits on no event (a user

@@ -3,7 +3,7 @@
 //! jobs whose tasks were attached, as `status` shows them.
 
 use std::{
-    collections::HashMap,
+    collections::{HashMap, HashSet},
     path::{Path, PathBuf},
 };
 
@@ -58,6 +58,14 @@ impl Jobs {
         if let Some(job) = self.by_id.get_mut(&id) {
             job.saw(path);
         }
+    }
+
+    /// What running jobs have bound: copied files' and snapshots' network paths.
+    pub fn bound(&self) -> HashSet<&Path> {
+        self.by_id
+            .values()
+            .flat_map(|j| j.binds.iter().map(|b| b.target.as_path()))
+            .collect()
     }
 
     /// Whether a running job uses the copy of `source` (`Job::uses_copy`).

@@ -24,12 +24,14 @@ mod partial_copies;
 mod pinning;
 mod placement;
 mod prefetches;
+mod schedule;
 mod served;
 mod snapshots;
 mod snapshotting;
 mod work;
 
 use std::{
+    collections::HashSet,
     path::{Path, PathBuf},
     sync::Arc,
     thread,
@@ -47,6 +49,7 @@ use self::{
     pinning::Pinning,
     placement::Placement,
     prefetches::Prefetches,
+    schedule::Schedule,
     snapshots::Snapshots,
     work::{Done, Workers},
 };
@@ -144,7 +147,8 @@ pub fn start(config: Config) -> Result<(Handle, thread::JoinHandle<()>, [Route; 
         partials,
         trim_after: Instant::now(),
         workers,
-        revalidating: false,
+        revalidating: None,
+        schedule: Schedule::default(),
         placement: Placement::new(),
         copies: Copies::found_at_start(unverified),
         pinning: Pinning::new(),
@@ -241,8 +245,10 @@ struct Keeper {
     /// held open elsewhere, waits: each asks /proc about every process).
     trim_after: Instant,
     workers: Workers,
-    /// A revalidation is under way.
-    revalidating: bool,
+    /// A revalidation is under way, of these bound targets.
+    revalidating: Option<HashSet<PathBuf>>,
+    /// When each bound target is next checked.
+    schedule: Schedule,
     placement: Placement,
     copies: Copies,
     pinning: Pinning,
@@ -338,7 +344,7 @@ impl Keeper {
     /// Revalidates and saves the index when they are due.
     fn tick(&mut self, next_check: &mut Instant, last_save: &mut Instant) {
         if Instant::now() >= *next_check {
-            self.revalidate();
+            self.revalidate(false);
             *next_check = Instant::now() + self.config.revalidate;
         }
         // The index is rewritten whole: at most once a second, not once per copy (a crash
@@ -399,14 +405,17 @@ impl Keeper {
             Order::Prefetch(profile, tx, parent) => self.prefetch(profile, tx, parent),
             Order::Refused(source) => self.refuse(source),
             Order::Invalidate(source) => self.invalidate(source),
-            Order::RevalidateNow => self.revalidate(),
+            Order::RevalidateNow => self.revalidate(true),
             Order::Accesses(accesses) => accesses.into_iter().for_each(|a| self.served(a)),
             Order::Reconfigure(r) => {
                 self.config.filters = r.filters;
                 self.config.revalidate = r.revalidate;
+                let longest = r.revalidate_max.unwrap_or(self.config.revalidate_max);
+                self.config.revalidate_max = longest.max(r.revalidate);
                 log::info!(
-                    "settings reloaded: revalidating every {} s",
-                    r.revalidate.as_secs()
+                    "settings reloaded: revalidating what jobs bind after {} s, waiting up to {} s for what stays unchanged",
+                    r.revalidate.as_secs(),
+                    self.config.revalidate_max.as_secs()
                 );
                 self.set_budgets(Some(r.ssd_budget), Some(r.ram_budget));
             }

@@ -26,6 +26,8 @@ pub struct Config {
     pub ram_budget: u64,
     pub filters: Filters,
     pub revalidate: Duration,
+    /// The longest wait between two checks of a bound entry (`Schedule`).
+    pub revalidate_max: Duration,
     pub trees: Vec<PathBuf>,
     pub copy_workers: usize,
     /// Snapshots hold every file's bytes, even where lazy ones would work.
@@ -46,6 +48,8 @@ impl Config {
             ram_budget: budgets.ram,
             filters: Filters::of(settings),
             revalidate: settings.revalidate(),
+            // Set from the watched mounts where not given, once they are known.
+            revalidate_max: settings.revalidate_max().unwrap_or(settings.revalidate()),
             trees: Vec::new(),
             copy_workers: settings.copy_workers.unwrap_or(8),
             whole_snapshots: settings.whole_snapshots.unwrap_or(false),
@@ -61,6 +65,8 @@ pub struct Reconfigure {
     pub ram_budget: u64,
     pub filters: Filters,
     pub revalidate: Duration,
+    /// None: the watched mounts' own, as at start.
+    pub revalidate_max: Option<Duration>,
 }
 
 /// The newest working set waiting to be placed.

@@ -66,9 +66,13 @@ impl Keeper {
             let Some((growth, lacks)) = partials.growth(&source, &ranges) else {
                 continue;
             };
-            let room = self
-                .effective_ssd_budget
-                .saturating_sub(self.cache.used().saturating_add(self.copies.reserved()));
+            // Fills under way will hold what they took too: growth never takes it
+            // again (it refilled what a fill had just punched for room). The growth
+            // took its own bytes of the fills' room already (given back if it goes).
+            let taken = (self.cache.used())
+                .saturating_add(self.copies.reserved())
+                .saturating_add(partials.filling().saturating_sub(lacks));
+            let room = self.effective_ssd_budget.saturating_sub(taken);
             if lacks > room {
                 continue; // the next placement, after evictions
             }
@@ -200,7 +204,7 @@ impl Keeper {
     /// jobs' reads fill them: budgets count it), and retires those the cache no longer
     /// holds (dropped, changed, evicted) from the filler.
     pub(super) fn count_partial_copies(&mut self) {
-        let Some(partials) = &self.partials else {
+        let Some(partials) = self.partials.clone() else {
             return;
         };
         for (source, held) in partials.held() {
@@ -209,6 +213,12 @@ impl Keeper {
                 _ => partials.retire(&source),
             }
         }
+        // Fills take their bytes of what the budget has left, while jobs run too.
+        let bytes = |b: u64| i64::try_from(b).unwrap_or(i64::MAX);
+        partials
+            .set_room(bytes(self.effective_ssd_budget).saturating_sub(bytes(self.cache.used())));
+        let trimmed = partials.trimmed_by_fills();
+        self.note_trimmed(&trimmed);
         if self.jobs.running() == 0 {
             partials.release_retired();
             self.trim_partial_copies();
@@ -230,7 +240,19 @@ impl Keeper {
         if trimmed.iter().map(|(_, freed)| freed).sum::<u64>() < over {
             self.trim_after = Instant::now() + TRIM_AGAIN_AFTER;
         }
+        self.note_trimmed(&trimmed);
         for (source, freed) in &trimmed {
+            if let Some(c) = self.cache.get(source).filter(|c| c.is_partial()) {
+                let held = c.held.saturating_sub(*freed);
+                self.cache.set_held(source, held);
+            }
+        }
+    }
+
+    /// Says what was punched out of partial copies, counts it, and lets their pins go
+    /// (the next placement pins what they hold now).
+    fn note_trimmed(&mut self, trimmed: &[(String, u64)]) {
+        for (source, freed) in trimmed {
             log::info!(
                 "{source}: {} of its partial copy read least lately punched out, to keep the cache within the SSD budget ({})",
                 human(*freed),
@@ -238,10 +260,6 @@ impl Keeper {
             );
             self.status.partial_bytes_trimmed += freed;
             self.pinning.unpin(source);
-            if let Some(c) = self.cache.get(source).filter(|c| c.is_partial()) {
-                let held = c.held.saturating_sub(*freed);
-                self.cache.set_held(source, held);
-            }
         }
     }
 

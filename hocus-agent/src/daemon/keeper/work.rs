@@ -27,7 +27,12 @@ use crate::{
         snapshot::{self, Fill, Stamp, Taken},
     },
     profile::extents::Extents,
-    shared::{identity::Identity, tree::Tree, user::User},
+    shared::{
+        asked::{Asking, Purpose},
+        identity::Identity,
+        tree::Tree,
+        user::User,
+    },
 };
 
 /// A snapshot holds at most this many entries (directories, files, symlinks).
@@ -204,8 +209,25 @@ fn pool_thread(
     Ok(())
 }
 
+impl Work {
+    /// What its calls on the network are counted as (`shared::asked`); a growth counts
+    /// as a fill (`PartialCopy::counted_under`), the checks per tree as they go.
+    fn asking(&self) -> Option<Asking> {
+        match self {
+            Work::Copy { tree, .. } | Work::Resume { tree, .. } => {
+                Some(Asking::begin(tree, Purpose::Copy))
+            }
+            Work::Snapshot { tree, .. } | Work::Measure { tree, .. } => {
+                Some(Asking::begin(tree, Purpose::Snapshot))
+            }
+            _ => None,
+        }
+    }
+}
+
 /// Does one piece of work; what it found, if the keeper needs to know.
 fn run(work: Work, tmp: &Path) -> Option<Done> {
+    let _asking = work.asking();
     Some(match work {
         Work::Copy {
             source,
@@ -312,7 +334,14 @@ fn run(work: Work, tmp: &Path) -> Option<Done> {
         } => {
             // A copy is valid while the network file keeps its identity. Each tree is
             // opened once for the whole check.
-            let opened: Vec<Tree> = trees.iter().filter_map(|t| Tree::open(t).ok()).collect();
+            let asking = |tree: &Path| Asking::begin(tree, Purpose::Revalidation);
+            let opened: Vec<Tree> = trees
+                .iter()
+                .filter_map(|t| {
+                    let _asking = asking(t);
+                    Tree::open(t).ok()
+                })
+                .collect();
             let changed = copies
                 .into_iter()
                 .filter(|(source, identity)| {
@@ -320,7 +349,10 @@ fn run(work: Work, tmp: &Path) -> Option<Done> {
                     let now = opened
                         .iter()
                         .find(|t| path.starts_with(t.path()))
-                        .and_then(|t| Some(t.identity(&t.stat(path).ok()?)));
+                        .and_then(|t| {
+                            let _asking = asking(t.path());
+                            Some(t.identity(&t.stat(path).ok()?))
+                        });
                     now.as_ref() != Some(identity)
                 })
                 .map(|(source, _)| source)
@@ -329,7 +361,10 @@ fn run(work: Work, tmp: &Path) -> Option<Done> {
                 .into_iter()
                 .filter(|(root, stamp, passages)| {
                     let tree = trees.iter().find(|t| root.starts_with(t));
-                    let now = tree.and_then(|t| snapshot::stamp(t, root, passages).ok());
+                    let now = tree.and_then(|t| {
+                        let _asking = asking(t);
+                        snapshot::stamp(t, root, passages).ok()
+                    });
                     now.as_ref() != Some(stamp)
                 })
                 .map(|(root, _, _)| root)

@@ -15,6 +15,7 @@ use hocus_common::{
 };
 use hocus_control::status::Tally;
 
+use self::changes::{Awaiting, Change};
 use crate::{
     observe::{
         held,
@@ -104,6 +105,8 @@ pub struct Observer {
     /// number, oldest first: each a failed lookup if its answer says the name is missing.
     asked: HashMap<(u32, u64), Access>,
     asked_order: VecDeque<(u32, u64)>,
+    /// NFS changes reported before the server answered: each counts once accepted.
+    awaiting: Awaiting,
     /// Mapped files, by the open file that first mapped them.
     mapped: HashMap<u64, MappedInfo>,
     /// Mapped inodes the kernel had at the last sweep whose file was not known.
@@ -136,6 +139,7 @@ impl Observer {
             missing_from_kernel: HashSet::new(),
             asked: HashMap::new(),
             asked_order: VecDeque::new(),
+            awaiting: Awaiting::default(),
             mapped: HashMap::new(),
             unknown_mapped: HashSet::new(),
             // SAFETY: no arguments.
@@ -203,7 +207,12 @@ impl Observer {
                 }
                 return;
             }
-            kind::WRITE | kind::TRUNCATE if e.path_len == 0 => {
+            kind::CHANGE_ANSWERED => {
+                self.answered(e.file_id, e.bytes as i64, ws);
+                return;
+            }
+            // Through a descriptor (a change by a name has a root and a path).
+            kind::WRITE | kind::TRUNCATE if e.path_len == 0 && e.base_len == 0 => {
                 self.tally.mutations += 1;
                 self.learned += 1;
                 if let Some(info) = self.open.get_mut(&e.file_id) {
@@ -316,34 +325,22 @@ impl Observer {
                 ws.mark_refused(&path, at);
                 self.refused.push(path);
             }
-            kind::MKDIR | kind::RMDIR => {
-                self.tally.mutations += 1;
-                if logs::writes() {
-                    let what = if e.kind == kind::MKDIR {
-                        "directory made"
-                    } else {
-                        "directory removed"
-                    };
-                    logs::file_line("write", &path, Some(&process(e)), what);
-                }
-                ws.dir_mutated(&path);
-                ws.dir_mutated(parent(&path));
-            }
-            kind::UNLINK | kind::RENAME_FROM | kind::RENAME_TO | kind::TRUNCATE => {
-                self.tally.mutations += 1;
-                if logs::writes() {
-                    let what = match e.kind {
-                        kind::UNLINK => "unlinked",
-                        kind::RENAME_FROM => "renamed away",
-                        kind::RENAME_TO => "renamed over",
-                        _ => "truncated",
-                    };
-                    logs::file_line("write", &path, Some(&process(e)), what);
-                }
-                ws.mark_written(&path, at);
-                self.changed.push(path.clone());
-                if e.kind != kind::TRUNCATE {
-                    ws.dir_mutated(parent(&path));
+            kind::MKDIR
+            | kind::RMDIR
+            | kind::UNLINK
+            | kind::RENAME_FROM
+            | kind::RENAME_TO
+            | kind::TRUNCATE => {
+                let change = Change {
+                    kind: e.kind,
+                    path,
+                    process: process(e),
+                    at_ns: at,
+                };
+                if e.file_id == 0 {
+                    self.change(change, ws);
+                } else {
+                    self.await_answer(e.file_id, change, ws);
                 }
             }
             _ => {}
@@ -434,6 +431,10 @@ impl Observer {
             self.close(id);
         }
         self.missing_from_kernel = missing;
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        self.answers_overdue(now, ws);
         gone
     }
 
@@ -648,5 +649,6 @@ fn monotonic_to_unix_offset() -> i128 {
     now(nix::time::ClockId::CLOCK_REALTIME) - now(nix::time::ClockId::CLOCK_MONOTONIC)
 }
 
+mod changes;
 #[cfg(test)]
 mod tests;

@@ -229,11 +229,65 @@ fn marks_writes_and_mutated_directories() {
     let mut create = event(kind::OPEN, "/mnt/net/out/new.txt");
     create.open_flags = O_CREAT | O_EXCL | 1;
     o.handle(&create, &mut ws);
-    o.handle(&event(kind::RENAME_TO, "/mnt/net/out/final.txt"), &mut ws);
+    let mut renamed = event(kind::RENAME_TO, "/mnt/net/out/final.txt");
+    renamed.file_id = 0; // from a syscall's exit: made
+    o.handle(&renamed, &mut ws);
     let p = ws.to_profile();
     assert!(p.files.iter().all(|f| f.written));
     assert_eq!(p.files.len(), 2);
     assert!(p.dirs.iter().any(|d| d.path == "/mnt/net/out" && d.mutated));
+}
+
+/// The NFS programs' change numbered `number` (at its function's entry), and the
+/// server's answer to it (at its exit).
+fn nfs_change(kind: u8, path: &str, number: u64) -> Event {
+    let mut e = event(kind, path);
+    e.file_id = number;
+    e
+}
+
+fn answer(number: u64, ret: i64) -> Event {
+    let mut e = event(kind::CHANGE_ANSWERED, "");
+    e.path_len = 0;
+    e.file_id = number;
+    e.bytes = ret as u64;
+    e
+}
+
+#[test]
+fn an_nfs_change_counts_only_once_the_server_accepted_it() {
+    let (mut o, mut ws) = (observer(), WorkingSet::new(0));
+    let written = |ws: &WorkingSet, path: &str| {
+        ws.to_profile()
+            .files
+            .iter()
+            .any(|f| f.path == path && f.written)
+    };
+    // Refused (ENOTEMPTY, EACCES): nothing changed, no copy to drop.
+    o.handle(&nfs_change(kind::UNLINK, "/mnt/net/a.py", 11), &mut ws);
+    assert!(o.changed.is_empty(), "not before the answer");
+    o.handle(&answer(11, -13), &mut ws);
+    o.handle(&nfs_change(kind::RMDIR, "/mnt/net/env", 12), &mut ws);
+    o.handle(&answer(12, -39), &mut ws);
+    assert!(o.changed.is_empty() && !written(&ws, "/mnt/net/a.py"));
+    assert!(ws.to_profile().dirs.iter().all(|d| !d.mutated));
+    // Accepted: counted, both names of a rename.
+    o.handle(&nfs_change(kind::RENAME_FROM, "/mnt/net/b.py", 13), &mut ws);
+    o.handle(&nfs_change(kind::RENAME_TO, "/mnt/net/c.py", 14), &mut ws);
+    o.handle(&answer(13, 0), &mut ws);
+    o.handle(&answer(14, 0), &mut ws);
+    assert_eq!(o.changed, ["/mnt/net/b.py", "/mnt/net/c.py"]);
+    assert!(written(&ws, "/mnt/net/b.py") && written(&ws, "/mnt/net/c.py"));
+    // An answer never seen (lost with a full ring buffer) counts the change as made
+    // once it is overdue: its copies go.
+    o.changed.clear();
+    o.handle(&nfs_change(kind::TRUNCATE, "/mnt/net/d.py", 15), &mut ws);
+    let at = o.unix_ns(1);
+    o.answers_overdue(at + changes::AWAITED_NS - 1, &mut ws);
+    assert!(o.changed.is_empty());
+    o.answers_overdue(at + changes::AWAITED_NS, &mut ws);
+    assert_eq!(o.changed, ["/mnt/net/d.py"]);
+    assert!(o.awaiting.is_empty());
 }
 
 /// The request programs' events for a LOOKUP on mount `dev`: asked (by the directory it

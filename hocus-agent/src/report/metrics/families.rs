@@ -141,6 +141,48 @@ impl Collector for Snapshot {
             None,
             one(s.accesses_uncounted),
         )?;
+        // What the daemon asks of the file servers, and what NFS's clients sent.
+        let by_purpose = |a: &hocus_control::status::ServerAsked| {
+            vec![
+                ("mount", a.mount.display().to_string()),
+                ("purpose", a.purpose.clone()),
+            ]
+        };
+        counter(
+            e,
+            "server_operations",
+            "Calls the daemon made on a watched network tree (an open, lookup, stat, listing or read each), by purpose: job_start, revalidation, copy, snapshot, fill, profile.",
+            None,
+            s.server
+                .iter()
+                .map(|a| (by_purpose(a), a.operations))
+                .collect(),
+        )?;
+        counter(
+            e,
+            "server_read",
+            "Bytes the daemon read from a watched network tree, by purpose.",
+            bytes,
+            s.server.iter().map(|a| (by_purpose(a), a.bytes)).collect(),
+        )?;
+        counter(
+            e,
+            "nfs_operations",
+            "Requests a watched NFS mount's client sent its server (every process's, the daemon's among them), by operation, as its mountstats say.",
+            None,
+            s.nfs_operations
+                .iter()
+                .flat_map(|m| {
+                    m.operations.iter().map(|(op, n)| {
+                        (
+                            vec![("mount", m.mount.display().to_string()), ("op", op.clone())],
+                            *n,
+                        )
+                    })
+                })
+                .collect(),
+        )?;
+
         // The control socket: clients now, and those refused.
         let c = &s.control;
         gauge(
@@ -205,6 +247,10 @@ impl Collector for Snapshot {
                 (
                     vec![("cause", "open_files_map_full".into())],
                     kernel("lost_open_files_map_full"),
+                ),
+                (
+                    vec![("cause", "open_files_of_user".into())],
+                    kernel("lost_open_files_of_user"),
                 ),
                 (
                     vec![("cause", "path_unreadable".into())],
