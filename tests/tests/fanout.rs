@@ -299,6 +299,173 @@ fn a_jobs_nodes_read_its_saved_working_set_from_the_server_once() {
     }
 }
 
+/// The last job start `agent` logged: its copies confirmed, the entries it checked
+/// against the server itself, and the copies its parent node vouched for.
+fn last_start(agent: &Agent) -> (u64, u64, u64) {
+    let log = agent.log();
+    let line = log
+        .lines()
+        .rfind(|l| l.contains("job start: "))
+        .unwrap_or_else(|| panic!("no job start in {log}"))
+        .to_owned();
+    let number_before = |word: &str| -> u64 {
+        line.split(word)
+            .next()
+            .and_then(|l| l.split(' ').next_back()?.parse().ok())
+            .unwrap_or(0)
+    };
+    let copies = line
+        .split("job start: ")
+        .nth(1)
+        .and_then(|l| l.split(' ').next()?.parse().ok())
+        .unwrap_or_else(|| panic!("{line}"));
+    (
+        copies,
+        number_before(" entries checked"),
+        number_before(" vouched for by node"),
+    )
+}
+
+/// What `agent` counted asking the server for job starts.
+fn job_start_operations(agent: &Agent) -> u64 {
+    agent.status()["server"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|e| e["purpose"] == "job_start")
+        .filter_map(|e| e["operations"].as_u64())
+        .sum()
+}
+
+/// A job's start is checked against the server once for all its nodes: node2 and
+/// node3 ask node1, their parent, to vouch for their copies' checks, and node1 answers
+/// for those it checked itself just before (or checks them then, once for all). The
+/// server's operations for a step on three nodes are about those of a step on one.
+#[test]
+fn a_jobs_start_is_checked_against_the_server_once_for_all_its_nodes() {
+    let s = shared();
+    s.learned();
+    // No revalidation of the batch script's binds while the steps are counted.
+    let agents = s.daemons_with(&["--revalidate", "600"]);
+    let dir = tempfile::tempdir().unwrap();
+    fs::set_permissions(dir.path(), fs::Permissions::from_mode(0o777)).unwrap();
+    let d = dir.path().display();
+    let node1 = &s.cluster.nodes[0].name;
+    let script = dir.path().join("job.sh");
+    fs::write(
+        &script,
+        format!(
+            "#!/bin/sh\n\
+             step() {{ srun --quiet \"$@\" /usr/bin/python3 -c '{SCRIPT}'; }}\n\
+             between() {{ touch {d}/$1; while [ ! -e {d}/go$1 ]; do sleep 0.1; done; }}\n\
+             step --nodes={NODES}\nbetween 0\n\
+             step --nodes=1 --nodelist={node1}\nbetween 1\n\
+             step --nodes={NODES}\n"
+        ),
+    )
+    .unwrap();
+    fs::set_permissions(&script, fs::Permissions::from_mode(0o755)).unwrap();
+    let output = dir.path().join("out.txt");
+    let lib = s.net.path("env/lib");
+    let job = s
+        .cluster
+        .command_as_user(
+            "sbatch",
+            &[
+                "--wait",
+                "--quiet",
+                &format!("--nodes={NODES}"),
+                "--hocus-profile=fan",
+                "-o",
+                output.to_str().unwrap(),
+                script.to_str().unwrap(),
+            ],
+            &[
+                ("PYTHONPATH", lib.to_str().unwrap()),
+                ("PYTHONDONTWRITEBYTECODE", "1"),
+            ],
+        )
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // What the server did, and what each daemon asked it for job starts, once the step
+    // before has ended; then the next step.
+    let counts = |step: usize| {
+        let marker = dir.path().join(step.to_string());
+        wait_until(120, &format!("step {step}"), || marker.exists());
+        for agent in &agents {
+            agent.settled();
+        }
+        let counted: Vec<u64> = agents.iter().map(job_start_operations).collect();
+        (s.net.server_log().len(), counted)
+    };
+    // What the server was asked since `before` of the package's directory and below:
+    // the job's own reads there are its snapshot's, local, so these are the daemons'
+    // job-start checks and their binds' lookups.
+    let package = format!("\"{}", s.net.server_path("env/lib/mypkg").display());
+    let asked_since = |before: usize| {
+        s.net.server_log()[before..]
+            .lines()
+            .filter(|l| l.contains(&package))
+            .count() as u64
+    };
+    let go = |step: usize| {
+        // Past what a check is reused for on a node (1 s).
+        thread::sleep(std::time::Duration::from_millis(1500));
+        fs::write(dir.path().join(format!("go{step}")), "").unwrap();
+    };
+    let (log0, counted0) = counts(0);
+    go(0);
+    let (log1, counted1) = counts(1);
+    let one_node = asked_since(log0);
+    let one_node_counted = counted1[0] - counted0[0];
+    let (binds, entries, _) = last_start(&agents[0]);
+    go(1);
+    let out = job.wait_with_output().unwrap();
+    assert_success(&out);
+    assert_eq!(
+        fs::read_to_string(&output).unwrap(),
+        "42\n".repeat(2 * NODES + 1)
+    );
+    for agent in &agents {
+        agent.settled();
+    }
+    let all_nodes = asked_since(log1);
+    let counted: Vec<u64> = agents
+        .iter()
+        .zip(&counted1)
+        .map(|(a, before)| job_start_operations(a) - before)
+        .collect();
+    eprintln!(
+        "a step on node1 alone: the server was asked {one_node} times of the snapshot's {entries} entries (node1 counted {one_node_counted} for its {binds} copies); a step on {NODES} nodes: {all_nodes} times, the daemons counted {counted:?}"
+    );
+    // node1 checked its copies against the server, at both steps; node2 and node3
+    // checked none themselves: node1 vouched for every one.
+    assert!(binds >= 1 && entries >= 4, "{}", agents[0].log());
+    assert_eq!(last_start(&agents[0]).1, entries, "{}", agents[0].log());
+    for (agent, node) in agents.iter().zip(&s.cluster.nodes).skip(1) {
+        let (copies, checked, vouched) = last_start(agent);
+        assert!(
+            copies == binds && checked == 0 && vouched == copies,
+            "{}: {copies} copies, {checked} entries checked, {vouched} vouched for\n{}",
+            node.name,
+            agent.log()
+        );
+        assert_eq!(s.copies_are_the_sources(agent, node), 3, "{}", node.name);
+    }
+    // What node2 and node3 add to the server is their binds' own lookups (the tree,
+    // the target: two per copy, counted), not a check of the entries: the step on
+    // three nodes asks it what the step on one did, and those (here 4, then 6; each
+    // node checking for itself, 4 more a node).
+    let lookups = (NODES as u64 - 1) * 2 * binds;
+    assert!(
+        counted[1..].iter().all(|&c| c <= 2 * binds) && all_nodes <= one_node + lookups,
+        "the server was asked {all_nodes} times for a step on {NODES} nodes, {one_node} for one; the others counted {:?}",
+        &counted[1..]
+    );
+}
+
 #[test]
 fn in_a_chain_each_node_passes_on_what_its_parent_passed_it() {
     let s = shared();
@@ -746,9 +913,11 @@ fn a_users_listener_on_a_parents_relay_port_hands_no_child_its_bytes() {
     );
     for (agent, node) in agents.iter().zip(&s.cluster.nodes).skip(1) {
         agent.settled();
-        // Nothing came from it: the children's copies are the server's bytes.
+        // Nothing came from it: the children's copies are the server's bytes, and
+        // their job starts' checks their own.
         assert!(!said().contains("forged"), "{}: {}", node.name, said());
         assert_eq!(copied_from_peers(agent), 0, "{}", agent.log());
+        assert_eq!(last_start(agent).2, 0, "{}", agent.log());
         assert!(
             agent
                 .log()

@@ -24,11 +24,15 @@ use super::{
 use crate::shared::{
     munge,
     relay::{
-        END_OF_RUNS, FILE, GREETING, Hash, NOT_HELD, Offer, RANGES, RUN_GRAINS, WAIT, grain_hash,
-        parse_payload, proof, read_run, request, request_grains, run,
+        END_OF_RUNS, FILE, GREETING, Hash, MAX_VOUCHED, NOT_HELD, NOT_VOUCHED, Offer, RANGES,
+        RUN_GRAINS, VOUCHED, WAIT, grain_hash, parse_payload, proof, read_ages, read_run, request,
+        request_grains, request_vouch, run,
     },
 };
 use hocus_common::ranges::{GRAIN, GRAIN_SHIFT};
+
+/// How much longer than the time it allowed a child waits for its parent's vouching.
+const VOUCH_MARGIN: Duration = Duration::from_millis(100);
 
 /// What a node holds of a file another node of the job asks for.
 #[derive(Debug, Clone)]
@@ -66,6 +70,7 @@ pub fn send_grains(
 /// A job's parent node, as this node's copies ask it: where it is, the payload of the
 /// credentials that prove this node (one per connection), and whether it has failed
 /// (then every copy goes to the network: its subtree falls back with it).
+#[derive(Debug)]
 pub struct Parent {
     pub name: String,
     pub addr: SocketAddr,
@@ -217,6 +222,45 @@ impl Parent {
         Ok(taken)
     }
 
+    /// Asks the parent to vouch for a job start's checks of `items` (network paths, and
+    /// digests of what this node's copies expect there) within `allowed`: for each, how
+    /// long before `asked` (when the request was sent) the parent's own check of the same
+    /// expectation against the server began, or None where it does not vouch for it.
+    pub fn vouch(
+        &self,
+        items: &[(&Path, Hash)],
+        allowed: Duration,
+    ) -> Result<(Instant, Vec<Option<Duration>>), Miss> {
+        if self.has_failed() {
+            return Err(Miss::Failed);
+        }
+        let asked = Instant::now();
+        // A connection of its own: one kept since the prolog's prefetch may have been
+        // closed by the parent as idle, which is no failure of the parent.
+        let ages = self.connect(allowed).and_then(|mut stream| {
+            let left = allowed.saturating_sub(asked.elapsed());
+            // A moment past what is left: the parent answers what it checked by then.
+            stream.set_read_timeout(Some(left + VOUCH_MARGIN))?;
+            let status = self.ask(&mut stream, &request_vouch(left, items), VOUCHED)?;
+            status.ok_or_else(|| io::Error::other("it does not vouch for job starts"))?;
+            read_ages(&mut stream, items.len().min(MAX_VOUCHED))
+        });
+        let ages = ages.map_err(|e| {
+            let why = format!("{} ({}): {e}", self.name, self.addr);
+            if !self.failed.swap(true, Ordering::Relaxed) {
+                log::warn!(
+                    "relay: parent node {why}; this node checks the job's copies against the server itself"
+                );
+            }
+            Miss::Broken(why)
+        })?;
+        let ages = ages
+            .into_iter()
+            .map(|a| (a != NOT_VOUCHED).then(|| Duration::from_millis(u64::from(a))))
+            .collect();
+        Ok((asked, ages))
+    }
+
     /// Sends `asked` (a request, encoded) on a connection to the parent; the connection
     /// once the parent answers `held` (what it holds follows). NotHeld if it does not
     /// hold the file (the connection is kept for the next).
@@ -226,7 +270,7 @@ impl Parent {
         }
         let mut stream = match self.idle.lock().ok().and_then(|mut i| i.pop()) {
             Some(s) => s,
-            None => self.connect().map_err(|e| self.broken(e))?,
+            None => self.connect(self.timeout).map_err(|e| self.broken(e))?,
         };
         match self.ask(&mut stream, asked, held) {
             Ok(Some(())) => Ok(stream),
@@ -253,11 +297,12 @@ impl Parent {
         }
     }
 
-    fn connect(&self) -> io::Result<TcpStream> {
+    /// A connection to the parent, proven both ways, made within `within`.
+    fn connect(&self, within: Duration) -> io::Result<TcpStream> {
         let cred = munge::encode(&self.payload, self.munge_socket.as_deref())?;
-        let mut stream = TcpStream::connect_timeout(&self.addr, self.timeout)?;
-        stream.set_read_timeout(Some(self.timeout))?;
-        stream.set_write_timeout(Some(self.timeout))?;
+        let mut stream = TcpStream::connect_timeout(&self.addr, within)?;
+        stream.set_read_timeout(Some(within))?;
+        stream.set_write_timeout(Some(within))?;
         stream.set_nodelay(true)?;
         stream.write_all(format!("{GREETING}\n{cred}\n").as_bytes())?;
         let mut answer = String::new();
@@ -349,7 +394,7 @@ mod tests {
 
     /// A parent that answers the first request as `answer` does, and the Parent asking it.
     fn parent_answering(
-        answer: impl FnOnce(&mut TcpStream, crate::shared::relay::Request) + Send + 'static,
+        answer: impl FnOnce(&mut TcpStream, crate::shared::relay::Asked) + Send + 'static,
     ) -> Parent {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
@@ -424,6 +469,9 @@ mod tests {
     /// A parent holding `copy`, answering a request for grains as a node does.
     fn parent_holding(copy: Arc<PartialCopy>) -> Parent {
         parent_answering(move |conn, asked| {
+            let crate::shared::relay::Asked::File(asked) = asked else {
+                panic!("{asked:?}")
+            };
             let _ = send_grains(conn, &copy, &asked.grains.unwrap());
         })
     }

@@ -3,13 +3,13 @@
 //! (`Query`); the steps of a job's session and of the relay (`Ask`); and the loop's
 //! answers (`Answer`). The wire a client speaks is `hocus_control`'s.
 
-use std::path::PathBuf;
+use std::{path::PathBuf, sync::Arc};
 
 use hocus_control::Response;
 use tokio::sync::mpsc;
 
 use crate::{
-    cache::relay::Holding,
+    cache::relay::{Holding, Parent},
     control::refusal::Refusal,
     profile::{format::Profile, staging::Staging, working_set::export::ExportOrder},
     redirect::{access::Caller, jobs::JobStart, mountns::Bind},
@@ -79,6 +79,17 @@ pub enum Ask {
         from: String,
         source: String,
     },
+    /// Node `from` of the job asks this node to vouch for its job start's checks: the
+    /// binds this node would check for a job start of its own (`Binds`, or refused).
+    RelayVouch {
+        job_id: u32,
+        from: String,
+    },
+    /// The parent node of Slurm job `job_id`'s tree, where this node has one
+    /// (`Parent`).
+    JobParent {
+        job_id: u32,
+    },
 }
 
 /// What the loop answers a connection.
@@ -101,6 +112,8 @@ pub enum Answer {
     JobProfile(Profile),
     /// What this node holds of a file a job's other node asks for.
     Relay(Holding),
+    /// A job's parent node, if this node has one in its tree.
+    Parent(Option<Arc<Parent>>),
 }
 
 impl From<Response> for Answer {

@@ -9,8 +9,12 @@
 //! and serves only files of the job's own profile (read as the job's user). It answers
 //! with a credential of its own (`shared::relay::proof`): the child takes nothing from
 //! a listener that cannot make one, such as a user's on a port the daemon could not
-//! take. A thread per
-//! connection, at most [`MAX_PEERS`] at once.
+//! take. A thread per connection, at most [`MAX_PEERS`] at once.
+//!
+//! A child may ask this node to vouch for its job start's checks: this node answers for
+//! what its own copies expect too (the same network path and digest), checked against
+//! the server as its own job start checks them (once for jobs starting together), or
+//! vouched for by its own parent in turn; the child checks the rest itself.
 
 use std::{
     io::{self, BufRead, BufReader, Read, Write},
@@ -33,11 +37,14 @@ use crate::{
         messages::{Answer, Ask, Call},
         refusal::Refusal,
     },
-    redirect::access::Caller,
+    redirect::{access::Caller, confirm, vouch},
     shared::{
         identity::Identity,
         munge,
-        relay::{self, FILE, GREETING, NOT_HELD, Offer, Request, WAIT, WAIT_EVERY, parse_payload},
+        relay::{
+            self, Asked, FILE, GREETING, NOT_HELD, Offer, Request, Vouch, WAIT, WAIT_EVERY,
+            parse_payload,
+        },
     },
 };
 
@@ -147,7 +154,10 @@ impl Peer<'_> {
         );
         peer.stream.set_read_timeout(Some(IDLE))?;
         while let Some(asked) = relay::read_request(&mut peer.stream)? {
-            peer.answer(asked)?;
+            match asked {
+                Asked::File(asked) => peer.answer(asked)?,
+                Asked::Vouch(asked) => peer.vouch(asked)?,
+            }
         }
         Ok(())
     }
@@ -246,6 +256,32 @@ impl Peer<'_> {
                 }
             }
         }
+    }
+
+    /// Vouches for the child's job-start checks of what this node's own copies expect
+    /// too, checked against the server (or vouched for by this node's parent in turn)
+    /// within the time the child allows: how long ago each check began.
+    fn vouch(&mut self, asked: Vouch) -> io::Result<()> {
+        let refused = |r: Refusal| io::Error::other(r.message);
+        let ask = Ask::RelayVouch {
+            job_id: self.job_id,
+            from: self.from.clone(),
+        };
+        let Answer::Binds(binds) = self.ask(ask).map_err(refused)? else {
+            return Err(io::Error::other("no binds to vouch with"));
+        };
+        let parent = match self.ask(Ask::JobParent {
+            job_id: self.job_id,
+        }) {
+            Ok(Answer::Parent(parent)) => parent,
+            _ => None,
+        };
+        let allowed = asked.allowed.min(confirm::JOB_START_CHECK);
+        let (ages, stale) = vouch::vouch(binds, &asked.items, allowed, parent.as_deref());
+        if !stale.is_empty() {
+            let _ = self.ask(Ask::Stale { sources: stale });
+        }
+        self.stream.write_all(&relay::answer_vouch(&ages))
     }
 
     fn send(&mut self, copy: &std::fs::File) -> io::Result<()> {

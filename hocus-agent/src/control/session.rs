@@ -10,7 +10,7 @@ use std::{
     path::PathBuf,
     sync::{Arc, Mutex},
     thread,
-    time::{Duration, Instant},
+    time::Instant,
 };
 
 use anyhow::Result;
@@ -39,27 +39,42 @@ use crate::{
     shared::user::User,
 };
 
-/// How long a job's start may wait for its copies to be checked against the network;
-/// what is not checked by then is not bound.
-const JOB_START_CHECK: Duration = Duration::from_secs(2);
-
 /// The binds for a job starting now: the daemon's, each confirmed against the network
-/// (what changed since it was copied is not bound, and its copy goes).
-fn confirmed_binds(calls: &mpsc::Sender<Call>, caller: &Caller) -> Result<Vec<Bind>, Refusal> {
+/// (what changed since it was copied is not bound, and its copy goes). A node of a
+/// multi-node Slurm job asks its parent node to vouch for them first.
+fn confirmed_binds(
+    calls: &mpsc::Sender<Call>,
+    caller: &Caller,
+    slurm_job: Option<u32>,
+) -> Result<Vec<Bind>, Refusal> {
     let binds = match ask_once(calls, caller.clone(), Ask::Binds)? {
         Answer::Binds(b) => b,
         Answer::Refused(r) => return Err(r),
         _ => return Err(Refusal::new("busy", "the daemon has no binds to give")),
     };
+    let parent =
+        match slurm_job.map(|job_id| ask_once(calls, caller.clone(), Ask::JobParent { job_id })) {
+            Some(Ok(Answer::Parent(p))) => p,
+            _ => None,
+        };
     let started = Instant::now();
-    let (checked, reused) = confirm::confirm_reusing(binds, JOB_START_CHECK, job_user(caller));
+    let (checked, reused) = confirm::confirm_reusing(
+        binds,
+        confirm::JOB_START_CHECK,
+        job_user(caller),
+        parent.as_deref(),
+    );
+    let by = parent.map_or(String::new(), |p| {
+        format!(", {} vouched for by node {}", reused.vouched, p.name)
+    });
     log::info!(
-        "job start: {} local copies confirmed against the network in {:.1} ms, {} entries checked ({} stale, {} not checked in time, {reused} confirmed by another job's start just before)",
+        "job start: {} local copies confirmed against the network in {:.1} ms, {} entries checked ({} stale, {} not checked in time, {} confirmed by another job's start just before{by})",
         checked.binds.len(),
         started.elapsed().as_secs_f64() * 1000.0,
         checked.entries,
         checked.stale.len(),
         checked.unchecked,
+        reused.recent,
     );
     if !checked.stale.is_empty() {
         let _ = ask(
@@ -166,7 +181,7 @@ fn attached(
             "the process that connected is gone",
         ));
     };
-    let binds = confirmed_binds(calls, &caller)?;
+    let binds = confirmed_binds(calls, &caller, task.job_id)?;
     // This thread moves into the task's namespace (it ends with the connection).
     let ns = mountns::enter_namespace_of(&pidfd).map_err(|e| {
         Refusal::new(
@@ -229,7 +244,7 @@ pub fn run(
             "send the standard input, output and error along with the request",
         ));
     };
-    let binds = match confirmed_binds(calls, &caller) {
+    let binds = match confirmed_binds(calls, &caller, None) {
         Ok(b) => b,
         Err(r) => return client.refuse(r),
     };

@@ -432,10 +432,17 @@ impl Daemon {
                 }
                 return;
             }
-            Ask::Binds => {
-                // The first step of every job session, before its namespace is made: the
-                // tracer follows the job from its start.
-                self.wake_for_job().await;
+            Ask::Binds | Ask::RelayVouch { .. } => {
+                if let Ask::RelayVouch { job_id, from } = ask {
+                    if let Err(r) = self.relays.may_vouch(job_id, &from) {
+                        let _ = reply.send(r.into());
+                        return;
+                    }
+                } else {
+                    // The first step of every job session, before its namespace is
+                    // made: the tracer follows the job from its start.
+                    self.wake_for_job().await;
+                }
                 // Answered off the loop: a keeper busy placing a million entries holds
                 // up this job, not the loop.
                 let keeper = self.keeper.clone();
@@ -468,6 +475,7 @@ impl Daemon {
                 return;
             }
             Ask::RelayJoin { job_id, from, to } => self.relays.join(job_id, &from, &to),
+            Ask::JobParent { job_id } => Answer::Parent(self.relays.parent_of(job_id)),
             Ask::RelayFile {
                 job_id,
                 from,

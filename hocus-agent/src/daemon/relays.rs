@@ -1,7 +1,8 @@
 //! The loop's side of the relay between a multi-node job's daemons (docs/fanout.md):
 //! the jobs whose prolog prefetch ran here with a node list, which nodes they have and
 //! which files their profile names (what other nodes may fetch from here, and nothing
-//! else), and this node's parent in the job's tree, which its copies come from first.
+//! else), and this node's parent in the job's tree, which its copies come from first
+//! and which vouches for its job starts' checks.
 //! `Relays` owns that state; the loop asks the keeper whether a copy is held.
 
 use std::{
@@ -35,6 +36,9 @@ struct Relayed {
     nodes: HashSet<String>,
     files: HashSet<String>,
     since: Instant,
+    /// This node's parent in the job's tree: its copies come from there first, and it
+    /// vouches for this node's job-start checks.
+    parent: Option<Arc<Parent>>,
 }
 
 #[derive(Default)]
@@ -64,6 +68,7 @@ impl Relays {
             nodes: nodes.nodes.iter().cloned().collect(),
             files: profile.files.iter().map(|f| f.path.clone()).collect(),
             since: Instant::now(),
+            parent: None,
         });
         let parent = &nodes.nodes[relay::parent(me, settings.fanout_width())?];
         let addr = match resolve(parent, port).await {
@@ -81,13 +86,33 @@ impl Relays {
             nodes.job_id,
             nodes.me
         );
-        Some(Arc::new(Parent::new(
+        let parent = Arc::new(Parent::new(
             parent.clone(),
             addr,
             relay::payload(nodes.job_id, &nodes.me, parent),
             settings.munge_socket.clone(),
             settings.relay_timeout(),
-        )))
+        ));
+        if let Some(job) = relays.last_mut() {
+            job.parent = Some(parent.clone());
+        }
+        Some(parent)
+    }
+
+    /// This node's parent in Slurm job `job_id`'s tree, if it has one.
+    pub fn parent_of(&self, job_id: u32) -> Option<Arc<Parent>> {
+        self.relayed(job_id)?.parent.clone()
+    }
+
+    /// Whether node `from` may ask this node to vouch for its starts of `job_id`.
+    pub fn may_vouch(&self, job_id: u32, from: &str) -> Result<(), Refusal> {
+        match self.relayed(job_id) {
+            Some(job) if job.nodes.contains(from) && from != job.me => Ok(()),
+            _ => Err(Refusal::new(
+                "relay_refused",
+                format!("node {from} may not ask for Slurm job {job_id}'s checks"),
+            )),
+        }
     }
 
     /// Node `from` asks to fetch `job_id`'s files from this node, which it calls `to`.

@@ -31,7 +31,9 @@ use std::{
     time::{Duration, Instant},
 };
 
+use super::vouch;
 use crate::{
+    cache::relay::Parent,
     redirect::mountns::{self, Bind, Expect},
     shared::{
         asked::{self, Asking, Purpose},
@@ -92,33 +94,75 @@ type Opened = HashMap<(usize, PathBuf), Arc<File>>;
 /// in the tests), so a job sees nothing older than a plain process would.
 pub const REUSE: Duration = Duration::from_secs(1);
 
+/// How long a job's start may wait for its copies to be checked against the network;
+/// what is not checked by then is not bound.
+pub const JOB_START_CHECK: Duration = Duration::from_secs(2);
+
 /// Binds confirmed lately, by (local copy, network path), with when their check began.
 static RECENT: Mutex<Option<HashMap<(PathBuf, PathBuf), Instant>>> = Mutex::new(None);
+
+fn recent_key(b: &Bind) -> (PathBuf, PathBuf) {
+    (b.local.clone(), b.target.clone())
+}
+
+/// Binds given without asking the server for this job's start: confirmed by another
+/// job's start on this node, or vouched for by the job's parent node.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Reused {
+    pub recent: usize,
+    pub vouched: usize,
+}
 
 /// Like [`confirm`], for job starts that may come together (a Slurm step's tasks on a
 /// node start at once, and each would ask the server the same thing): checks run one at
 /// a time, and a bind confirmed less than [`REUSE`] ago is given without asking again.
-/// Returns also how many were given so.
+/// A Slurm job's node asks its `parent` in the job's tree first (`vouch`), which
+/// answers for what it checked against the server less than [`REUSE`] ago: a job's
+/// start asks the server once for all its nodes. Returns also what was given so.
 pub fn confirm_reusing(
     binds: Vec<Bind>,
     allowed: Duration,
     asking: Option<User>,
-) -> (Confirmed, usize) {
+    parent: Option<&Parent>,
+) -> (Confirmed, Reused) {
     let mut guard = RECENT.lock().unwrap_or_else(|e| e.into_inner());
     let recent = guard.get_or_insert_with(HashMap::new);
     let began = Instant::now();
     recent.retain(|_, at| began.duration_since(*at) < REUSE);
-    let key = |b: &Bind| (b.local.clone(), b.target.clone());
     let (fresh, to_check): (Vec<Bind>, Vec<Bind>) = binds
         .into_iter()
-        .partition(|b| recent.contains_key(&key(b)));
-    let mut checked = confirm(to_check, allowed, asking);
+        .partition(|b| recent.contains_key(&recent_key(b)));
+    let (vouched, to_check) = match parent {
+        // What is left of the time is this node's own to check what was not vouched for.
+        Some(p) if !to_check.is_empty() => vouch::vouched_by(p, to_check, allowed * 3 / 4),
+        _ => (Vec::new(), to_check),
+    };
+    let mut checked = confirm(to_check, allowed.saturating_sub(began.elapsed()), asking);
     for b in &checked.binds {
-        recent.insert(key(b), began);
+        recent.insert(recent_key(b), began);
     }
-    let reused = fresh.len();
+    for (b, at) in &vouched {
+        recent.insert(recent_key(b), *at);
+    }
+    let reused = Reused {
+        recent: fresh.len(),
+        vouched: vouched.len(),
+    };
     checked.binds.extend(fresh);
+    checked.binds.extend(vouched.into_iter().map(|(b, _)| b));
     (checked, reused)
+}
+
+/// When the checks of `binds` that confirmed them began, where they are still recent.
+pub(super) fn checked_at(binds: &[&Bind]) -> Vec<Option<Instant>> {
+    let guard = RECENT.lock().unwrap_or_else(|e| e.into_inner());
+    binds
+        .iter()
+        .map(|b| {
+            let at = *guard.as_ref()?.get(&recent_key(b))?;
+            (at.elapsed() < REUSE).then_some(at)
+        })
+        .collect()
 }
 
 /// Checks runs that may still be waiting for a server past their time, at most: a

@@ -3,7 +3,8 @@
 //! a job as its caller (`spawn`, `cgroups`), who the caller is (`identity`), who may see
 //! what (`access`), which bind served a job's open (`jobs`), the binds an earlier
 //! daemon left in jobs that outlived it (`leftovers`), and opens through a Slurm task's
-//! binds, reported by fanotify (`bind_opens`).
+//! binds, reported by fanotify (`bind_opens`); a multi-node job's start checked once
+//! for all its nodes, its parent node vouching for its checks (`vouch`).
 //!
 //! May use: `cache`, `observe`, `profile`, `shared`.
 
@@ -16,3 +17,4 @@ pub mod jobs;
 pub mod leftovers;
 pub mod mountns;
 pub mod spawn;
+pub mod vouch;

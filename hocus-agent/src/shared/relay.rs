@@ -23,6 +23,14 @@
 //! network) and its bytes; a run `0, 0` ends. What it does not hold, the asking node
 //! fills from the network.
 //!
+//! A child may also ask its parent to vouch for its job start's checks (issue 52:
+//! the server is asked once for all of a job's nodes): the length word's second bit
+//! set and the rest counting the binds, the time allowed, then each bind's network
+//! path and the digest of what its copy expects there (`redirect::confirm::digest`);
+//! the parent answers `VOUCHED` and, for each, how long ago its own check of the same
+//! expectation against the server began, or [`NOT_VOUCHED`]. A daemon before this one
+//! refuses the request (a path too long), and the child checks the server itself.
+//!
 //! Nothing unverified enters a cache: the receiver compares the size and mtime the
 //! server offers with what it just read from the network itself, and the bytes with
 //! the hash the first node computed as it copied from the network (kept with the copy
@@ -34,7 +42,7 @@ use std::{
     fs::File,
     io::{self, Read},
     os::unix::ffi::OsStrExt,
-    path::Path,
+    path::{Path, PathBuf},
     time::Duration,
 };
 
@@ -54,8 +62,16 @@ pub const FILE: u8 = 0;
 pub const NOT_HELD: u8 = 1;
 pub const WAIT: u8 = 2;
 pub const RANGES: u8 = 3;
+pub const VOUCHED: u8 = 4;
 /// Set in a request's length word: runs of grains follow the path.
 const WITH_GRAINS: u32 = 1 << 31;
+/// Set in a request's length word: a job start's binds to vouch for follow, as many as
+/// the rest of the word says ([`request_vouch`]).
+const VOUCH: u32 = 1 << 30;
+/// The most binds one request asks to be vouched for.
+pub const MAX_VOUCHED: usize = 1 << 16;
+/// A bind's answer when it is not vouched for: the asking node checks it itself.
+pub const NOT_VOUCHED: u32 = u32::MAX;
 /// The most runs of grains one request asks for.
 pub const MAX_RUNS: usize = 1 << 16;
 /// The most grains a run of an answer holds (1 MiB): what a server reads at a time.
@@ -121,6 +137,33 @@ fn encode(source: &Path, grains: Option<&[(u32, u32)]>) -> Vec<u8> {
     out
 }
 
+/// A request that the job-start checks of the binds `items` (each a network path and
+/// the digest of what its copy expects there) be vouched for, answered within
+/// `allowed`, encoded: the length word flagged and counting the items, the time allowed
+/// in ms (u32), then each item's path (u32 length, bytes) and digest (32 bytes).
+pub fn request_vouch(allowed: Duration, items: &[(&Path, Hash)]) -> Vec<u8> {
+    let items = &items[..items.len().min(MAX_VOUCHED)];
+    let mut out = (items.len() as u32 | VOUCH).to_be_bytes().to_vec();
+    out.extend((allowed.as_millis().min(u128::from(u32::MAX)) as u32).to_be_bytes());
+    for (path, digest) in items {
+        let bytes = path.as_os_str().as_bytes();
+        out.extend((bytes.len() as u32).to_be_bytes());
+        out.extend_from_slice(bytes);
+        out.extend_from_slice(digest);
+    }
+    out
+}
+
+/// The answer to a [`request_vouch`]: `VOUCHED`, then for each item in its order how
+/// long ago (ms) its check against the server began, or [`NOT_VOUCHED`].
+pub fn answer_vouch(ages: &[u32]) -> Vec<u8> {
+    let mut out = vec![VOUCHED];
+    for age in ages {
+        out.extend(age.to_be_bytes());
+    }
+    out
+}
+
 /// A run of grains `[start, end)`, encoded.
 pub fn run(start: u32, end: u32) -> [u8; 8] {
     let mut b = [0u8; 8];
@@ -144,22 +187,35 @@ pub struct Request {
     pub grains: Option<Vec<(u32, u32)>>,
 }
 
+/// What another node asks: a file, or that its job start's checks be vouched for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Asked {
+    File(Request),
+    Vouch(Vouch),
+}
+
+/// Binds whose job-start checks a child asks its parent to vouch for: each a network
+/// path and the digest of what the child's copy expects there.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Vouch {
+    pub allowed: Duration,
+    pub items: Vec<(PathBuf, Hash)>,
+}
+
 /// Reads the next request: None when the asking node closed the connection between
 /// requests.
-pub fn read_request(r: &mut impl Read) -> io::Result<Option<Request>> {
+pub fn read_request(r: &mut impl Read) -> io::Result<Option<Asked>> {
     let mut len = [0u8; 4];
     match r.read_exact(&mut len) {
         Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(None),
         other => other?,
     }
     let word = u32::from_be_bytes(len);
-    let len = (word & !WITH_GRAINS) as usize;
-    if len == 0 || len > MAX_PATH {
-        return Err(io::Error::other("a path of no or too many bytes"));
+    if word & VOUCH != 0 && word & WITH_GRAINS == 0 {
+        return read_vouch(r, (word & !VOUCH) as usize).map(|v| Some(Asked::Vouch(v)));
     }
-    let mut path = vec![0u8; len];
-    r.read_exact(&mut path)?;
-    let source = String::from_utf8(path).map_err(io::Error::other)?;
+    let len = (word & !WITH_GRAINS) as usize;
+    let source = read_path(r, len)?;
     let grains = if word & WITH_GRAINS == 0 {
         None
     } else {
@@ -179,7 +235,46 @@ pub fn read_request(r: &mut impl Read) -> io::Result<Option<Request>> {
         }
         Some(runs)
     };
-    Ok(Some(Request { source, grains }))
+    Ok(Some(Asked::File(Request { source, grains })))
+}
+
+/// A path of `len` bytes (at most [`MAX_PATH`]).
+fn read_path(r: &mut impl Read, len: usize) -> io::Result<String> {
+    if len == 0 || len > MAX_PATH {
+        return Err(io::Error::other("a path of no or too many bytes"));
+    }
+    let mut path = vec![0u8; len];
+    r.read_exact(&mut path)?;
+    String::from_utf8(path).map_err(io::Error::other)
+}
+
+/// The rest of a [`request_vouch`] of `count` items.
+fn read_vouch(r: &mut impl Read, count: usize) -> io::Result<Vouch> {
+    if count > MAX_VOUCHED {
+        return Err(io::Error::other("too many binds to vouch for"));
+    }
+    let mut word = [0u8; 4];
+    r.read_exact(&mut word)?;
+    let allowed = Duration::from_millis(u64::from(u32::from_be_bytes(word)));
+    let mut items = Vec::with_capacity(count);
+    for _ in 0..count {
+        r.read_exact(&mut word)?;
+        let path = read_path(r, u32::from_be_bytes(word) as usize)?;
+        let mut digest = [0u8; 32];
+        r.read_exact(&mut digest)?;
+        items.push((PathBuf::from(path), digest));
+    }
+    Ok(Vouch { allowed, items })
+}
+
+/// The ages of a [`answer_vouch`] (its status read already) for `count` items.
+pub fn read_ages(r: &mut impl Read, count: usize) -> io::Result<Vec<u32>> {
+    let mut ages = vec![0u8; count * 4];
+    r.read_exact(&mut ages)?;
+    Ok(ages
+        .chunks(4)
+        .map(|w| u32::from_be_bytes(w.try_into().expect("4 bytes")))
+        .collect())
 }
 
 /// The hash of one grain's bytes, as a partial copy keeps it.
@@ -319,19 +414,19 @@ mod tests {
         two.extend(request_grains(Path::new("/c"), &[(1, 3), (7, 8)]));
         let mut r = &two[..];
         let whole = |s: &str| {
-            Some(Request {
+            Some(Asked::File(Request {
                 source: s.into(),
                 grains: None,
-            })
+            }))
         };
         assert_eq!(read_request(&mut r).unwrap(), whole("/net/f"));
         assert_eq!(read_request(&mut r).unwrap(), whole("/b"));
         assert_eq!(
             read_request(&mut r).unwrap(),
-            Some(Request {
+            Some(Asked::File(Request {
                 source: "/c".into(),
                 grains: Some(vec![(1, 3), (7, 8)]),
-            })
+            }))
         );
         assert_eq!(read_request(&mut r).unwrap(), None);
         let mut empty_run = request(Path::new("/c"));
@@ -347,6 +442,39 @@ mod tests {
             "an empty path"
         );
         assert!(read_request(&mut &[0u8, 1, 0, 0][..]).is_err(), "too long");
+    }
+
+    #[test]
+    fn a_request_to_vouch_reads_back_and_a_bad_one_does_not() {
+        let items = [
+            (Path::new("/net/a"), [1; 32]),
+            (Path::new("/net/b/c"), [2; 32]),
+        ];
+        let mut wire = request_vouch(Duration::from_millis(1500), &items);
+        wire.extend(request(Path::new("/net/f")));
+        let mut r = &wire[..];
+        assert_eq!(
+            read_request(&mut r).unwrap(),
+            Some(Asked::Vouch(Vouch {
+                allowed: Duration::from_millis(1500),
+                items: items.iter().map(|(p, d)| (p.to_path_buf(), *d)).collect(),
+            }))
+        );
+        assert!(matches!(read_request(&mut r), Ok(Some(Asked::File(_)))));
+        let answer = answer_vouch(&[7, NOT_VOUCHED]);
+        assert_eq!(answer[0], VOUCHED);
+        assert_eq!(read_ages(&mut &answer[1..], 2).unwrap(), [7, NOT_VOUCHED]);
+        let mut too_many = ((MAX_VOUCHED as u32 + 1) | VOUCH).to_be_bytes().to_vec();
+        too_many.extend([0; 4]);
+        assert!(read_request(&mut &too_many[..]).is_err(), "too many items");
+        let short = request_vouch(Duration::ZERO, &items);
+        assert!(
+            read_request(&mut &short[..short.len() - 1]).is_err(),
+            "a digest cut short"
+        );
+        let mut no_path = request_vouch(Duration::ZERO, &items[..1]);
+        no_path[8..12].copy_from_slice(&0u32.to_be_bytes());
+        assert!(read_request(&mut &no_path[..]).is_err(), "an empty path");
     }
 
     #[test]
