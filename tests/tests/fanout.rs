@@ -466,6 +466,89 @@ fn a_jobs_start_is_checked_against_the_server_once_for_all_its_nodes() {
     );
 }
 
+/// How long `agent`'s last job start took to confirm its copies.
+fn last_start_took_ms(agent: &Agent) -> f64 {
+    let log = agent.log();
+    log.lines()
+        .rfind(|l| l.contains("job start: "))
+        .and_then(|l| {
+            l.split(" against the network in ")
+                .nth(1)?
+                .split(' ')
+                .next()?
+                .parse()
+                .ok()
+        })
+        .unwrap_or_else(|| panic!("no job start in {log}"))
+}
+
+/// A server that stops answering while a job starts on three nodes: each node's start
+/// waits no longer than one node's check is bounded (2 s, 2.1 s measured; a child
+/// waiting for its parent and then for its own check would take 3.6 s), its parent's
+/// vouching included, and binds nothing it could not confirm; once the server answers again,
+/// the next job's start is checked once for all and runs on the local copies.
+#[test]
+fn a_silent_server_as_a_job_starts_on_three_nodes_binds_nothing_and_holds_no_node() {
+    let s = shared();
+    s.learned();
+    let agents = s.daemons_with(&["--revalidate", "600"]);
+    assert_success(&s.job());
+    for agent in &agents {
+        agent.settled();
+    }
+    let paused = s.net.pause_server();
+    let out = s.cluster.as_user(
+        "srun",
+        &[
+            "--quiet",
+            &format!("--nodes={NODES}"),
+            "--hocus-profile=fan",
+            "/bin/echo",
+            "ran",
+        ],
+        &[],
+    );
+    assert_success(&out);
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "ran\n".repeat(NODES));
+    for (agent, node) in agents.iter().zip(&s.cluster.nodes) {
+        let (copies, _, vouched) = last_start(agent);
+        let took = last_start_took_ms(agent);
+        eprintln!(
+            "{}: a job start on a silent server took {took} ms",
+            node.name
+        );
+        assert!(
+            copies == 0 && vouched == 0 && took < 3000.0,
+            "{}: {copies} copies bound, {vouched} vouched for, in {took} ms\n{}",
+            node.name,
+            agent.log()
+        );
+    }
+    drop(paused);
+    let out = s.job();
+    assert_success(&out);
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        format!("42 {DATA}\n").repeat(NODES)
+    );
+    for (agent, node) in agents.iter().zip(&s.cluster.nodes) {
+        let (copies, _, vouched) = last_start(agent);
+        let expected = if node.name == s.cluster.nodes[0].name {
+            0
+        } else {
+            copies
+        };
+        assert!(
+            copies >= 1 && vouched == expected,
+            "{}: {copies} copies bound, {vouched} vouched for\n{}",
+            node.name,
+            agent.log()
+        );
+        agent.settled();
+        s.copies_are_the_sources(agent, node);
+    }
+}
+
 #[test]
 fn in_a_chain_each_node_passes_on_what_its_parent_passed_it() {
     let s = shared();
