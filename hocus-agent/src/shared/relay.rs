@@ -70,6 +70,8 @@ const WITH_GRAINS: u32 = 1 << 31;
 const VOUCH: u32 = 1 << 30;
 /// The most binds one request asks to be vouched for.
 pub const MAX_VOUCHED: usize = 1 << 16;
+/// The most bytes of paths one such request holds: what a parent reads of it at most.
+const MAX_VOUCHED_PATHS: usize = 16 << 20;
 /// A bind's answer when it is not vouched for: the asking node checks it itself.
 pub const NOT_VOUCHED: u32 = u32::MAX;
 /// The most runs of grains one request asks for.
@@ -256,10 +258,15 @@ fn read_vouch(r: &mut impl Read, count: usize) -> io::Result<Vouch> {
     let mut word = [0u8; 4];
     r.read_exact(&mut word)?;
     let allowed = Duration::from_millis(u64::from(u32::from_be_bytes(word)));
-    let mut items = Vec::with_capacity(count);
+    let (mut items, mut bytes) = (Vec::with_capacity(count), 0);
     for _ in 0..count {
         r.read_exact(&mut word)?;
-        let path = read_path(r, u32::from_be_bytes(word) as usize)?;
+        let len = u32::from_be_bytes(word) as usize;
+        bytes += len;
+        if bytes > MAX_VOUCHED_PATHS {
+            return Err(io::Error::other("too many bytes of paths to vouch for"));
+        }
+        let path = read_path(r, len)?;
         let mut digest = [0u8; 32];
         r.read_exact(&mut digest)?;
         items.push((PathBuf::from(path), digest));
@@ -472,6 +479,10 @@ mod tests {
             read_request(&mut &short[..short.len() - 1]).is_err(),
             "a digest cut short"
         );
+        let long = "/x".repeat(MAX_PATH / 2);
+        let many = vec![(Path::new(&long), [0; 32]); MAX_VOUCHED_PATHS / MAX_PATH + 1];
+        let too_long = request_vouch(Duration::ZERO, &many);
+        assert!(read_request(&mut &too_long[..]).is_err(), "too many bytes");
         let mut no_path = request_vouch(Duration::ZERO, &items[..1]);
         no_path[8..12].copy_from_slice(&0u32.to_be_bytes());
         assert!(read_request(&mut &no_path[..]).is_err(), "an empty path");
