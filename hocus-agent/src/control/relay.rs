@@ -37,7 +37,7 @@ use crate::{
         messages::{Answer, Ask, Call},
         refusal::Refusal,
     },
-    redirect::{access::Caller, confirm, vouch},
+    redirect::{access::Caller, confirm},
     shared::{
         identity::Identity,
         munge,
@@ -277,7 +277,7 @@ impl Peer<'_> {
             _ => None,
         };
         let allowed = asked.allowed.min(confirm::JOB_START_CHECK);
-        let (ages, stale) = vouch::vouch(binds, &asked.items, allowed, parent.as_deref());
+        let (ages, stale) = confirm::vouch_for(binds, &asked.items, allowed, parent.as_deref());
         if !stale.is_empty() {
             let _ = self.ask(Ask::Stale { sources: stale });
         }

@@ -6,7 +6,13 @@ use anyhow::Result;
 use tokio::sync::mpsc;
 
 use super::Daemon;
-use crate::control::{calls, gate::Limits, messages::Call, relay, server};
+use crate::control::{
+    calls,
+    gate::Limits,
+    messages::{Answer, Ask, Call},
+    refusal::Refusal,
+    relay, server,
+};
 
 impl Daemon {
     /// Serves the control socket and the relay port; their requests come in as calls.
@@ -50,5 +56,32 @@ impl Daemon {
                 .unwrap_or_default()
         );
         Ok(())
+    }
+}
+
+impl Daemon {
+    /// Answers a job session's `Binds` (the binds its namespace gets) or a child node's
+    /// `RelayVouch` (the binds this node would check for a start of its own).
+    pub(super) async fn give_binds(&mut self, ask: Ask, reply: mpsc::UnboundedSender<Answer>) {
+        if let Ask::RelayVouch { job_id, from } = ask {
+            if let Err(r) = self.relays.may_vouch(job_id, &from) {
+                let _ = reply.send(r.into());
+                return;
+            }
+        } else {
+            // The first step of every job session, before its namespace is made: the
+            // tracer follows the job from its start.
+            self.wake_for_job().await;
+        }
+        // Answered off the loop: a keeper busy placing a million entries holds up this
+        // job, not the loop.
+        let keeper = self.keeper.clone();
+        tokio::spawn(async move {
+            let answer = match keeper.binds().await {
+                Ok(binds) => Answer::Binds(binds),
+                Err(e) => Refusal::new("busy", e.to_string()).into(),
+            };
+            reply.send(answer)
+        });
     }
 }

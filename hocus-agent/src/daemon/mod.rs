@@ -432,29 +432,7 @@ impl Daemon {
                 }
                 return;
             }
-            Ask::Binds | Ask::RelayVouch { .. } => {
-                if let Ask::RelayVouch { job_id, from } = ask {
-                    if let Err(r) = self.relays.may_vouch(job_id, &from) {
-                        let _ = reply.send(r.into());
-                        return;
-                    }
-                } else {
-                    // The first step of every job session, before its namespace is
-                    // made: the tracer follows the job from its start.
-                    self.wake_for_job().await;
-                }
-                // Answered off the loop: a keeper busy placing a million entries holds
-                // up this job, not the loop.
-                let keeper = self.keeper.clone();
-                tokio::spawn(async move {
-                    let answer = match keeper.binds().await {
-                        Ok(binds) => Answer::Binds(binds),
-                        Err(e) => Refusal::new("busy", e.to_string()).into(),
-                    };
-                    reply.send(answer)
-                });
-                return;
-            }
+            Ask::Binds | Ask::RelayVouch { .. } => return self.give_binds(ask, reply).await,
             Ask::JobStarting(start) => self.job_starting(start).await,
             Ask::Stale { sources } => {
                 for source in sources {
@@ -508,7 +486,7 @@ impl Daemon {
     /// once the job has started, unless the job has local copies whose hits it counts).
     /// What was queued while it rested is read first: opens through Slurm tasks' binds
     /// then are the tracer's to count no more.
-    async fn wake_for_job(&mut self) {
+    pub(super) async fn wake_for_job(&mut self) {
         if self.tracing.tracer().is_resting() {
             self.drain().await;
         }

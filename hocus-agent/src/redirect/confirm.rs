@@ -38,6 +38,7 @@ use crate::{
     shared::{
         asked::{self, Asking, Purpose},
         identity::Identity,
+        relay::{Hash, NOT_VOUCHED},
         tree::{Tree, stat_now},
         user::{AsUser, User},
     },
@@ -134,7 +135,7 @@ pub fn confirm_reusing(
         .partition(|b| recent.contains_key(&recent_key(b)));
     let (vouched, to_check) = match parent {
         // What is left of the time is this node's own to check what was not vouched for.
-        Some(p) if !to_check.is_empty() => vouch::vouched_by(p, to_check, allowed * 3 / 4),
+        Some(p) if !to_check.is_empty() => vouch::vouched_by(p, to_check, allowed * 3 / 4, REUSE),
         _ => (Vec::new(), to_check),
     };
     let mut checked = confirm(to_check, allowed.saturating_sub(began.elapsed()), asking);
@@ -154,7 +155,7 @@ pub fn confirm_reusing(
 }
 
 /// When the checks of `binds` that confirmed them began, where they are still recent.
-pub(super) fn checked_at(binds: &[&Bind]) -> Vec<Option<Instant>> {
+fn checked_at(binds: &[&Bind]) -> Vec<Option<Instant>> {
     let guard = RECENT.lock().unwrap_or_else(|e| e.into_inner());
     binds
         .iter()
@@ -163,6 +164,48 @@ pub(super) fn checked_at(binds: &[&Bind]) -> Vec<Option<Instant>> {
             (at.elapsed() < REUSE).then_some(at)
         })
         .collect()
+}
+
+/// The answer to a child that asks this node to vouch for `items` (network paths and
+/// digests) within `allowed`: for each, how long ago (ms) the check of this node's own
+/// bind of the same path and expectation began, or `NOT_VOUCHED`; and the copies found
+/// stale meanwhile, for the keeper to drop.
+pub fn vouch_for(
+    own: Vec<Bind>,
+    items: &[(PathBuf, Hash)],
+    allowed: Duration,
+    parent: Option<&Parent>,
+) -> (Vec<u32>, Vec<PathBuf>) {
+    let by_expectation: HashMap<(&Path, Hash), usize> = own
+        .iter()
+        .enumerate()
+        .filter_map(|(i, b)| Some(((b.target.as_path(), vouch::digest(&b.expect)?), i)))
+        .collect();
+    let matched: Vec<Option<usize>> = items
+        .iter()
+        .map(|(path, d)| by_expectation.get(&(path.as_path(), *d)).copied())
+        .collect();
+    let mut wanted: Vec<usize> = matched.iter().flatten().copied().collect();
+    wanted.sort_unstable();
+    wanted.dedup();
+    let to_check: Vec<Bind> = wanted.iter().map(|&i| own[i].clone()).collect();
+    let (checked, _) = confirm_reusing(to_check, allowed, None, parent);
+    let confirmed: Vec<&Bind> = checked.binds.iter().collect();
+    let began: HashMap<(&Path, &Path), Instant> = confirmed
+        .iter()
+        .zip(checked_at(&confirmed))
+        .filter_map(|(b, at)| Some(((b.local.as_path(), b.target.as_path()), at?)))
+        .collect();
+    let ages = matched
+        .iter()
+        .map(|m| {
+            m.and_then(|i| began.get(&(own[i].local.as_path(), own[i].target.as_path())))
+                .map_or(NOT_VOUCHED, |at| {
+                    at.elapsed().as_millis().min(u128::from(NOT_VOUCHED - 1)) as u32
+                })
+        })
+        .collect();
+    (ages, checked.stale)
 }
 
 /// Checks runs that may still be waiting for a server past their time, at most: a
@@ -542,5 +585,48 @@ mod tests {
         );
         let c = confirm(expect_now(true), Duration::from_secs(5), None);
         assert_eq!((c.binds.len(), c.stale), (0, vec![net.clone()]));
+    }
+
+    fn named(tree: &Path, local: &str, target: PathBuf, expect: Expect) -> Bind {
+        Bind {
+            local: PathBuf::from("/cache").join(local),
+            ..bind(tree, target, expect)
+        }
+    }
+
+    #[test]
+    fn a_node_vouches_only_for_what_its_own_copies_expect_and_still_hold() {
+        let dir = tempfile::tempdir().unwrap();
+        let tree = Tree::open(dir.path()).unwrap();
+        let (same, changed) = (dir.path().join("same"), dir.path().join("changed"));
+        for f in [&same, &changed] {
+            fs::write(f, "v1").unwrap();
+        }
+        let id = |p: &Path| tree.identity(&fs::symlink_metadata(p).unwrap());
+        let own = vec![
+            named(dir.path(), "a", same.clone(), Expect::File(id(&same))),
+            named(dir.path(), "b", changed.clone(), Expect::File(id(&changed))),
+        ];
+        let mut other = id(&same);
+        other.size += 1;
+        let items = vec![
+            (
+                same.clone(),
+                vouch::digest(&Expect::File(id(&same))).unwrap(),
+            ),
+            // Not what this node's copy expects: not vouched for, and not asked.
+            (same.clone(), vouch::digest(&Expect::File(other)).unwrap()),
+            (
+                changed.clone(),
+                vouch::digest(&Expect::File(id(&changed))).unwrap(),
+            ),
+            // No copy of this node's.
+            (dir.path().join("else"), [0; 32]),
+        ];
+        fs::write(&changed, "v2, longer").unwrap();
+        let (ages, stale) = vouch_for(own, &items, Duration::from_secs(2), None);
+        assert!(ages[0] < 1000, "{ages:?}");
+        assert_eq!(&ages[1..], [NOT_VOUCHED; 3]);
+        assert_eq!(stale, [changed]);
     }
 }

@@ -3,8 +3,9 @@
 //! for its copies' checks, and the parent answers for what its own copies expect too,
 //! checked against the server as its own job start checks them (once for the job starts
 //! that come together), or vouched for by its own parent in turn, up to the tree's
-//! root. A check vouched for is as recent as a check this node would reuse from another
-//! job's start ([`REUSE`]): a job sees nothing older than a plain process would.
+//! root (the parent's side is `confirm::vouch_for`). A check vouched for is as recent
+//! as a check this node would reuse from another job's start (`confirm::REUSE`): a job
+//! sees nothing older than a plain process would.
 //!
 //! What the parent vouches for is named by a digest of the expectation (the identities
 //! a copy was made at, as the server gave them: the same on every node), never of a
@@ -14,20 +15,15 @@
 //! comparison is with its own copy. What is not vouched for in time, this node checks.
 
 use std::{
-    collections::HashMap,
     os::unix::ffi::OsStrExt,
-    path::{Path, PathBuf},
+    path::Path,
     time::{Duration, Instant},
 };
 
-use super::confirm::{REUSE, checked_at, confirm_reusing};
 use crate::{
     cache::relay::Parent,
     redirect::mountns::{Bind, Expect},
-    shared::{
-        identity::Identity,
-        relay::{Hash, NOT_VOUCHED},
-    },
+    shared::{identity::Identity, relay::Hash},
 };
 
 /// The digest of what a copy expects of the network, the same on every node that made
@@ -73,12 +69,14 @@ pub fn digest(expect: &Expect) -> Option<Hash> {
     Some(*h.finalize().as_bytes())
 }
 
-/// Of `binds`, those `parent` vouches for within `allowed`, each with when its check
-/// began (at the latest); and the others, for this node to check.
+/// Of `binds`, those `parent` vouches for within `allowed` with a check begun less than
+/// `fresh` ago, each with when that check began (at the latest); and the others, for
+/// this node to check.
 pub(super) fn vouched_by(
     parent: &Parent,
     binds: Vec<Bind>,
     allowed: Duration,
+    fresh: Duration,
 ) -> (Vec<(Bind, Instant)>, Vec<Bind>) {
     let asked: Vec<(usize, Hash)> = binds
         .iter()
@@ -100,7 +98,7 @@ pub(super) fn vouched_by(
         // The parent's check began `age` before it answered, which was after `sent`.
         at[i] = age
             .and_then(|age| sent.checked_sub(age))
-            .filter(|began| began.elapsed() < REUSE);
+            .filter(|began| began.elapsed() < fresh);
     }
     let (mut vouched, mut left) = (Vec::new(), Vec::new());
     for (b, at) in binds.into_iter().zip(at) {
@@ -112,64 +110,10 @@ pub(super) fn vouched_by(
     (vouched, left)
 }
 
-/// The answer to a child that asks this node to vouch for `items` (network paths and
-/// digests) within `allowed`: for each, how long ago (ms) the check of this node's own
-/// bind of the same path and expectation began, or `NOT_VOUCHED`; and the copies found
-/// stale meanwhile, for the keeper to drop.
-pub fn vouch(
-    own: Vec<Bind>,
-    items: &[(PathBuf, Hash)],
-    allowed: Duration,
-    parent: Option<&Parent>,
-) -> (Vec<u32>, Vec<PathBuf>) {
-    let by_expectation: HashMap<(&Path, Hash), usize> = own
-        .iter()
-        .enumerate()
-        .filter_map(|(i, b)| Some(((b.target.as_path(), digest(&b.expect)?), i)))
-        .collect();
-    let matched: Vec<Option<usize>> = items
-        .iter()
-        .map(|(path, d)| by_expectation.get(&(path.as_path(), *d)).copied())
-        .collect();
-    let mut wanted: Vec<usize> = matched.iter().flatten().copied().collect();
-    wanted.sort_unstable();
-    wanted.dedup();
-    let to_check: Vec<Bind> = wanted.iter().map(|&i| own[i].clone()).collect();
-    let (checked, _) = confirm_reusing(to_check, allowed, None, parent);
-    let confirmed: Vec<&Bind> = checked.binds.iter().collect();
-    let began: HashMap<(&Path, &Path), Instant> = confirmed
-        .iter()
-        .zip(checked_at(&confirmed))
-        .filter_map(|(b, at)| Some(((b.local.as_path(), b.target.as_path()), at?)))
-        .collect();
-    let ages = matched
-        .iter()
-        .map(|m| {
-            m.and_then(|i| began.get(&(own[i].local.as_path(), own[i].target.as_path())))
-                .map_or(NOT_VOUCHED, |at| {
-                    at.elapsed().as_millis().min(u128::from(NOT_VOUCHED - 1)) as u32
-                })
-        })
-        .collect();
-    (ages, checked.stale)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{redirect::mountns::SnapshotEntry, shared::tree::Tree};
-    use std::fs;
-
-    fn bind(tree: &Path, local: &str, target: PathBuf, expect: Expect) -> Bind {
-        Bind {
-            local: PathBuf::from("/cache").join(local),
-            target,
-            tree: tree.to_owned(),
-            expect,
-            lazy: false,
-            passages: Vec::new(),
-        }
-    }
+    use crate::redirect::mountns::SnapshotEntry;
 
     fn entry(rel: &str, size: u64, racy: bool) -> SnapshotEntry {
         SnapshotEntry {
@@ -204,38 +148,5 @@ mod tests {
         let racy = Expect::Snapshot(vec![entry("", 0, true)]);
         assert_eq!(digest(&racy), None);
         assert_eq!(digest(&Expect::Nothing), None);
-    }
-
-    #[test]
-    fn a_node_vouches_only_for_what_its_own_copies_expect_and_still_hold() {
-        let dir = tempfile::tempdir().unwrap();
-        let tree = Tree::open(dir.path()).unwrap();
-        let (same, changed) = (dir.path().join("same"), dir.path().join("changed"));
-        for f in [&same, &changed] {
-            fs::write(f, "v1").unwrap();
-        }
-        let id = |p: &Path| tree.identity(&fs::symlink_metadata(p).unwrap());
-        let own = vec![
-            bind(dir.path(), "a", same.clone(), Expect::File(id(&same))),
-            bind(dir.path(), "b", changed.clone(), Expect::File(id(&changed))),
-        ];
-        let mut other = id(&same);
-        other.size += 1;
-        let items = vec![
-            (same.clone(), digest(&Expect::File(id(&same))).unwrap()),
-            // Not what this node's copy expects: not vouched for, and not asked.
-            (same.clone(), digest(&Expect::File(other)).unwrap()),
-            (
-                changed.clone(),
-                digest(&Expect::File(id(&changed))).unwrap(),
-            ),
-            // No copy of this node's.
-            (dir.path().join("else"), [0; 32]),
-        ];
-        fs::write(&changed, "v2, longer").unwrap();
-        let (ages, stale) = vouch(own, &items, Duration::from_secs(2), None);
-        assert!(ages[0] < 1000, "{ages:?}");
-        assert_eq!(&ages[1..], [NOT_VOUCHED; 3]);
-        assert_eq!(stale, [changed]);
     }
 }
