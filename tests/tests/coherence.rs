@@ -4,7 +4,7 @@
 use std::{
     collections::HashSet,
     fs,
-    os::unix::fs::MetadataExt,
+    os::unix::fs::{MetadataExt, PermissionsExt},
     process::Command,
     thread,
     time::{Duration, SystemTime},
@@ -617,4 +617,59 @@ fn a_running_jobs_unchanged_copies_are_checked_less_and_less_often() {
     wait_until(12, "the change seen", || changes(&agent) > seen);
     fs::write(&stop, b"").unwrap();
     assert_success(&job.wait_with_output().unwrap());
+}
+
+/// A profile an ordinary user sends is checked as them, each check counted as `access`:
+/// a file or directory one check each, and a directory holding many of its missing
+/// names (a `__pycache__` no one made, probed once per module) asked of the server once,
+/// not once per name (a Slurm prolog's prefetch on each node asked it 37 times for a
+/// package of 37 modules).
+#[test]
+fn a_users_profile_is_checked_as_them_once_per_directory_of_its_missing_names() {
+    const MODULES: usize = 20;
+    let net = NetworkMount::start();
+    let files: Vec<std::path::PathBuf> = (0..MODULES)
+        .map(|i| net.put(&format!("pkg/s00/m{i:02}.py"), b"X = 1\n"))
+        .collect();
+    net.installed_long_ago("pkg");
+    let agent = Agent::start(&["--watch", net.mount.to_str().unwrap()]);
+    let entry = |f: &std::path::Path| {
+        serde_json::json!({"path": f, "size": 6, "mtime_ns": 0, "opens": 1, "bytes_read": 6,
+            "first_touch_ns": 1, "last_touch_ns": 1, "users": 1, "uids": [0], "written": false})
+    };
+    let missing: Vec<serde_json::Value> = (0..MODULES)
+        .flat_map(|i| {
+            [
+                net.path(&format!("pkg/s00/__pycache__/m{i:02}.cpython-311.pyc")),
+                net.path(&format!("pkg/s00/m{i:02}.abi3.so")),
+            ]
+        })
+        .map(|m| serde_json::json!({"path": m, "lookups": 1}))
+        .collect();
+    let profile = serde_json::json!({"version": 1, "started_unix_ns": 1,
+        "files": files.iter().map(|f| entry(f)).collect::<Vec<_>>(),
+        "missing": missing, "dirs": []});
+    let dir = tempfile::tempdir().unwrap();
+    fs::set_permissions(dir.path(), fs::Permissions::from_mode(0o755)).unwrap();
+    let path = dir.path().join("profile.json");
+    fs::write(&path, profile.to_string()).unwrap();
+    let before = (net.server_log().len(), asked_of(&agent, &net, "access").0);
+    assert_success(&agent.prefetch_as(&path, hocus_tests::test_user(), "the user's prefetch"));
+    let pycache = format!("{}\"", net.server_path("pkg/s00/__pycache__").display());
+    let asked_pycache = net.server_log()[before.0..]
+        .lines()
+        .filter(|l| l.ends_with(&pycache))
+        .count();
+    let counted = asked_of(&agent, &net, "access").0 - before.1;
+    eprintln!(
+        "{MODULES} files and {} missing names checked as the user: the daemon counted {counted}; the server was asked for the absent __pycache__ {asked_pycache} times",
+        2 * MODULES
+    );
+    assert!(asked_pycache <= 1, "{asked_pycache}\n{}", agent.log());
+    // A check per file, and one per directory of the missing names (s00, s00/__pycache__).
+    assert!(
+        counted >= MODULES as u64 && counted <= MODULES as u64 + 2,
+        "{counted}\n{}",
+        agent.log()
+    );
 }

@@ -132,6 +132,27 @@ enum Bench {
         #[arg(long)]
         quick: bool,
     },
+    /// What the file server is asked, by its own count, when a Slurm job imports a
+    /// package of many modules on 1, 2, 4, ... nodes: plainly, and with every node's
+    /// daemon warm from a saved profile; then what the warm daemons ask with no job
+    /// running; and a model of 1,024 nodes fitted to the rows.
+    Server {
+        /// The node counts of the jobs (the cluster has the largest).
+        #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16")]
+        nodes: Vec<usize>,
+        /// Subpackages of the package imported.
+        #[arg(long, default_value_t = 50)]
+        subpackages: usize,
+        /// Modules in each subpackage (50 x 40: 2,051 modules in all).
+        #[arg(long, default_value_t = 40)]
+        modules: usize,
+        /// Seconds the warm daemons are watched with no job running.
+        #[arg(long, default_value_t = 60)]
+        idle_secs: u64,
+        /// A smoke run (CI): one and three nodes, 4 x 8 modules, 10 s idle.
+        #[arg(long)]
+        quick: bool,
+    },
     /// What hocus costs processes: a loop of open / read / close / failed stat on an
     /// unwatched local directory (in a process that never touches a watched tree, and in
     /// one that does) and on a watched network mount, with nothing attached, with empty
@@ -370,6 +391,29 @@ fn bench(agent: &Path, b: Bench) -> Result<()> {
             };
             bench::fanout(agent, &f)
         }
+        Bench::Server {
+            nodes,
+            subpackages,
+            modules,
+            idle_secs,
+            quick,
+        } => {
+            let s = if quick {
+                bench::Server::quick()
+            } else {
+                let nodes: Vec<usize> = nodes.into_iter().filter(|&n| n > 0).collect();
+                if nodes.is_empty() {
+                    bail!("--nodes takes node counts of 1 or more, e.g. 1,2,4,8,16");
+                }
+                bench::Server {
+                    nodes,
+                    subpackages: subpackages.max(1),
+                    modules: modules.max(1),
+                    idle: std::time::Duration::from_secs(idle_secs.max(1)),
+                }
+            };
+            bench::server(agent, &s)
+        }
         Bench::Ranges {
             file_mib,
             chunks,
@@ -395,7 +439,7 @@ fn bench(agent: &Path, b: Bench) -> Result<()> {
             // Each with the defaults its command line has (or its smoke run).
             for name in BENCHMARKS {
                 println!("\n== bench {name}");
-                if name == "fanout" {
+                if name == "fanout" || name == "server" {
                     // A cluster of its own kind (many nodes): a process of its own, as
                     // a test binary has one cluster.
                     let mut cmd = Command::new(std::env::current_exe()?);
@@ -417,8 +461,8 @@ fn bench(agent: &Path, b: Bench) -> Result<()> {
 }
 
 /// What `bench all` runs, in this order.
-const BENCHMARKS: [&str; 8] = [
-    "dataset", "imports", "overhead", "events", "scale", "slurm", "fanout", "ranges",
+const BENCHMARKS: [&str; 9] = [
+    "dataset", "imports", "overhead", "events", "scale", "slurm", "fanout", "server", "ranges",
 ];
 
 /// The benchmark `name` with the defaults of its command line, or its smoke run.

@@ -42,6 +42,7 @@ use crate::{
     redirect::{bind_opens, identity, jobs::JobStart, leftovers, mountns, spawn},
     report::metrics,
     shared::{
+        asked,
         kernel::{self, Route},
         memory,
         settings::Settings,
@@ -191,6 +192,13 @@ impl Daemon {
         kernel::log_routes(&kernel_release, &routes);
         let devices = trees.devices()?;
         let (watched, watches) = (trees.watched.clone(), trees.watches.clone());
+        asked::watch(
+            watched
+                .iter()
+                .filter(|w| w.network)
+                .map(|w| w.path.clone())
+                .collect(),
+        );
         let roots = trees.into_roots(&cache_dir)?;
         tracer.place_under(&roots)?;
         tracer.watch_devices(&devices)?;

@@ -4,9 +4,10 @@
 //! caller's filesystem identity, so ACLs and the network filesystem's rules apply too.
 
 use std::{
+    collections::HashMap,
     ffi::CString,
     os::{fd::OwnedFd, unix::ffi::OsStrExt},
-    path::Path,
+    path::{Path, PathBuf},
     sync::Arc,
 };
 
@@ -15,7 +16,10 @@ use anyhow::Result;
 use crate::{
     profile::format::Profile,
     redirect::identity,
-    shared::user::{AsUser, User},
+    shared::{
+        asked::{self, Asking, Purpose},
+        user::{AsUser, User},
+    },
 };
 
 /// The credentials of a process talking to the daemon: the socket's uid and gid, its
@@ -68,6 +72,8 @@ impl Caller {
 
 /// Keeps only the entries `caller` could read (files, directories) or look up (missing
 /// names: the parent directory must be searchable), and only the caller's own uid.
+/// Each check may ask the server (counted as `access`): a directory holding many
+/// missing names (a `__pycache__` no one made, probed once per module) is asked once.
 pub fn filter_for(profile: &mut Profile, caller: &Caller) -> Result<()> {
     if caller.is_root() {
         return Ok(());
@@ -75,16 +81,46 @@ pub fn filter_for(profile: &mut Profile, caller: &Caller) -> Result<()> {
     let uid = caller.uid;
     let mut p = std::mem::take(profile);
     *profile = as_caller(caller, move || {
-        p.files
-            .retain(|f| can(&f.path, libc::R_OK) || gone_but_parent_searchable(&f.path));
-        p.dirs.retain(|d| can(&d.path, libc::R_OK | libc::X_OK));
-        p.missing.retain(|m| parent_searchable(&m.path));
+        let mut searchable = Searchable::new(|dir: &Path| can(dir, libc::X_OK));
+        p.files.retain(|f| {
+            can(Path::new(&f.path), libc::R_OK) || (gone(&f.path) && searchable.parent_of(&f.path))
+        });
+        p.dirs
+            .retain(|d| can(Path::new(&d.path), libc::R_OK | libc::X_OK));
+        p.missing.retain(|m| searchable.parent_of(&m.path));
         for f in &mut p.files {
             f.uids.retain(|u| *u == uid);
         }
         p
     })?;
     Ok(())
+}
+
+/// Whether directories are searchable, each asked once.
+struct Searchable<F> {
+    ask: F,
+    known: HashMap<PathBuf, bool>,
+}
+
+impl<F: FnMut(&Path) -> bool> Searchable<F> {
+    fn new(ask: F) -> Self {
+        Self {
+            ask,
+            known: HashMap::new(),
+        }
+    }
+
+    fn parent_of(&mut self, path: &str) -> bool {
+        let Some(dir) = Path::new(path).parent() else {
+            return false;
+        };
+        if let Some(&known) = self.known.get(dir) {
+            return known;
+        }
+        let found = (self.ask)(dir);
+        self.known.insert(dir.to_owned(), found);
+        found
+    }
 }
 
 /// Runs `f` with `caller`'s filesystem identity (uid, gid, groups), on a thread of its
@@ -113,21 +149,46 @@ pub fn as_caller<T: Send + 'static>(
         .map_err(|_| anyhow::anyhow!("a thread working as uid {uid} panicked"))?
 }
 
-fn can(path: &str, mode: libc::c_int) -> bool {
-    let Ok(c) = CString::new(Path::new(path).as_os_str().as_bytes()) else {
+fn can(path: &Path, mode: libc::c_int) -> bool {
+    let Ok(c) = CString::new(path.as_os_str().as_bytes()) else {
         return false;
     };
+    let _asking = Asking::beneath(path, Purpose::Access);
+    asked::asked();
     // SAFETY: valid C string. AT_EACCESS: check with the thread's fs identity.
     unsafe { libc::faccessat(libc::AT_FDCWD, c.as_ptr(), mode, libc::AT_EACCESS) == 0 }
 }
 
-fn parent_searchable(path: &str) -> bool {
-    Path::new(path)
-        .parent()
-        .is_some_and(|p| can(&p.to_string_lossy(), libc::X_OK))
+/// A file that no longer exists (unlinked, renamed) is shown if its directory is.
+fn gone(path: &str) -> bool {
+    let _asking = Asking::beneath(Path::new(path), Purpose::Access);
+    asked::asked();
+    std::fs::symlink_metadata(path).is_err()
 }
 
-/// A file that no longer exists (unlinked, renamed) is shown if its directory is.
-fn gone_but_parent_searchable(path: &str) -> bool {
-    std::fs::symlink_metadata(path).is_err() && parent_searchable(path)
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_directory_holding_many_missing_names_is_asked_once() {
+        let mut asked = Vec::new();
+        let mut s = Searchable::new(|d: &Path| {
+            asked.push(d.to_owned());
+            d.ends_with("s00")
+        });
+        for m in ["m0", "m1", "m2"] {
+            assert!(!s.parent_of(&format!("/net/pkg/s00/__pycache__/{m}.pyc")));
+            assert!(s.parent_of(&format!("/net/pkg/s00/{m}.so")));
+        }
+        assert!(!s.parent_of("/"));
+        drop(s);
+        assert_eq!(
+            asked,
+            [
+                PathBuf::from("/net/pkg/s00/__pycache__"),
+                PathBuf::from("/net/pkg/s00")
+            ]
+        );
+    }
 }

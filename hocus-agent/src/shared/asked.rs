@@ -34,16 +34,20 @@ pub enum Purpose {
     Fill,
     /// The sizes and mtimes of files newly seen, for the profile.
     Profile,
+    /// A profile a user sent (a prefetch, a Slurm job's prolog), checked as them: what
+    /// they may read.
+    Access,
 }
 
 impl Purpose {
-    pub const ALL: [Purpose; 6] = [
+    pub const ALL: [Purpose; 7] = [
         Purpose::JobStart,
         Purpose::Revalidation,
         Purpose::Copy,
         Purpose::Snapshot,
         Purpose::Fill,
         Purpose::Profile,
+        Purpose::Access,
     ];
 
     /// Its name in `status` and the metrics' `purpose` label.
@@ -55,6 +59,7 @@ impl Purpose {
             Purpose::Snapshot => "snapshot",
             Purpose::Fill => "fill",
             Purpose::Profile => "profile",
+            Purpose::Access => "access",
         }
     }
 }
@@ -75,6 +80,15 @@ thread_local! {
 /// 8) times the purposes.
 static COUNTS: Mutex<BTreeMap<(PathBuf, Purpose), Count>> = Mutex::new(BTreeMap::new());
 
+/// The watched network trees, for work that meets paths rather than a tree
+/// ([`Asking::beneath`]).
+static WATCHED: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
+
+/// Says which trees are on the network: their calls are counted by [`Asking::beneath`].
+pub fn watch(network_trees: Vec<PathBuf>) {
+    *WATCHED.lock().unwrap_or_else(|e| e.into_inner()) = network_trees;
+}
+
 /// This thread's calls counted under `tree` and `purpose` until it is dropped; what was
 /// set before is set again then.
 #[must_use = "calls are counted only while it is held"]
@@ -89,6 +103,17 @@ impl Asking {
 
     /// What `current` returned on another thread, set on this one: a thread a piece
     /// of work spawns counts under its purpose.
+    /// The same for `path`'s watched network tree ([`watch`]); counts nothing for a path
+    /// in none.
+    pub fn beneath(path: &Path, purpose: Purpose) -> Asking {
+        let trees = WATCHED.lock().unwrap_or_else(|e| e.into_inner());
+        let tree = trees
+            .iter()
+            .filter(|t| path.starts_with(t))
+            .max_by_key(|t| t.as_os_str().len());
+        Asking::again(&tree.map(|t| (t.clone(), purpose)))
+    }
+
     pub fn again(current: &Option<(PathBuf, Purpose)>) -> Asking {
         let before = ASKING.with(|a| a.replace(current.clone()));
         Asking { before }

@@ -44,6 +44,23 @@ pub fn write_figures(name: &str, figures: &serde_json::Value) -> Result<()> {
     Ok(())
 }
 
+/// Waits (60 s at most) for the profile a first job's epilog saves under `key` for
+/// the test user in the `profiles` directory.
+pub fn saved_profile(profiles: &Path, key: &str) -> Result<()> {
+    let saved = profiles.join(format!("hocus-test/{key}.json"));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !saved.exists() {
+        if Instant::now() > deadline {
+            bail!(
+                "the first job's epilog saved no profile at {}",
+                saved.display()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    Ok(())
+}
+
 /// A Slurm benchmark's start: it must run as root, and the cluster fixture (tests'
 /// `slurm`) is pointed at the agent and SPANK plugin just built.
 pub fn for_slurm(agent_bin: &Path) -> Result<()> {

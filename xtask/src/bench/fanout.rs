@@ -20,7 +20,7 @@ use hocus_tests::{
     slurm::{Options, SERVER_ADDR, slurm_with},
 };
 
-use super::common::write_figures;
+use super::common::{saved_profile, write_figures};
 
 pub struct Fanout {
     /// Nodes of the cluster; jobs on 1 ..= this many.
@@ -160,17 +160,7 @@ pub fn fanout(agent_bin: &Path, f: &Fanout) -> Result<()> {
             f.nodes,
             &["/usr/bin/python3", "-c", READ_ALL, env.to_str().unwrap()],
         )?;
-        let saved = profiles.path().join(format!("hocus-test/{KEY}.json"));
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while !saved.exists() {
-            if Instant::now() > deadline {
-                bail!(
-                    "the first job's epilog saved no profile at {}",
-                    saved.display()
-                );
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
+        saved_profile(profiles.path(), KEY)?;
     }
 
     println!(

@@ -12,6 +12,7 @@ mod overhead;
 mod programs;
 mod ranges;
 mod scale;
+mod server;
 mod slurm;
 
 pub use dataset::{Dataset, dataset};
@@ -21,6 +22,7 @@ pub use imports::{ImportCase, imports};
 pub use overhead::{Overhead, overhead, syscall_loop_process};
 pub use ranges::{Ranges, ranges};
 pub use scale::{Scale, scale};
+pub use server::{Server, server};
 pub use slurm::slurm_imports;
 
 /// Installs the Python packages the smoke runs import (numpy, scipy and pandas; JAX)

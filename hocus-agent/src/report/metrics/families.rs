@@ -151,7 +151,7 @@ impl Collector for Snapshot {
         counter(
             e,
             "server_operations",
-            "Calls the daemon made on a watched network tree (an open, lookup, stat, listing or read each), by purpose: job_start, revalidation, copy, snapshot, fill, profile.",
+            "Calls the daemon made on a watched network tree (an open, lookup, stat, listing or read each), by purpose: job_start, revalidation, copy, snapshot, fill, profile, access.",
             None,
             s.server
                 .iter()
