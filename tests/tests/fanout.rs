@@ -1016,7 +1016,10 @@ fn a_users_listener_on_a_parents_relay_port_hands_no_child_its_bytes() {
         // Its parent was known and asked for nothing (a child with no parent at all
         // would say nothing of vouching).
         let start = last_start_line(agent);
-        assert!(start.contains(", 0 vouched for by node node1)"), "{start}");
+        assert!(
+            start.contains(", 0 vouched for by node node1, 0 entries vouched for)"),
+            "{start}"
+        );
         assert!(
             agent
                 .log()

@@ -65,7 +65,10 @@ fn confirmed_binds(
         parent.as_deref(),
     );
     let by = parent.map_or(String::new(), |p| {
-        format!(", {} vouched for by node {}", reused.vouched, p.name)
+        format!(
+            ", {} vouched for by node {}, {} entries vouched for",
+            reused.vouched, p.name, reused.vouched_entries
+        )
     });
     log::info!(
         "job start: {} local copies confirmed against the network in {:.1} ms, {} entries checked ({} stale, {} not checked in time, {} confirmed by another job's start just before{by})",

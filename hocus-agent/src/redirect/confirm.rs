@@ -15,7 +15,7 @@
 //! names are compared with the snapshot's too.
 
 use std::{
-    collections::HashMap,
+    collections::{HashMap, HashSet},
     ffi::CString,
     fs::File,
     os::{
@@ -71,10 +71,10 @@ const PARALLEL: usize = 32;
 const HELD_OPEN: usize = 4096;
 
 /// What the check found.
-#[derive(Debug, Default)]
-pub struct Confirmed {
+#[derive(Debug)]
+pub struct Confirmed<B = Bind> {
     /// Still what the network holds: to bind.
-    pub binds: Vec<Bind>,
+    pub binds: Vec<B>,
     /// Changed or gone on the network (their copies are stale): a copied file, or in
     /// a snapshot the first entry found changed (the snapshot goes, and that file's
     /// own copy too).
@@ -84,6 +84,17 @@ pub struct Confirmed {
     /// The entries `binds` were confirmed by: a copied file is one, a snapshot each
     /// file and directory it was taken from.
     pub entries: usize,
+}
+
+impl<B> Default for Confirmed<B> {
+    fn default() -> Self {
+        Self {
+            binds: Vec::new(),
+            stale: Vec::new(),
+            unchecked: 0,
+            entries: 0,
+        }
+    }
 }
 
 /// A snapshot's directory, held open (O_PATH) so that those below it are opened from
@@ -107,11 +118,13 @@ fn recent_key(b: &Bind) -> (PathBuf, PathBuf) {
 }
 
 /// Binds given without asking the server for this job's start: confirmed by another
-/// job's start on this node, or vouched for by the job's parent node.
+/// job's start on this node, or vouched for by the job's parent node; and the entries
+/// the parent vouched for in all (of those binds, and of others it vouched for in part).
 #[derive(Debug, Default, Clone, Copy)]
 pub struct Reused {
     pub recent: usize,
     pub vouched: usize,
+    pub vouched_entries: usize,
 }
 
 /// Like [`confirm`], for job starts that may come together (a Slurm step's tasks on a
@@ -119,7 +132,8 @@ pub struct Reused {
 /// a time, and a bind confirmed less than [`REUSE`] ago is given without asking again.
 /// A Slurm job's node asks its `parent` in the job's tree first (`vouch`), which
 /// answers for what it checked against the server less than [`REUSE`] ago: a job's
-/// start asks the server once for all its nodes. Returns also what was given so.
+/// start asks the server once for all its nodes. Of a snapshot the parent vouched for
+/// in part, this node checks the rest of its entries. Returns also what was given so.
 pub fn confirm_reusing(
     binds: Vec<Bind>,
     allowed: Duration,
@@ -133,25 +147,69 @@ pub fn confirm_reusing(
     let (fresh, to_check): (Vec<Bind>, Vec<Bind>) = binds
         .into_iter()
         .partition(|b| recent.contains_key(&recent_key(b)));
-    let (vouched, to_check) = match parent {
+    let vouched = match parent {
         // What is left of the time is this node's own to check what was not vouched for.
         Some(p) if !to_check.is_empty() => vouch::vouched_by(p, to_check, allowed * 3 / 4, REUSE),
-        _ => (Vec::new(), to_check),
+        _ => vouch::Vouched::none(to_check),
     };
-    let mut checked = confirm(to_check, allowed.saturating_sub(began.elapsed()), asking);
-    for b in &checked.binds {
-        recent.insert(recent_key(b), began);
+    let checked = check_rest(
+        vouched.rest,
+        allowed.saturating_sub(began.elapsed()),
+        asking,
+    );
+    for (b, at) in &checked.binds {
+        // As recent as the oldest of its checks.
+        recent.insert(recent_key(b), at.map_or(began, |at| at.min(began)));
     }
-    for (b, at) in &vouched {
+    for (b, at) in &vouched.whole {
         recent.insert(recent_key(b), *at);
     }
     let reused = Reused {
         recent: fresh.len(),
-        vouched: vouched.len(),
+        vouched: vouched.whole.len(),
+        vouched_entries: vouched.entries,
     };
-    checked.binds.extend(fresh);
-    checked.binds.extend(vouched.into_iter().map(|(b, _)| b));
+    let mut binds: Vec<Bind> = checked.binds.into_iter().map(|(b, _)| b).collect();
+    binds.extend(fresh);
+    binds.extend(vouched.whole.into_iter().map(|(b, _)| b));
+    let checked = Confirmed {
+        binds,
+        stale: checked.stale,
+        unchecked: checked.unchecked,
+        entries: checked.entries,
+    };
     (checked, reused)
+}
+
+/// Binds the parent did not vouch for whole, each checked against the network in what
+/// it did not vouch for (of a snapshot, the rest of its entries): those confirmed, with
+/// when the oldest check vouched for of each began.
+fn check_rest(
+    rest: Vec<(Bind, HashSet<PathBuf>, Option<Instant>)>,
+    allowed: Duration,
+    asking: Option<User>,
+) -> Confirmed<(Bind, Option<Instant>)> {
+    let mut left = HashMap::new();
+    let mut to_check = Vec::new();
+    for (b, rels, at) in rest {
+        let mut part = b.clone();
+        if let Expect::Snapshot(entries) = &mut part.expect {
+            entries.retain(|e| !rels.contains(&e.rel));
+        }
+        left.insert(recent_key(&b), (b, at));
+        to_check.push(part);
+    }
+    let checked = confirm(to_check, allowed, asking);
+    Confirmed {
+        binds: checked
+            .binds
+            .iter()
+            .filter_map(|part| left.remove(&recent_key(part)))
+            .collect(),
+        stale: checked.stale,
+        unchecked: checked.unchecked,
+        entries: checked.entries,
+    }
 }
 
 /// When the checks of `binds` that confirmed them began, where they are still recent.
@@ -167,23 +225,32 @@ fn checked_at(binds: &[&Bind]) -> Vec<Option<Instant>> {
 }
 
 /// The answer to a child that asks this node to vouch for `items` (network paths and
-/// digests) within `allowed`: for each, how long ago (ms) the check of this node's own
-/// bind of the same path and expectation began, or `NOT_VOUCHED`; and the copies found
-/// stale meanwhile, for the keeper to drop.
+/// digests of the identities its copies expect there) within `allowed`: for each, how
+/// long ago (ms) the check of this node's own bind expecting the same there began, or
+/// `NOT_VOUCHED`; and the copies found stale meanwhile, for the keeper to drop.
 pub fn vouch_for(
     own: Vec<Bind>,
     items: &[(PathBuf, Hash)],
     allowed: Duration,
     parent: Option<&Parent>,
 ) -> (Vec<u32>, Vec<PathBuf>) {
-    let by_expectation: HashMap<(&Path, Hash), usize> = own
-        .iter()
-        .enumerate()
-        .filter_map(|(i, b)| Some(((b.target.as_path(), vouch::digest(&b.expect)?), i)))
-        .collect();
+    // Each path this node's copies expect, with what (a file copied on its own and in a
+    // snapshot too: two binds).
+    let mut expecting: HashMap<PathBuf, Vec<(Hash, usize)>> = HashMap::new();
+    for (i, b) in own.iter().enumerate() {
+        for (path, id, _) in vouch::expected(b) {
+            expecting
+                .entry(path)
+                .or_default()
+                .push((vouch::digest(id), i));
+        }
+    }
     let matched: Vec<Option<usize>> = items
         .iter()
-        .map(|(path, d)| by_expectation.get(&(path.as_path(), *d)).copied())
+        .map(|(path, d)| {
+            let binds = expecting.get(path.as_path())?;
+            binds.iter().find(|(e, _)| e == d).map(|&(_, i)| i)
+        })
         .collect();
     let mut wanted: Vec<usize> = matched.iter().flatten().copied().collect();
     wanted.sort_unstable();
@@ -602,31 +669,85 @@ mod tests {
         for f in [&same, &changed] {
             fs::write(f, "v1").unwrap();
         }
+        let pkg = dir.path().join("pkg");
+        fs::create_dir_all(pkg.join("sub")).unwrap();
+        fs::write(pkg.join("sub/mod.py"), "v1").unwrap();
         let id = |p: &Path| tree.identity(&fs::symlink_metadata(p).unwrap());
+        let entry = |rel: &str| SnapshotEntry {
+            rel: rel.into(),
+            identity: id(&pkg.join("sub").join(rel)),
+            racy: false,
+        };
+        // This node snapshotted pkg/sub; a child may have snapshotted pkg.
         let own = vec![
             named(dir.path(), "a", same.clone(), Expect::File(id(&same))),
             named(dir.path(), "b", changed.clone(), Expect::File(id(&changed))),
+            named(
+                dir.path(),
+                "c",
+                pkg.join("sub"),
+                Expect::Snapshot(vec![entry(""), entry("mod.py")]),
+            ),
         ];
         let mut other = id(&same);
         other.size += 1;
+        let item = |p: &Path| (p.to_owned(), vouch::digest(&id(p)));
         let items = vec![
-            (
-                same.clone(),
-                vouch::digest(&Expect::File(id(&same))).unwrap(),
-            ),
+            item(&same),
             // Not what this node's copy expects: not vouched for, and not asked.
-            (same.clone(), vouch::digest(&Expect::File(other)).unwrap()),
-            (
-                changed.clone(),
-                vouch::digest(&Expect::File(id(&changed))).unwrap(),
-            ),
+            (same.clone(), vouch::digest(&other)),
+            item(&changed),
             // No copy of this node's.
             (dir.path().join("else"), [0; 32]),
+            // The child's snapshot's entries: what this node's snapshot holds too.
+            item(&pkg),
+            item(&pkg.join("sub")),
+            item(&pkg.join("sub/mod.py")),
         ];
         fs::write(&changed, "v2, longer").unwrap();
         let (ages, stale) = vouch_for(own, &items, Duration::from_secs(2), None);
         assert!(ages[0] < 1000, "{ages:?}");
-        assert_eq!(&ages[1..], [NOT_VOUCHED; 3]);
+        assert_eq!(&ages[1..5], [NOT_VOUCHED; 4]);
+        assert!(ages[5] < 1000 && ages[6] < 1000, "{ages:?}");
         assert_eq!(stale, [changed]);
+    }
+
+    #[test]
+    fn of_a_snapshot_vouched_for_in_part_only_the_rest_is_checked() {
+        let dir = tempfile::tempdir().unwrap();
+        let tree = Tree::open(dir.path()).unwrap();
+        let pkg = dir.path().join("pkg");
+        fs::create_dir_all(pkg.join("sub")).unwrap();
+        for f in ["a.py", "sub/b.py"] {
+            fs::write(pkg.join(f), "v1").unwrap();
+        }
+        let snapshot = Expect::Snapshot(
+            ["", "a.py", "sub", "sub/b.py"]
+                .into_iter()
+                .map(|rel| SnapshotEntry {
+                    rel: rel.into(),
+                    identity: tree.identity(&fs::symlink_metadata(pkg.join(rel)).unwrap()),
+                    racy: false,
+                })
+                .collect(),
+        );
+        let b = bind(dir.path(), pkg.clone(), snapshot);
+        let vouched: HashSet<PathBuf> =
+            ["sub", "sub/b.py"].into_iter().map(PathBuf::from).collect();
+        let at = Instant::now();
+        // What was vouched for is taken as it was vouched: a change there is the
+        // parent's to find (here it did not); the rest is asked of the network.
+        fs::write(pkg.join("sub/b.py"), "v2, longer").unwrap();
+        let c = check_rest(
+            vec![(b.clone(), vouched.clone(), Some(at))],
+            Duration::from_secs(5),
+            None,
+        );
+        assert_eq!((c.binds.len(), c.entries, c.unchecked), (1, 2, 0), "{c:?}");
+        assert_eq!(c.binds[0].1, Some(at));
+        assert_eq!(c.binds[0].0, b, "the bind given is the whole snapshot");
+        fs::write(pkg.join("a.py"), "v2, longer").unwrap();
+        let c = check_rest(vec![(b, vouched, Some(at))], Duration::from_secs(5), None);
+        assert_eq!((c.binds.len(), c.stale), (0, vec![pkg.join("a.py")]));
     }
 }

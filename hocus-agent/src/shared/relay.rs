@@ -25,10 +25,11 @@
 //!
 //! A child may also ask its parent to vouch for its job start's checks (issue 52:
 //! the server is asked once for all of a job's nodes): the length word's second bit
-//! set and the rest counting the binds, the time allowed, then each bind's network
-//! path and the digest of what its copy expects there (`redirect::confirm::digest`);
-//! the parent answers `VOUCHED` and, for each, how long ago its own check of the same
-//! expectation against the server began, or [`NOT_VOUCHED`]. A daemon before this one
+//! set and the rest counting the paths, the time allowed, then each network path its
+//! copies expect (a copied file, each entry of a snapshot) and the digest of the
+//! identity expected there (`redirect::vouch::digest`); the parent answers `VOUCHED`
+//! and, for each, how long ago its own check of a copy expecting the same there against
+//! the server began, or [`NOT_VOUCHED`]. A daemon before this one
 //! refuses the request (a path too long), and the child checks the server itself.
 //!
 //! Nothing unverified enters a cache: the receiver compares the size and mtime the
@@ -65,10 +66,10 @@ pub const RANGES: u8 = 3;
 pub const VOUCHED: u8 = 4;
 /// Set in a request's length word: runs of grains follow the path.
 const WITH_GRAINS: u32 = 1 << 31;
-/// Set in a request's length word: a job start's binds to vouch for follow, as many as
+/// Set in a request's length word: a job start's paths to vouch for follow, as many as
 /// the rest of the word says ([`request_vouch`]).
 const VOUCH: u32 = 1 << 30;
-/// The most binds one request asks to be vouched for.
+/// The most paths one request asks to be vouched for.
 pub const MAX_VOUCHED: usize = 1 << 16;
 /// The most bytes of paths one such request holds: what a parent reads of it at most.
 const MAX_VOUCHED_PATHS: usize = 16 << 20;
@@ -139,8 +140,8 @@ fn encode(source: &Path, grains: Option<&[(u32, u32)]>) -> Vec<u8> {
     out
 }
 
-/// A request that the job-start checks of the binds `items` (each a network path and
-/// the digest of what its copy expects there) be vouched for, answered within
+/// A request that the job-start checks of `items` (each a network path and the digest
+/// of the identity a copy expects there) be vouched for, answered within
 /// `allowed`, encoded: the length word flagged and counting the items, the time allowed
 /// in ms (u32), then each item's path (u32 length, bytes) and digest (32 bytes).
 pub fn request_vouch(allowed: Duration, items: &[(&Path, Hash)]) -> Vec<u8> {
@@ -196,8 +197,8 @@ pub enum Asked {
     Vouch(Vouch),
 }
 
-/// Binds whose job-start checks a child asks its parent to vouch for: each a network
-/// path and the digest of what the child's copy expects there.
+/// Paths whose job-start checks a child asks its parent to vouch for: each a network
+/// path and the digest of the identity the child's copy expects there.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Vouch {
     pub allowed: Duration,
@@ -253,7 +254,7 @@ fn read_path(r: &mut impl Read, len: usize) -> io::Result<String> {
 /// The rest of a [`request_vouch`] of `count` items.
 fn read_vouch(r: &mut impl Read, count: usize) -> io::Result<Vouch> {
     if count > MAX_VOUCHED {
-        return Err(io::Error::other("too many binds to vouch for"));
+        return Err(io::Error::other("too many paths to vouch for"));
     }
     let mut word = [0u8; 4];
     r.read_exact(&mut word)?;
