@@ -280,6 +280,31 @@ fn a_jobs_nodes_read_its_saved_working_set_from_the_server_once() {
         "the server sent {served} bytes of a {} byte working set to {NODES} nodes",
         s.working_set
     );
+    // What the job's user may read of the profile was asked of the server by node1's
+    // prolog alone: node2 and node3 took its verdicts (issue 52).
+    let access: Vec<u64> = agents.iter().map(|a| operations(a, "access")).collect();
+    assert!(
+        access[0] > 0 && access[1..].iter().all(|&a| a == 0),
+        "permission checks asked by each node: {access:?}"
+    );
+    for agent in &agents[1..] {
+        let log = agent.log();
+        let taken = log
+            .lines()
+            .find_map(|l| {
+                l.split("may read: ")
+                    .nth(1)?
+                    .split(' ')
+                    .next()?
+                    .parse()
+                    .ok()
+            })
+            .unwrap_or(0u64);
+        assert!(
+            taken > 0 && log.contains(&format!("{taken} entries as node node1 found")),
+            "{log}"
+        );
+    }
     for (i, (agent, node)) in agents.iter().zip(&s.cluster.nodes).enumerate() {
         assert_eq!(s.copies_are_the_sources(agent, node), 3, "{}", agent.log());
         let from_peers = copied_from_peers(agent);
@@ -332,11 +357,16 @@ fn last_start(agent: &Agent) -> (u64, u64, u64) {
 
 /// What `agent` counted asking the server for job starts.
 fn job_start_operations(agent: &Agent) -> u64 {
+    operations(agent, "job_start")
+}
+
+/// What `agent` counted asking the server for `purpose`.
+fn operations(agent: &Agent, purpose: &str) -> u64 {
     agent.status()["server"]
         .as_array()
         .into_iter()
         .flatten()
-        .filter(|e| e["purpose"] == "job_start")
+        .filter(|e| e["purpose"] == purpose)
         .filter_map(|e| e["operations"].as_u64())
         .sum()
 }
@@ -1019,6 +1049,15 @@ fn a_users_listener_on_a_parents_relay_port_hands_no_child_its_bytes() {
         assert!(
             start.contains(", 0 vouched for by node node1, 0 entries vouched for)"),
             "{start}"
+        );
+        // Nor its verdicts of what the job's user may read: checked here.
+        assert!(
+            agent
+                .log()
+                .contains("may read: 0 entries as node node1 found")
+                && operations(agent, "access") > 0,
+            "{}",
+            agent.log()
         );
         assert!(
             agent

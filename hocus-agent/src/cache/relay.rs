@@ -24,9 +24,10 @@ use super::{
 use crate::shared::{
     munge,
     relay::{
-        END_OF_RUNS, FILE, GREETING, Hash, MAX_VOUCHED, NOT_HELD, NOT_VOUCHED, Offer, RANGES,
-        RUN_GRAINS, VOUCHED, WAIT, grain_hash, parse_payload, proof, read_ages, read_run, request,
-        request_grains, request_vouch, run,
+        END_OF_RUNS, Entry, FILE, GREETING, Hash, JobUser, MAX_VOUCHED, NOT_HELD, NOT_VOUCHED,
+        Offer, RANGES, RUN_GRAINS, VERDICTS, VOUCHED, Verdict, WAIT, grain_hash, parse_payload,
+        proof, read_ages, read_run, read_verdicts, request, request_grains, request_verdicts,
+        request_vouch, run,
     },
 };
 use hocus_common::ranges::{GRAIN, GRAIN_SHIFT};
@@ -78,6 +79,8 @@ pub struct Parent {
     munge_socket: Option<PathBuf>,
     timeout: Duration,
     failed: AtomicBool,
+    /// Its verdicts of what the job's user may read could not be had: not asked again.
+    no_verdicts: AtomicBool,
     idle: Mutex<Vec<TcpStream>>,
 }
 
@@ -112,6 +115,7 @@ impl Parent {
             munge_socket,
             timeout,
             failed: AtomicBool::new(false),
+            no_verdicts: AtomicBool::new(false),
             idle: Mutex::new(Vec::new()),
         }
     }
@@ -259,6 +263,46 @@ impl Parent {
             .map(|a| (a != NOT_VOUCHED).then(|| Duration::from_millis(u64::from(a))))
             .collect();
         Ok((asked, ages))
+    }
+
+    /// Asks the parent for its verdicts of what the job's `user` may read of `items`
+    /// (entries of the job's profile), as its own prolog found them, within `allowed`:
+    /// for each, whether they may and how long before `asked` (when the request was
+    /// sent) its check began, or None where it has no verdict. A parent that cannot
+    /// answer (an older daemon, gone) is not asked again; its files are still fetched.
+    pub fn verdicts(
+        &self,
+        user: &JobUser,
+        items: &[(Entry, &str)],
+        allowed: Duration,
+    ) -> Option<(Instant, Vec<Verdict>)> {
+        if self.has_failed() || self.no_verdicts.load(Ordering::Relaxed) {
+            return None;
+        }
+        let asked = Instant::now();
+        let verdicts = self.connect(self.timeout).and_then(|mut stream| {
+            stream.set_read_timeout(Some(allowed + VOUCH_MARGIN))?;
+            let status = self.ask(
+                &mut stream,
+                &request_verdicts(allowed, user, items),
+                VERDICTS,
+            )?;
+            status.ok_or_else(|| io::Error::other("it gives no verdicts"))?;
+            read_verdicts(&mut stream, items.len().min(MAX_VOUCHED))
+        });
+        match verdicts {
+            Ok(v) => Some((asked, v)),
+            Err(e) => {
+                if !self.no_verdicts.swap(true, Ordering::Relaxed) {
+                    log::warn!(
+                        "relay: parent node {} ({}) gives no verdicts of what the job's user may read ({e}); this node checks them itself",
+                        self.name,
+                        self.addr
+                    );
+                }
+                None
+            }
+        }
     }
 
     /// Sends `asked` (a request, encoded) on a connection to the parent; the connection

@@ -23,7 +23,7 @@ use crate::{
     },
     profile::{format::read_stream, staging::Staging},
     redirect::{
-        access::{self, Caller},
+        access::{self, Caller, JobCheck},
         bind_opens::BindOpens,
     },
 };
@@ -129,6 +129,27 @@ pub fn read_profile(
     setup: &Setup,
     caller: &Caller,
 ) -> Result<Staging, Refusal> {
+    read_with(fd, setup, caller, None).map(|(staged, _)| staged)
+}
+
+/// [`read_profile`] of a Slurm job's own profile in its prolog, checked as its user
+/// once for all its nodes (`access::filter_for_job`); with how many entries' verdicts
+/// came from this node's parent.
+pub fn read_job_profile(
+    fd: OwnedFd,
+    setup: &Setup,
+    caller: &Caller,
+    job: &JobCheck,
+) -> Result<(Staging, usize), Refusal> {
+    read_with(Some(fd), setup, caller, Some(job))
+}
+
+fn read_with(
+    fd: Option<OwnedFd>,
+    setup: &Setup,
+    caller: &Caller,
+    job: Option<&JobCheck>,
+) -> Result<(Staging, usize), Refusal> {
     let Some(fd) = fd else {
         return Err(Refusal::new(
             "wrong_descriptors",
@@ -158,9 +179,10 @@ pub fn read_profile(
         setup.max_user_profile_entries
     };
     let mut staged = Staging::for_user(&setup.trees, caller.uid, most);
+    let mut taken = 0;
     let mut batch = |p| {
         staged.take(p, |p| {
-            access::filter_for(p, caller).map_err(|e| format!("{e:#}"))?;
+            taken += access::filter_for_job(p, caller, job).map_err(|e| format!("{e:#}"))?;
             if !caller.is_root() {
                 // An ordinary user vouches only for what they can read, and as
                 // themselves; what keeps a file off the cache for everyone (writes
@@ -193,5 +215,5 @@ pub fn read_profile(
             first.why
         );
     }
-    Ok(staged)
+    Ok((staged, taken))
 }

@@ -24,12 +24,18 @@ use tokio::sync::mpsc;
 
 use crate::{
     control::{
-        calls::{Setup, ask_once, read_profile},
+        calls::{Setup, ask_once, read_job_profile, read_profile},
         messages::{Answer, Ask, Call, JobNodes, Query},
         refusal::Refusal,
     },
-    profile::format::{Profile, ProfileWriter},
-    redirect::access::{Caller, as_caller},
+    profile::{
+        format::{Profile, ProfileWriter},
+        staging::Staging,
+    },
+    redirect::{
+        access::{Caller, JobCheck, as_caller},
+        verdicts,
+    },
     shared::{relay, replace},
 };
 
@@ -190,10 +196,14 @@ fn write_profile(dir: &Path, path: &Path, profile: &Profile) -> Result<()> {
 }
 
 /// The prolog's request: opens `DIR/KEY.json` as the user and checks it as a profile
-/// the user sent; the prefetch to ask the daemon's loop for, as the job's user.
+/// the user sent; the prefetch to ask the daemon's loop for, as the job's user. A job
+/// on several nodes is made known to the relay first: its children may then ask this
+/// node for its verdicts of what the user may read as it finds them, and this node asks
+/// its own parent for them (`redirect::verdicts`).
 pub fn prefetch(
     caller: &Caller,
     job: &JobProfile,
+    calls: &mpsc::Sender<Call>,
     setup: &Setup,
 ) -> Result<(Caller, Ask), Refusal> {
     let (_, path) = place(caller, job, setup)?;
@@ -218,10 +228,22 @@ pub fn prefetch(
         }
         Err(e) => return Err(Refusal::new("read_error", format!("{e:#}"))),
     };
-    let staged = read_profile(Some(fd), setup, &user)
-        .map_err(|r| Refusal::new(r.reason, format!("{}: {}", path.display(), r.message)))?;
+    let relay = job_nodes(job);
+    let read = match &relay {
+        Some(nodes) => read_across(fd, setup, &user, nodes, calls, caller),
+        None => read_profile(Some(fd), setup, &user).map(|staged| (staged, None)),
+    };
+    let (staged, taken) =
+        read.map_err(|r| Refusal::new(r.reason, format!("{}: {}", path.display(), r.message)))?;
+    let from_parent = match taken {
+        Some((taken, parent)) => format!(
+            "; what uid {} may read: {taken} entries as node {parent} found, the rest checked here",
+            job.uid
+        ),
+        None => String::new(),
+    };
     log::info!(
-        "Slurm job {}: prefetching from {} ({} files, {} missing names)",
+        "Slurm job {}: prefetching from {} ({} files, {} missing names{from_parent})",
         job.job_id,
         path.display(),
         staged.files,
@@ -229,9 +251,42 @@ pub fn prefetch(
     );
     let query = Query::Prefetch {
         staged: Box::new(staged),
-        relay: job_nodes(job),
+        relay,
     };
     Ok((user, Ask::Client(query)))
+}
+
+/// A job's profile on one of its several `nodes`, read and checked as its `user`: made
+/// known to the relay first, its children may ask this node for its verdicts as it finds
+/// them, and this node asks its own parent for them; with how many it took from which
+/// parent. A read that fails leaves the job unknown to the relay here.
+fn read_across(
+    fd: OwnedFd,
+    setup: &Setup,
+    user: &Caller,
+    nodes: &JobNodes,
+    calls: &mpsc::Sender<Call>,
+    root: &Caller,
+) -> Result<(Staging, Option<(usize, String)>), Refusal> {
+    let job_id = nodes.job_id;
+    verdicts::begin(job_id, verdicts::job_user(user.uid, user.gid, &user.groups));
+    let parent = match ask_once(calls, root.clone(), Ask::RelayJob(nodes.clone())) {
+        Ok(Answer::Parent(parent)) => parent,
+        _ => None,
+    };
+    let check = JobCheck {
+        job_id,
+        parent: parent.clone(),
+    };
+    let read = read_job_profile(fd, setup, user, &check);
+    verdicts::end(job_id);
+    match read {
+        Ok((staged, taken)) => Ok((staged, parent.map(|p| (taken, p.name.clone())))),
+        Err(r) => {
+            let _ = ask_once(calls, root.clone(), Ask::RelayForget(job_id));
+            Err(r)
+        }
+    }
 }
 
 /// The job's nodes, if it has several and this one is among them: they share the

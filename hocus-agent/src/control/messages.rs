@@ -90,6 +90,11 @@ pub enum Ask {
     JobParent {
         job_id: u32,
     },
+    /// A Slurm job on several nodes, whose prolog began here: its nodes may ask this
+    /// node for it from now on (`Parent`: this node's parent in the job's tree, if any).
+    RelayJob(JobNodes),
+    /// A Slurm job whose prolog failed here: its nodes fetch nothing from this node.
+    RelayForget(u32),
 }
 
 /// What the loop answers a connection.

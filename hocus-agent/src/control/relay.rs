@@ -14,7 +14,9 @@
 //! A child may ask this node to vouch for its job start's checks: this node answers for
 //! what its own copies expect too (the same network path and digest), checked against
 //! the server as its own job start checks them (once for jobs starting together), or
-//! vouched for by its own parent in turn; the child checks the rest itself.
+//! vouched for by its own parent in turn; the child checks the rest itself. And for
+//! this node's verdicts of what the job's user may read of the job's profile, as its
+//! own prolog found them (`redirect::verdicts`).
 
 use std::{
     io::{self, BufRead, BufReader, Read, Write},
@@ -37,13 +39,13 @@ use crate::{
         messages::{Answer, Ask, Call},
         refusal::Refusal,
     },
-    redirect::{access::Caller, confirm},
+    redirect::{access::Caller, confirm, verdicts},
     shared::{
         identity::Identity,
         munge,
         relay::{
-            self, Asked, FILE, GREETING, NOT_HELD, Offer, Request, Vouch, WAIT, WAIT_EVERY,
-            parse_payload,
+            self, Asked, FILE, GREETING, NOT_HELD, Offer, Request, VerdictsOf, Vouch, WAIT,
+            WAIT_EVERY, parse_payload,
         },
     },
 };
@@ -157,6 +159,7 @@ impl Peer<'_> {
             match asked {
                 Asked::File(asked) => peer.answer(asked)?,
                 Asked::Vouch(asked) => peer.vouch(asked)?,
+                Asked::Verdicts(asked) => peer.verdicts(asked)?,
             }
         }
         Ok(())
@@ -282,6 +285,14 @@ impl Peer<'_> {
             let _ = self.ask(Ask::Stale { sources: stale });
         }
         self.stream.write_all(&relay::answer_vouch(&ages))
+    }
+
+    /// This node's verdicts of what the job's user may read of the entries asked, as its
+    /// own prolog found them (waiting for those it has not reached yet, within the time
+    /// the child allows); it checks nothing for a child.
+    fn verdicts(&mut self, asked: VerdictsOf) -> io::Result<()> {
+        let found = verdicts::answer(self.job_id, &asked.user, &asked.items, asked.allowed);
+        self.stream.write_all(&relay::answer_verdicts(&found))
     }
 
     fn send(&mut self, copy: &std::fs::File) -> io::Result<()> {

@@ -190,7 +190,7 @@ fn answer(
         }
         Request::PrefetchJobProfile(job) => {
             // The plugin gives up at its own time: the prefetch goes on without it.
-            let asked = job_profiles::prefetch(&caller, &job, setup)
+            let asked = job_profiles::prefetch(&caller, &job, calls, setup)
                 .and_then(|(user, query)| ask(calls, user, query));
             return match asked {
                 Ok(answers) => client.forward(answers),

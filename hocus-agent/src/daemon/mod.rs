@@ -462,14 +462,23 @@ impl Daemon {
             }
             Ask::RelayJoin { job_id, from, to } => self.relays.join(job_id, &from, &to),
             Ask::JobParent { job_id } => Answer::Parent(self.relays.parent_of(job_id)),
+            Ask::RelayJob(nodes) => {
+                Answer::Parent(self.relays.add(&nodes, None, &self.opts.settings).await)
+            }
+            Ask::RelayForget(job_id) => {
+                self.relays.forget(job_id);
+                Answer::Ready
+            }
             Ask::RelayFile {
                 job_id,
                 from,
                 source,
             } => match self.relays.may_fetch(job_id, &from, &source) {
                 Err(r) => r.into(),
-                Ok(false) => Answer::Relay(Holding::No),
-                Ok(true) => {
+                // Its profile is being read here: its copies are coming.
+                Ok(None) => Answer::Relay(Holding::Coming),
+                Ok(Some(false)) => Answer::Relay(Holding::No),
+                Ok(Some(true)) => {
                     Answer::Relay(self.keeper.local_copy(source).await.unwrap_or(Holding::No))
                 }
             },
@@ -625,7 +634,11 @@ impl Daemon {
         // not only from what the sender said.
         let profile = self.profiling.merge_to_prefetch(set);
         let parent = match &relay {
-            Some(nodes) => self.relays.add(nodes, &profile, &self.opts.settings).await,
+            Some(nodes) => {
+                self.relays
+                    .add(nodes, Some(&profile), &self.opts.settings)
+                    .await
+            }
             None => None,
         };
         let (tx, rx) = mpsc::unbounded_channel();

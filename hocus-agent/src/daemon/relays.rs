@@ -27,6 +27,9 @@ use crate::{
 const MAX_RELAYED: usize = 64;
 /// How long a job's files are served after its prolog.
 const SERVED_FOR: Duration = Duration::from_secs(3600);
+/// How long a job's prolog may take to read its profile before the job's files are
+/// asked for here: past it, none are served.
+const READ_WITHIN: Duration = Duration::from_secs(60);
 /// How long the parent's name may take to resolve.
 const RESOLVE: Duration = Duration::from_secs(2);
 
@@ -34,7 +37,8 @@ struct Relayed {
     job_id: u32,
     me: String,
     nodes: HashSet<String>,
-    files: HashSet<String>,
+    /// None until its prolog here has read its profile.
+    files: Option<HashSet<String>>,
     since: Instant,
     /// This node's parent in the job's tree: its copies come from there first, and it
     /// vouches for this node's job-start checks.
@@ -47,16 +51,28 @@ pub struct Relays {
 }
 
 impl Relays {
-    /// A job's prolog prefetch with `nodes`: its profile's files may be fetched from
-    /// here by its other nodes; the parent node this node copies from first, if any.
+    /// A job's prolog with `nodes` began: its nodes may ask this node for it, and once
+    /// its `profile` is read, fetch that profile's files from here. The parent node this
+    /// node copies from first, if any (the same for the job's prolog, once found).
     pub async fn add(
         &mut self,
         nodes: &JobNodes,
-        profile: &Profile,
+        profile: Option<&Profile>,
         settings: &Settings,
     ) -> Option<Arc<Parent>> {
         let port = settings.relay_port()?;
         let me = nodes.nodes.iter().position(|n| *n == nodes.me)?;
+        let files = profile.map(|p| p.files.iter().map(|f| f.path.clone()).collect());
+        if let Some(job) = self
+            .jobs
+            .iter_mut()
+            .find(|r| r.job_id == nodes.job_id && r.since.elapsed() < SERVED_FOR)
+        {
+            if files.is_some() {
+                job.files = files;
+            }
+            return job.parent.clone();
+        }
         let relays = &mut self.jobs;
         relays.retain(|r| r.job_id != nodes.job_id && r.since.elapsed() < SERVED_FOR);
         if relays.len() >= MAX_RELAYED {
@@ -66,7 +82,7 @@ impl Relays {
             job_id: nodes.job_id,
             me: nodes.me.clone(),
             nodes: nodes.nodes.iter().cloned().collect(),
-            files: profile.files.iter().map(|f| f.path.clone()).collect(),
+            files,
             since: Instant::now(),
             parent: None,
         });
@@ -97,6 +113,11 @@ impl Relays {
             job.parent = Some(parent.clone());
         }
         Some(parent)
+    }
+
+    /// Slurm job `job_id`'s prolog failed here: its nodes may not ask for it.
+    pub fn forget(&mut self, job_id: u32) {
+        self.jobs.retain(|r| r.job_id != job_id);
     }
 
     /// This node's parent in Slurm job `job_id`'s tree, if it has one.
@@ -138,15 +159,26 @@ impl Relays {
     }
 
     /// Whether node `from` of the job may fetch `source` from here: refused, or whether
-    /// the job's profile names it (only then is the keeper asked for its copy).
-    pub fn may_fetch(&self, job_id: u32, from: &str, source: &str) -> Result<bool, Refusal> {
+    /// the job's profile names it (only then is the keeper asked for its copy); None
+    /// while its prolog here has not read it yet.
+    pub fn may_fetch(
+        &self,
+        job_id: u32,
+        from: &str,
+        source: &str,
+    ) -> Result<Option<bool>, Refusal> {
         let Some(job) = self.relayed(job_id).filter(|j| j.nodes.contains(from)) else {
             return Err(Refusal::new(
                 "relay_refused",
                 format!("node {from} may not fetch Slurm job {job_id}'s files"),
             ));
         };
-        Ok(job.files.contains(source))
+        match &job.files {
+            Some(files) => Ok(Some(files.contains(source))),
+            // A prolog that never told what it read serves nothing.
+            None if job.since.elapsed() > READ_WITHIN => Ok(Some(false)),
+            None => Ok(None),
+        }
     }
 
     fn relayed(&self, job_id: u32) -> Option<&Relayed> {

@@ -9,15 +9,18 @@ use std::{
     os::{fd::OwnedFd, unix::ffi::OsStrExt},
     path::{Path, PathBuf},
     sync::Arc,
+    time::Instant,
 };
 
 use anyhow::Result;
 
 use crate::{
+    cache::relay::Parent,
     profile::format::Profile,
-    redirect::identity,
+    redirect::{identity, verdicts},
     shared::{
         asked::{self, Asking, Purpose},
+        relay::Entry,
         user::{AsUser, User},
     },
 };
@@ -75,25 +78,89 @@ impl Caller {
 /// Each check may ask the server (counted as `access`): a directory holding many
 /// missing names (a `__pycache__` no one made, probed once per module) is asked once.
 pub fn filter_for(profile: &mut Profile, caller: &Caller) -> Result<()> {
+    filter_for_job(profile, caller, None).map(|_| ())
+}
+
+/// A Slurm job's profile checked in its prolog, as its user, once for all its nodes
+/// (`verdicts`): the job, and this node's parent in the job's tree.
+pub struct JobCheck {
+    pub job_id: u32,
+    pub parent: Option<Arc<Parent>>,
+}
+
+/// [`filter_for`] of a part of `job`'s profile: the parent's verdicts taken first, the
+/// rest checked here, all kept for this node's own children. Returns how many verdicts
+/// were taken from the parent.
+pub fn filter_for_job(
+    profile: &mut Profile,
+    caller: &Caller,
+    job: Option<&JobCheck>,
+) -> Result<usize> {
     if caller.is_root() {
-        return Ok(());
+        return Ok(0);
     }
+    let user = verdicts::job_user(caller.uid, caller.gid, &caller.groups);
+    let taken = match job.and_then(|j| j.parent.as_deref()) {
+        Some(parent) => {
+            let items: Vec<(Entry, &str)> = entries(profile).collect();
+            verdicts::asked_of(parent, &user, &items)
+        }
+        None => HashMap::new(),
+    };
     let uid = caller.uid;
+    let job_id = job.map(|j| j.job_id);
     let mut p = std::mem::take(profile);
-    *profile = as_caller(caller, move || {
+    let (p, found, taken) = as_caller(caller, move || {
+        let mut found = Vec::new();
         let mut searchable = Searchable::new(|dir: &Path| can(dir, libc::X_OK));
+        let mut may = |kind: Entry, path: &str, check: &mut dyn FnMut(&str) -> bool| {
+            if let Some(&(may, _)) = taken.get(&(kind, path.to_owned())) {
+                return may;
+            }
+            let began = Instant::now();
+            let may = check(path);
+            found.push(((kind, path.to_owned()), (may, began)));
+            // The job's other nodes wait for these as they are found.
+            if let Some(job_id) = job_id.filter(|_| found.len() >= verdicts::GIVEN_EVERY) {
+                verdicts::record(job_id, found.drain(..));
+            }
+            may
+        };
         p.files.retain(|f| {
-            can(Path::new(&f.path), libc::R_OK) || (gone(&f.path) && searchable.parent_of(&f.path))
+            may(Entry::File, &f.path, &mut |path| {
+                can(Path::new(path), libc::R_OK) || (gone(path) && searchable.parent_of(path))
+            })
         });
-        p.dirs
-            .retain(|d| can(Path::new(&d.path), libc::R_OK | libc::X_OK));
-        p.missing.retain(|m| searchable.parent_of(&m.path));
+        p.dirs.retain(|d| {
+            may(Entry::Dir, &d.path, &mut |path| {
+                can(Path::new(path), libc::R_OK | libc::X_OK)
+            })
+        });
+        p.missing.retain(|m| {
+            may(Entry::Missing, &m.path, &mut |path| {
+                searchable.parent_of(path)
+            })
+        });
         for f in &mut p.files {
             f.uids.retain(|u| *u == uid);
         }
-        p
+        (p, found, taken)
     })?;
-    Ok(())
+    *profile = p;
+    if let Some(job) = job {
+        let given = taken.len();
+        verdicts::record(job.job_id, found.into_iter().chain(taken));
+        return Ok(given);
+    }
+    Ok(0)
+}
+
+/// A profile's entries, each with what it is.
+fn entries(p: &Profile) -> impl Iterator<Item = (Entry, &str)> {
+    let files = p.files.iter().map(|f| (Entry::File, f.path.as_str()));
+    let dirs = p.dirs.iter().map(|d| (Entry::Dir, d.path.as_str()));
+    let missing = p.missing.iter().map(|m| (Entry::Missing, m.path.as_str()));
+    files.chain(dirs).chain(missing)
 }
 
 /// Whether directories are searchable, each asked once.

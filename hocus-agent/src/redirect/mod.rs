@@ -4,7 +4,8 @@
 //! what (`access`), which bind served a job's open (`jobs`), the binds an earlier
 //! daemon left in jobs that outlived it (`leftovers`), and opens through a Slurm task's
 //! binds, reported by fanotify (`bind_opens`); a multi-node job's start checked once
-//! for all its nodes, its parent node vouching for its checks (`vouch`).
+//! for all its nodes, its parent node vouching for its checks (`vouch`), and what its
+//! user may read found once for all its nodes (`verdicts`).
 //!
 //! May use: `cache`, `observe`, `profile`, `shared`.
 
@@ -17,4 +18,5 @@ pub mod jobs;
 pub mod leftovers;
 pub mod mountns;
 pub mod spawn;
+pub mod verdicts;
 pub mod vouch;

@@ -32,6 +32,13 @@
 //! the server began, or [`NOT_VOUCHED`]. A daemon before this one
 //! refuses the request (a path too long), and the child checks the server itself.
 //!
+//! And for its verdicts of what the job's user may read of the job's profile (the
+//! prolog's check as the user, once for all of a job's nodes): the length word's third
+//! bit set and the rest counting the entries, the time allowed, the user (uid, gid,
+//! groups), then each entry's kind and path ([`request_verdicts`]); the parent answers
+//! `VERDICTS` and, for each, whether the user may read it and how long ago its own check
+//! began, or [`NOT_VOUCHED`] where it has no verdict for that user.
+//!
 //! Nothing unverified enters a cache: the receiver compares the size and mtime the
 //! server offers with what it just read from the network itself, and the bytes with
 //! the hash the first node computed as it copied from the network (kept with the copy
@@ -64,11 +71,21 @@ pub const NOT_HELD: u8 = 1;
 pub const WAIT: u8 = 2;
 pub const RANGES: u8 = 3;
 pub const VOUCHED: u8 = 4;
+pub const VERDICTS: u8 = 5;
 /// Set in a request's length word: runs of grains follow the path.
 const WITH_GRAINS: u32 = 1 << 31;
 /// Set in a request's length word: a job start's paths to vouch for follow, as many as
 /// the rest of the word says ([`request_vouch`]).
 const VOUCH: u32 = 1 << 30;
+/// Set in a request's length word: entries of the job's profile follow, as many as the
+/// rest of the word says, for the parent's verdicts of what the job's user may read
+/// ([`request_verdicts`]).
+const VERDICTS_OF: u32 = 1 << 29;
+/// The most groups a user asked about has (Linux's NGROUPS_MAX).
+const MAX_GROUPS: usize = 65_536;
+/// A verdict's answer: the user may read the entry (else may not); the rest of the word
+/// is how long ago (ms) its check began.
+pub const MAY_READ: u32 = 1 << 31;
 /// The most paths one request asks to be vouched for.
 pub const MAX_VOUCHED: usize = 1 << 16;
 /// The most bytes of paths one such request holds: what a parent reads of it at most.
@@ -167,6 +184,133 @@ pub fn answer_vouch(ages: &[u32]) -> Vec<u8> {
     out
 }
 
+/// What a profile's entry is, for the check of who may read it (`redirect::access`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Entry {
+    /// A file: readable, or gone from a directory they may search.
+    File = 0,
+    /// A directory: readable and searchable.
+    Dir = 1,
+    /// A missing name: its directory searchable.
+    Missing = 2,
+}
+
+/// A parent's verdict of an entry: whether the user may read it, and how long ago its
+/// check began; None where it has none.
+pub type Verdict = Option<(bool, Duration)>;
+
+/// The user a job runs as, as both nodes know it from Slurm: uid, gid, groups (sorted).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JobUser {
+    pub uid: u32,
+    pub gid: u32,
+    pub groups: Vec<u32>,
+}
+
+/// A request for the parent's verdicts of what `user` may read of `items` (entries of
+/// the job's profile), answered within `allowed`, encoded: the length word flagged and
+/// counting the items, the time allowed in ms, the uid, the gid, the groups (a count,
+/// then each), then each item's kind (a byte) and path (u32 length, bytes); u32s all.
+pub fn request_verdicts(allowed: Duration, user: &JobUser, items: &[(Entry, &str)]) -> Vec<u8> {
+    let items = &items[..items.len().min(MAX_VOUCHED)];
+    let groups = &user.groups[..user.groups.len().min(MAX_GROUPS)];
+    let mut out = (items.len() as u32 | VERDICTS_OF).to_be_bytes().to_vec();
+    out.extend((allowed.as_millis().min(u128::from(u32::MAX)) as u32).to_be_bytes());
+    out.extend(user.uid.to_be_bytes());
+    out.extend(user.gid.to_be_bytes());
+    out.extend((groups.len() as u32).to_be_bytes());
+    for g in groups {
+        out.extend(g.to_be_bytes());
+    }
+    for (kind, path) in items {
+        out.push(*kind as u8);
+        out.extend((path.len() as u32).to_be_bytes());
+        out.extend_from_slice(path.as_bytes());
+    }
+    out
+}
+
+/// Entries whose verdicts a child asks its parent for: what the job's user may read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VerdictsOf {
+    pub allowed: Duration,
+    pub user: JobUser,
+    pub items: Vec<(Entry, String)>,
+}
+
+/// The rest of a [`request_verdicts`] of `count` items.
+fn read_verdicts_of(r: &mut impl Read, count: usize) -> io::Result<VerdictsOf> {
+    if count > MAX_VOUCHED {
+        return Err(io::Error::other("too many entries to give verdicts of"));
+    }
+    let mut word = || -> io::Result<u32> {
+        let mut w = [0u8; 4];
+        r.read_exact(&mut w)?;
+        Ok(u32::from_be_bytes(w))
+    };
+    let allowed = Duration::from_millis(u64::from(word()?));
+    let (uid, gid, n) = (word()?, word()?, word()? as usize);
+    if n > MAX_GROUPS {
+        return Err(io::Error::other("too many groups"));
+    }
+    let groups = (0..n).map(|_| word()).collect::<io::Result<Vec<u32>>>()?;
+    let (mut items, mut bytes) = (Vec::with_capacity(count), 0);
+    for _ in 0..count {
+        let mut kind = [0u8; 1];
+        r.read_exact(&mut kind)?;
+        let kind = match kind[0] {
+            0 => Entry::File,
+            1 => Entry::Dir,
+            2 => Entry::Missing,
+            other => return Err(io::Error::other(format!("an entry of kind {other}"))),
+        };
+        let mut w = [0u8; 4];
+        r.read_exact(&mut w)?;
+        let len = u32::from_be_bytes(w) as usize;
+        bytes += len;
+        if bytes > MAX_VOUCHED_PATHS {
+            return Err(io::Error::other(
+                "too many bytes of paths to give verdicts of",
+            ));
+        }
+        items.push((kind, read_path(r, len)?));
+    }
+    Ok(VerdictsOf {
+        allowed,
+        user: JobUser { uid, gid, groups },
+        items,
+    })
+}
+
+/// The answer to a [`request_verdicts`]: `VERDICTS`, then for each item in its order
+/// [`MAY_READ`] or not with how long ago (ms) its check began, or [`NOT_VOUCHED`].
+pub fn answer_verdicts(verdicts: &[Verdict]) -> Vec<u8> {
+    let mut out = vec![VERDICTS];
+    for v in verdicts {
+        let word = v.map_or(NOT_VOUCHED, |(may, age)| {
+            let ms = age.as_millis().min(u128::from(MAY_READ - 2)) as u32;
+            if may { MAY_READ | ms } else { ms }
+        });
+        out.extend(word.to_be_bytes());
+    }
+    out
+}
+
+/// The verdicts of an [`answer_verdicts`] (its status read already) for `count` items.
+pub fn read_verdicts(r: &mut impl Read, count: usize) -> io::Result<Vec<Verdict>> {
+    Ok(read_ages(r, count)?
+        .into_iter()
+        .map(|w| {
+            (w != NOT_VOUCHED).then(|| {
+                (
+                    w & MAY_READ != 0,
+                    Duration::from_millis(u64::from(w & !MAY_READ)),
+                )
+            })
+        })
+        .collect())
+}
+
 /// A run of grains `[start, end)`, encoded.
 pub fn run(start: u32, end: u32) -> [u8; 8] {
     let mut b = [0u8; 8];
@@ -190,11 +334,13 @@ pub struct Request {
     pub grains: Option<Vec<(u32, u32)>>,
 }
 
-/// What another node asks: a file, or that its job start's checks be vouched for.
+/// What another node asks: a file, that its job start's checks be vouched for, or what
+/// the job's user may read.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Asked {
     File(Request),
     Vouch(Vouch),
+    Verdicts(VerdictsOf),
 }
 
 /// Paths whose job-start checks a child asks its parent to vouch for: each a network
@@ -216,6 +362,10 @@ pub fn read_request(r: &mut impl Read) -> io::Result<Option<Asked>> {
     let word = u32::from_be_bytes(len);
     if word & VOUCH != 0 && word & WITH_GRAINS == 0 {
         return read_vouch(r, (word & !VOUCH) as usize).map(|v| Some(Asked::Vouch(v)));
+    }
+    if word & VERDICTS_OF != 0 && word & (WITH_GRAINS | VOUCH) == 0 {
+        let count = (word & !VERDICTS_OF) as usize;
+        return read_verdicts_of(r, count).map(|v| Some(Asked::Verdicts(v)));
     }
     let len = (word & !WITH_GRAINS) as usize;
     let source = read_path(r, len)?;
@@ -487,6 +637,67 @@ mod tests {
         let mut no_path = request_vouch(Duration::ZERO, &items[..1]);
         no_path[8..12].copy_from_slice(&0u32.to_be_bytes());
         assert!(read_request(&mut &no_path[..]).is_err(), "an empty path");
+    }
+
+    #[test]
+    fn a_request_for_verdicts_reads_back_and_a_bad_one_does_not() {
+        let user = JobUser {
+            uid: 1000,
+            gid: 100,
+            groups: vec![100, 27],
+        };
+        let items = [
+            (Entry::File, "/net/a"),
+            (Entry::Missing, "/net/b/__pycache__"),
+        ];
+        let mut wire = request_verdicts(Duration::from_millis(2000), &user, &items);
+        wire.extend(request(Path::new("/net/f")));
+        let mut r = &wire[..];
+        assert_eq!(
+            read_request(&mut r).unwrap(),
+            Some(Asked::Verdicts(VerdictsOf {
+                allowed: Duration::from_millis(2000),
+                user: user.clone(),
+                items: items.iter().map(|&(k, p)| (k, p.to_owned())).collect(),
+            }))
+        );
+        assert!(matches!(read_request(&mut r), Ok(Some(Asked::File(_)))));
+        let answer = answer_verdicts(&[
+            Some((true, Duration::from_millis(5))),
+            Some((false, Duration::from_millis(7))),
+            None,
+        ]);
+        assert_eq!(answer[0], VERDICTS);
+        assert_eq!(
+            read_verdicts(&mut &answer[1..], 3).unwrap(),
+            [
+                Some((true, Duration::from_millis(5))),
+                Some((false, Duration::from_millis(7))),
+                None
+            ]
+        );
+        let mut bad_kind = request_verdicts(Duration::ZERO, &user, &items[..1]);
+        bad_kind[28] = 9;
+        assert!(read_request(&mut &bad_kind[..]).is_err(), "an unknown kind");
+        let mut many_groups = request_verdicts(Duration::ZERO, &user, &[]);
+        many_groups[16..20].copy_from_slice(&(MAX_GROUPS as u32 + 1).to_be_bytes());
+        assert!(
+            read_request(&mut &many_groups[..]).is_err(),
+            "too many groups"
+        );
+        let mut too_many = ((MAX_VOUCHED as u32 + 1) | VERDICTS_OF)
+            .to_be_bytes()
+            .to_vec();
+        too_many.extend([0; 16]);
+        assert!(
+            read_request(&mut &too_many[..]).is_err(),
+            "too many entries"
+        );
+        let short = request_verdicts(Duration::ZERO, &user, &items);
+        assert!(
+            read_request(&mut &short[..short.len() - 1]).is_err(),
+            "a path cut short"
+        );
     }
 
     #[test]
