@@ -142,9 +142,11 @@ pub fn asked_of(parent: &Parent, user: &JobUser, items: &[(Entry, &str)]) -> Fou
         let before = found.len();
         found.extend(part.iter().zip(verdicts).filter_map(|(&(kind, path), v)| {
             let (may, age) = v?;
-            // Its check began `age` before it answered, which was after `sent`.
+            // Its check began `age` before it answered, which was after `sent`: at the
+            // latest then, judged by how long before this node asked.
             let began = sent.checked_sub(age)?;
-            (began.elapsed() < FRESH).then(|| ((kind, path.to_owned()), (may, began)))
+            (sent.saturating_duration_since(began) < FRESH)
+                .then(|| ((kind, path.to_owned()), (may, began)))
         }));
         if found.len() == before {
             break;

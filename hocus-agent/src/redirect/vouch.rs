@@ -115,11 +115,13 @@ pub(super) fn vouched_by(
     let Ok((sent, ages)) = parent.vouch(&items, allowed) else {
         return Vouched::none(binds);
     };
-    // The parent's check began `age` before it answered, which was after `sent`; an
-    // item past what one request holds is not vouched for.
+    // The parent's check began `age` before it answered, which was after `sent`: at
+    // the latest then. Judged, as this node judges a check of its own it reuses, by how
+    // long before this job's start (`sent`) it began, not by how long the answer took
+    // to come. An item past what one request holds is not vouched for.
     let mut ages = ages.into_iter().map(|age| {
         age.and_then(|age| sent.checked_sub(age))
-            .filter(|began| began.elapsed() < fresh)
+            .filter(|began| sent.saturating_duration_since(*began) < fresh)
     });
     let per_bind: Vec<(HashSet<PathBuf>, Option<Instant>, usize)> = expected
         .iter()
