@@ -134,6 +134,7 @@ fn try_ended(req: Request) -> Step {
 /// An OPEN or OPENDIR (the walk is at the file) or a CREATE (the walk is in the
 /// directory, at the new name): reported opened, with a file id its reply will tie to
 /// the server's handle.
+#[inline(never)]
 fn opened(req: Request, dev: u32, tgid: u32, op: u32) -> Step {
     let w = walk().or_skip()?;
     let flags = if op == opcode::CREATE {
@@ -195,6 +196,7 @@ fn answered_open(req: Request, dev: u32, error: i32) -> Step {
 
 /// A LOOKUP in a walk: reported asked, by the directory and the name; its end says
 /// whether the name was missing.
+#[inline(never)]
 fn asked(req: Request, dev: u32, tgid: u32) -> Step {
     let w = walk().or_skip()?;
     // An O_CREAT open's: the name is made next. (The walk's own intent flags moved
@@ -341,6 +343,7 @@ fn by_syscall(position: u32) -> Option<&'static Target> {
 
 /// A SETATTR that changes the size: through a followed file, it is marked written; by
 /// a path (`truncate`), placed by the path the syscall was given.
+#[inline(never)]
 fn resized(req: Request, dev: u32, tgid: u32) -> Step {
     let valid = req.input_word(0, 0, SETATTR_IN).or_skip()? as u32;
     if valid & FATTR_SIZE == 0 {
