@@ -140,23 +140,40 @@ pub fn confirm_reusing(
     asking: Option<User>,
     parent: Option<&Parent>,
 ) -> (Confirmed, Reused) {
-    let mut guard = RECENT.lock().unwrap_or_else(|e| e.into_inner());
-    let recent = guard.get_or_insert_with(HashMap::new);
     let began = Instant::now();
-    recent.retain(|_, at| began.duration_since(*at) < REUSE);
+    let deadline = began + allowed;
+    // Waiting for the checks before (another job's start, a child's request) counts in
+    // the time allowed: a server that does not answer holds each of them to its bound,
+    // and a start waiting for all of them would not be bounded.
+    let mut guard = loop {
+        match RECENT.try_lock() {
+            Ok(guard) => break guard,
+            Err(std::sync::TryLockError::Poisoned(e)) => break e.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) if Instant::now() < deadline => {
+                thread::sleep(Duration::from_millis(5));
+            }
+            Err(std::sync::TryLockError::WouldBlock) => {
+                let unchecked = binds.len();
+                let none = Confirmed {
+                    unchecked,
+                    ..Confirmed::default()
+                };
+                return (none, Reused::default());
+            }
+        }
+    };
+    let recent = guard.get_or_insert_with(HashMap::new);
+    recent.retain(|_, at| began.saturating_duration_since(*at) < REUSE);
     let (fresh, to_check): (Vec<Bind>, Vec<Bind>) = binds
         .into_iter()
         .partition(|b| recent.contains_key(&recent_key(b)));
+    let left = || deadline.saturating_duration_since(Instant::now());
     let vouched = match parent {
         // What is left of the time is this node's own to check what was not vouched for.
-        Some(p) if !to_check.is_empty() => vouch::vouched_by(p, to_check, allowed * 3 / 4, REUSE),
+        Some(p) if !to_check.is_empty() => vouch::vouched_by(p, to_check, left() * 3 / 4, REUSE),
         _ => vouch::Vouched::none(to_check),
     };
-    let checked = check_rest(
-        vouched.rest,
-        allowed.saturating_sub(began.elapsed()),
-        asking,
-    );
+    let checked = check_rest(vouched.rest, left(), asking);
     for (b, at) in &checked.binds {
         // As recent as the oldest of its checks.
         recent.insert(recent_key(b), at.map_or(began, |at| at.min(began)));
@@ -710,6 +727,32 @@ mod tests {
         assert_eq!(&ages[1..5], [NOT_VOUCHED; 4]);
         assert!(ages[5] < 1000 && ages[6] < 1000, "{ages:?}");
         assert_eq!(stale, [changed]);
+    }
+
+    #[test]
+    fn a_start_waits_for_the_checks_before_it_only_within_its_own_time() {
+        let dir = tempfile::tempdir().unwrap();
+        let tree = Tree::open(dir.path()).unwrap();
+        let f = dir.path().join("f");
+        fs::write(&f, "v1").unwrap();
+        let id = tree.identity(&fs::symlink_metadata(&f).unwrap());
+        let b = named(dir.path(), "waits", f, Expect::File(id));
+        // Another check under way, held by a server that does not answer.
+        let held = RECENT.lock().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let start = thread::spawn(move || {
+            let _ = tx.send(confirm_reusing(
+                vec![b],
+                Duration::from_millis(300),
+                None,
+                None,
+            ));
+        });
+        let given = rx.recv_timeout(Duration::from_secs(1));
+        drop(held);
+        start.join().unwrap();
+        let (c, reused) = given.expect("the start waited past its 300 ms");
+        assert_eq!((c.binds.len(), c.unchecked, reused.recent), (0, 1, 0));
     }
 
     #[test]
