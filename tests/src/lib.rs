@@ -984,6 +984,26 @@ impl Agent {
     /// (a process, its loader, its runtime) cost far more than the daemon's answer, and
     /// under the rig's emulation, where waits poll every 100 ms, it took the guest's
     /// CPU from the daemon being waited for.
+    /// The operations the daemon counted asking the servers for `purpose` (`status`).
+    pub fn asked_for(&self, purpose: &str) -> u64 {
+        self.status()["server"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|e| e["purpose"] == purpose)
+            .filter_map(|e| e["operations"].as_u64())
+            .sum()
+    }
+
+    /// The entries the daemon's last job start checked against the server (its log).
+    pub fn last_start_entries(&self) -> u64 {
+        let log = self.log();
+        log.lines()
+            .rfind(|l| l.contains("job start: "))
+            .and_then(|l| l.split(" ms, ").nth(1)?.split(' ').next()?.parse().ok())
+            .unwrap_or_else(|| panic!("no job start in {log}"))
+    }
+
     pub fn status(&self) -> Value {
         use std::io::{BufRead, Write};
         let mut stream = UnixStream::connect(&self.socket)

@@ -535,11 +535,7 @@ fn what_the_daemon_asks_the_server_is_counted_by_purpose() {
     let counted = asked_of(&agent, &net, "job_start").0 - starts;
     let seen = net.server_operations() - server;
     let log = agent.log();
-    let entries: u64 = log
-        .lines()
-        .rfind(|l| l.contains("job start: "))
-        .and_then(|l| l.split(" ms, ").nth(1)?.split(' ').next()?.parse().ok())
-        .unwrap_or_else(|| panic!("no job start in {log}"));
+    let entries = agent.last_start_entries();
     eprintln!(
         "a job's start: {entries} entries checked; the daemon counted {counted} operations, the server saw {seen}"
     );
@@ -723,18 +719,7 @@ fn a_users_warm_job_start_asks_the_server_at_most_twice_an_entry_it_binds() {
     // again by each check).
     thread::sleep(Duration::from_millis(1500));
     let purposes = ["access", "job_start", "copy", "snapshot", "revalidation"];
-    let counted = |a: &Agent| {
-        let status = a.status();
-        purposes.map(|p| {
-            status["server"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .filter(|e| e["purpose"] == p)
-                .filter_map(|e| e["operations"].as_u64())
-                .sum::<u64>()
-        })
-    };
+    let counted = |a: &Agent| purposes.map(|p| a.asked_for(p));
     let (before, counted_before) = (net.server_operations(), counted(&agent));
     assert_success(&agent.prefetch_as(&profile, hocus_tests::test_user(), "the user's prefetch"));
     assert_success(&agent.run_job("true"));
@@ -745,11 +730,7 @@ fn a_users_warm_job_start_asks_the_server_at_most_twice_an_entry_it_binds() {
         .map(|(p, (after, before))| format!("{p} {}", after - before))
         .collect();
     let log = agent.log();
-    let entries: u64 = log
-        .lines()
-        .rfind(|l| l.contains("job start: "))
-        .and_then(|l| l.split(" ms, ").nth(1)?.split(' ').next()?.parse().ok())
-        .unwrap_or_else(|| panic!("no job start in {log}"));
+    let entries = agent.last_start_entries();
     eprintln!(
         "a user's warm job start: the server was asked {asked} times for {entries} entries bound ({:.2} an entry); the daemon counted {}",
         asked as f64 / entries.max(1) as f64,

@@ -282,7 +282,7 @@ fn a_jobs_nodes_read_its_saved_working_set_from_the_server_once() {
     );
     // What the job's user may read of the profile was asked of the server by node1's
     // prolog alone: node2 and node3 took its verdicts (issue 52).
-    let access: Vec<u64> = agents.iter().map(|a| operations(a, "access")).collect();
+    let access: Vec<u64> = agents.iter().map(|a| a.asked_for("access")).collect();
     assert!(
         access[0] > 0 && access[1..].iter().all(|&a| a == 0),
         "permission checks asked by each node: {access:?}"
@@ -357,18 +357,7 @@ fn last_start(agent: &Agent) -> (u64, u64, u64) {
 
 /// What `agent` counted asking the server for job starts.
 fn job_start_operations(agent: &Agent) -> u64 {
-    operations(agent, "job_start")
-}
-
-/// What `agent` counted asking the server for `purpose`.
-fn operations(agent: &Agent, purpose: &str) -> u64 {
-    agent.status()["server"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter(|e| e["purpose"] == purpose)
-        .filter_map(|e| e["operations"].as_u64())
-        .sum()
+    agent.asked_for("job_start")
 }
 
 /// A job's start is checked against the server once for all its nodes: node2 and
@@ -1055,7 +1044,7 @@ fn a_users_listener_on_a_parents_relay_port_hands_no_child_its_bytes() {
             agent
                 .log()
                 .contains("may read: 0 entries as node node1 found")
-                && operations(agent, "access") > 0,
+                && agent.asked_for("access") > 0,
             "{}",
             agent.log()
         );

@@ -1,7 +1,8 @@
 //! The ground floor: what several stages and faces share, and nothing else. The running
 //! kernel and the ways hocus takes on it (`kernel`), the settings
 //! (flags and config file), sizes as people write them, the per-file log lines, munge
-//! credentials, what the two ends of the relay between a job's nodes agree on (`relay`),
+//! credentials, what the two ends of the relay between a job's nodes agree on (`relay`,
+//! and `relay_checks` for what a child asks besides files),
 //! giving freed memory back, replacing a file whole (`replace`), log lines of one cause
 //! summed up (`tally`), the events a fanotify group reads (`fanotify`), the machine's
 //! processes (`procs`), what the daemon asks of the file servers (`asked`); and the
@@ -23,6 +24,7 @@ pub mod memory;
 pub mod munge;
 pub mod procs;
 pub mod relay;
+pub mod relay_checks;
 pub mod replace;
 pub mod settings;
 pub mod size;
