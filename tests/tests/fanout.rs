@@ -324,6 +324,170 @@ fn a_jobs_nodes_read_its_saved_working_set_from_the_server_once() {
     }
 }
 
+impl Shared {
+    /// The job on node `node` alone, keyed `fan`: its output.
+    fn job_on(&self, node: &str) -> std::process::Output {
+        let lib = self.net.path("env/lib");
+        self.cluster.as_user(
+            "srun",
+            &[
+                "--quiet",
+                "--nodes=1",
+                &format!("--nodelist={node}"),
+                "--hocus-profile=fan",
+                "/usr/bin/python3",
+                "-c",
+                READ_DATA,
+            ],
+            &[
+                ("PYTHONPATH", lib.to_str().unwrap()),
+                ("PYTHONDONTWRITEBYTECODE", "1"),
+            ],
+        )
+    }
+
+    /// The saved profile, once its holder is `node` (the epilog that saved it ran there).
+    fn saved_by(&self, node: &str) -> serde_json::Value {
+        let saved = self.profiles.path().join("hocus-test/fan.json");
+        let mut profile = serde_json::Value::Null;
+        wait_until(30, &format!("the profile saved by {node}'s epilog"), || {
+            profile = fs::read(&saved)
+                .ok()
+                .and_then(|b| serde_json::from_slice(&b).ok())
+                .unwrap_or_default();
+            profile["holder"]["node"] == node
+        });
+        profile
+    }
+}
+
+#[test]
+fn the_next_job_fetches_its_working_set_from_the_node_whose_job_saved_it() {
+    let s = shared();
+    let agents = s.daemons();
+    s.cluster.plugin(Some(""));
+    // Two jobs on node1: the first saves the profile, the second prefetches from it (from
+    // the server) and saves it again: node1's cache holds its files, and says so.
+    for _ in 0..2 {
+        assert_success(&s.job_on("node1"));
+        s.saved_by("node1");
+    }
+    agents[0].settled();
+    let held = s.saved_by("node1");
+    assert!(held["holder"]["job"].as_u64().is_some(), "{held}");
+    // An array of two tasks on node2 and node3 (which never ran the job), a node each: both
+    // prologs' copies come from node1 as the tasks start together.
+    let dir = tempfile::Builder::new()
+        .prefix("hocus-array-")
+        .tempdir_in("/tmp")
+        .unwrap();
+    fs::set_permissions(dir.path(), fs::Permissions::from_mode(0o777)).unwrap();
+    let script = dir.path().join("task.sh");
+    fs::write(
+        &script,
+        format!("#!/bin/sh\nexec /usr/bin/python3 -c \"{READ_DATA}\"\n"),
+    )
+    .unwrap();
+    fs::set_permissions(&script, fs::Permissions::from_mode(0o755)).unwrap();
+    let lib = s.net.path("env/lib");
+    let before = s.net.server_log().len();
+    let out = s.cluster.as_user(
+        "sbatch",
+        &[
+            "--wait",
+            "--quiet",
+            "--array=0-1",
+            "--nodes=1",
+            "--exclusive",
+            "--exclude=node1",
+            "--hocus-profile=fan",
+            "-o",
+            &format!("{}/out-%a.txt", dir.path().display()),
+            script.to_str().unwrap(),
+        ],
+        &[
+            ("PYTHONPATH", lib.to_str().unwrap()),
+            ("PYTHONDONTWRITEBYTECODE", "1"),
+        ],
+    );
+    assert_success(&out);
+    for task in 0..2 {
+        let said = fs::read_to_string(dir.path().join(format!("out-{task}.txt"))).unwrap();
+        assert_eq!(said, format!("42 {DATA}\n"), "task {task}");
+    }
+    for (agent, node) in agents.iter().zip(&s.cluster.nodes).skip(1) {
+        agent.settled();
+        let from_node1 = copied_from_peers(agent);
+        assert!(
+            from_node1 >= s.working_set,
+            "{} took {from_node1} bytes from node1\n{}",
+            node.name,
+            agent.log()
+        );
+        assert!(
+            agent.log().contains("from node node1 (") && agent.log().contains("which held them"),
+            "{}",
+            agent.log()
+        );
+        assert_eq!(s.copies_are_the_sources(agent, node), 3, "{}", agent.log());
+    }
+    let served = s.net.bytes_served_inside("env", before);
+    assert!(
+        served * 10 <= s.working_set,
+        "the server sent {served} bytes of a {} byte working set node1 held to a 2-task array",
+        s.working_set
+    );
+    // Both tasks' epilogs saved the profile (the last one's stands) before the user's turn.
+    for agent in &agents[1..] {
+        wait_until(30, "the task's epilog", || {
+            agent.log().contains("its profile (")
+        });
+    }
+
+    // The user names in their profile a holder of their own choosing: a job node1 never
+    // ran, and then a node with no daemon. A node that never ran the job (node3 anew)
+    // proves neither, reads the server, and the job runs on copies of the server's bytes.
+    let agents = {
+        let mut agents = agents;
+        drop(agents.pop());
+        let template = s.template();
+        let fresh = daemon_with(&s.cluster.nodes[2], &s.net, &["--job-profiles", &template]);
+        agents.push(fresh);
+        agents
+    };
+    let saved = s.profiles.path().join("hocus-test/fan.json");
+    for (node, job) in [("node1", 999_999), ("login", 1)] {
+        let forge = format!(
+            "import json, sys; p = json.load(open(sys.argv[1])); p['holder'] = {{'node': '{node}', 'job': {job}}}; json.dump(p, open(sys.argv[1], 'w'))"
+        );
+        let out = s
+            .cluster
+            .as_user("python3", &["-c", &forge, saved.to_str().unwrap()], &[]);
+        assert_success(&out);
+        let before = s.net.server_log().len();
+        let out = s.job_on("node3");
+        assert_success(&out);
+        assert_eq!(String::from_utf8_lossy(&out.stdout), format!("42 {DATA}\n"));
+        agents[2].settled();
+        assert_eq!(copied_from_peers(&agents[2]), 0, "{}", agents[2].log());
+        assert_eq!(s.copies_are_the_sources(&agents[2], &s.cluster.nodes[2]), 3);
+        if node == "node1" {
+            // Its copies came from the server: the first time only.
+            let served = s.net.bytes_served_inside("env", before);
+            assert!(served >= s.working_set, "the server sent {served} bytes");
+            assert!(
+                agents[0]
+                    .log()
+                    .contains("Slurm job 999999 is not known here"),
+                "{}",
+                agents[0].log()
+            );
+        }
+        // The next round's forgery overwrites the epilog's save.
+        s.saved_by("node3");
+    }
+}
+
 /// The last job start `agent` logged: its copies confirmed, the entries it checked
 /// against the server itself, and the copies its parent node vouched for.
 /// The daemon's log line of its last job start.

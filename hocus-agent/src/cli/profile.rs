@@ -176,7 +176,10 @@ pub fn import(ctx: &Context, file: &Path) -> Result<()> {
     let started = format::stream_exported(file, &mut |batch| staged.take(batch, |_| Ok(())))?;
     tell_refused(&staged.refused, staged.refused_total);
     // Into an empty state, the profile comes whole, its start with it.
-    staged.started_at(started);
+    staged.headed(format::Head {
+        started_unix_ns: started,
+        holder: None,
+    });
     let (files, missing) = (staged.files, staged.missing);
     ws.merge_state(staged.set);
     state.save(&mut ws)?;

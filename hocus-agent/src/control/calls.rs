@@ -197,7 +197,7 @@ fn read_with(
             Ok(())
         })
     };
-    let started = read_stream(
+    let head = read_stream(
         file.take(MAX_PROFILE_BYTES),
         Path::new("the profile sent"),
         "export it again",
@@ -205,7 +205,7 @@ fn read_with(
         &mut batch,
     )
     .map_err(|e| Refusal::new("bad_profile", e.to_string()))?;
-    staged.started_at(started);
+    staged.headed(head);
     if let Some(first) = staged.refused.first() {
         log::warn!(
             "refused {} entries of a profile from uid {}, e.g. {}: {}",

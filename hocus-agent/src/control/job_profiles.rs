@@ -29,7 +29,7 @@ use crate::{
         refusal::Refusal,
     },
     profile::{
-        format::{Profile, ProfileWriter},
+        format::{Holder, Profile, ProfileWriter},
         staging::Staging,
     },
     redirect::{
@@ -152,9 +152,10 @@ pub fn save(
             ),
         ));
     }
+    let holder = hold(caller, job, &profile, calls);
     let written = as_caller(&user(job), {
         let path = path.clone();
-        move || write_profile(&dir, &path, &profile)
+        move || write_profile(&dir, &path, &profile, holder.as_ref())
     });
     let failed = |e: String| Refusal::new("write_error", e);
     match written {
@@ -180,9 +181,39 @@ pub fn save(
     }
 }
 
+/// This node, as the holder of `profile`'s files the saved profile names, once the relay
+/// serves them from here to any node's daemon (docs/fanout.md); None when the relay is
+/// off or Slurm did not name the node.
+fn hold(
+    caller: &Caller,
+    job: &JobProfile,
+    profile: &Profile,
+    calls: &mpsc::Sender<Call>,
+) -> Option<Holder> {
+    let me = job.node.clone()?;
+    let held = Ask::RelayHeld {
+        job_id: job.job_id,
+        me: me.clone(),
+        files: profile.files.iter().map(|f| f.path.clone()).collect(),
+    };
+    match ask_once(calls, caller.clone(), held) {
+        Ok(Answer::Ready) => Some(Holder {
+            node: me,
+            job: job.job_id,
+        }),
+        _ => None,
+    }
+}
+
 /// Writes `profile` to `path` in `dir` (made if missing, 0700), replacing it only once
-/// whole (`shared::replace::replace_with`). Runs as the user.
-fn write_profile(dir: &Path, path: &Path, profile: &Profile) -> Result<()> {
+/// whole (`shared::replace::replace_with`), naming the node holding its files. Runs as
+/// the user.
+fn write_profile(
+    dir: &Path,
+    path: &Path,
+    profile: &Profile,
+    holder: Option<&Holder>,
+) -> Result<()> {
     fs::DirBuilder::new()
         .recursive(true)
         .mode(0o700)
@@ -190,7 +221,7 @@ fn write_profile(dir: &Path, path: &Path, profile: &Profile) -> Result<()> {
     replace::replace_with(path, |out| {
         let mut w = ProfileWriter::new(out);
         w.part(profile)?;
-        w.finish()?;
+        w.finish_held(holder)?;
         Ok(())
     })
 }
@@ -252,6 +283,7 @@ pub fn prefetch(
     let query = Query::Prefetch {
         staged: Box::new(staged),
         relay,
+        node: job.node.clone(),
     };
     Ok((user, Ask::Client(query)))
 }

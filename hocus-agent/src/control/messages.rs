@@ -34,10 +34,13 @@ pub enum Query {
     /// A profile a client sent, read and checked by its connection.
     Import(Box<Staging>),
     /// The same, to warm the cache from now; a Slurm job's prolog prefetch on one of its
-    /// several nodes shares it with them (`relay`).
+    /// several nodes shares it with them (`relay`). `node`: this node's name, as Slurm
+    /// calls it, for a job's prolog: copies may come from the node that held the
+    /// profile's files as it was saved (`Staging::holder`).
     Prefetch {
         staged: Box<Staging>,
         relay: Option<JobNodes>,
+        node: Option<String>,
     },
     Budgets {
         ssd: Option<u64>,
@@ -67,17 +70,20 @@ pub enum Ask {
         sources: Vec<PathBuf>,
     },
     /// Node `from`, proven by a root munge credential, asks to fetch Slurm job
-    /// `job_id`'s files from this node, which it names `to` (`Ready` or refused).
+    /// `job_id`'s files from this node, which it names `to` (`Ready` or refused): as
+    /// one of the job's nodes, or (`held`) for a later job, what the job left here.
     RelayJoin {
         job_id: u32,
         from: String,
         to: String,
+        held: bool,
     },
-    /// Node `from` of the job asks for `source` (`Relay` or refused).
+    /// Node `from` asks for `source` of the job (`Relay` or refused), as it joined.
     RelayFile {
         job_id: u32,
         from: String,
         source: String,
+        held: bool,
     },
     /// Node `from` of the job asks this node to vouch for its job start's checks: the
     /// binds this node would check for a job start of its own (`Binds`, or refused).
@@ -95,6 +101,14 @@ pub enum Ask {
     RelayJob(JobNodes),
     /// A Slurm job whose prolog failed here: its nodes fetch nothing from this node.
     RelayForget(u32),
+    /// Slurm job `job_id`'s epilog here, on node `me`, saves its profile naming `files`:
+    /// any node's daemon may fetch those from here for a later job (`Ready`), or the
+    /// relay is off (refused).
+    RelayHeld {
+        job_id: u32,
+        me: String,
+        files: Vec<String>,
+    },
 }
 
 /// What the loop answers a connection.

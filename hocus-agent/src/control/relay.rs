@@ -107,6 +107,8 @@ struct Peer<'a> {
     calls: &'a mpsc::Sender<Call>,
     job_id: u32,
     from: String,
+    /// It asks for what a job left here (`relay::held_payload`), not as one of its nodes.
+    held: bool,
 }
 
 impl Peer<'_> {
@@ -127,6 +129,7 @@ impl Peer<'_> {
             calls,
             job_id: 0,
             from: String::new(),
+            held: false,
         };
         let cred = cred.trim_end();
         let joined = peer.join(cred, serving).and_then(|named| {
@@ -180,16 +183,19 @@ impl Peer<'_> {
         let (job_id, from, to) = parse_payload(&decoded.payload)
             .ok_or_else(|| refused("the credential names no job and nodes".to_owned()))?;
         let deadline = Instant::now() + serving.timeout;
+        let held = relay::is_held(&decoded.payload);
         loop {
             let asked = Ask::RelayJoin {
                 job_id,
                 from: from.clone(),
                 to: to.clone(),
+                held,
             };
             match self.ask(asked)? {
                 Answer::Ready => break,
                 Answer::Refused(r) if r.reason == NOT_KNOWN_YET => {
-                    if Instant::now() >= deadline {
+                    // A job that ended here is not coming back.
+                    if held || Instant::now() >= deadline {
                         return Err(r);
                     }
                     thread::sleep(Duration::from_millis(100));
@@ -198,7 +204,7 @@ impl Peer<'_> {
                 other => return Err(refused(format!("unexpected answer {other:?}"))),
             }
         }
-        (self.job_id, self.from) = (job_id, from);
+        (self.job_id, self.from, self.held) = (job_id, from, held);
         Ok(to)
     }
 
@@ -222,6 +228,7 @@ impl Peer<'_> {
                 job_id: self.job_id,
                 from: self.from.clone(),
                 source: asked.source.clone(),
+                held: self.held,
             };
             match (
                 self.ask(ask).map_err(|r| io::Error::other(r.message))?,

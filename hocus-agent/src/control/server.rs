@@ -214,9 +214,11 @@ fn answer(
             if matches!(request, Request::Import) {
                 Query::Import(staged)
             } else {
+                // A holder the profile names is for Slurm jobs' prologs only.
                 Query::Prefetch {
                     staged,
                     relay: None,
+                    node: None,
                 }
             }
         }

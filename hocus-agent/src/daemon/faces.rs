@@ -37,7 +37,7 @@ impl Daemon {
             };
             match relay::serve(serving, calls.clone()) {
                 Ok(addr) => log::info!(
-                    "relay: the nodes of multi-node Slurm jobs fetch their files from each other through {addr}"
+                    "relay: the nodes of multi-node Slurm jobs, and later jobs of a profile saved here, fetch their files from each other through {addr}"
                 ),
                 // Any user may listen there first: what answers is not this daemon, and
                 // the children's check of its proof turns them to the server.

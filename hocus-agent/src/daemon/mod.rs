@@ -460,7 +460,12 @@ impl Daemon {
                 self.job_ended(id).await;
                 return;
             }
-            Ask::RelayJoin { job_id, from, to } => self.relays.join(job_id, &from, &to),
+            Ask::RelayJoin {
+                job_id,
+                from,
+                to,
+                held,
+            } => self.relays.join(job_id, &from, &to, held),
             Ask::JobParent { job_id } => Answer::Parent(self.relays.parent_of(job_id)),
             Ask::RelayJob(nodes) => {
                 Answer::Parent(self.relays.add(&nodes, None, &self.opts.settings).await)
@@ -469,11 +474,19 @@ impl Daemon {
                 self.relays.forget(job_id);
                 Answer::Ready
             }
+            Ask::RelayHeld { job_id, me, files } => {
+                if self.relays.hold(job_id, &me, files, &self.opts.settings) {
+                    Answer::Ready
+                } else {
+                    Refusal::new("relay_off", "the relay is off on this node").into()
+                }
+            }
             Ask::RelayFile {
                 job_id,
                 from,
                 source,
-            } => match self.relays.may_fetch(job_id, &from, &source) {
+                held,
+            } => match self.relays.may_fetch(job_id, &from, &source, held) {
                 Err(r) => r.into(),
                 // Its profile is being read here: its copies are coming.
                 Ok(None) => Answer::Relay(Holding::Coming),
@@ -600,8 +613,12 @@ impl Daemon {
                 }
                 .into()
             }
-            Query::Prefetch { staged, relay } => {
-                return self.prefetch(*staged, relay, reply).await;
+            Query::Prefetch {
+                staged,
+                relay,
+                node,
+            } => {
+                return self.prefetch(*staged, relay, node, reply).await;
             }
             Query::Budgets { .. } if !caller.is_root() => Refusal::new(
                 "not_root",
@@ -623,11 +640,18 @@ impl Daemon {
     }
 
     /// Merges a sent profile and warms the cache from it now, reporting progress.
-    async fn prefetch(&mut self, staged: Staging, relay: Option<JobNodes>, reply: Reply) {
+    async fn prefetch(
+        &mut self,
+        staged: Staging,
+        relay: Option<JobNodes>,
+        node: Option<String>,
+        reply: Reply,
+    ) {
         let Staging {
             set,
             refused,
             refused_total,
+            holder,
             ..
         } = staged;
         // Placed now, from what the daemon knows of those files (sizes, writes seen),
@@ -640,6 +664,13 @@ impl Daemon {
                     .await
             }
             None => None,
+        };
+        // No parent in the job's tree (its first node, a job of one node): the node that
+        // held the files as the profile was saved, if it names one.
+        let parent = match (parent, holder, node) {
+            (Some(p), _, _) => Some(p),
+            (None, Some(h), Some(me)) => self.relays.holder(&h, &me, &self.opts.settings).await,
+            _ => None,
         };
         let (tx, rx) = mpsc::unbounded_channel();
         if let Err(e) = self.keeper.prefetch(profile, tx, parent).await {

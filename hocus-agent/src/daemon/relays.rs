@@ -19,7 +19,7 @@ use crate::{
         refusal::Refusal,
         relay::NOT_KNOWN_YET,
     },
-    profile::format::Profile,
+    profile::format::{Holder, Profile},
     shared::{relay, settings::Settings},
 };
 
@@ -27,6 +27,9 @@ use crate::{
 const MAX_RELAYED: usize = 64;
 /// How long a job's files are served after its prolog.
 const SERVED_FOR: Duration = Duration::from_secs(3600);
+/// How long a job's files are served to any node after its epilog saved its profile
+/// here (the next day's job of the same profile still finds them).
+const HELD_FOR: Duration = Duration::from_secs(24 * 3600);
 /// How long a job's prolog may take to read its profile before the job's files are
 /// asked for here: past it, none are served.
 const READ_WITHIN: Duration = Duration::from_secs(60);
@@ -40,6 +43,11 @@ struct Relayed {
     /// None until its prolog here has read its profile.
     files: Option<HashSet<String>>,
     since: Instant,
+    /// How long after `since` it is served.
+    lasts: Duration,
+    /// Its epilog saved its profile here, naming this node: any node's daemon may fetch
+    /// its files (a later job's), not only its own nodes.
+    held: bool,
     /// This node's parent in the job's tree: its copies come from there first, and it
     /// vouches for this node's job-start checks.
     parent: Option<Arc<Parent>>,
@@ -66,26 +74,24 @@ impl Relays {
         if let Some(job) = self
             .jobs
             .iter_mut()
-            .find(|r| r.job_id == nodes.job_id && r.since.elapsed() < SERVED_FOR)
+            .find(|r| r.job_id == nodes.job_id && r.lives())
         {
             if files.is_some() {
                 job.files = files;
             }
             return job.parent.clone();
         }
-        let relays = &mut self.jobs;
-        relays.retain(|r| r.job_id != nodes.job_id && r.since.elapsed() < SERVED_FOR);
-        if relays.len() >= MAX_RELAYED {
-            relays.remove(0);
-        }
-        relays.push(Relayed {
+        self.push(Relayed {
             job_id: nodes.job_id,
             me: nodes.me.clone(),
             nodes: nodes.nodes.iter().cloned().collect(),
             files,
             since: Instant::now(),
+            lasts: SERVED_FOR,
+            held: false,
             parent: None,
         });
+        let relays = &mut self.jobs;
         let parent = &nodes.nodes[relay::parent(me, settings.fanout_width())?];
         let addr = match resolve(parent, port).await {
             Ok(a) => a,
@@ -115,6 +121,79 @@ impl Relays {
         Some(parent)
     }
 
+    /// Slurm job `job_id`'s epilog on this node (`me`) saves its profile of `files`: any
+    /// node's daemon may fetch those from here for a day (a later job of the profile:
+    /// an array's tasks, the next job, a rebooted node), each checked as the job's own
+    /// nodes' are. False when the relay is off.
+    pub fn hold(&mut self, job_id: u32, me: &str, files: Vec<String>, settings: &Settings) -> bool {
+        if settings.relay_port().is_none() {
+            return false;
+        }
+        let nodes = self
+            .relayed(job_id)
+            .map(|j| j.nodes.clone())
+            .unwrap_or_default();
+        self.push(Relayed {
+            job_id,
+            me: me.to_owned(),
+            nodes,
+            files: Some(files.into_iter().collect()),
+            since: Instant::now(),
+            lasts: HELD_FOR,
+            held: true,
+            parent: None,
+        });
+        true
+    }
+
+    /// Where a prolog's copies come from first when this node (`me`) has no parent in
+    /// its job's tree: the node that held them as the profile was saved, asked as that
+    /// job's (a profile's hint, which the user may have written: the node proves itself,
+    /// and each file is checked as a parent's is).
+    pub async fn holder(
+        &self,
+        holder: &Holder,
+        me: &str,
+        settings: &Settings,
+    ) -> Option<Arc<Parent>> {
+        let port = settings.relay_port()?;
+        if holder.node == me || holder.node.is_empty() {
+            return None;
+        }
+        let addr = match resolve(&holder.node, port).await {
+            Ok(a) => a,
+            Err(e) => {
+                log::warn!(
+                    "the profile names node {} as holding its files, but its address is not found ({e}): this node reads them from the network",
+                    holder.node
+                );
+                return None;
+            }
+        };
+        log::info!(
+            "node {me} fetches the profile's files from node {} ({addr}) first, which held them as Slurm job {} ended",
+            holder.node,
+            holder.job
+        );
+        Some(Arc::new(Parent::new(
+            holder.node.clone(),
+            addr,
+            relay::held_payload(holder.job, me, &holder.node),
+            settings.munge_socket.clone(),
+            settings.relay_timeout(),
+        )))
+    }
+
+    /// Adds a job, its earlier entry (if any) replaced; the oldest goes when full.
+    fn push(&mut self, job: Relayed) {
+        let relays = &mut self.jobs;
+        relays.retain(|r| r.job_id != job.job_id && r.lives());
+        if relays.len() >= MAX_RELAYED {
+            relays.remove(0);
+        }
+        relays.push(job);
+    }
+
     /// Slurm job `job_id`'s prolog failed here: its nodes may not ask for it.
     pub fn forget(&mut self, job_id: u32) {
         self.jobs.retain(|r| r.job_id != job_id);
@@ -136,12 +215,16 @@ impl Relays {
         }
     }
 
-    /// Node `from` asks to fetch `job_id`'s files from this node, which it calls `to`.
-    pub fn join(&self, job_id: u32, from: &str, to: &str) -> Answer {
+    /// Node `from` asks to fetch `job_id`'s files from this node, which it calls `to`:
+    /// as one of the job's nodes, or (`held`) what the job left here for later jobs.
+    pub fn join(&self, job_id: u32, from: &str, to: &str, held: bool) -> Answer {
         let Some(job) = self.relayed(job_id) else {
             return Refusal::new(
                 NOT_KNOWN_YET,
-                format!("Slurm job {job_id} is not known here (no prolog of it ran on this node)"),
+                format!(
+                    "Slurm job {job_id} is not known here (no prolog of it ran on this node, nor did its epilog save its profile here within {} hours)",
+                    HELD_FOR.as_secs() / 3600
+                ),
             )
             .into();
         };
@@ -151,23 +234,24 @@ impl Relays {
                 "the credential is for node {to}; this is node {}",
                 job.me
             ))
-        } else if from == job.me || !job.nodes.contains(from) {
+        } else if from == job.me || !job.may_ask(from, held) {
             refuse(format!("node {from} is not one of Slurm job {job_id}'s"))
         } else {
             Answer::Ready
         }
     }
 
-    /// Whether node `from` of the job may fetch `source` from here: refused, or whether
-    /// the job's profile names it (only then is the keeper asked for its copy); None
-    /// while its prolog here has not read it yet.
+    /// Whether node `from` of the job (or, `held`, any node) may fetch `source` from
+    /// here: refused, or whether the job's profile names it (only then is the keeper
+    /// asked for its copy); None while its prolog here has not read it yet.
     pub fn may_fetch(
         &self,
         job_id: u32,
         from: &str,
         source: &str,
+        held: bool,
     ) -> Result<Option<bool>, Refusal> {
-        let Some(job) = self.relayed(job_id).filter(|j| j.nodes.contains(from)) else {
+        let Some(job) = self.relayed(job_id).filter(|j| j.may_ask(from, held)) else {
             return Err(Refusal::new(
                 "relay_refused",
                 format!("node {from} may not fetch Slurm job {job_id}'s files"),
@@ -182,9 +266,23 @@ impl Relays {
     }
 
     fn relayed(&self, job_id: u32) -> Option<&Relayed> {
-        self.jobs
-            .iter()
-            .find(|r| r.job_id == job_id && r.since.elapsed() < SERVED_FOR)
+        self.jobs.iter().find(|r| r.job_id == job_id && r.lives())
+    }
+}
+
+impl Relayed {
+    fn lives(&self) -> bool {
+        self.since.elapsed() < self.lasts
+    }
+
+    /// Whether node `from` may fetch this job's files: as one of its nodes, or (`held`)
+    /// any node, once its profile was saved here.
+    fn may_ask(&self, from: &str, held: bool) -> bool {
+        if held {
+            self.held
+        } else {
+            self.nodes.contains(from)
+        }
     }
 }
 
@@ -201,4 +299,77 @@ async fn resolve(node: &str, port: u16) -> std::io::Result<SocketAddr> {
         .into_iter()
         .next()
         .ok_or_else(|| std::io::Error::other("no address"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings(relay_port: u16) -> Settings {
+        Settings {
+            relay_port: Some(relay_port),
+            ..Settings::default()
+        }
+    }
+
+    #[test]
+    fn a_saved_jobs_files_go_to_any_node_but_its_checks_only_to_its_own() {
+        let mut relays = Relays::default();
+        let files = vec!["/net/env/a.py".to_owned()];
+        assert!(!relays.hold(7, "node1", files.clone(), &settings(0)));
+        assert!(relays.hold(7, "node1", files, &settings(9743)));
+        // node9 never ran job 7: a later job's node takes the files it left here, asked
+        // for as such, not as one of the job's nodes.
+        assert!(matches!(
+            relays.join(7, "node9", "node1", true),
+            Answer::Ready
+        ));
+        assert!(matches!(
+            relays.join(7, "node9", "node1", false),
+            Answer::Refused(_)
+        ));
+        let fetch = |source| relays.may_fetch(7, "node9", source, true);
+        assert_eq!(fetch("/net/env/a.py"), Ok(Some(true)));
+        assert_eq!(fetch("/etc/shadow"), Ok(Some(false)));
+        assert!(
+            relays
+                .may_fetch(7, "node9", "/net/env/a.py", false)
+                .is_err()
+        );
+        // Not for another node's name, nor by this node itself, nor another job.
+        assert!(matches!(
+            relays.join(7, "node9", "node2", true),
+            Answer::Refused(_)
+        ));
+        assert!(matches!(
+            relays.join(7, "node1", "node1", true),
+            Answer::Refused(_)
+        ));
+        assert!(matches!(
+            relays.join(8, "node9", "node1", true),
+            Answer::Refused(r) if r.reason == NOT_KNOWN_YET
+        ));
+        // Its job-start checks are vouched for its own nodes only.
+        assert!(relays.may_vouch(7, "node9").is_err());
+        // A job whose prolog ran here but whose profile was not saved here: its own
+        // nodes only.
+        let nodes = JobNodes {
+            job_id: 9,
+            nodes: vec!["node1".into(), "node2".into()],
+            me: "node1".into(),
+        };
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(relays.add(&nodes, Some(&Profile::default()), &settings(9743)));
+        assert!(matches!(
+            relays.join(9, "node2", "node1", false),
+            Answer::Ready
+        ));
+        assert!(matches!(
+            relays.join(9, "node9", "node1", true),
+            Answer::Refused(_)
+        ));
+    }
 }

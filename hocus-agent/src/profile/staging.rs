@@ -12,7 +12,7 @@ use std::{
 };
 
 use crate::profile::{
-    format::{Profile, keep_valid},
+    format::{Head, Holder, Profile, keep_valid},
     working_set::WorkingSet,
 };
 
@@ -27,6 +27,8 @@ pub struct Staging {
     /// Entries refused (at most `REFUSED_SHOWN`), and how many in all.
     pub refused: Vec<Refused>,
     pub refused_total: usize,
+    /// The node it says held its files when it was saved (a Slurm job's profile).
+    pub holder: Option<Holder>,
     /// Its sender's turn, given up once it is taken in (dropped).
     _turn: Option<Turn>,
     /// Entries it may bring in; those past it are left out, refused.
@@ -70,6 +72,7 @@ impl Staging {
             missing: 0,
             refused: Vec::new(),
             refused_total: 0,
+            holder: None,
             _turn: None,
             most: usize::MAX,
         }
@@ -135,8 +138,10 @@ impl Staging {
     }
 
     /// All batches are in: the profile started at `unix_ns`.
-    pub fn started_at(&mut self, unix_ns: u64) {
-        self.set.started_unix_ns = unix_ns;
+    /// What the profile said besides its entries, once all were read.
+    pub fn headed(&mut self, head: Head) {
+        self.set.started_unix_ns = head.started_unix_ns;
+        self.holder = head.holder;
     }
 }
 
@@ -221,7 +226,10 @@ mod tests {
             Ok(())
         })
         .unwrap();
-        s.started_at(42);
+        s.headed(Head {
+            started_unix_ns: 42,
+            holder: None,
+        });
         assert_eq!((s.files, s.missing, s.refused_total), (2, 2, 1));
         assert_eq!(s.refused[0].path, "/etc/shadow");
         let p = s.set.to_profile();

@@ -237,9 +237,23 @@ pub fn proof(job: u32, parent: &str, child: &str, asked: &str) -> String {
     format!("hocus-relay-parent job={job} from={parent} to={child} for={bound}")
 }
 
+/// The payload of a request from node `from` for the files Slurm job `job` left on node
+/// `to`, whose epilog saved its profile there (a later job's; docs/fanout.md).
+pub fn held_payload(job: u32, from: &str, to: &str) -> String {
+    format!("hocus-relay-held job={job} from={from} to={to}")
+}
+
+/// Whether a payload asks for the files a job left on a node (`held_payload`): the node
+/// then does not wait for the job's prolog, which will not come.
+pub fn is_held(p: &str) -> bool {
+    p.starts_with("hocus-relay-held ")
+}
+
 /// The job, asking node and named node of a payload.
 pub fn parse_payload(p: &str) -> Option<(u32, String, String)> {
-    let rest = p.strip_prefix("hocus-relay ")?;
+    let rest = p
+        .strip_prefix("hocus-relay ")
+        .or_else(|| p.strip_prefix("hocus-relay-held "))?;
     let mut parts = rest.split(' ');
     let job = parts.next()?.strip_prefix("job=")?.parse().ok()?;
     let from = parts.next()?.strip_prefix("from=")?;
@@ -519,6 +533,9 @@ mod tests {
             parse_payload(&p),
             Some((42, "node2".into(), "node1".into()))
         );
+        let held = held_payload(42, "node2", "node1");
+        assert_eq!(parse_payload(&held), parse_payload(&p));
+        assert!(is_held(&held) && !is_held(&p));
         for bad in [
             "hocus-relay job=x from=a to=b",
             "hocus-relay job=1 from= to=b",

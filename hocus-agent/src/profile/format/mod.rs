@@ -13,9 +13,19 @@ pub use hocus_control::profile::{
 
 pub use self::{
     checks::{keep_valid, refuse_path},
-    read::{ReadError, read_exported, read_profile, read_stream, stream_exported},
+    read::{Head, ReadError, read_exported, read_profile, read_stream, stream_exported},
     write::ProfileWriter,
 };
+
+/// The node whose cache held a Slurm job's files as its epilog saved the job's profile,
+/// and the job: the next job's nodes may fetch those files from it first (docs/fanout.md).
+/// Only a hint: the user can write the file, and the node named proves itself and every
+/// file before anything is taken from it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Holder {
+    pub node: String,
+    pub job: u32,
+}
 
 /// A profile written whole, as a file holds it.
 #[cfg(test)]

@@ -11,9 +11,19 @@ use anyhow::{Result, bail};
 
 use hocus_control::profile::{FORMAT_VERSION, FormatError, Profile};
 
+use super::Holder;
+
+/// What a profile says besides its entries.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Head {
+    pub started_unix_ns: u64,
+    /// The node whose cache held its files as a Slurm job's epilog saved it.
+    pub holder: Option<Holder>,
+}
+
 /// Reads a profile from `reader` without ever holding it whole: its entries reach
 /// `batch` in profiles of at most `size` entries each, in file order. Returns the
-/// profile's start; an error (the same as [`Profile::from_json`]'s) may come after some
+/// profile's start and holder; an error (the same as [`Profile::from_json`]'s) may come after some
 /// batches were handed over, so a caller stages them until the end.
 pub fn read_stream(
     reader: impl std::io::Read,
@@ -21,7 +31,7 @@ pub fn read_stream(
     advice: &str,
     size: usize,
     batch: &mut dyn FnMut(Profile) -> Result<(), String>,
-) -> Result<u64, FormatError> {
+) -> Result<Head, FormatError> {
     use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 
     struct Stream<'a> {
@@ -30,6 +40,7 @@ pub fn read_stream(
         pending: Profile,
         version: Option<u64>,
         started: u64,
+        holder: Option<Holder>,
         /// A version too new to read: reported as such, not as a parse error.
         stop: Option<FormatError>,
         path: &'a Path,
@@ -115,6 +126,11 @@ pub fn read_stream(
                         self.version = Some(v);
                     }
                     "started_unix_ns" => self.started = map.next_value()?,
+                    // Only a hint (docs/fanout.md): one that does not read is none.
+                    "holder" => {
+                        let v: serde_json::Value = map.next_value()?;
+                        self.holder = serde_json::from_value(v).ok();
+                    }
                     "files" => map.next_value_seed(List(self, Kind::Files))?,
                     "missing" => map.next_value_seed(List(self, Kind::Missing))?,
                     "dirs" => map.next_value_seed(List(self, Kind::Dirs))?,
@@ -138,6 +154,7 @@ pub fn read_stream(
         pending: Profile::default(),
         version: None,
         started: 0,
+        holder: None,
         stop: None,
         path,
     };
@@ -154,7 +171,10 @@ pub fn read_stream(
         Some(_) => {}
     }
     stream.flush().map_err(corrupt)?;
-    Ok(stream.started)
+    Ok(Head {
+        started_unix_ns: stream.started,
+        holder: stream.holder,
+    })
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -193,7 +213,8 @@ pub fn stream_exported(
         "export it again with `hocus-agent profile export`",
         16_384,
         batch,
-    )?)
+    )?
+    .started_unix_ns)
 }
 
 /// Reads a profile someone exported, with errors that say what to do.
@@ -213,6 +234,43 @@ mod tests {
     use super::*;
     use crate::profile::format::{FileEntry, MissingEntry, checks::tests::trees};
     use crate::profile::format::{keep_valid, to_json};
+
+    #[test]
+    fn a_saved_profile_names_its_holder_and_one_that_does_not_read_is_none() {
+        let p = Profile {
+            version: FORMAT_VERSION,
+            started_unix_ns: 9,
+            files: vec![FileEntry {
+                path: "/net/home/a.py".into(),
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let holder = Holder {
+            node: "node1".into(),
+            job: 41,
+        };
+        let mut w = crate::profile::format::ProfileWriter::new(Vec::new());
+        w.part(&p).unwrap();
+        let json = w.finish_held(Some(&holder)).unwrap();
+        let mut files = 0;
+        let mut count = |b: Profile| {
+            files += b.files.len();
+            Ok(())
+        };
+        let head = read_stream(&json[..], Path::new("x"), "", 8, &mut count).unwrap();
+        assert_eq!(head.holder, Some(holder));
+        // What the whole read says too: readers that know no holder ignore it.
+        assert_eq!(Profile::from_json(&json, Path::new("x"), "").unwrap(), p);
+        for bad in [r#""node1""#, r#"{"node": 5, "job": 1}"#, r#"{"node": "n"}"#] {
+            let json = format!(
+                r#"{{"version": 2, "holder": {bad}, "files": [{{"path": "/net/a", "size": 1, "opens": 1, "bytes_read": 0, "first_touch_ns": 0, "written": false}}], "missing": []}}"#
+            );
+            let head = read_stream(json.as_bytes(), Path::new("x"), "", 8, &mut count).unwrap();
+            assert_eq!(head.holder, None, "{bad}");
+        }
+        assert_eq!(files, 4);
+    }
 
     #[test]
     fn a_stream_reads_what_a_whole_read_does_in_batches() {
@@ -238,7 +296,8 @@ mod tests {
             batches.push(b);
             Ok(())
         })
-        .unwrap();
+        .unwrap()
+        .started_unix_ns;
         assert_eq!(started, 9);
         assert_eq!(
             batches

@@ -7,6 +7,8 @@ use serde::Serialize;
 
 use hocus_control::profile::{FORMAT_VERSION, Profile};
 
+use super::Holder;
+
 /// Writes a profile in the file format as it comes, part by part (files, then missing
 /// names, then directories), so that no whole profile need be held: one entry per line.
 pub struct ProfileWriter<W: Write> {
@@ -93,9 +95,18 @@ impl<W: Write> ProfileWriter<W> {
     }
 
     /// Closes the profile; returns the writer, flushed.
-    pub fn finish(mut self) -> io::Result<W> {
+    pub fn finish(self) -> io::Result<W> {
+        self.finish_held(None)
+    }
+
+    /// The same, naming the node whose cache holds its files (a Slurm job's, saved).
+    pub fn finish_held(mut self, holder: Option<&Holder>) -> io::Result<W> {
         self.begin(0)?;
         self.open(LISTS.len())?;
+        if let Some(h) = holder {
+            self.out.write_all(b",\n  \"holder\": ")?;
+            serde_json::to_writer(&mut self.out, h)?;
+        }
         self.out.write_all(b"\n}\n")?;
         self.out.flush()?;
         Ok(self.out)
