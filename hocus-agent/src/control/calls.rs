@@ -23,8 +23,9 @@ use crate::{
     },
     profile::{format::read_stream, staging::Staging},
     redirect::{
-        access::{self, Caller, JobCheck},
+        access::{self, Caller, ProfileCheck, Taken},
         bind_opens::BindOpens,
+        remembered::Expected,
     },
 };
 
@@ -47,6 +48,9 @@ pub struct Setup {
     /// brings in (`max-user-profile-entries`); the rest are left out, counted as
     /// refused. It is held in memory until taken in, one per user at a time.
     pub max_user_profile_entries: usize,
+    /// Children per node in a multi-node job's tree (`fanout-width`), as the daemon
+    /// started.
+    pub fanout_width: usize,
 }
 
 /// A connected client, as the handlers of its requests answer it.
@@ -132,15 +136,24 @@ pub fn read_profile(
     read_with(fd, setup, caller, None).map(|(staged, _)| staged)
 }
 
-/// [`read_profile`] of a Slurm job's own profile in its prolog, checked as its user
-/// once for all its nodes (`access::filter_for_job`); with how many entries' verdicts
-/// came from this node's parent.
-pub fn read_job_profile(
+/// What this node's copies expect now (none if the keeper cannot say).
+pub fn copies_expected(caller: &Caller, calls: &mpsc::Sender<Call>) -> Expected {
+    match ask_once(calls, caller.clone(), Ask::CopiesExpect) {
+        Ok(Answer::Binds(binds)) => Expected::of(&binds),
+        _ => Expected::default(),
+    }
+}
+
+/// [`read_profile`] of a profile to prefetch: a Slurm job's own in its prolog, checked
+/// as its user once for all its nodes, or a user's own (`access::filter_for_job`); with
+/// how many entries' verdicts came from this node's parent, and from what this node
+/// found before.
+pub fn read_to_prefetch(
     fd: OwnedFd,
     setup: &Setup,
     caller: &Caller,
-    job: &JobCheck,
-) -> Result<(Staging, usize), Refusal> {
+    job: &ProfileCheck,
+) -> Result<(Staging, Taken), Refusal> {
     read_with(Some(fd), setup, caller, Some(job))
 }
 
@@ -148,8 +161,8 @@ fn read_with(
     fd: Option<OwnedFd>,
     setup: &Setup,
     caller: &Caller,
-    job: Option<&JobCheck>,
-) -> Result<(Staging, usize), Refusal> {
+    job: Option<&ProfileCheck>,
+) -> Result<(Staging, Taken), Refusal> {
     let Some(fd) = fd else {
         return Err(Refusal::new(
             "wrong_descriptors",
@@ -179,7 +192,7 @@ fn read_with(
         setup.max_user_profile_entries
     };
     let mut staged = Staging::for_user(&setup.trees, caller.uid, most);
-    let mut taken = 0;
+    let mut taken = Taken::default();
     let mut batch = |p| {
         staged.take(p, |p| {
             taken += access::filter_for_job(p, caller, job).map_err(|e| format!("{e:#}"))?;

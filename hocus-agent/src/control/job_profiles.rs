@@ -16,6 +16,7 @@ use std::{
         unix::{ffi::OsStrExt, fs::DirBuilderExt},
     },
     path::{Path, PathBuf},
+    sync::Arc,
 };
 
 use anyhow::Result;
@@ -24,7 +25,7 @@ use tokio::sync::mpsc;
 
 use crate::{
     control::{
-        calls::{Setup, ask_once, read_job_profile, read_profile},
+        calls::{Setup, ask_once, copies_expected, read_to_prefetch},
         messages::{Answer, Ask, Call, JobNodes, Query},
         refusal::Refusal,
     },
@@ -33,7 +34,8 @@ use crate::{
         staging::Staging,
     },
     redirect::{
-        access::{Caller, JobCheck, as_caller},
+        access::{Caller, ProfileCheck, Taken, as_caller},
+        remembered::Expected,
         verdicts,
     },
     shared::{relay, replace},
@@ -260,18 +262,45 @@ pub fn prefetch(
         Err(e) => return Err(Refusal::new("read_error", format!("{e:#}"))),
     };
     let relay = job_nodes(job);
+    // What this node gives its children in the job's tree must be found now: it takes
+    // the user's verdicts found before only where it has none (a job of one node, a
+    // leaf of the tree).
+    let leaf = relay.as_ref().is_none_or(|nodes| {
+        let me = nodes.nodes.iter().position(|n| *n == nodes.me).unwrap_or(0);
+        me * setup.fanout_width + 1 >= nodes.nodes.len()
+    });
+    let expected = Arc::new(copies_expected(caller, calls));
     let read = match &relay {
-        Some(nodes) => read_across(fd, setup, &user, nodes, calls, caller),
-        None => read_profile(Some(fd), setup, &user).map(|staged| (staged, None)),
+        Some(nodes) => read_across(fd, setup, &user, nodes, calls, caller, (expected, leaf)),
+        None => {
+            let check = ProfileCheck {
+                job_id: Some(job.job_id),
+                parent: None,
+                expected,
+                recall: true,
+            };
+            read_to_prefetch(fd, setup, &user, &check).map(|(staged, taken)| (staged, taken, None))
+        }
     };
-    let (staged, taken) =
+    let (staged, taken, parent) =
         read.map_err(|r| Refusal::new(r.reason, format!("{}: {}", path.display(), r.message)))?;
-    let from_parent = match taken {
-        Some((taken, parent)) => format!(
-            "; what uid {} may read: {taken} entries as node {parent} found, the rest checked here",
-            job.uid
+    let mut from = Vec::new();
+    if let Some(parent) = parent {
+        from.push(format!("{} entries as node {parent} found", taken.parent));
+    }
+    if taken.remembered > 0 {
+        from.push(format!(
+            "{} as this node found for its earlier jobs, their copies unchanged",
+            taken.remembered
+        ));
+    }
+    let from_parent = match from.is_empty() {
+        true => String::new(),
+        false => format!(
+            "; what uid {} may read: {}, the rest checked here",
+            job.uid,
+            from.join(", ")
         ),
-        None => String::new(),
     };
     log::info!(
         "Slurm job {}: prefetching from {} ({} files, {} missing names{from_parent})",
@@ -299,21 +328,24 @@ fn read_across(
     nodes: &JobNodes,
     calls: &mpsc::Sender<Call>,
     root: &Caller,
-) -> Result<(Staging, Option<(usize, String)>), Refusal> {
+    (expected, recall): (Arc<Expected>, bool),
+) -> Result<(Staging, Taken, Option<String>), Refusal> {
     let job_id = nodes.job_id;
     verdicts::begin(job_id, verdicts::job_user(user.uid, user.gid, &user.groups));
     let parent = match ask_once(calls, root.clone(), Ask::RelayJob(nodes.clone())) {
         Ok(Answer::Parent(parent)) => parent,
         _ => None,
     };
-    let check = JobCheck {
-        job_id,
+    let check = ProfileCheck {
+        job_id: Some(job_id),
         parent: parent.clone(),
+        expected,
+        recall,
     };
-    let read = read_job_profile(fd, setup, user, &check);
+    let read = read_to_prefetch(fd, setup, user, &check);
     verdicts::end(job_id);
     match read {
-        Ok((staged, taken)) => Ok((staged, parent.map(|p| (taken, p.name.clone())))),
+        Ok((staged, taken)) => Ok((staged, taken, parent.map(|p| p.name.clone()))),
         Err(r) => {
             let _ = ask_once(calls, root.clone(), Ask::RelayForget(job_id));
             Err(r)

@@ -101,6 +101,9 @@ pub enum Ask {
     RelayJob(JobNodes),
     /// A Slurm job whose prolog failed here: its nodes fetch nothing from this node.
     RelayForget(u32),
+    /// The binds a job would have now, for what their copies expect (`Binds`): a
+    /// prolog's, which starts no job.
+    CopiesExpect,
     /// Slurm job `job_id`'s epilog here, on node `me`, saves its profile naming `files`:
     /// any node's daemon may fetch those from here for a later job (`Ready`), or the
     /// relay is off (refused).

@@ -31,7 +31,9 @@ use tokio::sync::mpsc;
 
 use crate::{
     control::{
-        calls::{Client, Setup, ask, ask_once, read_profile, send},
+        calls::{
+            Client, Setup, ask, ask_once, copies_expected, read_profile, read_to_prefetch, send,
+        },
         gate::{Control, Gate, Limits},
         job_profiles,
         messages::{Answer, Ask, Call, Query},
@@ -40,7 +42,7 @@ use crate::{
     },
     profile::format::refuse_path,
     redirect::{
-        access::{self, Caller},
+        access::{self, Caller, ProfileCheck},
         identity,
     },
 };
@@ -206,20 +208,33 @@ fn answer(
             ));
         }
         Request::Budgets { ssd, ram } => Query::Budgets { ssd, ram },
-        Request::Import | Request::Prefetch => {
-            let staged = match read_profile(fds.into_iter().next(), setup, &caller) {
-                Ok(p) => Box::new(p),
-                Err(r) => return client.refuse(r),
+        Request::Import => match read_profile(fds.into_iter().next(), setup, &caller) {
+            Ok(p) => Query::Import(Box::new(p)),
+            Err(r) => return client.refuse(r),
+        },
+        Request::Prefetch => {
+            // The user's own verdicts found before are taken where the copies are
+            // unchanged (`redirect::remembered`).
+            let check = ProfileCheck {
+                job_id: None,
+                parent: None,
+                expected: Arc::new(copies_expected(&caller, calls)),
+                recall: true,
             };
-            if matches!(request, Request::Import) {
-                Query::Import(staged)
-            } else {
+            let Some(fd) = fds.into_iter().next() else {
+                return client.refuse(Refusal::new(
+                    "wrong_descriptors",
+                    "send the profile's descriptor",
+                ));
+            };
+            match read_to_prefetch(fd, setup, &caller, &check) {
                 // A holder the profile names is for Slurm jobs' prologs only.
-                Query::Prefetch {
-                    staged,
+                Ok((staged, _)) => Query::Prefetch {
+                    staged: Box::new(staged),
                     relay: None,
                     node: None,
-                }
+                },
+                Err(r) => return client.refuse(r),
             }
         }
     };

@@ -28,6 +28,7 @@ impl Daemon {
             bind_opens: self.jobs.bind_opens(),
             max_profile_entries: settings.max_profile_entries(),
             max_user_profile_entries: settings.max_user_profile_entries(),
+            fanout_width: settings.fanout_width(),
         };
         if let Some(port) = settings.relay_port() {
             let serving = relay::Serving {
@@ -63,15 +64,17 @@ impl Daemon {
     /// Answers a job session's `Binds` (the binds its namespace gets) or a child node's
     /// `RelayVouch` (the binds this node would check for a start of its own).
     pub(super) async fn give_binds(&mut self, ask: Ask, reply: mpsc::UnboundedSender<Answer>) {
-        if let Ask::RelayVouch { job_id, from } = ask {
-            if let Err(r) = self.relays.may_vouch(job_id, &from) {
-                let _ = reply.send(r.into());
-                return;
+        match ask {
+            Ask::RelayVouch { job_id, from } => {
+                if let Err(r) = self.relays.may_vouch(job_id, &from) {
+                    let _ = reply.send(r.into());
+                    return;
+                }
             }
-        } else {
             // The first step of every job session, before its namespace is made: the
             // tracer follows the job from its start.
-            self.wake_for_job().await;
+            Ask::Binds => self.wake_for_job().await,
+            _ => {}
         }
         // Answered off the loop: a keeper busy placing a million entries holds up this
         // job, not the loop.

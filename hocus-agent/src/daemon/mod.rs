@@ -440,7 +440,9 @@ impl Daemon {
                 }
                 return;
             }
-            Ask::Binds | Ask::RelayVouch { .. } => return self.give_binds(ask, reply).await,
+            Ask::Binds | Ask::RelayVouch { .. } | Ask::CopiesExpect => {
+                return self.give_binds(ask, reply).await;
+            }
             Ask::JobStarting(start) => self.job_starting(start).await,
             Ask::Stale { sources } => {
                 for source in sources {

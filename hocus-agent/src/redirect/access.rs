@@ -17,7 +17,11 @@ use anyhow::Result;
 use crate::{
     cache::relay::Parent,
     profile::format::Profile,
-    redirect::{identity, verdicts},
+    redirect::{
+        identity,
+        remembered::{self, Expected},
+        verdicts,
+    },
     shared::{
         asked::{self, Asking, Purpose},
         relay::Entry,
@@ -81,37 +85,68 @@ pub fn filter_for(profile: &mut Profile, caller: &Caller) -> Result<()> {
     filter_for_job(profile, caller, None).map(|_| ())
 }
 
-/// A Slurm job's profile checked in its prolog, as its user, once for all its nodes
-/// (`verdicts`): the job, and this node's parent in the job's tree.
-pub struct JobCheck {
-    pub job_id: u32,
+/// A profile to prefetch checked as its user: a Slurm job's in its prolog, once for all
+/// its nodes (`verdicts`: the job, this node's parent in the job's tree), or a user's
+/// own prefetch (no job); what this node's copies expect (what is found is remembered
+/// with it: `remembered`), and whether the user's verdicts found before are taken (not
+/// where this node's children in a job's tree take what it finds, found now).
+pub struct ProfileCheck {
+    pub job_id: Option<u32>,
     pub parent: Option<Arc<Parent>>,
+    pub expected: Arc<Expected>,
+    pub recall: bool,
 }
 
-/// [`filter_for`] of a part of `job`'s profile: the parent's verdicts taken first, the
-/// rest checked here, all kept for this node's own children. Returns how many verdicts
-/// were taken from the parent.
+/// Where the verdicts of a job's profile came from besides this node's own checks.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Taken {
+    /// From this node's parent.
+    pub parent: usize,
+    /// Found before on this node for the same user, the copies unchanged.
+    pub remembered: usize,
+}
+
+impl std::ops::AddAssign for Taken {
+    fn add_assign(&mut self, t: Self) {
+        self.parent += t.parent;
+        self.remembered += t.remembered;
+    }
+}
+
+/// [`filter_for`] of a part of `job`'s profile: the user's verdicts this node found
+/// before taken first, then the parent's, the rest checked here; all kept for this
+/// node's own children, and what is new remembered.
 pub fn filter_for_job(
     profile: &mut Profile,
     caller: &Caller,
-    job: Option<&JobCheck>,
-) -> Result<usize> {
+    job: Option<&ProfileCheck>,
+) -> Result<Taken> {
     if caller.is_root() {
-        return Ok(0);
+        return Ok(Taken::default());
     }
     let user = verdicts::job_user(caller.uid, caller.gid, &caller.groups);
-    let taken = match job.and_then(|j| j.parent.as_deref()) {
-        Some(parent) => {
-            let items: Vec<(Entry, &str)> = entries(profile).collect();
-            verdicts::asked_of(parent, &user, &items)
+    let mut taken = HashMap::new();
+    if let Some(j) = job.filter(|j| j.recall && !j.expected.is_empty()) {
+        for (kind, path) in entries(profile) {
+            if let Some(v) = remembered::recall(&user, &j.expected, kind, path) {
+                taken.insert((kind, path.to_owned()), v);
+            }
         }
-        None => HashMap::new(),
-    };
+    }
+    let remembered = taken.len();
+    if let Some(parent) = job.and_then(|j| j.parent.as_deref()) {
+        let items: Vec<(Entry, &str)> = entries(profile)
+            .filter(|&(kind, path)| !taken.contains_key(&(kind, path.to_owned())))
+            .collect();
+        if !items.is_empty() {
+            taken.extend(verdicts::asked_of(parent, &user, &items));
+        }
+    }
     let uid = caller.uid;
-    let job_id = job.map(|j| j.job_id);
+    let job_id = job.and_then(|j| j.job_id);
     let mut p = std::mem::take(profile);
     let (p, found, taken) = as_caller(caller, move || {
-        let mut found = Vec::new();
+        let (mut found, mut given) = (Vec::new(), 0);
         let mut searchable = Searchable::new(|dir: &Path| can(dir, libc::X_OK));
         let mut may = |kind: Entry, path: &str, check: &mut dyn FnMut(&str) -> bool| {
             if let Some(&(may, _)) = taken.get(&(kind, path.to_owned())) {
@@ -121,8 +156,10 @@ pub fn filter_for_job(
             let may = check(path);
             found.push(((kind, path.to_owned()), (may, began)));
             // The job's other nodes wait for these as they are found.
-            if let Some(job_id) = job_id.filter(|_| found.len() >= verdicts::GIVEN_EVERY) {
-                verdicts::record(job_id, found.drain(..));
+            let due = found.len() - given >= verdicts::GIVEN_EVERY;
+            if let Some(job_id) = job_id.filter(|_| due) {
+                verdicts::record(job_id, found[given..].iter().cloned());
+                given = found.len();
             }
             may
         };
@@ -147,12 +184,16 @@ pub fn filter_for_job(
         (p, found, taken)
     })?;
     *profile = p;
-    if let Some(job) = job {
-        let given = taken.len();
-        verdicts::record(job.job_id, found.into_iter().chain(taken));
-        return Ok(given);
+    let Some(job) = job else {
+        return Ok(Taken::default());
+    };
+    let parent = taken.len() - remembered;
+    let new = found.iter().map(|(k, v)| (k, v));
+    remembered::remember(&user, &job.expected, new.chain(taken.iter()));
+    if let Some(job_id) = job.job_id {
+        verdicts::record(job_id, found.into_iter().chain(taken));
     }
-    Ok(0)
+    Ok(Taken { parent, remembered })
 }
 
 /// A profile's entries, each with what it is.

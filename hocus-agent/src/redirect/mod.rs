@@ -5,7 +5,8 @@
 //! daemon left in jobs that outlived it (`leftovers`), and opens through a Slurm task's
 //! binds, reported by fanotify (`bind_opens`); a multi-node job's start checked once
 //! for all its nodes, its parent node vouching for its checks (`vouch`), and what its
-//! user may read found once for all its nodes (`verdicts`).
+//! user may read found once for all its nodes (`verdicts`) and, for the same user's next
+//! jobs, remembered while the copies are unchanged (`remembered`).
 //!
 //! May use: `cache`, `observe`, `profile`, `shared`.
 
@@ -17,6 +18,7 @@ pub mod identity;
 pub mod jobs;
 pub mod leftovers;
 pub mod mountns;
+pub mod remembered;
 pub mod spawn;
 pub mod verdicts;
 pub mod vouch;

@@ -22,7 +22,7 @@ use std::{
 use anyhow::{Context, Result, bail};
 use hocus_tests::{
     Agent, NetworkMount,
-    slurm::{Options, SERVER_ADDR, Slurm, slurm_with},
+    slurm::{Node, Options, SERVER_ADDR, Slurm, slurm_with},
 };
 
 use super::common::{saved_profile, write_figures};
@@ -166,11 +166,16 @@ struct Cluster<'a> {
 impl Cluster<'_> {
     /// A fresh daemon on each of the first `n` nodes.
     fn daemons(&self, n: usize) -> Vec<Agent> {
-        let args: Vec<&str> = self.args.iter().map(String::as_str).collect();
         self.slurm.nodes[..n]
             .iter()
-            .map(|node| self.slurm.agent_on(node, &args))
+            .map(|node| self.daemon(node))
             .collect()
+    }
+
+    /// A fresh daemon on `node`: an empty cache.
+    fn daemon(&self, node: &Node) -> Agent {
+        let args: Vec<&str> = self.args.iter().map(String::as_str).collect();
+        self.slurm.agent_on(node, &args)
     }
 
     /// The import as the test user's job on the first `n` nodes; its seconds.
@@ -203,11 +208,79 @@ impl Cluster<'_> {
         }
         Ok(seconds)
     }
+
+    /// The import as a job array of `tasks` one-node tasks (`sbatch --array`), a node
+    /// each, none on node `exclude`; its seconds.
+    fn array(&self, tasks: usize, exclude: &str) -> Result<f64> {
+        let dir = tempfile::Builder::new()
+            .prefix("hocus-array-")
+            .tempdir_in("/tmp")?;
+        fs::set_permissions(dir.path(), fs::Permissions::from_mode(0o755))?;
+        let script = dir.path().join("task.sh");
+        fs::write(
+            &script,
+            format!("#!/bin/sh\nexec /usr/bin/python3 -c '{IMPORT}'\n"),
+        )?;
+        fs::set_permissions(&script, fs::Permissions::from_mode(0o755))?;
+        let lib = self.net.path("env/lib");
+        let started = Instant::now();
+        let out = self.slurm.as_user(
+            "sbatch",
+            &[
+                "--wait",
+                "--quiet",
+                &format!("--array=0-{}", tasks - 1),
+                "--nodes=1",
+                "--exclusive",
+                &format!("--exclude={exclude}"),
+                &format!("--hocus-profile={KEY}"),
+                "-o",
+                "/dev/null",
+                script.to_str().unwrap(),
+            ],
+            &[
+                ("PYTHONPATH", lib.to_str().unwrap()),
+                ("PYTHONDONTWRITEBYTECODE", "1"),
+            ],
+        );
+        let seconds = started.elapsed().as_secs_f64();
+        if !out.status.success() {
+            bail!(
+                "the {tasks}-task array failed: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+        }
+        Ok(seconds)
+    }
+}
+
+/// The bytes of the package's files on the server: its working set.
+fn working_set(dir: &Path) -> u64 {
+    fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| match e.file_type() {
+            Ok(t) if t.is_dir() => working_set(&e.path()),
+            Ok(t) if t.is_file() => e.metadata().map_or(0, |m| m.len()),
+            _ => 0,
+        })
+        .sum()
+}
+
+/// The node the saved profile names as holding its files (the last epilog that saved it).
+fn holder_of(profiles: &Path) -> Option<String> {
+    let saved = profiles.join(format!("hocus-test/{KEY}.json"));
+    let profile: serde_json::Value = serde_json::from_slice(&fs::read(saved).ok()?).ok()?;
+    profile["holder"]["node"].as_str().map(str::to_owned)
 }
 
 pub fn server(agent_bin: &Path, s: &Server) -> Result<()> {
     super::common::for_slurm(agent_bin)?;
     let most = s.nodes.iter().copied().max().context("no node counts")?;
+    if most < 2 {
+        bail!("a job array needs at least 2 nodes: give --nodes up to 2 or more");
+    }
     let slurm = slurm_with(Options {
         nodes: most.max(2),
         ..Options::default()
@@ -251,6 +324,18 @@ pub fn server(agent_bin: &Path, s: &Server) -> Result<()> {
         ));
     }
 
+    // A job array of a task per node but node1's, each a node of its own: plainly, each
+    // task reads the working set from the server.
+    let tasks = most - 1;
+    let working_set = working_set(&c.net.server_path(&format!("env/lib/{PACKAGE}")));
+    std::thread::sleep(BETWEEN_ROUNDS);
+    let before = c.net.server_log().len();
+    let plain_array_s = c.array(tasks, "node1")?;
+    let plain_array = (
+        c.net.bytes_served_inside("env", before),
+        asked_inside(&c.net, "env", before, "plain-array")?,
+    );
+
     // A first job learns the working set; its epilog saves the profile.
     {
         let _learning = c.daemons(1);
@@ -278,6 +363,18 @@ pub fn server(agent_bin: &Path, s: &Server) -> Result<()> {
         warm.push((n, asked, seconds, by, entries_checked(&agents[0])));
     }
 
+    // The same user's next job on one node: what they may read was found for the same
+    // copies (docs/fanout.md, "The same user's next job").
+    std::thread::sleep(BETWEEN_ROUNDS);
+    let (before, counted_before) = (c.net.server_log().len(), counted(&agents));
+    c.job(1)?;
+    settled(&agents);
+    let next = (
+        asked_inside(&c.net, "env", before, "hocus-1-next")?,
+        since(&counted(&agents), &counted_before),
+        entries_checked(&agents[0]),
+    );
+
     // What each daemon did, beside the figures.
     for (agent, node) in agents.iter().zip(&c.slurm.nodes) {
         fs::write(
@@ -292,6 +389,49 @@ pub fn server(agent_bin: &Path, s: &Server) -> Result<()> {
     let idle = asked_inside(&c.net, "env", before, "idle")?;
     let idle_by = since(&counted(&agents), &counted_before);
     let idle_per_node_minute = idle as f64 / most as f64 / (s.idle.as_secs_f64() / 60.0);
+
+    // The same array on nodes that never ran the job (fresh daemons, empty caches) but
+    // for the node the saved profile names as holding its files: their prologs take the
+    // copies from it (docs/fanout.md). Once as the plugin's defaults have it (the prolog
+    // waits 5 s for the prefetch, then the job starts and reads what is not there yet
+    // from the server), once waiting for the whole prefetch.
+    let mut agents = agents;
+    let mut hocus_arrays = Vec::new();
+    for (round, plugin) in [
+        ("hocus-array", ""),
+        ("hocus-array-waited", "prefetch_timeout=300"),
+    ] {
+        // The last epilog that saved the profile (a task of the round before) names it.
+        let holder = holder_of(profiles.path()).context("the saved profile names no holder")?;
+        agents = agents
+            .into_iter()
+            .zip(&c.slurm.nodes)
+            .map(|(agent, node)| {
+                if node.name == holder {
+                    return agent;
+                }
+                // Its port and socket free before the fresh one takes them.
+                drop(agent);
+                c.daemon(node)
+            })
+            .collect();
+        c.slurm.plugin(Some(plugin));
+        std::thread::sleep(BETWEEN_ROUNDS);
+        let before = c.net.server_log().len();
+        let seconds = c.array(tasks, &holder)?;
+        settled(&agents);
+        hocus_arrays.push((
+            c.net.bytes_served_inside("env", before),
+            asked_inside(&c.net, "env", before, round)?,
+            seconds,
+            holder,
+        ));
+        for (agent, node) in agents.iter().zip(&c.slurm.nodes) {
+            let log = format!("bench/server-{}-{round}-daemon.log", node.name);
+            fs::write(crate::host::target_dir().join(log), agent.log())?;
+        }
+    }
+    c.slurm.plugin(Some(""));
 
     println!(
         "\n{:>3} {:>14} {:>9} {:>14} {:>9} {:>12}   DAEMONS' OWN COUNT",
@@ -322,6 +462,12 @@ pub fn server(agent_bin: &Path, s: &Server) -> Result<()> {
             plain[0].1,
             one.1 as f64 * 100.0 / plain[0].1.max(1) as f64,
         );
+        println!(
+            "The same user's next job start on one node: {} asked ({:.2} a bound entry); the daemons counted {:?}",
+            next.0,
+            next.0 as f64 / next.2.or(Some(bound)).unwrap_or(1).max(1) as f64,
+            next.1
+        );
         if let Some(last) = warm.last().filter(|w| w.0 > 1) {
             println!(
                 "A warm job start on {} nodes: {:.2}x one node's (goal <= 1.2x)",
@@ -329,6 +475,23 @@ pub fn server(agent_bin: &Path, s: &Server) -> Result<()> {
                 last.1 as f64 / one.1.max(1) as f64
             );
         }
+    }
+    let share = |bytes: u64| bytes as f64 / working_set.max(1) as f64;
+    println!(
+        "A {tasks}-task job array, a node each but the one the saved profile names, on fresh daemons, the {working_set}-byte working set (goal: the server sends <= 1.2x):\n  \
+         plain:                               {:>10} bytes ({:.2}x) in {plain_array_s:.2} s, asked {}",
+        plain_array.0,
+        share(plain_array.0),
+        plain_array.1,
+    );
+    for ((bytes, asked, seconds, holder), how) in hocus_arrays.iter().zip([
+        "hocus, the prolog waits 5 s:        ",
+        "hocus, the prolog waits the prefetch:",
+    ]) {
+        println!(
+            "  {how} {bytes:>10} bytes ({:.2}x) in {seconds:.2} s, asked {asked} (held by {holder})",
+            share(*bytes)
+        );
     }
     println!(
         "Warming {most} fresh daemons from the saved profile (the prolog's prefetch, passed node to node): {warming} asked"
@@ -365,7 +528,15 @@ pub fn server(agent_bin: &Path, s: &Server) -> Result<()> {
             "modules": modules,
             "rows": rows,
             "entries_bound_one_node": bound,
+            "next_one_node": {"asked": next.0, "counted": next.1, "entries_bound": next.2},
             "warming_asked": warming,
+            "array": {
+                "tasks": tasks,
+                "working_set_bytes": working_set,
+                "plain": {"bytes": plain_array.0, "asked": plain_array.1, "seconds": plain_array_s},
+                "hocus": {"bytes": hocus_arrays[0].0, "asked": hocus_arrays[0].1, "seconds": hocus_arrays[0].2},
+                "hocus_prefetch_waited": {"bytes": hocus_arrays[1].0, "asked": hocus_arrays[1].1, "seconds": hocus_arrays[1].2},
+            },
             "idle_asked": idle,
             "idle_seconds": s.idle.as_secs_f64(),
             "idle_per_node_minute": idle_per_node_minute,
