@@ -996,6 +996,27 @@ impl Agent {
     }
 
     /// The entries the daemon's last job start checked against the server (its log).
+    /// The copies its last job start bound, and how long it checked them against the
+    /// network (ms).
+    pub fn last_start_bound(&self) -> (u64, f64) {
+        let log = self.log();
+        let line = log
+            .lines()
+            .rfind(|l| l.contains("job start: "))
+            .unwrap_or_else(|| panic!("no job start in {log}"));
+        let copies = line
+            .split("job start: ")
+            .nth(1)
+            .and_then(|l| l.split(' ').next()?.parse().ok())
+            .unwrap_or_else(|| panic!("{line}"));
+        let took = line
+            .split(" against the network in ")
+            .nth(1)
+            .and_then(|l| l.split(' ').next()?.parse().ok())
+            .unwrap_or_else(|| panic!("{line}"));
+        (copies, took)
+    }
+
     pub fn last_start_entries(&self) -> u64 {
         let log = self.log();
         log.lines()

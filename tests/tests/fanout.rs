@@ -507,13 +507,8 @@ fn last_start(agent: &Agent) -> (u64, u64, u64) {
             .and_then(|l| l.split(' ').next_back()?.parse().ok())
             .unwrap_or(0)
     };
-    let copies = line
-        .split("job start: ")
-        .nth(1)
-        .and_then(|l| l.split(' ').next()?.parse().ok())
-        .unwrap_or_else(|| panic!("{line}"));
     (
-        copies,
+        agent.last_start_bound().0,
         number_before(" entries checked"),
         number_before(" vouched for by node"),
     )
@@ -664,18 +659,7 @@ fn a_jobs_start_is_checked_against_the_server_once_for_all_its_nodes() {
 
 /// How long `agent`'s last job start took to confirm its copies.
 fn last_start_took_ms(agent: &Agent) -> f64 {
-    let log = agent.log();
-    log.lines()
-        .rfind(|l| l.contains("job start: "))
-        .and_then(|l| {
-            l.split(" against the network in ")
-                .nth(1)?
-                .split(' ')
-                .next()?
-                .parse()
-                .ok()
-        })
-        .unwrap_or_else(|| panic!("no job start in {log}"))
+    agent.last_start_bound().1
 }
 
 /// A server that stops answering while a job starts on three nodes: each node's start

@@ -180,6 +180,11 @@ impl Cluster<'_> {
 
     /// The import as the test user's job on the first `n` nodes; its seconds.
     fn job(&self, n: usize) -> Result<f64> {
+        self.job_running(n, &["/usr/bin/python3", "-c", IMPORT])
+    }
+
+    /// `program` as the test user's job on the first `n` nodes; its seconds.
+    fn job_running(&self, n: usize, program: &[&str]) -> Result<f64> {
         let names: Vec<String> = (1..=n).map(|i| format!("node{i}")).collect();
         let lib = self.net.path("env/lib");
         let started = Instant::now();
@@ -190,10 +195,10 @@ impl Cluster<'_> {
                 &format!("--nodelist={}", names.join(",")),
                 &format!("--nodes={n}"),
                 &format!("--hocus-profile={KEY}"),
-                "/usr/bin/python3",
-                "-c",
-                IMPORT,
-            ],
+            ]
+            .into_iter()
+            .chain(program.iter().copied())
+            .collect::<Vec<_>>(),
             &[
                 ("PYTHONPATH", lib.to_str().unwrap()),
                 ("PYTHONDONTWRITEBYTECODE", "1"),
@@ -390,6 +395,22 @@ pub fn server(agent_bin: &Path, s: &Server) -> Result<()> {
     let idle_by = since(&counted(&agents), &counted_before);
     let idle_per_node_minute = idle as f64 / most as f64 / (s.idle.as_secs_f64() / 60.0);
 
+    // The server stops answering as a job starts on every node (issue 52, step 7): each
+    // node's start binds nothing unconfirmed, within its bound; once the server answers
+    // again, the next job's starts bind their copies.
+    std::thread::sleep(BETWEEN_ROUNDS);
+    let silent = {
+        let paused = c.net.pause_server();
+        let seconds = c.job_running(most, &["/bin/true"])?;
+        let starts: Vec<(u64, f64)> = agents.iter().map(Agent::last_start_bound).collect();
+        drop(paused);
+        std::thread::sleep(BETWEEN_ROUNDS);
+        c.job(most)?;
+        settled(&agents);
+        let after: Vec<u64> = agents.iter().map(|a| a.last_start_bound().0).collect();
+        (seconds, starts, after)
+    };
+
     // The same array on nodes that never ran the job (fresh daemons, empty caches) but
     // for the node the saved profile names as holding its files: their prologs take the
     // copies from it (docs/fanout.md). Once as the plugin's defaults have it (the prolog
@@ -493,6 +514,15 @@ pub fn server(agent_bin: &Path, s: &Server) -> Result<()> {
             share(*bytes)
         );
     }
+    let (silent_s, starts, after) = &silent;
+    let slowest = starts.iter().map(|s| s.1).fold(0.0, f64::max);
+    println!(
+        "The server silent as a job starts on {most} nodes: {} of {most} starts bound nothing unconfirmed ({} copies bound in all), the slowest check {slowest:.0} ms (bound: 2 s), the job {silent_s:.2} s; answering again, the next job's starts bound {} copies on {} of {most} nodes",
+        starts.iter().filter(|s| s.0 == 0).count(),
+        starts.iter().map(|s| s.0).sum::<u64>(),
+        after.iter().sum::<u64>(),
+        after.iter().filter(|&&n| n > 0).count(),
+    );
     println!(
         "Warming {most} fresh daemons from the saved profile (the prolog's prefetch, passed node to node): {warming} asked"
     );
@@ -529,6 +559,11 @@ pub fn server(agent_bin: &Path, s: &Server) -> Result<()> {
             "rows": rows,
             "entries_bound_one_node": bound,
             "next_one_node": {"asked": next.0, "counted": next.1, "entries_bound": next.2},
+            "silent_server": {
+                "job_seconds": silent.0,
+                "starts": silent.1.iter().map(|(bound, ms)| serde_json::json!({"bound": bound, "ms": ms})).collect::<Vec<_>>(),
+                "bound_after": silent.2,
+            },
             "warming_asked": warming,
             "array": {
                 "tasks": tasks,
