@@ -959,6 +959,17 @@ fn no_one_outside_the_job_fetches_from_a_node() {
         as_user.starts_with("NO ") && as_user.contains("uid"),
         "{as_user}"
     );
+    // Nor for the files the job left on node1 for later jobs (its epilog saved there).
+    let held_as_user = ask_relay(
+        &s,
+        "hocus-test",
+        &format!("hocus-relay-held job={job_id} from=login to=node1"),
+        data,
+    );
+    assert!(
+        held_as_user.starts_with("NO ") && held_as_user.contains("uid"),
+        "{held_as_user}"
+    );
     // Root, but not a node of the job: refused.
     let outsider = ask_relay(
         &s,

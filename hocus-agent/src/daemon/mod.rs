@@ -659,21 +659,11 @@ impl Daemon {
         // Placed now, from what the daemon knows of those files (sizes, writes seen),
         // not only from what the sender said.
         let profile = self.profiling.merge_to_prefetch(set);
-        let parent = match &relay {
-            Some(nodes) => {
-                self.relays
-                    .add(nodes, Some(&profile), &self.opts.settings)
-                    .await
-            }
-            None => None,
-        };
-        // No parent in the job's tree (its first node, a job of one node): the node that
-        // held the files as the profile was saved, if it names one.
-        let parent = match (parent, holder, node) {
-            (Some(p), _, _) => Some(p),
-            (None, Some(h), Some(me)) => self.relays.holder(&h, &me, &self.opts.settings).await,
-            _ => None,
-        };
+        let from = (relay.as_ref(), holder.as_ref(), node.as_deref());
+        let parent = self
+            .relays
+            .copies_from(from, &profile, &self.opts.settings)
+            .await;
         let (tx, rx) = mpsc::unbounded_channel();
         if let Err(e) = self.keeper.prefetch(profile, tx, parent).await {
             let _ = reply.send(Refusal::new("busy", e.to_string()).into());

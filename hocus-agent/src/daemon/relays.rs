@@ -121,6 +121,24 @@ impl Relays {
         Some(parent)
     }
 
+    /// Where a prolog's prefetch of `profile` copies from first: this node's parent in
+    /// its job's tree (the job made known with its files), else, with no parent (its
+    /// first node, a job of one node), the node that held the files as the profile was
+    /// saved, if it names one; `node` is this node's name.
+    pub async fn copies_from(
+        &mut self,
+        (relay, holder, node): (Option<&JobNodes>, Option<&Holder>, Option<&str>),
+        profile: &Profile,
+        settings: &Settings,
+    ) -> Option<Arc<Parent>> {
+        if let Some(nodes) = relay {
+            if let Some(parent) = self.add(nodes, Some(profile), settings).await {
+                return Some(parent);
+            }
+        }
+        self.holder(holder?, node?, settings).await
+    }
+
     /// Slurm job `job_id`'s epilog on this node (`me`) saves its profile of `files`: any
     /// node's daemon may fetch those from here for a day (a later job of the profile:
     /// an array's tasks, the next job, a rebooted node), each checked as the job's own
